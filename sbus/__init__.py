@@ -1,0 +1,7 @@
+"""sbus: a small, fast publish/subscribe message bus on unix SOCK_SEQPACKET sockets."""
+
+from .client import AsyncClient, Client, ConnectError, SbusError, default_address
+from .protocol import Control, Publish, Subscribe, Unsubscribe
+
+__all__ = ["Client", "AsyncClient", "SbusError", "ConnectError", "default_address",
+           "Publish", "Control", "Subscribe", "Unsubscribe"]

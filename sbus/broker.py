@@ -1,0 +1,383 @@
+"""The broker: a thin trio shell around the pure protocol, routing and flood modules.
+
+Speed comes from doing as little as possible per packet: trio is used only to
+wait for readiness; once a socket is readable it is drained with plain
+non-blocking ``recv_into`` calls, and each publish is handed straight to the
+kernel of every target with a non-blocking ``send``.  Only when a target's kernel
+buffer is full does its `OutQueue` and writer task come into play.
+
+Each client is a task pair in its own nursery: a reader (everything the client
+sends) and a writer (only busy while packets wait).  A failing client is
+cancelled through its own cancel scope and never disturbs another one.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import socket
+import struct
+import time
+
+import trio
+from trio.lowlevel import ParkingLot, wait_readable, wait_writable
+
+from . import protocol
+from .flood import OutQueue, Verdict, parse_control
+from .keys import Credentials, KeyRefused, KeyRules
+from .limits import Limits, UserAccounts
+from .routing import RoutingIndex
+
+log = logging.getLogger("sbus.broker")
+
+#: Packets read from one socket before letting other tasks run.
+READ_BATCH = 128
+#: Complaints logged per client before going quiet about it.
+COMPLAINTS_LOGGED = 10
+DROPPED = b"CMSG blocking/dropped\0"
+
+_ucred = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> Credentials:
+    pid, uid, gid = _ucred.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  _ucred.size))
+    return Credentials(gid=gid, uid=uid, pid=pid)
+
+
+class Connection:
+    """One client: its socket, identity, waiting packets and the tasks serving it."""
+
+    __slots__ = ("id", "sock", "send", "cred", "out", "writer_lot", "paused", "closed",
+                 "scope", "complaints", "subscriptions", "account", "__weakref__")
+
+    def __init__(self, cid: int, sock: socket.socket, cred: Credentials, queue_limit: int):
+        self.id = cid
+        self.sock = sock
+        self.send = sock.send
+        self.cred = cred
+        self.out = OutQueue(queue_limit)
+        self.writer_lot = ParkingLot()  # the writer waits here for packets
+        self.paused = ParkingLot()  # publishers wait here while this client blocks them
+        self.closed = False
+        self.scope: trio.CancelScope | None = None
+        self.complaints = 0
+        self.subscriptions = 0
+        self.account = None
+
+    def __repr__(self) -> str:
+        c = self.cred
+        return f"client {self.id} (pid {c.pid} uid {c.uid} gid {c.gid})"
+
+
+class Broker:
+    def __init__(
+        self,
+        *,
+        sep: bytes = b"/",
+        max_message: int = 256 * 1024,
+        queue_limit: int = 4 * 1024 * 1024,
+        limits: Limits | None = None,
+    ) -> None:
+        self.sep = sep
+        self.rules = KeyRules(sep)
+        self.index: RoutingIndex[Connection] = RoutingIndex(sep)
+        self.max_message = max_message
+        self.queue_limit = queue_limit
+        self.accounts = UserAccounts(limits or Limits())
+        self.connections: set[Connection] = set()
+        self._ids = itertools.count(1)
+        self._buf = bytearray(max_message + 1)  # shared: a packet is copied out before any await
+        self._view = memoryview(self._buf)
+        # counters (read by STATUS= and monitoring)
+        self.published = 0
+        self.delivered = 0
+        self.dropped = 0
+        self.started = time.monotonic()
+
+    # -- accepting -----------------------------------------------------------
+
+    async def serve(self, listener: socket.socket, *, task_status=trio.TASK_STATUS_IGNORED):
+        """Accept clients on *listener* (a listening SEQPACKET socket) until cancelled."""
+        listener.setblocking(False)
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                await wait_readable(listener)
+                while True:
+                    try:
+                        sock, _ = listener.accept()
+                    except BlockingIOError:
+                        break
+                    except OSError as exc:
+                        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                            log.error("cannot accept a client: %s; existing clients are served, "
+                                      "retrying in 0.1 s", exc)
+                            await trio.sleep(0.1)
+                            break
+                        if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
+                            continue
+                        raise
+                    conn = self._admit(sock)
+                    if conn is not None:
+                        nursery.start_soon(self._serve_client, conn)
+
+    def _admit(self, sock: socket.socket) -> Connection | None:
+        sock.setblocking(False)
+        try:
+            # room in the kernel for the largest packet we forward
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.max_message + 4096)
+            cred = peer_credentials(sock)
+        except OSError as exc:
+            log.warning("dropping a new client: %s", exc)
+            sock.close()
+            return None
+        conn = Connection(next(self._ids), sock, cred, self.queue_limit)
+        refusal = self.accounts.connect(conn)
+        if refusal:
+            log.warning("refusing %r: %s", conn, refusal)
+            sock.close()
+            return None
+        self.connections.add(conn)
+        log.debug("%r connected", conn)
+        return conn
+
+    async def _serve_client(self, conn: Connection) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                conn.scope = nursery.cancel_scope
+                nursery.start_soon(self._writer, conn)
+                await self._reader(conn)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._forget(conn)
+
+    def _forget(self, conn: Connection) -> None:
+        conn.closed = True
+        self.index.remove_client(conn)
+        self.accounts.disconnect(conn)
+        self.connections.discard(conn)
+        conn.out.clear()
+        conn.paused.unpark_all()
+        conn.sock.close()
+        log.debug("%r disconnected", conn)
+
+    def _drop(self, conn: Connection, why: str) -> None:
+        """Disconnect *conn* (from any task, synchronously) and say why."""
+        if not conn.closed:
+            conn.closed = True
+            log.warning("disconnecting %r: %s", conn, why)
+            if conn.scope is not None:
+                conn.scope.cancel()
+            conn.paused.unpark_all()
+
+    def complain(self, conn: Connection, what: str) -> None:
+        """Log a refused or ignored packet, without letting one client flood the log."""
+        conn.complaints += 1
+        if conn.complaints <= COMPLAINTS_LOGGED:
+            log.warning("%r: %s", conn, what)
+            if conn.complaints == COMPLAINTS_LOGGED:
+                log.warning("%r: further complaints about this client are not logged", conn)
+
+    # -- reading ---------------------------------------------------------------
+
+    async def _reader(self, conn: Connection) -> None:
+        sock = conn.sock
+        recv_into = sock.recv_into
+        view = self._view
+        max_message = self.max_message
+        route = self.index.match
+        cache = self.index._cache
+        while True:
+            await wait_readable(sock)
+            for _ in range(READ_BATCH):
+                try:
+                    n = recv_into(self._buf)
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    if not conn.closed:
+                        log.info("%r: read failed: %s", conn, exc)
+                    return
+                if n == 0:
+                    return
+                if n > max_message:
+                    self.complain(conn, f"packet over the {max_message}-byte limit ignored")
+                    continue
+                packet = view[:n].tobytes()
+                if packet[:4] == b"MSG ":
+                    nul = packet.find(b"\0", 4)
+                    if nul >= 0:
+                        key = packet[4:nul]
+                        targets = cache.get(key)
+                        if targets is None:
+                            if b"!" in key and not self._key_allowed(conn, key):
+                                continue
+                            targets = route(key)
+                        self.published += 1
+                        if targets:
+                            blocked = self._fan_out(packet, targets)
+                            if blocked:
+                                await self._wait_for(blocked)
+                        continue
+                await self._other(conn, packet)
+                if conn.closed:
+                    return
+
+    def _key_allowed(self, conn: Connection, key: bytes) -> bool:
+        try:
+            self.rules.check_key(key)
+        except KeyRefused as exc:
+            self.complain(conn, f"publish refused: {exc}")
+            return False
+        return True
+
+    def _fan_out(self, packet: bytes, targets) -> list[Connection] | None:
+        """Hand *packet* to every target; return the targets that ask the publisher to wait."""
+        blocked = None
+        sent = 0
+        for t in targets:
+            if not t.out.items:
+                try:
+                    t.send(packet)
+                    sent += 1
+                    continue
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    self._send_failed(t, exc)
+                    continue
+            if t.closed:
+                continue
+            verdict = t.out.offer(packet)
+            if verdict is Verdict.QUEUED:
+                t.writer_lot.unpark()
+            elif verdict is Verdict.DROPPED:
+                self.dropped += 1
+                t.writer_lot.unpark()
+            elif verdict is Verdict.BLOCK:
+                t.writer_lot.unpark()
+                if blocked is None:
+                    blocked = [t]
+                else:
+                    blocked.append(t)
+            else:
+                self._drop(t, "its flood policy is 'error' and it could not take a message")
+        self.delivered += sent
+        return blocked
+
+    def _send_failed(self, conn: Connection, exc: OSError) -> None:
+        if exc.errno == errno.EMSGSIZE:
+            self.complain(conn, f"a {exc.strerror} message could not be delivered: dropped")
+            conn.out.dropped += 1
+            self.dropped += 1
+        else:
+            self._drop(conn, f"send failed: {exc}")
+
+    async def _wait_for(self, blocked: list[Connection]) -> None:
+        for t in blocked:
+            while not t.closed and not t.out.publisher_may_continue():
+                await t.paused.park()
+
+    async def _other(self, conn: Connection, packet: bytes) -> None:
+        """Every packet but a well-formed MSG: the slow path."""
+        try:
+            event = protocol.parse(packet)
+        except protocol.ProtocolError as exc:
+            self.complain(conn, f"packet ignored: {exc}")
+            return
+        if isinstance(event, protocol.Subscribe):
+            self.subscribe(conn, event.pattern)
+        elif isinstance(event, protocol.Unsubscribe):
+            self.unsubscribe(conn, event.pattern)
+        elif isinstance(event, protocol.Control):
+            self.control(conn, event.key, event.payload)
+
+    def subscribe(self, conn: Connection, pattern: bytes) -> None:
+        try:
+            pattern = self.rules.check_pattern(pattern, conn.cred)
+        except KeyRefused as exc:
+            self.complain(conn, f"subscription refused: {exc}")
+            return
+        refusal = self.accounts.subscribe(conn)
+        if refusal:
+            self.complain(conn, f"subscription to {pattern!r} refused: {refusal}")
+            return
+        conn.subscriptions += 1
+        self.index.subscribe(conn, pattern)
+
+    def unsubscribe(self, conn: Connection, pattern: bytes) -> None:
+        try:
+            pattern = self.rules.check_pattern(pattern, conn.cred)
+        except KeyRefused as exc:
+            self.complain(conn, f"unsubscription ignored: {exc}")
+            return
+        if self.index.unsubscribe(conn, pattern):
+            conn.subscriptions -= 1
+            self.accounts.unsubscribe(conn)
+        else:
+            self.complain(conn, f"unsubscription ignored: not subscribed to {pattern!r}")
+
+    def control(self, conn: Connection, key: bytes, payload: bytes | None) -> None:
+        if key == self.rules.secret_prefix + b"cred" + self.sep + b"whoami":
+            self.reply(conn, b"CMSG " + key + b"\0" + conn.cred.path(self.sep))
+            return
+        setting = parse_control(key.replace(self.sep, b"/"))
+        if setting is not None:
+            conn.out.apply(setting)
+            log.debug("%r: flood control %s", conn, setting)
+            return
+        self.complain(conn, f"control message {key!r} not understood: ignored")
+
+    def reply(self, conn: Connection, packet: bytes) -> None:
+        """Send the broker's own packet to *conn*, whatever its flood policy."""
+        if not conn.out.items:
+            try:
+                conn.send(packet)
+                return
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                self._send_failed(conn, exc)
+                return
+        conn.out.force(packet)
+        conn.writer_lot.unpark()
+
+    # -- writing ---------------------------------------------------------------
+
+    async def _writer(self, conn: Connection) -> None:
+        """Send what waits in *conn*'s queue as the kernel takes it; report drops."""
+        out = conn.out
+        send = conn.send
+        while True:
+            if not out.items and not out.dropped:
+                await conn.writer_lot.park()
+                continue
+            await wait_writable(conn.sock)
+            try:
+                while out.items:
+                    try:
+                        send(out.peek())
+                    except BlockingIOError:
+                        break
+                    out.pop()
+                    self.delivered += 1
+                if not out.items and out.dropped:
+                    send(DROPPED + b"%d" % out.dropped)
+                    out.take_dropped()
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                self._send_failed(conn, exc)
+                if conn.closed:
+                    return
+            if len(conn.paused) and out.publisher_may_continue():
+                conn.paused.unpark_all()
+
+    # -- reporting ---------------------------------------------------------------
+
+    def status(self) -> str:
+        return (f"{len(self.connections)} clients, {len(self.index)} subscriptions, "
+                f"{self.published} published, {self.delivered} delivered, "
+                f"{self.dropped} dropped")

@@ -1,0 +1,74 @@
+"""The ``sbus`` command.  Each subcommand lives in the module named in `COMMANDS`,
+which provides ``add_arguments(parser)`` and ``run(args) -> int``; a module is only
+imported when its subcommand is used (or for ``--help``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from .client import SbusError, default_address
+
+#: subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("sbus.cmd.serve", "run the broker"),
+    "pub": ("sbus.cmd.pub", "publish a message"),
+    "sub": ("sbus.cmd.sub", "subscribe and print messages"),
+    "whoami": ("sbus.cmd.whoami", "print this client's credentials path"),
+    "install-units": ("sbus.units", "install the systemd units for this installation"),
+    "mount": ("sbus.fuse.cli", "mount the bus as a filesystem (FUSE)"),
+    "top": ("sbus.top", "live traffic monitor"),
+    "record": ("sbus.journal.record", "record traffic into a journal"),
+    "analyze": ("sbus.spark.analyze", "analyse a journal with Spark"),
+    "gateway": ("sbus.gateway.server", "TCP/TLS gateway for remote clients"),
+}
+
+
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    parser = argparse.ArgumentParser(prog="sbus", description="sbus: a small, fast message bus")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more log output (repeat for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    modules: dict[str, object] = {}
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (modname, helptext) in COMMANDS.items():
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        p.add_argument("--address", default=None, metavar="PATH",
+                       help=f"broker socket (default $SBUS_ADDRESS, else {default_address()})")
+        if wanted in (name, None, "--help", "-h"):
+            try:
+                module = importlib.import_module(modname)
+            except ImportError as exc:
+                if wanted == name:
+                    raise SystemExit(f"sbus {name}: not available in this installation: {exc}")
+                continue
+            module.add_arguments(p)
+            modules[name] = module
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, modules = build_parser(argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(name)s: %(message)s",
+    )
+    if args.command == "serve" and args.verbose == 0:
+        logging.getLogger().setLevel(logging.INFO)
+    try:
+        return modules[args.command].run(args) or 0
+    except SbusError as exc:
+        print(f"sbus {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""Client library: a blocking `Client` and an async `AsyncClient` (trio or asyncio, via anyio).
+
+Both are thin: a connected SOCK_SEQPACKET socket, `protocol.encode` on the way
+out and `protocol.parse` on the way in.  Messages arrive as `protocol.Publish`
+events (``.key``, ``.payload``), the broker's control messages as
+`protocol.Control`.  Keys, patterns and payloads are bytes; `str` is accepted
+and encoded as UTF-8 for convenience.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+from collections import deque
+from collections.abc import Iterator
+
+from . import protocol
+from .keys import Credentials
+from .protocol import WHOAMI, Control, Publish
+
+__all__ = ["Client", "AsyncClient", "SbusError", "ConnectError", "default_address",
+           "Publish", "Control"]
+
+DEFAULT_ADDRESS = "/run/sbus.socket"
+#: Receive buffer: larger than the broker's default message limit (256 KiB).
+RECV_BUFFER = 1024 * 1024
+#: Send buffer asked of the kernel, so packets up to the broker's limit can be sent.
+SEND_BUFFER = 512 * 1024
+
+
+class SbusError(Exception):
+    """Something went wrong talking to the broker; the message names the address."""
+
+
+class ConnectError(SbusError):
+    pass
+
+
+def default_address() -> str:
+    """``$SBUS_ADDRESS``, else ``/run/sbus.socket``."""
+    return os.environ.get("SBUS_ADDRESS") or DEFAULT_ADDRESS
+
+
+def _b(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _connect(address: str | None) -> tuple[str, socket.socket]:
+    address = address or default_address()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+        sock.connect(address)
+    except OSError as exc:
+        sock.close()
+        raise ConnectError(
+            f"cannot connect to the sbus broker at {address}: {exc.strerror or exc}. "
+            f"Start one with 'sbus serve --address {address}' "
+            "(or 'systemctl start sbus.socket'), or set SBUS_ADDRESS."
+        ) from None
+    return address, sock
+
+
+def _event(packet: bytes, address: str) -> Publish | Control:
+    try:
+        event = protocol.parse(packet)
+    except protocol.ProtocolError as exc:
+        raise SbusError(f"broker at {address} sent a malformed packet: {exc}") from None
+    if not isinstance(event, Publish | Control):
+        raise SbusError(f"broker at {address} sent a client-only packet: {event!r}")
+    return event
+
+
+def _flood_packets(soft, hard, order) -> list[bytes]:
+    out = []
+    for name, value in (("blocking/soft", soft), ("blocking/hard", hard), ("order", order)):
+        if value is not None:
+            out.append(protocol.encode(Control(f"{name}/{value}".encode(), None)))
+    return out
+
+
+class Client:
+    """A blocking connection to the broker.
+
+    >>> with Client() as bus:                      # doctest: +SKIP
+    ...     bus.subscribe("sensors/*/temp")
+    ...     for msg in bus:
+    ...         print(msg.key, msg.payload)
+    """
+
+    def __init__(self, address: str | None = None, *, timeout: float | None = None) -> None:
+        self.address, self.sock = _connect(address)
+        self.sock.settimeout(timeout)
+        self._buf = bytearray(RECV_BUFFER)
+        self._view = memoryview(self._buf)
+        self._pending: deque[Publish | Control] = deque()
+        self._cred: bytes | None = None
+
+    # -- sending ---------------------------------------------------------------
+
+    def send_packet(self, packet: bytes, flags: int = 0) -> None:
+        """Send one raw packet (``send(2)`` flags passed through)."""
+        try:
+            self.sock.send(packet, flags)
+        except OSError as exc:
+            raise SbusError(f"sending to the broker at {self.address} failed: "
+                            f"{exc.strerror or exc}") from None
+
+    def subscribe(self, pattern: bytes | str, flags: int = 0) -> None:
+        self.send_packet(protocol.encode(protocol.Subscribe(_b(pattern))), flags)
+
+    def unsubscribe(self, pattern: bytes | str, flags: int = 0) -> None:
+        self.send_packet(protocol.encode(protocol.Unsubscribe(_b(pattern))), flags)
+
+    def publish(self, key: bytes | str, payload: bytes | str = b"", flags: int = 0) -> None:
+        self.send_packet(protocol.encode(Publish(_b(key), _b(payload))), flags)
+
+    def control(self, key: bytes | str, payload: bytes | str | None = None,
+                flags: int = 0) -> None:
+        data = None if payload is None else _b(payload)
+        self.send_packet(protocol.encode(Control(_b(key), data)), flags)
+
+    def set_flood(self, soft: str | None = None, hard: str | None = None,
+                  order: str | None = None) -> None:
+        """Choose the broker's flood policy for this client (see `sbus.flood`)."""
+        for packet in _flood_packets(soft, hard, order):
+            self.send_packet(packet)
+
+    # -- receiving ---------------------------------------------------------------
+
+    def recv_packet(self, flags: int = 0) -> bytes:
+        """One raw packet; raises `SbusError` when the broker closed the connection."""
+        try:
+            n = self.sock.recv_into(self._buf, 0, flags)
+        except (BlockingIOError, TimeoutError):
+            raise
+        except OSError as exc:
+            raise SbusError(f"receiving from the broker at {self.address} failed: "
+                            f"{exc.strerror or exc}") from None
+        if n == 0:
+            raise SbusError(f"the broker at {self.address} closed the connection")
+        return self._view[:n].tobytes()
+
+    def receive(self, timeout: float | None = None, flags: int = 0) -> Publish | Control:
+        """The next message or control message; ``TimeoutError`` after *timeout* seconds."""
+        if self._pending:
+            return self._pending.popleft()
+        if timeout is not None and not select.select([self.sock], [], [], timeout)[0]:
+            raise TimeoutError(f"no message from the broker at {self.address} "
+                               f"within {timeout} s")
+        return _event(self.recv_packet(flags), self.address)
+
+    def receive_ready(self, limit: int = 1024) -> list[Publish | Control]:
+        """Everything that can be read without blocking (up to *limit*): for fast consumers."""
+        out = list(self._pending)
+        self._pending.clear()
+        recv_into, buf, view = self.sock.recv_into, self._buf, self._view
+        while len(out) < limit:
+            try:
+                n = recv_into(buf, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            if n == 0:
+                if out:
+                    break
+                raise SbusError(f"the broker at {self.address} closed the connection")
+            out.append(_event(view[:n].tobytes(), self.address))
+        return out
+
+    def __iter__(self) -> Iterator[Publish]:
+        """Messages, forever; control messages from the broker are skipped."""
+        while True:
+            event = self.receive()
+            if isinstance(event, Publish):
+                yield event
+
+    def whoami(self, timeout: float = 5.0) -> bytes:
+        """This connection's credentials path, e.g. ``b'!/cred/100/1000/1111'``, asked of the
+        broker; messages arriving meanwhile are kept for `receive`."""
+        if self._cred is None:
+            self.control(WHOAMI)
+            skipped: list[Publish | Control] = []
+            while True:
+                event = self.receive(timeout=timeout)
+                if isinstance(event, Control) and event.key == WHOAMI:
+                    break
+                skipped.append(event)
+            self._pending.extend(skipped)
+            self._cred = event.payload or b""
+        return self._cred
+
+    def credentials(self, timeout: float = 5.0) -> Credentials:
+        return Credentials.parse(self.whoami(timeout))
+
+    # -- plumbing ---------------------------------------------------------------
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The async twin of `Client`, for trio or asyncio (readiness through anyio).
+
+    Use ``async with await AsyncClient.connect(address) as bus:``.
+    """
+
+    def __init__(self, address: str, sock: socket.socket) -> None:
+        self.address = address
+        self.sock = sock
+        sock.setblocking(False)
+        self._buf = bytearray(RECV_BUFFER)
+        self._view = memoryview(self._buf)
+        self._pending: deque[Publish | Control] = deque()
+        self._cred: bytes | None = None
+
+    @classmethod
+    async def connect(cls, address: str | None = None) -> AsyncClient:
+        address, sock = _connect(address)
+        return cls(address, sock)
+
+    async def send_packet(self, packet: bytes, flags: int = 0) -> None:
+        import anyio
+
+        while True:
+            try:
+                self.sock.send(packet, flags)
+                return
+            except BlockingIOError:
+                await anyio.wait_writable(self.sock)
+            except OSError as exc:
+                raise SbusError(f"sending to the broker at {self.address} failed: "
+                                f"{exc.strerror or exc}") from None
+
+    async def subscribe(self, pattern: bytes | str) -> None:
+        await self.send_packet(protocol.encode(protocol.Subscribe(_b(pattern))))
+
+    async def unsubscribe(self, pattern: bytes | str) -> None:
+        await self.send_packet(protocol.encode(protocol.Unsubscribe(_b(pattern))))
+
+    async def publish(self, key: bytes | str, payload: bytes | str = b"") -> None:
+        await self.send_packet(protocol.encode(Publish(_b(key), _b(payload))))
+
+    async def control(self, key: bytes | str, payload: bytes | str | None = None) -> None:
+        data = None if payload is None else _b(payload)
+        await self.send_packet(protocol.encode(Control(_b(key), data)))
+
+    async def set_flood(self, soft: str | None = None, hard: str | None = None,
+                        order: str | None = None) -> None:
+        for packet in _flood_packets(soft, hard, order):
+            await self.send_packet(packet)
+
+    async def recv_packet(self) -> bytes:
+        import anyio
+
+        while True:
+            try:
+                n = self.sock.recv_into(self._buf)
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+                continue
+            except OSError as exc:
+                raise SbusError(f"receiving from the broker at {self.address} failed: "
+                                f"{exc.strerror or exc}") from None
+            if n == 0:
+                raise SbusError(f"the broker at {self.address} closed the connection")
+            return self._view[:n].tobytes()
+
+    async def receive(self) -> Publish | Control:
+        if self._pending:
+            return self._pending.popleft()
+        return _event(await self.recv_packet(), self.address)
+
+    async def receive_batch(self, limit: int = 1024) -> list[Publish | Control]:
+        """At least one event, plus whatever else is ready (up to *limit*)."""
+        out = [await self.receive()]
+        while len(out) < limit:
+            try:
+                n = self.sock.recv_into(self._buf)
+            except BlockingIOError:
+                break
+            if n == 0:
+                break  # reported by the next receive
+            out.append(_event(self._view[:n].tobytes(), self.address))
+        return out
+
+    def __aiter__(self):
+        return self._messages()
+
+    async def _messages(self):
+        while True:
+            event = await self.receive()
+            if isinstance(event, Publish):
+                yield event
+
+    async def whoami(self) -> bytes:
+        if self._cred is None:
+            await self.control(WHOAMI)
+            skipped: list[Publish | Control] = []
+            while True:
+                event = await self.receive()
+                if isinstance(event, Control) and event.key == WHOAMI:
+                    break
+                skipped.append(event)
+            self._pending.extend(skipped)
+            self._cred = event.payload or b""
+        return self._cred
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    async def aclose(self) -> None:
+        self.sock.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

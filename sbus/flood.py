@@ -1,0 +1,190 @@
+"""Flood control, sans-IO: what to do with a packet a client cannot take right now.
+
+The broker first tries to hand each packet to the kernel (a non-blocking send).
+Only when that would block, or packets are already waiting, does this module
+decide, following the client's most recent ``CMSG blocking/…`` and ``CMSG order/…``:
+
+=============  ==============================================================
+soft queue     (default) keep the packet in the client's queue
+soft discard   drop the packet (counted, reported later)
+soft block     keep it, and pause each publisher that sends to this client
+               until the client's queue is empty again
+soft error     the client is misbehaving: disconnect it
+hard discard   (default) with soft queue, a queue at its byte limit drops new packets
+hard block     with soft queue, a full queue pauses publishers until it has room
+hard error     with soft queue, a full queue disconnects the client
+order queue    (default) waiting packets leave oldest first
+order stack    newest first
+order random   largest first: the order that frees memory fastest (ties oldest first)
+=============  ==============================================================
+
+A paused publisher is simply not read from, so the kernel pushes back on it and on
+nobody else.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from enum import Enum
+
+__all__ = ["Soft", "Hard", "Order", "Verdict", "OutQueue", "parse_control"]
+
+
+class Soft(Enum):
+    QUEUE = b"queue"
+    DISCARD = b"discard"
+    BLOCK = b"block"
+    ERROR = b"error"
+
+
+class Hard(Enum):
+    DISCARD = b"discard"
+    BLOCK = b"block"
+    ERROR = b"error"
+
+
+class Order(Enum):
+    QUEUE = b"queue"
+    STACK = b"stack"
+    RANDOM = b"random"
+
+
+class Verdict(Enum):
+    QUEUED = 0  # kept; the writer will send it
+    DROPPED = 1  # not kept; counted in `dropped`
+    BLOCK = 2  # kept; the publisher must wait until `publisher_may_continue()`
+    ERROR = 3  # the client is misbehaving and must be disconnected
+
+
+def parse_control(key: bytes) -> Soft | Hard | Order | None:
+    """The flood setting a ``CMSG`` key asks for, or None if it is not a flood key."""
+    head, _, value = key.rpartition(b"/")
+    try:
+        if head == b"blocking/soft":
+            return Soft(value)
+        if head == b"blocking/hard":
+            return Hard(value)
+        if head == b"order":
+            return Order(value)
+    except ValueError:
+        return None
+    return None
+
+
+class OutQueue:
+    """One client's waiting packets, their policy, and the byte limit of the hard policy."""
+
+    __slots__ = ("limit", "soft", "hard", "_order", "items", "_seq", "nbytes", "dropped")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.soft = Soft.QUEUE
+        self.hard = Hard.DISCARD
+        self._order = Order.QUEUE
+        self.items: deque[bytes] | list[tuple[int, int, bytes]] = deque()
+        self._seq = itertools.count()
+        self.nbytes = 0
+        self.dropped = 0  # packets dropped since last `take_dropped()`
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def apply(self, setting: Soft | Hard | Order) -> None:
+        if isinstance(setting, Soft):
+            self.soft = setting
+        elif isinstance(setting, Hard):
+            self.hard = setting
+        else:
+            self.order = setting
+
+    @property
+    def order(self) -> Order:
+        return self._order
+
+    @order.setter
+    def order(self, order: Order) -> None:
+        if order is self._order:
+            return
+        if self._order is Order.RANDOM:  # back to arrival order
+            packets = [p for _, _, p in sorted(self.items, key=lambda item: item[1])]
+        else:
+            packets = list(self.items)
+        self.clear()
+        self._order = order
+        self.items = [] if order is Order.RANDOM else deque()
+        for packet in packets:
+            self._push(packet)
+
+    def offer(self, packet: bytes) -> Verdict:
+        """A packet the kernel would not take now (or that must wait behind others)."""
+        soft = self.soft
+        if soft is Soft.DISCARD:
+            self.dropped += 1
+            return Verdict.DROPPED
+        if soft is Soft.ERROR:
+            return Verdict.ERROR
+        if soft is Soft.BLOCK:
+            self._push(packet)
+            return Verdict.BLOCK
+        if self.nbytes + len(packet) > self.limit:
+            hard = self.hard
+            if hard is Hard.DISCARD:
+                self.dropped += 1
+                return Verdict.DROPPED
+            if hard is Hard.ERROR:
+                return Verdict.ERROR
+            self._push(packet)
+            return Verdict.BLOCK
+        self._push(packet)
+        return Verdict.QUEUED
+
+    def force(self, packet: bytes) -> None:
+        """Queue a packet whatever the policy (the broker's own replies)."""
+        self._push(packet)
+
+    def publisher_may_continue(self) -> bool:
+        """Whether a publisher paused by this queue may go on."""
+        if self.soft is Soft.BLOCK:
+            return not self.items
+        return self.nbytes < self.limit or self.hard is not Hard.BLOCK
+
+    def peek(self) -> bytes:
+        """The packet to send next."""
+        items = self.items
+        if self._order is Order.QUEUE:
+            return items[0]
+        if self._order is Order.STACK:
+            return items[-1]
+        return items[0][2]
+
+    def pop(self) -> bytes:
+        """Remove the packet `peek` returned (after the kernel took it)."""
+        items = self.items
+        if self._order is Order.QUEUE:
+            packet = items.popleft()
+        elif self._order is Order.STACK:
+            packet = items.pop()
+        else:
+            packet = heapq.heappop(items)[2]
+        self.nbytes -= len(packet)
+        return packet
+
+    def take_dropped(self) -> int:
+        n, self.dropped = self.dropped, 0
+        return n
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.nbytes = 0
+
+    def _push(self, packet: bytes) -> None:
+        self.nbytes += len(packet)
+        if self._order is Order.RANDOM:
+            heapq.heappush(self.items, (-len(packet), next(self._seq), packet))
+        else:
+            self.items.append(packet)

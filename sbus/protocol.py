@@ -1,0 +1,125 @@
+"""The sbus wire protocol, sans-IO: one packet in, one event out, and back.
+
+Every packet on the SOCK_SEQPACKET socket is exactly one message, so there is no
+framing state: `parse` is a pure function of one packet's bytes. Keys, patterns
+and payloads are bytes; nothing here decodes text.
+
+Grammar (from the protocol text, as regular expressions over bytes)::
+
+    SUB <pattern>[\\0<ignored>]      ^SUB ([^\\0]*)(\\0.*)?$
+    UNSUB <pattern>[\\0<ignored>]    ^UNSUB ([^\\0]*)(\\0.*)?$
+    MSG <key>\\0<payload>            ^MSG ([^\\0]*)\\0(.*)$
+    CMSG <key>[\\0<payload>]         ^CMSG ([^\\0]*)(\\0(.*))$  (\\0 part optional from clients)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "Subscribe",
+    "Unsubscribe",
+    "Publish",
+    "Control",
+    "Event",
+    "ProtocolError",
+    "parse",
+    "encode",
+    "publish_key",
+    "WHOAMI",
+]
+
+WHOAMI = b"!/cred/whoami"
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    pattern: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Unsubscribe:
+    pattern: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    key: bytes
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    key: bytes
+    #: None when the packet had no ``\\0payload`` part (allowed from clients only).
+    payload: bytes | None = None
+
+
+Event = Subscribe | Unsubscribe | Publish | Control
+
+
+class ProtocolError(ValueError):
+    """A packet that matches none of the protocol's four message forms."""
+
+
+def _describe(packet: bytes) -> str:
+    head = packet[:24]
+    return repr(head) + ("…" if len(packet) > 24 else "")
+
+
+def parse(packet: bytes) -> Event:
+    """Turn one packet into an event, or raise `ProtocolError` saying why not."""
+    if not packet:
+        raise ProtocolError("empty packet")
+    space = packet.find(b" ", 0, 6)
+    verb = packet[:space] if space > 0 else b""
+    if verb == b"MSG":
+        nul = packet.find(b"\0", 4)
+        if nul < 0:
+            raise ProtocolError(f"MSG without NUL after the key: {_describe(packet)}")
+        return Publish(packet[4:nul], packet[nul + 1 :])
+    if verb == b"SUB" or verb == b"UNSUB":
+        start = space + 1
+        nul = packet.find(b"\0", start)
+        pattern = packet[start:] if nul < 0 else packet[start:nul]
+        return Subscribe(pattern) if verb == b"SUB" else Unsubscribe(pattern)
+    if verb == b"CMSG":
+        nul = packet.find(b"\0", 5)
+        if nul < 0:
+            return Control(packet[5:], None)
+        return Control(packet[5:nul], packet[nul + 1 :])
+    raise ProtocolError(f"unknown message type: {_describe(packet)}")
+
+
+def encode(event: Event) -> bytes:
+    """Turn an event into the packet that carries it."""
+    match event:
+        case Publish(key, payload):
+            _check_key(key)
+            return b"MSG " + key + b"\0" + payload
+        case Subscribe(pattern):
+            _check_key(pattern)
+            return b"SUB " + pattern
+        case Unsubscribe(pattern):
+            _check_key(pattern)
+            return b"UNSUB " + pattern
+        case Control(key, payload):
+            _check_key(key)
+            return b"CMSG " + key if payload is None else b"CMSG " + key + b"\0" + payload
+    raise TypeError(f"not an sbus event: {event!r}")
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, bytes | bytearray | memoryview):
+        raise TypeError(f"keys and patterns are bytes, not {type(key).__name__}")
+    if b"\0" in key:
+        raise ProtocolError("a routing key or pattern cannot contain NUL")
+
+
+def publish_key(packet: bytes) -> bytes | None:
+    """The routing key of a well-formed MSG packet, else None: the broker's fast path."""
+    if packet[:4] == b"MSG ":
+        nul = packet.find(b"\0", 4)
+        if nul >= 0:
+            return packet[4:nul]
+    return None

@@ -1,0 +1,121 @@
+"""Shared fixtures: a real broker process on a temporary socket, and raw sockets to it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SBUS = [sys.executable, "-m", "sbus.cli"]
+
+
+def wait_for_socket(path: str, proc: subprocess.Popen | None = None, timeout: float = 10) -> None:
+    """Wait until a broker accepts connections on *path*."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"broker exited with {proc.returncode}: {proc.stderr.read()}")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(path)
+            return
+        except OSError:
+            time.sleep(0.02)
+        finally:
+            s.close()
+    raise TimeoutError(f"no broker on {path} after {timeout} s")
+
+
+class BrokerProcess:
+    """A real `sbus serve` in a child process."""
+
+    def __init__(self, address: str, *args: str) -> None:
+        self.address = address
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> BrokerProcess:
+        self.proc = subprocess.Popen(
+            [*SBUS, "-v", "serve", "--address", self.address, *self.args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        wait_for_socket(self.address, self.proc)
+        return self
+
+    def stop(self) -> str:
+        """SIGTERM, wait, and return what the broker logged."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            _, err = self.proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return err
+
+    def log(self) -> str:
+        """Stop the broker and return its log (for assertions on refusals)."""
+        return self.stop()
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short temporary directory: unix socket paths are limited to 107 bytes."""
+    d = tempfile.mkdtemp(prefix="sbus-", dir="/tmp")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def broker(short_tmp: Path) -> Iterator[BrokerProcess]:
+    """A running broker with default settings; ``broker.address`` is its socket path."""
+    b = BrokerProcess(str(short_tmp / "bus.sock")).start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def make_broker(short_tmp: Path):
+    """Start brokers with extra ``sbus serve`` arguments; all stopped at teardown."""
+    started: list[BrokerProcess] = []
+
+    def make(*args: str, name: str = "bus.sock") -> BrokerProcess:
+        b = BrokerProcess(str(short_tmp / name), *args).start()
+        started.append(b)
+        return b
+
+    yield make
+    for b in started:
+        b.stop()
+
+
+def raw(address: str, timeout: float = 5.0) -> socket.socket:
+    """A raw SOCK_SEQPACKET connection: the protocol without our library."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(timeout)
+    s.connect(address)
+    return s
+
+
+def sync(s: socket.socket) -> None:
+    """Wait until the broker has processed everything *s* sent before (whoami round trip)."""
+    s.send(b"CMSG !/cred/whoami")
+    while True:
+        p = s.recv(1 << 20)
+        if p.startswith(b"CMSG !/cred/whoami\0"):
+            return
+
+
+@pytest.fixture(autouse=True)
+def _sbus_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent)
+                       + os.pathsep + os.environ.get("PYTHONPATH", ""))
