@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import select
 import socket
 import struct
 import time
@@ -38,6 +39,14 @@ COMPLAINTS_LOGGED = 10
 DROPPED = b"CMSG blocking/dropped\0"
 
 _ucred = struct.Struct("3i")
+_HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
+
+
+def _at_eof(sock: socket.socket) -> bool:
+    """After a 0-byte read: did the peer hang up, or send an empty packet?"""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLRDHUP)
+    return any(ev & _HANGUP for _, ev in poller.poll(0))
 
 
 def peer_credentials(sock: socket.socket) -> Credentials:
@@ -201,7 +210,10 @@ class Broker:
                         log.info("%r: read failed: %s", conn, exc)
                     return
                 if n == 0:
-                    return
+                    if _at_eof(sock):
+                        return
+                    self.complain(conn, "packet ignored: empty packet")
+                    continue
                 if n > max_message:
                     self.complain(conn, f"packet over the {max_message}-byte limit ignored")
                     continue

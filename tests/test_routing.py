@@ -1,0 +1,147 @@
+"""The routing index against a brute-force matcher written straight from the protocol text."""
+
+from collections import defaultdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sbus.routing import RoutingIndex, matches
+
+
+def brute(pattern: bytes, key: bytes, sep: bytes = b"/") -> bool:
+    """The protocol text, read literally, one byte at a time.
+
+    '*' matches until the next separator (or the end); a pattern ending with the
+    separator has that separator match a separator and any subsequent byte; the
+    empty pattern matches everything.  Secret keys ('!/…') are only ever matched
+    by secret patterns.
+    """
+    if key.startswith(b"!" + sep) and not pattern.startswith(b"!" + sep):
+        return False
+    if pattern == b"":
+        return True
+    p = k = 0
+    while p < len(pattern):
+        c = pattern[p : p + 1]
+        if c == b"*":
+            while k < len(key) and key[k : k + 1] != sep:
+                k += 1
+            p += 1
+        elif c == sep and p == len(pattern) - 1:
+            return key[k : k + 1] == sep
+        elif key[k : k + 1] == c:
+            p += 1
+            k += 1
+        else:
+            return False
+    return k == len(key)
+
+
+TEXT_EXAMPLES = [
+    (b"a/*/c/", b"a/b/c/", True),
+    (b"a/*/c/", b"a/b/c/d/e", True),
+    (b"a/*/c/", b"a/b/c", False),
+    (b"a/*/c/", b"a/c/d", False),
+    (b"", b"anything/at/all", True),
+    (b"", b"", True),
+    (b"a/*", b"a/", True),  # '*' may match nothing
+    (b"a/*", b"a/b/c", False),
+    (b"foo*", b"foobar", True),
+    (b"foo*", b"fo", False),
+    (b"a*b", b"ab", False),  # bytes after '*' in a segment never match
+    (b"a*b", b"a*b", False),
+    (b"*", b"", True),
+    (b"a/b", b"a/b", True),
+    (b"a/b", b"a/b/", False),
+    (b"a//b", b"a//b", True),
+    (b"/", b"/x", True),
+    (b"", b"!/cred/1/2/3/x", False),
+    (b"!/", b"!/cred/1/2/3/x", True),  # the matcher; the broker refuses such a SUB
+    (b"*/cred/1/2/3/x", b"!/cred/1/2/3/x", False),
+    (b"!/cred/1/2/3/", b"!/cred/1/2/3/x", True),
+]
+
+
+@pytest.mark.parametrize("pattern, key, expected", TEXT_EXAMPLES)
+def test_examples(pattern, key, expected):
+    assert brute(pattern, key) is expected
+    assert matches(pattern, key) is expected
+    index = RoutingIndex()
+    index.subscribe("c", pattern)
+    assert index.match(key) == (("c",) if expected else ())
+
+
+def test_duplicates_counted_but_delivered_once():
+    index = RoutingIndex()
+    index.subscribe("c", b"x")
+    index.subscribe("c", b"x")
+    index.subscribe("c", b"*")
+    assert index.match(b"x") == ("c",)
+    assert index.unsubscribe("c", b"x")
+    assert index.unsubscribe("c", b"*")
+    assert index.match(b"x") == ("c",)  # one SUB x left
+    assert index.unsubscribe("c", b"x")
+    assert index.match(b"x") == ()
+    assert not index.unsubscribe("c", b"x")  # not registered: no change
+    assert len(index) == 0
+
+
+def test_cache_invalidated_on_change():
+    index = RoutingIndex()
+    assert index.match(b"a/b") == ()
+    index.subscribe("c", b"a/")
+    assert index.match(b"a/b") == ("c",)
+    index.remove_client("c")
+    assert index.match(b"a/b") == ()
+
+
+def test_pruned_after_unsubscribe():
+    index = RoutingIndex()
+    index.subscribe("c", b"a/b/c/d")
+    index.unsubscribe("c", b"a/b/c/d")
+    assert index._public.empty()
+
+
+def test_separator_dot():
+    index = RoutingIndex(b".")
+    index.subscribe("c", b"a.*.c.")
+    assert index.match(b"a.b.c.d.e") == ("c",)
+    assert index.match(b"a/b/c/d") == ()
+    assert brute(b"a.*.c.", b"a.b.c.", b".")
+
+
+segment = st.sampled_from([b"", b"a", b"b", b"ab", b"!", b"cred", b"1"])
+key_st = st.lists(segment, max_size=5).map(b"/".join) | st.binary(max_size=8)
+pattern_seg = st.sampled_from([b"", b"a", b"b", b"*", b"a*", b"*b", b"a*b", b"**", b"!", b"1"])
+pattern_st = (
+    st.tuples(st.lists(pattern_seg, max_size=5).map(b"/".join), st.booleans())
+    .map(lambda t: t[0] + (b"/" if t[1] else b""))
+    | st.binary(max_size=8)
+)
+
+
+@given(pattern_st, key_st)
+def test_matches_agrees_with_brute(pattern, key):
+    assert matches(pattern, key) is brute(pattern, key)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(st.sampled_from("xyz"), pattern_st), max_size=12),
+       st.lists(key_st, max_size=8), st.data())
+def test_index_agrees_with_brute(subs, keys, data):
+    index = RoutingIndex()
+    model = defaultdict(list)
+    for client, pattern in subs:
+        index.subscribe(client, pattern)
+        model[client].append(pattern)
+    # remove some, exactly as the model does
+    for client, pattern in data.draw(st.lists(st.sampled_from(subs), max_size=4)) if subs else []:
+        if pattern in model[client]:
+            model[client].remove(pattern)
+            assert index.unsubscribe(client, pattern)
+    for key in keys + [k for _, k in subs]:
+        want = {c for c, pats in model.items() if any(brute(p, key) for p in pats)}
+        got = index.match(key)
+        assert len(got) == len(set(got))
+        assert set(got) == want, (key, dict(model))
