@@ -1,0 +1,95 @@
+"""``sbus-top`` / ``sbus top``: a live traffic monitor for the bus, like ``htop`` for messages.
+
+The package is split by what each part may touch: `model` (pure counting),
+`controls` (pure key handling), `view` (pure drawing with rich), `reader` (the bus),
+`terminal` (the tty) and `app` (the trio tasks that tie them together).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..client import SbusError, default_address
+from .model import SortBy, ViewOptions
+
+__all__ = ["add_arguments", "run", "main"]
+
+_SORTS = {s.name.lower().replace("_", "-"): s for s in SortBy}
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0: {text!r}")
+        return value
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("patterns", nargs="*", metavar="PATTERN",
+                        help="routing key patterns to watch (default: '' = everything "
+                             "that is not secret)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true",
+                      help="count for --seconds, print the screen once as text, exit "
+                           "(no terminal needed)")
+    mode.add_argument("--json", action="store_true",
+                      help="count for --seconds, print one JSON snapshot, exit")
+    parser.add_argument("--seconds", type=_positive(float), default=3.0, metavar="N",
+                        help="how long --once/--json count before printing (default 3)")
+    parser.add_argument("--sort", choices=sorted(_SORTS), default="rate",
+                        help="initial sort column (default rate)")
+    parser.add_argument("--filter", default="", metavar="TEXT",
+                        help="show only keys containing TEXT (a pattern if it has * "
+                             "or ends in /)")
+    parser.add_argument("--group", type=int, default=0, metavar="DEPTH",
+                        help="group keys by their first DEPTH segments (default 0: off)")
+    parser.add_argument("--max-keys", type=_positive(int), default=10_000, metavar="N",
+                        help="keys tracked at most; the least recently seen are "
+                             "forgotten (default 10000)")
+    parser.add_argument("--limit", type=_positive(int), default=None, metavar="N",
+                        help="rows in a --json snapshot (default: all)")
+    parser.add_argument("--interval", type=_positive(float), default=0.25, metavar="S",
+                        help="seconds between redraws (default 0.25)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .app import Settings, run_live, run_snapshot
+
+    if args.group < 0:
+        raise SbusError(f"--group must be 0 or more, not {args.group}")
+    patterns = [p.encode() for p in args.patterns] or [b""]
+    settings = Settings(
+        address=args.address, patterns=patterns,
+        options=ViewOptions(sort=_SORTS[args.sort], filter=args.filter, depth=args.group),
+        max_keys=args.max_keys, interval=args.interval, seconds=args.seconds,
+        limit=args.limit,
+    )
+    if args.once or args.json:
+        return run_snapshot(settings, as_json=args.json)
+    return run_live(settings)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``sbus-top`` console script: the same as ``sbus top``."""
+    parser = argparse.ArgumentParser(prog="sbus-top", description="live traffic monitor")
+    parser.add_argument("--address", default=None, metavar="PATH",
+                        help=f"broker socket (default $SBUS_ADDRESS, else {default_address()})")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args) or 0
+    except SbusError as exc:
+        print(f"sbus-top: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

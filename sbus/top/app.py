@@ -1,0 +1,181 @@
+"""The two ways ``sbus-top`` runs: the live screen, and a one-off snapshot for scripts.
+
+Both are a handful of trio tasks in one nursery around the same pieces: a `Reader`
+feeding a `TrafficModel`, a once-a-second `tick_forever`, and — for the live screen —
+a keyboard task and a screen task that draws `render(model.snapshot(...))`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import trio
+from rich.console import Console
+from rich.live import Live
+
+from ..client import SbusError, default_address
+from .controls import Action, Controls
+from .model import Snapshot, TrafficModel, ViewOptions, preview
+from .reader import Reader, tick_forever
+from .terminal import cbreak, read_keys
+from .view import layout, render
+
+__all__ = ["Settings", "run_live", "run_snapshot", "snapshot_json"]
+
+
+@dataclass
+class Settings:
+    address: str | None
+    patterns: list[bytes]
+    options: ViewOptions = field(default_factory=ViewOptions)
+    max_keys: int = 10_000
+    interval: float = 0.25  # seconds between redraws
+    retry: float = 0.5  # seconds between reconnection attempts
+    seconds: float = 3.0  # how long a snapshot counts
+    limit: int | None = None  # rows in a JSON snapshot
+
+
+def _model(settings: Settings) -> TrafficModel:
+    return TrafficModel(time.monotonic(), max_keys=settings.max_keys,
+                        address=settings.address or default_address())
+
+
+# -- the live screen ----------------------------------------------------------------------
+
+class _Screen:
+    """Draws at a steady pace, or at once when a key changed the view."""
+
+    def __init__(self, live: Live, console: Console, model: TrafficModel,
+                 controls: Controls, interval: float) -> None:
+        self.live, self.console, self.model = live, console, model
+        self.controls, self.interval = controls, interval
+        self._wake = trio.Event()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def draw(self) -> None:
+        width, height = self.console.size
+        fit = layout(height)
+        snap = self.model.snapshot(time.monotonic(), self.controls.options,
+                                   limit=fit.rows, recent=fit.recent)
+        self.live.update(render(snap, width, height, paused=self.controls.paused,
+                                editing=self.controls.editing), refresh=True)
+
+    async def run(self) -> None:
+        while True:
+            self.draw()
+            while True:
+                woken = False
+                with trio.move_on_after(self.interval):
+                    await self._wake.wait()
+                    woken = True
+                self._wake = trio.Event()
+                # Paused: the numbers stay frozen; only a key press draws again.
+                if woken or not self.controls.paused:
+                    break
+
+
+async def _keyboard(fd: int, controls: Controls, model: TrafficModel, screen: _Screen,
+                    cancel: trio.CancelScope) -> None:
+    while True:
+        keys = await read_keys(fd)
+        if not keys:  # end of input: nobody can press q any more
+            cancel.cancel()
+            return
+        for key in keys:
+            action = controls.press(key)
+            if action is Action.QUIT:
+                cancel.cancel()
+                return
+            if action is Action.CLEAR:
+                model.clear(time.monotonic())
+            if action is not Action.NONE:
+                screen.wake()
+
+
+def run_live(settings: Settings) -> int:
+    """The interactive screen; needs a terminal on stdin and stdout."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise SbusError("the live screen needs a terminal on stdin and stdout; "
+                        "use --once (a text snapshot) or --json for scripts")
+    trio.run(_live, settings)
+    return 0
+
+
+async def _live(settings: Settings) -> None:
+    model = _model(settings)
+    controls = Controls(settings.options)
+    reader = Reader(model, settings.address, settings.patterns, retry=settings.retry)
+    console = Console()
+    fd = sys.stdin.fileno()
+    with cbreak(fd), Live(console=console, screen=True, auto_refresh=False,
+                          redirect_stdout=False, redirect_stderr=False) as live:
+        screen = _Screen(live, console, model, controls, settings.interval)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            nursery.start_soon(tick_forever, model)
+            nursery.start_soon(screen.run)
+            nursery.start_soon(_keyboard, fd, controls, model, screen, nursery.cancel_scope)
+
+
+# -- snapshots for scripts ---------------------------------------------------------------
+
+async def count_for(settings: Settings) -> tuple[TrafficModel, float]:
+    """Connect (a failure is an error, not a retry), count for ``settings.seconds``;
+    returns the model and the seconds actually counted."""
+    model = _model(settings)
+    reader = Reader(model, settings.address, settings.patterns, retry=settings.retry)
+    bus = await reader.connect()
+    print(f"sbus top: counting {settings.seconds:g} s of traffic at {bus.address}",
+          file=sys.stderr, flush=True)
+    start = time.monotonic()
+    model.clear(start)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader.run, bus)
+        nursery.start_soon(tick_forever, model)
+        await trio.sleep(settings.seconds)
+        nursery.cancel_scope.cancel()
+    return model, time.monotonic() - start
+
+
+def snapshot_json(snap: Snapshot, seconds: float) -> dict:
+    """A snapshot as plain data; keys and payload previews as text (invalid UTF-8 escaped)."""
+    def text(b: bytes) -> str:
+        return b.decode("utf-8", "backslashreplace")
+
+    return {
+        "address": snap.address, "state": snap.state, "seconds": round(seconds, 3),
+        "total": snap.total, "total_bytes": snap.total_bytes,
+        "mean_rate": round(snap.total / seconds, 1) if seconds > 0 else 0.0,
+        "rate": round(snap.rate, 1), "byte_rate": round(snap.byte_rate, 1),
+        "keys": snap.keys, "evicted": snap.evicted, "dropped_by_broker": snap.dropped,
+        "history": [round(v, 1) for v in snap.history],
+        "sort": snap.options.sort.name.lower(), "filter": snap.options.filter,
+        "depth": snap.options.depth,
+        "rows": [{"key": text(r.name), "keys": r.keys, "rate": round(r.rate, 1),
+                  "byte_rate": round(r.byte_rate, 1), "total": r.count,
+                  "age": round(r.age, 3), "preview": preview(r.payload, 80)}
+                 for r in snap.rows],
+        "recent": [{"key": text(m.key), "age": round(snap.now - m.at, 3),
+                    "preview": preview(m.payload, 80)} for m in snap.recent],
+    }
+
+
+def run_snapshot(settings: Settings, as_json: bool) -> int:
+    """Count for a while, then print one snapshot: the screen as text, or JSON."""
+    model, seconds = trio.run(count_for, settings)
+    now = time.monotonic()
+    if as_json:
+        snap = model.snapshot(now, settings.options, limit=settings.limit, recent=10)
+        print(json.dumps(snapshot_json(snap, seconds), ensure_ascii=False))
+        return 0
+    console = Console()
+    width, height = console.size
+    fit = layout(height)
+    snap = model.snapshot(now, settings.options, limit=fit.rows, recent=fit.recent)
+    console.print(render(snap, width, height))
+    return 0

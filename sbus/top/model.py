@@ -1,0 +1,322 @@
+"""The traffic model behind ``sbus-top``: pure aggregation, no I/O, no clock of its own.
+
+Every function takes the current time as an argument, so the whole model can be
+driven by tests with made-up times.  The hot path (`TrafficModel.feed`) does a few
+dict/attribute updates per message; everything costly (rates, grouping, sorting,
+filtering) happens in `TrafficModel.tick` once a second or in
+`TrafficModel.snapshot` a few times a second, over the bounded set of keys.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ..protocol import Control, Publish
+from ..routing import matches
+
+__all__ = [
+    "KeyStats", "Row", "Message", "Snapshot", "SortBy", "ViewOptions", "TrafficModel",
+    "group_key", "compile_filter", "preview",
+]
+
+SEP = b"/"
+#: The broker's report that it dropped messages meant for us (payload: a decimal count).
+DROPPED_KEY = b"blocking/dropped"
+
+
+class SortBy(Enum):
+    """Table sort columns, in the order `s` cycles through them."""
+
+    RATE = "msg/s"
+    BYTE_RATE = "bytes/s"
+    TOTAL = "total"
+    LAST = "last seen"
+    KEY = "key"
+
+    def next(self) -> SortBy:
+        members = list(SortBy)
+        return members[(members.index(self) + 1) % len(members)]
+
+
+@dataclass(slots=True)
+class KeyStats:
+    """Counters for one routing key; `rate`/`byte_rate` are refreshed by `tick`."""
+
+    count: int = 0
+    nbytes: int = 0
+    last_seen: float = 0.0
+    last_payload: bytes = b""
+    mark_count: int = 0
+    mark_bytes: int = 0
+    rate: float = 0.0
+    byte_rate: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One table line: a key, or a prefix standing for the keys below it."""
+
+    name: bytes
+    rate: float
+    byte_rate: float
+    count: int
+    age: float  # seconds since the last message
+    payload: bytes  # the most recent payload in the row
+    keys: int = 1  # keys folded into this row (grouping)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    at: float
+    key: bytes
+    payload: bytes
+
+
+@dataclass(slots=True)
+class ViewOptions:
+    """What the user asked to see: changes with the keyboard, never with traffic."""
+
+    sort: SortBy = SortBy.RATE
+    filter: str = ""
+    depth: int = 0  # 0: one row per key; N: one row per prefix of N segments
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything a screen shows, computed at one instant."""
+
+    now: float
+    uptime: float
+    address: str
+    state: str
+    rate: float
+    byte_rate: float
+    total: int
+    total_bytes: int
+    keys: int
+    evicted: int
+    dropped: int
+    history: list[float]
+    rows: list[Row]
+    row_count: int  # rows before `limit` cut them
+    recent: list[Message]
+    options: ViewOptions = field(default_factory=ViewOptions)
+
+
+def group_key(key: bytes, depth: int) -> bytes:
+    """The prefix of *key* made of its first *depth* segments (with a trailing ``/`` when
+    something was cut), i.e. the pattern that would match the keys in the group."""
+    if depth <= 0:
+        return key
+    parts = key.split(SEP, depth)
+    if len(parts) <= depth:
+        return key
+    return SEP.join(parts[:depth]) + SEP
+
+
+def compile_filter(text: str) -> Callable[[bytes], bool]:
+    """A key predicate from what the user typed after ``/``.
+
+    Text with a ``*`` or ending in ``/`` is an sbus routing pattern (same rules as
+    subscriptions); anything else is a plain substring, which is what one wants when
+    hunting for a key by eye."""
+    if not text:
+        return lambda key: True
+    needle = text.encode()
+    if b"*" in needle or needle.endswith(SEP):
+        return lambda key: matches(needle, key)
+    return lambda key: needle in key
+
+
+def preview(payload: bytes, limit: int = 64) -> str:
+    """A one-line preview: text as text, anything else as hex; at most *limit* chars.
+
+    Text means valid UTF-8 with nothing unprintable but tabs and line ends (shown as a
+    space and ``↵``); a cut is marked with an ellipsis so a short payload is never
+    mistaken for a cut one."""
+    if limit <= 0:
+        return ""
+    head = payload[: limit * 4]
+    cut = len(head) < len(payload)
+    try:
+        text: str | None = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # A multi-byte character split by our own cut is still text.
+        text = head[: exc.start].decode("utf-8") if cut and exc.start >= len(head) - 3 else None
+    if text is not None:
+        text = text.replace("\r\n", "\n").replace("\n", "↵").replace("\t", " ")
+        if text.isprintable():
+            if cut or len(text) > limit:
+                return text[: limit - 1] + "…"
+            return text
+    if len(payload) * 3 - 1 <= limit:
+        return payload.hex(" ")
+    return payload[: max(limit // 3, 0)].hex(" ") + "…"
+
+
+class TrafficModel:
+    """Per-key counters (an LRU bounded to *max_keys*), totals, a minute of rate history
+    and the most recent messages."""
+
+    def __init__(self, now: float, *, max_keys: int = 10_000, history: int = 60,
+                 recent: int = 50, address: str = "") -> None:
+        if max_keys < 1:
+            raise ValueError("max_keys must be at least 1")
+        self.max_keys = max_keys
+        self.started = now
+        self.address = address
+        self.state = "connecting"
+        self._history_len = history
+        self._recent_len = recent
+        self.clear(now)
+
+    def clear(self, now: float) -> None:
+        """Forget all counters (the `c` key); uptime and connection state stay."""
+        self.keys: OrderedDict[bytes, KeyStats] = OrderedDict()
+        self.total = 0
+        self.total_bytes = 0
+        self.evicted = 0
+        self.dropped = 0
+        self.rate = 0.0
+        self.byte_rate = 0.0
+        self.history: deque[float] = deque(maxlen=self._history_len)
+        self.recent: deque[Message] = deque(maxlen=self._recent_len)
+        self._mark_total = 0
+        self._mark_bytes = 0
+        self._last_tick = now
+
+    # -- the hot path ------------------------------------------------------------------
+
+    def feed(self, events: Iterable[Publish | Control], now: float) -> None:
+        """Count a batch of events that arrived at *now*."""
+        keys = self.keys
+        count = nbytes = 0
+        last: list[Publish] = []
+        for ev in events:
+            if type(ev) is not Publish:
+                self._control(ev)
+                continue
+            key = ev.key
+            payload = ev.payload
+            size = len(payload)
+            st = keys.get(key)
+            if st is None:
+                st = keys[key] = KeyStats()
+                if len(keys) > self.max_keys:
+                    keys.popitem(last=False)
+                    self.evicted += 1
+            else:
+                keys.move_to_end(key)
+            st.count += 1
+            st.nbytes += size
+            st.last_seen = now
+            st.last_payload = payload
+            count += 1
+            nbytes += size
+            last.append(ev)
+            if len(last) > 2 * self._recent_len:
+                del last[: self._recent_len]
+        self.total += count
+        self.total_bytes += nbytes
+        recent = self.recent
+        for ev in last[-self._recent_len:]:
+            recent.append(Message(now, ev.key, ev.payload))
+
+    def _control(self, ev: Control) -> None:
+        if ev.key == DROPPED_KEY and ev.payload:
+            try:
+                self.dropped += int(ev.payload)
+            except ValueError:
+                pass
+
+    # -- once a second -----------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Turn the counts since the previous tick into rates; extend the history."""
+        dt = now - self._last_tick
+        if dt <= 0:
+            return
+        self._last_tick = now
+        for st in self.keys.values():
+            dc = st.count - st.mark_count
+            if dc or st.rate:
+                st.rate = dc / dt
+                st.byte_rate = (st.nbytes - st.mark_bytes) / dt
+                st.mark_count = st.count
+                st.mark_bytes = st.nbytes
+        self.rate = (self.total - self._mark_total) / dt
+        self.byte_rate = (self.total_bytes - self._mark_bytes) / dt
+        self._mark_total = self.total
+        self._mark_bytes = self.total_bytes
+        self.history.append(self.rate)
+
+    # -- for the screen ----------------------------------------------------------------
+
+    def rows(self, now: float, options: ViewOptions) -> list[Row]:
+        """Filtered, grouped, unsorted rows."""
+        keep = compile_filter(options.filter)
+        items = ((k, st) for k, st in self.keys.items() if keep(k))
+        if options.depth <= 0:
+            return [Row(k, st.rate, st.byte_rate, st.count, now - st.last_seen,
+                        st.last_payload) for k, st in items]
+        groups: dict[bytes, list] = {}
+        for k, st in items:
+            name = group_key(k, options.depth)
+            g = groups.get(name)
+            if g is None:
+                groups[name] = [st.rate, st.byte_rate, st.count, st.last_seen,
+                                st.last_payload, 1]
+                continue
+            g[0] += st.rate
+            g[1] += st.byte_rate
+            g[2] += st.count
+            g[5] += 1
+            if st.last_seen >= g[3]:
+                g[3] = st.last_seen
+                g[4] = st.last_payload
+        return [Row(name, g[0], g[1], g[2], now - g[3], g[4], g[5])
+                for name, g in groups.items()]
+
+    def snapshot(self, now: float, options: ViewOptions | None = None,
+                 limit: int | None = None, recent: int | None = None) -> Snapshot:
+        """What to show now: the first *limit* rows in *options*' order, *recent* messages."""
+        options = options or ViewOptions()
+        rows = self.rows(now, options)
+        row_count = len(rows)
+        rows = sort_rows(rows, options.sort, limit)
+        keep = compile_filter(options.filter)
+        messages = [m for m in self.recent if keep(m.key)]
+        if recent is not None:
+            messages = messages[-recent:] if recent > 0 else []
+        return Snapshot(
+            now=now, uptime=now - self.started, address=self.address, state=self.state,
+            rate=self.rate, byte_rate=self.byte_rate, total=self.total,
+            total_bytes=self.total_bytes, keys=len(self.keys), evicted=self.evicted,
+            dropped=self.dropped, history=list(self.history), rows=rows,
+            row_count=row_count, recent=messages,
+            options=ViewOptions(options.sort, options.filter, options.depth),
+        )
+
+
+_SORT_KEYS: dict[SortBy, Callable[[Row], object]] = {
+    SortBy.RATE: lambda r: (r.rate, r.count),
+    SortBy.BYTE_RATE: lambda r: (r.byte_rate, r.rate),
+    SortBy.TOTAL: lambda r: (r.count, r.rate),
+    SortBy.LAST: lambda r: -r.age,
+}
+
+
+def sort_rows(rows: list[Row], by: SortBy, limit: int | None = None) -> list[Row]:
+    """Numbers biggest first (ties by key), keys alphabetically."""
+    if by is SortBy.KEY:
+        rows = sorted(rows, key=lambda r: r.name)
+        return rows if limit is None else rows[:limit]
+    rank = _SORT_KEYS[by]
+    rows = sorted(rows, key=lambda r: r.name)  # stable tie order
+    if limit is not None and limit < len(rows):
+        return heapq.nlargest(limit, rows, key=rank)
+    return sorted(rows, key=rank, reverse=True)

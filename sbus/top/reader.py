@@ -1,0 +1,91 @@
+"""Reading the bus for ``sbus-top``: one trio task that feeds the model, reconnecting forever.
+
+Reading comes first: packets are drained in batches (``AsyncClient.receive_batch``)
+and counted with a few dict updates each, and the task yields to the scheduler once
+per batch so the screen gets drawn — the screen never makes the reader wait longer
+than one redraw.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import trio
+
+from ..client import AsyncClient, SbusError
+from .model import TrafficModel
+
+__all__ = ["Reader", "tick_forever", "CONNECTED", "RETRYING"]
+
+CONNECTED = "connected"
+RETRYING = "disconnected — retrying"
+BATCH = 4096
+
+
+class Reader:
+    """Subscribes *patterns* at *address* and counts everything into *model*.
+
+    `run` never returns: when the broker goes away the model's state says so and the
+    reader tries again every *retry* seconds, subscribing afresh once it is back."""
+
+    def __init__(self, model: TrafficModel, address: str | None, patterns: Sequence[bytes],
+                 *, retry: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+        self.model = model
+        self.address = address
+        self.patterns = list(patterns)
+        self.retry = retry
+        self.clock = clock
+        self.connects = 0
+
+    async def connect(self) -> AsyncClient:
+        """One attempt: connect and subscribe (raises `ConnectError`/`SbusError`)."""
+        bus = await AsyncClient.connect(self.address)
+        try:
+            for pattern in self.patterns:
+                await bus.subscribe(pattern)
+            await bus.whoami()  # a round trip: the subscriptions are in place now
+        except BaseException:
+            await bus.aclose()
+            raise
+        self.connects += 1
+        self.model.state = CONNECTED
+        return bus
+
+    async def run(self, bus: AsyncClient | None = None) -> None:
+        """Read forever; *bus* is an already connected client to start with, if any."""
+        while True:
+            if bus is None:
+                try:
+                    bus = await self.connect()
+                except SbusError:  # includes ConnectError
+                    self.model.state = RETRYING
+                    await trio.sleep(self.retry)
+                    continue
+            try:
+                await self._pump(bus)
+            except SbusError:
+                self.model.state = RETRYING
+            finally:
+                await bus.aclose()
+                bus = None
+
+    async def _pump(self, bus: AsyncClient) -> None:
+        feed, clock, receive = self.model.feed, self.clock, bus.receive_batch
+        checkpoint = trio.lowlevel.checkpoint
+        while True:
+            batch = await receive(BATCH)
+            feed(batch, clock())
+            # receive_batch does not yield while packets keep coming: let the screen run.
+            await checkpoint()
+
+
+async def tick_forever(model: TrafficModel, interval: float = 1.0,
+                       clock: Callable[[], float] = time.monotonic) -> None:
+    """Turn counts into rates every *interval* seconds, on a steady beat."""
+    next_at = trio.current_time() + interval
+    while True:
+        await trio.sleep_until(next_at)
+        next_at += interval
+        model.tick(clock())
+

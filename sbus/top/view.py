@@ -1,0 +1,253 @@
+"""Drawing ``sbus-top``: a `Snapshot` plus a terminal size in, a rich renderable out.
+
+No I/O and no clock here: the same function draws the live screen, the ``--once``
+text snapshot, the docs screenshot and what the tests look at.  Every part has a
+fixed height so the screen fills the terminal exactly, from 80×24 up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rich.console import Group, RenderableType
+from rich.rule import Rule
+from rich.table import Table
+from rich.text import Text
+
+from .controls import FOOTER_KEYS
+from .model import Row, Snapshot, SortBy, preview
+
+__all__ = ["Layout", "layout", "render", "fmt_rate", "fmt_bytes", "fmt_count", "fmt_age",
+           "sparkline", "MIN_WIDTH", "MIN_HEIGHT"]
+
+MIN_WIDTH = 60
+MIN_HEIGHT = 10
+SPARKS = "▁▂▃▄▅▆▇█"
+#: header 2 + sparkline 1 + table header 1 + rule 1 + footer 1
+CHROME = 6
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How many table rows and recent messages fit in *height* lines."""
+
+    rows: int
+    recent: int
+
+
+def layout(height: int) -> Layout:
+    height = max(height, MIN_HEIGHT)
+    room = height - CHROME
+    recent = 0 if height < 16 else max(2, min(12, room // 4))
+    return Layout(rows=room - recent, recent=recent)
+
+
+# -- number formatting ------------------------------------------------------------------
+
+def _si(value: float, units: tuple[str, ...]) -> str:
+    for unit in units[:-1]:
+        if abs(value) < 999.5:
+            return f"{value:.0f}{unit}" if value >= 99.5 or unit == units[0] else \
+                f"{value:.1f}{unit}"
+        value /= 1000
+    return f"{value:.1f}{units[-1]}"
+
+
+def fmt_rate(value: float) -> str:
+    """Messages per second: ``0``, ``2.5``, ``812``, ``12.3k``, ``1.2M``."""
+    if value < 10 and value != int(value):
+        return f"{value:.1f}"
+    return _si(value, ("", "k", "M", "G"))
+
+
+def fmt_bytes(value: float) -> str:
+    """Bytes in decimal units: ``512 B``, ``12.3 kB``, ``4.5 MB``."""
+    return _si(value, (" B", " kB", " MB", " GB", " TB"))
+
+
+def fmt_count(value: int, width: int = 10) -> str:
+    """Exact with thousands separators when it fits *width*, else ``12.3M``."""
+    text = f"{value:,}"
+    return text if len(text) <= width else _si(value, ("", "k", "M", "G", "T"))
+
+
+def fmt_age(seconds: float) -> str:
+    if seconds < 0.05:
+        return "now"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.0f}h"
+
+
+def fmt_uptime(seconds: float) -> str:
+    s = int(seconds)
+    days, s = divmod(s, 86400)
+    text = f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+    return f"{days}d {text}" if days else text
+
+
+def sparkline(values: list[float], width: int) -> str:
+    """The last *width* values as block characters, right-aligned (newest at the right);
+    scaled to the largest value shown, so a steady rate is a flat full bar."""
+    if width <= 0:
+        return ""
+    shown = values[-width:]
+    peak = max(shown, default=0.0)
+    out = []
+    for v in shown:
+        if peak <= 0 or v <= 0:
+            out.append(" " if v <= 0 else SPARKS[0])
+        else:
+            out.append(SPARKS[min(len(SPARKS) - 1, int(v / peak * (len(SPARKS) - 1) + 0.5))])
+    return " " * (width - len(shown)) + "".join(out)
+
+
+# -- the screen -------------------------------------------------------------------------
+
+def _state_text(state: str) -> Text:
+    if state == "connected":
+        return Text("● connected", style="bold green")
+    if state.startswith("disconnected"):
+        return Text(f"✖ {state}", style="bold red")
+    return Text(f"… {state}", style="yellow")
+
+
+def _header(snap: Snapshot, paused: bool) -> list[Text]:
+    line1 = Text.assemble(("sbus-top", "bold"), "  ", (snap.address, "cyan"), "  ")
+    line1.append_text(_state_text(snap.state))
+    line1.append(f"  up {fmt_uptime(snap.uptime)}")
+    if paused:
+        line1.append("  ")
+        line1.append(" PAUSED ", style="bold reverse yellow")
+    keys = f"{snap.keys:,}"
+    if snap.evicted:
+        keys += f" (+{snap.evicted:,} evicted)"
+    line2 = Text.assemble(
+        (fmt_rate(snap.rate), "bold"), " msg/s  ",
+        (fmt_bytes(snap.byte_rate) + "/s", "bold"), "  total ",
+        (fmt_count(snap.total, 14), "bold"), f" msgs {fmt_bytes(snap.total_bytes)}",
+        "  keys ", (keys, "bold"),
+    )
+    if snap.dropped:
+        line2.append("  dropped by broker ")
+        line2.append(f"{snap.dropped:,}", style="bold red")
+    return [line1, line2]
+
+
+def _spark(snap: Snapshot, width: int) -> Text:
+    peak = max(snap.history, default=0.0)
+    label = "msg/s, last minute "
+    right = f" peak {fmt_rate(peak)}/s"
+    room = max(0, width - len(label) - len(right))
+    return Text.assemble((label, "dim"), (sparkline(snap.history, min(room, 60)), "green"),
+                         (right, "dim"))
+
+
+def _columns(width: int) -> tuple[int, int]:
+    """Widths of the key and payload columns; the numbers get fixed widths."""
+    rest = width - (8 + 11 + 10 + 6)  # number columns (rich counts the 1-space gap in)
+    key = max(12, min(48, rest * 2 // 5))
+    return key, max(8, rest - key)
+
+
+def _table(snap: Snapshot, width: int, nrows: int) -> Table:
+    key_w, payload_w = _columns(width)
+    sort = snap.options.sort
+    grouped = snap.options.depth > 0
+
+    def head(title: str, col: SortBy) -> Text:
+        return Text(title + ("▼" if col is sort else ""),
+                    style="bold reverse" if col is sort else "bold")
+
+    key_title = f"prefix (depth {snap.options.depth})" if grouped else "key"
+    table = Table(box=None, padding=(0, 0, 0, 1), pad_edge=False, show_edge=False,
+                  header_style="bold", expand=False, collapse_padding=True)
+    table.add_column(head(key_title, SortBy.KEY), width=key_w, no_wrap=True,
+                     overflow="ellipsis")
+    table.add_column(head("msg/s", SortBy.RATE), width=8, justify="right", no_wrap=True)
+    table.add_column(head("bytes/s", SortBy.BYTE_RATE), width=11, justify="right",
+                     no_wrap=True)
+    table.add_column(head("total", SortBy.TOTAL), width=10, justify="right", no_wrap=True)
+    table.add_column(head("last", SortBy.LAST), width=6, justify="right", no_wrap=True)
+    table.add_column(Text("payload", style="bold"), width=payload_w, no_wrap=True,
+                     overflow="ellipsis")
+    for row in snap.rows[:nrows]:
+        table.add_row(*_cells(row, key_w, payload_w, grouped))
+    for _ in range(nrows - min(nrows, len(snap.rows))):
+        table.add_row("")
+    return table
+
+
+def _cells(row: Row, key_w: int, payload_w: int, grouped: bool) -> list[Text | str]:
+    name = row.name.decode("utf-8", "backslashreplace")
+    if grouped and row.keys > 1:
+        name += f" ({row.keys})"
+    if len(name) > key_w:
+        name = name[: key_w - 1] + "…"
+    rate_style = "bold" if row.rate > 0 else "dim"
+    return [
+        Text(name, style="cyan"),
+        Text(fmt_rate(row.rate), style=rate_style),
+        Text(fmt_bytes(row.byte_rate), style=rate_style),
+        fmt_count(row.count, 9),
+        fmt_age(row.age),
+        Text(preview(row.payload, payload_w - 1)),
+    ]
+
+
+def _recent(snap: Snapshot, width: int, count: int, wall: float) -> list[Text]:
+    lines = []
+    key_w = max(12, min(40, width // 3))
+    for msg in snap.recent[-count:] if count else []:
+        stamp = time.strftime("%H:%M:%S", time.localtime(wall - (snap.now - msg.at)))
+        key = msg.key.decode("utf-8", "backslashreplace")
+        if len(key) > key_w:
+            key = key[: key_w - 1] + "…"
+        room = width - len(stamp) - key_w - 2
+        lines.append(Text.assemble((stamp, "dim"), " ", (key.ljust(key_w), "cyan"), " ",
+                                   preview(msg.payload, room)))
+    lines += [Text("")] * (count - len(lines))
+    return lines
+
+
+def _footer(snap: Snapshot, editing: bool, width: int) -> Text:
+    opts = snap.options
+    if editing:
+        return Text.assemble((" filter: ", "bold reverse"), opts.filter, ("█", "blink"),
+                             ("  Enter keep · Esc cancel · * or trailing / = pattern", "dim"))
+    info = {"s": f"sort:{opts.sort.value}",
+            "/": f"filter:{opts.filter}" if opts.filter else "filter",
+            "g": f"group:{opts.depth}" if opts.depth else "group"}
+    out = Text()
+    for key, what in FOOTER_KEYS:
+        out.append(key, style="bold reverse")
+        out.append(f" {info.get(key, what)} ")
+    if snap.row_count > len(snap.rows):
+        out.append(f" {len(snap.rows)}/{snap.row_count} rows", style="dim")
+    out.truncate(width, overflow="ellipsis")
+    return out
+
+
+def render(snap: Snapshot, width: int, height: int, *, paused: bool = False,
+           editing: bool = False, wall: float | None = None) -> RenderableType:
+    """The whole screen for a *width*×*height* terminal (snap should hold `layout(height)`
+    rows and recent messages; extra ones are cut, missing ones leave blank lines)."""
+    width = max(width, MIN_WIDTH)
+    fit = layout(height)
+    wall = time.time() if wall is None else wall
+    parts: list[RenderableType] = [*_header(snap, paused), _spark(snap, width),
+                                   _table(snap, width, fit.rows)]
+    if fit.recent:
+        parts.append(Rule("recent messages", style="dim", align="left"))
+        parts.extend(_recent(snap, width, fit.recent, wall))
+    parts.append(_footer(snap, editing, width))
+    for part in parts:
+        if isinstance(part, Text):
+            part.no_wrap = True
+            part.overflow = "ellipsis"
+    return Group(*parts)
