@@ -1,0 +1,205 @@
+"""The gateway's one connection to the local bus, shared by all remote clients.
+
+Why one shared connection rather than one per remote client: the broker charges
+connections to the gateway's UID (4096 by default), so 10,000 remote clients
+could not each have one; the broker would also send one packet per remote
+subscriber instead of one per message, and every remote client would cost a
+second socket and task pair.  Instead the gateway keeps its own `RoutingIndex`
+of remote subscriptions and holds each distinct pattern once on the bus
+(reference counted), so the broker sends each matching message once and the
+gateway fans it out.
+
+If the bus goes away (broker restart), remote clients stay connected: the
+bridge reconnects with backoff and subscribes every pattern again.  Messages
+published by remote clients while the bus is down are discarded and counted,
+in line with the pubsub design's lack of delivery guarantees.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable, Hashable
+
+import trio
+from trio.lowlevel import wait_writable
+
+from .. import protocol
+from ..client import AsyncClient, SbusError
+from ..routing import RoutingIndex
+
+log = logging.getLogger("sbus.gateway")
+
+__all__ = ["Bridge"]
+
+#: Reconnect backoff to the local broker (seconds): it is local, so retry briskly.
+BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX = 0.1, 5.0
+
+
+class Bridge:
+    """Remote subscriptions (a routing index) and the bus connection that feeds them.
+
+    *deliver(targets, key, payload)* is called for every message from the bus that
+    matches remote subscriptions, with the matching clients; the server encodes the
+    frame once and offers it to each client's outbox.
+    """
+
+    def __init__(self, address: str | None,
+                 deliver: Callable[[list[Hashable], bytes, bytes], None]) -> None:
+        self.address = address
+        self.deliver = deliver
+        self.index: RoutingIndex[Hashable] = RoutingIndex()
+        self.patterns: Counter[bytes] = Counter()  # distinct remote patterns -> clients
+        self._bus: AsyncClient | None = None
+        self._queued = 0  # senders waiting for the bus socket to drain, in FIFO order
+        self._lock = trio.Lock()
+        self.connected = trio.Event()
+        # counters
+        self.published = 0  # remote publishes handed to the bus
+        self.lost = 0  # remote publishes discarded because the bus was down
+        self.received = 0  # messages from the bus
+        self.bus_dropped = 0  # messages the broker reported dropping for us
+
+    # -- subscriptions ------------------------------------------------------------
+
+    async def subscribe(self, client: Hashable, pattern: bytes) -> None:
+        self.index.subscribe(client, pattern)
+        self.patterns[pattern] += 1
+        if self.patterns[pattern] == 1:
+            await self._send(protocol.encode(protocol.Subscribe(pattern)))
+
+    async def unsubscribe(self, client: Hashable, pattern: bytes) -> bool:
+        if not self.index.unsubscribe(client, pattern):
+            return False
+        await self._release(pattern)
+        return True
+
+    async def remove_client(self, client: Hashable) -> None:
+        mine = self.index.patterns(client)
+        self.index.remove_client(client)
+        for pattern, count in mine.items():
+            for _ in range(count):
+                await self._release(pattern)
+
+    async def _release(self, pattern: bytes) -> None:
+        self.patterns[pattern] -= 1
+        if self.patterns[pattern] <= 0:
+            del self.patterns[pattern]
+            await self._send(protocol.encode(protocol.Unsubscribe(pattern)))
+
+    # -- publishing ---------------------------------------------------------------
+
+    async def publish(self, key: bytes, payload: bytes) -> bool:
+        """Hand a remote client's message to the bus; False if the bus is down."""
+        if await self._send(b"MSG " + key + b"\0" + payload):
+            self.published += 1
+            return True
+        self.lost += 1
+        return False
+
+    async def _send(self, packet: bytes) -> bool:
+        """Send one packet in call order; waits (backpressure) while the broker is busy."""
+        bus = self._bus
+        if bus is None:
+            return False
+        if not self._queued:
+            try:
+                bus.sock.send(packet)
+                return True
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                self._lost_bus(bus, exc)
+                return False
+        self._queued += 1
+        try:
+            async with self._lock:
+                while self._bus is bus:
+                    try:
+                        bus.sock.send(packet)
+                        return True
+                    except BlockingIOError:
+                        await wait_writable(bus.sock)
+                    except OSError as exc:
+                        self._lost_bus(bus, exc)
+                return False
+        finally:
+            self._queued -= 1
+
+    def _lost_bus(self, bus: AsyncClient, exc: OSError) -> None:
+        if self._bus is bus:
+            if exc.errno == errno.EMSGSIZE:
+                log.warning("the broker refused a packet as too large: %s", exc)
+                return
+            log.warning("lost the bus at %s: %s", bus.address, exc)
+            self._bus = None
+            self.connected = trio.Event()
+
+    # -- the bus connection --------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Connect, subscribe, forward messages; reconnect when the bus goes away."""
+        delay = BUS_BACKOFF_FIRST
+        started = False
+        while True:
+            try:
+                bus = await AsyncClient.connect(self.address)
+            except SbusError as exc:
+                if not started:
+                    raise  # a gateway that never reached its bus is misconfigured
+                log.warning("%s; retrying in %.1f s", exc, delay)
+                await trio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, BUS_BACKOFF_MAX)
+                continue
+            delay = BUS_BACKOFF_FIRST
+            # queue in the broker rather than block local publishers when we lag;
+            # the broker tells us how many it dropped
+            for packet in (b"CMSG blocking/soft/queue", b"CMSG blocking/hard/discard"):
+                bus.sock.send(packet)
+            self._bus = bus
+            patterns = list(self.patterns)  # taken with no await since _bus was set
+            self.connected.set()
+            log.info("connected to the bus at %s (%d patterns)", bus.address, len(patterns))
+            if not started:
+                task_status.started()
+                started = True
+            try:
+                for pattern in patterns:
+                    await self._send(protocol.encode(protocol.Subscribe(pattern)))
+                await self._forward(bus)
+            except SbusError as exc:
+                if self._bus is bus:
+                    log.warning("lost the bus: %s", exc)
+            finally:
+                if self._bus is bus:
+                    self._bus = None
+                    self.connected = trio.Event()
+                with trio.CancelScope(shield=True):
+                    await bus.aclose()
+
+    async def _forward(self, bus: AsyncClient) -> None:
+        match = self.index.match
+        deliver = self.deliver
+        secret = b"!/"
+        while self._bus is bus:
+            for event in await bus.receive_batch(256):
+                if type(event) is protocol.Publish:
+                    self.received += 1
+                    key = event.key
+                    if key.startswith(secret):
+                        continue  # never forwarded, whatever the broker sent
+                    targets = match(key)
+                    if targets:
+                        deliver(targets, key, event.payload)
+                elif event.key == b"blocking/dropped" and (event.payload or b"").isdigit():
+                    n = int(event.payload)
+                    self.bus_dropped += n
+                    log.warning("the broker dropped %d messages for the gateway "
+                                "(it could not keep up)", n)
+            await trio.lowlevel.checkpoint()
+
+    @property
+    def up(self) -> bool:
+        return self._bus is not None

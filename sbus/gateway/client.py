@@ -1,0 +1,344 @@
+"""Remote client library for the gateway: `Client` (trio) and `BlockingClient` (threads).
+
+The gateway keeps no state across connections and returns no errors, so the
+client keeps it: the topics it is subscribed to and the secret.  A background
+task owns the connection; when it breaks (or the gateway goes silent for
+``dead_after`` seconds, although it echoes every keep-alive) the task reconnects
+with exponential backoff and jitter (1 s doubling to 60 s by default),
+authenticates again and subscribes to every topic again.  Messages published
+while disconnected wait for the next connection; one that was being written
+when the connection broke is not retried (as in the design).
+
+    async with Client("bus.example.net", 7070, auth_key=b"...") as c:
+        await c.subscribe(b"sensors/*/temp")
+        async for msg in c:
+            print(msg.topic, msg.body)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import ssl
+import threading
+from contextlib import AsyncExitStack
+
+import trio
+
+from . import codec
+from .codec import FrameDecoder, FrameError
+
+log = logging.getLogger("sbus.gateway.client")
+
+__all__ = ["Client", "BlockingClient", "Message"]
+
+#: A message from the gateway: ``.topic`` and ``.body`` (bytes).
+Message = codec.Publish
+
+#: A connection that lasted this long resets the backoff.
+STABLE_AFTER = 10.0
+
+_BROKEN = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, FrameError,
+           trio.TooSlowError)
+
+
+def _b(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def backoff_delay(failures: int, first: float, maximum: float) -> float:
+    """Delay before the next attempt after *failures* consecutive failures ("equal jitter":
+    between half and all of ``first * 2**failures``, capped at *maximum*)."""
+    base = min(maximum, first * math.pow(2, min(failures, 60)))
+    return base / 2 + random.uniform(0, base / 2)
+
+
+class Client:
+    """A self-healing connection to a gateway, for trio.  Use as ``async with``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        auth_key: bytes | str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        keepalive: float = 20.0,
+        dead_after: float | None = None,
+        backoff_first: float = 1.0,
+        backoff_max: float = 60.0,
+        connect_timeout: float = 10.0,
+        queue: int = 1000,
+        max_frame: int = codec.DEFAULT_MAX_FRAME,
+    ) -> None:
+        self.host, self.port = host, port
+        self.auth_key = None if auth_key is None else _b(auth_key)
+        self.ssl_context = ssl_context
+        self.server_hostname = server_hostname or host
+        self.keepalive = keepalive
+        self.dead_after = 3 * keepalive if dead_after is None else dead_after
+        self.backoff_first, self.backoff_max = backoff_first, backoff_max
+        self.connect_timeout = connect_timeout
+        self.max_frame = max_frame
+        self.topics: set[bytes] = set()
+        #: Connections made so far (1 after the first, more after reconnects).
+        self.connections = 0
+        self._send_in, self._receive_out = trio.open_memory_channel[Message](queue)
+        self._stream: trio.abc.Stream | None = None
+        self._connected = trio.Event()
+        self._lock = trio.Lock()
+        self._last_sent = 0.0
+        self._stack: AsyncExitStack | None = None
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def __aenter__(self) -> Client:
+        stack = AsyncExitStack()
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(nursery.cancel_scope.cancel)  # runs first on exit
+        nursery.start_soon(self._run)
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self._stack is not None
+        await self._stack.aclose()
+
+    @property
+    def connected(self) -> bool:
+        return self._stream is not None
+
+    async def wait_connected(self) -> None:
+        """Until a connection is up (authenticated and subscribed)."""
+        while self._stream is None:
+            await self._connected.wait()
+
+    # -- requests -------------------------------------------------------------------
+
+    async def subscribe(self, topic: bytes | str) -> None:
+        """Subscribe now and after every reconnect (an sbus pattern)."""
+        topic = _b(topic)
+        self.topics.add(topic)
+        await self._send_now(codec.subscribe(topic))
+
+    async def unsubscribe(self, topic: bytes | str) -> None:
+        topic = _b(topic)
+        self.topics.discard(topic)
+        await self._send_now(codec.unsubscribe(topic))
+
+    async def publish(self, topic: bytes | str, body: bytes | str = b"") -> bool:
+        """Send a message, waiting for a connection if there is none; False if the
+        connection broke while it was written (it is not retried)."""
+        frame = codec.publish(_b(topic), _b(body))
+        while True:
+            await self.wait_connected()
+            stream = self._stream
+            if stream is not None:
+                return await self._send(stream, frame)
+
+    async def _send_now(self, frame: bytes) -> None:
+        """Send if connected; otherwise the next connection sends the current state."""
+        stream = self._stream
+        if stream is not None:
+            await self._send(stream, frame)
+
+    async def _send(self, stream: trio.abc.Stream, data: bytes) -> bool:
+        async with self._lock:
+            if stream is not self._stream:
+                return False
+            try:
+                await stream.send_all(data)
+            except _BROKEN as exc:
+                log.debug("send to %s:%d failed: %s", self.host, self.port, exc)
+                return False
+            self._last_sent = trio.current_time()
+            return True
+
+    async def receive(self) -> Message:
+        return await self._receive_out.receive()
+
+    def __aiter__(self) -> Client:
+        return self
+
+    async def __anext__(self) -> Message:
+        return await self._receive_out.receive()
+
+    # -- the connection -----------------------------------------------------------------
+
+    async def _open(self) -> trio.abc.Stream:
+        with trio.fail_after(self.connect_timeout):
+            stream: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
+            if self.ssl_context is not None:
+                tls = trio.SSLStream(stream, self.ssl_context,
+                                     server_hostname=self.server_hostname)
+                try:
+                    await tls.do_handshake()
+                except BaseException:
+                    await trio.aclose_forcefully(stream)
+                    raise
+                stream = tls
+        return stream
+
+    def _hello(self) -> bytes:
+        """What a fresh connection sends first: the secret, then every subscription."""
+        parts = [] if self.auth_key is None else [codec.authenticate(self.auth_key)]
+        parts += [codec.subscribe(t) for t in sorted(self.topics)]
+        return b"".join(parts)
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            began = trio.current_time()
+            try:
+                stream = await self._open()
+            except _BROKEN as exc:
+                log.info("cannot connect to %s:%d: %s", self.host, self.port, exc)
+            else:
+                try:
+                    await self._session(stream)
+                finally:
+                    self._stream = None
+                    self._connected = trio.Event()
+                    with trio.CancelScope(shield=True):
+                        await trio.aclose_forcefully(stream)
+            if trio.current_time() - began >= STABLE_AFTER:
+                failures = 0
+            delay = backoff_delay(failures, self.backoff_first, self.backoff_max)
+            failures += 1
+            log.info("reconnecting to %s:%d in %.1f s", self.host, self.port, delay)
+            await trio.sleep(delay)
+
+    async def _session(self, stream: trio.abc.Stream) -> None:
+        async with self._lock:
+            try:
+                hello = self._hello()
+                if hello:
+                    await stream.send_all(hello)
+            except _BROKEN as exc:
+                log.info("connection to %s:%d failed at once: %s", self.host, self.port, exc)
+                return
+            self._last_sent = trio.current_time()
+            self._stream = stream
+        self.connections += 1
+        self._connected.set()
+        log.info("connected to %s:%d (%d topics)", self.host, self.port, len(self.topics))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._keepalives, stream, nursery.cancel_scope)
+            await self._reader(stream)
+            nursery.cancel_scope.cancel()
+
+    async def _keepalives(self, stream: trio.abc.Stream, scope: trio.CancelScope) -> None:
+        while True:
+            await trio.sleep_until(self._last_sent + self.keepalive)
+            if trio.current_time() >= self._last_sent + self.keepalive:
+                if not await self._send(stream, codec.KEEPALIVE):
+                    scope.cancel()
+                    return
+
+    async def _reader(self, stream: trio.abc.Stream) -> None:
+        decoder = FrameDecoder(self.max_frame)
+        try:
+            while True:
+                with trio.move_on_after(self.dead_after) as timer:
+                    data = await stream.receive_some(65536)
+                if timer.cancelled_caught:
+                    log.warning("%s:%d silent for %g s: reconnecting", self.host, self.port,
+                                self.dead_after)
+                    return
+                if not data:
+                    log.info("%s:%d closed the connection", self.host, self.port)
+                    return
+                for frame in decoder.feed(data):
+                    if type(frame) is codec.Publish:
+                        await self._send_in.send(frame)
+        except _BROKEN as exc:
+            log.info("connection to %s:%d lost: %s", self.host, self.port, exc)
+
+
+class BlockingClient:
+    """`Client` for threaded code: a trio thread owns the connection.
+
+    >>> with BlockingClient("localhost", 7070) as c:         # doctest: +SKIP
+    ...     c.subscribe(b"news/")
+    ...     print(c.receive(timeout=5))
+    """
+
+    def __init__(self, host: str, port: int, **options) -> None:
+        self._client = Client(host, port, **options)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._thread = threading.Thread(target=self._thread_main, name="sbus-gateway-client",
+                                        daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _thread_main(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as exc:  # reported to the constructor's caller
+            self._error = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        async with self._client:
+            self._ready.set()
+            await self._stop.wait()
+
+    def _call(self, fn, *args):
+        if self._token is None or not self._thread.is_alive():
+            raise RuntimeError("this client is closed")
+        return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    @property
+    def connected(self) -> bool:
+        return self._client.connected
+
+    def wait_connected(self, timeout: float | None = None) -> bool:
+        async def wait() -> bool:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                await self._client.wait_connected()
+                return True
+            return False
+        return self._call(wait)
+
+    def subscribe(self, topic: bytes | str) -> None:
+        self._call(self._client.subscribe, topic)
+
+    def unsubscribe(self, topic: bytes | str) -> None:
+        self._call(self._client.unsubscribe, topic)
+
+    def publish(self, topic: bytes | str, body: bytes | str = b"") -> bool:
+        return self._call(self._client.publish, topic, body)
+
+    def receive(self, timeout: float | None = None) -> Message:
+        """The next message; ``TimeoutError`` after *timeout* seconds."""
+        async def get() -> Message:
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                return await self._client.receive()
+        try:
+            return self._call(get)
+        except trio.TooSlowError:
+            raise TimeoutError(f"no message within {timeout} s") from None
+
+    def close(self) -> None:
+        if self._thread.is_alive() and self._stop is not None:
+            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            self._thread.join()
+
+    def __enter__(self) -> BlockingClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

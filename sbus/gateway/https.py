@@ -1,0 +1,177 @@
+"""The optional HTTPS publish endpoint: ``POST`` a JSON ``{"topic", "body"}`` message.
+
+For publishers that cannot hold a connection open (scripts, webhooks).  Both
+fields are base64 (topics and bodies are bytes); the secret travels in the
+``X-Authentication-Key`` header, so the endpoint is only served over TLS.
+Answers: 201 published, 400 bad request, 401 missing or wrong key, 405 not a
+POST, 413 too large, 415 not JSON, 503 the bus is down.  Any path is accepted.
+
+HTTP/1.1 parsing is h11's (a small, strict, sans-IO parser); the decision for
+one request is the pure `decide`, the rest is a thin trio shell.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import logging
+import ssl
+from dataclasses import dataclass
+from functools import partial
+
+import h11
+import trio
+
+from .server import Disconnect, Gateway, _check_key
+
+log = logging.getLogger("sbus.gateway.https")
+
+__all__ = ["Answer", "decide", "serve_https"]
+
+#: Largest request head (request line and headers) accepted, in bytes.
+MAX_HEADER = 16 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int
+    text: str
+    #: What to publish when the request is accepted (status 201).
+    topic: bytes | None = None
+    body: bytes | None = None
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key.lower() == name:
+            return value
+    return None
+
+
+def decide(method: bytes, headers: list[tuple[bytes, bytes]], content: bytes,
+           secret: bytes, max_frame: int) -> Answer:
+    """What to answer to one complete request (pure)."""
+    if method != b"POST":
+        return Answer(405, "only POST is supported")
+    key = _header(headers, b"x-authentication-key")
+    if key is None:
+        return Answer(401, "X-Authentication-Key header missing")
+    if not hmac.compare_digest(key, secret):
+        return Answer(401, "wrong authentication key")
+    ctype = (_header(headers, b"content-type") or b"").split(b";")[0].strip().lower()
+    if ctype != b"application/json":
+        return Answer(415, "Content-Type must be application/json")
+    try:
+        doc = json.loads(content)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return Answer(400, f"body is not JSON: {exc}")
+    if not isinstance(doc, dict) or not isinstance(doc.get("topic"), str) \
+            or not isinstance(doc.get("body", ""), str):
+        return Answer(400, 'expected {"topic": base64, "body": base64}')
+    try:
+        topic = base64.b64decode(doc["topic"], validate=True)
+        body = base64.b64decode(doc.get("body", ""), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        return Answer(400, f"topic and body must be base64: {exc}")
+    if len(topic) + len(body) > max_frame:
+        return Answer(413, f"topic and body exceed {max_frame} bytes")
+    try:
+        _check_key(topic)
+    except Disconnect as exc:
+        return Answer(400, str(exc))
+    return Answer(201, "published", topic, body)
+
+
+def _max_content(max_frame: int) -> int:
+    return max_frame * 4 // 3 + 4096  # base64 and JSON around a full frame
+
+
+async def _respond(stream: trio.abc.Stream, conn: h11.Connection, answer: Answer) -> None:
+    text = (answer.text + "\n").encode()
+    headers = [("Content-Type", "text/plain; charset=utf-8"),
+               ("Content-Length", str(len(text)))]
+    if answer.status == 405:
+        headers.append(("Allow", "POST"))
+    if answer.status >= 400 and answer.status != 401:
+        headers.append(("Connection", "close"))
+    data = conn.send(h11.Response(status_code=answer.status, headers=headers))
+    data += conn.send(h11.Data(data=text)) + conn.send(h11.EndOfMessage())
+    await stream.send_all(data)
+
+
+async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER)
+    limit = _max_content(gw.max_frame)
+    try:
+        while True:
+            request: h11.Request | None = None
+            chunks: list[bytes] = []
+            size = 0
+            answer: Answer | None = None
+            with trio.move_on_after(gw.idle_timeout):
+                while answer is None:
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA:
+                        conn.receive_data(await stream.receive_some(65536))
+                    elif isinstance(event, h11.Request):
+                        request = event
+                        length = _header(event.headers, b"content-length")
+                        if length is not None and int(length) > limit:
+                            answer = Answer(413, f"request body over {limit} bytes")
+                    elif isinstance(event, h11.Data):
+                        size += len(event.data)
+                        if size > limit:
+                            answer = Answer(413, f"request body over {limit} bytes")
+                        chunks.append(event.data)
+                    elif isinstance(event, h11.EndOfMessage):
+                        assert request is not None
+                        answer = decide(request.method, request.headers, b"".join(chunks),
+                                        gw.secret, gw.max_frame)
+                    elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+                        return
+            if answer is None:
+                return  # idle
+            if answer.status == 201:
+                assert answer.topic is not None and answer.body is not None
+                if not await gw.bridge.publish(answer.topic, answer.body):
+                    answer = Answer(503, "the bus is not available; try again")
+            elif answer.status == 401 and "wrong" in answer.text:
+                log.warning("HTTPS %s: wrong authentication key", _peer(stream))
+            await _respond(stream, conn, answer)
+            if conn.our_state is h11.MUST_CLOSE or answer.status >= 400 \
+                    and answer.status != 401:
+                return
+            conn.start_next_cycle()
+    except h11.RemoteProtocolError as exc:
+        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            try:
+                await _respond(stream, conn, Answer(exc.error_status_hint,
+                                                    f"bad HTTP request: {exc}"))
+            except (trio.BrokenResourceError, h11.LocalProtocolError):
+                pass
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+def _peer(stream: trio.abc.Stream) -> str:
+    from .server import _peer as peer
+
+    return peer(stream)
+
+
+async def serve_https(gw: Gateway, host: str, port: int, ctx: ssl.SSLContext, *,
+                      task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Accept HTTPS publishes on *host*:*port* until cancelled."""
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host or None)
+    except OSError as exc:
+        from ..client import SbusError
+
+        raise SbusError(f"cannot listen on {host}:{port} for HTTPS: "
+                        f"{exc.strerror or exc}") from None
+    tls = [trio.SSLListener(lst, ctx, https_compatible=True) for lst in listeners]
+    await trio.serve_listeners(partial(_handle, gw), tls, task_status=task_status)

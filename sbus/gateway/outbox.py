@@ -1,0 +1,75 @@
+"""A remote client's bounded outgoing buffer: pure bookkeeping, no I/O.
+
+The pubsub design deals with slow readers by giving each client a fixed buffer
+and discarding *new* messages while it is full, so a slow client loses only its
+own messages and never slows the bus or other clients.  The bound is both a
+message count and a byte count; messages are counted when discarded.
+Keep-alive echoes are `force`d: they are one byte and keep the client alive.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+__all__ = ["Outbox"]
+
+
+class Outbox:
+    __slots__ = ("max_messages", "max_bytes", "frames", "size", "dropped", "dropped_total")
+
+    def __init__(self, max_messages: int = 100, max_bytes: int = 1 << 20) -> None:
+        if max_messages < 1 or max_bytes < 1:
+            raise ValueError("an outgoing buffer needs room for at least one message")
+        self.max_messages = max_messages
+        self.max_bytes = max_bytes
+        self.frames: deque[bytes] = deque()
+        self.size = 0
+        #: Discarded since the last `take_dropped`, and ever.
+        self.dropped = 0
+        self.dropped_total = 0
+
+    def offer(self, frame: bytes) -> bool:
+        """Queue *frame* if there is room; otherwise count it as discarded and say False.
+
+        A frame larger than the byte bound on its own is still accepted into an
+        empty buffer, so a bound below the frame limit cannot starve a client.
+        """
+        if self.frames and (len(self.frames) >= self.max_messages
+                            or self.size + len(frame) > self.max_bytes):
+            self.dropped += 1
+            self.dropped_total += 1
+            return False
+        self.frames.append(frame)
+        self.size += len(frame)
+        return True
+
+    def force(self, frame: bytes) -> None:
+        """Queue *frame* whatever the bounds (keep-alive echoes)."""
+        self.frames.append(frame)
+        self.size += len(frame)
+
+    def take(self, limit: int = 256 * 1024) -> bytes:
+        """Remove and return queued frames joined, about *limit* bytes at most (at least one)."""
+        frames = self.frames
+        if len(frames) == 1 or frames[0].__len__() >= limit:
+            frame = frames.popleft()
+            self.size -= len(frame)
+            return frame
+        out = []
+        n = 0
+        while frames and n < limit:
+            frame = frames.popleft()
+            out.append(frame)
+            n += len(frame)
+        self.size -= n
+        return b"".join(out)
+
+    def take_dropped(self) -> int:
+        n, self.dropped = self.dropped, 0
+        return n
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def __bool__(self) -> bool:
+        return bool(self.frames)
