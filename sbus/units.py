@@ -1,0 +1,311 @@
+"""`sbus install-units`: write the systemd units for *this* installation of sbus.
+
+The unit text is rendered here rather than copied from ``units/`` because the
+``ExecStart=`` path and two sandboxing choices depend on where sbus is installed:
+a broker in a virtualenv under ``/root`` or ``/home`` cannot run as a
+``DynamicUser=`` (it could not read its own code) nor behind ``ProtectHome=yes``.
+``units/`` in the source tree holds the same units rendered for ``/usr/bin/sbus``
+(a test keeps the two identical).
+
+The user units deliberately avoid every option that needs a mount namespace
+(``ProtectSystem=``, ``PrivateTmp=``, ...): an unprivileged user manager can only
+provide those through ``PrivateUsers=``, which remaps the UIDs that
+``SO_PEERCRED`` reports -- and the bus's secrets rest on those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .client import SbusError
+
+SYSTEM_SOCKET = "/run/sbus.socket"
+USER_SOCKET = "%t/sbus.socket"
+SYSTEM_MOUNT_POINT = "/mnt/sbus"
+USER_MOUNT_POINT = "%t/sbus-fs"
+HOME_TREES = ("/home", "/root", "/run/user")
+
+
+@dataclass(frozen=True)
+class Installation:
+    """What the units must know about the installed sbus."""
+
+    exec_start: str  # the command line that runs ``sbus`` (without the subcommand)
+    world_readable: bool  # every file it needs is readable by any user (DynamicUser= ok)
+    under_home: bool  # some of it lives below /home, /root or /run/user
+
+
+def _readable_by_others(path: Path) -> bool:
+    """Whether a user with no relation to the owner can read *path* (checks every parent)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    need = stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(st.st_mode) else 0)
+    if st.st_mode & need != need:
+        return False
+    for parent in path.parents:
+        try:
+            if not parent.stat().st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _under_home(path: Path) -> bool:
+    return any(path == Path(h) or Path(h) in path.parents for h in HOME_TREES)
+
+
+def _interpreter(script: Path) -> Path | None:
+    """The ``#!`` interpreter of *script*, if it has one we can read."""
+    try:
+        with script.open("rb") as f:
+            first = f.readline(4096)
+    except OSError:
+        return None
+    if not first.startswith(b"#!") or not first[2:].split():
+        return None
+    return Path(first[2:].split()[0].decode(errors="replace")).resolve()
+
+
+def this_installation(exec_path: str | None = None) -> Installation:
+    """Describe the running installation, or the one whose ``sbus`` is *exec_path*.
+
+    For an *exec_path* that does not exist here (units for an image), nothing can be
+    checked and a system-wide installation is assumed.
+    """
+    if exec_path is None:
+        candidate = Path(sys.executable).parent / "sbus"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            exec_start = str(candidate)
+        else:  # e.g. run from a source tree: ask this interpreter to run the CLI module
+            exec_start = f"{sys.executable} -m sbus.cli"
+        needed = [Path(sys.executable).resolve(), Path(__file__).resolve().parent,
+                  Path(os.__file__).resolve().parent]
+    else:
+        if not os.path.isabs(exec_path) or any(c.isspace() for c in exec_path):
+            raise SbusError(f"--exec must be an absolute path without spaces, not {exec_path!r}")
+        exec_start = exec_path
+        needed = []
+    script = Path(exec_start.split()[0])
+    if script.exists():
+        needed.append(script.resolve())
+        interpreter = _interpreter(script)
+        if interpreter is not None:
+            needed.append(interpreter)
+    return Installation(
+        exec_start=exec_start,
+        world_readable=all(_readable_by_others(p) for p in needed),
+        under_home=any(_under_home(p) for p in needed) or _under_home(script),
+    )
+
+
+# -- rendering (pure) ----------------------------------------------------------------------
+
+def _socket_unit(user: bool) -> str:
+    where = USER_SOCKET if user else SYSTEM_SOCKET
+    mode = ("# Only this user may connect to a per-user bus.\nSocketMode=0600\n" if user else
+            "# A multi-user bus: anyone may connect; the broker guards secret keys\n"
+            "# with the credentials the kernel reports (SO_PEERCRED).\nSocketMode=0666\n")
+    return (
+        "[Unit]\n"
+        "Description=sbus message bus socket\n"
+        "\n"
+        "[Socket]\n"
+        "# systemd owns the listening socket: connections made while the broker\n"
+        "# (re)starts wait in the backlog instead of being refused.\n"
+        f"ListenSequentialPacket={where}\n"
+        f"{mode}"
+        "RemoveOnStop=yes\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=sockets.target\n"
+    )
+
+
+_USER_SANDBOX = (
+    "NoNewPrivileges=yes\n"
+    "RestrictAddressFamilies=AF_UNIX\n"
+    "RestrictNamespaces=yes\n"
+    "RestrictRealtime=yes\n"
+    "RestrictSUIDSGID=yes\n"
+    "LockPersonality=yes\n"
+    "SystemCallArchitectures=native\n"
+    "SystemCallFilter=@system-service\n"
+)
+
+
+def _system_sandbox(inst: Installation) -> str:
+    lines = []
+    if inst.world_readable:
+        lines.append("DynamicUser=yes")
+    else:
+        lines.append("# Runs as root: this installation is not readable by other users,\n"
+                     "# so DynamicUser=yes is not possible.")
+    lines += [
+        "CapabilityBoundingSet=",
+        "ProtectSystem=strict",
+        "ProtectHome=read-only" if inst.under_home else "ProtectHome=yes",
+        "PrivateTmp=yes",
+        "PrivateDevices=yes",
+        "PrivateNetwork=yes",
+        "ProtectKernelTunables=yes",
+        "ProtectKernelModules=yes",
+        "ProtectKernelLogs=yes",
+        "ProtectControlGroups=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "UMask=0077",
+    ]
+    return "\n".join(lines) + "\n" + _USER_SANDBOX
+
+
+def _service_unit(inst: Installation, user: bool) -> str:
+    return (
+        "[Unit]\n"
+        "Description=sbus message bus broker\n"
+        "Requires=sbus.socket\n"
+        "After=sbus.socket\n"
+        "\n"
+        "[Service]\n"
+        "# Started by sbus.socket on the first connection; 'sbus serve' takes the\n"
+        "# listening socket from LISTEN_FDS, reports READY=1 and a live STATUS=.\n"
+        "Type=notify\n"
+        "NotifyAccess=main\n"
+        f"ExecStart={inst.exec_start} serve\n"
+        "Restart=on-failure\n"
+        "WatchdogSec=30s\n"
+        "# Every client is a file descriptor.\n"
+        "LimitNOFILE=65536\n"
+        "# No PrivateUsers=: it would remap the UIDs that SO_PEERCRED reports.\n"
+        + (_USER_SANDBOX if user else _system_sandbox(inst))
+    )
+
+
+def _mount_unit(inst: Installation, user: bool) -> str:
+    where = USER_MOUNT_POINT if user else SYSTEM_MOUNT_POINT
+    env = f"Environment=SBUS_ADDRESS={USER_SOCKET}\n" if user else ""
+    return (
+        "[Unit]\n"
+        f"Description=sbus message bus as a filesystem at {where}\n"
+        "Requires=sbus.socket\n"
+        "After=sbus.socket\n"
+        "\n"
+        "[Service]\n"
+        f"{env}"
+        f"ExecStartPre=mkdir -p {where}\n"
+        f"ExecStart={inst.exec_start} mount {where}\n"
+        "# A mount left behind by a crashed daemon would block the next start.\n"
+        f"ExecStopPost=-fusermount3 -u -z {where}\n"
+        "Restart=on-failure\n"
+        "\n"
+        "[Install]\n"
+        f"WantedBy={'default.target' if user else 'multi-user.target'}\n"
+    )
+
+
+def render(inst: Installation, *, user: bool) -> dict[str, str]:
+    """Unit file name -> text, for the system manager or (``user=True``) a user manager."""
+    return {
+        "sbus.socket": _socket_unit(user),
+        "sbus.service": _service_unit(inst, user),
+        "sbus-mount.service": _mount_unit(inst, user),
+    }
+
+
+# -- installing (I/O) ----------------------------------------------------------------------
+
+def default_unit_dir(user: bool) -> Path:
+    if not user:
+        return Path("/etc/systemd/system")
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(config) / "systemd" / "user"
+
+
+def write_units(directory: Path, units: dict[str, str]) -> list[tuple[Path, bool]]:
+    """Write all units or none; return (path, changed) for each."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SbusError(f"cannot create {directory}: {exc.strerror}") from None
+    staged: list[tuple[str, Path, bool]] = []
+    try:
+        for name, text in units.items():
+            target = directory / name
+            try:
+                changed = target.read_text() != text
+            except FileNotFoundError:
+                changed = True
+            except OSError as exc:
+                raise SbusError(f"cannot read {target}: {exc.strerror}") from None
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+            staged.append((tmp, target, changed))
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(tmp, 0o644)
+    except OSError as exc:
+        for tmp, _, _ in staged:
+            os.unlink(tmp)
+        raise SbusError(f"cannot write units into {directory}: {exc.strerror}") from None
+    except BaseException:
+        for tmp, _, _ in staged:
+            os.unlink(tmp)
+        raise
+    for tmp, target, _ in staged:
+        os.replace(tmp, target)
+    return [(target, changed) for _, target, changed in staged]
+
+
+def _manager_running(user: bool) -> bool:
+    if not user:
+        return os.path.isdir("/run/systemd/system")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return bool(runtime) and os.path.exists(os.path.join(runtime, "systemd", "private"))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--user", action="store_true",
+                   help="units for your user manager (systemctl --user) instead of the system")
+    p.add_argument("--root", metavar="DIR", type=Path,
+                   help="install below DIR, as if it were / (building an image)")
+    p.add_argument("--unit-dir", metavar="DIR", type=Path,
+                   help="write the units into exactly DIR (default /etc/systemd/system, "
+                        "or $XDG_CONFIG_HOME/systemd/user with --user)")
+    p.add_argument("--exec", dest="exec_path", metavar="PATH",
+                   help="the sbus executable for ExecStart= (default: this installation's)")
+    p.add_argument("--no-reload", action="store_true",
+                   help="do not run 'systemctl daemon-reload' afterwards")
+
+
+def run(args: argparse.Namespace) -> int:
+    inst = this_installation(args.exec_path)
+    directory = args.unit_dir or default_unit_dir(args.user)
+    if args.root is not None:
+        directory = args.root / directory.relative_to(directory.anchor)
+    results = write_units(directory, render(inst, user=args.user))
+    for path, changed in results:
+        print(f"{'wrote' if changed else 'unchanged'} {path}")
+    if not inst.world_readable and not args.user:
+        print("note: this installation is not readable by other users, so sbus.service "
+              "runs as root instead of DynamicUser=yes")
+    systemctl = ["systemctl", "--user"] if args.user else ["systemctl"]
+    default_place = args.root is None and args.unit_dir is None
+    if default_place and not args.no_reload and _manager_running(args.user):
+        done = subprocess.run([*systemctl, "daemon-reload"], capture_output=True, text=True)
+        if done.returncode == 0:
+            print(f"ran {' '.join(systemctl)} daemon-reload")
+        else:
+            print(f"warning: {' '.join(systemctl)} daemon-reload failed: "
+                  f"{done.stderr.strip()}", file=sys.stderr)
+    print(f"start the bus with: {' '.join(systemctl)} enable --now sbus.socket")
+    if args.user:
+        print("clients find it with: export SBUS_ADDRESS=$XDG_RUNTIME_DIR/sbus.socket")
+    return 0
