@@ -1,0 +1,11 @@
+"""The recorder's journal: rotating, sealed segment files of bus messages.
+
+`format` is the pure on-disk codec, `store` the directory (writer, recovery, readers),
+`retention` the pure deletion policy, `record` the ``sbus record`` command.
+"""
+
+from .format import Block, BlockInfo, FormatError
+from .store import JournalError, JournalWriter, Segment, list_segments, read_blocks, segment_blocks
+
+__all__ = ["Block", "BlockInfo", "FormatError", "JournalError", "JournalWriter", "Segment",
+           "list_segments", "read_blocks", "segment_blocks"]

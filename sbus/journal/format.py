@@ -1,0 +1,201 @@
+"""The journal's on-disk format, sans-IO: bytes in, bytes out.
+
+A segment file is::
+
+    header (32 bytes) | block | block | ... | [index | trailer]   (index+trailer once sealed)
+
+A *block* holds the messages of one flush, stored column-wise so a reader can turn
+it into Arrow arrays without touching individual records::
+
+    head (32 bytes): magic "SBJB", count, first_seq, keys_len, payloads_len, body crc32
+    body: ts int64[count] | key offsets int32[count+1] | payload offsets int32[count+1]
+          | key bytes | payload bytes | zero padding to a multiple of 8
+
+Sequence numbers inside a block are consecutive (``first_seq + i``), so only the
+first is stored.  The CRC lets recovery tell a complete block from a torn tail.
+
+A sealed segment ends with an index (one entry per block: position, first_seq,
+count, min/max receive time) and a fixed trailer pointing at it, so a reader can
+split a segment into byte ranges without scanning it.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from array import array
+from dataclasses import dataclass
+from itertools import accumulate
+
+__all__ = [
+    "FILE_HEAD", "BLOCK_HEAD", "TRAILER", "INDEX_ENTRY", "FormatError", "Block", "BlockInfo",
+    "encode_header", "decode_header", "encode_block", "decode_block_head", "decode_block",
+    "encode_index", "decode_trailer", "decode_index", "block_size",
+]
+
+FILE_MAGIC = b"SBUSJRN1"
+BLOCK_MAGIC = b"SBJB"
+TRAILER_MAGIC = b"SBJEND01"
+VERSION = 1
+
+FILE_HEAD = struct.Struct("<8sqqI4x")          # magic, first_seq, created_ns, version
+BLOCK_HEAD = struct.Struct("<4sIqIIII")        # magic, count, first_seq, klen, plen, crc, 0
+INDEX_ENTRY = struct.Struct("<qqqqq")          # pos, first_seq, count, min_ts, max_ts
+TRAILER = struct.Struct("<qqII8s")             # index_pos, blocks, index crc, 0, magic
+
+#: Offsets are int32 (Arrow's ``binary``): a block must stay below 2 GiB of keys or payloads.
+MAX_COLUMN_BYTES = 2**31 - 1
+
+
+class FormatError(ValueError):
+    """Bytes that are not (or no longer) a valid journal structure."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """Where a block is and what it holds (an index entry)."""
+
+    pos: int
+    first_seq: int
+    count: int
+    min_ts: int
+    max_ts: int
+    size: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.pos + self.size
+
+    @property
+    def next_seq(self) -> int:
+        return self.first_seq + self.count
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One decoded block: column buffers as memoryviews into the bytes read (no copies)."""
+
+    first_seq: int
+    count: int
+    ts: memoryview            # int64 nanoseconds since the epoch, one per record
+    key_offsets: memoryview   # int32[count+1]
+    payload_offsets: memoryview
+    keys: memoryview
+    payloads: memoryview
+
+    def records(self):
+        """``(seq, ts_ns, key, payload)`` tuples: convenient, not fast."""
+        ts = self.ts.cast("q")
+        ko = self.key_offsets.cast("i")
+        po = self.payload_offsets.cast("i")
+        for i in range(self.count):
+            yield (self.first_seq + i, ts[i], bytes(self.keys[ko[i]:ko[i + 1]]),
+                   bytes(self.payloads[po[i]:po[i + 1]]))
+
+
+def encode_header(first_seq: int, created_ns: int) -> bytes:
+    return FILE_HEAD.pack(FILE_MAGIC, first_seq, created_ns, VERSION)
+
+
+def decode_header(data: bytes) -> tuple[int, int]:
+    """``(first_seq, created_ns)`` of a segment header."""
+    if len(data) < FILE_HEAD.size:
+        raise FormatError("segment shorter than its header")
+    magic, first_seq, created_ns, version = FILE_HEAD.unpack_from(data)
+    if magic != FILE_MAGIC:
+        raise FormatError("not an sbus journal segment (bad magic)")
+    if version != VERSION:
+        raise FormatError(f"unsupported journal version {version}")
+    return first_seq, created_ns
+
+
+def _pad(n: int) -> int:
+    return -n % 8
+
+
+def block_size(count: int, keys_len: int, payloads_len: int) -> int:
+    """Total bytes of a block with these sizes (head included)."""
+    body = 8 * count + 8 * (count + 1) + keys_len + payloads_len
+    return BLOCK_HEAD.size + body + _pad(body)
+
+
+def encode_block(first_seq: int, ts: array, keys: list[bytes], payloads: list[bytes]) -> bytes:
+    """One block from parallel columns; *ts* is an ``array('q')`` of nanoseconds."""
+    count = len(keys)
+    if not (count == len(payloads) == len(ts)) or count == 0:
+        raise ValueError("a block needs equally long, non-empty columns")
+    kdata = b"".join(keys)
+    pdata = b"".join(payloads)
+    if len(kdata) > MAX_COLUMN_BYTES or len(pdata) > MAX_COLUMN_BYTES:
+        raise ValueError("block too large")
+    koff = array("i", [0])
+    koff.extend(accumulate(map(len, keys)))
+    poff = array("i", [0])
+    poff.extend(accumulate(map(len, payloads)))
+    body_len = 8 * count + 8 * (count + 1) + len(kdata) + len(pdata)
+    body = b"".join((ts.tobytes(), koff.tobytes(), poff.tobytes(), kdata, pdata,
+                     bytes(_pad(body_len))))
+    head = BLOCK_HEAD.pack(BLOCK_MAGIC, count, first_seq, len(kdata), len(pdata),
+                           zlib.crc32(body), 0)
+    return head + body
+
+
+def decode_block_head(data, pos: int = 0) -> tuple[int, int, int, int, int]:
+    """``(count, first_seq, keys_len, payloads_len, crc)``; FormatError if not a block head."""
+    if len(data) - pos < BLOCK_HEAD.size:
+        raise FormatError("truncated block head")
+    magic, count, first_seq, klen, plen, crc, _ = BLOCK_HEAD.unpack_from(data, pos)
+    if magic != BLOCK_MAGIC or count == 0:
+        raise FormatError("bad block head")
+    return count, first_seq, klen, plen, crc
+
+
+def decode_block(data, pos: int = 0, verify: bool = True) -> tuple[Block, int]:
+    """The block at *pos* of *data* and the position after it.
+
+    Raises FormatError for a torn or corrupt block (short, bad magic, bad CRC)."""
+    count, first_seq, klen, plen, crc = decode_block_head(data, pos)
+    size = block_size(count, klen, plen)
+    end = pos + size
+    if len(data) < end:
+        raise FormatError("truncated block")
+    view = memoryview(data)
+    body = view[pos + BLOCK_HEAD.size:end]
+    if verify and zlib.crc32(body) != crc:
+        raise FormatError("block checksum mismatch")
+    a = 8 * count
+    b = a + 4 * (count + 1)
+    c = b + 4 * (count + 1)
+    d = c + klen
+    block = Block(first_seq, count, body[:a], body[a:b], body[b:c], body[c:d], body[d:d + plen])
+    return block, end
+
+
+def encode_index(blocks: list[BlockInfo], index_pos: int) -> bytes:
+    """Index plus trailer for a sealed segment whose index starts at *index_pos*."""
+    index = b"".join(INDEX_ENTRY.pack(b.pos, b.first_seq, b.count, b.min_ts, b.max_ts)
+                     for b in blocks)
+    return index + TRAILER.pack(index_pos, len(blocks), zlib.crc32(index), 0, TRAILER_MAGIC)
+
+
+def decode_trailer(data: bytes) -> tuple[int, int, int]:
+    """``(index_pos, block_count, index_crc)`` from a segment's last TRAILER.size bytes."""
+    if len(data) != TRAILER.size:
+        raise FormatError("truncated trailer")
+    index_pos, nblocks, crc, _, magic = TRAILER.unpack(data)
+    if magic != TRAILER_MAGIC:
+        raise FormatError("segment is not sealed (no trailer)")
+    return index_pos, nblocks, crc
+
+
+def decode_index(data: bytes, nblocks: int, crc: int, index_pos: int) -> list[BlockInfo]:
+    """Index entries; each block's size is derived from its successor (the last one ends
+    where the index starts)."""
+    if len(data) != nblocks * INDEX_ENTRY.size or zlib.crc32(data) != crc:
+        raise FormatError("corrupt segment index")
+    raw = [INDEX_ENTRY.unpack_from(data, i * INDEX_ENTRY.size) for i in range(nblocks)]
+    out = []
+    for i, (pos, first_seq, count, lo, hi) in enumerate(raw):
+        end = raw[i + 1][0] if i + 1 < nblocks else index_pos
+        out.append(BlockInfo(pos, first_seq, count, lo, hi, end - pos))
+    return out

@@ -1,0 +1,361 @@
+"""The journal directory: segment files, the writer that appends and seals them, recovery,
+retention, and the readers that list segments and read byte ranges.
+
+Names: ``<first_seq:020d>.sbj`` for a sealed segment, the same plus ``.open`` while it is
+being written.  Sealing appends the index, fsyncs, then renames, so a ``.sbj`` file is
+always complete; a crash leaves at most one ``.open`` file, which recovery cuts back to
+its last whole block and seals.  Byte positions of blocks never change when a segment is
+sealed, so offsets taken while it was open stay valid.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import format as fmt
+from .format import Block, BlockInfo, FormatError
+from .retention import SegmentAge, expired
+
+__all__ = ["Segment", "JournalWriter", "JournalError", "list_segments", "segment_blocks",
+           "read_blocks", "resolve", "SUFFIX", "OPEN_SUFFIX"]
+
+log = logging.getLogger("sbus.journal")
+
+SUFFIX = ".sbj"
+OPEN_SUFFIX = ".sbj.open"
+
+
+class JournalError(Exception):
+    """A journal directory that cannot be used (locked, unreadable, corrupt sealed segment)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    first_seq: int
+    path: Path
+    sealed: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.first_seq:020d}"
+
+
+def _name(first_seq: int) -> str:
+    return f"{first_seq:020d}"
+
+
+def list_segments(directory: str | os.PathLike) -> list[Segment]:
+    """Segments in journal order (sealed and open)."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise JournalError(f"no journal directory at {d}")
+    out = []
+    for entry in os.scandir(d):
+        name = entry.name
+        if name.endswith(OPEN_SUFFIX):
+            stem, sealed = name[:-len(OPEN_SUFFIX)], False
+        elif name.endswith(SUFFIX):
+            stem, sealed = name[:-len(SUFFIX)], True
+        else:
+            continue
+        if stem.isdigit():
+            out.append(Segment(int(stem), Path(entry.path), sealed))
+    out.sort(key=lambda s: (s.first_seq, not s.sealed))
+    return out
+
+
+def resolve(directory: str | os.PathLike, first_seq: int) -> Segment | None:
+    """The segment starting at *first_seq*, sealed or open (it may have been sealed since
+    it was listed); None if it is gone (retention)."""
+    d = Path(directory)
+    sealed = d / (_name(first_seq) + SUFFIX)
+    if sealed.exists():
+        return Segment(first_seq, sealed, True)
+    live = d / (_name(first_seq) + OPEN_SUFFIX)
+    if live.exists():
+        return Segment(first_seq, live, False)
+    return Segment(first_seq, sealed, True) if sealed.exists() else None  # sealed meanwhile
+
+
+def _sealed_blocks(f, path: Path) -> list[BlockInfo]:
+    size = os.fstat(f.fileno()).st_size
+    if size < fmt.FILE_HEAD.size + fmt.TRAILER.size:
+        raise FormatError("segment too short")
+    f.seek(size - fmt.TRAILER.size)
+    index_pos, nblocks, crc = fmt.decode_trailer(f.read(fmt.TRAILER.size))
+    f.seek(index_pos)
+    return fmt.decode_index(f.read(nblocks * fmt.INDEX_ENTRY.size), nblocks, crc, index_pos)
+
+
+def scan_blocks(f, start: int = fmt.FILE_HEAD.size, verify: bool = True) -> list[BlockInfo]:
+    """Walk whole blocks from *start* (an open or torn segment); stops at the first torn or
+    corrupt one.  Each block is read, to check its CRC."""
+    out = []
+    pos = start
+    f.seek(pos)
+    while True:
+        head = f.read(fmt.BLOCK_HEAD.size)
+        try:
+            count, first_seq, klen, plen, _ = fmt.decode_block_head(head)
+        except FormatError:
+            break
+        size = fmt.block_size(count, klen, plen)
+        rest = f.read(size - fmt.BLOCK_HEAD.size)
+        try:
+            block, _ = fmt.decode_block(head + rest, 0, verify)
+        except FormatError:
+            break
+        ts = block.ts.cast("q")
+        out.append(BlockInfo(pos, first_seq, count, min(ts), max(ts), size))
+        pos += size
+    return out
+
+
+def segment_blocks(segment: Segment, start: int = fmt.FILE_HEAD.size) -> list[BlockInfo]:
+    """The blocks of a segment at or after byte *start*: from the index if sealed, by a
+    verified scan if open."""
+    try:
+        with open(segment.path, "rb") as f:
+            if segment.sealed:
+                try:
+                    return [b for b in _sealed_blocks(f, segment.path) if b.pos >= start]
+                except FormatError as exc:
+                    raise JournalError(f"sealed segment {segment.path} is corrupt: {exc}") from None
+            fmt.decode_header(f.read(fmt.FILE_HEAD.size))
+            return scan_blocks(f, max(start, fmt.FILE_HEAD.size))
+    except FileNotFoundError:
+        if not segment.sealed:  # sealed since it was listed: read its index instead
+            moved = segment.path.with_name(segment.name + SUFFIX)
+            if moved.exists():
+                return segment_blocks(Segment(segment.first_seq, moved, True), start)
+        raise
+
+
+def read_blocks(directory: str | os.PathLike, first_seq: int, start: int, end: int,
+                verify: bool = True) -> Iterator[Block]:
+    """Decoded blocks whose positions lie in ``[start, end)`` of the segment starting at
+    *first_seq*; *start* must be a block boundary.  FileNotFoundError if it is gone."""
+    seg = resolve(directory, first_seq)
+    if seg is None:
+        raise FileNotFoundError(f"journal segment {_name(first_seq)} no longer exists "
+                                f"in {directory} (removed by retention?)")
+    with open(seg.path, "rb") as f:
+        f.seek(start)
+        pos = start
+        while pos < end:
+            head = f.read(fmt.BLOCK_HEAD.size)
+            count, _, klen, plen, _ = fmt.decode_block_head(head)
+            size = fmt.block_size(count, klen, plen)
+            data = head + f.read(size - fmt.BLOCK_HEAD.size)
+            block, _ = fmt.decode_block(data, 0, verify)
+            yield block
+            pos += size
+
+
+class JournalWriter:
+    """Appends messages to the journal in *directory*: buffered into blocks, rotated by size
+    and age, sealed atomically, with retention applied after each seal.
+
+    One writer per directory (an exclusive ``flock`` on ``.lock``).  Opening recovers what
+    a previous writer left behind and resumes the sequence numbers after its last record.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, segment_bytes: int = 64 << 20,
+                 segment_seconds: float = 3600.0, block_bytes: int = 1 << 20,
+                 keep_seconds: float | None = None, keep_bytes: int | None = None,
+                 fsync: bool = True) -> None:
+        self.dir = Path(directory)
+        self.segment_bytes = segment_bytes
+        self.segment_seconds = segment_seconds
+        self.block_bytes = block_bytes
+        self.keep_seconds = keep_seconds
+        self.keep_bytes = keep_bytes
+        self.fsync = fsync
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._lock = open(self.dir / ".lock", "a")
+        except OSError as exc:
+            raise JournalError(f"cannot use journal directory {self.dir}: "
+                               f"{exc.strerror or exc}") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise JournalError(f"journal {self.dir} is in use by another recorder") from None
+        self._fd: int | None = None
+        self._seg_first = 0
+        self._seg_size = 0
+        self._seg_opened = 0.0
+        self._blocks: list[BlockInfo] = []
+        self._keys: list[bytes] = []
+        self._payloads: list[bytes] = []
+        self._ts = array("q")
+        self._pending_bytes = 0
+        self.next_seq = self._recover()
+        self.written = 0  # records written to files since opening
+        self.apply_retention()
+
+    # -- recovery ------------------------------------------------------------------
+
+    def _recover(self) -> int:
+        """Seal any ``.open`` segment at its last whole block; return the next sequence
+        number."""
+        next_seq = 1
+        for seg in list_segments(self.dir):
+            if seg.sealed:
+                blocks = segment_blocks(seg)
+            else:
+                blocks = self._recover_open(seg)
+            if blocks:
+                next_seq = max(next_seq, blocks[-1].next_seq)
+            else:
+                next_seq = max(next_seq, seg.first_seq)
+        return next_seq
+
+    def _recover_open(self, seg: Segment) -> list[BlockInfo]:
+        with open(seg.path, "r+b") as f:
+            try:
+                fmt.decode_header(f.read(fmt.FILE_HEAD.size))
+                blocks = scan_blocks(f)
+            except FormatError:
+                blocks = []
+            if not blocks:
+                log.warning("removing empty or unreadable unsealed segment %s", seg.path)
+                seg.path.unlink()
+                return []
+            end = blocks[-1].end
+            lost = os.fstat(f.fileno()).st_size - end
+            if lost:
+                log.warning("recovered %s: cut %d bytes of torn tail", seg.path.name, lost)
+            f.truncate(end)
+            f.seek(end)
+            f.write(fmt.encode_index(blocks, end))
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(seg.path, seg.path.with_name(seg.name + SUFFIX))
+        self._fsync_dir()
+        return blocks
+
+    # -- writing -------------------------------------------------------------------
+
+    def append(self, ts_ns: int, keys: list[bytes], payloads: list[bytes]) -> None:
+        """Buffer records received at *ts_ns*; writes a block once enough is buffered."""
+        n = len(keys)
+        if not n:
+            return
+        self._keys.extend(keys)
+        self._payloads.extend(payloads)
+        self._ts.extend(array("q", (ts_ns,)) * n)
+        self._pending_bytes += sum(map(len, keys)) + sum(map(len, payloads)) + 16 * n
+        if self._pending_bytes >= self.block_bytes:
+            self.flush()
+
+    @property
+    def pending(self) -> int:
+        """Records buffered in memory, not yet written (what a kill -9 would lose)."""
+        return len(self._keys)
+
+    def flush(self) -> None:
+        """Write the buffered records as one block (to the OS; fsync only on seal)."""
+        if not self._keys:
+            return
+        if self._fd is None:
+            self._open_segment()
+        data = fmt.encode_block(self.next_seq, self._ts, self._keys, self._payloads)
+        info = BlockInfo(self._seg_size, self.next_seq, len(self._keys), min(self._ts),
+                         max(self._ts), len(data))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self._blocks.append(info)
+        self._seg_size += len(data)
+        self.next_seq += info.count
+        self.written += info.count
+        self._keys, self._payloads, self._ts = [], [], array("q")
+        self._pending_bytes = 0
+        if self._seg_size >= self.segment_bytes:
+            self.seal()
+
+    def tick(self, now: float | None = None) -> None:
+        """Time-based rotation: seal the open segment once it is old enough."""
+        now = time.monotonic() if now is None else now
+        if self._fd is not None and now - self._seg_opened >= self.segment_seconds:
+            self.flush()
+            if self._fd is not None:
+                self.seal()
+
+    def _open_segment(self) -> None:
+        self._seg_first = self.next_seq
+        path = self.dir / (_name(self._seg_first) + OPEN_SUFFIX)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        header = fmt.encode_header(self._seg_first, time.time_ns())
+        os.write(self._fd, header)
+        self._seg_size = len(header)
+        self._seg_opened = time.monotonic()
+        self._blocks = []
+
+    def seal(self) -> None:
+        """Append the index, fsync, and rename the open segment to its final name."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.write(fd, fmt.encode_index(self._blocks, self._seg_size))
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        name = _name(self._seg_first)
+        os.rename(self.dir / (name + OPEN_SUFFIX), self.dir / (name + SUFFIX))
+        if self.fsync:
+            self._fsync_dir()
+        self.apply_retention()
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- retention -----------------------------------------------------------------
+
+    def apply_retention(self, now_ns: int | None = None) -> list[str]:
+        """Delete sealed segments beyond ``keep_seconds`` / ``keep_bytes``; their names."""
+        if self.keep_seconds is None and self.keep_bytes is None:
+            return []
+        ages = []
+        for seg in list_segments(self.dir):
+            if not seg.sealed:
+                continue
+            blocks = segment_blocks(seg)
+            last = max((b.max_ts for b in blocks), default=0)
+            ages.append(SegmentAge(seg.path.name, seg.path.stat().st_size, last))
+        doomed = expired(ages, time.time_ns() if now_ns is None else now_ns,
+                         self.keep_seconds, self.keep_bytes,
+                         self._seg_size if self._fd is not None else 0)
+        for name in doomed:
+            (self.dir / name).unlink(missing_ok=True)
+            log.info("retention: removed %s", name)
+        return doomed
+
+    def close(self) -> None:
+        """Flush and seal; the journal is then complete and the directory unlocked."""
+        try:
+            self.flush()
+            self.seal()
+        finally:
+            self._lock.close()
+
+    def __enter__(self) -> JournalWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

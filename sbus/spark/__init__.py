@@ -1,0 +1,20 @@
+"""sbus on Apache Spark: the ``sbus`` data source (journal reads, batch and streaming) and
+sink (publish onto a bus), and the ``sbus analyze`` pipeline.
+
+>>> import sbus.spark                                   # doctest: +SKIP
+>>> sbus.spark.register(spark)
+>>> spark.read.format("sbus").load("/var/lib/sbus/journal").show()
+"""
+
+from __future__ import annotations
+
+__all__ = ["register", "SCHEMA"]
+
+SCHEMA = "key string, payload binary, ts timestamp, seq long, key_bytes binary"
+
+
+def register(spark) -> None:
+    """Register the ``sbus`` format on *spark* (a SparkSession); idempotent."""
+    from .source import SbusDataSource
+
+    spark.dataSource.register(SbusDataSource)

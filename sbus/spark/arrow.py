@@ -1,0 +1,118 @@
+"""Journal blocks to Arrow record batches, and the byte ranges a Spark task reads.
+
+A block is stored column-wise with Arrow's ``binary`` layout (int32 offsets + data), so
+the key and payload arrays are built on the bytes read, without a copy or a Python
+loop.  Keys that are not valid UTF-8 (rare) take a slow path: ``key`` gets U+FFFD for
+each bad byte sequence while ``key_bytes`` keeps the exact bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..journal.format import Block, block_size
+from ..journal.store import read_blocks
+from ..routing import matches
+
+__all__ = ["COLUMNS", "DEFAULT_SCHEMA", "ARROW_TYPES", "Range", "block_batch", "read_range",
+           "pattern_bytes"]
+
+#: Every column the source can produce, in the default order.
+COLUMNS = ("key", "payload", "ts", "seq", "key_bytes")
+DEFAULT_SCHEMA = "key string, payload binary, ts timestamp, seq long, key_bytes binary"
+ARROW_TYPES = {
+    "key": pa.string(),
+    "payload": pa.binary(),
+    "ts": pa.timestamp("us", tz="UTC"),
+    "seq": pa.int64(),
+    "key_bytes": pa.binary(),
+}
+
+
+def pattern_bytes(text: str | None) -> bytes | None:
+    """A routing pattern option as bytes (non-UTF-8 bytes via surrogateescape, like argv)."""
+    return None if text is None else os.fsencode(text)
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """Rows of one segment from ``(start, start_row)`` up to ``(end, end_row)``: byte
+    positions of block starts plus a row within that block (for exact row limits)."""
+
+    segment: int
+    start: int
+    start_row: int
+    end: int
+    end_row: int
+
+
+def _keys_as_text(keys: pa.Array) -> pa.Array:
+    """UTF-8 view of binary keys; invalid sequences replaced, never an error."""
+    text = keys.view(pa.string())
+    try:
+        text.validate(full=True)
+        return text
+    except pa.ArrowInvalid:
+        return pa.array([k.decode("utf-8", "replace") for k in keys.to_pylist()], pa.string())
+
+
+def block_batch(block: Block, names: list[str], pattern: bytes | None = None,
+                lo: int = 0, hi: int | None = None) -> pa.RecordBatch | None:
+    """Rows ``lo:hi`` of *block* as a record batch with columns *names*; rows whose key the
+    routing *pattern* does not match are dropped.  None when nothing is left."""
+    n = block.count
+    hi = n if hi is None else hi
+    keys = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(block.key_offsets),
+                                                  pa.py_buffer(block.keys)])
+    cols: dict[str, pa.Array] = {}
+    for name in names:
+        if name == "key":
+            cols[name] = _keys_as_text(keys)
+        elif name == "key_bytes":
+            cols[name] = keys
+        elif name == "payload":
+            cols[name] = pa.Array.from_buffers(
+                pa.binary(), n, [None, pa.py_buffer(block.payload_offsets),
+                                 pa.py_buffer(block.payloads)])
+        elif name == "ts":
+            micros = np.frombuffer(block.ts, dtype="<i8") // 1000
+            cols[name] = pa.array(micros, ARROW_TYPES["ts"])
+        elif name == "seq":
+            cols[name] = pa.array(np.arange(block.first_seq, block.first_seq + n, dtype=np.int64))
+    batch = pa.RecordBatch.from_arrays([cols[c] for c in names],
+                                       schema=pa.schema([(c, ARROW_TYPES[c]) for c in names]))
+    if lo or hi != n:
+        batch = batch.slice(lo, hi - lo)
+        keys = keys.slice(lo, hi - lo)
+    if pattern is not None:
+        # Keys repeat a lot: match each distinct key once, then spread the answer.
+        encoded = keys.dictionary_encode()
+        verdict = pa.array([matches(pattern, k) for k in encoded.dictionary.to_pylist()],
+                           pa.bool_())
+        mask = pc.take(verdict, encoded.indices)
+        if not pc.any(mask).as_py():
+            return None
+        if not pc.all(mask).as_py():
+            batch = batch.filter(mask)
+    return batch if batch.num_rows else None
+
+
+def read_range(directory: str, rng: Range, names: list[str], pattern: bytes | None = None,
+               verify: bool = True) -> Iterator[pa.RecordBatch]:
+    """Record batches for the rows of *rng* (see `Range`)."""
+    stop = rng.end + (1 if rng.end_row else 0)  # include the block at `end` for its head rows
+    pos = rng.start
+    for block in read_blocks(directory, rng.segment, rng.start, stop, verify):
+        lo = rng.start_row if pos == rng.start else 0
+        hi = rng.end_row if pos == rng.end else block.count
+        pos += block_size(block.count, len(block.keys), len(block.payloads))
+        batch = block_batch(block, names, pattern, lo, hi)
+        if batch is not None:
+            yield batch
+

@@ -1,0 +1,199 @@
+"""The ``sbus`` Spark data source: batch and streaming reads of a journal, and a streaming
+sink that publishes onto a bus.
+
+Options (reads): ``path`` (the journal directory, or ``load(DIR)``), ``pattern`` (a routing
+pattern; only matching keys are returned, filtered inside the reader),
+``maxPartitionBytes`` (split size, default 16M), ``verify`` (check block CRCs, default
+true); streaming also ``maxRowsPerTrigger`` and ``startingOffsets`` (earliest | latest).
+Sink options: see `sbus.spark.sink`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+from pyspark.sql.types import StructType
+
+from ..journal.format import BlockInfo
+from ..journal.retention import parse_size
+from ..journal.store import JournalError, list_segments, segment_blocks
+from .arrow import COLUMNS, DEFAULT_SCHEMA, Range, pattern_bytes, read_range
+from .offsets import START, Offset, View, advance, plan
+
+try:  # Trigger.AvailableNow for Python sources arrived in Spark 4.2
+    from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+except ImportError:  # pragma: no cover - older Spark
+    SupportsTriggerAvailableNow = object  # type: ignore[misc,assignment]
+
+__all__ = ["SbusDataSource"]
+
+log = logging.getLogger("sbus.spark")
+
+
+class RangePartition(InputPartition):
+    """One Spark task's share: a byte range of one segment."""
+
+    def __init__(self, rng: Range) -> None:
+        super().__init__(rng)
+        self.rng = rng
+
+
+def _names(schema: StructType) -> list[str]:
+    names = [f.name for f in schema.fields]
+    unknown = [n for n in names if n not in COLUMNS]
+    if unknown:
+        raise ValueError(f"the sbus source has no column(s) {unknown}; it has {list(COLUMNS)}")
+    return names
+
+
+def _bool(value: str | None, default: bool) -> bool:
+    if value is None:
+        return default
+    if value.lower() not in ("true", "false"):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value.lower() == "true"
+
+
+def journal_view(directory: str, cache: dict | None = None) -> View:
+    """Every segment's block list, reusing *cache* (segment -> (sealed, blocks)) so an open
+    segment is only scanned from where the last look ended."""
+    view: View = []
+    seen = set()
+    for seg in list_segments(directory):
+        seen.add(seg.first_seq)
+        known = cache.get(seg.first_seq) if cache is not None else None
+        if known is not None and known[0]:
+            blocks = known[1]
+        elif known is not None and not seg.sealed:
+            old: list[BlockInfo] = known[1]
+            start = old[-1].end if old else 32
+            blocks = old + segment_blocks(seg, start)
+        else:
+            blocks = segment_blocks(seg)
+        if cache is not None:
+            cache[seg.first_seq] = (seg.sealed, blocks)
+        view.append((seg.first_seq, blocks))
+    if cache is not None:
+        for gone in set(cache) - seen:
+            del cache[gone]
+    return view
+
+
+class _Options:
+    def __init__(self, options) -> None:
+        self.path = options.get("path")
+        if not self.path:
+            raise ValueError("the sbus source needs a journal directory: "
+                             "spark.read.format('sbus').load(DIR) or option('path', DIR)")
+        self.pattern = pattern_bytes(options.get("pattern"))
+        self.max_bytes = parse_size(options.get("maxPartitionBytes", "16M"))
+        self.verify = _bool(options.get("verify"), True)
+        mrt = options.get("maxRowsPerTrigger")
+        self.max_rows = None if mrt is None else int(mrt)
+        if self.max_rows is not None and self.max_rows <= 0:
+            raise ValueError("maxRowsPerTrigger must be positive")
+        self.starting = options.get("startingOffsets", "earliest").lower()
+        if self.starting not in ("earliest", "latest"):
+            raise ValueError("startingOffsets must be 'earliest' or 'latest'")
+
+
+class SbusDataSource(DataSource):
+    """``spark.read.format("sbus").load(DIR)`` / ``readStream`` / ``writeStream``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "sbus"
+
+    def schema(self) -> str:
+        return DEFAULT_SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return BatchReader(_Options(self.options), _names(schema))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return StreamReader(_Options(self.options), _names(schema))
+
+    def streamWriter(self, schema: StructType, overwrite: bool):
+        from .sink import BusStreamWriter
+
+        return BusStreamWriter(self.options, schema)
+
+
+class BatchReader(DataSourceReader):
+    def __init__(self, opts: _Options, names: list[str]) -> None:
+        self.opts = opts
+        self.names = names
+
+    def partitions(self) -> list[InputPartition]:
+        try:
+            view = journal_view(self.opts.path)
+        except JournalError as exc:
+            raise ValueError(str(exc)) from None
+        end = Offset(2**62, 0)
+        return [RangePartition(r) for r in plan(view, START, end, self.opts.max_bytes)]
+
+    def read(self, partition: InputPartition) -> Iterator:
+        rng = getattr(partition, "rng", None)
+        if rng is None:  # Spark's placeholder partition for an empty journal
+            return iter(())
+        return read_range(self.opts.path, rng, self.names, self.opts.pattern, self.opts.verify)
+
+
+class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batches over the journal; see `sbus.spark.offsets` for the offset model."""
+
+    def __init__(self, opts: _Options, names: list[str]) -> None:
+        self.opts = opts
+        self.names = names
+        self._cache: dict = {}
+        self._target: Offset | None = None
+
+    def _view(self) -> View:
+        try:
+            return journal_view(self.opts.path, self._cache)
+        except JournalError:
+            return []  # no journal yet: nothing to read until the recorder creates it
+
+    def initialOffset(self) -> dict:
+        if self.opts.starting == "latest":
+            return advance(self._view(), START).to_dict()
+        return START.to_dict()
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.opts.max_rows is None:
+            return ReadAllAvailable()
+        return ReadMaxRows(self.opts.max_rows)
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        return advance(self._view(), Offset.from_dict(start), max_rows,
+                       self._target).to_dict()
+
+    def reportLatestOffset(self) -> dict:
+        return advance(self._view(), START).to_dict()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = advance(self._view(), START)
+
+    def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+        view = self._view()
+        s, e = Offset.from_dict(start), Offset.from_dict(end)
+        if view and s.segment and s.segment < view[0][0]:
+            log.warning("journal segments before %d were removed (retention) before they "
+                        "were read: rows lost", view[0][0])
+        return [RangePartition(r) for r in plan(view, s, e, self.opts.max_bytes)]
+
+    def read(self, partition: InputPartition) -> Iterator:
+        return read_range(self.opts.path, partition.rng, self.names, self.opts.pattern,
+                          self.opts.verify)
+
+    def commit(self, end: dict) -> None:
+        pass
