@@ -1,0 +1,149 @@
+"""``sbus mount MOUNTPOINT``: show the bus as files (see docs/fuse.md).
+
+Runs in the foreground until SIGTERM/SIGINT/SIGHUP or ``fusermount3 -u``, and
+unmounts on the way out.  ``--daemon`` mounts, then detaches: the command returns
+once the mount is usable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+import trio
+
+from ..client import ConnectError, SbusError, default_address
+from .framing import FORMATS
+
+log = logging.getLogger("sbus.fuse")
+
+
+def _size(text: str) -> int:
+    units = {"k": 1024, "m": 1024**2}
+    text = text.strip().lower().rstrip("ib")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing, empty directory")
+    p.add_argument("--daemon", action="store_true",
+                   help="detach once mounted (logs go to the journal)")
+    p.add_argument("--format", choices=FORMATS, default="lines",
+                   help="what reading a file gives: payloads each ending in a newline "
+                        "(lines, default), payloads verbatim one per read (raw), or one "
+                        "JSON object per message with key, payload and time (jsonl)")
+    p.add_argument("--remember", type=int, default=10000, metavar="N",
+                   help="live keys remembered for directory listings (default 10000)")
+    p.add_argument("--max-message", type=_size, default=256 * 1024, metavar="BYTES",
+                   help="the broker's packet limit: larger writes fail with EMSGSIZE "
+                        "(default 256k, as 'sbus serve')")
+    p.add_argument("--reconnect-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long to keep re-subscribing after losing the broker before "
+                        "readers get EIO (default 30)")
+    p.add_argument("--allow-other", action="store_true",
+                   help="let other users use the mount (FUSE allow_other; non-root needs "
+                        "user_allow_other in /etc/fuse.conf)")
+    p.add_argument("--max-tasks", type=int, default=1000, metavar="N",
+                   help="concurrent filesystem requests, i.e. blocked readers plus one "
+                        "(default 1000)")
+
+
+def _daemonize() -> None:
+    """Detach from the terminal; the parent returns once the mount exists."""
+    pid = os.fork()
+    if pid:
+        os._exit(0)
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    try:
+        from systemd.journal import JournalHandler
+
+        root.addHandler(JournalHandler(SYSLOG_IDENTIFIER="sbus-mount"))
+    except ImportError:
+        pass
+    if root.level > logging.INFO:
+        root.setLevel(logging.INFO)
+
+
+async def _serve(fs, max_tasks: int) -> None:
+    import pyfuse3
+
+    async with trio.open_nursery() as nursery:
+        try:
+            await fs.start(nursery)
+        except OSError as exc:
+            raise SbusError(f"cannot connect to the sbus broker at {fs.address}: "
+                            f"{exc.strerror or exc}") from None
+        nursery.start_soon(_on_signals, fs)
+        log.info("bus at %s mounted (pid %d)", fs.address, os.getpid())
+        await pyfuse3.main(min_tasks=2, max_tasks=max_tasks)
+        log.info("unmounted")
+        nursery.cancel_scope.cancel()
+
+
+async def _on_signals(fs) -> None:
+    import pyfuse3
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("%s: unmounting", signal.Signals(signum).name)
+            fs.shutdown()
+            pyfuse3.terminate()
+            return
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import pyfuse3
+    except ImportError as exc:
+        raise SbusError(f"pyfuse3 is not installed (pip install 'sbus[fuse]'): {exc}") from None
+    from ..client import Client
+    from .operations import BusFS
+
+    mountpoint = os.path.abspath(args.mountpoint)
+    if not os.path.isdir(mountpoint):
+        raise SbusError(f"mount point {args.mountpoint} is not a directory")
+    if os.path.ismount(mountpoint) and os.path.realpath(mountpoint) != "/":
+        with open("/proc/self/mounts") as f:
+            if any(line.split()[1] == mountpoint and "fuse.sbus" in line.split()[2]
+                   for line in f):
+                raise SbusError(f"{mountpoint} is already an sbus mount")
+    if args.remember < 1:
+        raise SbusError("--remember must be at least 1")
+    address = args.address or default_address()
+    try:
+        Client(address, timeout=5).close()  # a clear error before anything is mounted
+    except ConnectError:
+        raise
+    fs = BusFS(address, fmt=args.format, remember=args.remember,
+               max_message=args.max_message, reconnect_timeout=args.reconnect_timeout)
+    options = set(pyfuse3.default_options) | {"fsname=sbus", "subtype=sbus"}
+    if args.allow_other:
+        options.add("allow_other")
+    try:
+        pyfuse3.init(fs, mountpoint, options)
+    except RuntimeError as exc:
+        raise SbusError(f"cannot mount on {mountpoint}: {exc} (is /dev/fuse usable? "
+                        "is fusermount3 installed?)") from None
+    if args.daemon:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _daemonize()
+    try:
+        trio.run(_serve, fs, args.max_tasks)
+    finally:
+        pyfuse3.close(unmount=True)
+    return 0

@@ -1,0 +1,104 @@
+"""What a reader of a mounted file sees: messages framed as bytes, cut to read sizes.  Pure.
+
+Formats (``sbus mount --format``):
+
+* ``lines`` (default): each payload followed by a newline unless it already ends
+  with one, so ``echo hi >`` on one side gives ``hi`` on the other; one ``read(2)``
+  returns as many messages as fit.
+* ``raw``: payloads verbatim and unframed, one message per ``read(2)`` so a program
+  with a large enough buffer sees message boundaries; empty payloads are skipped
+  (a zero-byte read would mean end of file).
+* ``jsonl``: one JSON object per line with ``key``, ``payload`` (or
+  ``payload_base64`` when it is not UTF-8) and ``time`` (seconds since the epoch when
+  the mount received it), for programs that need keys of pattern subscriptions.
+
+In every format a message longer than the reader's buffer continues in the next read.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections import deque
+
+__all__ = ["FORMATS", "frame", "Outbox"]
+
+FORMATS = ("lines", "raw", "jsonl")
+
+
+def frame(fmt: str, key: bytes, payload: bytes, when: float) -> bytes:
+    """The bytes one message contributes to the stream (empty: nothing to show)."""
+    if fmt == "lines":
+        return payload if payload.endswith(b"\n") else payload + b"\n"
+    if fmt == "raw":
+        return payload
+    if fmt == "jsonl":
+        record: dict[str, object] = {"key": key.decode("utf-8", "backslashreplace")}
+        try:
+            record["payload"] = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            record["payload_base64"] = base64.b64encode(payload).decode("ascii")
+        record["time"] = round(when, 6)
+        return json.dumps(record, ensure_ascii=False).encode() + b"\n"
+    raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+class Outbox:
+    """Framed messages waiting for ``read(2)``.
+
+    *one_per_read* keeps message boundaries (``raw``): a read returns the rest of
+    one message at most.  Otherwise reads are filled across messages.
+    """
+
+    __slots__ = ("one_per_read", "_items", "_offset", "nbytes")
+
+    def __init__(self, one_per_read: bool = False) -> None:
+        self.one_per_read = one_per_read
+        self._items: deque[bytes] = deque()
+        self._offset = 0  # bytes of _items[0] already read
+        self.nbytes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, data: bytes) -> None:
+        if data:
+            self._items.append(data)
+            self.nbytes += len(data)
+
+    def take(self, size: int) -> bytes:
+        """Up to *size* bytes (at least one unless empty)."""
+        items = self._items
+        if not items or size <= 0:
+            return b""
+        first = items[0]
+        rest = len(first) - self._offset
+        if rest > size or self.one_per_read:
+            n = min(rest, size)
+            out = first[self._offset:self._offset + n]
+            self._consume_first(n)
+            return out
+        parts = [first[self._offset:] if self._offset else first]
+        items.popleft()
+        self._offset = 0
+        room = size - rest
+        while items and len(items[0]) <= room:
+            item = items.popleft()
+            parts.append(item)
+            room -= len(item)
+        if items and room:
+            parts.append(items[0][:room])
+            self._offset = room
+            room = 0
+        self.nbytes -= size - room
+        return b"".join(parts)
+
+    def _consume_first(self, n: int) -> None:
+        self._offset += n
+        self.nbytes -= n
+        if self._offset == len(self._items[0]):
+            self._items.popleft()
+            self._offset = 0

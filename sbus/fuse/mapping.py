@@ -1,0 +1,289 @@
+"""Paths of the mount to routing keys and patterns, and the tree of names it knows.  Pure.
+
+The kernel asks about one path component at a time and the answer fixes its type for
+good, so every name must be decided to be a directory, a file, or absent without
+knowing what comes after it.  The rules (documented for users in docs/fuse.md):
+
+* ``*`` (any name containing ``*``) is always a directory: a wildcard segment.
+* ``**`` is always a file: the pattern of its directory followed by ``/`` (at the
+  root: the empty pattern, everything).  A path ending in ``/`` cannot be read on any
+  filesystem, so this is the spelling of a trailing ``/``.
+* ``!`` inside a non-root directory is always a file: the key (or pattern) the
+  directory itself names.  ``!`` is reserved by the protocol as a whole segment, so no
+  real key can collide with it.  At the root, ``!`` is the directory of secret keys.
+* Other names are directories when the tree knows them as prefixes (``mkdir`` or live
+  traffic), files when the tree knows them as keys, and absent (ENOENT) otherwise, so
+  ``echo … > name`` creates and publishes.  Below a wildcard directory, unknown names
+  are files: a pattern never needs creating.
+* ``!/cred/GID/UID/PID/…`` is reachable only for the mount's own credentials and only
+  by callers allowed to see them (EACCES otherwise): the broker checks the mount's
+  credentials, not the caller's, so the mount must not lend its own to others.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections import OrderedDict
+from collections.abc import Iterator
+from enum import Enum
+
+__all__ = ["SEP", "SELF", "TRAILING", "Kind", "Refused", "KnownTree", "pattern_of",
+           "is_pattern", "lookup", "creatable", "secret_owner", "key_segments"]
+
+SEP = b"/"
+SELF = b"!"
+TRAILING = b"**"
+SECRET = b"!"
+CRED = b"cred"
+
+Path = tuple[bytes, ...]
+
+
+class Kind(Enum):
+    DIR = "dir"
+    FILE = "file"
+
+
+class Refused(Exception):
+    """A name that cannot be used; ``errno`` is the answer for the kernel."""
+
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(why)
+        self.errno = code
+
+
+def is_wild(segment: bytes) -> bool:
+    return b"*" in segment
+
+
+def pattern_of(path: Path) -> bytes:
+    """The key or pattern a *file* path stands for."""
+    if not path:
+        raise ValueError("the root is a directory")
+    *parent, last = path
+    if last == TRAILING:
+        return SEP.join(parent) + SEP if parent else b""
+    if last == SELF and parent:
+        return SEP.join(parent)
+    return SEP.join(path)
+
+
+def is_pattern(pattern: bytes) -> bool:
+    """Patterns can be read (subscribed to) but not written (published to)."""
+    return not pattern or b"*" in pattern or pattern.endswith(SEP)
+
+
+def key_segments(key: bytes) -> Path | None:
+    """The path of a key seen on the bus, or None if no path can name it (empty
+    segments, ``.``/``..``, wildcards, or the reserved names)."""
+    segs = tuple(key.split(SEP))
+    secret = segs[:1] == (SECRET,)
+    for i, s in enumerate(segs):
+        if not s or s in (b".", b"..", TRAILING) or b"*" in s:
+            return None
+        if s == SELF and not (secret and i == 0):
+            return None
+    if secret and (len(segs) < 6 or segs[1] != CRED or not all(s.isdigit() for s in segs[2:5])):
+        return None
+    return segs
+
+
+def secret_owner(path: Path) -> Path | None:
+    """``(GID, UID, PID)`` of a path below ``!/cred/G/U/P``; None for public paths."""
+    if path[:1] != (SECRET,) or len(path) < 5:
+        return None
+    return path[2:5]
+
+
+class _Node:
+    __slots__ = ("children", "key", "explicit")
+
+    def __init__(self) -> None:
+        self.children: dict[bytes, _Node] = {}
+        self.key = False  # a remembered key ends here
+        self.explicit = False  # made by mkdir
+
+    def is_dir(self) -> bool:
+        return self.explicit or bool(self.children)
+
+    def empty(self) -> bool:
+        return not (self.key or self.explicit or self.children)
+
+
+class KnownTree:
+    """The names the mount knows: directories made with ``mkdir`` (kept until
+    ``rmdir``) and the most recently seen keys (at most *capacity*, least recently
+    seen forgotten first).  A name is a directory if anything known lies below it."""
+
+    def __init__(self, capacity: int = 10000) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity = capacity
+        self._root = _Node()
+        self._keys: OrderedDict[Path, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    # -- changes ---------------------------------------------------------------
+
+    def learn(self, path: Path) -> None:
+        """Remember a key (as a path), refreshing it if known."""
+        keys = self._keys
+        if path in keys:
+            keys.move_to_end(path)
+            return
+        keys[path] = None
+        node = self._root
+        for seg in path:
+            node = node.children.setdefault(seg, _Node())
+        node.key = True
+        if len(keys) > self.capacity:
+            old, _ = keys.popitem(last=False)
+            self._clear(old, "key")
+
+    def forget(self, path: Path) -> bool:
+        """Drop a remembered key; False if it was not remembered."""
+        if path not in self._keys:
+            return False
+        del self._keys[path]
+        self._clear(path, "key")
+        return True
+
+    def mkdir(self, path: Path) -> None:
+        node = self._root
+        for seg in path:
+            node = node.children.setdefault(seg, _Node())
+        node.explicit = True
+
+    def rmdir(self, path: Path) -> bool:
+        """Drop a ``mkdir`` mark; False if there was none."""
+        node = self._find(path)
+        if node is None or not node.explicit:
+            return False
+        self._clear(path, "explicit")
+        return True
+
+    def _clear(self, path: Path, flag: str) -> None:
+        trail = [self._root]
+        for seg in path:
+            nxt = trail[-1].children.get(seg)
+            if nxt is None:
+                return
+            trail.append(nxt)
+        setattr(trail[-1], flag, False)
+        for depth in range(len(path), 0, -1):
+            if not trail[depth].empty():
+                break
+            del trail[depth - 1].children[path[depth - 1]]
+
+    # -- questions ---------------------------------------------------------------
+
+    def _find(self, path: Path) -> _Node | None:
+        node = self._root
+        for seg in path:
+            node = node.children.get(seg)
+            if node is None:
+                return None
+        return node
+
+    def _matching(self, path: Path) -> Iterator[_Node]:
+        """Nodes whose path matches *path*, whose segments may be wildcards."""
+        stack = [(self._root, 0)]
+        while stack:
+            node, i = stack.pop()
+            if i == len(path):
+                yield node
+                continue
+            seg = path[i]
+            star = seg.find(b"*")
+            if star < 0:
+                child = node.children.get(seg)
+                if child is not None:
+                    stack.append((child, i + 1))
+                continue
+            exact = node.children.get(seg)  # a mkdir'd wildcard directory
+            if exact is not None:
+                stack.append((exact, i + 1))
+            if seg[star:].strip(b"*"):
+                continue  # 'a*b' can never match a key segment
+            prefix = seg[:star]
+            for name, child in node.children.items():
+                if child is not exact and name.startswith(prefix) and b"*" not in name:
+                    stack.append((child, i + 1))
+
+    def is_dir(self, path: Path) -> bool:
+        return any(n.is_dir() for n in self._matching(path))
+
+    def is_key(self, path: Path) -> bool:
+        return any(n.key for n in self._matching(path))
+
+    def entries(self, path: Path) -> list[tuple[bytes, Kind]]:
+        """What ``ls`` shows in a directory: nothing in wildcard directories (so shell
+        globs pass through unchanged), else the known names sorted; a key that is
+        also a prefix appears as a directory holding ``!``."""
+        if any(is_wild(s) for s in path):
+            return []
+        node = self._find(path)
+        if node is None:
+            return []
+        out = [(name, Kind.DIR if child.is_dir() else Kind.FILE)
+               for name, child in node.children.items()]
+        if path and node.key and node.is_dir() and path != (SECRET,):
+            out.append((SELF, Kind.FILE))
+        out.sort()
+        return out
+
+
+def lookup(tree: KnownTree, parent: Path, name: bytes, own: Path | None,
+           caller_may_read_own: bool) -> Kind:
+    """Decide what *name* in directory *parent* is, or raise `Refused`.
+
+    *own* is the mount's ``(GID, UID, PID)`` as decimal bytes (None if unknown);
+    *caller_may_read_own* says whether the calling process may use them.
+    """
+    if not parent:
+        if name == SECRET:
+            return Kind.DIR
+    elif parent[0] == SECRET:
+        depth = len(parent)
+        if depth == 1:
+            if name == CRED:
+                return Kind.DIR
+            raise Refused(errno.ENOENT, "only 'cred' lives in '!'")
+        if depth < 5:
+            if not name.isdigit():
+                raise Refused(errno.ENOENT, "credentials are decimal GID/UID/PID")
+            if depth == 4:
+                _check_owner(parent[2:4] + (name,), own, caller_may_read_own)
+            return Kind.DIR
+        _check_owner(parent[2:5], own, caller_may_read_own)
+        if depth == 5 and name == SELF:
+            raise Refused(errno.ENOENT, "a secret key needs a name after its credentials")
+    if name in (TRAILING, SELF):
+        return Kind.FILE
+    if is_wild(name):
+        return Kind.DIR
+    path = parent + (name,)
+    if tree.is_dir(path):
+        return Kind.DIR
+    if tree.is_key(path) or any(is_wild(s) for s in parent):
+        return Kind.FILE
+    raise Refused(errno.ENOENT, "not a known key or directory")
+
+
+def _check_owner(cred: Path, own: Path | None, caller_may_read_own: bool) -> None:
+    if own is None or cred != own:
+        raise Refused(errno.EACCES, "another process's secret keys")
+    if not caller_may_read_own:
+        raise Refused(errno.EACCES, "the mount's secret keys belong to its owner")
+
+
+def creatable(parent: Path, name: bytes) -> None:
+    """Raise `Refused` unless ``parent/name`` may be created as a key file or directory."""
+    if name in (b".", b"..", SELF, TRAILING) or is_wild(name) or (not parent and name == SECRET):
+        raise Refused(errno.EEXIST, "a reserved name always exists")
+    if any(is_wild(s) for s in parent):
+        raise Refused(errno.EACCES, "nothing can be created inside a pattern")
+    if parent[:1] == (SECRET,) and len(parent) < 5:
+        raise Refused(errno.EACCES, "secret keys live below !/cred/GID/UID/PID")

@@ -1,0 +1,40 @@
+"""Has a caller got a signal waiting?  Read from ``/proc/PID/status``.
+
+pyfuse3 does not pass FUSE interrupt requests on, so a process blocked in ``read(2)``
+on the mount sits in uninterruptible sleep until the filesystem answers.  A waiting
+operation therefore looks at the caller itself: a signal that is pending (for the
+thread, ``SigPnd``, or for the whole process, ``ShdPnd``) and not blocked
+(``SigBlk``) will be acted on as soon as the call returns, so the filesystem answers
+EINTR.  Ignored signals are discarded by the kernel and never show as pending.
+"""
+
+from __future__ import annotations
+
+__all__ = ["unblocked_pending", "pending_from_status", "interrupted"]
+
+
+def pending_from_status(status: str) -> int:
+    """The unblocked pending signal mask from the text of ``/proc/PID/status``."""
+    fields = {}
+    for line in status.splitlines():
+        name, _, value = line.partition(":")
+        if name in ("SigPnd", "ShdPnd", "SigBlk"):
+            fields[name] = int(value.strip(), 16)
+    return (fields.get("SigPnd", 0) | fields.get("ShdPnd", 0)) & ~fields.get("SigBlk", 0)
+
+
+def unblocked_pending(pid: int) -> int | None:
+    """Bit ``n-1`` set for each pending, unblocked signal ``n``; None if *pid* is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            return pending_from_status(f.read())
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def interrupted(pid: int) -> bool:
+    """True if the caller has a signal to act on, or no longer exists."""
+    if pid <= 0:
+        return False  # the kernel itself (e.g. writeback): nobody to interrupt
+    mask = unblocked_pending(pid)
+    return mask is None or mask != 0
