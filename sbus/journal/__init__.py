@@ -5,7 +5,15 @@
 """
 
 from .format import Block, BlockInfo, FormatError
-from .store import JournalError, JournalWriter, Segment, list_segments, read_blocks, segment_blocks
+from .store import (
+    JournalError,
+    JournalWriter,
+    Segment,
+    list_segments,
+    read_blocks,
+    records,
+    segment_blocks,
+)
 
 __all__ = ["Block", "BlockInfo", "FormatError", "JournalError", "JournalWriter", "Segment",
-           "list_segments", "read_blocks", "segment_blocks"]
+           "list_segments", "read_blocks", "records", "segment_blocks"]

@@ -24,7 +24,7 @@ from .format import Block, BlockInfo, FormatError
 from .retention import SegmentAge, expired
 
 __all__ = ["Segment", "JournalWriter", "JournalError", "list_segments", "segment_blocks",
-           "read_blocks", "resolve", "SUFFIX", "OPEN_SUFFIX"]
+           "read_blocks", "records", "resolve", "SUFFIX", "OPEN_SUFFIX"]
 
 log = logging.getLogger("sbus.journal")
 
@@ -359,3 +359,13 @@ class JournalWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def records(directory: str | os.PathLike) -> Iterator[tuple[int, int, bytes, bytes]]:
+    """Every ``(seq, ts_ns, key, payload)`` in the journal, in order (slow path, for tools
+    and tests; Spark reads blocks column-wise instead)."""
+    for seg in list_segments(directory):
+        blocks = segment_blocks(seg)
+        if blocks:
+            for block in read_blocks(directory, seg.first_seq, blocks[0].pos, blocks[-1].end):
+                yield from block.records()

@@ -1,0 +1,234 @@
+"""The recorder's journal: format, sealing, recovery after kill -9, retention, and
+``sbus record`` against a real broker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from array import array
+from pathlib import Path
+
+import pytest
+from conftest import SBUS, raw, sync
+
+from sbus.journal import format as fmt
+from sbus.journal.retention import SegmentAge, expired, parse_duration, parse_size
+from sbus.journal.store import (
+    OPEN_SUFFIX,
+    SUFFIX,
+    JournalError,
+    JournalWriter,
+    list_segments,
+    records,
+    segment_blocks,
+)
+
+KEYS = [b"a/b", b"\xff\xfe/not-utf8", b"", b"x" * 300]
+PAYLOADS = [b"\0\0nul\0", b"", b"\xff" * 1000, b"plain"]
+
+
+def test_block_round_trip_keeps_bytes_exact():
+    data = fmt.encode_block(7, array("q", [1, 2, 3, 4]), KEYS, PAYLOADS)
+    assert len(data) % 8 == 0 and len(data) == fmt.block_size(4, sum(map(len, KEYS)),
+                                                               sum(map(len, PAYLOADS)))
+    block, end = fmt.decode_block(data + b"tail")
+    assert end == len(data)
+    assert list(block.records()) == [(7 + i, i + 1, KEYS[i], PAYLOADS[i]) for i in range(4)]
+
+
+def test_torn_or_corrupt_block_is_rejected():
+    data = fmt.encode_block(1, array("q", [5, 5]), [b"k", b"k"], [b"p1", b"p2"])
+    with pytest.raises(fmt.FormatError, match="truncated"):
+        fmt.decode_block(data[:-3])
+    bad = bytearray(data)
+    bad[-9] ^= 1
+    with pytest.raises(fmt.FormatError, match="checksum"):
+        fmt.decode_block(bytes(bad))
+    with pytest.raises(ValueError):
+        fmt.encode_block(1, array("q"), [], [])
+
+
+def fill(w: JournalWriter, n: int, start: int = 0, ts: int = 10**18) -> list[tuple]:
+    out = []
+    for i in range(start, start + n):
+        key, payload = b"k/%d" % (i % 5), b"\0payload %d\0" % i
+        w.append(ts + i, [key], [payload])
+        out.append((key, payload))
+        if i % 37 == 0:
+            w.flush()
+    return out
+
+
+def test_writer_rotates_seals_and_reads_back(tmp_path: Path):
+    with JournalWriter(tmp_path, segment_bytes=4096, fsync=False) as w:
+        sent = fill(w, 500)
+    segs = list_segments(tmp_path)
+    assert len(segs) > 3 and all(s.sealed for s in segs)
+    assert not list(tmp_path.glob("*" + OPEN_SUFFIX))
+    got = list(records(tmp_path))
+    assert [r[0] for r in got] == list(range(1, 501))
+    assert [(r[2], r[3]) for r in got] == sent
+    # The index of a sealed segment agrees with a scan of its blocks.
+    with open(segs[0].path, "rb") as f:
+        from sbus.journal.store import scan_blocks
+        assert scan_blocks(f) == segment_blocks(segs[0])
+
+
+def test_time_rotation_and_sequence_resume(tmp_path: Path):
+    w = JournalWriter(tmp_path, segment_seconds=10, fsync=False)
+    fill(w, 10)
+    w.flush()
+    w.tick(time.monotonic() + 11)
+    assert [s.sealed for s in list_segments(tmp_path)] == [True]
+    fill(w, 5, start=10)
+    w.close()
+    w2 = JournalWriter(tmp_path, fsync=False)
+    assert w2.next_seq == 16
+    w2.close()
+
+
+def test_one_writer_per_directory(tmp_path: Path):
+    with JournalWriter(tmp_path, fsync=False):
+        with pytest.raises(JournalError, match="in use"):
+            JournalWriter(tmp_path)
+
+
+def test_recovery_cuts_torn_tail_and_resumes(tmp_path: Path):
+    """A writer killed mid-write: the torn block goes, whole blocks stay, seq resumes."""
+    script = f"""
+import os, signal
+from sbus.journal.store import JournalWriter
+w = JournalWriter({str(tmp_path)!r}, fsync=False)
+for i in range(100):
+    w.append(1, [b"k"], [b"%d" % i])
+    if i % 10 == 9:
+        w.flush()
+w.append(1, [b"k"], [b"lost"])          # buffered only: a kill loses it
+os.write(w._fd, b"SBJB" + b"\\x07" * 40)  # and a torn block in the file
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([SBUS[0], "-c", script], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    (seg,) = list_segments(tmp_path)
+    assert not seg.sealed
+    with JournalWriter(tmp_path, fsync=False) as w:
+        assert w.next_seq == 101
+        w.append(2, [b"k"], [b"after"])
+    segs = list_segments(tmp_path)
+    assert all(s.sealed for s in segs)
+    got = list(records(tmp_path))
+    assert [r[0] for r in got] == list(range(1, 102))
+    assert [r[3] for r in got] == [b"%d" % i for i in range(100)] + [b"after"]
+
+
+def test_sealed_segment_corruption_is_reported(tmp_path: Path):
+    with JournalWriter(tmp_path, fsync=False) as w:
+        fill(w, 20)
+    (seg,) = list_segments(tmp_path)
+    with open(seg.path, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"zzz")
+    with pytest.raises(JournalError, match="corrupt"):
+        segment_blocks(seg)
+
+
+def test_retention_policy_pure():
+    assert parse_duration("7d") == 7 * 86400 and parse_duration("90") == 90
+    assert parse_size("10G") == 10 << 30 and parse_size("512k") == 512 << 10
+    for bad in ("7x", "", "-1d"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+    day = 86400 * 10**9
+    segs = [SegmentAge("a", 100, 1 * day), SegmentAge("b", 100, 5 * day),
+            SegmentAge("c", 100, 9 * day)]
+    assert expired(segs, 10 * day, keep_seconds=7 * 86400) == ["a"]
+    assert expired(segs, 10 * day, keep_bytes=250) == ["a"]
+    assert expired(segs, 10 * day, keep_bytes=250, live_bytes=100) == ["a", "b"]
+    assert expired(segs, 10 * day) == []
+
+
+def test_retention_deletes_oldest_sealed_segments(tmp_path: Path):
+    now = time.time_ns()
+    with JournalWriter(tmp_path, segment_bytes=2048, fsync=False, keep_bytes=6000) as w:
+        fill(w, 400, ts=now)
+    segs = list_segments(tmp_path)
+    assert sum(s.path.stat().st_size for s in segs) <= 6000
+    got = list(records(tmp_path))
+    assert got[-1][0] == 400 and got[0][0] > 1  # the newest kept, the oldest gone
+    assert [r[0] for r in got] == list(range(got[0][0], 401))
+    w = JournalWriter(tmp_path, fsync=False, keep_seconds=3600)
+    assert list_segments(tmp_path) == segs  # nothing is an hour old yet
+    old = w.apply_retention(now_ns=now + 10**9 * 7200)
+    assert len(old) == len(segs) and list_segments(tmp_path) == []
+    assert w.next_seq == 401  # sequence numbers never go back, even over an emptied journal
+    w.close()
+
+
+# -- sbus record against a real broker --------------------------------------------------
+
+
+def start_recorder(address: str, directory: Path, *args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([*SBUS, "record", "", "--dir", str(directory), "--address", address,
+                             *args], stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline()
+    assert "recording into" in line, line + proc.stderr.read()
+    return proc
+
+
+def wait_records(directory: Path, n: int, timeout: float = 10) -> list[tuple]:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = list(records(directory))
+        if len(got) >= n or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def test_record_survives_kill9_and_resumes_sequence(broker, tmp_path: Path):
+    jdir = tmp_path / "journal"
+    rec = start_recorder(broker.address, jdir)
+    pub = raw(broker.address)
+    for i in range(1000):
+        pub.send(b"MSG t/%d\0\0bin\xff%d" % (i % 7, i))
+    sync(pub)
+    got = wait_records(jdir, 1000)
+    assert len(got) == 1000
+    rec.send_signal(signal.SIGKILL)
+    rec.wait()
+    assert [s.sealed for s in list_segments(jdir)] == [False]
+
+    rec = start_recorder(broker.address, jdir)
+    for i in range(1000, 1500):
+        pub.send(b"MSG t/%d\0\0bin\xff%d" % (i % 7, i))
+    sync(pub)
+    wait_records(jdir, 1500)
+    rec.send_signal(signal.SIGTERM)
+    assert rec.wait(10) == 0
+    assert "500 messages" in rec.stderr.read()
+    assert all(s.sealed for s in list_segments(jdir))
+    got = list(records(jdir))
+    assert [r[0] for r in got] == list(range(1, 1501))
+    assert [(r[2], r[3]) for r in got] == [
+        (b"t/%d" % (i % 7), b"\0bin\xff%d" % i) for i in range(1500)]
+    assert all(a[1] <= b[1] for a, b in zip(got, got[1:], strict=False))
+    pub.close()
+
+
+def test_record_bad_options_change_nothing(tmp_path: Path):
+    jdir = tmp_path / "j"
+    proc = subprocess.run([*SBUS, "record", "a/", "--dir", str(jdir), "--keep", "7x"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    assert "not a duration" in proc.stderr and "Traceback" not in proc.stderr
+    assert not jdir.exists()
+
+
+def test_record_without_broker_fails_cleanly(short_tmp: Path):
+    proc = subprocess.run([*SBUS, "record", "", "--dir", str(short_tmp / "j"),
+                           "--address", str(short_tmp / "none.sock")],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1 and "cannot connect" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list((short_tmp / "j").glob("*" + SUFFIX))
