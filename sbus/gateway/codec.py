@@ -210,7 +210,13 @@ class FrameDecoder:
             except msgpack.OutOfData:
                 break
             except ValueError as exc:  # FormatError, StackError and limit errors
-                what = str(exc) or type(exc).__name__
+                what = str(exc) or {msgpack.FormatError: "not a valid MessagePack type byte",
+                                    msgpack.StackError: "nested too deeply"}.get(
+                                        type(exc), type(exc).__name__)
+                for kind in ("array", "map", "ext"):
+                    if f"max_{kind}_len" in what:
+                        raise FrameError(f"MessagePack {kind} at byte {self.offset}: frames "
+                                         "hold only integers, bytes and nil") from None
                 if "exceeds max_" in what:
                     raise FrameError(f"value at byte {self.offset} is larger than the "
                                      f"{self.max_frame}-byte frame limit") from None

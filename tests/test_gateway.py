@@ -1,0 +1,430 @@
+"""`sbus gateway` over real TCP on 127.0.0.1, bridged to a real broker.
+
+Remote clients here are raw TCP sockets writing hand-made bytes, so the wire
+format is checked byte for byte; the local side is a raw sbus socket.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SBUS, BrokerProcess, raw, sync
+
+from sbus.gateway import codec
+from sbus.gateway.codec import FrameDecoder
+
+SECRET = b"correct horse battery staple"
+PUBLISH_EXAMPLE = bytes.fromhex("04c405746f706963c404626f6479")  # publish(b"topic", b"body")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GatewayProcess:
+    """A real `sbus gateway` child process; its log goes to a file we can read."""
+
+    def __init__(self, directory: Path, bus: str, *args: str, port: int | None = None,
+                 name: str = "gw") -> None:
+        self.dir = directory
+        self.bus = bus
+        self.args = args
+        self.port = port or free_port()
+        self.keyfile = directory / f"{name}.key"
+        self.keyfile.write_bytes(SECRET + b"\n")
+        self.keyfile.chmod(0o600)
+        self.logfile = directory / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> GatewayProcess:
+        self.proc = subprocess.Popen(
+            [*SBUS, "-v", "gateway", "--listen", f"127.0.0.1:{self.port}",
+             "--auth-key-file", str(self.keyfile), "--address", self.bus, *self.args],
+            stdout=subprocess.DEVNULL, stderr=self.logfile.open("a"),
+        )
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}: {self.log()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"gateway not listening: {self.log()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log(self) -> str:
+        return self.logfile.read_text()
+
+    def wait_log(self, text: str, timeout: float = 5) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.log()
+            if text in log:
+                return log
+            time.sleep(0.05)
+        raise AssertionError(f"{text!r} not in the gateway log:\n{self.log()}")
+
+    def connect(self, rcvbuf: int | None = None) -> socket.socket:
+        s = socket.socket()
+        if rcvbuf is not None:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        s.settimeout(5)
+        s.connect(("127.0.0.1", self.port))
+        return s
+
+
+def read_exactly(s: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise EOFError(f"closed after {len(data)} of {n} bytes: {bytes(data[:100])!r}")
+        data += chunk
+    return bytes(data)
+
+
+def roundtrip(s: socket.socket) -> None:
+    """Keep-alive and wait for its echo: the gateway has acted on everything sent before."""
+    s.sendall(b"\x00")
+    assert read_exactly(s, 1) == b"\x00"
+
+
+def closed_by_gateway(s: socket.socket, timeout: float = 5) -> bool:
+    """True if the gateway closes *s* (EOF or reset) within *timeout*; discards data."""
+    s.settimeout(timeout)
+    try:
+        while s.recv(65536):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def subscribe_bridged(remote: socket.socket, pattern: bytes, local: socket.socket,
+                      probe_key: bytes) -> None:
+    """Subscribe *remote* and wait until the bus delivers *probe_key* to it.
+
+    The gateway subscribes on its own bus connection, which the broker may serve
+    after our local publisher; probing until a message arrives removes that race.
+    """
+    remote.sendall(codec.subscribe(pattern))
+    roundtrip(remote)
+    remote.settimeout(0.1)
+    expected = codec.publish(probe_key, b"probe")
+    for _ in range(100):
+        local.send(b"MSG " + probe_key + b"\0probe")
+        try:
+            data = read_exactly(remote, len(expected))
+        except TimeoutError:
+            continue
+        assert data == expected
+        break
+    else:
+        raise AssertionError("the subscription never reached the bus")
+    time.sleep(0.1)  # let further probes arrive, then discard them
+    try:
+        while remote.recv(65536):
+            pass
+    except TimeoutError:
+        pass
+    remote.settimeout(5)
+
+
+def authenticated(gw: GatewayProcess) -> socket.socket:
+    s = gw.connect()
+    s.sendall(codec.authenticate(SECRET))
+    return s
+
+
+# -- fixtures: one broker and two gateways for the module -------------------------------
+
+@pytest.fixture(scope="module")
+def gwdir():
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="sbus-gw-", dir="/tmp"))  # short: socket paths
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def bus(gwdir):
+    b = BrokerProcess(str(gwdir / "bus.sock")).start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(gwdir, bus):
+    g = GatewayProcess(gwdir, bus.address).start()
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def tight(gwdir, bus):
+    """A gateway with a 1 s idle timeout, 10-message buffers and 4 KiB frames."""
+    g = GatewayProcess(gwdir, bus.address, "--idle-timeout", "1", "--buffer-messages", "10",
+                       "--max-frame", "4096", name="tight").start()
+    yield g
+    g.stop()
+
+
+@pytest.fixture
+def local(bus):
+    s = raw(bus.address)
+    yield s
+    s.close()
+
+
+# -- wire format and bridging ----------------------------------------------------------
+
+def test_bus_message_reaches_remote_byte_exact(gw, local):
+    remote = gw.connect()
+    subscribe_bridged(remote, b"topic", local, b"topic")
+    local.send(b"MSG topic\0body")
+    assert read_exactly(remote, 14) == PUBLISH_EXAMPLE
+    local.send(b"MSG topic\0" + b"\xff" * 300)  # bin 16 header
+    assert read_exactly(remote, 1 + 2 + 5 + 3 + 300) == \
+        b"\x04\xc4\x05topic\xc5\x01\x2c" + b"\xff" * 300
+
+
+def test_keepalive_is_echoed_byte_exact(gw):
+    remote = gw.connect()
+    remote.sendall(b"\x00\x00\x00")
+    assert read_exactly(remote, 3) == b"\x00\x00\x00"
+
+
+def test_remote_publish_reaches_the_bus(gw, local):
+    local.send(b"SUB from/remote")
+    sync(local)
+    remote = authenticated(gw)
+    remote.sendall(PUBLISH_EXAMPLE.replace(b"\xc4\x05topic", b"\xc4\x0bfrom/remote"))
+    assert local.recv(1 << 16) == b"MSG from/remote\0body"
+    remote.sendall(codec.publish(b"from/remote", b"") + b"\x04\xc4\x0bfrom/remote\xc0")
+    assert local.recv(1 << 16) == b"MSG from/remote\0"
+    assert local.recv(1 << 16) == b"MSG from/remote\0"  # nil body = empty body
+
+
+def test_remote_subscriber_gets_remote_publish_through_the_bus(gw, local):
+    sub = gw.connect()
+    subscribe_bridged(sub, b"chat/*", local, b"chat/probe")
+    pub = authenticated(gw)
+    pub.sendall(codec.publish(b"chat/room1", b"hello"))
+    assert read_exactly(sub, len(codec.publish(b"chat/room1", b"hello"))) == \
+        codec.publish(b"chat/room1", b"hello")
+
+
+def test_patterns_and_unsubscribe(gw, local):
+    remote = gw.connect()
+    subscribe_bridged(remote, b"sensors/*/temp", local, b"sensors/probe/temp")
+    subscribe_bridged(remote, b"logs/", local, b"logs/probe")
+    remote.sendall(codec.subscribe(b"logs/"))  # twice is once
+    for key in (b"sensors/kitchen/hum", b"sensors/kitchen/temp", b"logs", b"logs/a/b"):
+        local.send(b"MSG " + key + b"\0v")
+    for key in (b"sensors/kitchen/temp", b"logs/a/b"):
+        assert read_exactly(remote, len(codec.publish(key, b"v"))) == codec.publish(key, b"v")
+    remote.sendall(codec.unsubscribe(b"sensors/*/temp") + codec.unsubscribe(b"never/sub"))
+    roundtrip(remote)
+    local.send(b"MSG sensors/kitchen/temp\0gone")
+    local.send(b"MSG logs/x\0still")
+    assert read_exactly(remote, len(codec.publish(b"logs/x", b"still"))) == \
+        codec.publish(b"logs/x", b"still")
+    remote.sendall(codec.unsubscribe(b"logs/"))
+    roundtrip(remote)
+    local.send(b"MSG logs/x\0gone")
+    sync(local)
+    roundtrip(remote)  # the next byte is the echo, not a message
+
+
+def test_subscriptions_end_with_the_connection(gw, local):
+    first = gw.connect()
+    subscribe_bridged(first, b"once/only", local, b"once/only")
+    first.close()
+    second = gw.connect()  # the same program connecting again has to subscribe again
+    local.send(b"MSG once/only\0x")
+    sync(local)
+    roundtrip(second)  # the first byte is the echo, not the message
+    subscribe_bridged(second, b"once/only", local, b"once/only")
+
+
+# -- authentication ------------------------------------------------------------------
+
+def test_publish_before_authenticate_disconnects(gw, local):
+    local.send(b"SUB auth/test")
+    sync(local)
+    remote = gw.connect()
+    remote.sendall(codec.publish(b"auth/test", b"sneaky"))
+    assert closed_by_gateway(remote)
+    gw.wait_log("publish before authenticating")
+    good = authenticated(gw)
+    good.sendall(codec.publish(b"auth/test", b"fine"))
+    assert local.recv(1 << 16) == b"MSG auth/test\0fine"  # and never 'sneaky'
+
+
+def test_wrong_secret_is_refused_logged_and_disconnects(gw, local):
+    remote = gw.connect()
+    port = remote.getsockname()[1]
+    remote.sendall(codec.authenticate(SECRET[:-1] + b"X"))
+    assert closed_by_gateway(remote)
+    log = gw.wait_log(f"127.0.0.1:{port}: wrong authentication secret")
+    assert SECRET.decode() not in log  # the secret itself is never logged
+
+
+def test_subscribing_needs_no_authentication_but_publishing_after_auth_works(gw, local):
+    remote = gw.connect()
+    subscribe_bridged(remote, b"open/topic", local, b"open/topic")
+    remote.sendall(codec.authenticate(SECRET) + codec.publish(b"open/topic", b"mine"))
+    assert read_exactly(remote, len(codec.publish(b"open/topic", b"mine"))) == \
+        codec.publish(b"open/topic", b"mine")
+
+
+# -- secrets ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pattern", [b"!/cred/0/0/1/x", b"!/cred/", b"!/", b"a/!/b"])
+def test_secret_and_reserved_subscriptions_are_refused(gw, pattern):
+    remote = gw.connect()
+    port = remote.getsockname()[1]
+    remote.sendall(codec.subscribe(pattern))
+    assert closed_by_gateway(remote)
+    gw.wait_log(f"disconnecting remote 127.0.0.1:{port}: ")
+
+
+def test_match_everything_never_sees_secret_keys(gw, local):
+    remote = gw.connect()
+    subscribe_bridged(remote, b"", local, b"everything/probe")
+    local.send(b"MSG !/cred/0/0/1/private\0secret")
+    local.send(b"MSG public\0ok")
+    assert read_exactly(remote, len(codec.publish(b"public", b"ok"))) == \
+        codec.publish(b"public", b"ok")
+
+
+def test_remote_may_not_publish_to_secret_keys(gw, local):
+    local.send(b"CMSG !/cred/whoami")
+    me = local.recv(1 << 16).split(b"\0", 1)[1]  # !/cred/GID/UID/PID
+    local.send(b"SUB " + me + b"/")
+    sync(local)
+    remote = authenticated(gw)
+    remote.sendall(codec.publish(me + b"/inbox", b"forged"))
+    assert closed_by_gateway(remote)
+    gw.wait_log("is a secret (!/) key, which remote clients may not use")
+    local.send(b"MSG " + me + b"/inbox\0genuine")
+    assert local.recv(1 << 16) == b"MSG " + me + b"/inbox\0genuine"  # first, not 'forged'
+
+
+# -- misbehaviour closes only that connection -------------------------------------------
+
+@pytest.mark.parametrize("garbage, reason", [
+    (b"\xc1", "malformed input: malformed MessagePack at byte 0: not a valid MessagePack"),
+    (b"\x00\x07\xc0\xc0", "malformed input: unknown frame type 7 at byte 1"),
+    (b"\x02\xc0\xc0", "malformed input: subscribe frame with a nil topic"),
+    (b"\x92\x04\x04", "malformed input: MessagePack array at byte 0"),
+    (b"\x04\xc4\x01t\xc5\x20\x00" + bytes(8192),
+     "malformed input: value at byte 4 is larger than the 4096-byte frame limit"),
+    (b"\x02\xc4\x03a\x00b\xc0", "subscription to b'a\\x00b' contains NUL"),
+])
+def test_malformed_input_closes_only_that_connection(tight, local, garbage, reason):
+    good = tight.connect()
+    subscribe_bridged(good, b"still/here", local, b"still/here")
+    bad = tight.connect()
+    port = bad.getsockname()[1]
+    try:
+        bad.sendall(garbage)
+    except ConnectionResetError:
+        pass
+    assert closed_by_gateway(bad)
+    tight.wait_log(f"disconnecting remote 127.0.0.1:{port}: {reason}")
+    local.send(b"MSG still/here\0yes")
+    assert read_exactly(good, len(codec.publish(b"still/here", b"yes"))) == \
+        codec.publish(b"still/here", b"yes")
+
+
+# -- idle timeout and keep-alives -----------------------------------------------------------
+
+def test_keepalives_hold_an_idle_client_and_silence_drops_it(tight):
+    talker, silent = tight.connect(), tight.connect()
+    start = time.monotonic()
+    while time.monotonic() - start < 2.5:  # 2.5 idle timeouts
+        roundtrip(talker)
+        time.sleep(0.3)
+    roundtrip(talker)  # still connected
+    # the silent one was dropped after about one idle timeout
+    assert closed_by_gateway(silent, timeout=0.1)
+    other = tight.connect()
+    t0 = time.monotonic()
+    assert closed_by_gateway(other, timeout=5)
+    assert 0.8 < time.monotonic() - t0 < 3
+    tight.wait_log("idle for 1 s")
+
+
+# -- slow readers ----------------------------------------------------------------------------
+
+def test_a_slow_reader_loses_only_its_own_messages(tight, local):
+    slow = tight.connect(rcvbuf=4096)
+    fast = tight.connect()
+    subscribe_bridged(slow, b"flood/", local, b"flood/probe")
+    subscribe_bridged(fast, b"flood/", local, b"flood/probe")  # probes reach slow too
+    count = 1000
+    body = b"x" * 1000
+    frame = codec.publish(b"flood/n", body)
+    got_fast = bytearray()
+
+    def read_fast():
+        fast.settimeout(10)
+        while len(got_fast) < count * len(frame):
+            chunk = fast.recv(1 << 16)
+            if not chunk:
+                return
+            got_fast.extend(chunk)
+
+    reader = threading.Thread(target=read_fast)
+    reader.start()
+    for i in range(0, count, 5):
+        for _ in range(5):
+            local.send(b"MSG flood/n\0" + body)
+        if i % 250 == 0:
+            slow.sendall(b"\x00")  # slow, not dead: it still talks (1 s idle timeout)
+        # the fast reader keeps up: never more than 5 messages (half its buffer) behind
+        deadline = time.monotonic() + 5
+        while len(got_fast) < (i + 5) * len(frame) and time.monotonic() < deadline:
+            time.sleep(0.0002)
+    reader.join(10)
+    assert bytes(got_fast) == frame * count, f"fast got {len(got_fast) // len(frame)}"
+    # the slow one now reads what it kept: far fewer, but whole frames, and stays connected
+    slow.sendall(b"\x00")
+    slow.settimeout(0.5)
+    data = bytearray()
+    try:
+        while chunk := slow.recv(1 << 16):
+            data.extend(chunk)
+        raise AssertionError("the slow reader was disconnected")
+    except TimeoutError:
+        pass
+    frames = FrameDecoder().feed(bytes(data))
+    messages = [f for f in frames if f == codec.Publish(b"flood/n", body)]
+    assert len(messages) + frames.count(codec.KeepAlive()) + \
+        frames.count(codec.Publish(b"flood/probe", b"probe")) == len(frames)
+    assert 10 <= len(messages) < count, len(messages)
+    assert frames[-1] == codec.KeepAlive()  # the last keep-alive's echo came last
+    slow.close()
+    tight.wait_log("messages were discarded for it (buffer full)")

@@ -1,0 +1,196 @@
+"""The gateway's pure parts: the MessagePack frame codec, the outbox, HTTPS decisions."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sbus.gateway import codec
+from sbus.gateway.client import backoff_delay
+from sbus.gateway.codec import (
+    Authenticate,
+    FrameDecoder,
+    FrameError,
+    KeepAlive,
+    Publish,
+    Subscribe,
+    Unsubscribe,
+)
+from sbus.gateway.https import decide
+from sbus.gateway.outbox import Outbox
+
+# -- encoding -----------------------------------------------------------------------
+
+
+def test_publish_example_is_byte_exact():
+    assert codec.publish(b"topic", b"body") == bytes.fromhex("04c405746f706963c404626f6479")
+
+
+def test_keepalive_is_one_zero_byte():
+    assert codec.keepalive() == codec.KEEPALIVE == b"\x00"
+    assert codec.encode(KeepAlive()) == b"\x00"
+
+
+def _packb(*values) -> bytes:
+    return b"".join(msgpack.packb(v, use_bin_type=True) for v in values)
+
+
+@pytest.mark.parametrize("size", [0, 1, 255, 256, 65535, 65536, 70000])
+def test_encoders_match_msgpack_for_every_bin_width(size):
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    assert codec.publish(b"t", data) == _packb(4, b"t", data)
+    assert codec.subscribe(data) == _packb(2, data, None)
+    assert codec.unsubscribe(data) == _packb(3, data, None)
+    assert codec.authenticate(data) == _packb(1, None, data)
+
+
+frames = st.one_of(
+    st.just(KeepAlive()),
+    st.builds(Authenticate, st.binary(max_size=40)),
+    st.builds(Subscribe, st.binary(max_size=40)),
+    st.builds(Unsubscribe, st.binary(max_size=40)),
+    st.builds(Publish, st.binary(max_size=300), st.binary(max_size=3000)),
+)
+
+
+@given(st.lists(frames, max_size=30), st.lists(st.integers(1, 500), max_size=40))
+def test_any_frames_survive_any_chunking(sent, cuts):
+    stream = b"".join(codec.encode(f) for f in sent)
+    decoder = FrameDecoder()
+    got, pos = [], 0
+    for cut in cuts:
+        got += decoder.feed(stream[pos:pos + cut])
+        pos += cut
+    got += decoder.feed(stream[pos:])
+    assert got == sent
+    assert decoder.idle
+    assert decoder.offset == len(stream)
+
+
+def test_other_msgpack_encodings_of_the_same_values_are_accepted():
+    # uint8 type, str (old raw type) topic and body, nil body on publish
+    data = b"\xcc\x04" + b"\xa3abc" + b"\xd9\x03xyz" + b"\x04\xc4\x01t\xc0" + b"\x02\xa1k\xc4\x00"
+    assert FrameDecoder().feed(data) == [Publish(b"abc", b"xyz"), Publish(b"t", b""),
+                                         Subscribe(b"k")]
+
+
+def test_keepalives_need_no_unpacker():
+    decoder = FrameDecoder()
+    assert decoder.feed(b"\x00\x00\x00") == [KeepAlive()] * 3
+    assert decoder._unpacker is None
+    decoder.feed(b"\x04\xc4\x01t")  # half a frame holds one
+    assert decoder._unpacker is not None and not decoder.idle
+    assert decoder.feed(b"\xc4\x01b\x00") == [Publish(b"t", b"b"), KeepAlive()]
+    assert decoder.idle and decoder._unpacker is None
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\xc1", "malformed MessagePack at byte 0"),
+    (b"\x00\x05\xc0\xc0", "unknown frame type 5 at byte 1"),
+    (b"\xff", "unknown frame type -1 at byte 0"),
+    (b"\xc0", "frame type at byte 0 is nil"),
+    (b"\xc3", "frame type at byte 0 is a boolean"),
+    (b"\xa1x", "frame type at byte 0 is bytes"),
+    (b"\x91\x04", "MessagePack array at byte 0"),  # arrays are never valid
+    (b"\x04\xc4\x01t\x81\x00\x00", "MessagePack map at byte 4"),  # nor maps
+    (b"\xd4\x01\x00", "MessagePack ext at byte 0"),  # nor extension types
+    (b"\x02\xc0\xc0", "subscribe frame with a nil topic at byte 1"),
+    (b"\x04\xc0\xc4\x00", "publish frame with a nil topic at byte 1"),
+    (b"\x04\x05\xc0", "publish frame topic at byte 1 is an integer"),
+    (b"\x04\xc4\x01t\xcb" + bytes(8), "publish frame body at byte 4 is a float"),
+    (b"\x01\xc0\xc0", "authenticate frame with a nil secret at byte 2"),
+])
+def test_malformed_input_is_named_precisely(data, message):
+    with pytest.raises(FrameError, match=message):
+        FrameDecoder().feed(data)
+
+
+def test_oversized_frames_are_refused_as_they_arrive():
+    decoder = FrameDecoder(max_frame=1000, read_size=512)
+    # a body whose header announces 1 MB: refused once the buffer limit is passed,
+    # long before a megabyte is buffered
+    decoder.feed(b"\x04\xc4\x01t\xc6\x00\x10\x00\x00")
+    with pytest.raises(FrameError, match="larger than the 1000-byte"):
+        for _ in range(10):
+            decoder.feed(bytes(512))
+
+
+def test_topic_plus_body_limit_is_exact():
+    decoder = FrameDecoder(max_frame=1000)
+    assert decoder.feed(codec.publish(b"t" * 500, b"b" * 500)) == [Publish(b"t" * 500,
+                                                                           b"b" * 500)]
+    with pytest.raises(FrameError, match="carries 1001 bytes, over the 1000-byte limit"):
+        decoder.feed(codec.publish(b"t" * 500, b"b" * 501))
+
+
+# -- outbox --------------------------------------------------------------------------
+
+
+def test_outbox_discards_new_messages_beyond_its_count():
+    box = Outbox(max_messages=3, max_bytes=1000)
+    assert [box.offer(b"%d" % i) for i in range(5)] == [True, True, True, False, False]
+    assert box.dropped == box.dropped_total == 2
+    assert box.take() == b"012"  # the oldest are kept, the new ones discarded
+    assert box.take_dropped() == 2 and box.dropped == 0 and box.dropped_total == 2
+    assert box.offer(b"x") and len(box) == 1
+
+
+def test_outbox_bounds_bytes_but_always_takes_one():
+    box = Outbox(max_messages=100, max_bytes=10)
+    assert box.offer(b"x" * 50)  # alone and too big: accepted, or it could never pass
+    assert not box.offer(b"y")
+    assert box.take() == b"x" * 50 and box.size == 0
+    assert box.offer(b"a" * 6) and not box.offer(b"b" * 5) and box.offer(b"c" * 4)
+    box.force(b"\x00")  # keep-alive echoes are never discarded
+    assert box.take(limit=6) == b"a" * 6 and box.take() == b"c" * 4 + b"\x00"
+    with pytest.raises(ValueError):
+        Outbox(0, 10)
+
+
+def test_backoff_doubles_to_its_cap_with_jitter():
+    for failures, base in [(0, 1), (1, 2), (2, 4), (5, 32), (6, 60), (100, 60)]:
+        delays = [backoff_delay(failures, 1.0, 60.0) for _ in range(200)]
+        assert base / 2 <= min(delays) and max(delays) <= base
+        assert max(delays) - min(delays) > base / 10  # jittered, not fixed
+
+
+# -- HTTPS decisions -------------------------------------------------------------------
+
+SECRET = b"s3cret"
+JSON = [(b"content-type", b"application/json; charset=utf-8"),
+        (b"x-authentication-key", SECRET)]
+
+
+def _doc(topic: bytes, body: bytes) -> bytes:
+    return json.dumps({"topic": base64.b64encode(topic).decode(),
+                       "body": base64.b64encode(body).decode()}).encode()
+
+
+@pytest.mark.parametrize("method, headers, content, status", [
+    (b"POST", JSON, _doc(b"a/b", b"\x00\xff"), 201),
+    (b"GET", JSON, b"", 405),
+    (b"PUT", JSON, _doc(b"a/b", b"x"), 405),
+    (b"POST", JSON[:1], _doc(b"a/b", b"x"), 401),
+    (b"POST", [JSON[0], (b"x-authentication-key", b"s3creT")], _doc(b"a/b", b"x"), 401),
+    (b"POST", [(b"content-type", b"text/plain"), JSON[1]], _doc(b"a/b", b"x"), 415),
+    (b"POST", JSON[1:], _doc(b"a/b", b"x"), 415),
+    (b"POST", JSON, b"{not json", 400),
+    (b"POST", JSON, b'["topic", "body"]', 400),
+    (b"POST", JSON, b'{"topic": "a/b", "body": "%%%"}', 400),
+    (b"POST", JSON, b'{"body": "eA=="}', 400),
+    (b"POST", JSON, _doc(b"!/cred/0/0/1/x", b"x"), 400),
+    (b"POST", JSON, _doc(b"a\x00b", b"x"), 400),
+    (b"POST", JSON, _doc(b"a", b"x" * 2000), 413),
+])
+def test_https_decisions(method, headers, content, status):
+    answer = decide(method, headers, content, SECRET, max_frame=1024)
+    assert answer.status == status, answer.text
+    if status == 201:
+        assert (answer.topic, answer.body) == (b"a/b", b"\x00\xff")
+    else:
+        assert answer.topic is None
