@@ -1,0 +1,229 @@
+"""The user units under a real systemd user manager (see `systemd_usermgr`).
+
+One manager serves the whole module; every test starts with sbus.socket and
+sbus.service stopped and leaves them so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from systemd_usermgr import SYSTEMD, UserManager
+
+from sbus.client import Client, ConnectError, SbusError
+from sbus.protocol import Publish
+
+SBUS_EXE = Path(sys.executable).parent / "sbus"
+
+pytestmark = pytest.mark.skipif(
+    not (os.path.exists(SYSTEMD) and shutil.which("unshare") and os.geteuid() == 0),
+    reason="needs root, systemd and unshare (tools/setup.sh; CI runs as root)")
+
+
+@pytest.fixture(scope="module")
+def manager() -> Iterator[UserManager]:
+    base = Path(tempfile.mkdtemp(prefix="sbus-um-", dir="/tmp"))
+    m = UserManager(base).start()
+    try:
+        yield m
+    finally:
+        leftover = m.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    assert not leftover, f"processes left in the user manager's cgroup: {leftover}"
+
+
+@pytest.fixture(scope="module")
+def installed(manager: UserManager) -> str:
+    """The project's user units, installed the way a user would."""
+    return manager.run(str(SBUS_EXE), "install-units", "--user").stdout
+
+
+@pytest.fixture
+def bus(manager: UserManager, installed: str) -> Iterator[str]:
+    """sbus.socket started; yields the socket path. Stopped (and checked) afterwards."""
+    manager.systemctl("start", "sbus.socket")
+    try:
+        yield str(manager.runtime / "sbus.socket")
+    finally:
+        manager.systemctl("stop", "sbus.socket", "sbus.service")
+        manager.systemctl("reset-failed", check=False)
+
+
+def test_install_units_writes_into_the_managers_unit_dir(manager: UserManager,
+                                                         installed: str) -> None:
+    unit_dir = manager.unit_dir
+    assert installed.splitlines()[:3] == [f"wrote {unit_dir / n}" for n in
+                                          ("sbus.socket", "sbus.service", "sbus-mount.service")]
+    assert "ran systemctl --user daemon-reload" in installed
+    service = (unit_dir / "sbus.service").read_text()
+    assert f"ExecStart={SBUS_EXE} serve\n" in service
+    loaded = manager.show("sbus.socket", "LoadState", "FragmentPath", "Listen")
+    assert loaded["LoadState"] == "loaded"
+    assert loaded["FragmentPath"] == str(unit_dir / "sbus.socket")
+    assert loaded["Listen"] == f"{manager.runtime}/sbus.socket (SequentialPacket)"
+    # Installing again changes nothing.
+    again = manager.run(str(SBUS_EXE), "install-units", "--user").stdout
+    assert again.splitlines()[:3] == [f"unchanged {unit_dir / n}" for n in
+                                      ("sbus.socket", "sbus.service", "sbus-mount.service")]
+
+
+def test_service_starts_on_first_connection_with_status(manager: UserManager, bus: str) -> None:
+    sock = manager.show("sbus.socket", "ActiveState", "SubState")
+    assert (sock["ActiveState"], sock["SubState"]) == ("active", "listening")
+    assert Path(bus).exists() and oct(os.stat(bus).st_mode & 0o777) == "0o600"
+    before = manager.show("sbus.service", "ActiveState", "MainPID")
+    assert before == {"ActiveState": "inactive", "MainPID": "0"}
+
+    with Client(bus, timeout=10) as sub, Client(bus, timeout=10) as pub:
+        sub.subscribe(b"t/*")
+        sub.whoami()
+        pub.publish(b"t/1", b"hello")
+        assert sub.receive(timeout=5) == Publish(b"t/1", b"hello")
+        state = manager.show("sbus.service", "ActiveState", "SubState", "MainPID",
+                             "StatusText", "NotifyAccess", "Type")
+        assert (state["ActiveState"], state["SubState"]) == ("active", "running")
+        assert (state["Type"], state["NotifyAccess"]) == ("notify", "main")
+        assert int(state["MainPID"]) > 0
+        assert state["StatusText"].startswith("listening, ") or "clients" in state["StatusText"]
+        # The periodic STATUS= (every 2 s) reports the live numbers.
+        deadline = time.monotonic() + 6
+        while True:
+            status = manager.systemctl("status", "sbus.service", check=False).stdout
+            if 'Status: "2 clients, 1 subscriptions, 1 published, 1 delivered, 0 dropped' \
+                    in status:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.2)
+        assert "Active: active (running)" in status
+
+
+def test_restart_during_publish_loop_refuses_nobody(manager: UserManager, bus: str) -> None:
+    """Restart the broker 3 times under load: connections may be closed, never refused."""
+    stop = threading.Event()
+    errors: list[str] = []
+    counts = {"connects": 0, "served": 0, "reconnects": 0}
+    lock = threading.Lock()
+
+    def connect() -> Client:
+        try:
+            c = Client(bus, timeout=10)
+        except ConnectError as exc:  # what a refused (or missing) socket looks like
+            errors.append(str(exc))
+            raise
+        with lock:
+            counts["connects"] += 1
+        return c
+
+    def publisher() -> None:
+        n = 0
+        c = connect()
+        while not stop.is_set():
+            try:
+                c.publish(b"load/n", str(n).encode())
+                n += 1
+                time.sleep(0.001)
+            except (OSError, SbusError):
+                c.close()
+                with lock:
+                    counts["reconnects"] += 1
+                c = connect()
+        c.close()
+
+    def newcomer() -> None:
+        """Fresh connections all the time: each must be answered (by old or new broker)."""
+        while not stop.is_set():
+            c = connect()
+            try:
+                c.whoami(timeout=10)
+                with lock:
+                    counts["served"] += 1
+            except SbusError:  # accepted by the broker that was stopping: try again
+                with lock:
+                    counts["reconnects"] += 1
+            finally:
+                c.close()
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (publisher, newcomer, newcomer)]
+    with Client(bus, timeout=10) as first:
+        first.whoami()  # starts the service
+    pids = [manager.show("sbus.service", "MainPID")["MainPID"]]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(3):
+            time.sleep(0.5)
+            manager.systemctl("restart", "sbus.service")
+            pids.append(manager.show("sbus.service", "MainPID")["MainPID"])
+        time.sleep(0.5)
+        # After the last restart a subscriber sees the publisher's loop again.
+        with Client(bus, timeout=10) as sub:
+            sub.subscribe(b"load/n")
+            sub.whoami()
+            assert sub.receive(timeout=10).key == b"load/n"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=20)
+    print(counts, pids)
+    assert not errors, errors[:3]
+    assert not any(t.is_alive() for t in threads)
+    assert len(set(pids)) == 4 and "0" not in pids, pids  # really four brokers
+    assert counts["served"] > 10 and counts["connects"] > counts["served"] // 2, counts
+
+
+def test_stop_leaves_no_process_and_no_socket(manager: UserManager, bus: str) -> None:
+    with Client(bus, timeout=10) as c:
+        c.whoami()
+    pid = int(manager.show("sbus.service", "MainPID")["MainPID"])
+    assert pid in manager.stray_pids()
+    manager.systemctl("stop", "sbus.socket", "sbus.service")
+    for unit in ("sbus.socket", "sbus.service"):
+        assert manager.show(unit, "ActiveState")["ActiveState"] == "inactive"
+    # Exited on SIGTERM with status 0: a clean stop, not a kill.
+    assert manager.show("sbus.service", "Result", "ExecMainStatus") == \
+        {"Result": "success", "ExecMainStatus": "0"}
+    assert manager.stray_pids() == set()
+    assert not os.path.exists(f"/proc/{pid}")
+    assert not Path(bus).exists()  # RemoveOnStop=yes
+    with pytest.raises(ConnectError, match="cannot connect to the sbus broker at"):
+        Client(bus)
+
+
+def test_watchdog_restarts_a_hung_broker(manager: UserManager, bus: str) -> None:
+    """With WatchdogSec= set, a broker that stops responding is killed and restarted."""
+    dropin = manager.unit_dir / "sbus.service.d"
+    dropin.mkdir(exist_ok=True)
+    (dropin / "watchdog.conf").write_text("[Service]\nWatchdogSec=2s\nLimitCORE=0\n")
+    manager.systemctl("daemon-reload")
+    try:
+        with Client(bus, timeout=10) as c:
+            c.whoami()
+        state = manager.show("sbus.service", "MainPID", "WatchdogUSec", "NRestarts")
+        assert state["WatchdogUSec"] == "2s"
+        old = int(state["MainPID"])
+        time.sleep(3)  # healthy: the broker pings, nothing happens
+        assert manager.show("sbus.service", "MainPID", "NRestarts") == \
+            {"MainPID": str(old), "NRestarts": state["NRestarts"]}
+        os.kill(old, signal.SIGSTOP)  # hung
+        deadline = time.monotonic() + 15
+        while manager.show("sbus.service", "MainPID")["MainPID"] in (str(old), "0"):
+            assert time.monotonic() < deadline, "the watchdog did not restart the broker"
+            time.sleep(0.1)
+        after = manager.show("sbus.service", "NRestarts", "ActiveState")
+        assert int(after["NRestarts"]) == int(state["NRestarts"]) + 1
+        with Client(bus, timeout=10) as c:  # and the bus works again
+            c.whoami()
+        assert not os.path.exists(f"/proc/{old}")
+    finally:
+        (dropin / "watchdog.conf").unlink()
+        dropin.rmdir()
+        manager.systemctl("daemon-reload")
