@@ -1,0 +1,192 @@
+"""Tools for fault tests: a socket-holding supervisor, other-user processes, /proc readings.
+
+`HeldSocket` plays the part systemd plays under socket activation: it owns the
+listening socket and starts brokers on it with ``LISTEN_FDS=1``/``LISTEN_PID``,
+and reads their ``READY=1`` from a ``NOTIFY_SOCKET`` of its own.  Because the
+socket outlives each broker, a client that connects while no broker runs waits
+in the backlog instead of being refused, and the next broker serves it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SBUS = [sys.executable, "-m", "sbus.cli"]
+NOBODY = 65534
+
+
+class HeldSocket:
+    """A listening SEQPACKET socket held across broker restarts (what systemd does)."""
+
+    def __init__(self, directory: Path, *serve_args: str, nofile: int | None = None,
+                 notify: bool = True) -> None:
+        self.dir = directory
+        os.chmod(directory, 0o755)
+        self.address = str(directory / "bus.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(self.address)
+        os.chmod(self.address, 0o666)
+        self.listener.listen(socket.SOMAXCONN)
+        self.notify_path = str(directory / "notify")
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(self.notify_path)
+        self.serve_args = serve_args
+        self.use_notify = notify
+        self.nofile = nofile
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.logs: list[Path] = []
+
+    def start(self, timeout: float = 15.0) -> subprocess.Popen:
+        """Start a broker on the held socket and wait for its READY=1."""
+        fd = self.listener.fileno()
+        move = "" if fd == 3 else f"exec 3<&{fd} {fd}<&-; "
+        script = move + 'LISTEN_FDS=1 LISTEN_PID=$$ exec "$@"'
+        log = self.dir / f"broker-{self.starts}.log"
+        self.logs.append(log)
+        env = dict(os.environ)
+        if self.use_notify:
+            env["NOTIFY_SOCKET"] = self.notify_path
+        env.pop("SBUS_ADDRESS", None)
+        nofile = self.nofile
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                ["bash", "-c", script, "bash", *SBUS, "-v", "serve", *self.serve_args],
+                pass_fds=(fd,), env=env, stdout=out, stderr=subprocess.STDOUT,
+                preexec_fn=limit,
+            )
+        self.starts += 1
+        self._wait_ready(timeout)
+        return self.proc
+
+    def _wait_ready(self, timeout: float) -> None:
+        if not self.use_notify:  # no READY=1 to wait for: wait for a whoami answer
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            probe.connect(self.address)
+            answered = served(probe, timeout)
+            probe.close()
+            if not answered:
+                raise RuntimeError(f"broker not serving: {self.log_text()}")
+            return
+        self.notify.settimeout(0.2)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                msg = self.notify.recv(4096)
+            except TimeoutError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"broker exited with {self.proc.returncode}: "
+                                       f"{self.logs[-1].read_text()}") from None
+                continue
+            if b"READY=1" in msg.split(b"\n"):
+                return
+        raise TimeoutError(f"broker sent no READY=1 within {timeout} s")
+
+    def status(self, until: Callable[[str], bool], timeout: float = 10.0) -> str:
+        """Read the broker's STATUS= reports until one satisfies *until*; return it."""
+        self.notify.settimeout(0.5)
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                msg = self.notify.recv(4096).decode(errors="replace")
+            except TimeoutError:
+                continue
+            for line in msg.splitlines():
+                if line.startswith("STATUS="):
+                    last = line[len("STATUS="):]
+                    if until(last):
+                        return last
+        raise TimeoutError(f"no matching STATUS= within {timeout} s; last: {last!r}")
+
+    def kill(self) -> None:
+        """kill -9 the running broker."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.listener.close()
+        self.notify.close()
+
+    def log_text(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
+
+
+def as_user(uid: int, target: Callable, *args) -> tuple[multiprocessing.Process, object]:
+    """Run ``target(pipe, *args)`` in a forked child that has become *uid*.
+
+    Returns the process and the parent's end of a duplex pipe for talking to it.
+    """
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_become, args=(uid, target, child, args), daemon=True)
+    proc.start()
+    child.close()
+    return proc, parent
+
+
+def _become(uid: int, target: Callable, pipe, args: tuple) -> None:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    target(pipe, *args)
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of *pid* from /proc (VmRSS), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def broker_pid(proc: subprocess.Popen) -> int:
+    """The broker's pid (bash exec()s into it, so it is the Popen's pid)."""
+    return proc.pid
+
+
+def served(sock: socket.socket, timeout: float = 3.0, sep: bytes = b"/") -> bool | None:
+    """Whoami round trip: True if answered, False on EOF/reset (refused), None on timeout."""
+    whoami = b"CMSG !" + sep + b"cred" + sep + b"whoami"
+    old = sock.gettimeout()
+    sock.settimeout(timeout)
+    try:
+        sock.send(whoami)
+        while True:
+            p = sock.recv(1 << 20)
+            if not p:
+                return False
+            if p.startswith(whoami + b"\0"):
+                return True
+    except (BrokenPipeError, ConnectionResetError):
+        return False
+    except TimeoutError:
+        return None
+    finally:
+        sock.settimeout(old)
