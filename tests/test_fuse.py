@@ -1,0 +1,509 @@
+"""``sbus mount`` on real FUSE mounts, against real brokers, with raw-socket peers."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SBUS, BrokerProcess, raw, sync
+
+from sbus.routing import matches
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def mounted(path: str) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == path for line in f)
+
+
+class Mount:
+    """A real ``sbus mount`` in a child process; always unmounted by `stop`."""
+
+    def __init__(self, address: str, path: str, *args: str) -> None:
+        self.address, self.path, self.args = address, path, args
+        self.logfile = path + ".log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Mount:
+        os.makedirs(self.path, exist_ok=True)
+        with open(self.logfile, "w") as log:
+            self.proc = subprocess.Popen(
+                [*SBUS, "-v", "mount", "--address", self.address, self.path, *self.args],
+                stdout=log, stderr=log, env=ENV)
+        deadline = time.monotonic() + 15
+        while not mounted(self.path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mount failed: {self.log()}")
+            time.sleep(0.02)
+        os.stat(self.path)  # answered once the main loop runs
+        return self
+
+    def log(self) -> str:
+        with open(self.logfile) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        finally:
+            if mounted(self.path):
+                subprocess.run(["fusermount3", "-u", "-z", self.path], check=False)
+
+    def __truediv__(self, rel: str) -> str:
+        return os.path.join(self.path, rel)
+
+
+@pytest.fixture(scope="module")
+def space():
+    d = tempfile.mkdtemp(prefix="sbus-fuse-", dir="/tmp")
+    yield d
+    subprocess.run(["rm", "-rf", d], check=False)
+
+
+@pytest.fixture(scope="module")
+def bus(space):
+    b = BrokerProcess(os.path.join(space, "bus.sock")).start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def mnt(bus, space):
+    m = Mount(bus.address, os.path.join(space, "mnt")).start()
+    yield m
+    m.stop()
+
+
+def subscriber(address: str, *patterns: bytes) -> socket.socket:
+    s = raw(address)
+    for p in patterns:
+        s.send(b"SUB " + p)
+    sync(s)
+    return s
+
+
+def publish(address: str, *messages: tuple[bytes, bytes]) -> None:
+    s = raw(address)
+    for key, payload in messages:
+        s.send(b"MSG " + key + b"\0" + payload)
+    sync(s)
+    s.close()
+
+
+def wait_open(proc: subprocess.Popen, path: str, timeout: float = 10) -> None:
+    """Wait until *proc* holds *path* open: its subscription then exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fds = f"/proc/{proc.pid}/fd"
+        try:
+            if any(os.readlink(os.path.join(fds, fd)) == path for fd in os.listdir(fds)):
+                return
+        except FileNotFoundError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"reader exited: {proc.stderr.read() if proc.stderr else ''}")
+        time.sleep(0.01)
+    raise TimeoutError(f"{path} not opened")
+
+
+def cat(path: str, *args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([*args, "cat", path], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    wait_open(proc, path)
+    return proc
+
+
+def read_lines(proc: subprocess.Popen, n: int, timeout: float = 10) -> list[bytes]:
+    """The next *n* lines *proc* prints (unused bytes are kept for the next call)."""
+    buf: bytes = getattr(proc, "pending", b"")
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    while buf.count(b"\n") < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            got = buf.count(b"\n")
+            raise TimeoutError(f"got {got} of {n} lines: {buf[-40:]!r}")
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            raise EOFError(f"reader ended: {buf[-40:]!r} {proc.stderr.read()!r}")
+        buf += chunk
+    *lines, rest = buf.split(b"\n", n)
+    proc.pending = rest
+    return [line + b"\n" for line in lines]
+
+
+def readable(proc: subprocess.Popen, timeout: float) -> bool:
+    return bool(getattr(proc, "pending", b"")) or \
+        bool(select.select([proc.stdout.fileno()], [], [], timeout)[0])
+
+
+def touch(m: Mount, rel: str) -> str:
+    """Make *rel* a file of the mount (creating it publishes nothing)."""
+    os.makedirs(os.path.dirname(m / rel), exist_ok=True)
+    open(m / rel, "wb").close()
+    return m / rel
+
+
+def end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+# -- writing ---------------------------------------------------------------------
+
+def test_echo_publishes_one_message(mnt, bus):
+    sub = subscriber(bus.address, b"a/b/c")
+    os.makedirs(mnt / "a/b", exist_ok=True)
+    subprocess.run(["sh", "-c", f"echo hi > {mnt / 'a/b/c'}"], check=True)
+    assert sub.recv(1 << 20) == b"MSG a/b/c\0hi\n"
+    assert os.path.isfile(mnt / "a/b/c")
+
+
+def test_append_truncate_and_each_write_is_one_message(mnt, bus):
+    sub = subscriber(bus.address, b"w/k")
+    os.makedirs(mnt / "w", exist_ok=True)
+    subprocess.run(["sh", "-c", f"echo one >> {mnt / 'w/k'}; printf two > {mnt / 'w/k'}"],
+                   check=True)
+    fd = os.open(mnt / "w/k", os.O_WRONLY | os.O_APPEND)
+    try:
+        assert os.write(fd, b"three") == 5
+        assert os.write(fd, b"four") == 4
+    finally:
+        os.close(fd)
+    with open(mnt / "w/k", "r+b", buffering=0) as f:  # O_RDWR: truncate, then write
+        f.truncate(0)
+        f.write(b"five")
+    got = [sub.recv(1 << 20) for _ in range(5)]
+    assert got == [b"MSG w/k\0" + m for m in (b"one\n", b"two", b"three", b"four", b"five")]
+
+
+def test_write_larger_than_the_broker_accepts_fails(mnt, bus):
+    sub = subscriber(bus.address, b"big")
+    limit = 256 * 1024 - len(b"MSG big\0")
+    fd = os.open(mnt / "big", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        with pytest.raises(OSError) as info:
+            os.write(fd, b"x" * (limit + 1))
+        assert info.value.errno == errno.EMSGSIZE
+        with pytest.raises(OSError):
+            os.write(fd, b"x" * (2 << 20))
+        assert os.write(fd, b"y" * limit) == limit
+    finally:
+        os.close(fd)
+    assert sub.recv(1 << 20) == b"MSG big\0" + b"y" * limit  # the only one that went out
+
+
+def test_patterns_and_reserved_names_are_not_writable(mnt):
+    for path in ("a/*/c", "a/*/**", "**"):
+        with pytest.raises(PermissionError):
+            open(mnt / path, "wb")
+    with pytest.raises(FileExistsError):
+        os.mkdir(mnt / "a/*")
+
+
+# -- reading ---------------------------------------------------------------------
+
+def test_cat_prints_messages_in_order(mnt, bus):
+    proc = cat(touch(mnt, "r/k"))
+    try:
+        publish(bus.address, *[(b"r/k", b"m%d" % i) for i in range(200)])
+        assert read_lines(proc, 200) == [b"m%d\n" % i for i in range(200)]
+    finally:
+        end(proc)
+
+
+KEYS = [b"a/x/c", b"a/y/c", b"a/x/d", b"a/x/c/e", b"b/x/c", b"a/c", b"a/x"]
+
+
+@pytest.mark.parametrize("path, pattern", [("a/*/c", b"a/*/c"), ("a/*/**", b"a/*/"),
+                                           ("a/*/!", b"a/*")])
+def test_wildcard_paths_follow_the_protocol(mnt, bus, path, pattern):
+    proc = cat(mnt / path)
+    try:
+        marker = pattern.replace(b"*", b"end") + (b"z" if pattern.endswith(b"/") else b"")
+        publish(bus.address, *[(k, k) for k in KEYS], (marker, marker))
+        expected = [k + b"\n" for k in KEYS if matches(pattern, k)]
+        assert 0 < len(expected) < len(KEYS)  # the pattern tells keys apart
+        assert read_lines(proc, len(expected) + 1) == expected + [marker + b"\n"]
+    finally:
+        end(proc)
+
+
+def test_mkdir_learned_directories_and_unknown_names(mnt, bus):
+    os.makedirs(mnt / "made/deep", exist_ok=True)
+    assert os.path.isdir(mnt / "made/deep")
+    assert "made" in os.listdir(mnt.path)
+    with pytest.raises(FileNotFoundError):
+        os.stat(mnt / "unknown")
+    publish(bus.address, (b"live/x/y", b"1"), (b"p/q", b"2"), (b"p/q/r", b"3"))
+    deadline = time.monotonic() + 5
+    while not os.path.isdir(mnt / "p/q"):
+        assert time.monotonic() < deadline, "traffic never showed up as directories"
+        time.sleep(0.02)
+    assert os.listdir(mnt / "live/x") == ["y"] and os.path.isfile(mnt / "live/x/y")
+    assert sorted(os.listdir(mnt / "p/q")) == ["!", "r"]  # p/q is a key and a prefix
+    assert os.listdir(mnt / "live/*") == []  # wildcards list nothing
+    proc = cat(mnt / "p/q/!")
+    try:
+        publish(bus.address, (b"p/q/r", b"not this"), (b"p/q", b"this"))
+        assert read_lines(proc, 1) == [b"this\n"]
+    finally:
+        end(proc)
+
+
+def test_long_message_continues_in_the_next_read(mnt, bus):
+    payload = bytes(range(256)) * 40  # 10240 bytes
+    fd = os.open(touch(mnt, "big"), os.O_RDONLY)
+    try:
+        publish(bus.address, (b"big", payload), (b"big", b"short"))
+        got = b""
+        while len(got) < len(payload) + 7:
+            chunk = os.read(fd, 4096)
+            assert 0 < len(chunk) <= 4096
+            got += chunk
+        assert got == payload + b"\nshort\n"
+    finally:
+        os.close(fd)
+
+
+def test_poll_and_select(mnt, bus):
+    fd = os.open(touch(mnt, "big"), os.O_RDONLY)
+    try:
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        assert p.poll(200) == []
+        publish(bus.address, (b"big", b"ready"))
+        assert p.poll(5000) == [(fd, select.POLLIN)]
+        assert select.select([fd], [], [], 5)[0] == [fd]
+        assert os.read(fd, 100) == b"ready\n"
+        assert p.poll(100) == []
+    finally:
+        os.close(fd)
+
+
+def test_timeout_cat_ends_promptly(mnt):
+    t = time.monotonic()
+    proc = subprocess.run(["timeout", "2", "cat", touch(mnt, "x")], capture_output=True)
+    assert proc.returncode == 124
+    assert time.monotonic() - t < 3
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_ends_a_blocked_cat_within_half_a_second(mnt, sig):
+    proc = cat(touch(mnt, "x"))
+    time.sleep(0.2)  # well inside read()
+    t = time.monotonic()
+    proc.send_signal(sig)
+    proc.wait(5)
+    assert time.monotonic() - t < 0.5
+    assert proc.returncode == -sig
+
+
+def test_head_ends_after_three_lines(mnt, bus):
+    proc = subprocess.Popen(["head", "-n", "3", touch(mnt, "big")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        wait_open(proc, mnt / "big")
+        publish(bus.address, *[(b"big", b"h%d" % i) for i in range(2)])
+        time.sleep(0.1)
+        assert proc.poll() is None  # two lines: still waiting for the third
+        publish(bus.address, *[(b"big", b"h%d" % i) for i in range(2, 5)])
+        out, err = proc.communicate(timeout=2)
+        assert (out, err, proc.returncode) == (b"h0\nh1\nh2\n", b"", 0)
+    finally:
+        end(proc)
+
+
+def test_ten_readers_each_get_every_message(mnt, bus):
+    procs = [cat(touch(mnt, "big")) for _ in range(10)]
+    try:
+        publish(bus.address, *[(b"big", b"n%d" % i) for i in range(300)])
+        for proc in procs:
+            assert read_lines(proc, 300) == [b"n%d\n" % i for i in range(300)]
+    finally:
+        for proc in procs:
+            end(proc)
+
+
+def test_secret_keys(mnt, bus):
+    mount_pid = mnt.proc.pid
+    other = raw(bus.address)
+    other.send(b"CMSG !/cred/whoami")
+    other_cred = other.recv(1000).split(b"\0")[1].decode()
+    with pytest.raises(PermissionError):  # another process's secrets
+        open(mnt / f"{other_cred}/x", "rb")
+    with pytest.raises(PermissionError):
+        os.listdir(mnt / other_cred)
+    own = f"!/cred/{os.getgid()}/{os.getuid()}/{mount_pid}"
+    os.makedirs(mnt / own, exist_ok=True)
+    proc = cat(mnt / f"{own}/**")
+    try:
+        publish(bus.address, (f"{other_cred}/x".encode(), b"not mine"),
+                (f"{own}/x".encode(), b"mine"))
+        assert read_lines(proc, 1) == [b"mine\n"]
+    finally:
+        end(proc)
+
+
+def test_nobody_cannot_borrow_the_mounts_secrets(bus, space):
+    """With allow_other, another user may use public keys but not the mount's secrets."""
+    os.chmod(space, 0o755)
+    m = Mount(bus.address, os.path.join(space, "shared"), "--allow-other").start()
+    try:
+        own = f"!/cred/{os.getgid()}/{os.getuid()}/{m.proc.pid}"
+        os.makedirs(m / own, exist_ok=True)
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        r = subprocess.run([*as_nobody, "cat", m / f"{own}/**"], capture_output=True,
+                           timeout=10)
+        assert r.returncode != 0 and b"Permission denied" in r.stderr
+        sub = subscriber(bus.address, b"pub/by/nobody")
+        os.makedirs(m / "pub/by", exist_ok=True)
+        subprocess.run([*as_nobody, "sh", "-c", f"echo hello > {m / 'pub/by/nobody'}"],
+                       check=True, timeout=10)
+        assert sub.recv(1000) == b"MSG pub/by/nobody\0hello\n"
+    finally:
+        m.stop()
+
+
+# -- formats -----------------------------------------------------------------------
+
+def test_raw_and_jsonl_formats(bus, space):
+    mr = Mount(bus.address, os.path.join(space, "raw"), "--format", "raw").start()
+    mj = Mount(bus.address, os.path.join(space, "jsonl"), "--format", "jsonl").start()
+    try:
+        os.mkdir(mr / "f")
+        os.mkdir(mj / "f")
+        fr = os.open(mr / "f/**", os.O_RDONLY)
+        fj = os.open(mj / "f/**", os.O_RDONLY)
+        t = time.time()
+        publish(bus.address, (b"f/1", b"no newline"), (b"f/2", b""), (b"f/3", b"\xff"))
+        assert os.read(fr, 1000) == b"no newline"  # one message per read
+        assert os.read(fr, 1000) == b"\xff"  # the empty one is skipped
+        lines = b""
+        while lines.count(b"\n") < 3:
+            lines += os.read(fj, 1000)
+        recs = [json.loads(x) for x in lines.splitlines()]
+        assert [r["key"] for r in recs] == ["f/1", "f/2", "f/3"]
+        assert recs[0]["payload"] == "no newline" and recs[1]["payload"] == ""
+        assert recs[2]["payload_base64"] == "/w=="
+        assert all(t - 1 < r["time"] < time.time() + 1 for r in recs)
+        os.close(fr)
+        os.close(fj)
+    finally:
+        mr.stop()
+        mj.stop()
+
+
+# -- lifecycle ---------------------------------------------------------------------
+
+def test_broker_restart_under_a_reader(space):
+    b = BrokerProcess(os.path.join(space, "restart.sock")).start()
+    m = Mount(b.address, os.path.join(space, "restart"), "--reconnect-timeout", "20").start()
+    proc = None
+    try:
+        proc = cat(touch(m, "s/k"))
+        publish(b.address, (b"s/k", b"before"))
+        assert read_lines(proc, 1) == [b"before\n"]
+        b.stop()
+        b.start()
+        # the reader is back once a probe reaches it
+        deadline = time.monotonic() + 10
+        while True:
+            publish(b.address, (b"s/k", b"probe"))
+            if readable(proc, 0.1):
+                break
+            assert time.monotonic() < deadline, m.log()
+        publish(b.address, *[(b"s/k", b"after%d" % i) for i in range(100)])
+        got = [x for x in read_lines(proc, 101) if x != b"probe\n"]
+        assert got == [b"after%d\n" % i for i in range(len(got))]
+        assert len(got) >= 100 - 1  # at most one probe line can follow the first one
+        assert proc.poll() is None  # no error, still reading
+        assert "re-subscribed" in m.log()
+    finally:
+        if proc is not None:
+            end(proc)
+            assert proc.stderr.read() == b""
+        m.stop()
+        b.stop()
+
+
+def test_broker_gone_for_good_gives_readers_an_error(space):
+    b = BrokerProcess(os.path.join(space, "gone.sock")).start()
+    m = Mount(b.address, os.path.join(space, "gone"), "--reconnect-timeout", "1").start()
+    try:
+        proc = cat(m / "**")
+        b.stop()
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 1 and b"Input/output error" in err
+        assert "get EIO" in m.log()
+    finally:
+        m.stop()
+
+
+def test_sigterm_and_fusermount_unmount_cleanly(bus, space):
+    for how in ("SIGTERM", "fusermount"):
+        m = Mount(bus.address, os.path.join(space, "life"))
+        m.start()
+        try:
+            proc = cat(m / "**")
+            if how == "SIGTERM":
+                m.proc.terminate()
+                assert m.proc.wait(10) == 0
+                proc.wait(5)
+            else:
+                end(proc)
+                subprocess.run(["fusermount3", "-u", m.path], check=True)
+                assert m.proc.wait(10) == 0
+            assert not mounted(m.path)
+            assert "unmounted" in m.log()
+        finally:
+            m.stop()
+
+
+def test_daemon_mode(bus, space):
+    path = os.path.join(space, "daemon")
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run([*SBUS, "mount", "--daemon", "--address", bus.address, path],
+                       capture_output=True, timeout=20, env=ENV)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert mounted(path)
+        sub = subscriber(bus.address, b"d")
+        subprocess.run(["sh", "-c", f"echo via-daemon > {path}/d"], check=True, timeout=10)
+        assert sub.recv(1000) == b"MSG d\0via-daemon\n"
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", path], check=False)
+    deadline = time.monotonic() + 10
+    while mounted(path):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_clear_errors(bus, space):
+    r = subprocess.run([*SBUS, "mount", "--address", os.path.join(space, "none.sock"),
+                        space], capture_output=True, text=True, timeout=20, env=ENV)
+    assert r.returncode == 1 and "cannot connect" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([*SBUS, "mount", "--address", bus.address, "/nonexistent/dir"],
+                       capture_output=True, text=True, timeout=20, env=ENV)
+    assert r.returncode == 1 and "not a directory" in r.stderr
