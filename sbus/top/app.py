@@ -129,13 +129,13 @@ async def count_for(settings: Settings) -> tuple[TrafficModel, float]:
     returns the model and the seconds actually counted."""
     model = _model(settings)
     reader = Reader(model, settings.address, settings.patterns, retry=settings.retry)
-    bus = await reader.connect()
-    print(f"sbus top: counting {settings.seconds:g} s of traffic at {bus.address}",
-          file=sys.stderr, flush=True)
-    start = time.monotonic()
-    model.clear(start)
+    bus = await reader.connect()  # here a wrong address is an error, not a retry
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(reader.run, bus)
+        await nursery.start(reader.run, bus)
+        print(f"sbus top: counting {settings.seconds:g} s of traffic at {model.address}",
+              file=sys.stderr, flush=True)
+        start = time.monotonic()
+        model.clear(start)
         nursery.start_soon(tick_forever, model)
         await trio.sleep(settings.seconds)
         nursery.cancel_scope.cancel()

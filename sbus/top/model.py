@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..protocol import Control, Publish
+from ..protocol import Control, Publish, encode, parse
 from ..routing import matches
 
 __all__ = [
@@ -49,11 +49,16 @@ class KeyStats:
     count: int = 0
     nbytes: int = 0
     last_seen: float = 0.0
-    last_payload: bytes = b""
+    last_packet: bytes = b"MSG \0"  # the whole packet: slicing out the payload costs
     mark_count: int = 0
     mark_bytes: int = 0
     rate: float = 0.0
     byte_rate: float = 0.0
+
+    @property
+    def last_payload(self) -> bytes:
+        packet = self.last_packet
+        return packet[packet.find(b"\0", 4) + 1 :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,18 +196,26 @@ class TrafficModel:
 
     # -- the hot path ------------------------------------------------------------------
 
-    def feed(self, events: Iterable[Publish | Control], now: float) -> None:
-        """Count a batch of events that arrived at *now*."""
+    def feed_packets(self, packets: Iterable[bytes], now: float) -> list[Control]:
+        """Count a batch of raw packets that arrived at *now*.
+
+        Raw packets rather than parsed events because this is the whole per-message
+        cost of sbus-top: a ``MSG`` is counted from its key and length without building
+        an event or copying the payload (a key keeps a reference to its last packet).
+        Returns the control messages other than drop reports, for the caller."""
         keys = self.keys
         count = nbytes = 0
-        last: list[Publish] = []
-        for ev in events:
-            if type(ev) is not Publish:
-                self._control(ev)
+        last: list[bytes] = []
+        other: list[Control] = []
+        for packet in packets:
+            if not packet.startswith(b"MSG "):
+                ev = parse(packet)
+                if type(ev) is Control and not self._control(ev):
+                    other.append(ev)
                 continue
-            key = ev.key
-            payload = ev.payload
-            size = len(payload)
+            nul = packet.find(b"\0", 4)
+            key = packet[4:nul]
+            size = len(packet) - nul - 1
             st = keys.get(key)
             if st is None:
                 st = keys[key] = KeyStats()
@@ -214,24 +227,33 @@ class TrafficModel:
             st.count += 1
             st.nbytes += size
             st.last_seen = now
-            st.last_payload = payload
+            st.last_packet = packet
             count += 1
             nbytes += size
-            last.append(ev)
+            last.append(packet)
             if len(last) > 2 * self._recent_len:
                 del last[: self._recent_len]
         self.total += count
         self.total_bytes += nbytes
         recent = self.recent
-        for ev in last[-self._recent_len:]:
+        for packet in last[-self._recent_len:]:
+            ev = parse(packet)
             recent.append(Message(now, ev.key, ev.payload))
+        return other
 
-    def _control(self, ev: Control) -> None:
-        if ev.key == DROPPED_KEY and ev.payload:
-            try:
-                self.dropped += int(ev.payload)
-            except ValueError:
-                pass
+    def feed(self, events: Iterable[Publish | Control], now: float) -> list[Control]:
+        """`feed_packets` for events (tests, callers that already parsed)."""
+        return self.feed_packets([encode(ev) for ev in events], now)
+
+    def _control(self, ev: Control) -> bool:
+        """Take in a drop report (True), or say this control message is not one."""
+        if ev.key != DROPPED_KEY:
+            return False
+        try:
+            self.dropped += int(ev.payload or b"0")
+        except ValueError:
+            pass
+        return True
 
     # -- once a second -----------------------------------------------------------------
 

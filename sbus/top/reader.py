@@ -1,9 +1,10 @@
 """Reading the bus for ``sbus-top``: one trio task that feeds the model, reconnecting forever.
 
-Reading comes first: packets are drained in batches (``AsyncClient.receive_batch``)
-and counted with a few dict updates each, and the task yields to the scheduler once
-per batch so the screen gets drawn — the screen never makes the reader wait longer
-than one redraw.
+Reading comes first: the client's socket is drained in batches of raw packets
+(non-blocking ``recv_into`` until it would block, like ``AsyncClient.receive_batch``
+but without building an event per message) and each packet is counted with a few
+dict updates; the task yields to the scheduler once per batch so the screen gets
+drawn — the screen never makes the reader wait longer than one redraw.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from ..client import AsyncClient, SbusError
+from ..client import RECV_BUFFER, AsyncClient, SbusError
+from ..protocol import WHOAMI
 from .model import TrafficModel
 
 __all__ = ["Reader", "tick_forever", "CONNECTED", "RETRYING"]
@@ -37,14 +39,16 @@ class Reader:
         self.retry = retry
         self.clock = clock
         self.connects = 0
+        self._buf = bytearray(RECV_BUFFER)
 
     async def connect(self) -> AsyncClient:
-        """One attempt: connect and subscribe (raises `ConnectError`/`SbusError`)."""
+        """One attempt: connect, subscribe, and ask whoami, whose answer (seen by the
+        pump) says the subscriptions are in place.  Raises `SbusError`."""
         bus = await AsyncClient.connect(self.address)
         try:
             for pattern in self.patterns:
                 await bus.subscribe(pattern)
-            await bus.whoami()  # a round trip: the subscriptions are in place now
+            await bus.control(WHOAMI)
         except BaseException:
             await bus.aclose()
             raise
@@ -52,8 +56,11 @@ class Reader:
         self.model.state = CONNECTED
         return bus
 
-    async def run(self, bus: AsyncClient | None = None) -> None:
-        """Read forever; *bus* is an already connected client to start with, if any."""
+    async def run(self, bus: AsyncClient | None = None, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Read forever, starting with *bus* if given (a `connect` result).  Reports
+        started (``nursery.start``) once the first subscriptions are in place."""
+        started = False
         while True:
             if bus is None:
                 try:
@@ -62,22 +69,53 @@ class Reader:
                     self.model.state = RETRYING
                     await trio.sleep(self.retry)
                     continue
+            def subscribed() -> None:
+                nonlocal started
+                if not started:
+                    started = True
+                    task_status.started()
+
             try:
-                await self._pump(bus)
+                await self._pump(bus, subscribed)
             except SbusError:
                 self.model.state = RETRYING
             finally:
                 await bus.aclose()
                 bus = None
 
-    async def _pump(self, bus: AsyncClient) -> None:
-        feed, clock, receive = self.model.feed, self.clock, bus.receive_batch
-        checkpoint = trio.lowlevel.checkpoint
+    async def _pump(self, bus: AsyncClient, subscribed: Callable[[], None]) -> None:
+        """Drain the socket in batches into the model; calls *subscribed* when the broker
+        answers whoami."""
+        sock, buf = bus.sock, self._buf
+        view = memoryview(buf)
+        recv_into, feed, clock = sock.recv_into, self.model.feed_packets, self.clock
+        wait_readable, checkpoint = trio.lowlevel.wait_readable, trio.lowlevel.checkpoint
         while True:
-            batch = await receive(BATCH)
-            feed(batch, clock())
-            # receive_batch does not yield while packets keep coming: let the screen run.
-            await checkpoint()
+            packets: list[bytes] = []
+            closed = False
+            while len(packets) < BATCH:
+                try:
+                    n = recv_into(buf)
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    raise SbusError(f"receiving from the broker at {bus.address} failed: "
+                                    f"{exc.strerror or exc}") from None
+                if n == 0:
+                    closed = True
+                    break
+                packets.append(view[:n].tobytes())
+            if packets:
+                for ev in feed(packets, clock()):
+                    if ev.key == WHOAMI:
+                        subscribed()
+            if closed:
+                raise SbusError(f"the broker at {bus.address} closed the connection")
+            if len(packets) < BATCH:
+                await wait_readable(sock)
+            else:
+                # Packets keep coming: still let the screen have its turn.
+                await checkpoint()
 
 
 async def tick_forever(model: TrafficModel, interval: float = 1.0,

@@ -7,6 +7,7 @@ fixed height so the screen fills the terminal exactly, from 80×24 up.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -39,7 +40,9 @@ class Layout:
 def layout(height: int) -> Layout:
     height = max(height, MIN_HEIGHT)
     room = height - CHROME
-    recent = 0 if height < 16 else max(2, min(12, room // 4))
+    if height < 16:  # no room for the recent pane (nor its title line)
+        return Layout(rows=room + 1, recent=0)
+    recent = max(2, min(12, room // 4))
     return Layout(rows=room - recent, recent=recent)
 
 
@@ -103,7 +106,8 @@ def sparkline(values: list[float], width: int) -> str:
         if peak <= 0 or v <= 0:
             out.append(" " if v <= 0 else SPARKS[0])
         else:
-            out.append(SPARKS[min(len(SPARKS) - 1, int(v / peak * (len(SPARKS) - 1) + 0.5))])
+            level = math.ceil(v / peak * len(SPARKS)) - 1
+            out.append(SPARKS[max(0, min(len(SPARKS) - 1, level))])
     return " " * (width - len(shown)) + "".join(out)
 
 

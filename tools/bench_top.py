@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Can sbus-top keep up with a saturated broker?  (scenario S1 of tools/bench.py)
+
+One C publisher (`lg pub -n 1 -K 1 -r 0`, 64-byte payloads, as fast as the broker
+takes them) → the broker → one subscriber of everything: first the C subscriber
+(`lg sub`, the reference: what the broker delivers to a reader that is never slow),
+then ``sbus-top --json`` in its own process.  sbus-top passes when it counts at least
+95 % of what the publisher sent; ``dropped`` is what the broker reported discarding
+for it (``CMSG blocking/dropped``), i.e. how much it was the slow reader.
+
+    .venv/bin/python tools/bench_top.py [--count 1000000] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LG_SOURCE = Path("/work/shared/bench/lg.c")
+PY = sys.executable
+
+
+def build_lg(source: Path, out: Path) -> Path:
+    if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
+        subprocess.run(["gcc", "-O2", "-o", str(out), str(source)], check=True)
+    return out
+
+
+def wait_socket(path: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(path)
+            return
+        except OSError:
+            time.sleep(0.02)
+        finally:
+            s.close()
+    raise SystemExit(f"no broker on {path}")
+
+
+def publish(lg: Path, address: str, count: int) -> dict:
+    out = subprocess.run([str(lg), "pub", "-p", "sbus", "-a", f"unix:{address}", "-n", "1",
+                          "-K", "1", "-c", str(count), "-r", "0", "-T", "60"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_reference(lg: Path, address: str, count: int) -> dict:
+    """lg sub as the reader: the broker's S1 rate when the reader is never the bottleneck."""
+    sub = subprocess.Popen([str(lg), "sub", "-p", "sbus", "-a", f"unix:{address}", "-n", "1",
+                            "-K", "1", "-e", str(count), "-T", "60", "-I", "1500"],
+                           stdout=subprocess.PIPE, text=True)
+    assert sub.stdout is not None
+    if sub.stdout.readline().strip() != "READY":
+        raise SystemExit("lg sub did not get ready")
+    pub = publish(lg, address, count)
+    res = json.loads(sub.stdout.readline())
+    sub.wait(timeout=30)
+    return {"reader": "lg sub (C)", "sent": pub["sent"], "pub_s": pub["dur_s"],
+            "counted": res["recv"], "dropped": None}
+
+
+def run_top(lg: Path, address: str, count: int, seconds: float) -> dict:
+    top = subprocess.Popen([PY, "-m", "sbus.top", "--address", address, "--json",
+                            "--seconds", str(seconds), "--limit", "5"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           cwd=ROOT)
+    assert top.stderr is not None
+    line = top.stderr.readline()  # "counting …": subscribed, the broker knows us
+    if "counting" not in line:
+        raise SystemExit(f"sbus-top did not start: {line}{top.stderr.read()}")
+    pub = publish(lg, address, count)
+    out, err = top.communicate(timeout=seconds + 30)
+    if top.returncode:
+        raise SystemExit(f"sbus-top failed: {err}")
+    snap = json.loads(out)
+    return {"reader": "sbus-top --json", "sent": pub["sent"], "pub_s": pub["dur_s"],
+            "counted": snap["total"], "dropped": snap["dropped_by_broker"]}
+
+
+def _pane(session: str) -> str:
+    return subprocess.run(["tmux", "capture-pane", "-t", session, "-p"], check=True,
+                          capture_output=True, text=True).stdout
+
+
+def run_top_live(lg: Path, address: str, count: int, env: dict) -> dict:
+    """The interactive screen (redrawing 4×/s in a 100×30 tmux pane) as the reader; the
+    count is read off the screen's ``total N msgs`` once it stops moving."""
+    session = f"bench-top-{os.getpid()}"
+    cmd = f"{PY} -m sbus.top --address {address}"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30",
+                    cmd], check=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 10
+        while "● connected" not in _pane(session):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"sbus-top did not connect:\n{_pane(session)}")
+            time.sleep(0.1)
+        pub = publish(lg, address, count)
+        last, stable_since = -1, time.monotonic()
+        while time.monotonic() - stable_since < 1.5:
+            time.sleep(0.25)
+            m = re.search(r"total\s+([\d,]+) msgs", _pane(session))
+            total = int(m.group(1).replace(",", "")) if m else -1
+            if total != last:
+                last, stable_since = total, time.monotonic()
+        m = re.search(r"dropped by broker ([\d,]+)", _pane(session))
+        dropped = int(m.group(1).replace(",", "")) if m else 0
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    return {"reader": "sbus-top live screen", "sent": pub["sent"], "pub_s": pub["dur_s"],
+            "counted": last, "dropped": dropped}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--count", type=int, default=1_000_000, help="messages per run")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--lg", type=Path, default=LG_SOURCE, help="path of lg.c")
+    ap.add_argument("--no-live", action="store_true",
+                    help="skip the live-screen runs (sbus-top drawing in tmux)")
+    ap.add_argument("--seconds", type=float, default=0,
+                    help="how long sbus-top counts (default: enough for the publisher)")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="sbtop-", dir="/tmp"))
+    lg = build_lg(args.lg, tmp / "lg")
+    address = str(tmp / "bus.sock")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    broker = subprocess.Popen([PY, "-m", "sbus.cli", "serve", "--address", address],
+                              stderr=subprocess.DEVNULL, env=env)
+    results = []
+    try:
+        wait_socket(address)
+        ref = run_reference(lg, address, args.count)
+        results.append(ref)
+        rate = ref["counted"] / ref["pub_s"]
+        seconds = args.seconds or max(5.0, 1.5 * args.count / max(rate, 1.0) + 3)
+        for _ in range(args.runs):
+            results.append(run_top(lg, address, args.count, seconds))
+        if shutil.which("tmux") and not args.no_live:
+            for _ in range(args.runs):
+                results.append(run_top_live(lg, address, args.count, env))
+    finally:
+        broker.terminate()
+        broker.wait(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"S1: 1 publisher (lg pub, 64-byte payloads, full speed) -> broker -> 1 reader; "
+          f"{args.count:,} messages per run")
+    print()
+    print("| reader | sent | publisher msg/s | counted | counted % | dropped by broker |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        pct = 100 * r["counted"] / r["sent"]
+        dropped = "n/a" if r["dropped"] is None else f"{r['dropped']:,}"
+        print(f"| {r['reader']} | {r['sent']:,} | {r['sent'] / r['pub_s']:,.0f} | "
+              f"{r['counted']:,} | {pct:.2f} % | {dropped} |")
+    tops = [100 * r["counted"] / r["sent"] for r in results[1:]]
+    print()
+    print(f"sbus-top counted: median {statistics.median(tops):.2f} %, worst {min(tops):.2f} % "
+          f"(target >= 95 %)")
+    return 0 if min(tops) >= 95 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
