@@ -1,0 +1,295 @@
+"""The gateway over real TLS (certificates made by trustme), its HTTPS publish endpoint,
+and the client library: keep-alives, reconnects, re-authentication, re-subscription."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import shutil
+import socket
+import ssl
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import trio
+import trustme
+from conftest import BrokerProcess, raw, sync
+from test_gateway import (
+    PUBLISH_EXAMPLE,
+    SECRET,
+    GatewayProcess,
+    closed_by_gateway,
+    free_port,
+    read_exactly,
+    roundtrip,
+)
+
+from sbus.gateway import BlockingClient, Client, codec
+
+
+@pytest.fixture(scope="module")
+def tlsdir():
+    d = Path(tempfile.mkdtemp(prefix="sbus-gwt-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ca():
+    return trustme.CA()
+
+
+@pytest.fixture(scope="module")
+def client_ctx(ca) -> ssl.SSLContext:
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    return ctx
+
+
+@pytest.fixture(scope="module")
+def tls_bus(tlsdir):
+    b = BrokerProcess(str(tlsdir / "bus.sock")).start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_gw(tlsdir, tls_bus, ca):
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    certfile, keyfile = tlsdir / "cert.pem", tlsdir / "key.pem"
+    certfile.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    g = GatewayProcess(tlsdir, tls_bus.address, "--tls-cert", str(certfile),
+                       "--tls-key", str(keyfile), "--https-listen",
+                       f"127.0.0.1:{free_port()}", name="tls")
+    g.https_port = int(g.args[-1].rsplit(":", 1)[1])
+    g.start()
+    yield g
+    g.stop()
+
+
+@pytest.fixture
+def local(tls_bus):
+    s = raw(tls_bus.address)
+    yield s
+    s.close()
+
+
+def tls_connect(gw: GatewayProcess, ctx: ssl.SSLContext) -> ssl.SSLSocket:
+    s = ctx.wrap_socket(socket.create_connection(("127.0.0.1", gw.port), timeout=5),
+                        server_hostname="localhost")
+    s.settimeout(5)
+    return s
+
+
+def wait_for(predicate, timeout: float = 10, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+# -- TLS ---------------------------------------------------------------------------------
+
+def test_tls_frames_are_byte_exact(tls_gw, client_ctx, local):
+    remote = tls_connect(tls_gw, client_ctx)
+    remote.sendall(codec.subscribe(b"topic"))
+    roundtrip(remote)
+    remote.settimeout(0.1)
+    for _ in range(100):  # until the gateway's subscription has reached the broker
+        local.send(b"MSG topic\0body")
+        try:
+            assert read_exactly(remote, 14) == PUBLISH_EXAMPLE
+            break
+        except TimeoutError:
+            continue
+    else:
+        raise AssertionError("no message over TLS")
+    local.send(b"SUB tls/in")
+    sync(local)
+    remote.sendall(codec.authenticate(SECRET) + codec.publish(b"tls/in", b"\x00\xffbytes"))
+    assert local.recv(1 << 16) == b"MSG tls/in\0\x00\xffbytes"
+
+
+def test_plaintext_on_the_tls_port_is_dropped_alone(tls_gw, client_ctx):
+    good = tls_connect(tls_gw, client_ctx)
+    plain = socket.create_connection(("127.0.0.1", tls_gw.port), timeout=5)
+    plain.sendall(PUBLISH_EXAMPLE * 10)
+    assert closed_by_gateway(plain)
+    roundtrip(good)
+
+
+def test_trio_client_over_tls_both_ways(tls_gw, client_ctx, local):
+    local.send(b"SUB lib/out")
+    sync(local)
+
+    async def main():
+        async with Client("127.0.0.1", tls_gw.port, auth_key=SECRET, ssl_context=client_ctx,
+                          server_hostname="localhost") as c:
+            await c.subscribe(b"lib/in/*")
+            await c.wait_connected()
+            with trio.fail_after(10):
+                while True:  # until the subscription is on the bus
+                    local.send(b"MSG lib/in/x\0hello")
+                    with trio.move_on_after(0.1):
+                        msg = await c.receive()
+                        break
+            assert (msg.topic, msg.body) == (b"lib/in/x", b"hello")
+            assert await c.publish(b"lib/out", b"from remote")
+            return c.connections
+
+    assert trio.run(main) == 1
+    assert local.recv(1 << 16) == b"MSG lib/out\0from remote"
+
+
+# -- HTTPS publish endpoint ------------------------------------------------------------------
+
+def _post(gw, ctx, doc: dict | bytes | None, *, key: bytes | None = SECRET, method="POST",
+          ctype="application/json", conn=None):
+    conn = conn or http.client.HTTPSConnection("127.0.0.1", gw.https_port, context=ctx,
+                                                timeout=5)
+    headers = {"Content-Type": ctype}
+    if key is not None:
+        headers["X-Authentication-Key"] = key.decode()
+    body = doc if isinstance(doc, bytes | None) else json.dumps(doc).encode()
+    conn.request(method, "/publish", body=body, headers=headers)
+    response = conn.getresponse()
+    return response.status, response.read(), conn
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def test_https_publish_reaches_the_bus(tls_gw, client_ctx, local):
+    local.send(b"SUB web/hook")
+    sync(local)
+    status, text, conn = _post(tls_gw, client_ctx,
+                               {"topic": _b64(b"web/hook"), "body": _b64(b"\x00\x01 hi")})
+    assert status == 201, text
+    assert local.recv(1 << 16) == b"MSG web/hook\0\x00\x01 hi"
+    # the connection is kept alive for the next request
+    status, _, _ = _post(tls_gw, client_ctx, {"topic": _b64(b"web/hook"), "body": _b64(b"2")},
+                         conn=conn)
+    assert status == 201
+    assert local.recv(1 << 16) == b"MSG web/hook\0" + b"2"
+
+
+@pytest.mark.parametrize("kwargs, status", [
+    ({"key": None}, 401),
+    ({"key": b"guess"}, 401),
+    ({"method": "GET", "doc": None}, 405),
+    ({"method": "PUT"}, 405),
+    ({"ctype": "text/plain"}, 415),
+    ({"doc": b"{oops"}, 400),
+    ({"doc": {"topic": "not base64!", "body": ""}}, 400),
+    ({"doc": {"topic": _b64(b"!/cred/0/0/1/x"), "body": ""}}, 400),
+])
+def test_https_refusals(tls_gw, client_ctx, local, kwargs, status):
+    local.send(b"SUB web/")
+    sync(local)
+    kwargs.setdefault("doc", {"topic": _b64(b"web/refused"), "body": _b64(b"no")})
+    got, text, _ = _post(tls_gw, client_ctx, **kwargs)
+    assert got == status, text
+    local.send(b"MSG web/marker\0")
+    assert local.recv(1 << 16) == b"MSG web/marker\0"  # nothing was published before it
+
+
+def test_https_refuses_plain_http(tls_gw):
+    conn = http.client.HTTPConnection("127.0.0.1", tls_gw.https_port, timeout=5)
+    with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+        conn.request("POST", "/", body=b"{}", headers={"X-Authentication-Key": "x"})
+        conn.getresponse().read()
+
+
+# -- the client library: keep-alives and reconnects -------------------------------------------
+
+@pytest.fixture
+def own_bus(short_tmp):
+    b = BrokerProcess(str(short_tmp / "own.sock")).start()
+    yield b
+    b.stop()
+
+
+def test_client_keepalives_hold_the_connection_and_their_absence_drops_it(short_tmp, own_bus):
+    gw = GatewayProcess(short_tmp, own_bus.address, "--idle-timeout", "1").start()
+    try:
+        async def main():
+            async with Client("127.0.0.1", gw.port, keepalive=0.25, backoff_first=0.05) as kept, \
+                    Client("127.0.0.1", gw.port, keepalive=60, dead_after=60,
+                           backoff_first=0.05) as silent:
+                await kept.wait_connected()
+                await silent.wait_connected()
+                await trio.sleep(2.6)
+                return kept.connections, silent.connections
+
+        kept, silent = trio.run(main)
+        assert kept == 1  # never dropped in 2.6 idle timeouts
+        assert silent >= 2  # dropped after 1 s, and reconnected
+        gw.wait_log("idle for 1 s")
+    finally:
+        gw.stop()
+
+
+def _receive_probe(c: BlockingClient, local: socket.socket, key: bytes) -> None:
+    """Publish *key* on the bus until the remote client receives it."""
+    for _ in range(200):
+        local.send(b"MSG " + key + b"\0probe")
+        try:
+            msg = c.receive(timeout=0.05)
+        except TimeoutError:
+            continue
+        assert msg.topic == key
+        return
+    raise AssertionError(f"{key!r} never reached the remote client")
+
+
+def test_blocking_client_resubscribes_after_the_gateway_restarts(short_tmp, own_bus):
+    gw = GatewayProcess(short_tmp, own_bus.address).start()
+    local = raw(own_bus.address)
+    try:
+        with BlockingClient("127.0.0.1", gw.port, auth_key=SECRET, backoff_first=0.05,
+                            backoff_max=0.2) as c:
+            assert c.wait_connected(5)
+            c.subscribe(b"re/+")  # a literal '+': any bytes but NUL make a topic
+            c.subscribe(b"re/*")
+            _receive_probe(c, local, b"re/before")
+            gw.stop()
+            wait_for(lambda: not c.connected, what="the client to notice")
+            gw.start()  # same port
+            wait_for(lambda: c.client.connections == 2, what="a reconnect")
+            _receive_probe(c, local, b"re/after")  # subscribed again
+            local.send(b"SUB re/pub")
+            sync(local)
+            assert c.publish(b"re/pub", b"authenticated again")
+            while True:
+                packet = local.recv(1 << 16)
+                if packet.startswith(b"MSG re/pub\0"):
+                    break
+            assert packet == b"MSG re/pub\0authenticated again"
+    finally:
+        local.close()
+        gw.stop()
+
+
+def test_gateway_resubscribes_when_the_broker_restarts(short_tmp, own_bus):
+    gw = GatewayProcess(short_tmp, own_bus.address).start()
+    try:
+        with BlockingClient("127.0.0.1", gw.port) as c:
+            c.subscribe(b"survive/*")
+            with raw(own_bus.address) as local:
+                _receive_probe(c, local, b"survive/one")
+            own_bus.stop()
+            own_bus.start()  # same socket path, no subscriptions
+            gw.wait_log("connected to the bus at", timeout=5)
+            with raw(own_bus.address) as local:
+                _receive_probe(c, local, b"survive/two")
+            assert c.client.connections == 1  # the remote client never noticed
+        log = gw.log()
+        assert "lost the bus" in log and "(1 patterns)" in log
+    finally:
+        gw.stop()
