@@ -152,23 +152,25 @@ def _spark(snap: Snapshot, width: int) -> Text:
                          (right, "dim"))
 
 
-def _columns(width: int) -> tuple[int, int]:
-    """Widths of the key and payload columns; the numbers get fixed widths."""
+def _columns(width: int, longest: int) -> tuple[int, int]:
+    """Widths of the key and payload columns: keys as wide as the longest shown, within
+    reason, payloads the rest; the numbers get fixed widths."""
     rest = width - (8 + 11 + 10 + 6)  # number columns (rich counts the 1-space gap in)
-    key = max(12, min(48, rest * 2 // 5))
-    return key, max(8, rest - key)
+    key = max(12, min(longest, 64, rest - 16))
+    return key, rest - key
 
 
 def _table(snap: Snapshot, width: int, nrows: int) -> Table:
-    key_w, payload_w = _columns(width)
     sort = snap.options.sort
     grouped = snap.options.depth > 0
+    key_title = f"prefix (depth {snap.options.depth})" if grouped else "key"
+    longest = max((len(_name(r, grouped)) for r in snap.rows[:nrows]), default=0)
+    key_w, payload_w = _columns(width, max(longest, len(key_title) + 1))
 
     def head(title: str, col: SortBy) -> Text:
         return Text(title + ("▼" if col is sort else ""),
                     style="bold reverse" if col is sort else "bold")
 
-    key_title = f"prefix (depth {snap.options.depth})" if grouped else "key"
     table = Table(box=None, padding=(0, 0, 0, 1), pad_edge=False, show_edge=False,
                   header_style="bold", expand=False, collapse_padding=True)
     table.add_column(head(key_title, SortBy.KEY), width=key_w, no_wrap=True,
@@ -187,10 +189,13 @@ def _table(snap: Snapshot, width: int, nrows: int) -> Table:
     return table
 
 
-def _cells(row: Row, key_w: int, payload_w: int, grouped: bool) -> list[Text | str]:
+def _name(row: Row, grouped: bool) -> str:
     name = row.name.decode("utf-8", "backslashreplace")
-    if grouped and row.keys > 1:
-        name += f" ({row.keys})"
+    return f"{name} ({row.keys})" if grouped and row.keys > 1 else name
+
+
+def _cells(row: Row, key_w: int, payload_w: int, grouped: bool) -> list[Text | str]:
+    name = _name(row, grouped)
     if len(name) > key_w:
         name = name[: key_w - 1] + "…"
     rate_style = "bold" if row.rate > 0 else "dim"

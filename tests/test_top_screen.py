@@ -1,0 +1,206 @@
+"""sbus-top's screen against a real broker with real traffic, drawn at fixed sizes through
+rich's recording console; also reconnection when the broker goes away and comes back."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+
+import pytest
+import trio
+from conftest import BrokerProcess
+from rich.console import Console
+
+from sbus.client import AsyncClient
+from sbus.top.model import SortBy, TrafficModel, ViewOptions
+from sbus.top.reader import CONNECTED, RETRYING, Reader, tick_forever
+from sbus.top.view import layout, render
+
+#: key -> (messages per second, payload)
+PLAN = {
+    b"sensors/kitchen/temp": (200, b"21.5 C"),
+    b"sensors/hall/temp": (50, b"19.0 C"),
+    b"blobs/raw": (20, bytes([0xDE, 0xAD, 0xBE, 0xEF]) * 8),
+}
+TICKS_PER_SECOND = 20
+
+
+async def publish_paced(address: str, plan: dict, seconds: float) -> dict[bytes, int]:
+    """Publish *plan* at its rates for *seconds*, on an absolute schedule (no drift)."""
+    sent = dict.fromkeys(plan, 0)
+    async with await AsyncClient.connect(address) as bus:
+        start = trio.current_time()
+        for tick in range(int(seconds * TICKS_PER_SECOND)):
+            await trio.sleep_until(start + tick / TICKS_PER_SECOND)
+            for key, (rate, payload) in plan.items():
+                due = rate * (tick + 1) // TICKS_PER_SECOND
+                while sent[key] < due:
+                    await bus.publish(key, payload)
+                    sent[key] += 1
+    return sent
+
+
+def screen(model: TrafficModel, width: int, height: int, **view) -> str:
+    fit = layout(height)
+    snap = model.snapshot(time.monotonic(), ViewOptions(**view), limit=fit.rows,
+                          recent=fit.recent)
+    console = Console(record=True, width=width, height=height, file=io.StringIO(),
+                      color_system=None)
+    console.print(render(snap, width, height))
+    text = console.export_text()
+    lines = text.splitlines()
+    assert len(lines) == height and max(map(len, lines)) <= width
+    return text
+
+
+def row(text: str, key: str) -> list[str]:
+    """The cells of the table line for *key*: name, msg/s, bytes/s (2 words), total, last, …"""
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return line.split()
+    raise AssertionError(f"{key} not on screen:\n{text}")
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory) -> tuple[TrafficModel, dict[bytes, int], str]:
+    """2.6 s of PLAN traffic watched by the real reader, shared by the rendering tests."""
+    import tempfile
+    d = tempfile.mkdtemp(prefix="sbtop-", dir="/tmp")
+    broker = BrokerProcess(f"{d}/bus.sock").start()
+
+    async def main():
+        model = TrafficModel(time.monotonic(), address=broker.address)
+        reader = Reader(model, broker.address, [b""])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(reader.run)
+            nursery.start_soon(tick_forever, model)
+            sent = await publish_paced(broker.address, PLAN, 2.6)
+            await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        return model, sent
+
+    try:
+        model, sent = trio.run(main)
+    finally:
+        broker.stop()
+    return model, sent, broker.address
+
+
+@pytest.mark.parametrize("width,height", [(80, 24), (120, 40)])
+def test_screen_shows_rates_keys_and_payloads(watched, width, height):
+    model, sent, address = watched
+    text = screen(model, width, height)
+    assert model.total == sum(sent.values())  # nothing lost
+    lines = text.splitlines()
+    assert "sbus-top" in lines[0] and "● connected" in lines[0] and address in lines[0]
+    total = sum(rate for rate, _ in PLAN.values())
+    head = re.match(r"(\S+) msg/s", lines[1])
+    assert head and float(head.group(1)) == pytest.approx(total, rel=0.25)
+    assert f"total {model.total:,} msgs" in lines[1] and "keys 3" in lines[1]
+    assert re.search(r"[▁▂▃▄▅▆▇█]{2}", lines[2]), "sparkline"
+    for key, (rate, _payload) in PLAN.items():
+        cells = row(text, key.decode())
+        assert float(cells[1]) == pytest.approx(rate, rel=0.25), cells
+        assert int(cells[4].replace(",", "")) == sent[key]
+    assert row(text, "sensors/kitchen/temp")[-2:] == ["21.5", "C"]
+    assert "de ad be ef de ad" in " ".join(row(text, "blobs/raw"))
+    # default sort: busiest first
+    order = [line.split()[0] for line in lines[4:7]]
+    assert order == ["sensors/kitchen/temp", "sensors/hall/temp", "blobs/raw"]
+    # the recent pane has the latest messages, previews included
+    recent = lines[lines.index(next(x for x in lines if x.startswith("recent messages"))) + 1:]
+    shown = {"sensors/kitchen/temp": "21.5 C", "sensors/hall/temp": "19.0 C",
+             "blobs/raw": "de ad be ef de ad be ef"}
+    assert len(recent) == layout(height).recent + 1
+    for line in recent[:-1]:  # then the footer
+        assert re.match(r"\d\d:\d\d:\d\d ", line), line
+        key = line.split()[1]
+        assert shown[key] in line, line
+
+
+def test_screen_sorted_grouped_and_filtered(watched):
+    model, sent, _ = watched
+    by_key = screen(model, 80, 24, sort=SortBy.KEY).splitlines()
+    assert [x.split()[0] for x in by_key[4:7]] == \
+        ["blobs/raw", "sensors/hall/temp", "sensors/kitchen/temp"]
+    assert "key▼" in by_key[3]
+    by_bytes = screen(model, 80, 24, sort=SortBy.BYTE_RATE).splitlines()
+    assert by_bytes[4].startswith("sensors/kitchen/temp")  # 200×6 B/s > 20×32 B/s
+    assert by_bytes[5].startswith("blobs/raw")
+    grouped = screen(model, 80, 24, depth=1)
+    assert "prefix (depth 1)" in grouped
+    cells = row(grouped, "sensors/")
+    assert cells[1] == "(2)"
+    assert float(cells[2]) == pytest.approx(250, rel=0.25)
+    filtered = screen(model, 80, 24, filter="hall")
+    assert "sensors/hall/temp" in filtered and "kitchen" not in filtered
+    assert "filter:hall" in filtered.splitlines()[-1]
+
+
+def test_reconnects_when_the_broker_comes_back(short_tmp):
+    address = str(short_tmp / "bus.sock")
+    broker = BrokerProcess(address).start()
+
+    async def wait_state(model: TrafficModel, state: str) -> None:
+        with trio.fail_after(10):
+            while model.state != state:
+                await trio.sleep(0.02)
+
+    async def main():
+        nonlocal broker
+        model = TrafficModel(time.monotonic(), address=address)
+        reader = Reader(model, address, [b"a/"], retry=0.1)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(reader.run)
+            async with await AsyncClient.connect(address) as pub:
+                for _ in range(5):
+                    await pub.publish(b"a/one", b"before")
+            with trio.fail_after(5):
+                while model.total < 5:
+                    await trio.sleep(0.01)
+            await trio.to_thread.run_sync(broker.stop)
+            await wait_state(model, RETRYING)
+            text = screen(model, 80, 24)
+            assert "✖ disconnected — retrying" in text.splitlines()[0]
+            assert "total 5 msgs" in text  # the counts survive
+            broker = await trio.to_thread.run_sync(BrokerProcess(address).start)
+            await wait_state(model, CONNECTED)
+            # connected again, and subscribed again: new traffic counts
+            with trio.fail_after(10):
+                async with await AsyncClient.connect(address) as pub:
+                    while model.total < 8:
+                        await pub.publish(b"a/two", b"after")
+                        await trio.sleep(0.05)
+            assert reader.connects >= 2  # (one more if it caught the old one closing)
+            assert "● connected" in screen(model, 80, 24).splitlines()[0]
+            assert "after" in screen(model, 80, 24)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        broker.stop()
+
+
+def test_many_keys_stay_bounded(broker):
+    """10 000 distinct keys through a real broker into a 500-key LRU."""
+    async def main():
+        model = TrafficModel(time.monotonic(), address=broker.address, max_keys=500)
+        reader = Reader(model, broker.address, [b"many/"])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(reader.run)
+            async with await AsyncClient.connect(broker.address) as pub:
+                for i in range(10_000):
+                    await pub.publish(b"many/%d" % i, b"v")
+            with trio.fail_after(20):
+                while model.total < 10_000:
+                    await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+        return model
+
+    model = trio.run(main)
+    assert len(model.keys) == 500 and model.evicted == 9_500
+    assert b"many/9999" in model.keys and b"many/0" not in model.keys
+    text = screen(model, 80, 24)
+    assert "keys 500 (+9,500 evicted)" in text
