@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="count for --seconds, print one JSON snapshot, exit")
     parser.add_argument("--seconds", type=_positive(float), default=3.0, metavar="N",
                         help="how long --once/--json count before printing (default 3)")
+    parser.add_argument("--idle", type=_positive(float), default=None, metavar="S",
+                        help="with --once/--json: stop early, S seconds after the last "
+                             "message (once one arrived); --seconds stays the limit")
     parser.add_argument("--sort", choices=sorted(_SORTS), default="rate",
                         help="initial sort column (default rate)")
     parser.add_argument("--filter", default="", metavar="TEXT",
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         address=args.address, patterns=patterns,
         options=ViewOptions(sort=_SORTS[args.sort], filter=args.filter, depth=args.group),
         max_keys=args.max_keys, interval=args.interval, seconds=args.seconds,
-        limit=args.limit,
+        idle=args.idle, limit=args.limit,
     )
     if args.once or args.json:
         return run_snapshot(settings, as_json=args.json)

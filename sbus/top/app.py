@@ -35,6 +35,7 @@ class Settings:
     interval: float = 0.25  # seconds between redraws
     retry: float = 0.5  # seconds between reconnection attempts
     seconds: float = 3.0  # how long a snapshot counts
+    idle: float | None = None  # ... or until this long without a message
     limit: int | None = None  # rows in a JSON snapshot
 
 
@@ -137,9 +138,22 @@ async def count_for(settings: Settings) -> tuple[TrafficModel, float]:
         start = time.monotonic()
         model.clear(start)
         nursery.start_soon(tick_forever, model)
-        await trio.sleep(settings.seconds)
+        with trio.move_on_after(settings.seconds):
+            if settings.idle is not None:
+                await _until_idle(model, settings.idle)
+            else:
+                await trio.sleep_forever()
         nursery.cancel_scope.cancel()
     return model, time.monotonic() - start
+
+
+async def _until_idle(model: TrafficModel, idle: float) -> None:
+    """Return once *idle* seconds passed without a message, counting from the first."""
+    seen, since = 0, time.monotonic()
+    while not (seen and time.monotonic() - since >= idle):
+        await trio.sleep(min(0.05, idle / 4))
+        if model.total != seen:
+            seen, since = model.total, time.monotonic()
 
 
 def snapshot_json(snap: Snapshot, seconds: float) -> dict:
