@@ -103,11 +103,24 @@ def run_live(settings: Settings) -> int:
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise SbusError("the live screen needs a terminal on stdin and stdout; "
                         "use --once (a text snapshot) or --json for scripts")
-    trio.run(_live, settings)
-    return 0
+    return _run(_live, settings)
 
 
-async def _live(settings: Settings) -> None:
+def _run(fn, settings: Settings):
+    """`trio.run`, with what escaped the nursery's exception group unwrapped: Ctrl-C is
+    exit status 130, an `SbusError` the usual one-line error."""
+    interrupted = False
+    try:
+        return trio.run(fn, settings)
+    except* KeyboardInterrupt:
+        interrupted = True
+    except* SbusError as group:
+        raise group.exceptions[0] from None
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+async def _live(settings: Settings) -> int:
     model = _model(settings)
     controls = Controls(settings.options)
     reader = Reader(model, settings.address, settings.patterns, retry=settings.retry)
@@ -121,6 +134,7 @@ async def _live(settings: Settings) -> None:
             nursery.start_soon(tick_forever, model)
             nursery.start_soon(screen.run)
             nursery.start_soon(_keyboard, fd, controls, model, screen, nursery.cancel_scope)
+    return 0
 
 
 # -- snapshots for scripts ---------------------------------------------------------------
@@ -181,7 +195,7 @@ def snapshot_json(snap: Snapshot, seconds: float) -> dict:
 
 def run_snapshot(settings: Settings, as_json: bool) -> int:
     """Count for a while, then print one snapshot: the screen as text, or JSON."""
-    model, seconds = trio.run(count_for, settings)
+    model, seconds = _run(count_for, settings)
     now = time.monotonic()
     if as_json:
         snap = model.snapshot(now, settings.options, limit=settings.limit, recent=10)

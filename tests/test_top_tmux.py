@@ -1,0 +1,191 @@
+"""End to end: the real ``sbus-top`` in a real terminal (tmux), a real broker, real traffic;
+keys pressed with ``send-keys``, the screen read with ``capture-pane``."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sbus.client import Client
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None,
+                                reason="tmux is not installed (tools/setup.sh installs it)")
+
+#: key -> (messages per second, payload): alpha is busiest, beta/two moves the most bytes
+PLAN = {b"alpha/one": (40, b"hello alpha"), b"beta/two": (8, b"B" * 200),
+        b"beta/three": (4, b"three")}
+
+
+class Tmux:
+    """One private tmux server (its own socket name) running one shell in a 100×30 pane."""
+
+    def __init__(self, name: str, cwd: Path) -> None:
+        self.base = ["tmux", "-L", name]
+        env = dict(os.environ, TERM="xterm-256color")
+        env.pop("TMUX", None)
+        subprocess.run([*self.base, "-f", "/dev/null", "new-session", "-d", "-s", "top",
+                        "-x", "100", "-y", "30", "bash --norc --noprofile"],
+                       check=True, env=env, cwd=cwd)
+
+    def send(self, *keys: str, literal: bool = False) -> None:
+        subprocess.run([*self.base, "send-keys", "-t", "top", *(["-l"] if literal else []),
+                        *keys], check=True)
+
+    def type_line(self, text: str) -> None:
+        self.send(text, literal=True)
+        self.send("Enter")
+
+    def pane(self) -> str:
+        return subprocess.run([*self.base, "capture-pane", "-t", "top", "-p"], check=True,
+                              capture_output=True, text=True).stdout
+
+    def wait(self, ok: Callable[[str], bool], what: str, timeout: float = 10) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.pane()
+            if ok(text):
+                return text
+            if time.monotonic() > deadline:
+                raise AssertionError(f"screen never showed {what}:\n{text}")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        subprocess.run([*self.base, "kill-server"], capture_output=True)
+
+
+@pytest.fixture
+def tmux(short_tmp: Path) -> Iterator[Tmux]:
+    t = Tmux(f"sbus-top-test-{os.getpid()}", short_tmp)
+    yield t
+    t.kill()
+
+
+@pytest.fixture
+def traffic(broker) -> Iterator[None]:
+    stop = threading.Event()
+
+    def run():
+        with Client(broker.address) as bus:
+            start, tick = time.monotonic(), 0
+            while not stop.is_set():
+                tick += 1
+                for key, (rate, payload) in PLAN.items():
+                    if tick % (40 // rate) == 0:
+                        bus.publish(key, payload)
+                time.sleep(max(0.0, start + tick / 40 - time.monotonic()))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    yield
+    stop.set()
+    t.join()
+
+
+def table(text: str) -> list[str]:
+    """The table's lines: after the header line, up to the first blank one."""
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith(("key", "prefix")))
+    out = []
+    for line in lines[head + 1:]:
+        if not line.strip():
+            break
+        out.append(line)
+    return out
+
+
+def total(text: str) -> int:
+    m = re.search(r"total ([\d,]+) msgs", text)
+    assert m, text
+    return int(m.group(1).replace(",", ""))
+
+
+def shell_ready(tmux: Tmux, short_tmp: Path, name: str) -> str:
+    """Dump ``stty -a`` to a file through the shell (proves the shell reads and runs a
+    typed line) and return it."""
+    out = short_tmp / name
+    tmux.type_line(f"stty -a > {out}; echo done-$((6*7))-{name}")
+    tmux.wait(lambda s: f"\ndone-42-{name}" in s, f"the shell running stty ({name})")
+    return out.read_text()
+
+
+def test_keys_change_the_screen_and_quitting_leaves_the_terminal_sane(
+        broker, traffic, tmux, short_tmp):
+    before = shell_ready(tmux, short_tmp, "before")
+    tmux.type_line(f"{sys.executable} -m sbus.top --address {broker.address} --interval 0.2")
+    screen = tmux.wait(lambda s: "● connected" in s and "beta/three" in s
+                       and "msg/s▼" in s and table(s)[0].startswith("alpha/one"),
+                       "traffic sorted by msg/s")
+    assert "q quit" in screen.splitlines()[-1] or "q quit" in screen  # the footer
+    assert "hello alpha" in table(screen)[0]
+
+    tmux.send("s")
+    screen = tmux.wait(lambda s: "bytes/s▼" in s and table(s)[0].startswith("beta/two"),
+                       "sorted by bytes/s, beta/two first")
+    assert "sort:bytes/s" in screen
+    tmux.send("s")
+    tmux.wait(lambda s: "total▼" in s and table(s)[0].startswith("alpha/one"),
+              "sorted by total")
+
+    tmux.send("/")
+    tmux.wait(lambda s: " filter: " in s and "Enter keep" in s, "the filter prompt")
+    tmux.send("beta", literal=True)
+    tmux.send("Enter")
+    screen = tmux.wait(lambda s: "filter:beta" in s and "alpha/one" not in s
+                       and "beta/two" in s and "beta/three" in s, "only beta keys")
+
+    tmux.send("g")
+    screen = tmux.wait(lambda s: "prefix (depth 1)" in s and "beta/ (2)" in s,
+                       "beta keys grouped")
+
+    tmux.send("p")
+    tmux.wait(lambda s: "PAUSED" in s, "the pause badge")
+    time.sleep(0.3)  # the frame with the badge may still have been arriving
+    frozen = tmux.pane()
+    time.sleep(1.3)
+    assert tmux.pane() == frozen  # not redrawn: uptime, totals and ages stand still
+    tmux.send("p")
+    tmux.wait(lambda s: "PAUSED" not in s and total(s) > total(frozen), "counting resumed")
+
+    counted = total(tmux.pane())
+    tmux.send("c")
+    tmux.wait(lambda s: total(s) < counted, "cleared counters")
+
+    tmux.send("q")
+    tmux.wait(lambda s: "sbus-top" not in s and s.rstrip().endswith(("$", "#")),
+              "the shell prompt back")
+    after = shell_ready(tmux, short_tmp, "after")
+    assert after == before
+    assert "stty -a >" in tmux.pane()  # what was typed is echoed again
+
+
+def test_ctrl_c_also_restores_the_terminal(broker, tmux, short_tmp):
+    before = shell_ready(tmux, short_tmp, "before")
+    tmux.type_line(f"{sys.executable} -m sbus.top --address {broker.address}")
+    tmux.wait(lambda s: "● connected" in s, "sbus-top connected")
+    tmux.send("C-c")
+    tmux.wait(lambda s: "sbus-top" not in s, "sbus-top gone")
+    assert "Traceback" not in tmux.pane()
+    assert shell_ready(tmux, short_tmp, "after") == before
+
+
+def test_broker_gone_shows_retrying_then_reconnects(tmux, make_broker):
+    broker = make_broker()
+    tmux.type_line(f"{sys.executable} -m sbus.top --address {broker.address}")
+    tmux.wait(lambda s: "● connected" in s, "sbus-top connected")
+    broker.stop()
+    tmux.wait(lambda s: "disconnected — retrying" in s, "the retrying state")
+    broker.start()
+    tmux.wait(lambda s: "● connected" in s, "connected again")
+    with Client(broker.address) as bus:
+        bus.publish(b"back/again", b"hello again")
+    tmux.wait(lambda s: "back/again" in s and "hello again" in s, "new traffic counted")
+    tmux.send("q")
