@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LG_SOURCE = Path("/work/shared/bench/lg.c")
 PY = sys.executable
+TMUX = ["tmux", "-L", f"bench-top-{os.getpid()}"]  # a private tmux server
 
 
 def build_lg(source: Path, out: Path) -> Path:
@@ -92,7 +93,7 @@ def run_top(lg: Path, address: str, count: int, seconds: float) -> dict:
 
 
 def _pane(session: str) -> str:
-    return subprocess.run(["tmux", "capture-pane", "-t", session, "-p"], check=True,
+    return subprocess.run([*TMUX, "capture-pane", "-t", session, "-p"], check=True,
                           capture_output=True, text=True).stdout
 
 
@@ -101,8 +102,8 @@ def run_top_live(lg: Path, address: str, count: int, env: dict) -> dict:
     count is read off the screen's ``total N msgs`` once it stops moving."""
     session = f"bench-top-{os.getpid()}"
     cmd = f"{PY} -m sbus.top --address {address}"
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30",
-                    cmd], check=True, env=env, cwd=ROOT)
+    subprocess.run([*TMUX, "-f", "/dev/null", "new-session", "-d", "-s", session,
+                    "-x", "100", "-y", "30", cmd], check=True, env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 10
         while "● connected" not in _pane(session):
@@ -120,7 +121,7 @@ def run_top_live(lg: Path, address: str, count: int, env: dict) -> dict:
         m = re.search(r"dropped by broker ([\d,]+)", _pane(session))
         dropped = int(m.group(1).replace(",", "")) if m else 0
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        subprocess.run([*TMUX, "kill-server"], capture_output=True)
     return {"reader": "sbus-top live screen", "sent": pub["sent"], "pub_s": pub["dur_s"],
             "counted": last, "dropped": dropped}
 

@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="count for --seconds, print one JSON snapshot, exit")
     parser.add_argument("--seconds", type=_positive(float), default=3.0, metavar="N",
                         help="how long --once/--json count before printing (default 3)")
+    parser.add_argument("--svg", metavar="FILE",
+                        help="with --once: also save the screen as an SVG picture")
     parser.add_argument("--idle", type=_positive(float), default=None, metavar="S",
                         help="with --once/--json: stop early, S seconds after the last "
                              "message (once one arrived); --seconds stays the limit")
@@ -73,8 +75,10 @@ def run(args: argparse.Namespace) -> int:
         max_keys=args.max_keys, interval=args.interval, seconds=args.seconds,
         idle=args.idle, limit=args.limit,
     )
+    if args.svg and not args.once:
+        raise SbusError("--svg goes with --once")
     if args.once or args.json:
-        return run_snapshot(settings, as_json=args.json)
+        return run_snapshot(settings, as_json=args.json, svg=args.svg)
     return run_live(settings)
 
 

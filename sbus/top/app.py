@@ -193,17 +193,23 @@ def snapshot_json(snap: Snapshot, seconds: float) -> dict:
     }
 
 
-def run_snapshot(settings: Settings, as_json: bool) -> int:
-    """Count for a while, then print one snapshot: the screen as text, or JSON."""
+def run_snapshot(settings: Settings, as_json: bool, svg: str | None = None) -> int:
+    """Count for a while, then print one snapshot: the screen as text (also saved as an
+    SVG picture if *svg* names a file), or JSON."""
     model, seconds = _run(count_for, settings)
     now = time.monotonic()
     if as_json:
         snap = model.snapshot(now, settings.options, limit=settings.limit, recent=10)
         print(json.dumps(snapshot_json(snap, seconds), ensure_ascii=False))
         return 0
-    console = Console()
+    console = Console(record=svg is not None)
     width, height = console.size
     fit = layout(height)
     snap = model.snapshot(now, settings.options, limit=fit.rows, recent=fit.recent)
     console.print(render(snap, width, height))
+    if svg is not None:
+        try:
+            console.save_svg(svg, title="sbus-top")
+        except OSError as exc:
+            raise SbusError(f"cannot write {svg}: {exc.strerror or exc}") from None
     return 0
