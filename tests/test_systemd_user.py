@@ -227,3 +227,46 @@ def test_watchdog_restarts_a_hung_broker(manager: UserManager, bus: str) -> None
         (dropin / "watchdog.conf").unlink()
         dropin.rmdir()
         manager.systemctl("daemon-reload")
+
+
+def _fuse_usable() -> bool:
+    try:
+        import pyfuse3  # noqa: F401
+    except ImportError:
+        return False
+    return os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+
+
+@pytest.mark.skipif(not _fuse_usable(), reason="needs pyfuse3, /dev/fuse and fusermount3 "
+                    "(tools/setup.sh installs them)")
+def test_mount_service_shows_the_bus_as_files(manager: UserManager, bus: str) -> None:
+    """sbus-mount.service mounts the bus (after sbus.socket) at %t/sbus-fs."""
+    assert manager.proc is not None
+    mount_point = manager.runtime / "sbus-fs"
+    # The manager has its own mount namespace: the host sees the mount through /proc.
+    inside = Path(f"/proc/{manager.proc.pid}/root{mount_point}")
+
+    def mounted() -> bool:
+        mounts = Path(f"/proc/{manager.proc.pid}/mounts").read_text().splitlines()
+        return any(m.split()[1] == str(mount_point) for m in mounts)
+
+    manager.systemctl("start", "sbus-mount.service")
+    try:
+        deadline = time.monotonic() + 20
+        while not mounted():
+            state = manager.show("sbus-mount.service", "ActiveState")["ActiveState"]
+            assert time.monotonic() < deadline and state in ("active", "activating"), state
+            time.sleep(0.1)
+        with Client(bus, timeout=10) as c:
+            c.subscribe(b"fs/*")
+            c.whoami()
+            (inside / "fs").mkdir(exist_ok=True)
+            (inside / "fs" / "note").write_bytes(b"written as a file\n")
+            assert c.receive(timeout=10) == Publish(b"fs/note", b"written as a file\n")
+        pid = int(manager.show("sbus-mount.service", "MainPID")["MainPID"])
+        assert pid > 0
+    finally:
+        manager.systemctl("stop", "sbus-mount.service")
+    assert not mounted()
+    assert not os.path.exists(f"/proc/{pid}")
+    assert manager.show("sbus-mount.service", "Result")["Result"] == "success"
