@@ -47,7 +47,7 @@ class Bridge:
     """
 
     def __init__(self, address: str | None,
-                 deliver: Callable[[list[Hashable], bytes, bytes], None]) -> None:
+                 deliver: Callable[[tuple, bytes, bytes], None]) -> None:
         self.address = address
         self.deliver = deliver
         self.index: RoutingIndex[Hashable] = RoutingIndex()

@@ -28,20 +28,22 @@ class Outbox:
         self.dropped = 0
         self.dropped_total = 0
 
-    def offer(self, frame: bytes) -> bool:
-        """Queue *frame* if there is room; otherwise count it as discarded and say False.
+    def offer(self, frame: bytes) -> int:
+        """Queue *frame* if there is room: 1 if the buffer was empty (wake the writer),
+        2 if it was not; 0 if full, when the frame is counted as discarded.
 
         A frame larger than the byte bound on its own is still accepted into an
         empty buffer, so a bound below the frame limit cannot starve a client.
         """
-        if self.frames and (len(self.frames) >= self.max_messages
-                            or self.size + len(frame) > self.max_bytes):
+        frames = self.frames
+        n = len(frames)
+        if n and (n >= self.max_messages or self.size + len(frame) > self.max_bytes):
             self.dropped += 1
             self.dropped_total += 1
-            return False
-        self.frames.append(frame)
+            return 0
+        frames.append(frame)
         self.size += len(frame)
-        return True
+        return 2 if n else 1
 
     def force(self, frame: bytes) -> None:
         """Queue *frame* whatever the bounds (keep-alive echoes)."""

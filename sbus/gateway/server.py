@@ -29,7 +29,6 @@ import resource
 import signal
 import ssl
 import stat
-from collections.abc import Hashable
 
 import trio
 from trio.lowlevel import ParkingLot
@@ -123,14 +122,17 @@ class Gateway:
 
     # -- fan-out from the bus ---------------------------------------------------------
 
-    def _deliver(self, targets: list[Hashable], key: bytes, payload: bytes) -> None:
+    def _deliver(self, targets: tuple[Remote, ...], key: bytes, payload: bytes) -> None:
         frame = codec.publish(key, payload)
+        dropped = 0
         for rc in targets:
-            if rc.outbox.offer(frame):  # type: ignore[attr-defined]
-                self.delivered += 1
-                rc.lot.unpark()  # type: ignore[attr-defined]
-            else:
-                self.dropped += 1
+            queued = rc.outbox.offer(frame)
+            if queued == 1:
+                rc.lot.unpark()  # only the writer of an empty outbox waits
+            elif not queued:
+                dropped += 1
+        self.delivered += len(targets) - dropped
+        self.dropped += dropped
 
     # -- one remote client --------------------------------------------------------------
 
