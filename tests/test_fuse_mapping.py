@@ -280,5 +280,18 @@ def test_real_process_pending_signal() -> None:
         os.waitpid(pid, 0)
         os.close(r)
         os.close(w)
-    assert interrupted(pid)  # gone
+    assert not interrupted(pid)  # gone: nobody to ask, so keep waiting
     assert not interrupted(0)
+
+
+def test_thread_group_of_a_thread() -> None:
+    import threading
+
+    from sbus.fuse.signals import thread_group
+
+    tids = []
+    t = threading.Thread(target=lambda: tids.append(threading.get_native_id()))
+    t.start()
+    t.join()
+    assert thread_group(os.getpid()) == os.getpid()
+    assert not interrupted(tids[0], os.getpid())  # thread gone, process asked instead

@@ -224,7 +224,7 @@ def main() -> int:
               f"{os.cpu_count()} CPUs")
         print(f"{'reader':>12} {'offered':>12} {'sent':>9} {'received':>9} {'lost':>7} "
               f"{'gaps':>5} {'received msg/s':>15} {'mount CPU µs/msg':>17}")
-        for r in args.rates.split(","):
+        for r in filter(None, args.rates.split(",")):
             rate = 0.0 if r == "flood" else float(r)
             for kind in (SocketReader, CatReader):
                 res = bench_read(kind(address, mnt), address, rate, args.seconds, mount.pid)

@@ -41,7 +41,7 @@ from ..protocol import WHOAMI
 from . import mapping
 from .framing import Outbox, frame
 from .mapping import Kind, Path, Refused
-from .signals import interrupted
+from .signals import interrupted, thread_group
 
 log = logging.getLogger("sbus.fuse")
 
@@ -58,6 +58,8 @@ PUMP_BATCH = 512
 #: The broker has to answer a subscription's whoami round trip within this time.
 SUBSCRIBE_TIMEOUT = 5.0
 SEND_BUFFER = 512 * 1024
+#: Seconds the kernel may cache a name's lookup (and attributes).
+ENTRY_TIMEOUT = 1.0
 #: Receive buffer beyond the largest packet: a little room (for the newline the
 #: ``lines`` format appends in place).  Not larger: recv_into() into a 1 MiB buffer
 #: measured 2.4 times slower per packet than into 300 KiB here.
@@ -101,7 +103,7 @@ async def _send(sock: socket.socket, packet: bytes) -> None:
             await wait_writable(sock)
 
 
-async def guarded(pid: int, fn: Callable[[], Awaitable[T]]) -> T:
+async def guarded(pid: int, fn: Callable[[], Awaitable[T]], tgid: int | None = None) -> T:
     """Run *fn*, answering EINTR if the calling process gets a signal meanwhile."""
     hit = False
     result: T
@@ -110,7 +112,7 @@ async def guarded(pid: int, fn: Callable[[], Awaitable[T]]) -> T:
             nonlocal hit
             while True:
                 await trio.sleep(SIGNAL_POLL)
-                if interrupted(pid):
+                if interrupted(pid, tgid):
                     hit = True
                     nursery.cancel_scope.cancel()
                     return
@@ -155,14 +157,15 @@ class Reader:
 
 
 class Handle:
-    __slots__ = ("ino", "path", "pattern", "pid", "reader", "writable")
+    __slots__ = ("ino", "path", "pattern", "pid", "tgid", "reader", "writable")
 
     def __init__(self, ino: int, path: Path, pattern: bytes, pid: int,
                  reader: Reader | None, writable: bool) -> None:
         self.ino = ino
         self.path = path
         self.pattern = pattern
-        self.pid = pid
+        self.pid = pid  # the opener: read() and write() are not told who calls them
+        self.tgid = thread_group(pid)
         self.reader = reader
         self.writable = writable
 
@@ -338,9 +341,12 @@ class BusFS(pyfuse3.Operations):
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
         a.generation = 0
-        a.entry_timeout = 0  # names change type with traffic: always ask again
-        a.attr_timeout = 1
         secret = path[:1] == (mapping.SECRET,)
+        # Names can change type with traffic (a key becomes a prefix), so the kernel
+        # may trust an answer for one second only; secret names are checked per
+        # caller, so never cached.
+        a.entry_timeout = 0 if secret else ENTRY_TIMEOUT
+        a.attr_timeout = 0 if secret else ENTRY_TIMEOUT
         if kind is Kind.DIR:
             a.st_mode = stat.S_IFDIR | (0o700 if secret else 0o777)
             a.st_nlink = 2
@@ -652,7 +658,7 @@ class BusFS(pyfuse3.Operations):
                 raise FUSEError(errno.EIO)
             if self.closing:
                 return b""
-            if interrupted(h.pid):
+            if interrupted(h.pid, h.tgid):
                 raise FUSEError(errno.EINTR)
             with trio.move_on_after(SIGNAL_POLL):
                 await r.lot.park()
@@ -677,8 +683,23 @@ class BusFS(pyfuse3.Operations):
         packet = b"MSG " + h.pattern + b"\0" + bytes(buf)
         if len(packet) > self.max_message:
             raise FUSEError(errno.EMSGSIZE)
-        await guarded(h.pid, lambda: self._publish(packet))
+        if not self._publish_now(packet):
+            await guarded(h.pid, lambda: self._publish(packet), h.tgid)
         return len(buf)
+
+    def _publish_now(self, packet: bytes) -> bool:
+        """The common case without a task or a lock: the connection is up and the
+        kernel takes the packet at once.  False means: take the slow path."""
+        sock = self._publisher
+        if sock is None or self._publish_lock.locked():
+            return False
+        try:
+            sock.send(packet)
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:
+                raise FUSEError(errno.EMSGSIZE) from None
+            return False
+        return True
 
     async def _publish(self, packet: bytes) -> None:
         async with self._publish_lock:

@@ -10,7 +10,7 @@ EINTR.  Ignored signals are discarded by the kernel and never show as pending.
 
 from __future__ import annotations
 
-__all__ = ["unblocked_pending", "pending_from_status", "interrupted"]
+__all__ = ["unblocked_pending", "pending_from_status", "interrupted", "thread_group"]
 
 
 def pending_from_status(status: str) -> int:
@@ -32,9 +32,28 @@ def unblocked_pending(pid: int) -> int | None:
         return None
 
 
-def interrupted(pid: int) -> bool:
-    """True if the caller has a signal to act on, or no longer exists."""
+def thread_group(pid: int) -> int:
+    """The process (thread group) a thread id belongs to; *pid* itself if unknown."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        pass
+    return pid
+
+
+def interrupted(pid: int, tgid: int | None = None) -> bool:
+    """True if the caller (thread *pid* of process *tgid*) has a signal to act on.
+
+    The thread that opened a file may have exited while another thread of its
+    process, or a process that inherited the descriptor, reads on; then the process
+    is asked, and if it is gone too, nobody can be asked and the answer is False
+    (waiting on is safer than answering EINTR forever)."""
     if pid <= 0:
         return False  # the kernel itself (e.g. writeback): nobody to interrupt
     mask = unblocked_pending(pid)
-    return mask is None or mask != 0
+    if mask is None and tgid is not None and tgid != pid:
+        mask = unblocked_pending(tgid)
+    return bool(mask)
