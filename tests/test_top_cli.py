@@ -56,11 +56,12 @@ def test_json_snapshot_counts_real_traffic(broker):
     assert snap["history"] and len(snap["recent"]) == 10
 
 
-def test_once_prints_the_screen_as_text(broker):
+def test_once_prints_the_screen_as_text(broker, short_tmp):
     stop = threading.Event()
     pub = publish_for(broker.address, 10, stop)
+    svg = short_tmp / "top.svg"
     out = subprocess.run([*SBUS, "top", "--address", broker.address, "--once",
-                          "--seconds", "1.5", "--sort", "key", "cli/"],
+                          "--seconds", "1.5", "--sort", "key", "--svg", str(svg), "cli/"],
                          capture_output=True, text=True, timeout=30,
                          env={"COLUMNS": "90", "LINES": "24", "PATH": "/usr/bin:/bin"})
     stop.set()
@@ -71,6 +72,8 @@ def test_once_prints_the_screen_as_text(broker):
     assert lines[0].startswith("sbus-top") and "connected" in lines[0]
     assert lines[4].startswith("cli/fast") and lines[5].startswith("cli/slow")
     assert "\x1b[" not in out.stdout  # not a terminal: no colour codes
+    picture = svg.read_text()
+    assert picture.startswith("<svg") and "cli/fast" in picture and "sbus-top" in picture
 
 
 def test_live_screen_needs_a_terminal(broker):
