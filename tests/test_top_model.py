@@ -81,6 +81,12 @@ def test_broker_drop_reports_are_counted_and_other_controls_returned():
     assert other == [Control(b"!/cred/whoami", b"!/cred/0/0/1")]
 
 
+def test_packets_the_broker_never_sends_are_not_counted():
+    m = TrafficModel(0.0)
+    assert m.feed_packets([b"MSG no-nul", b"", b"HELLO", b"SUB x", b"MSG k\0ok"], 1.0) == []
+    assert m.total == 1 and list(m.keys) == [b"k"]
+
+
 def test_clear_forgets_counts():
     m = TrafficModel(0.0)
     m.feed(msgs("a", 10) + [Control(b"blocking/dropped", b"2")], 0.5)

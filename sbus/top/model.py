@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..protocol import Control, Publish, encode, parse
+from ..protocol import Control, ProtocolError, Publish, encode, parse
 from ..routing import matches
 
 __all__ = [
@@ -209,11 +209,16 @@ class TrafficModel:
         other: list[Control] = []
         for packet in packets:
             if not packet.startswith(b"MSG "):
-                ev = parse(packet)
+                try:
+                    ev = parse(packet)
+                except ProtocolError:
+                    continue  # the broker never sends these; nothing to count
                 if type(ev) is Control and not self._control(ev):
                     other.append(ev)
                 continue
             nul = packet.find(b"\0", 4)
+            if nul < 0:  # not a message the broker should send: not counted
+                continue
             key = packet[4:nul]
             size = len(packet) - nul - 1
             st = keys.get(key)
