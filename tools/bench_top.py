@@ -126,6 +126,22 @@ def run_top_live(lg: Path, address: str, count: int, env: dict) -> dict:
             "counted": last, "dropped": dropped}
 
 
+def aggregation_cost(n: int = 1_000_000) -> tuple[float, float]:
+    """µs per message of `TrafficModel.feed_packets`, one key and 1000 keys (no I/O)."""
+    sys.path.insert(0, str(ROOT))
+    from sbus.top.model import TrafficModel
+
+    out = []
+    for nkeys in (1, 1000):
+        packets = [b"MSG k.%03d\0" % (i % nkeys) + bytes(64) for i in range(4096)]
+        model = TrafficModel(0.0)
+        start = time.perf_counter()
+        for i in range(n // len(packets)):
+            model.feed_packets(packets, float(i))
+        out.append((time.perf_counter() - start) / model.total * 1e6)
+    return out[0], out[1]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=1_000_000, help="messages per run")
@@ -169,6 +185,10 @@ def main() -> int:
         dropped = "n/a" if r["dropped"] is None else f"{r['dropped']:,}"
         print(f"| {r['reader']} | {r['sent']:,} | {r['sent'] / r['pub_s']:,.0f} | "
               f"{r['counted']:,} | {pct:.2f} % | {dropped} |")
+    one, many = aggregation_cost()
+    print()
+    print(f"aggregation alone (TrafficModel.feed_packets, 64-byte payloads): "
+          f"{one:.2f} µs/message on 1 key, {many:.2f} µs/message over 1000 keys")
     tops = [100 * r["counted"] / r["sent"] for r in results[1:]]
     print()
     print(f"sbus-top counted: median {statistics.median(tops):.2f} %, worst {min(tops):.2f} % "
