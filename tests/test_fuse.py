@@ -320,6 +320,33 @@ def test_signal_ends_a_blocked_cat_within_half_a_second(mnt, sig):
     assert proc.returncode == -sig
 
 
+def proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_ctrl_z_stops_at_the_next_message_and_fg_reads_on(mnt, bus):
+    """SIGTSTP must not turn into EINTR (cat would fail after fg): the reader stops
+    once its next message is delivered, and reads on after SIGCONT."""
+    proc = cat(touch(mnt, "tstp"))
+    try:
+        proc.send_signal(signal.SIGTSTP)
+        time.sleep(0.3)
+        assert proc_state(proc.pid) != "T"  # still waiting inside read()
+        publish(bus.address, (b"tstp", b"one"))
+        deadline = time.monotonic() + 5
+        while proc_state(proc.pid) != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGCONT)
+        publish(bus.address, (b"tstp", b"two"))
+        assert read_lines(proc, 2) == [b"one\n", b"two\n"]
+        assert proc.poll() is None
+    finally:
+        end(proc)
+    assert proc.stderr.read() == b""
+
+
 def test_head_ends_after_three_lines(mnt, bus):
     proc = subprocess.Popen(["head", "-n", "3", touch(mnt, "big")], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)

@@ -249,6 +249,10 @@ def test_pending_from_status() -> None:
     assert pending_from_status(STATUS.format(shd=f"{sigint:016x}", blk="0" * 16)) == sigint
     assert pending_from_status(STATUS.format(shd=f"{sigint:016x}", blk=f"{sigint:016x}")) == 0
     assert pending_from_status(STATUS.format(shd="0" * 16, blk="0" * 16)) == 0
+    tstp = 1 << (signal.SIGTSTP - 1)
+    assert pending_from_status(STATUS.format(shd=f"{tstp:016x}", blk="0" * 16)) == 0
+    caught = STATUS.format(shd=f"{tstp:016x}", blk="0" * 16) + f"SigCgt:\t{tstp:016x}\n"
+    assert pending_from_status(caught) == tstp  # a handler runs: the call should end
 
 
 def test_real_process_pending_signal() -> None:

@@ -6,21 +6,34 @@ operation therefore looks at the caller itself: a signal that is pending (for th
 thread, ``SigPnd``, or for the whole process, ``ShdPnd``) and not blocked
 (``SigBlk``) will be acted on as soon as the call returns, so the filesystem answers
 EINTR.  Ignored signals are discarded by the kernel and never show as pending.
+
+Stop signals left at their default action (``SIGSTOP``, and ``SIGTSTP``/``SIGTTIN``/
+``SIGTTOU`` without a handler, i.e. not in ``SigCgt``) do not count: answering EINTR
+would stop the process, and after ``fg`` its ``read(2)`` would fail with EINTR
+(``cat: Interrupted system call``), because a filesystem cannot ask the kernel to
+restart the call.  Such a reader stops when its next message arrives instead.
 """
 
 from __future__ import annotations
 
+import signal
+
 __all__ = ["unblocked_pending", "pending_from_status", "interrupted", "thread_group"]
 
 
+STOP_SIGNALS = sum(1 << (s - 1) for s in (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN,
+                                          signal.SIGTTOU))
+
+
 def pending_from_status(status: str) -> int:
-    """The unblocked pending signal mask from the text of ``/proc/PID/status``."""
+    """The pending signals that should end a blocked call, from ``/proc/PID/status``."""
     fields = {}
     for line in status.splitlines():
         name, _, value = line.partition(":")
-        if name in ("SigPnd", "ShdPnd", "SigBlk"):
+        if name in ("SigPnd", "ShdPnd", "SigBlk", "SigCgt"):
             fields[name] = int(value.strip(), 16)
-    return (fields.get("SigPnd", 0) | fields.get("ShdPnd", 0)) & ~fields.get("SigBlk", 0)
+    pending = (fields.get("SigPnd", 0) | fields.get("ShdPnd", 0)) & ~fields.get("SigBlk", 0)
+    return pending & ~(STOP_SIGNALS & ~fields.get("SigCgt", 0))
 
 
 def unblocked_pending(pid: int) -> int | None:
