@@ -17,7 +17,6 @@ from sbus.top.model import (
     compile_filter,
     group_key,
     preview,
-    sort_rows,
 )
 from sbus.top.view import fmt_bytes, fmt_count, fmt_rate, layout, render, sparkline
 
@@ -135,7 +134,7 @@ def test_sorting():
     assert names[SortBy.KEY] == [b"a", b"b", b"c"]
     limited = m.snapshot(1.0, ViewOptions(sort=SortBy.TOTAL), limit=2)
     assert [r.name for r in limited.rows] == [b"b", b"a"] and limited.row_count == 3
-    assert sort_rows([], SortBy.RATE, 5) == []
+    assert TrafficModel(0.0).snapshot(1.0, limit=5).rows == []
 
 
 def test_filter_substring_and_pattern():
