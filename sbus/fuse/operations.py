@@ -246,8 +246,8 @@ class BusFS(pyfuse3.Operations):
                 if reader is not None:
                     self._deliver(reader, packet)
 
-    async def _reconnect(self, patterns: list[bytes], reader: Reader | None,
-                         what: str) -> socket.socket | None:
+    async def _reconnect(self, patterns: list[bytes],
+                         reader: Reader | None) -> socket.socket | None:
         """A fresh, subscribed connection, retried until `reconnect_timeout`; None after."""
         deadline = trio.current_time() + self.reconnect_timeout
         while True:
@@ -289,7 +289,7 @@ class BusFS(pyfuse3.Operations):
                 sock.close()
                 log.warning("lost the broker at %s; reconnecting", self.address)
                 while True:
-                    new = await self._reconnect(patterns, None, "monitor")
+                    new = await self._reconnect(patterns, None)
                     if new is not None:
                         break
                     log.error("no broker at %s for %.0f s; still trying", self.address,
@@ -298,25 +298,22 @@ class BusFS(pyfuse3.Operations):
                 await _send(sock, b"CMSG blocking/soft/discard")
                 log.warning("reconnected to the broker at %s", self.address)
                 continue
+            # the buffer is shared: use the packet before the next await
+            nul = self._buf.find(b"\0", 4, n) if self._buf.startswith(b"MSG ") else -1
+            if nul >= 0:
+                key = self._view[4:nul].tobytes()
+                if key in seen:
+                    path = seen[key]
+                else:
+                    if len(seen) >= 4096:
+                        seen.clear()
+                    path = seen[key] = mapping.key_segments(key)
+                if path is not None:
+                    learn(path)
             batch += 1
             if batch >= MONITOR_BATCH:
                 batch = 0
                 await trio.sleep(MONITOR_PAUSE)
-            packet = self._view[:n]
-            if packet[:4] != b"MSG ":
-                continue
-            nul = self._buf.find(b"\0", 4, n)
-            if nul < 0:
-                continue
-            key = bytes(packet[4:nul])
-            if key in seen:
-                path = seen[key]
-            else:
-                if len(seen) >= 4096:
-                    seen.clear()
-                path = seen[key] = mapping.key_segments(key)
-            if path is not None:
-                learn(path)
 
     # -- inodes --------------------------------------------------------------------
 
@@ -629,7 +626,7 @@ class BusFS(pyfuse3.Operations):
             return
         log.warning("reader of %r lost the broker at %s; re-subscribing", r.pattern,
                     self.address)
-        sock = await self._reconnect([r.pattern], r, "reader")
+        sock = await self._reconnect([r.pattern], r)
         if sock is None:
             log.error("no broker at %s for %.0f s: readers of %r get EIO", self.address,
                       self.reconnect_timeout, r.pattern)
@@ -705,7 +702,7 @@ class BusFS(pyfuse3.Operations):
             for _ in range(2):
                 sock = self._publisher
                 if sock is None:
-                    sock = await self._reconnect([], None, "publisher")
+                    sock = await self._reconnect([], None)
                     if sock is None:
                         log.error("cannot publish: no broker at %s", self.address)
                         raise FUSEError(errno.EIO)
