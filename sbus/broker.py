@@ -92,6 +92,7 @@ class Broker:
         self.sep = sep
         self.rules = KeyRules(sep)
         self.index: RoutingIndex[Connection] = RoutingIndex(sep)
+        self._whoami = protocol.WHOAMI.replace(b"/", sep)  # either spelling is answered
         self.max_message = max_message
         self.queue_limit = queue_limit
         self.accounts = UserAccounts(limits or Limits())
@@ -172,11 +173,11 @@ class Broker:
         conn.sock.close()
         log.debug("%r disconnected", conn)
 
-    def _drop(self, conn: Connection, why: str) -> None:
+    def _drop(self, conn: Connection, why: str, level: int = logging.WARNING) -> None:
         """Disconnect *conn* (from any task, synchronously) and say why."""
         if not conn.closed:
             conn.closed = True
-            log.warning("disconnecting %r: %s", conn, why)
+            log.log(level, "disconnecting %r: %s", conn, why)
             if conn.scope is not None:
                 conn.scope.cancel()
             conn.paused.unpark_all()
@@ -280,7 +281,9 @@ class Broker:
         return blocked
 
     def _send_failed(self, conn: Connection, exc: OSError) -> None:
-        if exc.errno == errno.EMSGSIZE:
+        if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):  # it hung up: normal
+            self._drop(conn, "it hung up", logging.DEBUG)
+        elif exc.errno == errno.EMSGSIZE:
             self.complain(conn, f"a {exc.strerror} message could not be delivered: dropped")
             conn.out.dropped += 1
             self.dropped += 1
@@ -332,7 +335,7 @@ class Broker:
             self.complain(conn, f"unsubscription ignored: not subscribed to {pattern!r}")
 
     def control(self, conn: Connection, key: bytes, payload: bytes | None) -> None:
-        if key == self.rules.secret_prefix + b"cred" + self.sep + b"whoami":
+        if key == protocol.WHOAMI or key == self._whoami:
             self.reply(conn, b"CMSG " + key + b"\0" + conn.cred.path(self.sep))
             return
         setting = parse_control(key.replace(self.sep, b"/"))

@@ -42,7 +42,8 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, ob
                 module = importlib.import_module(modname)
             except ImportError as exc:
                 if wanted == name:
-                    raise SystemExit(f"sbus {name}: not available in this installation: {exc}")
+                    raise SystemExit(
+                        f"sbus {name}: not available in this installation: {exc}") from None
                 continue
             module.add_arguments(p)
             modules[name] = module

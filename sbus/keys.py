@@ -80,7 +80,7 @@ class KeyRules:
         self._check_bang(key, rest)
 
     def check_pattern(self, pattern: bytes, cred: Credentials) -> bytes:
-        """Validate a SUB pattern for a subscriber; return it with empty credential fields filled."""
+        """Check a SUB pattern for a subscriber; return it with empty credential fields filled."""
         if not self.is_secret(pattern):
             self._check_bang(pattern, pattern)
             return pattern

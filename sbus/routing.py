@@ -36,7 +36,9 @@ LITERAL, PREFIX = 0, 1
 CACHE_LIMIT = 65536
 
 
-def compile_pattern(pattern: bytes, sep: bytes = b"/") -> tuple[list[tuple[int, bytes]], bool] | None:
+def compile_pattern(
+    pattern: bytes, sep: bytes = b"/"
+) -> tuple[list[tuple[int, bytes]], bool] | None:
     """Split a non-empty pattern into ``(segments, tail)``; None if it can never match."""
     tail = pattern.endswith(sep)
     body = pattern[:-1] if tail else pattern

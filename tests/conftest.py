@@ -22,7 +22,7 @@ def wait_for_socket(path: str, proc: subprocess.Popen | None = None, timeout: fl
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"broker exited with {proc.returncode}: {proc.stderr.read()}")
+            raise RuntimeError(f"broker exited with {proc.returncode}")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             s.connect(path)
@@ -41,11 +41,13 @@ class BrokerProcess:
         self.address = address
         self.args = args
         self.proc: subprocess.Popen | None = None
+        # a file, not a pipe: a pipe nobody reads would stall the broker once full
+        self.logfile = tempfile.NamedTemporaryFile(prefix="sbus-broker-", suffix=".log")
 
     def start(self) -> BrokerProcess:
         self.proc = subprocess.Popen(
             [*SBUS, "-v", "serve", "--address", self.address, *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.DEVNULL, stderr=self.logfile,
         )
         wait_for_socket(self.address, self.proc)
         return self
@@ -56,11 +58,12 @@ class BrokerProcess:
         if self.proc.poll() is None:
             self.proc.terminate()
         try:
-            _, err = self.proc.communicate(timeout=10)
+            self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        return err
+            self.proc.wait()
+        with open(self.logfile.name, errors="replace") as f:
+            return f.read()
 
     def log(self) -> str:
         """Stop the broker and return its log (for assertions on refusals)."""

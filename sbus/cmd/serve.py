@@ -7,8 +7,8 @@ import sys
 
 import trio
 
-from ..limits import Limits
 from .. import server
+from ..limits import Limits
 
 
 def _size(text: str) -> int:

@@ -24,10 +24,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
 from pyspark.sql.types import BinaryType, StringType, StructType
 
-__all__ = ["BusStreamWriter", "PublishedMessage"]
+__all__ = ["BusStreamWriter", "BusBatchWriter", "PublishedMessage"]
 
 BATCH_ID_PROPERTY = "streaming.sql.batchId"  # set by Spark's micro-batch engine on tasks
 
@@ -49,43 +53,23 @@ def _touch(path: Path) -> None:
     os.rename(tmp, path)
 
 
-class BusStreamWriter(DataSourceStreamArrowWriter):
-    def __init__(self, options, schema: StructType) -> None:
+class _Publisher:
+    """Column checks and the publishing loop, shared by the batch and streaming writers."""
+
+    def _columns(self, options, schema: StructType) -> None:
         self.address = options.get("address")  # None: $SBUS_ADDRESS or the default
-        state = options.get("state")
-        if state is None and options.get("checkpointLocation"):
-            state = os.path.join(options["checkpointLocation"], "sbus-sink")
-        if state is None:
-            raise ValueError("the sbus sink needs option('checkpointLocation', DIR) or "
-                             "option('state', DIR) to record published batches")
-        self.state = state.removeprefix("file:")
         fields = {f.name: f.dataType for f in schema.fields}
         if "payload" not in fields or not isinstance(fields["payload"], BinaryType | StringType):
             raise ValueError("the sbus sink needs a 'payload' column (binary or string)")
-        has_bytes = isinstance(fields.get("key_bytes"), BinaryType)
-        has_key = isinstance(fields.get("key"), StringType)
-        if not (has_bytes or has_key):
+        self.key_bytes = isinstance(fields.get("key_bytes"), BinaryType)
+        self.key = isinstance(fields.get("key"), StringType)
+        if not (self.key_bytes or self.key):
             raise ValueError("the sbus sink needs a 'key' (string) or 'key_bytes' (binary) "
                              "column")
-        self.key_bytes = has_bytes
-        self.key = has_key
-        for sub in ("done", "committed"):
-            os.makedirs(os.path.join(self.state, sub), exist_ok=True)
 
-    def write(self, iterator: Iterator) -> PublishedMessage:
-        from pyspark import TaskContext
-
+    def _publish(self, iterator) -> int:
         from ..client import Client
 
-        ctx = TaskContext.get()
-        batch_id = int(ctx.getLocalProperty(BATCH_ID_PROPERTY) or -1) if ctx else -1
-        partition = ctx.partitionId() if ctx else 0
-        state = Path(self.state)
-        done = state / "done" / f"{batch_id}-{partition}"
-        if batch_id >= 0 and ((state / "committed" / str(batch_id)).exists() or done.exists()):
-            for _ in iterator:  # drain: Spark expects the input consumed
-                pass
-            return PublishedMessage(batch_id, partition, 0, True)
         n = 0
         with Client(self.address) as bus:
             publish = bus.publish
@@ -100,9 +84,7 @@ class BusStreamWriter(DataSourceStreamArrowWriter):
                     publish(key, payload or b"")
                     n += 1
             bus.whoami(timeout=60)  # round trip: the broker has taken every message
-        if batch_id >= 0:
-            _touch(done)
-        return PublishedMessage(batch_id, partition, n, False)
+        return n
 
     def _keys(self, batch) -> list:
         if self.key_bytes:
@@ -113,6 +95,52 @@ class BusStreamWriter(DataSourceStreamArrowWriter):
                         for r, t in zip(raw, text, strict=True)]
             return raw
         return [None if t is None else t.encode() for t in batch.column("key").to_pylist()]
+
+
+class BusBatchWriter(_Publisher, DataSourceArrowWriter):
+    """``df.write.format("sbus").option("address", SOCK).save()``: publish once, no
+    replay bookkeeping (a failed job may have published part of the rows)."""
+
+    def __init__(self, options, schema: StructType) -> None:
+        self._columns(options, schema)
+
+    def write(self, iterator: Iterator) -> PublishedMessage:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        return PublishedMessage(-1, ctx.partitionId() if ctx else 0, self._publish(iterator),
+                                False)
+
+
+class BusStreamWriter(_Publisher, DataSourceStreamArrowWriter):
+    def __init__(self, options, schema: StructType) -> None:
+        self._columns(options, schema)
+        state = options.get("state")
+        if state is None and options.get("checkpointLocation"):
+            state = os.path.join(options["checkpointLocation"], "sbus-sink")
+        if state is None:
+            raise ValueError("the sbus sink needs option('checkpointLocation', DIR) or "
+                             "option('state', DIR) to record published batches")
+        self.state = state.removeprefix("file:")
+        for sub in ("done", "committed"):
+            os.makedirs(os.path.join(self.state, sub), exist_ok=True)
+
+    def write(self, iterator: Iterator) -> PublishedMessage:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        batch_id = int(ctx.getLocalProperty(BATCH_ID_PROPERTY) or -1) if ctx else -1
+        partition = ctx.partitionId() if ctx else 0
+        state = Path(self.state)
+        done = state / "done" / f"{batch_id}-{partition}"
+        if batch_id >= 0 and ((state / "committed" / str(batch_id)).exists() or done.exists()):
+            for _ in iterator:  # drain: Spark expects the input consumed
+                pass
+            return PublishedMessage(batch_id, partition, 0, True)
+        n = self._publish(iterator)
+        if batch_id >= 0:
+            _touch(done)
+        return PublishedMessage(batch_id, partition, n, False)
 
     def commit(self, messages, batchId: int) -> None:
         _touch(Path(self.state) / "committed" / str(batchId))

@@ -121,6 +121,11 @@ class SbusDataSource(DataSource):
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return StreamReader(_Options(self.options), _names(schema))
 
+    def writer(self, schema: StructType, overwrite: bool):
+        from .sink import BusBatchWriter
+
+        return BusBatchWriter(self.options, schema)
+
     def streamWriter(self, schema: StructType, overwrite: bool):
         from .sink import BusStreamWriter
 

@@ -1,0 +1,431 @@
+"""The broker process over raw SOCK_SEQPACKET sockets: the protocol without our library."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+from conftest import SBUS, BrokerProcess, raw, sync
+
+
+def recv_all(s: socket.socket, n: int, timeout: float = 10) -> list[bytes]:
+    s.settimeout(timeout)
+    return [s.recv(1 << 20) for _ in range(n)]
+
+
+def assert_silent(s: socket.socket, wait: float = 0.2) -> None:
+    s.settimeout(wait)
+    with pytest.raises(TimeoutError):
+        got = s.recv(1 << 20)
+        print("unexpected", got)
+
+
+def test_protocol_text_example(broker):
+    sub, pub = raw(broker.address), raw(broker.address)
+    sub.send(b"SUB a/*/c/")
+    sync(sub)
+    for key in [b"a/b/c/", b"a/b/c/d/e", b"a/b/c", b"a/c/d"]:
+        pub.send(b"MSG " + key + b"\0" + key)
+    assert recv_all(sub, 2) == [b"MSG a/b/c/\0a/b/c/", b"MSG a/b/c/d/e\0a/b/c/d/e"]
+    assert_silent(sub)
+
+
+def test_forwarded_byte_for_byte_and_empty_pattern(broker):
+    sub, pub = raw(broker.address), raw(broker.address)
+    sub.send(b"SUB \0trailer is ignored")
+    sync(sub)
+    packet = b"MSG any/key\0\0binary\xff\0payload\n"
+    pub.send(packet)
+    assert sub.recv(1 << 20) == packet
+
+
+def test_duplicate_and_overlapping_subscriptions(broker):
+    sub, pub = raw(broker.address), raw(broker.address)
+    for p in (b"SUB x", b"SUB x", b"SUB *", b"SUB "):
+        sub.send(p)
+    sync(sub)
+    pub.send(b"MSG x\0one")
+    assert sub.recv(1 << 20) == b"MSG x\0one"
+    assert_silent(sub)  # one copy however many patterns match
+    for p in (b"UNSUB *", b"UNSUB ", b"UNSUB x"):
+        sub.send(p)
+    sync(sub)
+    pub.send(b"MSG x\0two")
+    assert sub.recv(1 << 20) == b"MSG x\0two"  # the second SUB x is still there
+    sub.send(b"UNSUB x")
+    sync(sub)
+    pub.send(b"MSG x\0three")
+    assert_silent(sub)
+
+
+def test_self_delivery_iff_matching(broker):
+    a = raw(broker.address)
+    a.send(b"MSG mine\0not subscribed")
+    a.send(b"SUB mine")
+    a.send(b"MSG mine\0subscribed")
+    assert a.recv(1 << 20) == b"MSG mine\0subscribed"
+    sync(a)
+    assert_silent(a)
+
+
+def test_order_over_10000_messages(broker):
+    sub, pub = raw(broker.address), raw(broker.address)
+    sub.send(b"SUB seq")
+    sync(sub)
+    for i in range(10000):
+        pub.send(b"MSG seq\0%d" % i)
+    got = recv_all(sub, 10000)
+    assert got == [b"MSG seq\0%d" % i for i in range(10000)]
+
+
+def test_cmsg_never_forwarded_and_whoami(broker):
+    sub, other = raw(broker.address), raw(broker.address)
+    sub.send(b"SUB ")
+    sub.send(b"SUB !/cred////")
+    sync(sub)
+    other.send(b"CMSG !/cred/whoami")
+    reply = other.recv(1 << 20)
+    assert reply == b"CMSG !/cred/whoami\0!/cred/%d/%d/%d" % (os.getgid(), os.getuid(),
+                                                              os.getpid())
+    other.send(b"CMSG some/key\0payload")
+    assert_silent(sub)
+
+
+def test_large_message_intact(broker):
+    sub, pub = raw(broker.address), raw(broker.address)
+    sub.send(b"SUB big")
+    sync(sub)
+    payload = bytes(range(256)) * 800  # 204,800 bytes, NULs included
+    pub.send(b"MSG big\0" + payload)
+    assert sub.recv(1 << 20) == b"MSG big\0" + payload
+
+
+def test_junk_packets_hurt_nobody(broker):
+    good, pub, junk = raw(broker.address), raw(broker.address), raw(broker.address)
+    good.send(b"SUB k")
+    sync(good)
+    for packet in [b"", b"HELLO", b"MSG no-nul", b"SUB", b"\0\0\0", b"UNSUB never-subscribed",
+                   b"CMSG blocking/soft/nonsense", b"MSG a/!/b\0x", b"SUB !/cred/*/*/*/",
+                   b"SUB !/", b"MSG !/x\0y"]:
+        junk.send(packet)
+    sync(junk)  # still connected and served
+    pub.send(b"MSG k\0fine")
+    assert good.recv(1 << 20) == b"MSG k\0fine"
+    log = broker.log()
+    assert "empty packet" in log and "unknown message type" in log
+    assert "MSG without NUL" in log and "not subscribed to b'never-subscribed'" in log
+    assert "wildcard in the GID field" in log and "publish refused" in log
+
+
+def test_oversized_packet_ignored(make_broker):
+    broker = make_broker("--max-message", "1k")
+    sub, pub = raw(broker.address), raw(broker.address)
+    sub.send(b"SUB k")
+    sync(sub)
+    pub.send(b"MSG k\0" + b"x" * 2000)
+    pub.send(b"MSG k\0small")
+    assert sub.recv(1 << 20) == b"MSG k\0small"
+    assert "over the 1024-byte limit" in broker.log()
+
+
+def test_separator_dot_dialect(make_broker):
+    broker = make_broker("--separator", ".")
+    sub, pub = raw(broker.address), raw(broker.address)
+    sub.send(b"SUB a.*.c.")
+    sync(sub)
+    for key in [b"a.b.c.d", b"a/b/c/d", b"a.b.c"]:
+        pub.send(b"MSG " + key + b"\0")
+    assert recv_all(sub, 1) == [b"MSG a.b.c.d\0"]
+    assert_silent(sub)
+
+
+# -- secrets ------------------------------------------------------------------
+
+
+def _secret_child(address: str, uid: int, ready_w: int, out_w: int) -> None:
+    """In a forked child: become *uid*, subscribe to own secrets, report what arrives."""
+    try:
+        os.setgid(uid)
+        os.setuid(uid)
+        s = raw(address, timeout=10)
+        s.send(b"SUB !/cred////")
+        s.send(b"CMSG !/cred/whoami")
+        who = s.recv(1 << 20).split(b"\0", 1)[1]
+        os.write(ready_w, who + b"\n")
+        os.write(out_w, s.recv(1 << 20) + b"\n")
+    finally:
+        os._exit(0)
+
+
+def test_secret_seen_only_by_owner_across_users(broker, short_tmp):
+    os.chmod(short_tmp, 0o755)  # let the other user reach the socket
+    ready_r, ready_w = os.pipe()
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        _secret_child(broker.address, 65534, ready_w, out_w)
+    os.close(ready_w)
+    os.close(out_w)
+    who = os.read(ready_r, 4096).strip()
+    assert who == b"!/cred/65534/65534/%d" % pid
+    # a root client that tries every way to see the child's secrets
+    spy = raw(broker.address)
+    for pattern in [b"", b"!/", b"*", b"*/", b"!/cred/*/*/*/", b"!/cred/65534/65534/%d/" % pid,
+                    b"*/cred/65534/65534/%d/secret" % pid]:
+        spy.send(b"SUB " + pattern)
+    sync(spy)
+    pub = raw(broker.address)
+    pub.send(b"MSG " + who + b"/secret\0for your eyes only")  # anyone may publish
+    got = os.read(out_r, 4096).strip()
+    assert got == b"MSG " + who + b"/secret\0for your eyes only"
+    os.waitpid(pid, 0)
+    assert_silent(spy)
+    log = broker.log()
+    assert "names GID 65534, subscriber has 0" in log
+    assert "wildcard in the GID field" in log and "truncated secret pattern" in log
+
+
+# -- flood control ------------------------------------------------------------------
+
+
+def _flood(pub: socket.socket, n: int, size: int = 100, key: bytes = b"f") -> None:
+    for i in range(n):
+        pub.send(b"MSG " + key + b"\0" + (b"%08d" % i).ljust(size, b"."))
+
+
+def _drain(s: socket.socket, quiet: float = 0.5) -> list[bytes]:
+    out = []
+    s.settimeout(quiet)
+    try:
+        while packet := s.recv(1 << 20):
+            out.append(packet)
+        return out
+    except TimeoutError:
+        return out
+    except ConnectionResetError:
+        return out
+
+
+def _seq(packets: list[bytes]) -> list[int]:
+    return [int(p[6:14]) for p in packets if p.startswith(b"MSG ")]
+
+
+def test_never_reading_reader_slows_no_one(make_broker):
+    """Default policy (soft queue, hard discard): the stuck reader loses the overflow,
+    is told how much, and the others get everything at full speed."""
+    broker = make_broker("--queue-limit", "64k")
+    stuck, good, pub = raw(broker.address), raw(broker.address), raw(broker.address)
+    good.send(b"CMSG blocking/hard/block")  # the good reader wants everything
+    for s in (stuck, good):
+        s.send(b"SUB f")
+        sync(s)
+    n = 20000
+    t0 = time.monotonic()
+    got = []
+    good.settimeout(10)
+    pub.setblocking(False)
+    sent = 0
+    while len(got) < n:  # interleave so neither side's buffer limits the test
+        while sent < n:
+            try:
+                pub.send(b"MSG f\0" + (b"%08d" % sent).ljust(100, b"."))
+            except BlockingIOError:
+                break
+            sent += 1
+        got.append(good.recv(1 << 20))
+    assert _seq(got) == list(range(n))
+    assert time.monotonic() - t0 < 30
+    stuck_got = _drain(stuck)
+    seqs = _seq(stuck_got)
+    assert seqs == list(range(len(seqs)))  # what it kept is the start, in order
+    assert len(seqs) < n
+    notice = [p for p in stuck_got if p.startswith(b"CMSG blocking/dropped\0")]
+    assert notice and sum(int(p.split(b"\0")[1]) for p in notice) == n - len(seqs)
+
+
+def test_soft_discard(broker):
+    stuck, pub = raw(broker.address), raw(broker.address)
+    stuck.send(b"SUB f")
+    stuck.send(b"CMSG blocking/soft/discard")
+    sync(stuck)
+    _flood(pub, 5000)
+    sync(pub)
+    got = _drain(stuck)
+    seqs = _seq(got)
+    assert 0 < len(seqs) < 5000 and seqs == list(range(len(seqs)))  # nothing queued beyond
+    assert got[-1] == b"CMSG blocking/dropped\0%d" % (5000 - len(seqs))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", [b"blocking/soft/block", b"blocking/hard/block"])
+def test_block_delivers_everything(make_broker, policy, short_tmp):
+    broker = make_broker("--queue-limit", "16k")
+    slow = raw(broker.address)
+    slow.send(b"SUB f")
+    slow.send(b"CMSG " + policy)
+    sync(slow)
+    n = 20000
+    lines = short_tmp / "lines"
+    lines.write_bytes(b"".join((b"%08d" % i).ljust(100, b".") + b"\n" for i in range(n)))
+    with open(lines, "rb") as stdin:
+        pub_proc = subprocess.Popen([*SBUS, "pub", "--address", broker.address, "--lines", "f"],
+                                    stdin=stdin)
+    time.sleep(1)  # the publisher is now held back by the broker
+    assert pub_proc.poll() is None
+    got = recv_all(slow, n)
+    assert _seq(got) == list(range(n))
+    assert pub_proc.wait(10) == 0
+
+
+@pytest.mark.parametrize("policy", [b"blocking/soft/error", b"blocking/hard/error"])
+def test_error_disconnects_only_the_misbehaving(make_broker, policy):
+    broker = make_broker("--queue-limit", "16k")
+    bad, good, pub = raw(broker.address), raw(broker.address), raw(broker.address)
+    for s in (bad, good):
+        s.send(b"SUB f")
+    bad.send(b"CMSG " + policy)
+    good.send(b"CMSG blocking/hard/block")
+    sync(bad)
+    sync(good)
+    n = 3000
+    pub.setblocking(False)
+    got, sent = [], 0
+    good.settimeout(10)
+    while len(got) < n:
+        while sent < n:
+            try:
+                pub.send(b"MSG f\0" + (b"%08d" % sent).ljust(100, b"."))
+            except BlockingIOError:
+                break
+            sent += 1
+        got.append(good.recv(1 << 20))
+    assert _seq(got) == list(range(n))
+    bad_got = _drain(bad, quiet=5)  # ends at EOF: disconnected
+    assert len(bad_got) < n
+    assert "flood policy is 'error'" in broker.log()
+
+
+@pytest.mark.parametrize("order", [b"stack", b"random"])
+def test_order_modes(make_broker, order):
+    broker = make_broker("--queue-limit", "16m")
+    stuck, pub = raw(broker.address), raw(broker.address)
+    stuck.send(b"SUB f")
+    stuck.send(b"CMSG order/" + order)
+    sync(stuck)
+    n = 6000
+    sizes = [(i * 7919) % 200 + 20 for i in range(n)]
+    for i, size in enumerate(sizes):
+        pub.send(b"MSG f\0" + (b"%08d" % i).ljust(size, b"."))
+    sync(pub)
+    got = _drain(stuck)
+    seqs = _seq(got)
+    assert sorted(seqs) == list(range(n))  # everything arrives
+    first_queued = next(i for i, s in enumerate(seqs) if s != i)  # kernel buffer: in order
+    tail = seqs[first_queued:]
+    if order == b"stack":
+        assert tail == sorted(tail, reverse=True)
+    else:
+        tail_sizes = [sizes[s] for s in tail]
+        assert tail_sizes == sorted(tail_sizes, reverse=True)
+
+
+# -- scale and storms -----------------------------------------------------------------
+
+
+@pytest.fixture
+def many_fds():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_1000_concurrent_clients(many_fds, make_broker):
+    broker = make_broker()
+    clients = [raw(broker.address) for _ in range(1000)]
+    for i, c in enumerate(clients):
+        c.send(b"SUB k/%d" % i)
+    for c in clients:
+        sync(c)
+    pub = raw(broker.address)
+    for i in range(1000):
+        pub.send(b"MSG k/%d\0hello %d" % (i, i))
+    for i, c in enumerate(clients):
+        assert c.recv(100) == b"MSG k/%d\0hello %d" % (i, i)
+    rss = _rss_kb(broker.proc.pid)
+    print(f"broker RSS with 1001 clients: {rss} kB")
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+def test_disconnect_storm_mid_fanout(many_fds, broker):
+    steady, pub = raw(broker.address), raw(broker.address)
+    steady.send(b"SUB storm")
+    sync(steady)
+    n_sent = 0
+    for _round in range(5):
+        crowd = [raw(broker.address) for _ in range(200)]
+        for c in crowd:
+            c.send(b"SUB storm")
+        for c in crowd[:20]:
+            sync(c)
+        for i in range(300):
+            pub.send(b"MSG storm\0%d" % (n_sent + i))
+            if i == 150:
+                for c in crowd:  # abrupt close with unread data, mid-fanout
+                    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+                    c.close()
+        n_sent += 300
+    got = recv_all(steady, n_sent)
+    assert got == [b"MSG storm\0%d" % i for i in range(n_sent)]
+    assert broker.proc.poll() is None
+
+
+# -- lifecycle -------------------------------------------------------------------------
+
+
+def test_stale_socket_replaced_live_broker_kept(short_tmp):
+    path = str(short_tmp / "s.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(path)
+    stale.close()  # the file stays, nobody listens
+    first = BrokerProcess(path).start()
+    try:
+        second = subprocess.run([*SBUS, "serve", "--address", path], capture_output=True,
+                                text=True, timeout=10)
+        assert second.returncode == 1
+        assert f"a broker is already listening on {path}" in second.stderr
+        assert "Traceback" not in second.stderr
+        c = raw(path)
+        sync(c)  # the first one still serves
+    finally:
+        first.proc.send_signal(signal.SIGINT)
+        assert first.proc.wait(10) == 0
+    assert not os.path.exists(path)  # removed the socket file it created
+
+
+def test_sigterm_clean_exit(broker):
+    c = raw(broker.address)
+    sync(c)
+    broker.proc.terminate()
+    assert broker.proc.wait(10) == 0
+    assert not os.path.exists(broker.address)
+    c.settimeout(2)
+    assert c.recv(10) == b""
+
+
+def test_not_a_socket_left_alone(short_tmp):
+    path = short_tmp / "file"
+    path.write_text("precious")
+    r = subprocess.run([*SBUS, "serve", "--address", str(path)], capture_output=True, text=True,
+                       timeout=10)
+    assert r.returncode == 1 and "is not a socket" in r.stderr
+    assert path.read_text() == "precious"
