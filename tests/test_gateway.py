@@ -428,3 +428,27 @@ def test_a_slow_reader_loses_only_its_own_messages(tight, local):
     assert frames[-1] == codec.KeepAlive()  # the last keep-alive's echo came last
     slow.close()
     tight.wait_log("messages were discarded for it (buffer full)")
+
+
+# -- bad command lines: one clear line, exit 1, nothing started ---------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--listen", "127.0.0.1"], "expected HOST:PORT, got '127.0.0.1'"),
+    (["--listen", "127.0.0.1:0", "--address", "/nonexistent/bus.sock"],
+     "cannot connect to the sbus broker at /nonexistent/bus.sock"),
+    (["--listen", "127.0.0.1:0", "--tls-cert", "/etc/hostname"],
+     "--tls-cert and --tls-key go together"),
+    (["--listen", "127.0.0.1:0", "--https-listen", "127.0.0.1:0"],
+     "--https-listen needs --tls-cert and --tls-key"),
+    (["--listen", "127.0.0.1:0", "--buffer-messages", "0"], "--buffer-messages must be positive"),
+    (["--listen", "127.0.0.1:0", "--auth-key-file", "/dev/null"], "is empty"),
+])
+def test_bad_command_lines_fail_with_one_line(gwdir, bus, args, message):
+    keyfile = gwdir / "cli.key"
+    keyfile.write_bytes(SECRET)
+    keyfile.chmod(0o600)
+    cmd = [*SBUS, "gateway", "--auth-key-file", str(keyfile), "--address", bus.address, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
