@@ -38,8 +38,14 @@ def container() -> Iterator[Container]:
     base = Path(tempfile.mkdtemp(prefix="sbus-ct-", dir="/tmp"))
     wheels = base / "wheels"
     t = time.monotonic()
+    # Build from a copy: an in-tree build would reuse (and package) stale files in build/.
+    src = base / "src"
+    shutil.copytree(REPO / "sbus", src / "sbus",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(wheels),
-                    str(REPO)], check=True, capture_output=True, timeout=600)
+                    str(src)], check=True, capture_output=True, timeout=600)
     timings["wheels"] = time.monotonic() - t
     t = time.monotonic()
     c = Container(ROOTFS, f"sbus-test-{os.getpid()}", {str(wheels): "/mnt/sbus-wheels"},
