@@ -1,9 +1,12 @@
 """The system units in a booted Debian container, installed and started as users do.
 
-sbus is installed inside from wheels built on the host (``pip wheel`` of this
-tree and its dependencies), bind-mounted read-only, with
-``pip install --no-index``: a real installation with the container's own Python,
-no network needed, nothing borrowed from the host's virtualenv.
+sbus is installed inside into a virtualenv of the container's own Python, with
+``pip install --no-index`` from wheels built on the host (``pip wheel`` of this tree
+and its dependencies, bind-mounted read-only): no network needed, nothing borrowed
+from the host's virtualenv.  The two compiled dependencies come from Debian
+(python3-systemd, python3-msgpack in the rootfs, seen through
+``--system-site-packages``), so the host's Python version does not matter: the
+host only has to provide pure-Python wheels.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def container() -> Iterator[Container]:
     timings["boot"] = time.monotonic() - t
     try:
         t = time.monotonic()
-        c.run("python3", "-m", "venv", VENV)
+        c.run("python3", "-m", "venv", "--system-site-packages", VENV)
         c.run(f"{VENV}/bin/pip", "install", "--quiet", "--no-index",
               "--find-links", "/mnt/sbus-wheels", "sbus")
         timings["install"] = time.monotonic() - t
