@@ -115,7 +115,7 @@ def test_notify_ready_status_watchdog_and_stopping(short_tmp: Path) -> None:
                 msg = notify.recv(4096).decode().split("\n")
                 if "WATCHDOG=1" in msg:
                     pings.append(msg)
-            assert time.monotonic() - start < 1.5
+            assert time.monotonic() - start < 3  # 1.2 s expected; slack for loaded CI
             assert pings[-1][0].startswith("STATUS=1 clients, 1 subscriptions, 1 published")
         proc.send_signal(signal.SIGTERM)
         while "STOPPING=1" not in notify.recv(4096).decode().split("\n"):
