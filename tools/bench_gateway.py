@@ -246,6 +246,62 @@ async def idle(stack: Stack, connections: int) -> dict:
             "per_conn_kib": (rss - base_rss) / len(streams)}
 
 
+def design(stack: Stack, connections: int, messages: int) -> dict:
+    """What the rejected design (one bus connection per remote client) would cost the
+    broker: memory per local connection, and broker CPU per message when a message
+    goes to 100 subscriber connections instead of the gateway's one."""
+    broker = stack.broker.pid
+    base, _ = rss_kib(broker)
+    held = []
+    for i in range(connections):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(stack.bus)
+        s.send(b"SUB remote/%d" % (i % 100))
+        held.append(s)
+    held[-1].send(b"CMSG !/cred/whoami")
+    held[-1].recv(4096)  # the broker has caught up
+    time.sleep(0.5)
+    rss, _ = rss_kib(broker)
+    for s in held:
+        s.close()
+    result = {"per_conn_kib": (rss - base) / connections, "held": connections}
+    payload = b"x" * 100
+    for fanout_to in (1, 100):
+        subs = []
+        for _ in range(fanout_to):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(stack.bus)
+            s.send(b"SUB design/t")
+            subs.append(s)
+        pub = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pub.connect(stack.bus)
+        for s in subs:  # subscriptions in place
+            s.send(b"CMSG !/cred/whoami")
+            s.recv(4096)
+        ep = select.epoll()
+        for s in subs:
+            s.setblocking(False)
+            ep.register(s.fileno(), select.EPOLLIN)
+        got = 0
+        cpu0 = cpu_seconds(broker)
+        sent = 0
+        while got < messages * fanout_to:
+            if sent < messages and sent * fanout_to - got < 50 * fanout_to:
+                pub.send(b"MSG design/t\0" + payload)
+                sent += 1
+            for fd, _ in ep.poll(0 if sent < messages else 1):
+                while True:
+                    try:
+                        os.read(fd, 4096)
+                        got += 1
+                    except BlockingIOError:
+                        break
+        result[f"us_per_msg_{fanout_to}"] = 1e6 * (cpu_seconds(broker) - cpu0) / messages
+        for s in [pub, *subs]:
+            s.close()
+    return result
+
+
 def raise_nofile(need: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < need + 100:
@@ -263,7 +319,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=50)
     p.add_argument("--connections", type=int, default=10000)
     p.add_argument("--tls", action="store_true")
-    p.add_argument("--only", choices=["fanout", "idle"])
+    p.add_argument("--only", choices=["fanout", "idle", "design"])
     args = p.parse_args()
     raise_nofile(args.connections)
     kind = "TLS" if args.tls else "TCP"
@@ -298,6 +354,19 @@ def main() -> None:
         print(f"| {r['connections']:,} | {r['connect_s']:.1f} s | {r['base_mib']:.0f} MiB "
               f"| {r['rss_mib']:.0f} MiB | {r['hwm_mib']:.0f} MiB "
               f"| {r['per_conn_kib']:.1f} KiB |")
+    if args.only in (None, "design"):
+        stack = Stack(False, [])
+        try:
+            r = design(stack, min(args.connections, 4000), 20000)
+        finally:
+            stack.close()
+        print("\nThe rejected design, one bus connection per remote client, seen from the "
+              "broker\n")
+        print("| broker memory per local connection | broker CPU per message: to 1 connection "
+              "| to 100 connections |")
+        print("|---:|---:|---:|")
+        print(f"| {r['per_conn_kib']:.1f} KiB ({r['held']:,} held) | {r['us_per_msg_1']:.1f} µs "
+              f"| {r['us_per_msg_100']:.1f} µs |")
     print(f"\n(load average at the end: {os.getloadavg()[0]:.1f})")
 
 
