@@ -29,7 +29,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LG_SOURCE = Path("/work/shared/bench/lg.c")
 PY = sys.executable
-TMUX = ["tmux", "-L", f"bench-top-{os.getpid()}"]  # a private tmux server
 
 
 def build_lg(source: Path, out: Path) -> Path:
@@ -92,36 +91,37 @@ def run_top(lg: Path, address: str, count: int, seconds: float) -> dict:
             "counted": snap["total"], "dropped": snap["dropped_by_broker"]}
 
 
-def _pane(session: str) -> str:
-    return subprocess.run([*TMUX, "capture-pane", "-t", session, "-p"], check=True,
+def _pane(tmux: list[str], session: str) -> str:
+    return subprocess.run([*tmux, "capture-pane", "-t", session, "-p"], check=True,
                           capture_output=True, text=True).stdout
 
 
 def run_top_live(lg: Path, address: str, count: int, env: dict) -> dict:
     """The interactive screen (redrawing 4×/s in a 100×30 tmux pane) as the reader; the
     count is read off the screen's ``total N msgs`` once it stops moving."""
-    session = f"bench-top-{os.getpid()}"
+    session = f"bench-top-{os.getpid()}-{time.monotonic_ns()}"
+    tmux = ["tmux", "-L", session]  # a private tmux server per run
     cmd = f"{PY} -m sbus.top --address {address}"
-    subprocess.run([*TMUX, "-f", "/dev/null", "new-session", "-d", "-s", session,
+    subprocess.run([*tmux, "-f", "/dev/null", "new-session", "-d", "-s", session,
                     "-x", "100", "-y", "30", cmd], check=True, env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 10
-        while "● connected" not in _pane(session):
+        while "● connected" not in _pane(tmux, session):
             if time.monotonic() > deadline:
-                raise SystemExit(f"sbus-top did not connect:\n{_pane(session)}")
+                raise SystemExit(f"sbus-top did not connect:\n{_pane(tmux, session)}")
             time.sleep(0.1)
         pub = publish(lg, address, count)
         last, stable_since = -1, time.monotonic()
         while time.monotonic() - stable_since < 1.5:
             time.sleep(0.25)
-            m = re.search(r"total\s+([\d,]+) msgs", _pane(session))
+            m = re.search(r"total\s+([\d,]+) msgs", _pane(tmux, session))
             total = int(m.group(1).replace(",", "")) if m else -1
             if total != last:
                 last, stable_since = total, time.monotonic()
-        m = re.search(r"dropped by broker ([\d,]+)", _pane(session))
+        m = re.search(r"dropped by broker ([\d,]+)", _pane(tmux, session))
         dropped = int(m.group(1).replace(",", "")) if m else 0
     finally:
-        subprocess.run([*TMUX, "kill-server"], capture_output=True)
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
     return {"reader": "sbus-top live screen", "sent": pub["sent"], "pub_s": pub["dur_s"],
             "counted": last, "dropped": dropped}
 
