@@ -287,6 +287,32 @@ def test_long_message_continues_in_the_next_read(mnt, bus):
         os.close(fd)
 
 
+def test_slow_reader_is_held_back_by_the_broker_flood_policy(mnt, bus):
+    """A reader that does not read: the mount buffers 4 MiB, then stops reading, the
+    broker queues its 4 MiB and then discards (the default policy) and says so; what
+    the reader gets is in order, without duplicates, starting at the first message."""
+    fd = os.open(touch(mnt, "slow"), os.O_RDONLY)
+    try:
+        n = 20_000  # 14 MB: more than the mount (4 MiB) and the broker (4 MiB) keep
+        s = raw(bus.address)
+        for i in range(n):
+            s.send(b"MSG slow\0%06d" % i + b"." * 693)
+        sync(s)
+        got = b""
+        while select.select([fd], [], [], 1.0)[0]:
+            got += os.read(fd, 1 << 17)
+        numbers = [int(x[:6]) for x in got.split()]
+        assert numbers[0] == 0
+        assert all(a < b for a, b in zip(numbers, numbers[1:], strict=False))
+        assert 4 * 1024 * 1024 // 700 < len(numbers) < n  # buffered a lot, dropped some
+        deadline = time.monotonic() + 5
+        while "dropped" not in mnt.log():
+            assert time.monotonic() < deadline, "the broker's drop report was not logged"
+            time.sleep(0.05)
+    finally:
+        os.close(fd)
+
+
 def test_poll_and_select(mnt, bus):
     fd = os.open(touch(mnt, "big"), os.O_RDONLY)
     try:
