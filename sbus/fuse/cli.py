@@ -15,7 +15,7 @@ import sys
 
 import trio
 
-from ..client import ConnectError, SbusError, default_address
+from ..client import SbusError, default_address
 from .framing import FORMATS
 
 log = logging.getLogger("sbus.fuse")
@@ -61,6 +61,7 @@ def _daemonize() -> None:
     os.setsid()
     if os.fork():
         os._exit(0)
+    os.chdir("/")  # do not keep the caller's directory busy
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
@@ -123,11 +124,8 @@ def run(args: argparse.Namespace) -> int:
                 raise SbusError(f"{mountpoint} is already an sbus mount")
     if args.remember < 1:
         raise SbusError("--remember must be at least 1")
-    address = args.address or default_address()
-    try:
-        Client(address, timeout=5).close()  # a clear error before anything is mounted
-    except ConnectError:
-        raise
+    address = os.path.abspath(args.address or default_address())
+    Client(address, timeout=5).close()  # a clear error before anything is mounted
     fs = BusFS(address, fmt=args.format, remember=args.remember,
                max_message=args.max_message, reconnect_timeout=args.reconnect_timeout)
     options = set(pyfuse3.default_options) | {"fsname=sbus", "subtype=sbus"}
