@@ -476,7 +476,8 @@ def test_broker_restart_under_a_reader(space):
     proc = None
     try:
         proc = cat(touch(m, "s/k"))
-        publish(b.address, (b"s/k", b"before"))
+        with open(m / "s/k", "wb") as f:  # the mount's publisher connects
+            f.write(b"before")
         assert read_lines(proc, 1) == [b"before\n"]
         b.stop()
         b.start()
