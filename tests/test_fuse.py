@@ -514,6 +514,15 @@ def test_broker_gone_for_good_gives_readers_an_error(space):
         out, err = proc.communicate(timeout=10)
         assert proc.returncode == 1 and b"Input/output error" in err
         assert "get EIO" in m.log()
+        with pytest.raises(OSError) as info:  # new readers and writers: EIO, too
+            open(m / "**", "rb")
+        assert info.value.errno == errno.EIO
+        os.mkdir(m / "w")
+        t = time.monotonic()
+        with pytest.raises(OSError) as info, open(m / "w/k", "wb", buffering=0) as f:
+            f.write(b"nobody to take it")
+        assert info.value.errno == errno.EIO and time.monotonic() - t < 5
+        assert m.proc.poll() is None and mounted(m.path)  # the mount itself lives on
     finally:
         m.stop()
 

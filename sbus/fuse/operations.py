@@ -103,9 +103,13 @@ async def _send(sock: socket.socket, packet: bytes) -> None:
 
 
 async def guarded(pid: int, fn: Callable[[], Awaitable[T]], tgid: int | None = None) -> T:
-    """Run *fn*, answering EINTR if the calling process gets a signal meanwhile."""
+    """Run *fn*, answering EINTR if the calling process gets a signal meanwhile.
+
+    *fn*'s `FUSEError` is re-raised as it is (not inside an exception group), since
+    pyfuse3 turns only a bare `FUSEError` into an answer for the kernel."""
     hit = False
-    result: T
+    error: FUSEError | None = None
+    result: T | None = None
     async with trio.open_nursery() as nursery:
         async def watch() -> None:
             nonlocal hit
@@ -117,11 +121,17 @@ async def guarded(pid: int, fn: Callable[[], Awaitable[T]], tgid: int | None = N
                     return
 
         nursery.start_soon(watch)
-        result = await fn()
-        nursery.cancel_scope.cancel()
+        try:
+            result = await fn()
+        except FUSEError as exc:
+            error = exc
+        finally:
+            nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
     if hit:
         raise FUSEError(errno.EINTR)
-    return result
+    return result  # type: ignore[return-value]
 
 
 class Reader:
@@ -550,6 +560,9 @@ class BusFS(pyfuse3.Operations):
             sock.close()
             log.error("cannot subscribe to %r at %s: %s", r.pattern, self.address, exc)
             raise FUSEError(errno.EIO) from None
+        except BaseException:  # cancelled: the caller was interrupted
+            sock.close()
+            raise
         r.sock = sock
         self._readers.add(r)
         assert self.nursery is not None
