@@ -70,7 +70,7 @@ def run_reference(lg: Path, address: str, count: int) -> dict:
     res = json.loads(sub.stdout.readline())
     sub.wait(timeout=30)
     return {"reader": "lg sub (C)", "sent": pub["sent"], "pub_s": pub["dur_s"],
-            "counted": res["recv"], "dropped": None}
+            "counted": res["recv"], "dropped": None, "cpu_us": None}
 
 
 def run_top(lg: Path, address: str, count: int, seconds: float) -> dict:
@@ -83,12 +83,18 @@ def run_top(lg: Path, address: str, count: int, seconds: float) -> dict:
     if "counting" not in line:
         raise SystemExit(f"sbus-top did not start: {line}{top.stderr.read()}")
     pub = publish(lg, address, count)
-    out, err = top.communicate(timeout=seconds + 30)
+    assert top.stdout is not None
+    out = top.stdout.read()
+    err = top.stderr.read()
+    _, status, usage = os.wait4(top.pid, 0)  # its CPU time, which Popen does not give
+    top.returncode = os.waitstatus_to_exitcode(status)
     if top.returncode:
         raise SystemExit(f"sbus-top failed: {err}")
     snap = json.loads(out)
+    cpu = usage.ru_utime + usage.ru_stime
     return {"reader": "sbus-top --json", "sent": pub["sent"], "pub_s": pub["dur_s"],
-            "counted": snap["total"], "dropped": snap["dropped_by_broker"]}
+            "counted": snap["total"], "dropped": snap["dropped_by_broker"],
+            "cpu_us": cpu / max(snap["total"], 1) * 1e6}
 
 
 def _pane(tmux: list[str], session: str) -> str:
@@ -123,7 +129,7 @@ def run_top_live(lg: Path, address: str, count: int, env: dict) -> dict:
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
     return {"reader": "sbus-top live screen", "sent": pub["sent"], "pub_s": pub["dur_s"],
-            "counted": last, "dropped": dropped}
+            "counted": last, "dropped": dropped, "cpu_us": None}
 
 
 def aggregation_cost(n: int = 1_000_000) -> tuple[float, float]:
@@ -153,6 +159,7 @@ def main() -> int:
                     help="longest sbus-top counts (default 300; it stops once idle 3 s)")
     args = ap.parse_args()
 
+    load0 = f"{os.getloadavg()[0]:.1f}"
     tmp = Path(tempfile.mkdtemp(prefix="sbtop-", dir="/tmp"))
     lg = build_lg(args.lg, tmp / "lg")
     address = str(tmp / "bus.sock")
@@ -178,13 +185,17 @@ def main() -> int:
     print(f"S1: 1 publisher (lg pub, 64-byte payloads, full speed) -> broker -> 1 reader; "
           f"{args.count:,} messages per run")
     print()
-    print("| reader | sent | publisher msg/s | counted | counted % | dropped by broker |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"load average before: {load0}, after: {os.getloadavg()[0]:.1f} (2 CPUs)")
+    print()
+    print("| reader | sent | publisher msg/s | counted | counted % | dropped by broker "
+          "| reader CPU µs/msg |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         pct = 100 * r["counted"] / r["sent"]
         dropped = "n/a" if r["dropped"] is None else f"{r['dropped']:,}"
+        cpu = "n/a" if r["cpu_us"] is None else f"{r['cpu_us']:.2f}"
         print(f"| {r['reader']} | {r['sent']:,} | {r['sent'] / r['pub_s']:,.0f} | "
-              f"{r['counted']:,} | {pct:.2f} % | {dropped} |")
+              f"{r['counted']:,} | {pct:.2f} % | {dropped} | {cpu} |")
     one, many = aggregation_cost()
     print()
     print(f"aggregation alone (TrafficModel.feed_packets, 64-byte payloads): "
