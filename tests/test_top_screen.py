@@ -76,7 +76,9 @@ def watched(tmp_path_factory) -> tuple[TrafficModel, dict[bytes, int], str]:
             await nursery.start(reader.run)
             nursery.start_soon(tick_forever, model)
             sent = await publish_paced(broker.address, PLAN, 2.6)
-            await trio.sleep(0.05)
+            with trio.fail_after(5):  # the last ones may still be on their way
+                while model.total < sum(sent.values()):
+                    await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
         return model, sent
 
