@@ -21,6 +21,7 @@ restarts); readers then simply go on.  After that, readers get EIO and a log lin
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import select
@@ -132,6 +133,25 @@ async def guarded(pid: int, fn: Callable[[], Awaitable[T]], tgid: int | None = N
     if hit:
         raise FUSEError(errno.EINTR)
     return result  # type: ignore[return-value]
+
+
+def answering(op: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """A bug in one request answers EIO (and is logged) instead of ending pyfuse3's
+    main loop, which would leave the mount dead ("Transport endpoint is not
+    connected") for every other user."""
+    @functools.wraps(op)
+    async def answer(self, *args):
+        try:
+            return await op(self, *args)
+        except FUSEError:
+            raise
+        except Exception:
+            log.exception("%s failed; answering EIO", op.__name__)
+            if op.__name__ == "forget":
+                return None  # must not raise at all
+            raise FUSEError(errno.EIO) from None
+
+    return answer
 
 
 class Reader:
@@ -378,6 +398,7 @@ class BusFS(pyfuse3.Operations):
         except Refused as exc:
             raise FUSEError(exc.errno) from None
 
+    @answering
     async def lookup(self, parent_inode, name, ctx):
         parent, kind = self._node(parent_inode)
         if kind is not Kind.DIR:
@@ -391,6 +412,7 @@ class BusFS(pyfuse3.Operations):
         self._lookups[ino] += 1
         return self._attrs(ino)
 
+    @answering
     async def forget(self, inode_list):
         for ino, n in inode_list:
             self._lookups[ino] -= n
@@ -405,16 +427,19 @@ class BusFS(pyfuse3.Operations):
         if node is not None:
             del self._ino_of[node]
 
+    @answering
     async def getattr(self, inode, ctx):
         self._node(inode)
         return self._attrs(inode)
 
+    @answering
     async def setattr(self, inode, attr, fields, fh, ctx):
         # truncation (O_TRUNC, '>') and times are accepted and change nothing: a key
         # holds no data, it only passes messages on
         self._node(inode)
         return self._attrs(inode)
 
+    @answering
     async def statfs(self, ctx):
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = 4096
@@ -423,6 +448,7 @@ class BusFS(pyfuse3.Operations):
 
     # -- directories ---------------------------------------------------------------
 
+    @answering
     async def opendir(self, inode, ctx):
         path, kind = self._node(inode)
         if kind is not Kind.DIR:
@@ -437,6 +463,7 @@ class BusFS(pyfuse3.Operations):
         self._dirs[fh] = (path, entries)
         return fh
 
+    @answering
     async def readdir(self, fh, start_id, token):
         path, entries = self._dirs.get(fh, ((), []))
         for i in range(start_id, len(entries)):
@@ -446,9 +473,11 @@ class BusFS(pyfuse3.Operations):
                 return
             self._lookups[ino] += 1
 
+    @answering
     async def releasedir(self, fh):
         self._dirs.pop(fh, None)
 
+    @answering
     async def mkdir(self, parent_inode, name, mode, ctx):
         parent, kind = self._node(parent_inode)
         if kind is not Kind.DIR:
@@ -468,11 +497,13 @@ class BusFS(pyfuse3.Operations):
         self._lookups[ino] += 1
         return self._attrs(ino)
 
+    @answering
     async def rmdir(self, parent_inode, name, ctx):
         parent, _ = self._node(parent_inode)
         if not self.tree.rmdir(parent + (name,)):
             raise FUSEError(errno.ENOENT)
 
+    @answering
     async def unlink(self, parent_inode, name, ctx):
         """Forget a remembered key (it comes back if it is published again)."""
         parent, _ = self._node(parent_inode)
@@ -484,6 +515,7 @@ class BusFS(pyfuse3.Operations):
 
     # -- files ---------------------------------------------------------------------
 
+    @answering
     async def create(self, parent_inode, name, mode, flags, ctx):
         parent, kind = self._node(parent_inode)
         if kind is not Kind.DIR:
@@ -503,6 +535,7 @@ class BusFS(pyfuse3.Operations):
         self._lookups[ino] += 1
         return info, self._attrs(ino)
 
+    @answering
     async def open(self, inode, flags, ctx):
         return await self._open(inode, flags, ctx)
 
@@ -649,6 +682,7 @@ class BusFS(pyfuse3.Operations):
             log.warning("reader of %r re-subscribed", r.pattern)
         r.wake()
 
+    @answering
     async def read(self, fh, off, size):
         h = self._handles.get(fh)
         if h is None or h.reader is None:
@@ -672,6 +706,7 @@ class BusFS(pyfuse3.Operations):
             with trio.move_on_after(SIGNAL_POLL):
                 await r.lot.park()
 
+    @answering
     async def poll(self, inode, fh, poll_handle, ctx):
         h = self._handles.get(fh)
         if h is None:
@@ -685,6 +720,7 @@ class BusFS(pyfuse3.Operations):
                 r.poll_handle = poll_handle
         return mask
 
+    @answering
     async def write(self, fh, off, buf):
         h = self._handles.get(fh)
         if h is None or not h.writable:
@@ -737,6 +773,7 @@ class BusFS(pyfuse3.Operations):
         # two of five requests per 'echo >' (bash closes the file twice).
         raise FUSEError(errno.ENOSYS)
 
+    @answering
     async def release(self, fh):
         h = self._handles.pop(fh, None)
         if h is None:
