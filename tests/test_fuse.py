@@ -527,6 +527,30 @@ def test_broker_gone_for_good_gives_readers_an_error(space):
         m.stop()
 
 
+def test_ctrl_c_while_open_waits_for_a_silent_broker(space):
+    """open() waits for the broker to confirm the subscription; a signal ends that wait
+    too.  The broker is replaced by a listening socket that never accepts."""
+    b = BrokerProcess(os.path.join(space, "silent.sock")).start()
+    m = Mount(b.address, os.path.join(space, "silent")).start()
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        b.stop()
+        if os.path.exists(b.address):
+            os.unlink(b.address)
+        silent.bind(b.address)
+        silent.listen(64)
+        proc = subprocess.Popen(["cat", m / "**"], stderr=subprocess.PIPE)
+        time.sleep(0.5)
+        assert proc.poll() is None  # still inside open()
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(5)
+        assert time.monotonic() - t < 0.5 and proc.returncode == -signal.SIGINT
+    finally:
+        silent.close()
+        m.stop()
+
+
 def test_sigterm_and_fusermount_unmount_cleanly(bus, space):
     for how in ("SIGTERM", "fusermount"):
         m = Mount(bus.address, os.path.join(space, "life"))
