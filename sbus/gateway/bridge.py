@@ -23,6 +23,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Hashable
 
+import anyio
 import trio
 from trio.lowlevel import wait_writable
 
@@ -36,6 +37,11 @@ __all__ = ["Bridge"]
 
 #: Reconnect backoff to the local broker (seconds): it is local, so retry briskly.
 BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX = 0.1, 5.0
+#: Seconds a SUB/UNSUB may wait for a busy broker before the connection is reset.
+CONTROL_TIMEOUT = 10.0
+#: Messages taken from the bus before the clients' writers get a turn: well under
+#: the default per-client buffer, so a burst does not overflow a client that keeps up.
+FORWARD_BATCH = 32
 
 
 class Bridge:
@@ -68,7 +74,7 @@ class Bridge:
         self.index.subscribe(client, pattern)
         self.patterns[pattern] += 1
         if self.patterns[pattern] == 1:
-            await self._send(protocol.encode(protocol.Subscribe(pattern)))
+            await self._control(protocol.encode(protocol.Subscribe(pattern)))
 
     async def unsubscribe(self, client: Hashable, pattern: bytes) -> bool:
         if not self.index.unsubscribe(client, pattern):
@@ -87,7 +93,23 @@ class Bridge:
         self.patterns[pattern] -= 1
         if self.patterns[pattern] <= 0:
             del self.patterns[pattern]
-            await self._send(protocol.encode(protocol.Unsubscribe(pattern)))
+            await self._control(protocol.encode(protocol.Unsubscribe(pattern)))
+
+    async def _control(self, packet: bytes) -> None:
+        """Send a SUB or UNSUB.  `patterns` is the truth: if the packet cannot be sent
+        (cancelled while the broker was busy, or stuck for CONTROL_TIMEOUT), the bus
+        connection is reset and `run` subscribes the current patterns afresh, so the
+        broker's view of them never drifts from ours."""
+        bus = self._bus
+        if bus is None:
+            return  # `run` subscribes the current patterns when it reconnects
+        sent = False
+        try:
+            with trio.move_on_after(CONTROL_TIMEOUT):
+                sent = await self._send(packet)
+        finally:
+            if not sent and self._bus is bus:
+                self._reset(bus, "a subscription change could not be sent; resubscribing")
 
     # -- publishing ---------------------------------------------------------------
 
@@ -100,7 +122,8 @@ class Bridge:
         return False
 
     async def _send(self, packet: bytes) -> bool:
-        """Send one packet in call order; waits (backpressure) while the broker is busy."""
+        """Send one packet in call order; waits (backpressure) while the broker is busy.
+        False if the bus is gone (or refused the packet as too large)."""
         bus = self._bus
         if bus is None:
             return False
@@ -111,7 +134,7 @@ class Bridge:
             except BlockingIOError:
                 pass
             except OSError as exc:
-                self._lost_bus(bus, exc)
+                self._send_failed(bus, exc)
                 return False
         self._queued += 1
         try:
@@ -121,21 +144,30 @@ class Bridge:
                         bus.sock.send(packet)
                         return True
                     except BlockingIOError:
-                        await wait_writable(bus.sock)
+                        try:
+                            await wait_writable(bus.sock)
+                        except trio.ClosedResourceError:
+                            return False  # reset meanwhile
                     except OSError as exc:
-                        self._lost_bus(bus, exc)
+                        self._send_failed(bus, exc)
+                        return False
                 return False
         finally:
             self._queued -= 1
 
-    def _lost_bus(self, bus: AsyncClient, exc: OSError) -> None:
+    def _send_failed(self, bus: AsyncClient, exc: OSError) -> None:
+        if exc.errno == errno.EMSGSIZE:
+            log.warning("the broker refused a packet as too large: %s", exc)
+        else:
+            self._reset(bus, f"lost the bus at {bus.address}: {exc}")
+
+    def _reset(self, bus: AsyncClient, why: str) -> None:
+        """Give up on *bus* (from any task): `run` closes it and connects again."""
         if self._bus is bus:
-            if exc.errno == errno.EMSGSIZE:
-                log.warning("the broker refused a packet as too large: %s", exc)
-                return
-            log.warning("lost the bus at %s: %s", bus.address, exc)
+            log.warning("%s", why)
             self._bus = None
             self.connected = trio.Event()
+            trio.lowlevel.notify_closing(bus.sock)  # wakes whoever waits on it
 
     # -- the bus connection --------------------------------------------------------
 
@@ -169,13 +201,14 @@ class Bridge:
                 for pattern in patterns:
                     await self._send(protocol.encode(protocol.Subscribe(pattern)))
                 await self._forward(bus)
-            except SbusError as exc:
+            except (SbusError, trio.ClosedResourceError, anyio.ClosedResourceError) as exc:
                 if self._bus is bus:
                     log.warning("lost the bus: %s", exc)
             finally:
                 if self._bus is bus:
                     self._bus = None
                     self.connected = trio.Event()
+                trio.lowlevel.notify_closing(bus.sock)  # before closing: wakes any waiter
                 with trio.CancelScope(shield=True):
                     await bus.aclose()
 
@@ -184,7 +217,7 @@ class Bridge:
         deliver = self.deliver
         secret = b"!/"
         while self._bus is bus:
-            for event in await bus.receive_batch(256):
+            for event in await bus.receive_batch(FORWARD_BATCH):
                 if type(event) is protocol.Publish:
                     self.received += 1
                     key = event.key
