@@ -47,6 +47,8 @@ from .signals import interrupted, thread_group
 log = logging.getLogger("sbus.fuse")
 
 T = TypeVar("T")
+Ctx = pyfuse3.RequestContext
+Attrs = pyfuse3.EntryAttributes
 
 #: How often a waiting operation looks at its caller's pending signals (seconds).
 SIGNAL_POLL = 0.05
@@ -362,7 +364,7 @@ class BusFS(pyfuse3.Operations):
         except KeyError:
             raise FUSEError(errno.ENOENT) from None
 
-    def _attrs(self, ino: int) -> pyfuse3.EntryAttributes:
+    def _attrs(self, ino: int) -> Attrs:
         path, kind = self._node_of[ino]
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
@@ -388,10 +390,10 @@ class BusFS(pyfuse3.Operations):
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = self.started
         return a
 
-    def _caller_may_read_own(self, ctx: pyfuse3.RequestContext) -> bool:
+    def _caller_may_read_own(self, ctx: Ctx) -> bool:
         return ctx.uid in (self.uid, 0)
 
-    def _decide(self, parent: Path, name: bytes, ctx: pyfuse3.RequestContext) -> Kind:
+    def _decide(self, parent: Path, name: bytes, ctx: Ctx) -> Kind:
         try:
             return mapping.lookup(self.tree, parent, name, self.own,
                                   self._caller_may_read_own(ctx))
@@ -399,7 +401,7 @@ class BusFS(pyfuse3.Operations):
             raise FUSEError(exc.errno) from None
 
     @answering
-    async def lookup(self, parent_inode, name, ctx):
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Ctx) -> Attrs:
         parent, kind = self._node(parent_inode)
         if kind is not Kind.DIR:
             raise FUSEError(errno.ENOTDIR)
@@ -413,7 +415,7 @@ class BusFS(pyfuse3.Operations):
         return self._attrs(ino)
 
     @answering
-    async def forget(self, inode_list):
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for ino, n in inode_list:
             self._lookups[ino] -= n
             if self._lookups[ino] <= 0:
@@ -428,19 +430,20 @@ class BusFS(pyfuse3.Operations):
             del self._ino_of[node]
 
     @answering
-    async def getattr(self, inode, ctx):
+    async def getattr(self, inode: int, ctx: Ctx) -> Attrs:
         self._node(inode)
         return self._attrs(inode)
 
     @answering
-    async def setattr(self, inode, attr, fields, fh, ctx):
+    async def setattr(self, inode: int, attr: Attrs, fields, fh: int | None,
+                      ctx: Ctx) -> Attrs:
         # truncation (O_TRUNC, '>') and times are accepted and change nothing: a key
         # holds no data, it only passes messages on
         self._node(inode)
         return self._attrs(inode)
 
     @answering
-    async def statfs(self, ctx):
+    async def statfs(self, ctx: Ctx) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = 4096
         s.f_namemax = 255
@@ -449,7 +452,7 @@ class BusFS(pyfuse3.Operations):
     # -- directories ---------------------------------------------------------------
 
     @answering
-    async def opendir(self, inode, ctx):
+    async def opendir(self, inode: int, ctx: Ctx) -> int:
         path, kind = self._node(inode)
         if kind is not Kind.DIR:
             raise FUSEError(errno.ENOTDIR)
@@ -464,7 +467,7 @@ class BusFS(pyfuse3.Operations):
         return fh
 
     @answering
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh: int, start_id: int, token) -> None:
         path, entries = self._dirs.get(fh, ((), []))
         for i in range(start_id, len(entries)):
             name, kind = entries[i]
@@ -474,11 +477,11 @@ class BusFS(pyfuse3.Operations):
             self._lookups[ino] += 1
 
     @answering
-    async def releasedir(self, fh):
+    async def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)
 
     @answering
-    async def mkdir(self, parent_inode, name, mode, ctx):
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Ctx) -> Attrs:
         parent, kind = self._node(parent_inode)
         if kind is not Kind.DIR:
             raise FUSEError(errno.ENOTDIR)
@@ -498,13 +501,13 @@ class BusFS(pyfuse3.Operations):
         return self._attrs(ino)
 
     @answering
-    async def rmdir(self, parent_inode, name, ctx):
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: Ctx) -> None:
         parent, _ = self._node(parent_inode)
         if not self.tree.rmdir(parent + (name,)):
             raise FUSEError(errno.ENOENT)
 
     @answering
-    async def unlink(self, parent_inode, name, ctx):
+    async def unlink(self, parent_inode: int, name: bytes, ctx: Ctx) -> None:
         """Forget a remembered key (it comes back if it is published again)."""
         parent, _ = self._node(parent_inode)
         path = parent + (name,)
@@ -516,7 +519,8 @@ class BusFS(pyfuse3.Operations):
     # -- files ---------------------------------------------------------------------
 
     @answering
-    async def create(self, parent_inode, name, mode, flags, ctx):
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: Ctx) -> tuple[pyfuse3.FileInfo, Attrs]:
         parent, kind = self._node(parent_inode)
         if kind is not Kind.DIR:
             raise FUSEError(errno.ENOTDIR)
@@ -536,7 +540,7 @@ class BusFS(pyfuse3.Operations):
         return info, self._attrs(ino)
 
     @answering
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode: int, flags: int, ctx: Ctx) -> pyfuse3.FileInfo:
         return await self._open(inode, flags, ctx)
 
     def _check_key(self, key: bytes) -> None:
@@ -546,7 +550,7 @@ class BusFS(pyfuse3.Operations):
             log.info("refusing to publish on %r: %s", key, exc)
             raise FUSEError(errno.EINVAL) from None
 
-    async def _open(self, ino: int, flags: int, ctx) -> pyfuse3.FileInfo:
+    async def _open(self, ino: int, flags: int, ctx: Ctx) -> pyfuse3.FileInfo:
         path, kind = self._node(ino)
         if kind is not Kind.FILE:
             raise FUSEError(errno.EISDIR)
@@ -683,7 +687,7 @@ class BusFS(pyfuse3.Operations):
         r.wake()
 
     @answering
-    async def read(self, fh, off, size):
+    async def read(self, fh: int, off: int, size: int) -> bytes:
         h = self._handles.get(fh)
         if h is None or h.reader is None:
             raise FUSEError(errno.EBADF)
@@ -707,7 +711,8 @@ class BusFS(pyfuse3.Operations):
                 await r.lot.park()
 
     @answering
-    async def poll(self, inode, fh, poll_handle, ctx):
+    async def poll(self, inode: int, fh: int, poll_handle: pyfuse3.PollHandle | None,
+                   ctx: Ctx) -> int:
         h = self._handles.get(fh)
         if h is None:
             raise FUSEError(errno.EBADF)
@@ -721,7 +726,7 @@ class BusFS(pyfuse3.Operations):
         return mask
 
     @answering
-    async def write(self, fh, off, buf):
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self._handles.get(fh)
         if h is None or not h.writable:
             raise FUSEError(errno.EBADF)
@@ -767,14 +772,14 @@ class BusFS(pyfuse3.Operations):
                     self._publisher = None
             raise FUSEError(errno.EIO)
 
-    async def flush(self, fh):
+    async def flush(self, fh: int) -> None:
         # Nothing is buffered, so there is nothing to flush.  ENOSYS tells the kernel
         # (which then treats close() as successful) to stop sending FLUSH at all:
         # two of five requests per 'echo >' (bash closes the file twice).
         raise FUSEError(errno.ENOSYS)
 
     @answering
-    async def release(self, fh):
+    async def release(self, fh: int) -> None:
         h = self._handles.pop(fh, None)
         if h is None:
             return
