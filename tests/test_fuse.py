@@ -571,6 +571,32 @@ def test_sigterm_and_fusermount_unmount_cleanly(bus, space):
             m.stop()
 
 
+def test_tells_systemd_when_ready_and_stopping(bus, space):
+    """For a Type=notify unit: READY=1 once mounted and serving, STOPPING=1 on SIGTERM."""
+    sock_path = os.path.join(space, "notify.sock")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(sock_path)
+    notify.settimeout(15)
+    path = os.path.join(space, "notified")
+    os.makedirs(path, exist_ok=True)
+    proc = subprocess.Popen([*SBUS, "mount", "--address", bus.address, path],
+                            env={**ENV, "NOTIFY_SOCKET": sock_path}, stderr=subprocess.PIPE)
+    try:
+        ready = notify.recv(4096).decode()
+        assert "READY=1" in ready and mounted(path)
+        os.listdir(path)  # serving
+        proc.terminate()
+        assert "STOPPING=1" in notify.recv(4096).decode()
+        assert proc.wait(10) == 0
+    finally:
+        notify.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if mounted(path):
+            subprocess.run(["fusermount3", "-u", "-z", path], check=False)
+
+
 def test_daemon_mode(bus, space):
     path = os.path.join(space, "daemon")
     os.makedirs(path, exist_ok=True)

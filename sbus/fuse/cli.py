@@ -79,6 +79,17 @@ def _daemonize() -> None:
         root.setLevel(logging.INFO)
 
 
+def _notify(state: str) -> None:
+    """Tell systemd (a ``Type=notify`` unit) how the mount is doing; no-op elsewhere."""
+    if not os.environ.get("NOTIFY_SOCKET"):
+        return
+    try:
+        from systemd import daemon
+    except ImportError:
+        return
+    daemon.notify(state)
+
+
 async def _serve(fs, max_tasks: int) -> None:
     import pyfuse3
 
@@ -90,6 +101,7 @@ async def _serve(fs, max_tasks: int) -> None:
                             f"{exc.strerror or exc}") from None
         nursery.start_soon(_on_signals, fs)
         log.info("bus at %s mounted (pid %d)", fs.address, os.getpid())
+        _notify(f"READY=1\nSTATUS=bus at {fs.address} mounted")
         await pyfuse3.main(min_tasks=2, max_tasks=max_tasks)
         log.info("unmounted")
         nursery.cancel_scope.cancel()
@@ -101,6 +113,7 @@ async def _on_signals(fs) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("%s: unmounting", signal.Signals(signum).name)
+            _notify("STOPPING=1")
             fs.shutdown()
             pyfuse3.terminate()
             return
