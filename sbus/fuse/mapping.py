@@ -202,14 +202,11 @@ class KnownTree:
                 if child is not None:
                     stack.append((child, i + 1))
                 continue
-            exact = node.children.get(seg)  # a mkdir'd wildcard directory
-            if exact is not None:
-                stack.append((exact, i + 1))
             if seg[star:].strip(b"*"):
                 continue  # 'a*b' can never match a key segment
             prefix = seg[:star]
             for name, child in node.children.items():
-                if child is not exact and name.startswith(prefix) and b"*" not in name:
+                if name.startswith(prefix):
                     stack.append((child, i + 1))
 
     def is_dir(self, path: Path) -> bool:
