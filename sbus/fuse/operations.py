@@ -161,7 +161,6 @@ class Reader:
 
     def __init__(self, pattern: bytes, fmt: str) -> None:
         self.pattern = pattern
-        self.fmt = fmt
         self.out = Outbox(one_per_read=fmt == "raw")
         self.sock: socket.socket | None = None
         self.lot = ParkingLot()  # read() calls waiting for data
@@ -169,7 +168,6 @@ class Reader:
         self.poll_handle: pyfuse3.PollHandle | None = None
         self.failed = False
         self.scope = trio.CancelScope()
-        self.dropped = 0
 
     def wake(self) -> None:
         self.lot.unpark_all()
