@@ -110,6 +110,11 @@ def this_installation(exec_path: str | None = None) -> Installation:
 
 # -- rendering (pure) ----------------------------------------------------------------------
 
+def _escaped(command: str) -> str:
+    """*command* with systemd's specifier character ``%`` escaped."""
+    return command.replace("%", "%%")
+
+
 def _socket_unit(user: bool) -> str:
     where = USER_SOCKET if user else SYSTEM_SOCKET
     mode = ("# Only this user may connect to a per-user bus.\nSocketMode=0600\n" if user else
@@ -180,7 +185,7 @@ def _service_unit(inst: Installation, user: bool) -> str:
         "# listening socket from LISTEN_FDS, reports READY=1 and a live STATUS=.\n"
         "Type=notify\n"
         "NotifyAccess=main\n"
-        f"ExecStart={inst.exec_start} serve\n"
+        f"ExecStart={_escaped(inst.exec_start)} serve\n"
         "Restart=on-failure\n"
         "WatchdogSec=30s\n"
         "# Every client is a file descriptor.\n"
@@ -202,7 +207,7 @@ def _mount_unit(inst: Installation, user: bool) -> str:
         "[Service]\n"
         f"{env}"
         f"ExecStartPre=mkdir -p {where}\n"
-        f"ExecStart={inst.exec_start} mount {where}\n"
+        f"ExecStart={_escaped(inst.exec_start)} mount {where}\n"
         "# A mount left behind by a crashed daemon would block the next start.\n"
         f"ExecStopPost=-fusermount3 -u -z {where}\n"
         "Restart=on-failure\n"

@@ -76,6 +76,9 @@ def test_unit_contents() -> None:
     assert "ExecStart=/opt/sbus/bin/sbus mount /mnt/sbus\n" in system["sbus-mount.service"]
     assert "After=sbus.socket\n" in system["sbus-mount.service"]
     assert "Environment=SBUS_ADDRESS=%t/sbus.socket\n" in user["sbus-mount.service"]
+    # '%' in a path is not taken for a systemd specifier
+    odd = units.render(Installation("/opt/50%/bin/sbus", True, False), user=False)
+    assert "\nExecStart=/opt/50%%/bin/sbus serve\n" in odd["sbus.service"]
 
 
 def test_installation_not_readable_by_others_runs_as_root(short_tmp: Path) -> None:
