@@ -25,7 +25,7 @@ import trio
 from trio.lowlevel import ParkingLot, wait_readable, wait_writable
 
 from . import protocol
-from .flood import OutQueue, Verdict, parse_control
+from .flood import Hard, Order, OutQueue, Soft, Verdict, parse_control
 from .keys import Credentials, KeyRefused, KeyRules
 from .limits import Limits, UserAccounts
 from .routing import RoutingIndex
@@ -88,8 +88,10 @@ class Broker:
         max_message: int = 256 * 1024,
         queue_limit: int = 4 * 1024 * 1024,
         limits: Limits | None = None,
+        defaults: tuple[Soft, Hard, Order] = (Soft.QUEUE, Hard.DISCARD, Order.QUEUE),
     ) -> None:
         self.sep = sep
+        self.defaults = defaults
         self.rules = KeyRules(sep)
         self.index: RoutingIndex[Connection] = RoutingIndex(sep)
         self._whoami = protocol.WHOAMI.replace(b"/", sep)  # either spelling is answered
@@ -144,6 +146,8 @@ class Broker:
             sock.close()
             return None
         conn = Connection(next(self._ids), sock, cred, self.queue_limit)
+        for setting in self.defaults:
+            conn.out.apply(setting)
         refusal = self.accounts.connect(conn)
         if refusal:
             log.warning("refusing %r: %s", conn, refusal)

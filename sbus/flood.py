@@ -11,7 +11,7 @@ soft block     keep it, and pause each publisher that sends to this client
                until the client's queue is empty again
 soft error     the client is misbehaving: disconnect it
 hard discard   (default) with soft queue, a queue at its byte limit drops new packets
-hard block     with soft queue, a full queue pauses publishers until it has room
+hard block     with soft queue, a full queue pauses publishers until it is half empty
 hard error     with soft queue, a full queue disconnects the client
 order queue    (default) waiting packets leave oldest first
 order stack    newest first
@@ -148,10 +148,15 @@ class OutQueue:
         self._push(packet)
 
     def publisher_may_continue(self) -> bool:
-        """Whether a publisher paused by this queue may go on."""
+        """Whether a publisher paused by this queue may go on.
+
+        A full queue (hard block) lets publishers go on only once it is back to half
+        its limit: resuming at the first free byte would pause them again at once and
+        turn every message into a task switch.
+        """
         if self.soft is Soft.BLOCK:
             return not self.items
-        return self.nbytes < self.limit or self.hard is not Hard.BLOCK
+        return self.hard is not Hard.BLOCK or self.nbytes <= self.limit // 2
 
     def peek(self) -> bytes:
         """The packet to send next."""

@@ -115,6 +115,7 @@ async def run(
     max_message: int = 256 * 1024,
     queue_limit: int = 4 * 1024 * 1024,
     limits: Limits | None = None,
+    defaults: tuple | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until SIGTERM/SIGINT; remove the socket file if we created it."""
@@ -127,7 +128,8 @@ async def run(
         where = address
     else:
         where = "the socket from systemd"
-    broker = Broker(sep=sep, max_message=max_message, queue_limit=queue_limit, limits=limits)
+    broker = Broker(sep=sep, max_message=max_message, queue_limit=queue_limit, limits=limits,
+                    **({"defaults": defaults} if defaults else {}))
     try:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:

@@ -23,9 +23,12 @@ def test_default_queue_then_discard_at_limit():
 def test_hard_block_and_error():
     q = OutQueue(limit=4)
     q.apply(Hard.BLOCK)
-    assert q.offer(b"1234") is Verdict.QUEUED
+    assert q.offer(b"12") is Verdict.QUEUED
+    assert q.offer(b"34") is Verdict.QUEUED
     assert q.publisher_may_continue() is False
     assert q.offer(b"5") is Verdict.BLOCK
+    q.pop()
+    assert not q.publisher_may_continue()  # 3 bytes left: above half the limit
     q.pop()
     assert q.publisher_may_continue()
     q.apply(Hard.ERROR)

@@ -8,6 +8,7 @@ import sys
 import trio
 
 from .. import server
+from ..flood import Hard, Order, Soft
 from ..limits import Limits
 
 
@@ -30,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-limit", type=_size, default=4 * 1024 * 1024, metavar="BYTES",
                    help="bytes queued per slow client before its hard policy applies "
                         "(default 4m)")
+    p.add_argument("--soft", choices=[s.value.decode() for s in Soft], default="queue",
+                   help="flood policy of new clients when a message would block (default queue)")
+    p.add_argument("--hard", choices=[h.value.decode() for h in Hard], default="discard",
+                   help="flood policy of new clients whose queue is full (default discard)")
+    p.add_argument("--order", choices=[o.value.decode() for o in Order], default="queue",
+                   help="order in which queued messages leave (default queue)")
     p.add_argument("--max-connections-per-user", type=int, default=Limits.connections_per_user)
     p.add_argument("--max-subscriptions-per-user", type=int,
                    default=Limits.subscriptions_per_user)
@@ -41,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         trio.run(lambda: server.run(args.address, mode=args.mode, sep=args.separator.encode(),
                              max_message=args.max_message, queue_limit=args.queue_limit,
-                             limits=limits))
+                             limits=limits,
+                             defaults=(Soft(args.soft.encode()), Hard(args.hard.encode()),
+                                       Order(args.order.encode()))))
     except server.ServeError as exc:
         print(f"sbus serve: {exc}", file=sys.stderr)
         return 1
