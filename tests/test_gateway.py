@@ -140,13 +140,18 @@ def subscribe_bridged(remote: socket.socket, pattern: bytes, local: socket.socke
         break
     else:
         raise AssertionError("the subscription never reached the bus")
-    time.sleep(0.1)  # let further probes arrive, then discard them
+    drain(remote)
+
+
+def drain(s: socket.socket, quiet: float = 0.1) -> None:
+    """Discard what arrives until *s* has been quiet for *quiet* seconds."""
+    s.settimeout(quiet)
     try:
-        while remote.recv(65536):
+        while s.recv(65536):
             pass
     except TimeoutError:
         pass
-    remote.settimeout(5)
+    s.settimeout(5)
 
 
 def authenticated(gw: GatewayProcess) -> socket.socket:
@@ -266,6 +271,26 @@ def test_subscriptions_end_with_the_connection(gw, local):
     sync(local)
     roundtrip(second)  # the first byte is the echo, not the message
     subscribe_bridged(second, b"once/only", local, b"once/only")
+
+
+def test_shared_patterns_are_reference_counted(gw, local):
+    """One bus subscription serves every remote subscriber of a pattern; it stays
+    until the last one leaves."""
+    a, b = gw.connect(), gw.connect()
+    subscribe_bridged(a, b"shared/*", local, b"shared/probe")
+    subscribe_bridged(b, b"shared/*", local, b"shared/probe")
+    a.sendall(codec.unsubscribe(b"shared/*") + b"\x00")
+    probe = codec.publish(b"shared/probe", b"probe")
+    while (echo := read_exactly(a, 1)) != b"\x00":  # skip the probes meant for b
+        assert echo + read_exactly(a, len(probe) - 1) == probe
+    c = gw.connect()
+    subscribe_bridged(c, b"shared/*", local, b"shared/probe")
+    c.close()  # leaving without unsubscribing releases its share too
+    drain(b)  # the probes meant for c
+    local.send(b"MSG shared/x\0still")
+    assert read_exactly(b, len(codec.publish(b"shared/x", b"still"))) == \
+        codec.publish(b"shared/x", b"still")
+    roundtrip(a)  # a unsubscribed: its next byte is the echo
 
 
 # -- authentication ------------------------------------------------------------------

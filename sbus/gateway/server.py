@@ -358,6 +358,13 @@ def _tls_context(cert: str, key: str) -> ssl.SSLContext:
     return ctx
 
 
+def _bound(listener: trio.abc.Listener) -> str:
+    """The address a listener really has (the port chosen for port 0, too)."""
+    inner = getattr(listener, "transport_listener", listener)
+    host, port = inner.socket.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _raise_nofile() -> None:
     """Every client is a file descriptor: use all the kernel lets us."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -402,7 +409,8 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(gw.serve, listeners)
-            where = [args.listen + (" (TLS)" if ctx else " (plain TCP)")]
+            where = [", ".join(_bound(lst) for lst in listeners)
+                     + (" (TLS)" if ctx else " (plain TCP)")]
             if args.https_listen:
                 from .https import serve_https
 
