@@ -623,3 +623,7 @@ def test_clear_errors(bus, space):
     r = subprocess.run([*SBUS, "mount", "--address", bus.address, "/nonexistent/dir"],
                        capture_output=True, text=True, timeout=20, env=ENV)
     assert r.returncode == 1 and "not a directory" in r.stderr
+    r = subprocess.run([*SBUS, "mount", "--address", bus.address, "--max-tasks", "0", space],
+                       capture_output=True, text=True, timeout=20, env=ENV)
+    assert r.returncode == 1 and "--max-tasks" in r.stderr
+    assert not mounted(space)

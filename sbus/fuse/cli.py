@@ -137,6 +137,12 @@ def run(args: argparse.Namespace) -> int:
                 raise SbusError(f"{mountpoint} is already an sbus mount")
     if args.remember < 1:
         raise SbusError("--remember must be at least 1")
+    if args.max_tasks < 2:
+        raise SbusError("--max-tasks must be at least 2")
+    if args.max_message < 16:
+        raise SbusError("--max-message must be at least 16 bytes")
+    if args.reconnect_timeout < 0:
+        raise SbusError("--reconnect-timeout cannot be negative")
     address = os.path.abspath(args.address or default_address())
     Client(address, timeout=5).close()  # a clear error before anything is mounted
     fs = BusFS(address, fmt=args.format, remember=args.remember,
