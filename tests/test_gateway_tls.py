@@ -293,3 +293,23 @@ def test_gateway_resubscribes_when_the_broker_restarts(short_tmp, own_bus):
         assert "lost the bus" in log and "(1 patterns)" in log
     finally:
         gw.stop()
+
+
+def test_client_reconnects_when_the_gateway_goes_silent():
+    """A half-open connection (nothing ever comes back, not even keep-alive echoes)
+    is given up after dead_after, and the client connects again."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never answers
+        port = silent.getsockname()[1]
+
+        async def main():
+            async with Client("127.0.0.1", port, keepalive=0.1, dead_after=0.4,
+                              backoff_first=0.05) as c:
+                await c.wait_connected()
+                start = trio.current_time()
+                with trio.fail_after(10):
+                    while c.connections < 2:
+                        await trio.sleep(0.02)
+                return trio.current_time() - start
+
+        took = trio.run(main)
+        assert 0.35 < took < 5
