@@ -14,7 +14,7 @@ from rich.console import Console
 
 from sbus.client import AsyncClient
 from sbus.top.model import SortBy, TrafficModel, ViewOptions
-from sbus.top.reader import CONNECTED, RETRYING, Reader, tick_forever
+from sbus.top.reader import CONNECTED, RETRYING, Reader
 from sbus.top.view import layout, render
 
 #: key -> (messages per second, payload)
@@ -26,8 +26,10 @@ PLAN = {
 TICKS_PER_SECOND = 20
 
 
-async def publish_paced(address: str, plan: dict, seconds: float) -> dict[bytes, int]:
-    """Publish *plan* at its rates for *seconds*, on an absolute schedule (no drift)."""
+async def publish_paced(address: str, plan: dict, seconds: float,
+                        each_second=None) -> dict[bytes, int]:
+    """Publish *plan* at its rates for *seconds*, on an absolute schedule (no drift);
+    ``await each_second(sent)`` at every whole second, counting from 0."""
     sent = dict.fromkeys(plan, 0)
     async with await AsyncClient.connect(address) as bus:
         start = trio.current_time()
@@ -38,6 +40,8 @@ async def publish_paced(address: str, plan: dict, seconds: float) -> dict[bytes,
                 while sent[key] < due:
                     await bus.publish(key, payload)
                     sent[key] += 1
+            if each_second is not None and tick % TICKS_PER_SECOND == 0:
+                await each_second(sum(sent.values()))
     return sent
 
 
@@ -64,7 +68,8 @@ def row(text: str, key: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory) -> tuple[TrafficModel, dict[bytes, int], str]:
-    """2.6 s of PLAN traffic watched by the real reader, shared by the rendering tests."""
+    """2.6 s of PLAN traffic watched by the real reader, shared by the rendering tests;
+    rates are those of the second from 1 s to 2 s."""
     import tempfile
     d = tempfile.mkdtemp(prefix="sbtop-", dir="/tmp")
     broker = BrokerProcess(f"{d}/bus.sock").start()
@@ -72,10 +77,19 @@ def watched(tmp_path_factory) -> tuple[TrafficModel, dict[bytes, int], str]:
     async def main():
         model = TrafficModel(time.monotonic(), address=broker.address)
         reader = Reader(model, broker.address, [b""])
+
+        async def each_second(sent: int) -> None:
+            # The ticks follow the publisher's seconds, once the reader has counted what
+            # was sent so far: a loaded machine then moves rates by its timing jitter
+            # only, never by a whole second's worth of messages.
+            with trio.fail_after(5):
+                while model.total < sent:
+                    await trio.sleep(0.002)
+            model.tick(time.monotonic())
+
         async with trio.open_nursery() as nursery:
             await nursery.start(reader.run)
-            nursery.start_soon(tick_forever, model)
-            sent = await publish_paced(broker.address, PLAN, 2.6)
+            sent = await publish_paced(broker.address, PLAN, 2.6, each_second)
             with trio.fail_after(5):  # the last ones may still be on their way
                 while model.total < sum(sent.values()):
                     await trio.sleep(0.01)
