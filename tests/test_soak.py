@@ -1,0 +1,31 @@
+"""The soak tool in CI size: a short run must pass every one of its checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SOAK = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="the soak's workers setuid to other users")
+def test_short_soak_loses_nothing_and_leaks_nothing() -> None:
+    proc = subprocess.run([sys.executable, str(SOAK), "--duration", "30", "--json"],
+                          capture_output=True, text=True, timeout=240)
+    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("JSON ")), None)
+    assert line is not None, proc.stderr[-2000:]
+    result = json.loads(line[5:])
+    figures = result["figures"]
+    assert result["problems"] == [] and proc.returncode == 0
+    # the checks were not vacuous
+    assert figures["reliable_sent"] > 0
+    assert figures["reliable_received_in_order"] == figures["reliable_sent"]
+    assert figures["secrets_received_by_owners"] > 0 and figures["secret_leaks"] == 0
+    assert figures["idle_connections_held"] >= 500
+    assert figures["broker_published"] > 1000
