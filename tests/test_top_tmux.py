@@ -160,11 +160,24 @@ def test_keys_change_the_screen_and_quitting_leaves_the_terminal_sane(
     tmux.send("c")
     tmux.wait(lambda s: total(s) < counted, "cleared counters")
 
+    # a smaller terminal: the screen is laid out again for 80×24
+    subprocess.run([*tmux.base, "resize-window", "-t", "top", "-x", "80", "-y", "24"],
+                   check=True)
+
+    def fits(text: str) -> bool:
+        lines = text.splitlines()
+        return (len(lines) == 24 and lines[0].startswith("sbus-top")
+                and lines[-1].startswith("q quit") and "recent messages" in lines[-6])
+
+    tmux.wait(fits, "the screen redrawn for 80×24")
+
     tmux.send("q")
     tmux.wait(lambda s: "sbus-top" not in s and s.rstrip().endswith(("$", "#")),
               "the shell prompt back")
     after = shell_ready(tmux, short_tmp, "after")
-    assert after == before
+    # every setting as before; only the size line differs (we resized the window)
+    assert after.splitlines()[1:] == before.splitlines()[1:]
+    assert "rows 24; columns 80" in after.splitlines()[0]
     assert "stty -a >" in tmux.pane()  # what was typed is echoed again
 
 
