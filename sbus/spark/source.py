@@ -2,7 +2,8 @@
 sink that publishes onto a bus.
 
 Options (reads): ``path`` (the journal directory, or ``load(DIR)``), ``pattern`` (a routing
-pattern; only matching keys are returned, filtered inside the reader),
+pattern; only matching keys are returned, filtered inside the reader; ``patternHex`` gives
+it as hex bytes, for patterns that are not UTF-8),
 ``maxPartitionBytes`` (split size, default 16M), ``verify`` (check block CRCs, default
 true); streaming also ``maxRowsPerTrigger`` and ``startingOffsets`` (earliest | latest).
 Sink options: see `sbus.spark.sink`.
@@ -94,6 +95,11 @@ class _Options:
             raise ValueError("the sbus source needs a journal directory: "
                              "spark.read.format('sbus').load(DIR) or option('path', DIR)")
         self.pattern = pattern_bytes(options.get("pattern"))
+        if options.get("patternHex") is not None:  # non-UTF-8 patterns (py4j carries text)
+            try:
+                self.pattern = bytes.fromhex(options["patternHex"])
+            except ValueError:
+                raise ValueError("patternHex must be hexadecimal bytes, e.g. 'fffe2f'") from None
         self.max_bytes = parse_size(options.get("maxPartitionBytes", "16M"))
         self.verify = _bool(options.get("verify"), True)
         mrt = options.get("maxRowsPerTrigger")

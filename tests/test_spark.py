@@ -1,0 +1,334 @@
+"""The ``sbus`` Spark source and sink and ``sbus analyze``, with one real local SparkSession
+for the whole run and real brokers and recorders."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from argparse import Namespace
+from collections import Counter
+
+import pytest
+from conftest import SBUS, BrokerProcess, raw, sync
+
+pytest.importorskip("pyspark")
+
+from sbus.journal.store import JournalWriter, list_segments, records  # noqa: E402
+
+ROUNDS = 600
+KEYS = [b"sensors/a/temp", b"sensors/b/temp", b"sensors/a/hum", b"logs/app", b"\xff\xfe/bin"]
+
+
+def payload(i: int) -> bytes:
+    return b"\0" + bytes([i % 256]) + b"\0bin\xff" + b"x" * (i % 50)
+
+
+EXPECTED = [(KEYS[i % len(KEYS)], payload(i)) for i in range(ROUNDS * len(KEYS))]
+
+
+@pytest.fixture(scope="session")
+def spark():
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    from pyspark.sql import SparkSession
+
+    import sbus.spark
+
+    session = (SparkSession.builder.master("local[2]").appName("sbus-tests")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.sql.session.timeZone", "UTC")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    sbus.spark.register(session)
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def bus():
+    d = tempfile.mkdtemp(prefix="sbus-sp-", dir="/tmp")
+    b = BrokerProcess(os.path.join(d, "bus.sock")).start()
+    yield b
+    b.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def recorded(bus, tmp_path_factory, spark):
+    """A journal written by a real ``sbus record`` from a real broker: EXPECTED, in order,
+    over several segments; also checks a batch read of the live (open) journal."""
+    jdir = tmp_path_factory.mktemp("journal")
+    rec = subprocess.Popen([*SBUS, "record", "sensors/", "logs/", b"\xff\xfe/",
+                            "--dir", str(jdir), "--address", bus.address,
+                            "--segment-size", "40k", "--flush", "0.05"],
+                           stderr=subprocess.PIPE, text=True)
+    assert "recording into" in rec.stderr.readline()
+    started = time.time()
+    pub = raw(bus.address)
+    chunk = len(EXPECTED) // 5
+    for c in range(5):  # in chunks, so the recorder writes several blocks and segments
+        for key, data in EXPECTED[c * chunk:(c + 1) * chunk]:
+            pub.send(b"MSG " + key + b"\0" + data)
+        pub.send(b"MSG other/key\0not recorded")
+        sync(pub)
+        deadline = time.monotonic() + 10
+        while len(list(records(jdir))) < (c + 1) * chunk and time.monotonic() < deadline:
+            time.sleep(0.05)
+    pub.close()
+    live = spark.read.format("sbus").load(str(jdir)).count()
+    rec.send_signal(signal.SIGTERM)
+    assert rec.wait(10) == 0
+    assert live == len(EXPECTED)
+    return jdir, started, time.time()
+
+
+def test_batch_read_row_for_row(spark, recorded):
+    jdir, t0, t1 = recorded
+    assert len(list_segments(jdir)) > 2
+    df = spark.read.format("sbus").load(str(jdir))
+    assert df.rdd.getNumPartitions() > 1
+    assert [f.name for f in df.schema.fields] == ["key", "payload", "ts", "seq", "key_bytes"]
+    rows = df.orderBy("seq").collect()
+    assert [(r.key_bytes, bytes(r.payload)) for r in rows] == EXPECTED
+    assert [r.seq for r in rows] == list(range(1, len(EXPECTED) + 1))
+    assert {r.key for r in rows} == {k.decode("utf-8", "replace") for k in KEYS}
+    assert all(t0 - 1 <= r.ts.timestamp() <= t1 + 1 for r in rows)
+
+
+def test_pattern_pushdown_and_column_choice(spark, recorded):
+    jdir = str(recorded[0])
+
+    def read():
+        return spark.read.format("sbus")
+
+    temp = read().option("pattern", "sensors/*/temp").load(jdir)
+    assert temp.count() == 2 * ROUNDS
+    assert {r.key for r in temp.select("key").distinct().collect()} == {
+        "sensors/a/temp", "sensors/b/temp"}
+    binary = read().option("patternHex", b"\xff\xfe/".hex()).load(jdir).collect()
+    assert len(binary) == ROUNDS and {r.key_bytes for r in binary} == {b"\xff\xfe/bin"}
+    assert read().option("pattern", "nothing/*").load(jdir).count() == 0
+    some = spark.read.format("sbus").schema("seq long, payload binary").load(jdir)
+    assert some.where("seq = 7").first().payload == payload(6)
+    with pytest.raises(Exception, match="no column"):
+        spark.read.format("sbus").schema("seq long, nope string").load(jdir).collect()
+    with pytest.raises(Exception, match="no journal directory"):
+        spark.read.format("sbus").load(jdir + "/missing").collect()
+
+
+def test_batch_read_matches_parquet_copy(spark, recorded, tmp_path):
+    """Same rows through Parquet: the source's types are what Spark stores."""
+    df = spark.read.format("sbus").load(str(recorded[0]))
+    df.write.parquet(str(tmp_path / "copy"))
+    back = spark.read.parquet(str(tmp_path / "copy"))
+    assert back.schema == df.schema
+    assert back.exceptAll(df).count() == 0 and df.exceptAll(back).count() == 0
+
+
+def test_stream_exactly_once_across_a_crash(spark, recorded, tmp_path):
+    """A query dies mid-batch after a partial write; the restart from its checkpoint
+    replays that batch, so an idempotent sink ends with each row exactly once."""
+    jdir, out, ck = str(recorded[0]), tmp_path / "out", str(tmp_path / "ck")
+    crash = {"at": 2}
+
+    def sink(df, batch_id):  # idempotent: a batch's output is replaced, never appended
+        df.write.mode("overwrite").parquet(str(out / f"batch={batch_id}"))
+        if batch_id == crash["at"]:
+            crash["at"] = None
+            raise RuntimeError("simulated crash after a partial write")
+
+    def start(**trigger):
+        return (spark.readStream.format("sbus").option("path", jdir)
+                .option("maxRowsPerTrigger", "700").load()
+                .writeStream.foreachBatch(sink).option("checkpointLocation", ck)
+                .trigger(**trigger).start())
+
+    q = start(processingTime="0 seconds")
+    with pytest.raises(Exception, match="simulated crash"):
+        q.awaitTermination(120)
+    assert crash["at"] is None
+    q = start(availableNow=True)
+    q.awaitTermination(120)
+    assert q.exception() is None
+    got = spark.read.parquet(str(out))
+    sizes = [r["count"] for r in got.groupBy("batch").count().collect()]
+    assert max(sizes) <= 700 and len(sizes) == -(-len(EXPECTED) // 700)
+    seqs = Counter(r.seq for r in got.select("seq").collect())
+    assert sorted(seqs) == list(range(1, len(EXPECTED) + 1))
+    assert set(seqs.values()) == {1}
+    # A restart with nothing new reads nothing.
+    q = start(availableNow=True)
+    q.awaitTermination(60)
+    assert spark.read.parquet(str(out)).count() == len(EXPECTED)
+
+
+def test_stream_follows_a_live_recording(spark, bus, tmp_path):
+    """Rows appended to the open segment show up in later micro-batches."""
+    jdir = tmp_path / "live"
+    rec = subprocess.Popen([*SBUS, "record", "live/", "--dir", str(jdir), "--address",
+                            bus.address, "--flush", "0.05"], stderr=subprocess.PIPE, text=True)
+    assert "recording into" in rec.stderr.readline()
+    seen: list[int] = []
+    q = (spark.readStream.format("sbus").option("path", str(jdir)).load()
+         .writeStream.foreachBatch(lambda df, _: seen.extend(r.seq for r in df.collect()))
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime="0.2 seconds")
+         .start())
+    try:
+        pub = raw(bus.address)
+        for round_ in range(3):
+            for i in range(100):
+                pub.send(b"MSG live/%d\0%d" % (round_, i))
+            sync(pub)
+            deadline = time.monotonic() + 30
+            while len(seen) < 100 * (round_ + 1) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        pub.close()
+    finally:
+        q.stop()
+        rec.send_signal(signal.SIGTERM)
+        rec.wait(10)
+    assert sorted(seen) == list(range(1, 301))
+
+
+def drain(sock: socket.socket, sentinel: bytes) -> list[bytes]:
+    """Packets until the *sentinel* message (published after the thing under test)."""
+    out = []
+    while True:
+        p = sock.recv(1 << 20)
+        if p == sentinel:
+            return out
+        out.append(p)
+
+
+def test_sink_publishes_once_even_when_a_batch_is_replayed(spark, recorded, bus, tmp_path):
+    from pyspark.sql import functions as F
+
+    jdir, ck = str(recorded[0]), tmp_path / "ck"
+    sub = raw(bus.address, timeout=30)
+    sub.send(b"SUB out/")
+    sync(sub)
+
+    def run_query():
+        src = (spark.readStream.format("sbus").option("path", jdir)
+               .option("maxRowsPerTrigger", "1000").load())
+        q = (src.select(F.concat(F.lit(b"out/"), "key_bytes").alias("key_bytes"), "payload")
+             .writeStream.format("sbus").option("address", bus.address)
+             .option("checkpointLocation", str(ck)).trigger(availableNow=True).start())
+        q.awaitTermination(120)
+        assert q.exception() is None
+        with raw(bus.address) as p:
+            p.send(b"MSG out/sentinel\0")
+        return drain(sub, b"MSG out/sentinel\0")
+
+    got = run_query()
+    # Tasks of one micro-batch publish concurrently: every row once, order only per task.
+    assert Counter(got) == Counter(b"MSG out/" + k + b"\0" + p for k, p in EXPECTED)
+    assert len(got) == len(EXPECTED)
+    # The driver died after the sink committed the last batch but before Spark logged it:
+    # Spark replays that batch on restart; the sink must not publish it again.
+    commits = sorted((ck / "commits").iterdir(), key=lambda p: int(p.name))
+    last = commits[-1]
+    last.unlink()
+    assert run_query() == []
+    assert last.exists()  # the batch was really run again
+    assert (ck / "sbus-sink" / "committed" / last.name).exists()
+    sub.close()
+
+
+def test_batch_write_and_bad_sink_input(spark, bus):
+    sub = raw(bus.address)
+    sub.send(b"SUB df/")
+    sync(sub)
+    df = spark.createDataFrame([("df/1", b"\0a"), ("df/2", b"b\0")], "key string, payload binary")
+    df.coalesce(1).write.format("sbus").option("address", bus.address).mode("append").save()
+    with raw(bus.address) as p:
+        p.send(b"MSG df/end\0")
+    assert drain(sub, b"MSG df/end\0") == [b"MSG df/1\0\0a", b"MSG df/2\0b\0"]
+    with pytest.raises(Exception, match="needs a 'payload' column"):
+        spark.createDataFrame([("k",)], "key string").write.format("sbus") \
+            .option("address", bus.address).mode("append").save()
+    sub.close()
+
+
+def test_analyze_end_to_end(spark, recorded, tmp_path, capsys):
+    from pyspark.sql import functions as F
+
+    from sbus.spark import analyze
+
+    out = tmp_path / "report"
+    args = Namespace(journal=str(recorded[0]), out=str(out), pattern=None, window="1 minute",
+                     prefix_depth=1, master=None, stream=False, checkpoint=None, address=None,
+                     late="10 seconds", trigger="10 seconds", max_rows=None)
+    assert analyze.run(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["messages"] == len(EXPECTED) and summary["keys"] == len(KEYS)
+    keys = {r.key_bytes: r for r in spark.read.parquet(str(out / "keys.parquet")).collect()}
+    for k in KEYS:
+        mine = [p for key, p in EXPECTED if key == k]
+        sizes = sorted(map(len, mine))
+        r = keys[k]
+        assert r.messages == len(mine) and r.bytes == sum(sizes) and r.max_size == sizes[-1]
+        assert sizes[0] <= r.p50_size <= r.p90_size <= r.p99_size <= sizes[-1]
+    prefixes = {r.prefix: r.messages
+                for r in spark.read.parquet(str(out / "prefixes.parquet")).collect()}
+    assert prefixes == {"sensors": 3 * ROUNDS, "logs": ROUNDS, "\ufffd\ufffd": ROUNDS}
+    windows = spark.read.parquet(str(out / "windows.parquet"))
+    assert windows.agg(F.sum("messages")).first()[0] == len(EXPECTED)
+    report = (out / "report.md").read_text()
+    assert "`sensors`" in report and "sensors/a/temp" in report and "traffic.png" in report
+    assert (out / "traffic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_streaming_rollups_published_under_stats(spark, bus, tmp_path):
+    """Four minutes of synthetic traffic: each complete minute is published once as
+    ``stats/<prefix>``; a restart publishes no window twice."""
+    from sbus.spark.analyze import start_stream
+
+    jdir = tmp_path / "j"
+    minute = 60 * 10**9
+    t0 = (time.time_ns() // minute - 10) * minute
+    expect: Counter = Counter()
+    with JournalWriter(jdir, fsync=False) as w:
+        for m in range(4):
+            for i in range(50 + 10 * m):
+                key = [b"a/x", b"b/y", b"stats/old"][i % 3]
+                w.append(t0 + m * minute + i * 10**8, [key], [b"p" * (i % 7)])
+                if not key.startswith(b"stats/"):
+                    expect[(key.split(b"/")[0].decode(), m)] += 1
+            w.flush()
+    sub = raw(bus.address, timeout=30)
+    sub.send(b"SUB stats/")
+    sync(sub)
+
+    def run_once():
+        q = start_stream(spark, str(jdir), str(tmp_path / "ck"), bus.address, late="5 seconds",
+                         trigger="available-now", max_rows=60)
+        q.awaitTermination(120)
+        assert q.exception() is None
+        with raw(bus.address) as p:
+            p.send(b"MSG stats/end\0")
+        return drain(sub, b"MSG stats/end\0")
+
+    got = {}
+    for packet in run_once():
+        key, body = packet[4:].split(b"\0", 1)
+        doc = json.loads(body)
+        m = (int(time.mktime(time.strptime(doc["window_start"], "%Y-%m-%dT%H:%M:%SZ")))
+             - time.timezone) * 10**9
+        slot = (doc["prefix"], (m - t0) // minute)
+        assert key == b"stats/" + doc["prefix"].encode()
+        assert slot not in got
+        got[slot] = doc["messages"]
+    # Every window but the last minute's is closed by the watermark, and published once.
+    assert got == {k: v for k, v in expect.items() if k[1] < 3}
+    assert run_once() == []
+    sub.close()
