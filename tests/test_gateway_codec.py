@@ -146,8 +146,11 @@ def test_outbox_bounds_bytes_but_always_takes_one():
     assert not box.offer(b"y")
     assert box.take() == b"x" * 50 and box.size == 0
     assert box.offer(b"a" * 6) and not box.offer(b"b" * 5) and box.offer(b"c" * 4)
-    box.force(b"\x00")  # keep-alive echoes are never discarded
+    assert box.force(b"\x00")  # keep-alive echoes pass a full buffer
     assert box.take(limit=6) == b"a" * 6 and box.take() == b"c" * 4 + b"\x00"
+    small = Outbox(max_messages=2, max_bytes=100)
+    assert [small.force(b"\x00") for _ in range(5)] == [True] * 4 + [False]  # up to 2x
+    assert small.dropped == 0 and len(small) == 4
     with pytest.raises(ValueError):
         Outbox(0, 10)
 

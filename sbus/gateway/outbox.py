@@ -4,7 +4,8 @@ The pubsub design deals with slow readers by giving each client a fixed buffer
 and discarding *new* messages while it is full, so a slow client loses only its
 own messages and never slows the bus or other clients.  The bound is both a
 message count and a byte count; messages are counted when discarded.
-Keep-alive echoes are `force`d: they are one byte and keep the client alive.
+Keep-alive echoes are `force`d past a full buffer: they are one byte and keep the
+client alive.
 """
 
 from __future__ import annotations
@@ -45,10 +46,15 @@ class Outbox:
         self.size += len(frame)
         return 2 if n else 1
 
-    def force(self, frame: bytes) -> None:
-        """Queue *frame* whatever the bounds (keep-alive echoes)."""
+    def force(self, frame: bytes) -> bool:
+        """Queue *frame* even when the buffer is full of messages (keep-alive echoes),
+        but not beyond twice the message bound: a peer that sends keep-alives and never
+        reads must not grow the buffer without end.  False (not counted) if refused."""
+        if len(self.frames) >= 2 * self.max_messages:
+            return False
         self.frames.append(frame)
         self.size += len(frame)
+        return True
 
     def take(self, limit: int = 256 * 1024) -> bytes:
         """Remove and return queued frames joined, about *limit* bytes at most (at least one)."""

@@ -23,6 +23,7 @@ Decisions where the design leaves room (see docs/gateway.md):
 from __future__ import annotations
 
 import argparse
+import hmac
 import logging
 import os
 import resource
@@ -222,7 +223,7 @@ class Gateway:
                 rc.topics.discard(frame.topic)
                 await self.bridge.unsubscribe(rc, frame.topic)
         elif kind is codec.Authenticate:
-            if not _compare(frame.secret, self.secret):
+            if not hmac.compare_digest(frame.secret, self.secret):
                 raise Disconnect("wrong authentication secret")
             if not rc.authenticated:
                 rc.authenticated = True
@@ -257,12 +258,6 @@ class Gateway:
             await nursery.start(self.bridge.run)
             await nursery.start(trio.serve_listeners, self.handle, listeners)
             task_status.started()
-
-
-def _compare(given: bytes, secret: bytes) -> bool:
-    import hmac
-
-    return hmac.compare_digest(given, secret)
 
 
 def _check_common(topic: bytes, what: str) -> None:
