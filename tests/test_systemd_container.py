@@ -98,6 +98,14 @@ def test_installed_units_verify_clean(container: Container, bus: str) -> None:
     assert "DynamicUser=yes\n" in service and "ProtectHome=yes\n" in service
 
 
+def test_service_sandbox_exposure_is_low(container: Container, bus: str) -> None:
+    """systemd's own rating of the broker's sandbox (0 = fully locked down, 10 = none)."""
+    out = container.run("systemd-analyze", "security", "--no-pager", "sbus.service").stdout
+    line = next(x for x in out.splitlines() if "Overall exposure level for sbus.service" in x)
+    exposure = float(line.split(":")[1].split()[0])
+    assert exposure <= 2.0, line  # 1.0 when written; a service without sandboxing: ~9.6
+
+
 def test_socket_listens_for_everyone_and_service_waits(container: Container, bus: str) -> None:
     assert _show(container, "sbus.socket", "ActiveState", "SubState") == \
         {"ActiveState": "active", "SubState": "listening"}
