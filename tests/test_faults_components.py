@@ -1,0 +1,153 @@
+"""The FUSE mount, the gateway and the recorder each survive a kill -9 of the broker.
+
+The broker runs on a listening socket held across restarts (as systemd holds it), is
+killed with SIGKILL mid-traffic, and a new broker is started on the same socket.
+Each component must notice, reconnect, re-subscribe, and carry on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+from conftest import SBUS, raw, sync
+from faultkit import HeldSocket
+
+
+def _publish(address: str, *packets: bytes) -> None:
+    s = raw(address)
+    for p in packets:
+        s.send(p)
+    sync(s)
+    s.close()
+
+
+# -- recorder -------------------------------------------------------------------------------
+
+def _journal_keys(directory: str) -> list[bytes]:
+    from sbus.journal.store import records
+
+    try:
+        return [rec[2] for rec in records(directory)]
+    except FileNotFoundError:
+        return []
+
+
+def _wait_recorded(directory: str, n: int, timeout: float = 10) -> list[bytes]:
+    deadline = time.monotonic() + timeout
+    while (keys := _journal_keys(directory)) and len(keys) < n or not keys:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return keys
+
+
+@pytest.mark.xfail(strict=True, reason="missing in sbus/journal/record.py: on broker EOF the "
+                   "recorder exits 1 ('the broker ... closed the connection') instead of "
+                   "reconnecting and re-subscribing")
+def test_recorder_survives_broker_kill_9(short_tmp) -> None:
+    held = HeldSocket(short_tmp)
+    held.start()
+    journal = str(short_tmp / "journal")
+    rec = subprocess.Popen([*SBUS, "record", "rec/", "--dir", journal, "--address",
+                            held.address], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.isdir(journal) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        _publish(held.address, *[b"MSG rec/before/%d\0x" % i for i in range(50)])
+        assert len(_wait_recorded(journal, 50)) == 50
+        held.kill()
+        held.start()
+        # it must come back on its own: keep publishing until something is recorded
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and rec.poll() is None:
+            _publish(held.address, b"MSG rec/probe\0x")
+            if b"rec/probe" in _journal_keys(journal):
+                break
+            time.sleep(0.2)
+        assert rec.poll() is None, f"the recorder exited with {rec.returncode}: " \
+            f"{rec.stderr.read()[-1500:]}"
+        _publish(held.address, *[b"MSG rec/after/%d\0x" % i for i in range(50)])
+        keys = _wait_recorded(journal, 101)
+        after = [k for k in keys if k.startswith(b"rec/after/")]
+        assert after == [b"rec/after/%d" % i for i in range(50)]
+        assert keys[:50] == [b"rec/before/%d" % i for i in range(50)]
+    finally:
+        if rec.poll() is None:
+            rec.terminate()
+            rec.wait(10)
+        held.stop()
+
+
+# -- FUSE ---------------------------------------------------------------------------------
+
+def test_fuse_reader_survives_broker_kill_9(short_tmp) -> None:
+    fuse = pytest.importorskip("test_fuse")
+    held = HeldSocket(short_tmp)
+    held.start()
+    m = fuse.Mount(held.address, str(short_tmp / "mnt"), "--reconnect-timeout", "20").start()
+    proc = None
+    try:
+        proc = fuse.cat(fuse.touch(m, "k9/k"))
+        _publish(held.address, b"MSG k9/k\0before")
+        assert fuse.read_lines(proc, 1) == [b"before\n"]
+        held.kill()
+        held.start()
+        deadline = time.monotonic() + 15
+        while True:  # back once a probe reaches the reader
+            _publish(held.address, b"MSG k9/k\0probe")
+            if fuse.readable(proc, 0.2):
+                break
+            assert time.monotonic() < deadline, m.log()
+        _publish(held.address, *[b"MSG k9/k\0after%d" % i for i in range(50)])
+        got = [x for x in fuse.read_lines(proc, 51) if x != b"probe\n"]
+        assert got[-1] == b"after49\n" and got == sorted(got, key=lambda x: int(x[5:-1]))
+        assert proc.poll() is None
+        with open(m / "k9/k", "wb") as f:  # writing through the mount works again too
+            f.write(b"written after kill -9")
+        assert b"written after kill -9\n" in fuse.read_lines(proc, 1)
+    finally:
+        if proc is not None:
+            fuse.end(proc)
+        m.stop()
+        held.stop()
+
+
+# -- gateway -------------------------------------------------------------------------------
+
+def test_gateway_survives_broker_kill_9(short_tmp) -> None:
+    gwmod = pytest.importorskip("test_gateway")
+    from sbus.gateway.client import BlockingClient
+
+    held = HeldSocket(short_tmp)
+    held.start()
+    gw = gwmod.GatewayProcess(short_tmp, held.address).start()
+    try:
+        with BlockingClient("127.0.0.1", gw.port) as c:
+            c.subscribe(b"gk9/*")
+            _probe(c, held.address, b"gk9/one")
+            held.kill()
+            held.start()
+            _probe(c, held.address, b"gk9/two")
+    finally:
+        gw.stop()
+        held.stop()
+
+
+def _probe(c, address: str, key: bytes, timeout: float = 15) -> None:
+    """Publish on the local bus until the remote subscriber gets it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _publish(address, b"MSG " + key + b"\0probe")
+        try:
+            msg = c.receive(timeout=0.3)
+        except TimeoutError:
+            continue
+        if msg.topic == key:
+            return
+    raise AssertionError(f"{key!r} never reached the gateway client")
