@@ -188,6 +188,7 @@ def test_https_publish_reaches_the_bus(tls_gw, client_ctx, local):
     ({"doc": b"{oops"}, 400),
     ({"doc": {"topic": "not base64!", "body": ""}}, 400),
     ({"doc": {"topic": _b64(b"!/cred/0/0/1/x"), "body": ""}}, 400),
+    ({"doc": {"topic": _b64(b"web/big"), "body": _b64(b"x" * 262000)}}, 413),
 ])
 def test_https_refusals(tls_gw, client_ctx, local, kwargs, status):
     local.send(b"SUB web/")
