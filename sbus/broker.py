@@ -2,8 +2,10 @@
 
 Speed comes from doing as little as possible per packet: trio is used only to
 wait for readiness; once a socket is readable it is drained with plain
-non-blocking ``recv_into`` calls, and each publish is handed straight to the
-kernel of every target with a non-blocking ``send``.  Only when a target's kernel
+non-blocking ``os.read`` calls, and each publish is handed straight to the
+kernel of every target with a non-blocking ``os.write`` (on SEQPACKET sockets
+these are whole packets, and cost fewer instructions than the socket methods:
+see docs/performance.md).  Only when a target's kernel
 buffer is full does its `OutQueue` and writer task come into play.
 
 Each client is a task pair in its own nursery: a reader (everything the client
@@ -16,6 +18,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import os
 import select
 import socket
 import struct
@@ -58,13 +61,13 @@ def peer_credentials(sock: socket.socket) -> Credentials:
 class Connection:
     """One client: its socket, identity, waiting packets and the tasks serving it."""
 
-    __slots__ = ("id", "sock", "send", "cred", "out", "writer_lot", "paused", "closed",
+    __slots__ = ("id", "sock", "fd", "cred", "out", "writer_lot", "paused", "closed",
                  "scope", "complaints", "subscriptions", "account", "__weakref__")
 
     def __init__(self, cid: int, sock: socket.socket, cred: Credentials, queue_limit: int):
         self.id = cid
         self.sock = sock
-        self.send = sock.send
+        self.fd = sock.fileno()  # -1 once closed, so a reused fd number is never written to
         self.cred = cred
         self.out = OutQueue(queue_limit)
         self.writer_lot = ParkingLot()  # the writer waits here for packets
@@ -100,8 +103,6 @@ class Broker:
         self.accounts = UserAccounts(limits or Limits())
         self.connections: set[Connection] = set()
         self._ids = itertools.count(1)
-        self._buf = bytearray(max_message + 1)  # shared: a packet is copied out before any await
-        self._view = memoryview(self._buf)
         # counters (read by STATUS= and monitoring)
         self.published = 0
         self.delivered = 0
@@ -174,6 +175,7 @@ class Broker:
         self.connections.discard(conn)
         conn.out.clear()
         conn.paused.unpark_all()
+        conn.fd = -1
         conn.sock.close()
         log.debug("%r disconnected", conn)
 
@@ -198,31 +200,31 @@ class Broker:
 
     async def _reader(self, conn: Connection) -> None:
         sock = conn.sock
-        recv_into = sock.recv_into
-        view = self._view
+        fd = conn.fd
+        read = os.read
         max_message = self.max_message
+        bufsize = max_message + 1  # one more, to see an oversized packet (the kernel truncates)
         route = self.index.match
         cache = self.index._cache
         while True:
             await wait_readable(sock)
             for _ in range(READ_BATCH):
                 try:
-                    n = recv_into(self._buf)
+                    packet = read(fd, bufsize)
                 except BlockingIOError:
                     break
                 except OSError as exc:
                     if not conn.closed:
                         log.info("%r: read failed: %s", conn, exc)
                     return
-                if n == 0:
+                if not packet:
                     if _at_eof(sock):
                         return
                     self.complain(conn, "packet ignored: empty packet")
                     continue
-                if n > max_message:
+                if len(packet) > max_message:
                     self.complain(conn, f"packet over the {max_message}-byte limit ignored")
                     continue
-                packet = view[:n].tobytes()
                 if packet[:4] == b"MSG ":
                     nul = packet.find(b"\0", 4)
                     if nul >= 0:
@@ -254,10 +256,11 @@ class Broker:
         """Hand *packet* to every target; return the targets that ask the publisher to wait."""
         blocked = None
         sent = 0
+        write = os.write
         for t in targets:
             if not t.out.items:
                 try:
-                    t.send(packet)
+                    write(t.fd, packet)
                     sent += 1
                     continue
                 except BlockingIOError:
@@ -353,7 +356,7 @@ class Broker:
         """Send the broker's own packet to *conn*, whatever its flood policy."""
         if not conn.out.items:
             try:
-                conn.send(packet)
+                os.write(conn.fd, packet)
                 return
             except BlockingIOError:
                 pass
@@ -368,7 +371,7 @@ class Broker:
     async def _writer(self, conn: Connection) -> None:
         """Send what waits in *conn*'s queue as the kernel takes it; report drops."""
         out = conn.out
-        send = conn.send
+        write = os.write
         while True:
             if not out.items and not out.dropped:
                 await conn.writer_lot.park()
@@ -377,13 +380,13 @@ class Broker:
             try:
                 while out.items:
                     try:
-                        send(out.peek())
+                        write(conn.fd, out.peek())
                     except BlockingIOError:
                         break
                     out.pop()
                     self.delivered += 1
                 if not out.items and out.dropped:
-                    send(DROPPED + b"%d" % out.dropped)
+                    write(conn.fd, DROPPED + b"%d" % out.dropped)
                     out.take_dropped()
             except BlockingIOError:
                 pass
