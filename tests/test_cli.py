@@ -1,0 +1,92 @@
+"""The sbus command line against a real broker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from conftest import SBUS
+
+from sbus import Client
+
+
+def sbus(*args: str, input: bytes | None = None, timeout: float = 20):
+    return subprocess.run([*SBUS, *args], input=input, capture_output=True, timeout=timeout)
+
+
+def test_pub_sub_lines_and_count(broker):
+    sub = subprocess.Popen([*SBUS, "sub", "--address", broker.address, "--count", "3", "t/*"],
+                           stdout=subprocess.PIPE)
+    # publish until the subscriber has seen three messages (it may start late)
+    with Client(broker.address) as pub:
+        for i in range(200):
+            pub.publish(b"t/%d" % i, b"payload %d\n" % i)
+            try:
+                out, _ = sub.communicate(timeout=0.05)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    lines = out.decode().splitlines()
+    assert len(lines) == 3 and sub.returncode == 0
+    first = int(lines[0].split()[0].split("/")[1])
+    assert lines == [f"t/{i} payload {i}" for i in range(first, first + 3)]
+
+
+def test_pub_from_stdin_and_lines(broker):
+    with Client(broker.address) as c:
+        c.subscribe(b"in")
+        c.whoami()
+        assert sbus("pub", "--address", broker.address, "in", input=b"all\nof it").returncode == 0
+        assert c.receive(timeout=5).payload == b"all\nof it"
+        sbus("pub", "--address", broker.address, "--lines", "in", input=b"one\ntwo\n")
+        assert [c.receive(timeout=5).payload for _ in range(2)] == [b"one", b"two"]
+        sbus("pub", "--address", broker.address, "in", "argument")
+        assert c.receive(timeout=5).payload == b"argument"
+
+
+def test_sub_json_and_raw(broker):
+    for fmt, check in [
+        ("json", lambda out: [json.loads(line) for line in out.splitlines()] == [
+            {"key": "j", "payload": "text"}, {"key": "j", "payload_base64": "/wA="}]),
+        ("raw", lambda out: out == b"text\xff\0"),
+    ]:
+        sub = subprocess.Popen([*SBUS, "sub", "--address", broker.address, "--count", "2",
+                                "--format", fmt, "j"], stdout=subprocess.PIPE)
+        with Client(broker.address) as pub, Client(broker.address) as probe:
+            probe.subscribe(b"j")  # once the probe sees a message the CLI's SUB is older
+            while True:
+                pub.publish(b"warmup", b"")
+                probe.publish(b"sync", b"")
+                if sub.poll() is None:
+                    break
+            # the subscriber may not be subscribed yet: retry until two arrive
+            for _ in range(100):
+                pub.publish(b"j", b"text")
+                pub.publish(b"j", b"\xff\0")
+                try:
+                    out, _ = sub.communicate(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+        assert check(out), out
+
+
+def test_whoami(broker):
+    r = sbus("whoami", "--address", broker.address)
+    assert r.returncode == 0
+    assert r.stdout.startswith(b"!/cred/0/0/")
+
+
+def test_no_broker_one_clear_line(short_tmp):
+    missing = str(short_tmp / "none.sock")
+    for args in (["pub", "k", "v"], ["sub", "k"], ["whoami"]):
+        r = sbus(*args, "--address", missing)
+        err = r.stderr.decode()
+        assert r.returncode == 1
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert missing in err and "sbus serve" in err
+
+
+def test_address_from_environment(broker, monkeypatch):
+    monkeypatch.setenv("SBUS_ADDRESS", broker.address)
+    assert sbus("whoami").returncode == 0

@@ -1,0 +1,148 @@
+"""The client library against a real broker: blocking, trio and asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import socket
+
+import pytest
+import trio
+
+from sbus import AsyncClient, Client, ConnectError, Control, Publish, SbusError
+from sbus.keys import Credentials
+
+
+def test_publish_subscribe_receive(broker):
+    with Client(broker.address) as sub, Client(broker.address) as pub:
+        sub.subscribe("news/*")
+        sub.whoami()  # round trip: the subscription is in place
+        pub.publish("news/today", b"\0binary\xff")
+        pub.publish(b"other", b"no")
+        assert sub.receive(timeout=5) == Publish(b"news/today", b"\0binary\xff")
+        with pytest.raises(TimeoutError):
+            sub.receive(timeout=0.2)
+
+
+def test_whoami_is_real_credentials_and_keeps_messages(broker):
+    with Client(broker.address) as c:
+        c.subscribe(b"self")
+        c.publish(b"self", b"before whoami")
+        assert c.credentials() == Credentials(os.getgid(), os.getuid(), os.getpid())
+        assert c.receive(timeout=5) == Publish(b"self", b"before whoami")  # not lost
+
+
+def test_fileno_works_with_select_and_flags_pass_through(broker):
+    with Client(broker.address) as c:
+        c.subscribe(b"k")
+        c.whoami()
+        assert select.select([c], [], [], 0.1)[0] == []
+        c.publish(b"k", b"v", flags=socket.MSG_DONTWAIT)
+        assert select.select([c], [], [], 5)[0] == [c]
+        assert c.recv_packet(socket.MSG_PEEK) == b"MSG k\0v"  # peeked, still there
+        assert list(c.receive_ready()) == [Publish(b"k", b"v")]
+        with pytest.raises(BlockingIOError):
+            c.recv_packet(socket.MSG_DONTWAIT)
+
+
+def test_iteration_skips_control_messages(make_broker):
+    broker = make_broker("--queue-limit", "1k")
+    with Client(broker.address) as c, Client(broker.address) as pub:
+        c.subscribe(b"k")
+        c.set_flood(soft="discard")
+        c.whoami()
+        for i in range(3000):
+            pub.publish(b"k", b"%d" % i)
+        pub.whoami()
+        events = c.receive_ready(limit=10000)
+        assert any(isinstance(e, Control) and e.key == b"blocking/dropped" for e in events)
+        c.publish(b"k", b"last")
+        for msg in c:
+            assert isinstance(msg, Publish)
+            if msg.payload == b"last":
+                break
+
+
+def test_connect_error_names_address(short_tmp):
+    missing = str(short_tmp / "nobody.sock")
+    with pytest.raises(ConnectError, match=f"cannot connect to the sbus broker at {missing}"):
+        Client(missing)
+
+
+def test_closed_connection_is_an_error(broker):
+    c = Client(broker.address)
+    broker.stop()
+    with pytest.raises(SbusError, match="closed the connection"):
+        c.receive(timeout=5)
+
+
+async def _roundtrip(address: str) -> list:
+    async with await AsyncClient.connect(address) as sub:
+        await sub.subscribe("a/")
+        await sub.set_flood(hard="block")
+        who = await sub.whoami()
+        async with await AsyncClient.connect(address) as pub:
+            for i in range(50):
+                await pub.publish("a/%d" % i, b"x" * i)
+        got = []
+        async for msg in sub:
+            got.append(msg)
+            if len(got) == 50:
+                break
+        return [who, got]
+
+
+def test_async_client_under_trio(broker):
+    who, got = trio.run(_roundtrip, broker.address)
+    assert who == Credentials(os.getgid(), os.getuid(), os.getpid()).path()
+    assert got == [Publish(b"a/%d" % i, b"x" * i) for i in range(50)]
+
+
+def test_async_client_under_asyncio(broker):
+    who, got = asyncio.run(_roundtrip(broker.address))
+    assert got == [Publish(b"a/%d" % i, b"x" * i) for i in range(50)]
+
+
+def _party_b(address: str) -> None:
+    """B, in its own process: answers A's proof of identity as the protocol text shows."""
+    code = 1
+    try:
+        with Client(address) as b:
+            b.subscribe(b"!/cred////")
+            b.subscribe(b"hello")
+            b_cred = b.whoami()
+            a_cred = b.receive(timeout=10).payload  # A sent its credentials
+            b.publish(a_cred + b"/from-b", b_cred)  # B: B's credentials, private to A
+            challenge = b.receive(timeout=10)  # A: random message private to B
+            while challenge.key == b"hello":  # A may have said hello more than once
+                challenge = b.receive(timeout=10)
+            assert challenge.key == b_cred + b"/challenge"
+            b.publish(a_cred + b"/answer", challenge.payload)  # B: send it back, private to A
+            code = 0
+    finally:
+        os._exit(code)
+
+
+def test_identity_proof_from_the_protocol_text(broker):
+    """Two processes prove their identities to each other with private keys."""
+    with Client(broker.address) as a, Client(broker.address) as probe:
+        a.subscribe(b"!/cred////")
+        a_cred = a.whoami()
+        pid = os.fork()
+        if pid == 0:
+            _party_b(broker.address)
+        probe.subscribe(b"hello")
+        for _ in range(200):  # until B is subscribed to hello (it starts late)
+            a.publish(b"hello", a_cred)
+            msg = a.receive(timeout=0.05) if select.select([a], [], [], 0.05)[0] else None
+            if msg is not None:
+                break
+        assert msg.key == a_cred + b"/from-b"
+        b_cred = msg.payload
+        assert Credentials.parse(b_cred).pid == pid  # B's kernel-verified identity
+        nonce = os.urandom(16)
+        a.publish(b_cred + b"/challenge", nonce)
+        assert a.receive(timeout=10) == Publish(a_cred + b"/answer", nonce)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0
