@@ -84,7 +84,7 @@ async def _roundtrip(address: str) -> list:
         who = await sub.whoami()
         async with await AsyncClient.connect(address) as pub:
             for i in range(50):
-                await pub.publish("a/%d" % i, b"x" * i)
+                await pub.publish(f"a/{i}", b"x" * i)
         got = []
         async for msg in sub:
             got.append(msg)
