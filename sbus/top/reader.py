@@ -1,10 +1,9 @@
 """Reading the bus for ``sbus-top``: one trio task that feeds the model, reconnecting forever.
 
 Reading comes first: the client's socket is drained in batches of raw packets
-(non-blocking ``recv_into`` until it would block, like ``AsyncClient.receive_batch``
-but without building an event per message) and each packet is counted with a few
-dict updates; the task yields to the scheduler once per batch so the screen gets
-drawn — the screen never makes the reader wait longer than one redraw.
+(``AsyncClient.receive_packets``: no event object per message) and each packet is
+counted with a few dict updates; the task yields to the scheduler once per batch so
+the screen gets drawn — the screen never makes the reader wait longer than one redraw.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from ..client import RECV_BUFFER, AsyncClient, SbusError
+from ..client import AsyncClient, SbusError
 from ..protocol import WHOAMI
 from .model import TrafficModel
 
@@ -39,7 +38,6 @@ class Reader:
         self.retry = retry
         self.clock = clock
         self.connects = 0
-        self._buf = bytearray(RECV_BUFFER)
 
     async def connect(self) -> AsyncClient:
         """One attempt: connect, subscribe, and ask whoami, whose answer (seen by the
@@ -86,36 +84,11 @@ class Reader:
     async def _pump(self, bus: AsyncClient, subscribed: Callable[[], None]) -> None:
         """Drain the socket in batches into the model; calls *subscribed* when the broker
         answers whoami."""
-        sock, buf = bus.sock, self._buf
-        view = memoryview(buf)
-        recv_into, feed, clock = sock.recv_into, self.model.feed_packets, self.clock
-        wait_readable, checkpoint = trio.lowlevel.wait_readable, trio.lowlevel.checkpoint
+        feed, clock = self.model.feed_packets, self.clock
         while True:
-            packets: list[bytes] = []
-            closed = False
-            while len(packets) < BATCH:
-                try:
-                    n = recv_into(buf)
-                except BlockingIOError:
-                    break
-                except OSError as exc:
-                    raise SbusError(f"receiving from the broker at {bus.address} failed: "
-                                    f"{exc.strerror or exc}") from None
-                if n == 0:
-                    closed = True
-                    break
-                packets.append(view[:n].tobytes())
-            if packets:
-                for ev in feed(packets, clock()):
-                    if ev.key == WHOAMI:
-                        subscribed()
-            if closed:
-                raise SbusError(f"the broker at {bus.address} closed the connection")
-            if len(packets) < BATCH:
-                await wait_readable(sock)
-            else:
-                # Packets keep coming: still let the screen have its turn.
-                await checkpoint()
+            for ev in feed(await bus.receive_packets(BATCH), clock()):
+                if ev.key == WHOAMI:
+                    subscribed()
 
 
 async def tick_forever(model: TrafficModel, interval: float = 1.0,
