@@ -4,14 +4,17 @@ sink that publishes onto a bus.
 Options (reads): ``path`` (the journal directory, or ``load(DIR)``), ``pattern`` (a routing
 pattern; only matching keys are returned, filtered inside the reader; ``patternHex`` gives
 it as hex bytes, for patterns that are not UTF-8),
-``maxPartitionBytes`` (split size, default 16M), ``verify`` (check block CRCs, default
-true); streaming also ``maxRowsPerTrigger`` and ``startingOffsets`` (earliest | latest).
+``maxPartitionBytes`` (split size, default 128M), ``minPartitions`` (split a read into at
+least this many partitions when there are enough blocks; default: the planning machine's CPU
+count), ``verify`` (check block CRCs, default true); streaming also ``maxRowsPerTrigger``
+and ``startingOffsets`` (earliest | latest).
 Sink options: see `sbus.spark.sink`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 
 from pyspark.sql.datasource import (
@@ -88,6 +91,18 @@ def journal_view(directory: str, cache: dict | None = None) -> View:
     return view
 
 
+END = Offset(2**62, 0)
+
+
+def split_size(view: View, opts: _Options, start: Offset = START, end: Offset = END) -> int:
+    """Bytes per partition: at most maxPartitionBytes, and small enough that the range makes
+    at least minPartitions partitions (Python tasks have a fixed start-up cost, so fewer,
+    larger partitions are faster, but every core should get one)."""
+    total = sum(b.size for seg, blocks in view for b in blocks
+                if start <= Offset(seg, b.pos) < end)
+    return max(1, min(opts.max_bytes, -(-total // opts.min_partitions)))
+
+
 class _Options:
     def __init__(self, options) -> None:
         self.path = options.get("path")
@@ -100,7 +115,10 @@ class _Options:
                 self.pattern = bytes.fromhex(options["patternHex"])
             except ValueError:
                 raise ValueError("patternHex must be hexadecimal bytes, e.g. 'fffe2f'") from None
-        self.max_bytes = parse_size(options.get("maxPartitionBytes", "16M"))
+        self.max_bytes = parse_size(options.get("maxPartitionBytes", "128M"))
+        self.min_partitions = int(options.get("minPartitions", os.cpu_count() or 1))
+        if self.max_bytes <= 0 or self.min_partitions <= 0:
+            raise ValueError("maxPartitionBytes and minPartitions must be positive")
         self.verify = _bool(options.get("verify"), True)
         mrt = options.get("maxRowsPerTrigger")
         self.max_rows = None if mrt is None else int(mrt)
@@ -148,8 +166,8 @@ class BatchReader(DataSourceReader):
             view = journal_view(self.opts.path)
         except JournalError as exc:
             raise ValueError(str(exc)) from None
-        end = Offset(2**62, 0)
-        return [RangePartition(r) for r in plan(view, START, end, self.opts.max_bytes)]
+        return [RangePartition(r)
+                for r in plan(view, START, END, split_size(view, self.opts))]
 
     def read(self, partition: InputPartition) -> Iterator:
         rng = getattr(partition, "rng", None)
@@ -200,7 +218,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if view and s.segment and s.segment < view[0][0]:
             log.warning("journal segments before %d were removed (retention) before they "
                         "were read: rows lost", view[0][0])
-        return [RangePartition(r) for r in plan(view, s, e, self.opts.max_bytes)]
+        return [RangePartition(r) for r in plan(view, s, e, split_size(view, self.opts, s, e))]
 
     def read(self, partition: InputPartition) -> Iterator:
         return read_range(self.opts.path, partition.rng, self.names, self.opts.pattern,

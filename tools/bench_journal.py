@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Benchmarks of the Spark pipeline: the recorder against the broker's S1 rate, and batch
+reads of a recorded journal against ``spark.read.parquet`` of the same rows.
+
+    .venv/bin/python tools/bench_journal.py [--count 1000000] [--repeat 3] [--part all]
+
+Recorder: S1 is lg pub -> sbus broker -> lg sub (1 key); the recorder run replaces lg sub
+with ``sbus record ''``.  Broker on core 0, load (and recorder) on core 1, as in
+tools/bench.py.  The recorder's rate is records / (last - first receive time) taken from
+the journal itself, and every published message must be in the journal.
+
+Read: the journal the recorder wrote (COUNT messages with lg's 64-byte payloads) read
+with ``format("sbus")`` and, after copying the same rows to Parquet, with
+``spark.read.parquet``; two queries each: a full materialisation (``noop`` sink, every
+column) and a per-key aggregate (count, payload bytes).  Median of --repeat runs after
+one warm-up, embedded ``local[2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "bench"
+BIN = Path(os.environ.get("SBUS_BENCH_BIN", "/var/cache/sbus-bench"))
+PY = sys.executable
+
+
+def lg_binary() -> Path:
+    BIN.mkdir(parents=True, exist_ok=True)
+    src, exe = SHARED / "lg.c", BIN / "lg"
+    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
+        subprocess.run(["gcc", "-O2", "-o", str(exe), str(src)], check=True)
+    return exe
+
+
+def pinned(core: str, cmd: list) -> list:
+    return ["taskset", "-c", core, *cmd] if shutil.which("taskset") and os.cpu_count() > 1 \
+        else cmd
+
+
+def wait_socket(path: str) -> None:
+    for _ in range(200):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(path)
+            return
+        except OSError:
+            time.sleep(0.05)
+        finally:
+            s.close()
+    raise TimeoutError(path)
+
+
+class Broker:
+    def __init__(self, tmp: Path) -> None:
+        self.path = str(tmp / "b.sock")
+        self.proc = subprocess.Popen(pinned("0", [PY, "-m", "sbus.cli", "serve", "--address",
+                                                  self.path]),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     cwd=ROOT)
+        wait_socket(self.path)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(10)
+
+
+def publish(lg: Path, address: str, count: int) -> None:
+    subprocess.run(pinned("1", [str(lg), "pub", "-p", "sbus", "-a", f"unix:{address}", "-n", "1",
+                                "-K", "1", "-c", str(count), "-r", "0", "-T", "120"]),
+                   stdout=subprocess.DEVNULL, check=True)
+
+
+def s1_rate(lg: Path, tmp: Path, count: int) -> float:
+    broker = Broker(tmp)
+    try:
+        sub = subprocess.Popen(pinned("1", [str(lg), "sub", "-p", "sbus", "-a",
+                                            f"unix:{broker.path}", "-n", "1", "-K", "1", "-e",
+                                            str(count), "-T", "120", "-I", "1500"]),
+                               stdout=subprocess.PIPE, text=True)
+        assert sub.stdout.readline().strip() == "READY"
+        time.sleep(0.2)
+        publish(lg, broker.path, count)
+        result = json.loads(sub.stdout.readline())
+        sub.wait(10)
+        return result["rate"]
+    finally:
+        broker.stop()
+
+
+def recorder_rate(lg: Path, tmp: Path, count: int, journal: Path) -> dict:
+    from sbus.journal.store import list_segments, segment_blocks
+
+    shutil.rmtree(journal, ignore_errors=True)
+    broker = Broker(tmp)
+    try:
+        rec = subprocess.Popen(pinned("1", [PY, "-m", "sbus.cli", "record", "", "--dir",
+                                            str(journal), "--address", broker.path]),
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        assert "recording into" in rec.stderr.readline()
+        publish(lg, broker.path, count)
+        deadline = time.monotonic() + 120
+        blocks: list = []
+        while time.monotonic() < deadline:
+            blocks = [b for s in list_segments(journal) for b in segment_blocks(s)]
+            if sum(b.count for b in blocks) >= count:
+                break
+            time.sleep(0.2)
+        rec.send_signal(signal.SIGTERM)
+        tail = rec.stderr.read()
+        rec.wait(30)
+    finally:
+        broker.stop()
+    recorded = sum(b.count for b in blocks)
+    span = (max(b.max_ts for b in blocks) - min(b.min_ts for b in blocks)) / 1e9
+    return {"recorded": recorded, "rate": recorded / span, "dropped": "dropped" in tail}
+
+
+def spark_session():
+    os.environ["PYSPARK_PYTHON"] = PY
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    from pyspark.sql import SparkSession
+
+    import sbus.spark
+
+    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false")
+             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    sbus.spark.register(spark)
+    return spark
+
+
+def timed(fn, repeat: int) -> float:
+    fn()  # warm-up: Python workers, JIT
+    runs = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t)
+    return statistics.median(runs)
+
+
+def read_bench(journal: Path, tmp: Path, repeat: int) -> dict:
+    from pyspark.sql import functions as F
+
+    spark = spark_session()
+    sbus_df = spark.read.format("sbus").load(str(journal))
+    rows = sbus_df.count()
+    sbus_df.write.mode("overwrite").parquet(str(tmp / "copy.parquet"))
+    pq_df = spark.read.parquet(str(tmp / "copy.parquet"))
+    assert pq_df.count() == rows
+    out = {"rows": rows, "partitions": {"sbus": sbus_df.rdd.getNumPartitions(),
+                                        "parquet": pq_df.rdd.getNumPartitions()}}
+    for name, df in (("sbus", sbus_df), ("parquet", pq_df)):
+        out[name] = {
+            "noop": timed(lambda df=df: df.write.format("noop").mode("overwrite").save(),
+                          repeat),
+            "per_key": timed(lambda df=df: df.groupBy("key").agg(
+                F.count("*"), F.sum(F.length("payload"))).collect(), repeat),
+        }
+    spark.stop()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--count", type=int, default=1_000_000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--part", choices=["all", "recorder", "read"], default="all")
+    ap.add_argument("--journal", type=Path, default=None,
+                    help="keep the recorded journal here (default: a temporary directory)")
+    args = ap.parse_args()
+    lg = lg_binary()
+    tmp = Path(tempfile.mkdtemp(prefix="sbus-bj-", dir="/tmp"))
+    journal = args.journal or tmp / "journal"
+    try:
+        if args.part in ("all", "recorder"):
+            s1, rec = [], []
+            for _ in range(args.repeat):
+                s1.append(s1_rate(lg, tmp, args.count))
+                r = recorder_rate(lg, tmp, args.count, journal)
+                assert r["recorded"] == args.count, f"recorder lost messages: {r}"
+                rec.append(r["rate"])
+            print(f"\nRecorder vs broker S1 ({args.count:,} messages of 64 bytes, median of "
+                  f"{args.repeat}; load average {os.getloadavg()[0]:.1f})\n")
+            print("| run | msg/s | recorded | ratio to S1 |")
+            print("|---|---|---|---|")
+            m1, mr = statistics.median(s1), statistics.median(rec)
+            print(f"| broker S1 (lg sub) | {m1:,.0f} | - | 1.00 |")
+            print(f"| sbus record | {mr:,.0f} | {args.count:,} of {args.count:,} | "
+                  f"{mr / m1:.2f} |")
+        if args.part in ("all", "read"):
+            if not journal.exists():
+                r = recorder_rate(lg, tmp, args.count, journal)
+                assert r["recorded"] == args.count
+            res = read_bench(journal, tmp, args.repeat)
+            n = res["rows"]
+            print(f"\nBatch read of {n:,} recorded 64-byte messages, local[2], median of "
+                  f"{args.repeat} (partitions: sbus {res['partitions']['sbus']}, parquet "
+                  f"{res['partitions']['parquet']}; load average {os.getloadavg()[0]:.1f})\n")
+            print("| query | sbus s | sbus rows/s | parquet s | parquet rows/s | sbus / parquet |")
+            print("|---|---|---|---|---|---|")
+            for q, label in (("noop", "all columns (noop sink)"),
+                             ("per_key", "count + bytes per key")):
+                a, b = res["sbus"][q], res["parquet"][q]
+                print(f"| {label} | {a:.2f} | {n / a:,.0f} | {b:.2f} | {n / b:,.0f} | "
+                      f"{b / a:.2f}x |")
+    finally:
+        if args.journal is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
