@@ -166,10 +166,13 @@ def plot_traffic(traffic: list, path: Path, window: str) -> str | None:
     busiest = sorted(per_prefix, key=lambda p: -sum(per_prefix[p].values()))[:6]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     xs = sorted(totals)
-    ax.plot(xs, [totals[x] for x in xs], color="black", linewidth=2, label="all",
-            marker="o" if len(xs) < 30 else None)
+    marker = "o" if len(xs) < 30 else None
+    ax.plot(xs, [totals[x] for x in xs], color="black", linewidth=2, label="all", marker=marker)
     for p in busiest:
-        ax.plot(xs, [per_prefix[p].get(x, 0) for x in xs], label=p or "(empty)")
+        ax.plot(xs, [per_prefix[p].get(x, 0) for x in xs], label=p or "(empty)", marker=marker)
+    width = traffic[0]["window_end"] - traffic[0]["window_start"]
+    ax.set_xlim(xs[0] - width, xs[-1] + width)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("time (UTC)")
     ax.set_ylabel(f"messages per {window}")
     ax.set_title("sbus traffic over time")
