@@ -26,7 +26,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 from pyspark.sql.types import StructType
 
-from ..journal.format import BlockInfo
+from ..journal.format import FILE_HEAD, BlockInfo
 from ..journal.retention import parse_size
 from ..journal.store import JournalError, list_segments, segment_blocks
 from .arrow import COLUMNS, DEFAULT_SCHEMA, Range, pattern_bytes, read_range
@@ -78,7 +78,7 @@ def journal_view(directory: str, cache: dict | None = None) -> View:
             blocks = known[1]
         elif known is not None and not seg.sealed:
             old: list[BlockInfo] = known[1]
-            start = old[-1].end if old else 32
+            start = old[-1].end if old else FILE_HEAD.size
             blocks = old + segment_blocks(seg, start)
         else:
             blocks = segment_blocks(seg)
