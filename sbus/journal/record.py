@@ -14,10 +14,12 @@ import logging
 import os
 import select
 import signal
+import socket
 import sys
 import time
 
-from ..client import Client, SbusError
+from .. import protocol
+from ..client import RECV_BUFFER, Client, SbusError
 from ..protocol import Control, Publish
 from .retention import parse_duration, parse_size
 from .store import JournalError, JournalWriter
@@ -25,6 +27,7 @@ from .store import JournalError, JournalWriter
 log = logging.getLogger("sbus.record")
 
 DROPPED = b"blocking/dropped"
+BATCH = 8192  # packets per wake-up at most, so flushes and signals are never starved
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,25 +106,56 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper) -> int:
+    """Drain the socket after each wake-up and hand the batch to the writer.
+
+    This is `Client.receive_ready` with the parsing inlined: a ``MSG`` packet is split
+    with one ``find`` straight from the receive buffer, without an event object per
+    message (about 15% of the recorder's CPU per message); every other packet goes
+    through `protocol.parse` as usual."""
     sock = bus.sock
-    receive_ready = bus.receive_ready
+    recv_into = sock.recv_into
+    buf = bytearray(RECV_BUFFER)
+    view = memoryview(buf)
+    find = buf.find
+    dontwait = socket.MSG_DONTWAIT
     dropped = 0
     next_flush = time.monotonic() + interval
+    pending = bus.receive_ready(0)  # anything whoami() set aside
     while not stopper.stop:
         timeout = max(0.0, next_flush - time.monotonic())
-        if select.select([sock], [], [], timeout)[0]:
-            events = receive_ready(8192)
+        if pending or select.select([sock], [], [], timeout)[0]:
+            # Messages whoami() set aside arrived first.
+            keys = [ev.key for ev in pending if type(ev) is Publish]
+            payloads = [ev.payload for ev in pending if type(ev) is Publish]
+            others = [ev for ev in pending if type(ev) is not Publish]
+            pending = []
+            for _ in range(BATCH):
+                try:
+                    n = recv_into(buf, 0, dontwait)
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    raise SbusError(f"receiving from the broker at {bus.address} failed: "
+                                    f"{exc.strerror or exc}") from None
+                if n == 0:
+                    raise SbusError(f"the broker at {bus.address} closed the connection")
+                if buf.startswith(b"MSG "):
+                    z = find(b"\0", 4, n)
+                    if z > 0:
+                        keys.append(view[4:z].tobytes())
+                        payloads.append(view[z + 1:n].tobytes())
+                        continue
+                try:
+                    others.append(protocol.parse(view[:n].tobytes()))
+                except protocol.ProtocolError as exc:
+                    raise SbusError(f"broker at {bus.address} sent a malformed packet: "
+                                    f"{exc}") from None
             ts = time.time_ns()
-            keys = []
-            payloads = []
-            for ev in events:
-                if type(ev) is Publish:
-                    keys.append(ev.key)
-                    payloads.append(ev.payload)
-                elif isinstance(ev, Control) and ev.key == DROPPED:
-                    n = int(ev.payload or b"0")
-                    dropped += n
-                    log.warning("broker dropped %d messages for the recorder", n)
+            for ev in others:
+                if isinstance(ev, Control) and ev.key == DROPPED:
+                    count = int(ev.payload or b"0")
+                    dropped += count
+                    log.warning("broker dropped %d messages for the recorder", count)
             writer.append(ts, keys, payloads)
         now = time.monotonic()
         if now >= next_flush:
