@@ -45,6 +45,31 @@ _ucred = struct.Struct("3i")
 _HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
 
 
+def _spare_fd() -> int:
+    return os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _refuse_one(listener: socket.socket, spare: int) -> tuple[bool, int]:
+    """At the descriptor limit: use the spare to accept one client and hang up on it.
+
+    Returns whether a client was waiting (Linux reports EMFILE before it looks at the
+    backlog, so an empty backlog looks the same as a full one until we try) and the
+    new spare descriptor.
+    """
+    if spare >= 0:
+        os.close(spare)
+    try:
+        sock, _ = listener.accept()
+        sock.close()
+        waiting = True
+    except OSError:
+        waiting = False
+    try:
+        return waiting, _spare_fd()
+    except OSError:
+        return waiting, -1  # someone took it meanwhile: try again at the next refusal
+
+
 def _at_eof(sock: socket.socket) -> bool:
     """After a 0-byte read: did the peer hang up, or send an empty packet?"""
     poller = select.poll()
@@ -112,29 +137,53 @@ class Broker:
     # -- accepting -----------------------------------------------------------
 
     async def serve(self, listener: socket.socket, *, task_status=trio.TASK_STATUS_IGNORED):
-        """Accept clients on *listener* (a listening SEQPACKET socket) until cancelled."""
+        """Accept clients on *listener* (a listening SEQPACKET socket) until cancelled.
+
+        Out of file descriptors, the broker keeps serving its clients and refuses new
+        ones at once: it frees a spare descriptor kept for this, accepts, closes (the
+        client reads end-of-file instead of hanging in the backlog) and takes the spare
+        back.  One log line per episode, not one per refusal.
+        """
         listener.setblocking(False)
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            while True:
-                await wait_readable(listener)
+        spare = _spare_fd()
+        exhausted, refused = False, 0
+        try:
+            async with trio.open_nursery() as nursery:
+                task_status.started()
                 while True:
-                    try:
-                        sock, _ = listener.accept()
-                    except BlockingIOError:
-                        break
-                    except OSError as exc:
-                        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                            log.error("cannot accept a client: %s; existing clients are served, "
-                                      "retrying in 0.1 s", exc)
-                            await trio.sleep(0.1)
+                    await wait_readable(listener)
+                    while True:
+                        try:
+                            sock, _ = listener.accept()
+                        except BlockingIOError:
                             break
-                        if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
-                            continue
-                        raise
-                    conn = self._admit(sock)
-                    if conn is not None:
-                        nursery.start_soon(self._serve_client, conn)
+                        except OSError as exc:
+                            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                                if not exhausted:
+                                    exhausted = True
+                                    log.error("out of file descriptors (%s): refusing new "
+                                              "clients, serving the %d connected", exc.strerror,
+                                              len(self.connections))
+                                waiting, spare = _refuse_one(listener, spare)
+                                if not waiting:
+                                    break
+                                refused += 1
+                                continue
+                            if exc.errno in (errno.ENOBUFS, errno.ENOMEM):
+                                await trio.sleep(0.1)  # memory pressure: the backlog waits
+                                break
+                            if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
+                                continue
+                            raise
+                        if exhausted:
+                            log.warning("accepting clients again after refusing %d", refused)
+                            exhausted, refused = False, 0
+                        conn = self._admit(sock)
+                        if conn is not None:
+                            nursery.start_soon(self._serve_client, conn)
+        finally:
+            if spare >= 0:
+                os.close(spare)
 
     def _admit(self, sock: socket.socket) -> Connection | None:
         sock.setblocking(False)

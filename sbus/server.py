@@ -103,8 +103,11 @@ async def _report(broker: Broker) -> None:
         now = time.monotonic()
         rate = (broker.published - last) / (now - last_t)
         last, last_t = broker.published, now
-        daemon.notify(f"STATUS={broker.status()}, {rate:.0f} msg/s"
-                      + ("\nWATCHDOG=1" if interval else ""))
+        try:
+            daemon.notify(f"STATUS={broker.status()}, {rate:.0f} msg/s"
+                          + ("\nWATCHDOG=1" if interval else ""))
+        except OSError as exc:  # e.g. out of descriptors: reporting must not stop the bus
+            log.warning("cannot notify systemd: %s", exc)
 
 
 async def run(

@@ -114,6 +114,8 @@ def sync(s: socket.socket) -> None:
     s.send(b"CMSG !/cred/whoami")
     while True:
         p = s.recv(1 << 20)
+        if not p:
+            raise ConnectionError("the broker closed the connection")
         if p.startswith(b"CMSG !/cred/whoami\0"):
             return
 
