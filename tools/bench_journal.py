@@ -13,7 +13,7 @@ Read: the journal the recorder wrote (COUNT messages with lg's 64-byte payloads)
 with ``format("sbus")`` and, after copying the same rows to Parquet, with
 ``spark.read.parquet``; two queries each: a full materialisation (``noop`` sink, every
 column) and a per-key aggregate (count, payload bytes).  Median of --repeat runs after
-one warm-up, embedded ``local[2]``.
+one warm-up, embedded ``local[2]``; the queries alternate within each round.
 """
 
 from __future__ import annotations
@@ -144,14 +144,18 @@ def spark_session():
     return spark
 
 
-def timed(fn, repeat: int) -> float:
-    fn()  # warm-up: Python workers, JIT
-    runs = []
+def interleaved(cases: dict, repeat: int) -> dict:
+    """Median seconds per case; the cases alternate in every round, so a machine whose load
+    drifts (shared CI hosts) slows them alike and the ratios stay meaningful."""
+    for fn in cases.values():
+        fn()  # warm-up: Python workers, JIT
+    runs: dict = {name: [] for name in cases}
     for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs)
+        for name, fn in cases.items():
+            t = time.perf_counter()
+            fn()
+            runs[name].append(time.perf_counter() - t)
+    return {name: statistics.median(r) for name, r in runs.items()}
 
 
 def read_bench(journal: Path, tmp: Path, repeat: int) -> dict:
@@ -163,21 +167,24 @@ def read_bench(journal: Path, tmp: Path, repeat: int) -> dict:
     sbus_df.write.mode("overwrite").parquet(str(tmp / "copy.parquet"))
     pq_df = spark.read.parquet(str(tmp / "copy.parquet"))
     assert pq_df.count() == rows
-    out = {"rows": rows, "partitions": {"sbus": sbus_df.rdd.getNumPartitions(),
-                                        "parquet": pq_df.rdd.getNumPartitions()}}
+    # The Python source cannot prune columns itself; a schema naming only the needed ones does.
+    narrow = spark.read.format("sbus").schema("key string, payload binary").load(str(journal))
+
+    def noop(df):
+        return lambda: df.write.format("noop").mode("overwrite").save()
+
     def per_key(df):
         return lambda: df.groupBy("key").agg(F.count("*"), F.sum(F.length("payload"))).collect()
 
-    for name, df in (("sbus", sbus_df), ("parquet", pq_df)):
-        out[name] = {
-            "noop": timed(lambda df=df: df.write.format("noop").mode("overwrite").save(),
-                          repeat),
-            "per_key": timed(per_key(df), repeat),
-        }
-    # The Python source cannot prune columns itself; a schema naming only the needed ones does.
-    narrow = spark.read.format("sbus").schema("key string, payload binary").load(str(journal))
-    out["sbus"]["per_key_narrow"] = timed(per_key(narrow), repeat)
-    out["parquet"]["per_key_narrow"] = out["parquet"]["per_key"]
+    t = interleaved({("sbus", "noop"): noop(sbus_df), ("parquet", "noop"): noop(pq_df),
+                     ("sbus", "per_key"): per_key(sbus_df),
+                     ("parquet", "per_key"): per_key(pq_df),
+                     ("sbus", "per_key_narrow"): per_key(narrow)}, repeat)
+    t["parquet", "per_key_narrow"] = t["parquet", "per_key"]
+    out = {"rows": rows, "partitions": {"sbus": sbus_df.rdd.getNumPartitions(),
+                                        "parquet": pq_df.rdd.getNumPartitions()}}
+    for (src, q), secs in t.items():
+        out.setdefault(src, {})[q] = secs
     spark.stop()
     return out
 

@@ -65,8 +65,9 @@ def advance(view: View, start: Offset, max_rows: int | None = None,
 
 
 def plan(view: View, start: Offset, end: Offset, max_bytes: int) -> list[Range]:
-    """Ranges covering the rows in ``[start, end)``, one segment each, each about
-    *max_bytes* of blocks (a block is never split across ranges, except at the ends)."""
+    """Ranges covering the rows in ``[start, end)``, one segment each, each *max_bytes* of
+    blocks or a little more (whole blocks: a range ends with the block that reaches the
+    size; only the ends of ``[start, end)`` may cut a block)."""
     ranges: list[Range] = []
     for seg, blocks in view:
         if seg < start.segment or seg > end.segment:
@@ -83,11 +84,11 @@ def plan(view: View, start: Offset, end: Offset, max_bytes: int) -> list[Range]:
             hi = end.row if here == (end.segment, end.position) else b.count
             if hi <= lo:
                 continue
-            if group and size + b.size > max_bytes:
-                ranges.append(_range(seg, group))
-                group, size = [], 0
             group.append((b, lo, hi))
             size += b.size
+            if size >= max_bytes:
+                ranges.append(_range(seg, group))
+                group, size = [], 0
         if group:
             ranges.append(_range(seg, group))
     return ranges
