@@ -62,6 +62,14 @@ def _connect(address: str | None) -> tuple[str, socket.socket]:
     return address, sock
 
 
+def _failed(doing: str, address: str, exc: OSError) -> SbusError:
+    return SbusError(f"{doing} the broker at {address} failed: {exc.strerror or exc}")
+
+
+def _closed(address: str) -> SbusError:
+    return SbusError(f"the broker at {address} closed the connection")
+
+
 def _event(packet: bytes, address: str) -> Publish | Control:
     try:
         event = protocol.parse(packet)
@@ -104,8 +112,7 @@ class Client:
         try:
             self.sock.send(packet, flags)
         except OSError as exc:
-            raise SbusError(f"sending to the broker at {self.address} failed: "
-                            f"{exc.strerror or exc}") from None
+            raise _failed("sending to", self.address, exc) from None
 
     def subscribe(self, pattern: bytes | str, flags: int = 0) -> None:
         self.send_packet(protocol.encode(protocol.Subscribe(_b(pattern))), flags)
@@ -136,10 +143,9 @@ class Client:
         except (BlockingIOError, TimeoutError):
             raise
         except OSError as exc:
-            raise SbusError(f"receiving from the broker at {self.address} failed: "
-                            f"{exc.strerror or exc}") from None
+            raise _failed("receiving from", self.address, exc) from None
         if n == 0:
-            raise SbusError(f"the broker at {self.address} closed the connection")
+            raise _closed(self.address)
         return self._view[:n].tobytes()
 
     def receive(self, timeout: float | None = None, flags: int = 0) -> Publish | Control:
@@ -164,7 +170,7 @@ class Client:
             if n == 0:
                 if out:
                     break
-                raise SbusError(f"the broker at {self.address} closed the connection")
+                raise _closed(self.address)
             out.append(_event(view[:n].tobytes(), self.address))
         return out
 
@@ -238,8 +244,7 @@ class AsyncClient:
             except BlockingIOError:
                 await anyio.wait_writable(self.sock)
             except OSError as exc:
-                raise SbusError(f"sending to the broker at {self.address} failed: "
-                                f"{exc.strerror or exc}") from None
+                raise _failed("sending to", self.address, exc) from None
 
     async def subscribe(self, pattern: bytes | str) -> None:
         await self.send_packet(protocol.encode(protocol.Subscribe(_b(pattern))))
@@ -260,20 +265,8 @@ class AsyncClient:
             await self.send_packet(packet)
 
     async def recv_packet(self) -> bytes:
-        import anyio
-
-        while True:
-            try:
-                n = self.sock.recv_into(self._buf)
-            except BlockingIOError:
-                await anyio.wait_readable(self.sock)
-                continue
-            except OSError as exc:
-                raise SbusError(f"receiving from the broker at {self.address} failed: "
-                                f"{exc.strerror or exc}") from None
-            if n == 0:
-                raise SbusError(f"the broker at {self.address} closed the connection")
-            return self._view[:n].tobytes()
+        """One raw packet; raises `SbusError` when the broker closed the connection."""
+        return (await self.receive_packets(1))[0]
 
     async def receive(self) -> Publish | Control:
         if self._pending:
@@ -297,12 +290,11 @@ class AsyncClient:
                 except BlockingIOError:
                     break
                 except OSError as exc:
-                    raise SbusError(f"receiving from the broker at {self.address} failed: "
-                                    f"{exc.strerror or exc}") from None
+                    raise _failed("receiving from", self.address, exc) from None
                 if n == 0:
                     if out:
                         return out
-                    raise SbusError(f"the broker at {self.address} closed the connection")
+                    raise _closed(self.address)
                 out.append(view[:n].tobytes())
             if out:
                 await anyio.lowlevel.checkpoint()  # a busy bus must not starve other tasks
