@@ -15,6 +15,8 @@ import socket
 from collections import deque
 from collections.abc import Iterator
 
+import anyio
+
 from . import protocol
 from .keys import Credentials
 from .protocol import WHOAMI, Control, Publish
@@ -235,8 +237,6 @@ class AsyncClient:
         return cls(address, sock)
 
     async def send_packet(self, packet: bytes, flags: int = 0) -> None:
-        import anyio
-
         while True:
             try:
                 self.sock.send(packet, flags)
@@ -279,8 +279,6 @@ class AsyncClient:
         The cheapest way to keep up with a busy bus: no event objects, one wait per
         batch.  End of connection raises `SbusError` once the packets before it are taken.
         """
-        import anyio
-
         recv_into, buf, view = self.sock.recv_into, self._buf, self._view
         out: list[bytes] = []
         while True:
