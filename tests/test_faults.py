@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 
-import pytest
 from conftest import raw, sync, wait_for_socket
 from faultkit import SBUS, HeldSocket, open_fds, served
 
