@@ -90,7 +90,7 @@ def test_pattern_filter_in_reader(journal):
     end = advance(view, START)
     rows = []
     for rng in plan(view, START, end, 1 << 20):
-        for batch in read_range(journal, rng, ["key_bytes", "seq"], b"k/1"):
+        for batch in read_range(journal, rng, ["key", "seq", "key_bytes"], b"k/1", True):
             rows.extend(batch.to_pylist())
     assert [r["seq"] for r in rows] == list(range(2, TOTAL + 1, 4))
-    assert {r["key_bytes"] for r in rows} == {b"k/1"}
+    assert {(r["key"], r["key_bytes"]) for r in rows} == {("k/1", None)}

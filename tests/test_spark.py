@@ -91,6 +91,10 @@ def recorded(bus, tmp_path_factory, spark):
     return jdir, started, time.time()
 
 
+def exact_key(row) -> bytes:
+    return row.key_bytes if row.key_bytes is not None else row.key.encode()
+
+
 def test_batch_read_row_for_row(spark, recorded):
     jdir, t0, t1 = recorded
     assert len(list_segments(jdir)) > 2
@@ -98,7 +102,9 @@ def test_batch_read_row_for_row(spark, recorded):
     assert df.rdd.getNumPartitions() > 1
     assert [f.name for f in df.schema.fields] == ["key", "payload", "ts", "seq", "key_bytes"]
     rows = df.orderBy("seq").collect()
-    assert [(r.key_bytes, bytes(r.payload)) for r in rows] == EXPECTED
+    assert [(exact_key(r), bytes(r.payload)) for r in rows] == EXPECTED
+    # key_bytes carries only what key cannot: keys that are not UTF-8.
+    assert {r.key_bytes for r in rows} == {None, b"\xff\xfe/bin"}
     assert [r.seq for r in rows] == list(range(1, len(EXPECTED) + 1))
     assert {r.key for r in rows} == {k.decode("utf-8", "replace") for k in KEYS}
     assert all(t0 - 1 <= r.ts.timestamp() <= t1 + 1 for r in rows)
@@ -220,7 +226,8 @@ def test_sink_publishes_once_even_when_a_batch_is_replayed(spark, recorded, bus,
     def run_query():
         src = (spark.readStream.format("sbus").option("path", jdir)
                .option("maxRowsPerTrigger", "1000").load())
-        q = (src.select(F.concat(F.lit(b"out/"), "key_bytes").alias("key_bytes"), "payload")
+        q = (src.select(F.concat(F.lit("out/"), "key").alias("key"),
+                        F.concat(F.lit(b"out/"), "key_bytes").alias("key_bytes"), "payload")
              .writeStream.format("sbus").option("address", bus.address)
              .option("checkpointLocation", str(ck)).trigger(availableNow=True).start())
         q.awaitTermination(120)
@@ -273,7 +280,7 @@ def test_analyze_end_to_end(spark, recorded, tmp_path, capsys):
     assert analyze.run(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["messages"] == len(EXPECTED) and summary["keys"] == len(KEYS)
-    keys = {r.key_bytes: r for r in spark.read.parquet(str(out / "keys.parquet")).collect()}
+    keys = {exact_key(r): r for r in spark.read.parquet(str(out / "keys.parquet")).collect()}
     for k in KEYS:
         mine = [p for key, p in EXPECTED if key == k]
         sizes = sorted(map(len, mine))

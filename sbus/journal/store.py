@@ -139,13 +139,18 @@ def segment_blocks(segment: Segment, start: int = fmt.FILE_HEAD.size) -> list[Bl
 
 
 def read_blocks(directory: str | os.PathLike, first_seq: int, start: int, end: int,
-                verify: bool = True) -> Iterator[Block]:
+                verify: bool | None = None) -> Iterator[Block]:
     """Decoded blocks whose positions lie in ``[start, end)`` of the segment starting at
-    *first_seq*; *start* must be a block boundary.  FileNotFoundError if it is gone."""
+    *first_seq*; *start* must be a block boundary.  FileNotFoundError if it is gone.
+
+    *verify* checks each block's CRC; None (default) checks only in an open segment, where a
+    block may be half-written — a sealed one was fsynced before its rename."""
     seg = resolve(directory, first_seq)
     if seg is None:
         raise FileNotFoundError(f"journal segment {_name(first_seq)} no longer exists "
                                 f"in {directory} (removed by retention?)")
+    if verify is None:
+        verify = not seg.sealed
     with open(seg.path, "rb") as f:
         f.seek(start)
         pos = start

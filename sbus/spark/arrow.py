@@ -3,7 +3,8 @@
 A block is stored column-wise with Arrow's ``binary`` layout (int32 offsets + data), so
 the key and payload arrays are built on the bytes read, without a copy or a Python
 loop.  Keys that are not valid UTF-8 (rare) take a slow path: ``key`` gets U+FFFD for
-each bad byte sequence while ``key_bytes`` keeps the exact bytes.
+each bad byte sequence while ``key_bytes`` keeps the exact bytes; for every other key
+``key_bytes`` is null (``key`` is exact), which costs next to nothing to carry.
 """
 
 from __future__ import annotations
@@ -52,14 +53,25 @@ class Range:
     end_row: int
 
 
-def _keys_as_text(keys: pa.Array) -> pa.Array:
-    """UTF-8 view of binary keys; invalid sequences replaced, never an error."""
+def _key_columns(keys: pa.Array) -> tuple[pa.Array, pa.Array]:
+    """``(key, key_bytes)`` for binary keys.  Valid UTF-8 (the common case, one check for
+    the whole block): ``key`` is a zero-copy view and ``key_bytes`` all null.  Otherwise,
+    per row: invalid keys get U+FFFD in ``key`` and their exact bytes in ``key_bytes``."""
     text = keys.view(pa.string())
     try:
         text.validate(full=True)
-        return text
+        return text, pa.nulls(len(keys), pa.binary())
     except pa.ArrowInvalid:
-        return pa.array([k.decode("utf-8", "replace") for k in keys.to_pylist()], pa.string())
+        pass
+    out_text, out_bytes = [], []
+    for k in keys.to_pylist():
+        try:
+            out_text.append(k.decode())
+            out_bytes.append(None)
+        except UnicodeDecodeError:
+            out_text.append(k.decode("utf-8", "replace"))
+            out_bytes.append(k)
+    return pa.array(out_text, pa.string()), pa.array(out_bytes, pa.binary())
 
 
 def block_batch(block: Block, names: list[str], pattern: bytes | None = None,
@@ -71,12 +83,10 @@ def block_batch(block: Block, names: list[str], pattern: bytes | None = None,
     keys = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(block.key_offsets),
                                                   pa.py_buffer(block.keys)])
     cols: dict[str, pa.Array] = {}
+    if "key" in names or "key_bytes" in names:
+        cols["key"], cols["key_bytes"] = _key_columns(keys)
     for name in names:
-        if name == "key":
-            cols[name] = _keys_as_text(keys)
-        elif name == "key_bytes":
-            cols[name] = keys
-        elif name == "payload":
+        if name == "payload":
             cols[name] = pa.Array.from_buffers(
                 pa.binary(), n, [None, pa.py_buffer(block.payload_offsets),
                                  pa.py_buffer(block.payloads)])
@@ -104,7 +114,7 @@ def block_batch(block: Block, names: list[str], pattern: bytes | None = None,
 
 
 def read_range(directory: str, rng: Range, names: list[str], pattern: bytes | None = None,
-               verify: bool = True) -> Iterator[pa.RecordBatch]:
+               verify: bool | None = None) -> Iterator[pa.RecordBatch]:
     """Record batches for the rows of *rng* (see `Range`)."""
     stop = rng.end + (1 if rng.end_row else 0)  # include the block at `end` for its head rows
     pos = rng.start

@@ -6,8 +6,8 @@ pattern; only matching keys are returned, filtered inside the reader; ``patternH
 it as hex bytes, for patterns that are not UTF-8),
 ``maxPartitionBytes`` (split size, default 128M), ``minPartitions`` (split a read into at
 least this many partitions when there are enough blocks; default: the planning machine's CPU
-count), ``verify`` (check block CRCs, default true); streaming also ``maxRowsPerTrigger``
-and ``startingOffsets`` (earliest | latest).
+count), ``verify`` (check block CRCs: true, false; default: only in the open segment);
+streaming also ``maxRowsPerTrigger`` and ``startingOffsets`` (earliest | latest).
 Sink options: see `sbus.spark.sink`.
 """
 
@@ -119,7 +119,8 @@ class _Options:
         self.min_partitions = int(options.get("minPartitions", os.cpu_count() or 1))
         if self.max_bytes <= 0 or self.min_partitions <= 0:
             raise ValueError("maxPartitionBytes and minPartitions must be positive")
-        self.verify = _bool(options.get("verify"), True)
+        verify = options.get("verify")
+        self.verify = None if verify is None else _bool(verify, True)
         mrt = options.get("maxRowsPerTrigger")
         self.max_rows = None if mrt is None else int(mrt)
         if self.max_rows is not None and self.max_rows <= 0:
