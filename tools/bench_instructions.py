@@ -53,6 +53,8 @@ def count(tree: Path, subscribers: int, messages: int) -> int:
                 time.sleep(0.1)
                 continue
             s.send(b"SUB k.000")
+            s.send(b"CMSG !/cred/whoami")  # the reply means the SUB is in place
+            s.recv(4096)
             subs.append(s)
 
         pub = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
