@@ -144,18 +144,44 @@ def spark_session():
     return spark
 
 
+def tree_cpu() -> float:
+    """CPU seconds used so far by this process and all its descendants (the Spark JVM and
+    its Python workers, reaped ones included): less sensitive to a shared machine's load
+    than wall time."""
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(name))
+        cpu[int(name)] = sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += children.get(pid, [])
+    return total
+
+
 def interleaved(cases: dict, repeat: int) -> dict:
-    """Median seconds per case; the cases alternate in every round, so a machine whose load
-    drifts (shared CI hosts) slows them alike and the ratios stay meaningful."""
+    """Median (wall seconds, CPU seconds) per case; the cases alternate in every round, so a
+    machine whose load drifts (shared CI hosts) slows them alike."""
     for fn in cases.values():
         fn()  # warm-up: Python workers, JIT
-    runs: dict = {name: [] for name in cases}
+    runs: dict = {name: ([], []) for name in cases}
     for _ in range(repeat):
         for name, fn in cases.items():
-            t = time.perf_counter()
+            c, t = tree_cpu(), time.perf_counter()
             fn()
-            runs[name].append(time.perf_counter() - t)
-    return {name: statistics.median(r) for name, r in runs.items()}
+            runs[name][0].append(time.perf_counter() - t)
+            runs[name][1].append(tree_cpu() - c)
+    return {name: (statistics.median(w), statistics.median(c)) for name, (w, c) in runs.items()}
 
 
 def read_bench(journal: Path, tmp: Path, repeat: int) -> dict:
@@ -225,15 +251,16 @@ def main() -> int:
             print(f"\nBatch read of {n:,} recorded 64-byte messages, local[2], median of "
                   f"{args.repeat} (partitions: sbus {res['partitions']['sbus']}, parquet "
                   f"{res['partitions']['parquet']}; load average {os.getloadavg()[0]:.1f})\n")
-            print("| query | sbus s | sbus rows/s | parquet s | parquet rows/s | sbus / parquet |")
+            print("| query | sbus s (CPU s) | sbus rows/s | parquet s (CPU s) | parquet rows/s "
+                  "| sbus / parquet rows/s (by CPU) |")
             print("|---|---|---|---|---|---|")
             for q, label in (("noop", "read every column (noop sink)"),
                              ("per_key", "count + bytes per key"),
                              ("per_key_narrow", "same, sbus with .schema('key string, "
                                                 "payload binary')")):
-                a, b = res["sbus"][q], res["parquet"][q]
-                print(f"| {label} | {a:.2f} | {n / a:,.0f} | {b:.2f} | {n / b:,.0f} | "
-                      f"{b / a:.2f}x |")
+                (a, ac), (b, bc) = res["sbus"][q], res["parquet"][q]
+                print(f"| {label} | {a:.2f} ({ac:.2f}) | {n / a:,.0f} | {b:.2f} ({bc:.2f}) | "
+                      f"{n / b:,.0f} | {b / a:.2f}x ({bc / ac:.2f}x) |")
     finally:
         if args.journal is None:
             shutil.rmtree(tmp, ignore_errors=True)
