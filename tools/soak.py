@@ -463,8 +463,12 @@ def run_phase(broker: Broker, duration: float, args, seed: int) -> tuple[Counter
     return total, problems, samples
 
 
-def settle(broker: Broker, timeout: float = 20.0) -> None:
-    """Wait until the broker reports no clients (STATUS= comes every 2 s)."""
+def settle(broker: Broker, problems: list[str], timeout: float = 120.0) -> None:
+    """Wait until the broker reports no clients (STATUS= comes every 2 s).
+
+    Under load the broker may still be working through what departed clients left
+    in their sockets; that is slow, not wrong, so only a long wait is a problem.
+    """
     deadline = time.monotonic() + timeout
     broker.status.pop("clients", None)
     while time.monotonic() < deadline:
@@ -472,7 +476,8 @@ def settle(broker: Broker, timeout: float = 20.0) -> None:
         if broker.status.get("clients") == 0:
             return
         time.sleep(0.1)
-    raise SystemExit(f"soak: clients still connected after {timeout} s: {broker.status}")
+    problems.append(f"clients still connected {timeout:.0f} s after they all left: "
+                    f"{broker.status}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -513,7 +518,7 @@ def _soak(broker: Broker, args) -> int:
     cycle = min(60.0, args.duration / 3)
     cycles = max(2, round(args.duration / cycle) - 1)
     _, problems, _ = run_phase(broker, cycle, args, args.seed)
-    settle(broker)
+    settle(broker, problems)
     time.sleep(0.5)
     baseline = broker.rss_kib()
     published_before = broker.status.get("published", 0)
@@ -528,7 +533,7 @@ def _soak(broker: Broker, args) -> int:
         problems += more
         for k, v in more_samples.items():
             samples[k] = max(samples[k], v)
-        settle(broker)
+        settle(broker, problems)
         time.sleep(0.5)
         rss_after_cycles.append(broker.rss_kib())
     elapsed = time.monotonic() - t0
