@@ -5,6 +5,8 @@ large batches after each readiness wake-up, one receive time per batch, records 
 into blocks of about a megabyte.  The broker is asked for soft *queue* mode so bursts are
 queued for us rather than dropped.  A block is written (to the OS) at least every
 ``--flush`` seconds, so ``kill -9`` loses at most that much; SIGTERM/SIGINT flush and seal.
+If the broker goes away the recorder reconnects and re-subscribes; a journal write that
+fails (disk full) ends it with one line, leaving what was written readable.
 """
 
 from __future__ import annotations
@@ -72,6 +74,41 @@ class _Stopper:
         self.stop = True
 
 
+def _connect(args: argparse.Namespace) -> Client:
+    bus = Client(args.address)
+    try:
+        bus.set_flood(soft="queue")
+        for pattern in args.patterns:
+            bus.subscribe(os.fsencode(pattern))
+        bus.whoami()  # round trip: the subscriptions are in place from here on
+    except BaseException:
+        bus.close()
+        raise
+    return bus
+
+
+def _reconnect(args: argparse.Namespace, writer: JournalWriter, stopper: _Stopper,
+               reason: str) -> Client | None:
+    """After the broker went away: flush, then retry (backing off to 1 s) until it is back
+    or we are told to stop.  Messages published meanwhile are not recorded (the bus keeps
+    nothing); the sequence numbers simply continue."""
+    log.warning("%s; reconnecting", reason)
+    print(f"sbus record: {reason}; reconnecting", file=sys.stderr, flush=True)
+    writer.flush()
+    delay = 0.05
+    while not stopper.stop:
+        try:
+            bus = _connect(args)
+        except SbusError:
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+            writer.tick()
+            continue
+        print("sbus record: reconnected", file=sys.stderr, flush=True)
+        return bus
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     options = _options(args)
     if args.flush <= 0:
@@ -85,19 +122,32 @@ def run(args: argparse.Namespace) -> int:
     first_seq = writer.next_seq
     stopper = _Stopper()
     old = {s: signal.signal(s, stopper) for s in (signal.SIGTERM, signal.SIGINT)}
+    failure: OSError | None = None
     try:
-        with Client(args.address) as bus:
-            bus.set_flood(soft="queue")
-            for pattern in args.patterns:
-                bus.subscribe(os.fsencode(pattern))
-            bus.whoami()  # round trip: the subscriptions are in place from here on
-            print(f"sbus record: recording into {args.dir} from seq {first_seq}",
-                  file=sys.stderr, flush=True)
-            dropped = _loop(bus, writer, args.flush, stopper)
+        bus: Client | None = _connect(args)  # the first connection must work: fail fast
+        print(f"sbus record: recording into {args.dir} from seq {first_seq}",
+              file=sys.stderr, flush=True)
+        while bus is not None:
+            try:
+                dropped += _loop(bus, writer, args.flush, stopper)
+                bus.close()
+                bus = None
+            except SbusError as exc:  # the broker went away (EOF, reset): come back
+                bus.close()
+                bus = _reconnect(args, writer, stopper, str(exc))
+    except OSError as exc:  # the journal's disk: full, read-only, gone
+        failure = exc
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        writer.close()
+        try:
+            writer.close()
+        except OSError as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise SbusError(f"writing the journal in {args.dir} failed: "
+                        f"{failure.strerror or failure}; the records written before are intact "
+                        "(a restarted sbus record seals them)") from None
     took = time.monotonic() - started
     n = writer.next_seq - first_seq
     print(f"sbus record: {n} messages in {took:.1f} s (seq {first_seq}..{writer.next_seq - 1})"

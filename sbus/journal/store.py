@@ -277,8 +277,12 @@ class JournalWriter:
         info = BlockInfo(self._seg_size, self.next_seq, len(self._keys), min(self._ts),
                          max(self._ts), len(data))
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            self._cut_back()  # no torn block left behind for the index to point past
+            raise
         self._blocks.append(info)
         self._seg_size += len(data)
         self.next_seq += info.count
@@ -287,6 +291,14 @@ class JournalWriter:
         self._pending_bytes = 0
         if self._seg_size >= self.segment_bytes:
             self.seal()
+
+    def _cut_back(self) -> None:
+        """Truncate the open segment to its last whole block after a failed write."""
+        try:
+            os.ftruncate(self._fd, self._seg_size)
+            os.lseek(self._fd, self._seg_size, os.SEEK_SET)
+        except OSError:
+            pass  # recovery cuts the torn tail instead
 
     def tick(self, now: float | None = None) -> None:
         """Time-based rotation: seal the open segment once it is old enough."""
@@ -310,12 +322,17 @@ class JournalWriter:
         """Append the index, fsync, and rename the open segment to its final name."""
         if self._fd is None:
             return
-        fd, self._fd = self._fd, None
         try:
-            os.write(fd, fmt.encode_index(self._blocks, self._seg_size))
+            index = memoryview(fmt.encode_index(self._blocks, self._seg_size))
+            while index:
+                index = index[os.write(self._fd, index):]
             if self.fsync:
-                os.fsync(fd)
+                os.fsync(self._fd)
+        except OSError:
+            self._cut_back()  # stays .open: recovery seals it on the next start
+            raise
         finally:
+            fd, self._fd = self._fd, None
             os.close(fd)
         name = _name(self._seg_first)
         os.rename(self.dir / (name + OPEN_SUFFIX), self.dir / (name + SUFFIX))
@@ -354,9 +371,14 @@ class JournalWriter:
     def close(self) -> None:
         """Flush and seal; the journal is then complete and the directory unlocked."""
         try:
-            self.flush()
-            self.seal()
+            try:
+                self.flush()
+            finally:
+                self.seal()  # even if the last flush failed: the blocks before it are whole
         finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
             self._lock.close()
 
     def __enter__(self) -> JournalWriter:
