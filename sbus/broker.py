@@ -203,6 +203,7 @@ class Broker:
             log.warning("refusing %r: %s", conn, refusal)
             sock.close()
             return None
+        conn.out.budget = self.accounts.budget(conn)
         self.connections.add(conn)
         log.debug("%r connected", conn)
         return conn

@@ -10,7 +10,8 @@ soft discard   drop the packet (counted, reported later)
 soft block     keep it, and pause each publisher that sends to this client
                until the client's queue is empty again
 soft error     the client is misbehaving: disconnect it
-hard discard   (default) with soft queue, a queue at its byte limit drops new packets
+hard discard   (default) with soft queue, a queue at its byte limit (or whose user's
+               budget of queued bytes is spent) drops new packets
 hard block     with soft queue, a full queue pauses publishers until it is half empty
 hard error     with soft queue, a full queue disconnects the client
 order queue    (default) waiting packets leave oldest first
@@ -29,7 +30,18 @@ import itertools
 from collections import deque
 from enum import Enum
 
-__all__ = ["Soft", "Hard", "Order", "Verdict", "OutQueue", "parse_control"]
+__all__ = ["Soft", "Hard", "Order", "Verdict", "OutQueue", "Budget", "parse_control"]
+
+
+class Budget:
+    """Bytes queued across several queues (one user's), with a cap: a full budget counts
+    as a full queue for each of them."""
+
+    __slots__ = ("limit", "queued")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.queued = 0
 
 
 class Soft(Enum):
@@ -76,10 +88,12 @@ def parse_control(key: bytes) -> Soft | Hard | Order | None:
 class OutQueue:
     """One client's waiting packets, their policy, and the byte limit of the hard policy."""
 
-    __slots__ = ("limit", "soft", "hard", "_order", "items", "_seq", "nbytes", "dropped")
+    __slots__ = ("limit", "soft", "hard", "_order", "items", "_seq", "nbytes", "dropped",
+                 "budget")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, budget: Budget | None = None) -> None:
         self.limit = limit
+        self.budget = budget  # shared by all queues of one user, if limited
         self.soft = Soft.QUEUE
         self.hard = Hard.DISCARD
         self._order = Order.QUEUE
@@ -114,7 +128,7 @@ class OutQueue:
             packets = [p for _, _, p in sorted(self.items, key=lambda item: item[1])]
         else:
             packets = list(self.items)
-        self.clear()
+        self.clear()  # the re-push below charges the budget again
         self._order = order
         self.items = [] if order is Order.RANDOM else deque()
         for packet in packets:
@@ -131,7 +145,9 @@ class OutQueue:
         if soft is Soft.BLOCK:
             self._push(packet)
             return Verdict.BLOCK
-        if self.nbytes + len(packet) > self.limit:
+        budget = self.budget
+        if self.nbytes + len(packet) > self.limit or \
+                budget is not None and budget.queued + len(packet) > budget.limit:
             hard = self.hard
             if hard is Hard.DISCARD:
                 self.dropped += 1
@@ -177,6 +193,8 @@ class OutQueue:
         else:
             packet = heapq.heappop(items)[2]
         self.nbytes -= len(packet)
+        if self.budget is not None:
+            self.budget.queued -= len(packet)
         return packet
 
     def take_dropped(self) -> int:
@@ -184,11 +202,15 @@ class OutQueue:
         return n
 
     def clear(self) -> None:
+        if self.budget is not None:
+            self.budget.queued -= self.nbytes
         self.items.clear()
         self.nbytes = 0
 
     def _push(self, packet: bytes) -> None:
         self.nbytes += len(packet)
+        if self.budget is not None:
+            self.budget.queued += len(packet)
         if self._order is Order.RANDOM:
             heapq.heappush(self.items, (-len(packet), next(self._seq), packet))
         else:

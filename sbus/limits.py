@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from .flood import Budget
+
 __all__ = ["Limits", "UserAccounts"]
 
 
@@ -19,6 +21,8 @@ class Limits:
     connections_per_user: int = 4096
     #: Subscriptions (duplicates counted) one UID may hold at once.
     subscriptions_per_user: int = 65536
+    #: Bytes queued in the broker for all of one UID's connections together.
+    queued_bytes_per_user: int = 64 * 1024 * 1024
     #: UIDs exempt from the limits (root by default: it can raise them anyway).
     exempt: frozenset[int] = frozenset({0})
 
@@ -28,6 +32,17 @@ class UserAccounts:
         self.limits = limits
         self.connections: Counter[int] = Counter()
         self.subscriptions: Counter[int] = Counter()
+        self.budgets: dict[int, Budget] = {}
+
+    def budget(self, conn) -> Budget | None:
+        """The queued-bytes budget the connection shares with its user's other ones."""
+        uid = conn.cred.uid
+        if uid in self.limits.exempt:
+            return None
+        budget = self.budgets.get(uid)
+        if budget is None:
+            budget = self.budgets[uid] = Budget(self.limits.queued_bytes_per_user)
+        return budget
 
     def connect(self, conn) -> str | None:
         """Charge a new connection; a reason string if it is refused."""
@@ -45,6 +60,8 @@ class UserAccounts:
         for counter in (self.connections, self.subscriptions):
             if counter[uid] <= 0:
                 del counter[uid]
+        if uid not in self.connections:
+            self.budgets.pop(uid, None)
 
     def subscribe(self, conn) -> str | None:
         uid = conn.cred.uid

@@ -1,6 +1,6 @@
 """The pure flood-control queue: each policy's verdicts and each order."""
 
-from sbus.flood import Hard, Order, OutQueue, Soft, Verdict, parse_control
+from sbus.flood import Budget, Hard, Order, OutQueue, Soft, Verdict, parse_control
 
 
 def test_parse_control():
@@ -63,3 +63,17 @@ def test_orders():
     q.order = Order.QUEUE  # back to arrival order
     assert [q.pop() for _ in range(2)] == [b"a", b"bbb"]
     assert q.nbytes == 0
+
+
+def test_user_budget_shared_by_queues():
+    budget = Budget(limit=10)
+    a, b = OutQueue(limit=100, budget=budget), OutQueue(limit=100, budget=budget)
+    assert a.offer(b"123456") is Verdict.QUEUED
+    assert b.offer(b"1234") is Verdict.QUEUED
+    assert b.offer(b"1") is Verdict.DROPPED  # b's own queue has room, the user's budget not
+    a.order = Order.RANDOM  # re-queueing does not charge twice
+    assert budget.queued == 10
+    a.pop()
+    assert b.offer(b"1") is Verdict.QUEUED and budget.queued == 5
+    b.clear()
+    assert budget.queued == 0

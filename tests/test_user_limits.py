@@ -121,8 +121,6 @@ def test_subscriptions_per_user(make_broker, open_dir) -> None:
     assert f"uid {NOBODY} already holds 10 subscriptions" in b.log()
 
 
-@pytest.mark.xfail(strict=True, reason="missing feature: no per-UID limit on bytes queued in "
-                   "the broker (Limits.queued_bytes_per_user, --max-queued-bytes-per-user)")
 def test_queued_bytes_per_user(make_broker, open_dir) -> None:
     """Eight connections of one user that never read cannot pin 8 x the per-client queue
     limit of broker memory: the user's total is capped, and another user's reader still

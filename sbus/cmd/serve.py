@@ -40,11 +40,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections-per-user", type=int, default=Limits.connections_per_user)
     p.add_argument("--max-subscriptions-per-user", type=int,
                    default=Limits.subscriptions_per_user)
+    p.add_argument("--max-queued-bytes-per-user", type=_size,
+                   default=Limits.queued_bytes_per_user, metavar="BYTES",
+                   help="bytes queued in the broker for all of one user's connections "
+                        "(default 64m; root is exempt)")
 
 
 def run(args: argparse.Namespace) -> int:
     limits = Limits(connections_per_user=args.max_connections_per_user,
-                    subscriptions_per_user=args.max_subscriptions_per_user)
+                    subscriptions_per_user=args.max_subscriptions_per_user,
+                    queued_bytes_per_user=args.max_queued_bytes_per_user)
     try:
         trio.run(lambda: server.run(args.address, mode=args.mode, sep=args.separator.encode(),
                              max_message=args.max_message, queue_limit=args.queue_limit,
