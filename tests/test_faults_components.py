@@ -44,9 +44,6 @@ def _wait_recorded(directory: str, n: int, timeout: float = 10) -> list[bytes]:
     return keys
 
 
-@pytest.mark.xfail(strict=True, reason="missing in sbus/journal/record.py: on broker EOF the "
-                   "recorder exits 1 ('the broker ... closed the connection') instead of "
-                   "reconnecting and re-subscribing")
 def test_recorder_survives_broker_kill_9(short_tmp) -> None:
     held = HeldSocket(short_tmp)
     held.start()
@@ -203,8 +200,6 @@ def test_recorder_disk_full_leaves_no_corrupt_segment(broker, tiny_fs) -> None:
     assert got == [(b"full/%d" % i, payload) for i in range(len(got))]
 
 
-@pytest.mark.xfail(strict=True, reason="bug in sbus/journal (record.run / JournalWriter.close): "
-                   "ENOSPC escapes as a traceback from writer.close() instead of one clear line")
 def test_recorder_disk_full_is_one_clear_error_line(broker, tiny_fs) -> None:
     rc, err, _ = _fill_the_disk(broker.address, str(tiny_fs / "journal"))
     assert rc == 1
