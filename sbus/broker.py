@@ -132,6 +132,7 @@ class Broker:
         self.published = 0
         self.delivered = 0
         self.dropped = 0
+        self.disconnects = 0
         self.started = time.monotonic()
 
     # -- accepting -----------------------------------------------------------
@@ -227,6 +228,7 @@ class Broker:
         conn.paused.unpark_all()
         conn.fd = -1
         conn.sock.close()
+        self.disconnects += 1
         log.debug("%r disconnected", conn)
 
     def _drop(self, conn: Connection, why: str, level: int = logging.WARNING) -> None:
@@ -398,6 +400,7 @@ class Broker:
         setting = parse_control(key.replace(self.sep, b"/"))
         if setting is not None:
             conn.out.apply(setting)
+            conn.paused.unpark_all()  # paused publishers re-check under the new policy
             log.debug("%r: flood control %s", conn, setting)
             return
         self.complain(conn, f"control message {key!r} not understood: ignored")
@@ -444,12 +447,13 @@ class Broker:
                 self._send_failed(conn, exc)
                 if conn.closed:
                     return
-            if len(conn.paused) and out.publisher_may_continue():
-                conn.paused.unpark_all()
+            if out.publisher_may_continue():
+                conn.paused.unpark_all()  # cheap when nobody waits; never miss a waiter
 
     # -- reporting ---------------------------------------------------------------
 
     def status(self) -> str:
+        paused = sum(len(c.paused) for c in self.connections)
         return (f"{len(self.connections)} clients, {len(self.index)} subscriptions, "
                 f"{self.published} published, {self.delivered} delivered, "
-                f"{self.dropped} dropped")
+                f"{self.dropped} dropped, {paused} publishers paused")

@@ -9,7 +9,9 @@ socket file (nobody listening) is replaced, but a live broker is never displaced
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import gc
 import logging
 import os
 import signal
@@ -85,6 +87,23 @@ def bind_listener(path: str, mode: int | None) -> socket.socket:
     return sock
 
 
+#: Disconnects after which freed memory is handed back to the system.
+TRIM_AFTER_DISCONNECTS = 100
+
+
+def _give_back_memory() -> None:
+    """After many clients left: collect, and ask glibc to return free heap pages.
+
+    Without it the broker's RSS keeps the high-water mark of the busiest moment
+    (measured by the soak: 61 -> 79 MB over cycles with the same live objects,
+    about 40 MB with the trim)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to ask
+
+
 def _watchdog_interval() -> float | None:
     usec = os.environ.get("WATCHDOG_USEC")
     pid = os.environ.get("WATCHDOG_PID")
@@ -98,8 +117,12 @@ async def _report(broker: Broker) -> None:
     interval = _watchdog_interval()
     period = min(interval, 2.0) if interval else 2.0
     last, last_t = broker.published, time.monotonic()
+    trimmed_at = 0
     while True:
         await trio.sleep(period)
+        if broker.disconnects - trimmed_at >= TRIM_AFTER_DISCONNECTS:
+            trimmed_at = broker.disconnects
+            _give_back_memory()
         now = time.monotonic()
         rate = (broker.published - last) / (now - last_t)
         last, last_t = broker.published, now
