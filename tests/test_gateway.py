@@ -72,11 +72,12 @@ class GatewayProcess:
     def log(self) -> str:
         return self.logfile.read_text()
 
-    def wait_log(self, text: str, timeout: float = 5) -> str:
+    def wait_log(self, text: str, timeout: float = 5, times: int = 1) -> str:
+        """Wait until *text* appears in the log *times* times."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             log = self.log()
-            if text in log:
+            if log.count(text) >= times:
                 return log
             time.sleep(0.05)
         raise AssertionError(f"{text!r} not in the gateway log:\n{self.log()}")
