@@ -88,8 +88,11 @@ class Broker:
             cmd = [sys.executable, "-m", "sbus.cli", "serve", "--address", self.path, *sbus_args]
         else:
             conf = tmp / "mosquitto.conf"
+            # as root mosquitto would switch to its own user, which cannot create the
+            # socket in our private directory
             conf.write_text(f"listener 0 {self.path}\nallow_anonymous true\n"
-                            "max_queued_messages 0\nmax_inflight_messages 0\n")
+                            "max_queued_messages 0\nmax_inflight_messages 0\n"
+                            + ("user root\n" if os.getuid() == 0 else ""))
             cmd = ["mosquitto", "-c", str(conf)]
         self.proc = subprocess.Popen(taskset(CORE_BROKER, cmd), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, cwd=ROOT)
