@@ -219,7 +219,9 @@ class Client:
 class AsyncClient:
     """The async twin of `Client`, for trio or asyncio (readiness through anyio).
 
-    Use ``async with await AsyncClient.connect(address) as bus:``.
+    Use ``async with await AsyncClient.connect(address) as bus:``.  One task may send
+    and one may receive at a time (waiting on the same socket from two tasks is an
+    error under trio); tasks that share a client serialise their sends with a lock.
     """
 
     def __init__(self, address: str, sock: socket.socket) -> None:
