@@ -211,6 +211,24 @@ def _drain(s: socket.socket, quiet: float = 0.5) -> list[bytes]:
         return out
 
 
+def _publish_to(pub: socket.socket, reader: socket.socket, n: int) -> list[bytes]:
+    """Publish n numbered messages on key f while *reader* reads them, interleaved so
+    neither side's buffer limits the test; returns what the reader got."""
+    got: list[bytes] = []
+    reader.settimeout(10)
+    pub.setblocking(False)
+    sent = 0
+    while len(got) < n:
+        while sent < n:
+            try:
+                pub.send(b"MSG f\0" + (b"%08d" % sent).ljust(100, b"."))
+            except BlockingIOError:
+                break
+            sent += 1
+        got.append(reader.recv(1 << 20))
+    return got
+
+
 def _seq(packets: list[bytes]) -> list[int]:
     return [int(p[6:14]) for p in packets if p.startswith(b"MSG ")]
 
@@ -226,19 +244,7 @@ def test_never_reading_reader_slows_no_one(make_broker):
         sync(s)
     n = 20000
     t0 = time.monotonic()
-    got = []
-    good.settimeout(10)
-    pub.setblocking(False)
-    sent = 0
-    while len(got) < n:  # interleave so neither side's buffer limits the test
-        while sent < n:
-            try:
-                pub.send(b"MSG f\0" + (b"%08d" % sent).ljust(100, b"."))
-            except BlockingIOError:
-                break
-            sent += 1
-        got.append(good.recv(1 << 20))
-    assert _seq(got) == list(range(n))
+    assert _seq(_publish_to(pub, good, n)) == list(range(n))
     assert time.monotonic() - t0 < 30
     stuck_got = _drain(stuck)
     seqs = _seq(stuck_got)
@@ -293,18 +299,7 @@ def test_error_disconnects_only_the_misbehaving(make_broker, policy):
     sync(bad)
     sync(good)
     n = 3000
-    pub.setblocking(False)
-    got, sent = [], 0
-    good.settimeout(10)
-    while len(got) < n:
-        while sent < n:
-            try:
-                pub.send(b"MSG f\0" + (b"%08d" % sent).ljust(100, b"."))
-            except BlockingIOError:
-                break
-            sent += 1
-        got.append(good.recv(1 << 20))
-    assert _seq(got) == list(range(n))
+    assert _seq(_publish_to(pub, good, n)) == list(range(n))
     bad_got = _drain(bad, quiet=5)  # ends at EOF: disconnected
     assert len(bad_got) < n
     assert "flood policy is 'error'" in broker.log()
