@@ -18,8 +18,6 @@ from conftest import SBUS, BrokerProcess, raw, sync
 
 from sbus.routing import matches
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
-
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 

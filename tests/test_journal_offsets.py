@@ -11,8 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("pyarrow")
-
 from sbus.journal.store import JournalWriter  # noqa: E402
 from sbus.spark.arrow import read_range  # noqa: E402
 from sbus.spark.offsets import START, Offset, advance, plan  # noqa: E402

@@ -18,8 +18,6 @@ from collections import Counter
 import pytest
 from conftest import SBUS, BrokerProcess, raw, sync
 
-pytest.importorskip("pyspark")
-
 from sbus.journal.store import JournalWriter, list_segments, records  # noqa: E402
 
 ROUNDS = 600

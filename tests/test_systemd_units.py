@@ -35,7 +35,6 @@ def test_units_dir_is_the_rendering_for_usr_bin(scope: str) -> None:
     assert on_disk == rendered
 
 
-@pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze missing (tools/setup.sh)")
 @pytest.mark.parametrize("scope", ["system", "user"])
 def test_installed_units_verify_clean(short_tmp: Path, scope: str) -> None:
     unit_dir = short_tmp / scope

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -16,9 +15,6 @@ from pathlib import Path
 import pytest
 
 from sbus.client import Client
-
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None,
-                                reason="tmux is not installed (tools/setup.sh installs it)")
 
 #: key -> (messages per second, payload): alpha is busiest, beta/two moves the most bytes
 PLAN = {b"alpha/one": (40, b"hello alpha"), b"beta/two": (8, b"B" * 200),
