@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import select
 import socket
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import anyio
 
@@ -22,6 +23,7 @@ from .keys import Credentials
 from .protocol import WHOAMI, Control, Publish
 
 __all__ = ["Client", "AsyncClient", "SbusError", "ConnectError", "default_address",
+           "wait_for_broker",
            "Publish", "Control"]
 
 DEFAULT_ADDRESS = "/run/sbus.socket"
@@ -42,6 +44,27 @@ class ConnectError(SbusError):
 def default_address() -> str:
     """``$SBUS_ADDRESS``, else ``/run/sbus.socket``."""
     return os.environ.get("SBUS_ADDRESS") or DEFAULT_ADDRESS
+
+
+def wait_for_broker(address: str | None = None, timeout: float = 10.0,
+                    alive: Callable[[], bool] | None = None) -> None:
+    """Wait until a broker accepts connections at *address*: for scripts and tests that
+    start one.  *alive* (e.g. a child process's liveness) ends the wait early."""
+    address = address or default_address()
+    deadline = time.monotonic() + timeout
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(address)
+            return
+        except OSError:
+            if alive is not None and not alive():
+                raise SbusError(f"the broker for {address} exited before it listened") from None
+            if time.monotonic() > deadline:
+                raise SbusError(f"no broker on {address} after {timeout} s") from None
+            time.sleep(0.02)
+        finally:
+            s.close()
 
 
 def _b(value: bytes | str) -> bytes:

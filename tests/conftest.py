@@ -8,30 +8,19 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from sbus.client import wait_for_broker
+
 SBUS = [sys.executable, "-m", "sbus.cli"]
 
 
 def wait_for_socket(path: str, proc: subprocess.Popen | None = None, timeout: float = 10) -> None:
-    """Wait until a broker accepts connections on *path*."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"broker exited with {proc.returncode}")
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            s.connect(path)
-            return
-        except OSError:
-            time.sleep(0.02)
-        finally:
-            s.close()
-    raise TimeoutError(f"no broker on {path} after {timeout} s")
+    """Wait until a broker accepts connections on *path* (failing early if *proc* exits)."""
+    wait_for_broker(path, timeout, alive=None if proc is None else lambda: proc.poll() is None)
 
 
 class BrokerProcess:

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from sbus.client import wait_for_broker  # noqa: E402
+
 SHARED = ROOT.parent / "shared" / "bench"
 BIN = Path(os.environ.get("SBUS_BENCH_BIN", "/var/cache/sbus-bench"))
 PY = sys.executable
@@ -51,19 +53,6 @@ def pinned(core: str, cmd: list) -> list:
         else cmd
 
 
-def wait_socket(path: str) -> None:
-    for _ in range(200):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            s.connect(path)
-            return
-        except OSError:
-            time.sleep(0.05)
-        finally:
-            s.close()
-    raise TimeoutError(path)
-
-
 class Broker:
     def __init__(self, tmp: Path) -> None:
         self.path = str(tmp / "b.sock")
@@ -71,7 +60,7 @@ class Broker:
                                                   self.path]),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      cwd=ROOT)
-        wait_socket(self.path)
+        wait_for_broker(self.path)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

@@ -18,13 +18,14 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from sbus.client import wait_for_broker
 
 ROOT = Path(__file__).resolve().parent.parent
 LG_SOURCE = Path("/work/shared/bench/lg.c")
@@ -35,20 +36,6 @@ def build_lg(source: Path, out: Path) -> Path:
     if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
         subprocess.run(["gcc", "-O2", "-o", str(out), str(source)], check=True)
     return out
-
-
-def wait_socket(path: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            s.connect(path)
-            return
-        except OSError:
-            time.sleep(0.02)
-        finally:
-            s.close()
-    raise SystemExit(f"no broker on {path}")
 
 
 def publish(lg: Path, address: str, count: int) -> dict:
@@ -168,7 +155,7 @@ def main() -> int:
                               stderr=subprocess.DEVNULL, env=env)
     results = []
     try:
-        wait_socket(address)
+        wait_for_broker(address)
         ref = run_reference(lg, address, args.count)
         results.append(ref)
         seconds = args.seconds or 300.0  # an upper bound: it stops 3 s after the traffic
