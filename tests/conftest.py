@@ -18,6 +18,18 @@ from sbus.client import wait_for_broker
 SBUS = [sys.executable, "-m", "sbus.cli"]
 
 
+def stop_process(proc: subprocess.Popen | None, timeout: float = 10) -> None:
+    """SIGTERM, wait up to *timeout* seconds, then SIGKILL: every harness's shutdown."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_for_socket(path: str, proc: subprocess.Popen | None = None, timeout: float = 10) -> None:
     """Wait until a broker accepts connections on *path* (failing early if *proc* exits)."""
     wait_for_broker(path, timeout, alive=None if proc is None else lambda: proc.poll() is None)
@@ -44,13 +56,7 @@ class BrokerProcess:
     def stop(self) -> str:
         """SIGTERM, wait, and return what the broker logged."""
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         with open(self.logfile.name, errors="replace") as f:
             return f.read()
 

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from conftest import stop_process
+
 SBUS = [sys.executable, "-m", "sbus.cli"]
 NOBODY = 65534
 
@@ -120,13 +122,7 @@ class HeldSocket:
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.listener.close()
         self.notify.close()
 

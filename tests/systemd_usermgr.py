@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from conftest import stop_process
 from systemd_cgroup import PrivateCgroup
 
 SYSTEMD = "/lib/systemd/systemd"
@@ -99,10 +100,5 @@ class UserManager:
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+                stop_process(self.proc)
         return self.cgroup.remove() if self.cgroup is not None else set()

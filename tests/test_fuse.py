@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SBUS, BrokerProcess, raw, sync
+from conftest import SBUS, BrokerProcess, raw, stop_process, sync
 
 from sbus.routing import matches
 
@@ -56,13 +56,7 @@ class Mount:
 
     def stop(self) -> None:
         try:
-            if self.proc is not None and self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+            stop_process(self.proc)
         finally:
             if mounted(self.path):
                 subprocess.run(["fusermount3", "-u", "-z", self.path], check=False)

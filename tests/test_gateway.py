@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SBUS, BrokerProcess, raw, sync
+from conftest import SBUS, BrokerProcess, raw, stop_process, sync
 
 from sbus.gateway import codec
 from sbus.gateway.codec import FrameDecoder
@@ -61,13 +61,7 @@ class GatewayProcess:
         raise TimeoutError(f"gateway not listening: {self.log()}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def log(self) -> str:
         return self.logfile.read_text()
