@@ -31,12 +31,19 @@ from . import protocol
 from .flood import Hard, Order, OutQueue, Soft, Verdict, parse_control
 from .keys import Credentials, KeyRefused, KeyRules
 from .limits import Limits, UserAccounts
+from .packetio import PacketBatch
 from .routing import RoutingIndex
 
 log = logging.getLogger("sbus.broker")
 
-#: Packets read from one socket before letting other tasks run.
-READ_BATCH = 128
+#: Packets received with one system call (fewer when they are large: see `batch_slots`).
+BATCH_SLOTS = 32
+#: Memory for one batch of packets at most (it is reserved, and used as packets need it).
+BATCH_MEMORY = 8 * 1024 * 1024
+#: Batches read from one socket before letting other tasks run.
+READS_PER_WAKE = 4
+#: Packets for one target from which one `sendmmsg` beats a `write` each.
+SEND_BATCH_MIN = 3
 #: Complaints logged per client before going quiet about it.
 COMPLAINTS_LOGGED = 10
 DROPPED = b"CMSG blocking/dropped\0"
@@ -125,6 +132,9 @@ class Broker:
         self._whoami = protocol.WHOAMI.replace(b"/", sep)  # either spelling is answered
         self.max_message = max_message
         self.queue_limit = queue_limit
+        # one buffer for all readers: a batch is handled without yielding to other tasks
+        slot = max_message + 1  # one more, to see an oversized packet (the kernel truncates)
+        self._batch = PacketBatch(max(1, min(BATCH_SLOTS, BATCH_MEMORY // slot)), slot)
         self.accounts = UserAccounts(limits or Limits())
         self.connections: set[Connection] = set()
         self._ids = itertools.count(1)
@@ -251,50 +261,92 @@ class Broker:
     # -- reading ---------------------------------------------------------------
 
     async def _reader(self, conn: Connection) -> None:
+        """Read what *conn* sends, a batch of packets per system call."""
         sock = conn.sock
         fd = conn.fd
-        read = os.read
-        max_message = self.max_message
-        bufsize = max_message + 1  # one more, to see an oversized packet (the kernel truncates)
-        route = self.index.match
-        cache = self.index._cache
+        batch = self._batch
         while True:
             await wait_readable(sock)
-            for _ in range(READ_BATCH):
+            for _ in range(READS_PER_WAKE):
                 try:
-                    packet = read(fd, bufsize)
+                    n = batch.receive(fd)
                 except BlockingIOError:
                     break
                 except OSError as exc:
                     if not conn.closed:
                         log.info("%r: read failed: %s", conn, exc)
                     return
-                if not packet:
-                    if _at_eof(sock):
-                        return
-                    self.complain(conn, "packet ignored: empty packet")
-                    continue
-                if len(packet) > max_message:
-                    self.complain(conn, f"packet over the {max_message}-byte limit ignored")
-                    continue
-                if packet[:4] == b"MSG ":
-                    nul = packet.find(b"\0", 4)
-                    if nul >= 0:
-                        key = packet[4:nul]
-                        targets = cache.get(key)
-                        if targets is None:
-                            if b"!" in key and not self._key_allowed(conn, key):
-                                continue
-                            targets = route(key)
-                        self.published += 1
-                        if targets:
-                            blocked = self._fan_out(packet, targets)
-                            if blocked:
-                                await self._wait_for(blocked)
-                        continue
-                await self._other(conn, packet)
-                if conn.closed:
+                blocked, done = self._handle(conn, n)
+                if blocked:
+                    await self._wait_for(blocked)
+                if done or conn.closed:
                     return
+                if n < batch.slots:
+                    break  # drained
+
+    def _handle(self, conn: Connection, n: int) -> tuple[list[Connection] | None, bool]:
+        """Act on the *n* packets *conn* sent that are in the batch buffer.
+
+        Consecutive publishes with the same targets form a run, delivered together
+        (`_deliver`): the targets then take a run of packets back to back, with one
+        system call each.  Any other packet first flushes the runs before it, so
+        replies and subscriptions keep their place in the client's order.  Returns
+        the targets that ask *conn* to wait, and whether *conn* is gone.
+        """
+        batch = self._batch
+        buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
+        max_message = self.max_message
+        cache = self.index._cache
+        blocked: list[Connection] | None = None
+        published = 0
+        run_start, run_targets = 0, None  # the open run: [run_start, i), same targets
+        head, head_len = None, 0  # b"MSG key\0" of the open run, to spot the same key
+        done = False
+        for i in range(n):
+            size = lengths[i]
+            at = offsets[i]
+            if head_len and head_len <= size <= max_message and \
+                    buf[at:at + head_len] == head:
+                published += 1
+                continue
+            if 4 < size <= max_message and buf[at:at + 4] == b"MSG ":
+                nul = buf.find(b"\0", at + 4, at + size)
+                if nul >= 0:
+                    key = buf[at + 4:nul]
+                    targets = cache.get(key)
+                    if targets is None:
+                        if b"!" in key and not self._key_allowed(conn, key):
+                            blocked = self._deliver(run_start, i, run_targets, blocked)
+                            run_start, run_targets, head, head_len = i + 1, None, None, 0
+                            continue
+                        targets = self.index.match(key)
+                    published += 1
+                    if targets is not run_targets:
+                        blocked = self._deliver(run_start, i, run_targets, blocked)
+                        run_start, run_targets = i, targets
+                    head = buf[at:nul + 1]
+                    head_len = len(head)
+                    continue
+            # not a publish: deliver what came before it, then act on it alone
+            blocked = self._deliver(run_start, i, run_targets, blocked)
+            run_start, run_targets, head, head_len = i + 1, None, None, 0
+            if size == 0:
+                if _at_eof(conn.sock):
+                    done = True
+                    break
+                self.complain(conn, "packet ignored: empty packet")
+            elif size > max_message:
+                self.complain(conn, f"packet over the {max_message}-byte limit ignored")
+            else:
+                self._other(conn, batch.copy(i))
+                if conn.closed:
+                    done = True
+                    break
+        else:
+            blocked = self._deliver(run_start, n, run_targets, blocked)
+        # what was read was published, even if the publisher is gone now
+        self.published += published
+        return blocked, done
 
     def _key_allowed(self, conn: Connection, key: bytes) -> bool:
         try:
@@ -304,38 +356,68 @@ class Broker:
             return False
         return True
 
-    def _fan_out(self, packet: bytes, targets) -> list[Connection] | None:
-        """Hand *packet* to every target; return the targets that ask the publisher to wait."""
-        blocked = None
+    def _deliver(self, start: int, end: int, targets, blocked):
+        """Hand batch packets ``start .. end-1`` to each of *targets*, in order.
+
+        What a target's kernel buffer does not take goes to its queue under its flood
+        policy.  Returns *blocked* plus the targets that now ask the publisher to wait:
+        the publisher is paused after the whole batch, so a blocking queue can be over
+        its limit by at most one batch.
+        """
+        if not targets or start >= end:
+            return blocked
+        batch = self._batch
+        buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
+        copies: dict[int, bytes] = {}
         sent = 0
         write = os.write
         for t in targets:
-            if not t.out.items:
-                try:
-                    write(t.fd, packet)
-                    sent += 1
-                    continue
-                except BlockingIOError:
-                    pass
-                except OSError as exc:
-                    self._send_failed(t, exc)
-                    continue
             if t.closed:
                 continue
-            verdict = t.out.offer(packet)
-            if verdict is Verdict.QUEUED:
-                t.writer_lot.unpark()
-            elif verdict is Verdict.DROPPED:
-                self.dropped += 1
-                t.writer_lot.unpark()
-            elif verdict is Verdict.BLOCK:
-                t.writer_lot.unpark()
-                if blocked is None:
-                    blocked = [t]
-                else:
-                    blocked.append(t)
-            else:
-                self._drop(t, "its flood policy is 'error' and it could not take a message")
+            i = start
+            if not t.out.items:
+                while i < end:
+                    try:
+                        if end - i >= SEND_BATCH_MIN:
+                            k = batch.send(t.fd, i, end - i)
+                            i += k
+                            if i < end:
+                                break  # the kernel took what it could
+                        else:
+                            packet = copies.get(i)
+                            if packet is None:
+                                at = offsets[i]
+                                packet = copies[i] = buf[at:at + lengths[i]]
+                            write(t.fd, packet)
+                            i += 1
+                    except BlockingIOError:
+                        break
+                    except OSError as exc:
+                        self._send_failed(t, exc)
+                        if t.closed:
+                            break
+                        i += 1  # that packet could not be delivered (and is counted)
+                        sent -= 1
+                sent += i - start
+                if i == end or t.closed:
+                    continue
+            out = t.out
+            for j in range(i, end):
+                packet = copies.get(j)
+                if packet is None:
+                    packet = copies[j] = batch.copy(j)
+                verdict = out.offer(packet)
+                if verdict is Verdict.DROPPED:
+                    self.dropped += 1
+                elif verdict is Verdict.BLOCK:
+                    if blocked is None:
+                        blocked = [t]
+                    elif t not in blocked:
+                        blocked.append(t)
+                elif verdict is Verdict.ERROR:
+                    self._drop(t, "its flood policy is 'error' and it could not take a message")
+                    break
+            t.writer_lot.unpark()
         self.delivered += sent
         return blocked
 
@@ -354,7 +436,7 @@ class Broker:
             while not t.closed and not t.out.publisher_may_continue():
                 await t.paused.park()
 
-    async def _other(self, conn: Connection, packet: bytes) -> None:
+    def _other(self, conn: Connection, packet: bytes) -> None:
         """Every packet but a well-formed MSG: the slow path."""
         try:
             event = protocol.parse(packet)

@@ -1,0 +1,137 @@
+"""Many packets per system call: ``recvmmsg`` and ``sendmmsg`` through ctypes.
+
+Python's socket module makes one system call per packet, and on a SEQPACKET
+socket every message is a packet: per-packet calls were most of the broker's
+cost (docs/performance.md).  One `PacketBatch` receives up to ``slots`` packets
+into a reusable buffer with one call, and sends any run of them to another socket
+with one call, without copying them into Python objects first.
+
+The buffer is overwritten by the next `receive`: whatever must outlive a batch
+(packets queued for a slow reader) is copied out with `copy`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+
+__all__ = ["PacketBatch"]
+
+MSG_DONTWAIT = 0x40
+MSG_NOSIGNAL = 0x4000
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+class _MsgHdr(ctypes.Structure):
+    _fields_ = [("msg_name", ctypes.c_void_p), ("msg_namelen", ctypes.c_uint32),
+                ("msg_iov", ctypes.POINTER(_IOVec)), ("msg_iovlen", ctypes.c_size_t),
+                ("msg_control", ctypes.c_void_p), ("msg_controllen", ctypes.c_size_t),
+                ("msg_flags", ctypes.c_int)]
+
+
+class _MMsgHdr(ctypes.Structure):
+    _fields_ = [("msg_hdr", _MsgHdr), ("msg_len", ctypes.c_uint)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_recvmmsg = _libc.recvmmsg
+_recvmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p]
+_recvmmsg.restype = ctypes.c_int
+_sendmmsg = _libc.sendmmsg
+_sendmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int]
+_sendmmsg.restype = ctypes.c_int
+
+_MMSG = ctypes.sizeof(_MMsgHdr)
+_SIZE_T = {4: "I", 8: "Q"}[ctypes.sizeof(ctypes.c_size_t)]
+
+
+def _headers(slots: int, base: int, slot_size: int) -> tuple[ctypes.Array, ctypes.Array]:
+    iovs = (_IOVec * slots)()
+    msgs = (_MMsgHdr * slots)()
+    for i in range(slots):
+        iovs[i].iov_base = base + i * slot_size
+        iovs[i].iov_len = slot_size
+        msgs[i].msg_hdr.msg_iov = ctypes.pointer(iovs[i])
+        msgs[i].msg_hdr.msg_iovlen = 1
+    return iovs, msgs
+
+
+class PacketBatch:
+    """Up to ``slots`` packets of at most ``slot_size`` bytes each, received in one call.
+
+    After ``n = receive(fd)``, packet ``i < n`` is ``buffer[offsets[i]:offsets[i] +
+    lengths[i]]``; a packet longer than ``slot_size`` is cut to ``slot_size`` by the
+    kernel, so make ``slot_size`` one more than the largest packet accepted.  The
+    buffer is an anonymous mapping: memory the kernel provides only for the pages
+    packets actually reach (small packets touch the first page of a slot), and whose
+    slices and ``find`` are cheaper than a memoryview's.
+    """
+
+    def __init__(self, slots: int, slot_size: int) -> None:
+        self.slots = slots
+        self.slot_size = slot_size
+        self.buffer = mmap.mmap(-1, slots * slot_size)
+        self.offsets = [i * slot_size for i in range(slots)]
+        self.lengths: list[int] = []
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
+        # receiving: each header's one iovec is a whole slot
+        self._riovs, self._rmsgs = _headers(slots, base, slot_size)
+        self._rmsgs_at = ctypes.addressof(self._rmsgs)
+        words = memoryview(self._rmsgs).cast("B").cast("I")
+        stride = _MMSG // 4
+        start = _MMsgHdr.msg_len.offset // 4
+        self._msg_lens = words[start:start + stride * slots:stride]
+        # sending: the same slots, with iovec lengths set to the packets' lengths
+        self._siovs, self._smsgs = _headers(slots, base, slot_size)
+        self._smsgs_at = ctypes.addressof(self._smsgs)
+        sizes = memoryview(self._siovs).cast("B").cast(_SIZE_T)
+        step = ctypes.sizeof(_IOVec) // sizes.itemsize
+        at = _IOVec.iov_len.offset // sizes.itemsize
+        self._iov_lens = sizes[at:at + step * slots:step]
+        self._sendable = 0  # packets whose send length is set, since the last receive
+
+    def receive(self, fd: int) -> int:
+        """Receive what is waiting on *fd*, without blocking: the number of packets.
+
+        Raises BlockingIOError when nothing waits, OSError on failure.  At end of
+        file the kernel reports empty packets: a zero length is end of file or an
+        empty packet, and only the socket can tell which.
+        """
+        n = _recvmmsg(fd, self._rmsgs_at, self.slots, MSG_DONTWAIT, None)
+        if n < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code)) if code != errno.EAGAIN else \
+                BlockingIOError(code, os.strerror(code))
+        self.lengths = self._msg_lens[:n].tolist()
+        self._sendable = 0
+        return n
+
+    def copy(self, i: int) -> bytes:
+        """Packet *i* as bytes, to keep beyond this batch."""
+        at = self.offsets[i]
+        return self.buffer[at:at + self.lengths[i]]
+
+    def send(self, fd: int, start: int, count: int) -> int:
+        """Send packets ``start .. start+count-1`` to *fd* in order, without blocking.
+
+        Returns how many the kernel took (0 when it would block); a failure before the
+        first one raises OSError.
+        """
+        end = start + count
+        if self._sendable < end:
+            sizes, lengths = self._iov_lens, self.lengths
+            for i in range(self._sendable, end):
+                sizes[i] = lengths[i]
+            self._sendable = end
+        n = _sendmmsg(fd, self._smsgs_at + start * _MMSG, count, MSG_DONTWAIT | MSG_NOSIGNAL)
+        if n < 0:
+            code = ctypes.get_errno()
+            if code == errno.EAGAIN:
+                return 0
+            raise OSError(code, os.strerror(code))
+        return n
