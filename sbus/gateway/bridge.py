@@ -185,11 +185,17 @@ class Bridge:
                 await trio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, BUS_BACKOFF_MAX)
                 continue
-            delay = BUS_BACKOFF_FIRST
             # queue in the broker rather than block local publishers when we lag;
             # the broker tells us how many it dropped
-            for packet in (b"CMSG blocking/soft/queue", b"CMSG blocking/hard/discard"):
-                bus.sock.send(packet)
+            try:
+                for packet in (b"CMSG blocking/soft/queue", b"CMSG blocking/hard/discard"):
+                    bus.sock.send(packet)
+            except OSError as exc:  # a broker that went away just after accepting us
+                log.warning("lost the bus at %s at once: %s; retrying", bus.address, exc)
+                await bus.aclose()
+                await trio.sleep(delay * random.uniform(0.5, 1.0))
+                continue
+            delay = BUS_BACKOFF_FIRST
             self._bus = bus
             patterns = list(self.patterns)  # taken with no await since _bus was set
             self.connected.set()
