@@ -83,6 +83,27 @@ def test_order_over_10000_messages(broker):
     assert got == [b"MSG seq\0%d" % i for i in range(10000)]
 
 
+def test_a_burst_is_acted_on_in_order(broker):
+    """The broker reads many packets per system call: each still takes effect in its
+    place, and keys that look alike (or packets that are cut short) are told apart."""
+    a, watcher = raw(broker.address), raw(broker.address)
+    watcher.send(b"SUB k")
+    sync(watcher)
+    whoami = b"CMSG !/cred/whoami"
+    burst = [b"MSG self\0before", b"SUB self", b"MSG self\0after-sub", whoami,
+             b"MSG k\0one", b"MSG k", b"MSG kk\0no", b"MSG k\0\0two", b"MSG k\0"]
+    burst += [b"MSG self\0%d" % i for i in range(40)]
+    burst += [b"UNSUB self", b"MSG self\0after-unsub", whoami]
+    for packet in burst * 3:
+        a.send(packet)
+    me = b"CMSG !/cred/whoami\0!/cred/%d/%d/%d" % (os.getgid(), os.getuid(), os.getpid())
+    expected = [b"MSG self\0after-sub", me, *(b"MSG self\0%d" % i for i in range(40)), me]
+    assert recv_all(a, len(expected) * 3) == expected * 3
+    assert recv_all(watcher, 9) == [b"MSG k\0one", b"MSG k\0\0two", b"MSG k\0"] * 3
+    assert_silent(a)
+    assert_silent(watcher)
+
+
 def test_cmsg_never_forwarded_and_whoami(broker):
     sub, other = raw(broker.address), raw(broker.address)
     sub.send(b"SUB ")

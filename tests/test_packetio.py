@@ -1,0 +1,71 @@
+"""PacketBatch: recvmmsg/sendmmsg over real SEQPACKET socket pairs."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from sbus.packetio import PacketBatch
+
+
+@pytest.fixture
+def pairs():
+    made = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+    yield made
+    for a, b in made:
+        a.close()
+        b.close()
+
+
+def test_receive_copy_and_send_runs(pairs):
+    (a, b), (c, d) = pairs
+    batch = PacketBatch(8, 101)
+    with pytest.raises(BlockingIOError):
+        batch.receive(b.fileno())
+    packets = [b"p%d\0" % i * (i + 1) for i in range(10)]
+    for p in packets:
+        a.send(p)
+    assert batch.receive(b.fileno()) == 8
+    assert batch.lengths == [len(p) for p in packets[:8]]
+    assert [batch.copy(i) for i in range(8)] == packets[:8]
+    assert batch.send(c.fileno(), 2, 3) == 3
+    assert batch.send(c.fileno(), 7, 1) == 1
+    assert [d.recv(200) for _ in range(4)] == packets[2:5] + packets[7:8]
+    assert batch.receive(b.fileno()) == 2  # the rest, into the same slots
+    assert [batch.copy(i) for i in range(2)] == packets[8:]
+    assert batch.send(c.fileno(), 0, 2) == 2  # lengths are the new packets' lengths
+    assert [d.recv(200) for _ in range(2)] == packets[8:]
+
+
+def test_oversized_packet_is_cut_to_the_slot(pairs):
+    (a, b), _ = pairs
+    batch = PacketBatch(2, 101)
+    a.send(b"x" * 500)
+    assert batch.receive(b.fileno()) == 1
+    assert batch.lengths == [101]  # one more than 100: the caller can tell it was too big
+
+
+def test_end_of_file_reads_as_empty_packets(pairs):
+    (a, b), _ = pairs
+    batch = PacketBatch(4, 64)
+    a.send(b"last")
+    a.close()
+    assert batch.receive(b.fileno()) == 4
+    assert batch.lengths == [4, 0, 0, 0]
+
+
+def test_send_reports_a_full_buffer_and_a_gone_peer(pairs):
+    (a, b), (c, d) = pairs
+    batch = PacketBatch(32, 1025)
+    for _ in range(32):
+        a.send(b"y" * 1024)
+    batch.receive(b.fileno())
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sent = 0
+    while (k := batch.send(c.fileno(), 0, 32)) > 0:
+        sent += k
+    assert 0 < sent < 32 * 50  # the kernel took some, then would have blocked: 0, no error
+    d.close()
+    with pytest.raises(ConnectionError):  # reset: it left unread packets behind
+        batch.send(c.fileno(), 0, 1)
