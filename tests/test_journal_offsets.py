@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sbus.journal.store import JournalWriter  # noqa: E402
 from sbus.spark.arrow import read_range  # noqa: E402
-from sbus.spark.offsets import START, Offset, advance, plan  # noqa: E402
+from sbus.spark.offsets import START, Offset, advance, partitions, plan  # noqa: E402
 from sbus.spark.source import journal_view  # noqa: E402
 
 TOTAL = 1000
@@ -81,6 +81,27 @@ def test_target_caps_available_now(journal):
     assert advance(view, end, None, target) == end
     limited = advance(view, START, 5, target)
     assert seqs(journal, START, limited, 1 << 20) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_partitions_split_evenly_across_segments(journal, n):
+    """Asked for n equal shares, planning gives n partitions of nearly equal bytes, spanning
+    segment boundaries, in journal order and covering every block once."""
+    view = journal_view(journal)
+    blocks = [(seg, b) for seg, bs in view for b in bs]
+    total = sum(b.size for _, b in blocks)
+    parts = partitions(view, START, advance(view, START), -(-total // n))
+    assert len(parts) == n
+    assert any(len({r.segment for r in p}) > 1 for p in parts)
+
+    def inside(p):
+        return [(seg, b) for seg, b in blocks
+                if any(r.segment == seg and r.start <= b.pos < r.end for r in p)]
+
+    assert [x for p in parts for x in inside(p)] == blocks
+    biggest = max(b.size for _, b in blocks)
+    for p in parts[:-1]:
+        assert total / n <= sum(b.size for _, b in inside(p)) < total / n + biggest
 
 
 def test_pattern_filter_in_reader(journal):

@@ -151,17 +151,22 @@ def read_blocks(directory: str | os.PathLike, first_seq: int, start: int, end: i
                                 f"in {directory} (removed by retention?)")
     if verify is None:
         verify = not seg.sealed
-    with open(seg.path, "rb") as f:
-        f.seek(start)
+    fd = os.open(seg.path, os.O_RDONLY)
+    try:
         pos = start
         while pos < end:
-            head = f.read(fmt.BLOCK_HEAD.size)
-            count, _, klen, plen, _ = fmt.decode_block_head(head)
+            count, _, klen, plen, _ = fmt.decode_block_head(
+                os.pread(fd, fmt.BLOCK_HEAD.size, pos))
             size = fmt.block_size(count, klen, plen)
-            data = head + f.read(size - fmt.BLOCK_HEAD.size)
+            # One copy, straight into the buffer the block's Arrow arrays will wrap.
+            data = bytearray(size)
+            if os.preadv(fd, [data], pos) != size:
+                raise FormatError("truncated block")
             block, _ = fmt.decode_block(data, 0, verify)
             yield block
             pos += size
+    finally:
+        os.close(fd)
 
 
 class JournalWriter:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 __all__ = ["register", "SCHEMA"]
 
-SCHEMA = "key string, payload binary, ts timestamp, seq long, key_bytes binary"
+SCHEMA = ("key string not null, payload binary not null, ts timestamp not null, "
+          "seq long not null, key_bytes binary")
 
 
 def register(spark) -> None:

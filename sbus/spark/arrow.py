@@ -21,12 +21,15 @@ from ..journal.format import Block, block_size
 from ..journal.store import read_blocks
 from ..routing import matches
 
-__all__ = ["COLUMNS", "DEFAULT_SCHEMA", "ARROW_TYPES", "Range", "block_batch", "read_range",
-           "pattern_bytes"]
+__all__ = ["COLUMNS", "DEFAULT_SCHEMA", "ARROW_TYPES", "NULLABLE", "Range", "arrow_schema",
+           "block_batch", "read_range", "pattern_bytes"]
 
 #: Every column the source can produce, in the default order.
 COLUMNS = ("key", "payload", "ts", "seq", "key_bytes")
-DEFAULT_SCHEMA = "key string, payload binary, ts timestamp, seq long, key_bytes binary"
+#: Only ``key_bytes`` has nulls; saying so lets Spark skip null checks on every other value.
+DEFAULT_SCHEMA = ("key string not null, payload binary not null, ts timestamp not null, "
+                  "seq long not null, key_bytes binary")
+NULLABLE = frozenset({"key_bytes"})
 ARROW_TYPES = {
     "key": pa.string(),
     "payload": pa.binary(),
@@ -34,6 +37,13 @@ ARROW_TYPES = {
     "seq": pa.int64(),
     "key_bytes": pa.binary(),
 }
+
+
+def arrow_schema(names: list[str], not_null: frozenset[str] | set[str] = frozenset()
+                 ) -> pa.Schema:
+    """The Arrow schema of batches with columns *names*; Spark checks that it equals the
+    query's schema, nullability included."""
+    return pa.schema([pa.field(n, ARROW_TYPES[n], nullable=n not in not_null) for n in names])
 
 
 def pattern_bytes(text: str | None) -> bytes | None:
@@ -74,10 +84,13 @@ def _key_columns(keys: pa.Array) -> tuple[pa.Array, pa.Array]:
     return pa.array(out_text, pa.string()), pa.array(out_bytes, pa.binary())
 
 
-def block_batch(block: Block, names: list[str], pattern: bytes | None = None,
+def block_batch(block: Block, columns: list[str] | pa.Schema, pattern: bytes | None = None,
                 lo: int = 0, hi: int | None = None) -> pa.RecordBatch | None:
-    """Rows ``lo:hi`` of *block* as a record batch with columns *names*; rows whose key the
-    routing *pattern* does not match are dropped.  None when nothing is left."""
+    """Rows ``lo:hi`` of *block* as a record batch with *columns* (names, or an Arrow schema
+    from `arrow_schema`); rows whose key the routing *pattern* does not match are dropped.
+    None when nothing is left."""
+    schema = columns if isinstance(columns, pa.Schema) else arrow_schema(columns)
+    names = schema.names
     n = block.count
     hi = n if hi is None else hi
     keys = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(block.key_offsets),
@@ -95,8 +108,7 @@ def block_batch(block: Block, names: list[str], pattern: bytes | None = None,
             cols[name] = pa.array(micros, ARROW_TYPES["ts"])
         elif name == "seq":
             cols[name] = pa.array(np.arange(block.first_seq, block.first_seq + n, dtype=np.int64))
-    batch = pa.RecordBatch.from_arrays([cols[c] for c in names],
-                                       schema=pa.schema([(c, ARROW_TYPES[c]) for c in names]))
+    batch = pa.RecordBatch.from_arrays([cols[c] for c in names], schema=schema)
     if lo or hi != n:
         batch = batch.slice(lo, hi - lo)
         keys = keys.slice(lo, hi - lo)
@@ -113,16 +125,19 @@ def block_batch(block: Block, names: list[str], pattern: bytes | None = None,
     return batch if batch.num_rows else None
 
 
-def read_range(directory: str, rng: Range, names: list[str], pattern: bytes | None = None,
-               verify: bool | None = None) -> Iterator[pa.RecordBatch]:
-    """Record batches for the rows of *rng* (see `Range`)."""
+def read_range(directory: str, rng: Range, columns: list[str] | pa.Schema,
+               pattern: bytes | None = None, verify: bool | None = None
+               ) -> Iterator[pa.RecordBatch]:
+    """Record batches for the rows of *rng* (see `Range`), with *columns* as in
+    `block_batch`."""
+    schema = columns if isinstance(columns, pa.Schema) else arrow_schema(columns)
     stop = rng.end + (1 if rng.end_row else 0)  # include the block at `end` for its head rows
     pos = rng.start
     for block in read_blocks(directory, rng.segment, rng.start, stop, verify):
         lo = rng.start_row if pos == rng.start else 0
         hi = rng.end_row if pos == rng.end else block.count
         pos += block_size(block.count, len(block.keys), len(block.payloads))
-        batch = block_batch(block, names, pattern, lo, hi)
+        batch = block_batch(block, schema, pattern, lo, hi)
         if batch is not None:
             yield batch
 

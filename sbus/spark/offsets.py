@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..journal.format import FILE_HEAD, BlockInfo
 from .arrow import Range
 
-__all__ = ["Offset", "START", "advance", "plan"]
+__all__ = ["Offset", "START", "advance", "plan", "partitions"]
 
 View = list[tuple[int, list[BlockInfo]]]
 
@@ -65,15 +65,22 @@ def advance(view: View, start: Offset, max_rows: int | None = None,
 
 
 def plan(view: View, start: Offset, end: Offset, max_bytes: int) -> list[Range]:
-    """Ranges covering the rows in ``[start, end)``, one segment each, each *max_bytes* of
-    blocks or a little more (whole blocks: a range ends with the block that reaches the
-    size; only the ends of ``[start, end)`` may cut a block)."""
-    ranges: list[Range] = []
+    """Ranges covering the rows in ``[start, end)``, one segment each (see `partitions`)."""
+    return [r for part in partitions(view, start, end, max_bytes) for r in part]
+
+
+def partitions(view: View, start: Offset, end: Offset, max_bytes: int) -> list[list[Range]]:
+    """The rows in ``[start, end)`` as partitions of *max_bytes* of blocks or a little more
+    (a partition ends with the block that reaches the size; only the ends of ``[start, end)``
+    may cut a block).  A partition may span segments, one range per segment, so a journal
+    splits into equal tasks whatever its segment sizes (one task per core, no straggler)."""
+    parts: list[list[Range]] = []
+    part: list[Range] = []
+    size = 0
     for seg, blocks in view:
         if seg < start.segment or seg > end.segment:
             continue
         group: list[tuple[BlockInfo, int, int]] = []
-        size = 0
         for b in blocks:
             here = (seg, b.pos)
             if here < (start.segment, start.position) or here > (end.segment, end.position):
@@ -87,11 +94,13 @@ def plan(view: View, start: Offset, end: Offset, max_bytes: int) -> list[Range]:
             group.append((b, lo, hi))
             size += b.size
             if size >= max_bytes:
-                ranges.append(_range(seg, group))
-                group, size = [], 0
+                parts.append([*part, _range(seg, group)])
+                part, group, size = [], [], 0
         if group:
-            ranges.append(_range(seg, group))
-    return ranges
+            part.append(_range(seg, group))
+    if part:
+        parts.append(part)
+    return parts
 
 
 def _range(seg: int, group: list[tuple[BlockInfo, int, int]]) -> Range:

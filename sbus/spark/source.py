@@ -4,10 +4,11 @@ sink that publishes onto a bus.
 Options (reads): ``path`` (the journal directory, or ``load(DIR)``), ``pattern`` (a routing
 pattern; only matching keys are returned, filtered inside the reader; ``patternHex`` gives
 it as hex bytes, for patterns that are not UTF-8),
-``maxPartitionBytes`` (split size, default 128M), ``minPartitions`` (split a read into at
-least this many partitions when there are enough blocks; default: the planning machine's CPU
-count), ``verify`` (check block CRCs: true, false; default: only in the open segment);
-streaming also ``maxRowsPerTrigger`` and ``startingOffsets`` (earliest | latest).
+``maxPartitionBytes`` (split size, default 128M), ``minPartitions`` (split a read into
+this many equal partitions when there are enough blocks, more only if maxPartitionBytes asks
+for it; default: the planning machine's CPU count), ``verify`` (check block CRCs: true,
+false; default: only in the open segment); streaming also ``maxRowsPerTrigger`` and
+``startingOffsets`` (earliest | latest).
 Sink options: see `sbus.spark.sink`.
 """
 
@@ -17,6 +18,7 @@ import logging
 import os
 from collections.abc import Iterator
 
+import pyarrow as pa
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -29,8 +31,8 @@ from pyspark.sql.types import StructType
 from ..journal.format import FILE_HEAD, BlockInfo
 from ..journal.retention import parse_size
 from ..journal.store import JournalError, list_segments, segment_blocks
-from .arrow import COLUMNS, DEFAULT_SCHEMA, Range, pattern_bytes, read_range
-from .offsets import START, Offset, View, advance, plan
+from .arrow import COLUMNS, DEFAULT_SCHEMA, NULLABLE, Range, arrow_schema, pattern_bytes, read_range
+from .offsets import START, Offset, View, advance, partitions
 
 try:  # Trigger.AvailableNow for Python sources arrived in Spark 4.2
     from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
@@ -43,19 +45,29 @@ log = logging.getLogger("sbus.spark")
 
 
 class RangePartition(InputPartition):
-    """One Spark task's share: a byte range of one segment."""
+    """One Spark task's share: byte ranges of consecutive segments."""
 
-    def __init__(self, rng: Range) -> None:
-        super().__init__(rng)
-        self.rng = rng
+    def __init__(self, ranges: list[Range]) -> None:
+        super().__init__(ranges)
+        self.ranges = tuple(ranges)
 
 
-def _names(schema: StructType) -> list[str]:
+def _columns(schema: StructType) -> pa.Schema:
+    """The Arrow schema for the query's *schema* (default or user-given), checked."""
     names = [f.name for f in schema.fields]
     unknown = [n for n in names if n not in COLUMNS]
     if unknown:
         raise ValueError(f"the sbus source has no column(s) {unknown}; it has {list(COLUMNS)}")
-    return names
+    not_null = {f.name for f in schema.fields if not f.nullable}
+    if not_null & NULLABLE:
+        raise ValueError(f"column(s) {sorted(not_null & NULLABLE)} have nulls: they cannot be "
+                         "NOT NULL")
+    return arrow_schema(names, not_null)
+
+
+def _read(opts: _Options, partition: InputPartition, columns: pa.Schema) -> Iterator:
+    for rng in getattr(partition, "ranges", ()):  # none: Spark's stand-in for no partitions
+        yield from read_range(opts.path, rng, columns, opts.pattern, opts.verify)
 
 
 def _bool(value: str | None, default: bool) -> bool:
@@ -95,9 +107,9 @@ END = Offset(2**62, 0)
 
 
 def split_size(view: View, opts: _Options, start: Offset = START, end: Offset = END) -> int:
-    """Bytes per partition: at most maxPartitionBytes, and small enough that the range makes
-    at least minPartitions partitions (Python tasks have a fixed start-up cost, so fewer,
-    larger partitions are faster, but every core should get one)."""
+    """Bytes per partition: the range's share of minPartitions, at most maxPartitionBytes
+    (Python tasks have a fixed start-up cost, so fewer, larger partitions are faster, but
+    every core should get one, and equal ones, so that none waits for a straggler)."""
     total = sum(b.size for seg, blocks in view for b in blocks
                 if start <= Offset(seg, b.pos) < end)
     return max(1, min(opts.max_bytes, -(-total // opts.min_partitions)))
@@ -141,10 +153,10 @@ class SbusDataSource(DataSource):
         return DEFAULT_SCHEMA
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return BatchReader(_Options(self.options), _names(schema))
+        return BatchReader(_Options(self.options), _columns(schema))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return StreamReader(_Options(self.options), _names(schema))
+        return StreamReader(_Options(self.options), _columns(schema))
 
     def writer(self, schema: StructType, overwrite: bool):
         from .sink import BusBatchWriter
@@ -158,31 +170,28 @@ class SbusDataSource(DataSource):
 
 
 class BatchReader(DataSourceReader):
-    def __init__(self, opts: _Options, names: list[str]) -> None:
+    def __init__(self, opts: _Options, columns: pa.Schema) -> None:
         self.opts = opts
-        self.names = names
+        self.columns = columns
 
     def partitions(self) -> list[InputPartition]:
         try:
             view = journal_view(self.opts.path)
         except JournalError as exc:
             raise ValueError(str(exc)) from None
-        return [RangePartition(r)
-                for r in plan(view, START, END, split_size(view, self.opts))]
+        return [RangePartition(p)
+                for p in partitions(view, START, END, split_size(view, self.opts))]
 
     def read(self, partition: InputPartition) -> Iterator:
-        rng = getattr(partition, "rng", None)
-        if rng is None:  # Spark's placeholder partition for an empty journal
-            return iter(())
-        return read_range(self.opts.path, rng, self.names, self.opts.pattern, self.opts.verify)
+        return _read(self.opts, partition, self.columns)
 
 
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches over the journal; see `sbus.spark.offsets` for the offset model."""
 
-    def __init__(self, opts: _Options, names: list[str]) -> None:
+    def __init__(self, opts: _Options, columns: pa.Schema) -> None:
         self.opts = opts
-        self.names = names
+        self.columns = columns
         self._cache: dict = {}
         self._target: Offset | None = None
 
@@ -219,11 +228,11 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if view and s.segment and s.segment < view[0][0]:
             log.warning("journal segments before %d were removed (retention) before they "
                         "were read: rows lost", view[0][0])
-        return [RangePartition(r) for r in plan(view, s, e, split_size(view, self.opts, s, e))]
+        return [RangePartition(p)
+                for p in partitions(view, s, e, split_size(view, self.opts, s, e))]
 
     def read(self, partition: InputPartition) -> Iterator:
-        return read_range(self.opts.path, partition.rng, self.names, self.opts.pattern,
-                          self.opts.verify)
+        return _read(self.opts, partition, self.columns)
 
     def commit(self, end: dict) -> None:
         pass
