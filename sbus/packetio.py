@@ -38,12 +38,14 @@ class _MMsgHdr(ctypes.Structure):
     _fields_ = [("msg_hdr", _MsgHdr), ("msg_len", ctypes.c_uint)]
 
 
+# int recvmmsg(int fd, struct mmsghdr *, unsigned int, int flags, struct timespec *)
+# int sendmmsg(int fd, struct mmsghdr *, unsigned int, int flags)
+# Called with ints and prepared c_void_p pointers and no argtypes: converting
+# arguments through argtypes costs more than the call itself.
 _libc = ctypes.CDLL(None, use_errno=True)
 _recvmmsg = _libc.recvmmsg
-_recvmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p]
 _recvmmsg.restype = ctypes.c_int
 _sendmmsg = _libc.sendmmsg
-_sendmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int]
 _sendmmsg.restype = ctypes.c_int
 
 _MMSG = ctypes.sizeof(_MMsgHdr)
@@ -81,14 +83,15 @@ class PacketBatch:
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
         # receiving: each header's one iovec is a whole slot
         self._riovs, self._rmsgs = _headers(slots, base, slot_size)
-        self._rmsgs_at = ctypes.addressof(self._rmsgs)
+        self._rmsgs_at = ctypes.c_void_p(ctypes.addressof(self._rmsgs))
         words = memoryview(self._rmsgs).cast("B").cast("I")
         stride = _MMSG // 4
         start = _MMsgHdr.msg_len.offset // 4
         self._msg_lens = words[start:start + stride * slots:stride]
         # sending: the same slots, with iovec lengths set to the packets' lengths
         self._siovs, self._smsgs = _headers(slots, base, slot_size)
-        self._smsgs_at = ctypes.addressof(self._smsgs)
+        at = ctypes.addressof(self._smsgs)
+        self._smsgs_at = [ctypes.c_void_p(at + i * _MMSG) for i in range(slots)]
         sizes = memoryview(self._siovs).cast("B").cast(_SIZE_T)
         step = ctypes.sizeof(_IOVec) // sizes.itemsize
         at = _IOVec.iov_len.offset // sizes.itemsize
@@ -128,7 +131,7 @@ class PacketBatch:
             for i in range(self._sendable, end):
                 sizes[i] = lengths[i]
             self._sendable = end
-        n = _sendmmsg(fd, self._smsgs_at + start * _MMSG, count, MSG_DONTWAIT | MSG_NOSIGNAL)
+        n = _sendmmsg(fd, self._smsgs_at[start], count, MSG_DONTWAIT | MSG_NOSIGNAL)
         if n < 0:
             code = ctypes.get_errno()
             if code == errno.EAGAIN:
