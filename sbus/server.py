@@ -162,6 +162,9 @@ async def run(
                 await nursery.start(broker.serve, listener)
                 nursery.start_soon(_report, broker)
                 log.info("sbus broker listening on %s (pid %d)", where, os.getpid())
+                # the modules and objects of start-up live as long as the broker: keep
+                # them out of the collector's full passes (a pause of ~10 ms otherwise)
+                gc.freeze()
                 daemon.notify(f"READY=1\nSTATUS=listening, {broker.status()}")
                 task_status.started(broker)
                 async for signum in signals:
