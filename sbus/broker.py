@@ -300,7 +300,8 @@ class Broker:
         cache = self.index._cache
         blocked: list[Connection] | None = None
         published = 0
-        run_start, run_targets = 0, None  # the open run: [run_start, i), same targets
+        runs: list[tuple[int, int, tuple[Connection, ...]]] = []  # (start, end, targets)
+        run_start, run_targets = 0, ()  # the open run: [run_start, i), same targets
         head, head_len = None, 0  # b"MSG key\0" of the open run, to spot the same key
         done = False
         for i in range(n):
@@ -310,30 +311,36 @@ class Broker:
                     buf[at:at + head_len] == head:
                 published += 1
                 continue
+            targets = ()  # None below: a publish refused
             if 4 < size <= max_message and buf[at:at + 4] == b"MSG ":
                 nul = buf.find(b"\0", at + 4, at + size)
                 if nul >= 0:
                     key = buf[at + 4:nul]
                     targets = cache.get(key)
-                    if targets is None:
-                        if b"!" in key and not self._key_allowed(conn, key):
-                            blocked = self._deliver(run_start, i, run_targets, blocked)
-                            run_start, run_targets, head, head_len = i + 1, None, None, 0
-                            continue
+                    if targets is None and not (b"!" in key and
+                                                not self._key_allowed(conn, key)):
                         targets = self.index.match(key)
-                    published += 1
-                    if targets is not run_targets:
-                        blocked = self._deliver(run_start, i, run_targets, blocked)
-                        run_start, run_targets = i, targets
-                    head = buf[at:nul + 1]
-                    head_len = len(head)
-                    if self._same_head(head, i + 1, n):  # the usual batch: one key throughout
-                        published += n - i - 1
-                        break
-                    continue
-            # not a publish: deliver what came before it, then act on it alone
-            blocked = self._deliver(run_start, i, run_targets, blocked)
-            run_start, run_targets, head, head_len = i + 1, None, None, 0
+                    if targets is not None:
+                        published += 1
+                        if targets is not run_targets:
+                            if run_targets:
+                                runs.append((run_start, i, run_targets))
+                            run_start, run_targets = i, targets
+                        head = buf[at:nul + 1]
+                        head_len = len(head)
+                        if published == 1 and self._same_head(head, i + 1, n):
+                            published += n - i - 1  # the usual batch: one key throughout
+                            break
+                        continue
+            # not a publish (or a refused one): deliver what came before, then act on it
+            if run_targets:
+                runs.append((run_start, i, run_targets))
+            if runs:
+                blocked = self._deliver(runs, blocked)
+                runs = []
+            run_start, run_targets, head, head_len = i + 1, (), None, 0
+            if targets is None:
+                continue  # refused, and said why
             if size == 0:
                 if _at_eof(conn.sock):
                     done = True
@@ -346,8 +353,10 @@ class Broker:
                 if conn.closed:
                     done = True
                     break
-        if not done:
-            blocked = self._deliver(run_start, n, run_targets, blocked)
+        if run_targets:  # still open: it runs to the end of the batch
+            runs.append((run_start, n, run_targets))
+        if runs:
+            blocked = self._deliver(runs, blocked)
         # what was read was published, even if the publisher is gone now
         self.published += published
         return blocked, done
@@ -382,68 +391,67 @@ class Broker:
             return False
         return True
 
-    def _deliver(self, start: int, end: int, targets, blocked):
-        """Hand batch packets ``start .. end-1`` to each of *targets*, in order.
+    def _deliver(self, runs, blocked):
+        """Hand each run's batch packets ``start .. end-1`` to each of its targets.
 
         What a target's kernel buffer does not take goes to its queue under its flood
         policy.  Returns *blocked* plus the targets that now ask the publisher to wait:
         the publisher is paused after the whole batch, so a blocking queue can be over
         its limit by at most one batch.
         """
-        if not targets or start >= end:
-            return blocked
         batch = self._batch
         buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
         copies: dict[int, bytes] = {}
         sent = 0
         write = os.write
-        for t in targets:
-            if t.closed:
-                continue
-            i = start
-            if not t.out.items:
-                while i < end:
-                    try:
-                        if end - i >= SEND_BATCH_MIN:
-                            k = batch.send(t.fd, i, end - i)
-                            i += k
-                            if i < end:
-                                break  # the kernel took what it could
-                        else:
-                            packet = copies.get(i)
-                            if packet is None:
-                                at = offsets[i]
-                                packet = copies[i] = buf[at:at + lengths[i]]
-                            write(t.fd, packet)
-                            i += 1
-                    except BlockingIOError:
-                        break
-                    except OSError as exc:
-                        self._send_failed(t, exc)
-                        if t.closed:
-                            break
-                        i += 1  # that packet could not be delivered (and is counted)
-                        sent -= 1
-                sent += i - start
-                if i == end or t.closed:
+        for start, end, targets in runs:
+            for t in targets:
+                if t.closed:
                     continue
-            out = t.out
-            for j in range(i, end):
-                packet = copies.get(j)
-                if packet is None:
-                    packet = copies[j] = batch.copy(j)
-                verdict = out.offer(packet)
-                if verdict is Verdict.DROPPED:
-                    self.dropped += 1
-                elif verdict is Verdict.BLOCK:
-                    if blocked is None:
-                        blocked = [t]
-                    elif t not in blocked:
-                        blocked.append(t)
-                elif verdict is Verdict.ERROR:
-                    self._drop(t, "its flood policy is 'error' and it could not take a message")
-                    break
-            t.writer_lot.unpark()
+                i = start
+                if not t.out.items:
+                    while i < end:
+                        try:
+                            if end - i >= SEND_BATCH_MIN:
+                                i += batch.send(t.fd, i, end - i)
+                                if i < end:
+                                    break  # the kernel took what it could
+                            else:
+                                packet = copies.get(i)
+                                if packet is None:
+                                    at = offsets[i]
+                                    packet = copies[i] = buf[at:at + lengths[i]]
+                                write(t.fd, packet)
+                                i += 1
+                        except BlockingIOError:
+                            break
+                        except OSError as exc:
+                            self._send_failed(t, exc)
+                            if t.closed:
+                                break
+                            i += 1  # that packet could not be delivered (and is counted)
+                            sent -= 1
+                    sent += i - start
+                    if i == end or t.closed:
+                        continue
+                out = t.out
+                for j in range(i, end):
+                    packet = copies.get(j)
+                    if packet is None:
+                        packet = copies[j] = batch.copy(j)
+                    verdict = out.offer(packet)
+                    if verdict is Verdict.DROPPED:
+                        self.dropped += 1
+                    elif verdict is Verdict.BLOCK:
+                        if blocked is None:
+                            blocked = [t]
+                        elif t not in blocked:
+                            blocked.append(t)
+                    elif verdict is Verdict.ERROR:
+                        self._drop(t, "its flood policy is 'error' and it could not take "
+                                      "a message")
+                        break
+                t.writer_lot.unpark()
         self.delivered += sent
         return blocked
 
