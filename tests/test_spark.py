@@ -38,12 +38,14 @@ def spark():
     from pyspark.sql import SparkSession
 
     import sbus.spark
+    from sbus.spark.session import UDS
 
     session = (SparkSession.builder.master("local[2]").appName("sbus-tests")
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "2")
                .config("spark.sql.session.timeZone", "UTC")
+               .config(UDS, "true")  # as sbus analyze's embedded session
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
     sbus.spark.register(session)
