@@ -566,6 +566,11 @@ class Broker:
             if out.publisher_may_continue():
                 conn.paused.unpark_all()  # cheap when nobody waits; never miss a waiter
 
+    def release_buffers(self) -> None:
+        """Return the pages large packets left in the batch buffer (called between
+        batches: the buffer holds nothing then)."""
+        self._batch.release()
+
     # -- reporting ---------------------------------------------------------------
 
     def status(self) -> str:

@@ -114,6 +114,11 @@ class PacketBatch:
         self._sendable = 0
         return n
 
+    def release(self) -> None:
+        """Hand the buffer's pages back to the system (between batches only): what
+        large packets once touched stays resident otherwise."""
+        self.buffer.madvise(mmap.MADV_DONTNEED)
+
     def copy(self, i: int) -> bytes:
         """Packet *i* as bytes, to keep beyond this batch."""
         at = self.offsets[i]

@@ -69,3 +69,13 @@ def test_send_reports_a_full_buffer_and_a_gone_peer(pairs):
     d.close()
     with pytest.raises(ConnectionError):  # reset: it left unread packets behind
         batch.send(c.fileno(), 0, 1)
+
+
+def test_release_hands_the_pages_back(pairs):
+    (a, b), _ = pairs
+    batch = PacketBatch(2, 100_001)
+    a.send(b"z" * 100_000)
+    batch.receive(b.fileno())
+    assert batch.copy(0) == b"z" * 100_000
+    batch.release()
+    assert batch.buffer[:100_000] == bytes(100_000)  # fresh zero pages: nothing kept
