@@ -77,7 +77,7 @@ class PacketBatch:
     def __init__(self, slots: int, slot_size: int) -> None:
         self.slots = slots
         self.slot_size = slot_size
-        self.buffer = mmap.mmap(-1, slots * slot_size)
+        self.buffer = mmap.mmap(-1, slots * slot_size, flags=mmap.MAP_PRIVATE)
         self.offsets = [i * slot_size for i in range(slots)]
         self.lengths: list[int] = []
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
