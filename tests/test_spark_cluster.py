@@ -120,8 +120,8 @@ def test_spark_submit_analyze_on_standalone_cluster(cluster, tmp_path):
                            "--conf", "spark.ui.enabled=false",
                            "--conf", "spark.python.unix.domain.socket.enabled=true",
                            analyze, str(journal), "--out", str(report)],
-                          env=spark_env(tmp_path), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=240)
+                          env=spark_env(tmp_path), cwd=tmp_path, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["messages"] == ROUNDS * len(KEYS)
