@@ -304,18 +304,22 @@ class Broker:
         run_start, run_targets = 0, ()  # the open run: [run_start, i), same targets
         head, head_len = None, 0  # b"MSG key\0" of the open run, to spot the same key
         done = False
+        misses = 0  # packets in a row whose head was not the open run's
         for i in range(n):
             size = lengths[i]
             at = offsets[i]
-            if head_len and head_len <= size <= max_message and \
-                    buf[at:at + head_len] == head:
-                published += 1
-                continue
+            if head_len:
+                if head_len <= size <= max_message and buf[at:at + head_len] == head:
+                    published += 1
+                    misses = 0
+                    continue
+                misses += 1
             targets = ()  # None below: a publish refused
-            if 4 < size <= max_message and buf[at:at + 4] == b"MSG ":
-                nul = buf.find(b"\0", at + 4, at + size)
-                if nul >= 0:
-                    key = buf[at + 4:nul]
+            nul = buf.find(b"\0", at, at + size) if 4 < size <= max_message else -1
+            if nul > 0:
+                head = buf[at:nul + 1]
+                if head[:4] == b"MSG ":
+                    key = head[4:-1]
                     targets = cache.get(key)
                     if targets is None and not (b"!" in key and
                                                 not self._key_allowed(conn, key)):
@@ -326,8 +330,9 @@ class Broker:
                             if run_targets:
                                 runs.append((run_start, i, run_targets))
                             run_start, run_targets = i, targets
-                        head = buf[at:nul + 1]
-                        head_len = len(head)
+                        # keys that change at every packet (many keys in turn): stop
+                        # comparing heads for the rest of the batch
+                        head_len = len(head) if misses < 2 else 0
                         if published == 1 and self._same_head(head, i + 1, n):
                             published += n - i - 1  # the usual batch: one key throughout
                             break
@@ -405,6 +410,19 @@ class Broker:
         sent = 0
         write = os.write
         for start, end, targets in runs:
+            if end - start == 1 and len(targets) == 1:  # many keys: one packet, one target
+                t = targets[0]
+                if not t.out.items and not t.closed:
+                    at = offsets[start]
+                    try:
+                        write(t.fd, buf[at:at + lengths[start]])
+                        sent += 1
+                        continue
+                    except BlockingIOError:
+                        pass  # it waits in the queue: below
+                    except OSError as exc:
+                        self._send_failed(t, exc)
+                        continue
             for t in targets:
                 if t.closed:
                     continue
