@@ -124,9 +124,12 @@ def spark_session():
     from pyspark.sql import SparkSession
 
     import sbus.spark
+    from sbus.spark.session import UDS
 
+    # the transport to Python workers that `sbus analyze` and docs/spark.md use (Parquet
+    # runs in the JVM and does not care)
     spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
+             .config("spark.ui.showConsoleProgress", "false").config(UDS, "true")
              .config("spark.sql.shuffle.partitions", "2").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     sbus.spark.register(spark)
