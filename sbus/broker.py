@@ -1,12 +1,12 @@
 """The broker: a thin trio shell around the pure protocol, routing and flood modules.
 
 Speed comes from doing as little as possible per packet: trio is used only to
-wait for readiness; once a socket is readable it is drained with plain
-non-blocking ``os.read`` calls, and each publish is handed straight to the
-kernel of every target with a non-blocking ``os.write`` (on SEQPACKET sockets
-these are whole packets, and cost fewer instructions than the socket methods:
-see docs/performance.md).  Only when a target's kernel
-buffer is full does its `OutQueue` and writer task come into play.
+wait for readiness; once a socket is readable, its packets are received up to 32
+per system call (`PacketBatch`, ``recvmmsg``), routed, and each run of packets with
+the same targets is handed to each target's kernel with one non-blocking
+``sendmmsg`` (a ``write`` for a run of one or two), straight from the receive
+buffer.  Only when a target's kernel buffer is full does its `OutQueue` and writer
+task come into play (docs/performance.md has the measurements).
 
 Each client is a task pair in its own nursery: a reader (everything the client
 sends) and a writer (only busy while packets wait).  A failing client is
