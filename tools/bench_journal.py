@@ -100,6 +100,7 @@ def recorder_rate(lg: Path, tmp: Path, count: int, journal: Path) -> dict:
                                             str(journal), "--address", broker.path]),
                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
         assert "recording into" in rec.stderr.readline()
+        cpu0 = process_cpu(rec.pid)
         publish(lg, broker.path, count)
         deadline = time.monotonic() + 120
         blocks: list = []
@@ -108,6 +109,7 @@ def recorder_rate(lg: Path, tmp: Path, count: int, journal: Path) -> dict:
             if sum(b.count for b in blocks) >= count:
                 break
             time.sleep(0.2)
+        cpu = process_cpu(rec.pid) - cpu0
         rec.send_signal(signal.SIGTERM)
         tail = rec.stderr.read()
         rec.wait(30)
@@ -115,7 +117,20 @@ def recorder_rate(lg: Path, tmp: Path, count: int, journal: Path) -> dict:
         broker.stop()
     recorded = sum(b.count for b in blocks)
     span = (max(b.max_ts for b in blocks) - min(b.min_ts for b in blocks)) / 1e9
-    return {"recorded": recorded, "rate": recorded / span, "dropped": "dropped" in tail}
+    return {"recorded": recorded, "rate": recorded / span, "dropped": "dropped" in tail,
+            "cpu_us": cpu * 1e6 / max(recorded, 1)}
+
+
+def stat_fields(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (index 11 is utime)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of one process so far."""
+    fields = stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def spark_session():
@@ -147,8 +162,7 @@ def tree_cpu() -> float:
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            fields = stat_fields(name)
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(name))
@@ -220,12 +234,13 @@ def main() -> int:
     journal = args.journal or tmp / "journal"
     try:
         if args.part in ("all", "recorder"):
-            s1, rec = [], []
+            s1, rec, cpu = [], [], []
             for _ in range(args.repeat):
                 s1.append(s1_rate(lg, tmp, args.count))
                 r = recorder_rate(lg, tmp, args.count, journal)
                 assert r["recorded"] == args.count, f"recorder lost messages: {r}"
                 rec.append(r["rate"])
+                cpu.append(r["cpu_us"])
             print(f"\nRecorder vs broker S1 ({args.count:,} messages of 64 bytes, median of "
                   f"{args.repeat}; load average {os.getloadavg()[0]:.1f})\n")
             print("| run | msg/s | recorded | ratio to S1 |")
@@ -234,6 +249,8 @@ def main() -> int:
             print(f"| broker S1 (lg sub) | {m1:,.0f} | - | 1.00 |")
             print(f"| sbus record | {mr:,.0f} | {args.count:,} of {args.count:,} | "
                   f"{mr / m1:.2f} |")
+            print(f"\nRecorder CPU per message (user + system, its own process): "
+                  f"{statistics.median(cpu):.2f} µs")
         if args.part in ("all", "read"):
             if not journal.exists():
                 r = recorder_rate(lg, tmp, args.count, journal)
