@@ -16,11 +16,12 @@ import ctypes
 import errno
 import mmap
 import os
+import socket
 
 __all__ = ["PacketBatch"]
 
-MSG_DONTWAIT = 0x40
-MSG_NOSIGNAL = 0x4000
+MSG_DONTWAIT = socket.MSG_DONTWAIT
+MSG_NOSIGNAL = socket.MSG_NOSIGNAL
 
 
 class _IOVec(ctypes.Structure):
@@ -108,8 +109,7 @@ class PacketBatch:
         n = _recvmmsg(fd, self._rmsgs_at, self.slots, MSG_DONTWAIT, None)
         if n < 0:
             code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code)) if code != errno.EAGAIN else \
-                BlockingIOError(code, os.strerror(code))
+            raise OSError(code, os.strerror(code))  # EAGAIN makes it a BlockingIOError
         self.lengths = self._msg_lens[:n].tolist()
         self._sendable = 0
         return n
