@@ -69,7 +69,9 @@ class PacketBatch:
 
     After ``n = receive(fd)``, packet ``i < n`` is ``buffer[offsets[i]:offsets[i] +
     lengths[i]]``; a packet longer than ``slot_size`` is cut to ``slot_size`` by the
-    kernel, so make ``slot_size`` one more than the largest packet accepted.  The
+    kernel, so make ``slot_size`` one more than the largest packet accepted.
+    ``received_lengths`` is the same lengths as a view of the kernel's own words
+    (``msg_len``), for readers that want them without a list.  The
     buffer is an anonymous mapping: memory the kernel provides only for the pages
     packets actually reach (small packets touch the first page of a slot), and whose
     slices and ``find`` are cheaper than a memoryview's.
@@ -88,7 +90,7 @@ class PacketBatch:
         words = memoryview(self._rmsgs).cast("B").cast("I")
         stride = _MMSG // 4
         start = _MMsgHdr.msg_len.offset // 4
-        self._msg_lens = words[start:start + stride * slots:stride]
+        self.received_lengths = words[start:start + stride * slots:stride]
         # sending: the same slots, with iovec lengths set to the packets' lengths
         self._siovs, self._smsgs = _headers(slots, base, slot_size)
         at = ctypes.addressof(self._smsgs)
@@ -110,7 +112,7 @@ class PacketBatch:
         if n < 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))  # EAGAIN makes it a BlockingIOError
-        self.lengths = self._msg_lens[:n].tolist()
+        self.lengths = self.received_lengths[:n].tolist()
         self._sendable = 0
         return n
 

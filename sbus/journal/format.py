@@ -29,7 +29,8 @@ from itertools import accumulate
 
 __all__ = [
     "FILE_HEAD", "BLOCK_HEAD", "TRAILER", "INDEX_ENTRY", "FormatError", "Block", "BlockInfo",
-    "encode_header", "decode_header", "encode_block", "decode_block_head", "decode_block",
+    "encode_header", "decode_header", "encode_block", "block_parts", "decode_block_head",
+    "decode_block",
     "encode_index", "decode_trailer", "decode_index", "block_size",
 ]
 
@@ -120,24 +121,40 @@ def block_size(count: int, keys_len: int, payloads_len: int) -> int:
 
 
 def encode_block(first_seq: int, ts: array, keys: list[bytes], payloads: list[bytes]) -> bytes:
-    """One block from parallel columns; *ts* is an ``array('q')`` of nanoseconds."""
-    count = len(keys)
-    if not (count == len(payloads) == len(ts)) or count == 0:
-        raise ValueError("a block needs equally long, non-empty columns")
-    kdata = b"".join(keys)
-    pdata = b"".join(payloads)
-    if len(kdata) > MAX_COLUMN_BYTES or len(pdata) > MAX_COLUMN_BYTES:
-        raise ValueError("block too large")
+    """One block from parallel lists; *ts* is an ``array('q')`` of nanoseconds."""
+    if not len(keys) == len(payloads) == len(ts):
+        raise ValueError("a block needs equally long columns")
     koff = array("i", [0])
     koff.extend(accumulate(map(len, keys)))
     poff = array("i", [0])
     poff.extend(accumulate(map(len, payloads)))
-    body_len = 8 * count + 8 * (count + 1) + len(kdata) + len(pdata)
-    body = b"".join((ts.tobytes(), koff.tobytes(), poff.tobytes(), kdata, pdata,
-                     bytes(_pad(body_len))))
-    head = BLOCK_HEAD.pack(BLOCK_MAGIC, count, first_seq, len(kdata), len(pdata),
-                           zlib.crc32(body), 0)
-    return head + body
+    return b"".join(block_parts(first_seq, ts, koff, [b"".join(keys)], poff,
+                                [b"".join(payloads)]))
+
+
+def block_parts(first_seq: int, ts, key_offsets, keys: list, payload_offsets,
+                payloads: list) -> list:
+    """One block as buffers to write one after another (``os.writev``), head first.
+
+    *ts* int64[count] and the offsets int32[count+1] (from 0) are buffers as laid out on
+    disk; *keys* and *payloads* are lists of buffers whose concatenation the offsets point
+    into, so nothing is copied here."""
+    body = [memoryview(b).cast("B") for b in (ts, key_offsets, payload_offsets, *keys,
+                                              *payloads)]
+    count = len(body[0]) // 8
+    klen = sum(map(len, body[3:3 + len(keys)]))
+    plen = sum(map(len, body[3 + len(keys):]))
+    if count == 0:
+        raise ValueError("a block needs at least one record")
+    if len(body[1]) != len(body[2]) or len(body[1]) != 4 * (count + 1):
+        raise ValueError("offset columns must be int32[count + 1]")
+    if klen > MAX_COLUMN_BYTES or plen > MAX_COLUMN_BYTES:
+        raise ValueError("block too large")
+    body.append(bytes(_pad(16 * count + 8 + klen + plen)))
+    crc = 0
+    for b in body:
+        crc = zlib.crc32(b, crc)
+    return [BLOCK_HEAD.pack(BLOCK_MAGIC, count, first_seq, klen, plen, crc, 0), *body]
 
 
 def decode_block_head(data, pos: int = 0) -> tuple[int, int, int, int, int]:

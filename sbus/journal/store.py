@@ -14,12 +14,14 @@ import fcntl
 import logging
 import os
 import time
-from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from . import format as fmt
+from .columns import Columns
 from .format import Block, BlockInfo, FormatError
 from .retention import SegmentAge, expired
 
@@ -30,6 +32,7 @@ log = logging.getLogger("sbus.journal")
 
 SUFFIX = ".sbj"
 OPEN_SUFFIX = ".sbj.open"
+IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
 class JournalError(Exception):
@@ -204,9 +207,8 @@ class JournalWriter:
         self._seg_size = 0
         self._seg_opened = 0.0
         self._blocks: list[BlockInfo] = []
-        self._keys: list[bytes] = []
-        self._payloads: list[bytes] = []
-        self._ts = array("q")
+        self._chunks: list[tuple[int, Columns]] = []  # (receive time, records) to write
+        self._pending = 0
         self._pending_bytes = 0
         self.next_seq = self._recover()
         self.written = 0  # records written to files since opening
@@ -257,43 +259,51 @@ class JournalWriter:
 
     def append(self, ts_ns: int, keys: list[bytes], payloads: list[bytes]) -> None:
         """Buffer records received at *ts_ns*; writes a block once enough is buffered."""
-        n = len(keys)
-        if not n:
-            return
-        self._keys.extend(keys)
-        self._payloads.extend(payloads)
-        self._ts.extend(array("q", (ts_ns,)) * n)
-        self._pending_bytes += sum(map(len, keys)) + sum(map(len, payloads)) + 16 * n
+        if keys:
+            self.append_columns(ts_ns, Columns.of(keys, payloads))
+
+    def append_columns(self, ts_ns: int, records: Columns) -> None:
+        """`append` for records already in columns (the recorder's batches)."""
+        self._chunks.append((ts_ns, records))
+        self._pending += records.count
+        self._pending_bytes += records.keys.nbytes + records.payloads.nbytes + 16 * records.count
         if self._pending_bytes >= self.block_bytes:
             self.flush()
 
     @property
     def pending(self) -> int:
         """Records buffered in memory, not yet written (what a kill -9 would lose)."""
-        return len(self._keys)
+        return self._pending
 
     def flush(self) -> None:
         """Write the buffered records as one block (to the OS; fsync only on seal)."""
-        if not self._keys:
+        if not self._pending:
             return
         if self._fd is None:
             self._open_segment()
-        data = fmt.encode_block(self.next_seq, self._ts, self._keys, self._payloads)
-        info = BlockInfo(self._seg_size, self.next_seq, len(self._keys), min(self._ts),
-                         max(self._ts), len(data))
-        view = memoryview(data)
+        chunks = self._chunks
+        times = [t for t, _ in chunks]
+        parts = [c for _, c in chunks]
+        data = fmt.block_parts(
+            self.next_seq,
+            np.repeat(np.array(times, np.int64), [c.count for c in parts]),
+            _offsets([c.key_lengths for c in parts], self._pending),
+            [c.keys for c in parts],
+            _offsets([c.payload_lengths for c in parts], self._pending),
+            [c.payloads for c in parts])
+        size = sum(map(len, data))
+        info = BlockInfo(self._seg_size, self.next_seq, self._pending, min(times), max(times),
+                         size)
         try:
-            while view:
-                view = view[os.write(self._fd, view):]
+            _write_all(self._fd, data)
         except OSError:
             self._cut_back()  # no torn block left behind for the index to point past
             raise
         self._blocks.append(info)
-        self._seg_size += len(data)
+        self._seg_size += size
         self.next_seq += info.count
         self.written += info.count
-        self._keys, self._payloads, self._ts = [], [], array("q")
-        self._pending_bytes = 0
+        self._chunks, self._pending, self._pending_bytes = [], 0, 0
         if self._seg_size >= self.segment_bytes:
             self.seal()
 
@@ -391,6 +401,28 @@ class JournalWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    """``os.writev`` until all *buffers* (memoryviews of bytes) are written; a short write
+    continues where it ended."""
+    i = 0
+    while i < len(buffers):
+        done = os.writev(fd, buffers[i:i + IOV_MAX])
+        while i < len(buffers) and done >= len(buffers[i]):
+            done -= len(buffers[i])
+            i += 1
+        if done:
+            buffers[i] = buffers[i][done:]
+
+
+def _offsets(lengths: list[np.ndarray], count: int) -> np.ndarray:
+    """int32 offsets ``[0, l0, l0+l1, ...]`` of a column whose values have these lengths."""
+    out = np.zeros(count + 1, np.int64)
+    np.cumsum(np.concatenate(lengths), dtype=np.int64, out=out[1:])
+    if out[-1] > fmt.MAX_COLUMN_BYTES:
+        raise ValueError("block too large")
+    return out.astype(np.int32)
 
 
 def records(directory: str | os.PathLike) -> Iterator[tuple[int, int, bytes, bytes]]:

@@ -1,0 +1,74 @@
+"""Received ``MSG`` packets to journal columns, a whole batch at a time.
+
+The recorder receives packets into the equal slots of one buffer (`PacketBatch`).
+Splitting each into key and payload in a Python loop cost about a microsecond per
+message, which left the recorder slower than the broker it records.  Here a batch is
+split by a fixed number of array operations, so the cost per message falls as batches
+grow, and batches grow exactly when the recorder falls behind.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["WIDEST", "Columns", "split"]
+
+#: Batches with a longer packet are split one packet at a time: the array work grows with
+#: the number of packets times the longest one.
+WIDEST = 2048
+
+# Narrow integers: comparisons broadcast over a whole batch run several times faster on them.
+_COLS = np.arange(WIDEST, dtype=np.uint16)
+_AFTER_VERB = _COLS >= 4
+_MSG = int.from_bytes(b"MSG ", "little")
+
+
+class Columns(NamedTuple):
+    """Keys and payloads of ``count`` messages, each column one buffer plus lengths."""
+
+    count: int
+    keys: np.ndarray          # uint8, the keys one after another
+    key_lengths: np.ndarray   # integers, one per message
+    payloads: np.ndarray      # uint8
+    payload_lengths: np.ndarray
+
+    @classmethod
+    def of(cls, keys: list[bytes], payloads: list[bytes]) -> Columns:
+        """Columns of messages given one by one."""
+        n = len(keys)
+        return cls(n, np.frombuffer(b"".join(keys), np.uint8),
+                   np.fromiter(map(len, keys), np.int64, n),
+                   np.frombuffer(b"".join(payloads), np.uint8),
+                   np.fromiter(map(len, payloads), np.int64, n))
+
+
+def split(slots: np.ndarray, lengths: np.ndarray) -> Columns | None:
+    """Split packets ``slots[i, :lengths[i]]`` (a uint8 array of rows, one packet at the start
+    of each) that are all ``MSG key\\0payload``.
+
+    None if any packet is something else (a control message, a malformed or empty packet)
+    or longer than `WIDEST`: the caller then takes them one by one, in order.
+    """
+    n = len(lengths)
+    if not n:
+        return None
+    width = int(lengths.max())
+    if width > WIDEST:
+        return None
+    size = lengths.astype(np.uint16)
+    rows = slots[:n, :width]
+    if width < 5 or not (rows[:, :4].view("<u4") == _MSG).all():
+        return None
+    cols = _COLS[:width]
+    inside = cols < size[:, None]  # bytes beyond a packet's length are stale
+    zero = rows == 0
+    zero &= inside
+    nul = zero.argmax(axis=1).astype(np.uint16)  # the first NUL in the packet, 0 if none
+    if nul.min() < 4:
+        return None
+    at = nul[:, None]
+    keys = rows[_AFTER_VERB[:width] & (cols < at)]
+    payloads = rows[(cols > at) & inside]
+    return Columns(n, keys, nul - 4, payloads, size - nul - 1)

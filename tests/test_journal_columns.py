@@ -1,0 +1,58 @@
+"""columns.split against protocol.parse, over slots holding stale bytes from earlier packets."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sbus import protocol
+from sbus.journal.columns import WIDEST, Columns, split
+
+SLOT = WIDEST + 1
+
+keys = st.binary(max_size=40).filter(lambda k: b"\0" not in k)
+msgs = st.builds(lambda k, p: b"MSG " + k + b"\0" + p, keys, st.binary(max_size=60))
+others = st.sampled_from([b"", b"MSG", b"MSG ", b"MSG nokey", b"CMSG blocking/dropped\x003",
+                          b"SUB a/\0", b"MSG\0x", b"x" * (WIDEST + 1)])
+
+
+def slots_holding(packets: list[bytes], stale: bytes) -> tuple[np.ndarray, np.ndarray]:
+    slots = np.frombuffer(bytearray(stale * (len(packets) * SLOT // len(stale) + 1))
+                          [:len(packets) * SLOT], np.uint8).reshape(len(packets), SLOT).copy()
+    for i, p in enumerate(packets):
+        slots[i, :len(p)] = np.frombuffer(p, np.uint8)
+    return slots, np.array([len(p) for p in packets], np.uint32)
+
+
+def expected(packets: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+    events = [protocol.parse(p) for p in packets]
+    return [e.key for e in events], [e.payload for e in events]
+
+
+def unpack(c: Columns) -> tuple[list[bytes], list[bytes]]:
+    def cut(data, lengths):
+        lengths = lengths.astype(np.int64)
+        ends = np.cumsum(lengths)
+        return [bytes(data[e - n:e]) for e, n in zip(ends, lengths, strict=True)]
+    return cut(c.keys, c.key_lengths), cut(c.payloads, c.payload_lengths)
+
+
+@given(st.lists(msgs, min_size=1, max_size=40), st.binary(min_size=1, max_size=7))
+def test_split_matches_parse(packets, stale):
+    c = split(*slots_holding(packets, stale))
+    assert c is not None and c.count == len(packets)
+    assert unpack(c) == expected(packets)
+
+
+@given(st.lists(msgs, max_size=10), others, st.lists(msgs, max_size=10),
+       st.binary(min_size=1, max_size=3))
+def test_anything_but_msg_packets_is_left_to_the_caller(before, odd, after, stale):
+    assert split(*slots_holding(before + [odd] + after, stale)) is None
+
+
+def test_columns_of_lists_and_the_widest_packet():
+    keys, payloads = [b"a/b", b"", b"\xff\xfe"], [b"\0x\0", b"", b"p" * 9]
+    assert unpack(Columns.of(keys, payloads)) == (keys, payloads)
+    widest = b"MSG k\0" + b"\0" * (WIDEST - 6)
+    assert unpack(split(*slots_holding([widest], b"\0"))) == expected([widest])
