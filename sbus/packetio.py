@@ -22,6 +22,7 @@ __all__ = ["PacketBatch"]
 
 MSG_DONTWAIT = socket.MSG_DONTWAIT
 MSG_NOSIGNAL = socket.MSG_NOSIGNAL
+MSG_WAITFORONE = 0x10000  # Linux <bits/socket.h>; the socket module does not export it
 
 
 class _IOVec(ctypes.Structure):
@@ -101,14 +102,20 @@ class PacketBatch:
         self._iov_lens = sizes[at:at + step * slots:step]
         self._sendable = 0  # packets whose send length is set, since the last receive
 
-    def receive(self, fd: int) -> int:
+    def receive(self, fd: int, wait: bool = False) -> int:
         """Receive what is waiting on *fd*, without blocking: the number of packets.
 
         Raises BlockingIOError when nothing waits, OSError on failure.  At end of
         file the kernel reports empty packets: a zero length is end of file or an
         empty packet, and only the socket can tell which.
+
+        With *wait*, a blocking socket blocks until the first packet (or its
+        ``SO_RCVTIMEO``, then BlockingIOError; a signal raises InterruptedError) and
+        then takes what else is waiting: one system call where ``select`` and a
+        receive would be two.
         """
-        n = _recvmmsg(fd, self._rmsgs_at, self.slots, MSG_DONTWAIT, None)
+        n = _recvmmsg(fd, self._rmsgs_at, self.slots, MSG_WAITFORONE if wait else MSG_DONTWAIT,
+                      None)
         if n < 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))  # EAGAIN makes it a BlockingIOError

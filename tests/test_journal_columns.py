@@ -56,3 +56,20 @@ def test_columns_of_lists_and_the_widest_packet():
     assert unpack(Columns.of(keys, payloads)) == (keys, payloads)
     widest = b"MSG k\0" + b"\0" * (WIDEST - 6)
     assert unpack(split(*slots_holding([widest], b"\0"))) == expected([widest])
+
+
+@given(keys, st.lists(st.binary(max_size=60), min_size=1, max_size=40))
+def test_one_key_in_every_packet(key, payloads):
+    packets = [b"MSG " + key + b"\0" + p for p in payloads]
+    c = split(*slots_holding(packets, b"\0"))
+    assert unpack(c) == expected(packets)
+
+
+def test_stale_bytes_of_a_longer_packet_are_not_read():
+    slots, lengths = slots_holding([b"MSG k\0payload"] * 3, b"x")
+    for cut in (0, 3, 4, 5):  # a packet that stops before the head's NUL
+        short = lengths.copy()
+        short[1] = cut
+        assert split(slots, short) is None
+    short[1] = 6  # "MSG k\0": an empty payload
+    assert unpack(split(slots, short)) == ([b"k"] * 3, [b"payload", b"", b"payload"])

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+import struct
+import threading
+import time
 
 import pytest
 
@@ -79,3 +83,29 @@ def test_release_hands_the_pages_back(pairs):
     assert batch.copy(0) == b"z" * 100_000
     batch.release()
     assert batch.buffer[:100_000] == bytes(100_000)  # fresh zero pages: nothing kept
+
+
+def test_waiting_receive_times_out_takes_a_batch_and_yields_to_signals(pairs):
+    (a, b), _ = pairs
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 0, 50_000))
+    batch = PacketBatch(8, 64)
+    started = time.monotonic()
+    with pytest.raises(BlockingIOError):  # nothing came within the receive timeout
+        batch.receive(b.fileno(), wait=True)
+    assert time.monotonic() - started >= 0.04
+    sender = threading.Timer(0.05, lambda: [a.send(b"p%d" % i) for i in range(3)])
+    sender.start()
+    n = batch.receive(b.fileno(), wait=True)  # woke by the first, with what else came
+    got = [batch.copy(i) for i in range(n)]
+    sender.join()
+    if n < 3:
+        got += [batch.copy(i) for i in range(batch.receive(b.fileno()))]
+    assert n >= 1 and got == [b"p0", b"p1", b"p2"]
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 5, 0))
+    old = signal.signal(signal.SIGALRM, lambda *_: None)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(InterruptedError):  # the caller gets to look at its flags
+            batch.receive(b.fileno(), wait=True)
+    finally:
+        signal.signal(signal.SIGALRM, old)

@@ -46,28 +46,33 @@ class Columns(NamedTuple):
 
 def split(slots: np.ndarray, lengths: np.ndarray) -> Columns | None:
     """Split packets ``slots[i, :lengths[i]]`` (a uint8 array of rows, one packet at the start
-    of each) that are all ``MSG key\\0payload``.
+    of each) that are all ``MSG key\0payload``.
 
     None if any packet is something else (a control message, a malformed or empty packet)
     or longer than `WIDEST`: the caller then takes them one by one, in order.
     """
     n = len(lengths)
-    if not n:
-        return None
-    width = int(lengths.max())
-    if width > WIDEST:
+    width = int(lengths.max()) if n else 0
+    if not 5 <= width <= WIDEST:
         return None
     size = lengths.astype(np.uint16)
     rows = slots[:n, :width]
-    if width < 5 or not (rows[:, :4].view("<u4") == _MSG).all():
+    inside = _COLS[:width] < size[:, None]  # bytes beyond a packet's length are stale
+    head = rows[0, :size[0]].tobytes()
+    end = head.find(b"\0") + 1
+    if (head.startswith(b"MSG ") and end and size.min() >= end
+            and (rows[:, :end] == rows[0, :end]).all()):
+        # Every packet starts with the first one's "MSG key\0": one key, no search.
+        return Columns(n, np.tile(rows[0, 4:end - 1], n), np.full(n, end - 5, np.uint16),
+                       rows[:, end:][inside[:, end:]], size - end)
+    if not (rows[:, :4].view("<u4") == _MSG).all():
         return None
-    cols = _COLS[:width]
-    inside = cols < size[:, None]  # bytes beyond a packet's length are stale
     zero = rows == 0
     zero &= inside
     nul = zero.argmax(axis=1).astype(np.uint16)  # the first NUL in the packet, 0 if none
     if nul.min() < 4:
         return None
+    cols = _COLS[:width]
     at = nul[:, None]
     keys = rows[_AFTER_VERB[:width] & (cols < at)]
     payloads = rows[(cols > at) & inside]

@@ -1,13 +1,13 @@
 """``sbus record PATTERN... --dir DIR``: the recorder, a thin I/O shell around `JournalWriter`.
 
-It must never be the slow reader: after each readiness wake-up the socket is drained up
-to 256 packets per system call, each such batch split into columns by array operations
-(`columns.split`) and stamped with one receive time, and the columns are buffered into
-blocks of about a megabyte, written with one ``writev`` each.  The broker is asked for soft *queue* mode so bursts are
-queued for us rather than dropped.  A block is written (to the OS) at least every
-``--flush`` seconds, so ``kill -9`` loses at most that much; SIGTERM/SIGINT flush and seal.
-If the broker goes away the recorder reconnects and re-subscribes; a journal write that
-fails (disk full) ends it with one line, leaving what was written readable.
+It must never be the slow reader: the socket is drained up to 256 packets per system
+call, each such batch split into columns by array operations (`columns.split`) and
+stamped with one receive time, and the columns are buffered into blocks of about a
+megabyte, written with one ``writev`` each.  The broker is asked for soft *queue* mode so
+bursts are queued for us rather than dropped.  A block is written (to the OS) at least
+every ``--flush`` seconds, so ``kill -9`` loses at most that much; SIGTERM/SIGINT flush
+and seal.  If the broker goes away the recorder reconnects and re-subscribes; a journal
+write that fails (disk full) ends it with one line, leaving what was written readable.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import select
 import signal
+import socket
+import struct
 import sys
 import time
 
@@ -33,7 +34,6 @@ from .store import JournalError, JournalWriter
 log = logging.getLogger("sbus.record")
 
 DROPPED = b"blocking/dropped"
-BATCH = 8192  # packets per wake-up at most, so flushes and signals are never starved
 RECV_SLOTS = 256  # packets per system call: `split` costs less per packet in larger batches
 
 
@@ -161,54 +161,57 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper) -> int:
-    """Drain the socket after each wake-up and hand the records to the writer.
+    """Receive and hand the records to the writer until told to stop.
 
     Packets arrive up to `RECV_SLOTS` per system call (`PacketBatch`, as in the broker,
     which otherwise outruns a reader making one call per packet), and a batch of ``MSG``
     packets is split into columns by `split` without a Python object per message; a batch
-    holding anything else goes through `protocol.parse` packet by packet."""
+    holding anything else goes through `protocol.parse` packet by packet.  The receive
+    itself waits (up to the flush interval, as the socket's receive timeout), so an idle
+    recorder sleeps and a busy one makes no other system call per batch."""
     sock = bus.sock
     fd = sock.fileno()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(interval))
     batch = PacketBatch(RECV_SLOTS, RECV_BUFFER)
     slots = np.frombuffer(batch.buffer, np.uint8).reshape(RECV_SLOTS, RECV_BUFFER)
     lengths = np.asarray(batch.received_lengths)
     dropped = 0
     next_flush = time.monotonic() + interval
-    pending = bus.receive_ready(0)  # anything whoami() set aside
+    others: list = []
+    pending = bus.receive_ready(0)  # set aside by whoami(), so received before the rest
+    _append_events(writer, time.time_ns(), pending, others)
     while not stopper.stop:
-        timeout = max(0.0, next_flush - time.monotonic())
-        if pending or select.select([sock], [], [], timeout)[0]:
-            others = []
-            if pending:  # set aside by whoami(), so received before anything below
-                _append_events(writer, time.time_ns(), pending, others)
-                pending = []
-            for _ in range(BATCH // RECV_SLOTS):
-                try:
-                    n = batch.receive(fd)
-                except BlockingIOError:
-                    break
-                except OSError as exc:
-                    raise SbusError(f"receiving from the broker at {bus.address} failed: "
-                                    f"{exc.strerror or exc}") from None
-                ts = time.time_ns()
-                records = split(slots, lengths[:n])
-                if records is not None:
-                    writer.append_columns(ts, records)
-                else:
-                    _append_events(writer, ts, _parse(bus, batch, n), others)
-                if n < RECV_SLOTS:
-                    break
-            for ev in others:
-                if isinstance(ev, Control) and ev.key == DROPPED:
-                    count = int(ev.payload or b"0")
-                    dropped += count
-                    log.warning("broker dropped %d messages for the recorder", count)
+        try:
+            n = batch.receive(fd, wait=True)
+        except (BlockingIOError, InterruptedError):  # the timeout, or a signal
+            n = 0
+        except OSError as exc:
+            raise SbusError(f"receiving from the broker at {bus.address} failed: "
+                            f"{exc.strerror or exc}") from None
+        if n:
+            ts = time.time_ns()
+            records = split(slots, lengths[:n])
+            if records is not None:
+                writer.append_columns(ts, records)
+            else:
+                _append_events(writer, ts, _parse(bus, batch, n), others)
+        for ev in others:
+            if isinstance(ev, Control) and ev.key == DROPPED:
+                count = int(ev.payload or b"0")
+                dropped += count
+                log.warning("broker dropped %d messages for the recorder", count)
+        others.clear()
         now = time.monotonic()
         if now >= next_flush:
             writer.flush()
             writer.tick(now)
             next_flush = now + interval
     return dropped
+
+
+def _timeval(seconds: float) -> bytes:
+    usec = max(1, round(seconds * 1e6))  # zero would mean no timeout at all
+    return struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
 
 
 def _parse(bus: Client, batch: PacketBatch, n: int) -> list:
