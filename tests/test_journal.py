@@ -216,6 +216,28 @@ def test_record_survives_kill9_and_resumes_sequence(broker, tmp_path: Path):
     pub.close()
 
 
+def test_record_keeps_runs_many_keys_and_large_payloads_in_order(broker, tmp_path: Path):
+    """Bursts mixing one-key runs, a new key per message and payloads beyond what the
+    batch splitter takes (columns.WIDEST) must all come back byte for byte, in order."""
+    jdir = tmp_path / "journal"
+    rec = start_recorder(broker.address, jdir)
+    pub = raw(broker.address)
+    sent = []
+    for i in range(3000):
+        key = b"run/x" if i % 1000 < 600 else b"many/%d" % i
+        size = 200_000 if i % 250 == 7 else 3000 if i % 97 == 0 else i % 90
+        payload = (b"\0%d\0" % i + bytes(range(256)) * (size // 256 + 1))[:size]
+        pub.send(b"MSG " + key + b"\0" + payload)
+        sent.append((key, payload))
+    sync(pub)
+    got = wait_records(jdir, len(sent))
+    rec.send_signal(signal.SIGTERM)
+    assert rec.wait(10) == 0
+    assert [r[0] for r in got] == list(range(1, len(sent) + 1))
+    assert [(r[2], r[3]) for r in got] == sent
+    pub.close()
+
+
 def test_record_bad_options_change_nothing(tmp_path: Path):
     jdir = tmp_path / "j"
     proc = subprocess.run([*SBUS, "record", "a/", "--dir", str(jdir), "--keep", "7x"],
