@@ -29,9 +29,9 @@ class Columns(NamedTuple):
     """Keys and payloads of ``count`` messages, each column one buffer plus lengths."""
 
     count: int
-    keys: np.ndarray          # uint8, the keys one after another
+    keys: np.ndarray | bytes  # the keys one after another
     key_lengths: np.ndarray   # integers, one per message
-    payloads: np.ndarray      # uint8
+    payloads: np.ndarray      # uint8, one dimension
     payload_lengths: np.ndarray
 
     @classmethod
@@ -52,27 +52,35 @@ def split(slots: np.ndarray, lengths: np.ndarray) -> Columns | None:
     or longer than `WIDEST`: the caller then takes them one by one, in order.
     """
     n = len(lengths)
-    width = int(lengths.max()) if n else 0
-    if not 5 <= width <= WIDEST:
+    if not n:
         return None
-    size = lengths.astype(np.uint16)
+    width, shortest = int(lengths.max()), int(lengths.min())
+    if shortest < 5 or width > WIDEST:  # b"MSG \0" is the shortest MSG
+        return None
     rows = slots[:n, :width]
-    inside = _COLS[:width] < size[:, None]  # bytes beyond a packet's length are stale
-    head = rows[0, :size[0]].tobytes()
+    head = rows[0, :shortest].tobytes()
     end = head.find(b"\0") + 1
-    if (head.startswith(b"MSG ") and end and size.min() >= end
-            and (rows[:, :end] == rows[0, :end]).all()):
-        # Every packet starts with the first one's "MSG key\0": one key, no search.
-        return Columns(n, np.tile(rows[0, 4:end - 1], n), np.full(n, end - 5, np.uint16),
-                       rows[:, end:][inside[:, end:]], size - end)
+    if end and head.startswith(b"MSG ") and (rows[:, :end] == rows[0, :end]).all():
+        # Every packet starts with the first one's "MSG key\0" (within the shortest
+        # packet, so no stale byte is compared): one key, no search.
+        keys = head[4:end - 1] * n
+        key_lengths = np.full(n, end - 5, np.uint16)
+        if shortest == width:  # and one length: the payloads are a rectangle
+            return Columns(n, keys, key_lengths, rows[:, end:].flatten(),  # a copy
+                           np.full(n, width - end, np.uint16))
+        size = lengths.astype(np.uint16)
+        return Columns(n, keys, key_lengths, rows[:, end:][_COLS[end:width] < size[:, None]],
+                       size - end)
     if not (rows[:, :4].view("<u4") == _MSG).all():
         return None
+    size = lengths.astype(np.uint16)
+    cols = _COLS[:width]
+    inside = cols < size[:, None]  # bytes beyond a packet's length are stale
     zero = rows == 0
     zero &= inside
     nul = zero.argmax(axis=1).astype(np.uint16)  # the first NUL in the packet, 0 if none
     if nul.min() < 4:
         return None
-    cols = _COLS[:width]
     at = nul[:, None]
     keys = rows[_AFTER_VERB[:width] & (cols < at)]
     payloads = rows[(cols > at) & inside]

@@ -266,7 +266,7 @@ class JournalWriter:
         """`append` for records already in columns (the recorder's batches)."""
         self._chunks.append((ts_ns, records))
         self._pending += records.count
-        self._pending_bytes += records.keys.nbytes + records.payloads.nbytes + 16 * records.count
+        self._pending_bytes += len(records.keys) + len(records.payloads) + 16 * records.count
         if self._pending_bytes >= self.block_bytes:
             self.flush()
 
