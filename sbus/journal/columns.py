@@ -46,7 +46,7 @@ class Columns(NamedTuple):
 
 def split(slots: np.ndarray, lengths: np.ndarray) -> Columns | None:
     """Split packets ``slots[i, :lengths[i]]`` (a uint8 array of rows, one packet at the start
-    of each) that are all ``MSG key\0payload``.
+    of each) that are all ``MSG key\\0payload``.
 
     None if any packet is something else (a control message, a malformed or empty packet)
     or longer than `WIDEST`: the caller then takes them one by one, in order.
