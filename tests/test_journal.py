@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from array import array
 from pathlib import Path
@@ -235,6 +236,40 @@ def test_record_keeps_runs_many_keys_and_large_payloads_in_order(broker, tmp_pat
     assert rec.wait(10) == 0
     assert [r[0] for r in got] == list(range(1, len(sent) + 1))
     assert [(r[2], r[3]) for r in got] == sent
+    pub.close()
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_record_behind_by_more_than_the_queue_limit(make_broker, tmp_path: Path, block: bool):
+    """A stopped recorder and a 3 MB burst against a 256 KiB queue limit: by default the
+    broker drops for the recorder and the recorder reports how many; with ``--block`` the
+    publisher waits and nothing is lost."""
+    broker = make_broker("--queue-limit", "256k")
+    jdir = tmp_path / "journal"
+    rec = start_recorder(broker.address, jdir, *(["--block"] if block else []))
+    pub = raw(broker.address, timeout=30)
+    sent = [b"MSG burst\0%d\0" % i + bytes(30_000) for i in range(100)]
+    rec.send_signal(signal.SIGSTOP)
+    try:
+        publisher = threading.Thread(target=lambda: [pub.send(p) for p in sent])
+        publisher.start()
+        publisher.join(2)
+        assert publisher.is_alive() == block  # paused by the broker only when asked to
+    finally:
+        rec.send_signal(signal.SIGCONT)
+    publisher.join(30)
+    sync(pub)
+    got = wait_records(jdir, len(sent), timeout=5 if block else 2)
+    rec.send_signal(signal.SIGTERM)
+    assert rec.wait(10) == 0
+    tail = rec.stderr.read()
+    payloads = [r[3] for r in got]
+    if block:
+        assert payloads == [p[len(b"MSG burst\0"):] for p in sent] and "dropped" not in tail
+    else:
+        lost = len(sent) - len(got)
+        assert lost > 0 and f"broker dropped {lost}" in tail
+        assert payloads == [p[len(b"MSG burst\0"):] for p in sent][:len(got)]
     pub.close()
 
 

@@ -4,10 +4,12 @@ It must never be the slow reader: the socket is drained up to 256 packets per sy
 call, each such batch split into columns by array operations (`columns.split`) and
 stamped with one receive time, and the columns are buffered into blocks of about a
 megabyte, written with one ``writev`` each.  The broker is asked for soft *queue* mode so
-bursts are queued for us rather than dropped.  A block is written (to the OS) at least
-every ``--flush`` seconds, so ``kill -9`` loses at most that much; SIGTERM/SIGINT flush
-and seal.  If the broker goes away the recorder reconnects and re-subscribes; a journal
-write that fails (disk full) ends it with one line, leaving what was written readable.
+bursts are queued for us rather than dropped; ``--block`` also asks for hard *block*, so
+publishers wait rather than lose messages once that queue is full.  A block is written
+(to the OS) at least every ``--flush`` seconds, so ``kill -9`` loses at most that much;
+SIGTERM/SIGINT flush and seal.  If the broker goes away the recorder reconnects and
+re-subscribes; a journal write that fails (disk full) ends it with one line, leaving what
+was written readable.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="delete sealed segments older than this (e.g. 7d)")
     p.add_argument("--keep-bytes", default=None, metavar="SIZE",
                    help="delete the oldest sealed segments beyond this total size (e.g. 10G)")
+    p.add_argument("--block", action="store_true",
+                   help="when the broker's queue for the recorder is full, pause the "
+                        "publishers (hard 'block' policy) instead of dropping messages for it")
     p.add_argument("--no-fsync", action="store_true",
                    help="do not fsync sealed segments (faster, not crash-safe against power loss)")
 
@@ -82,7 +87,7 @@ class _Stopper:
 def _connect(args: argparse.Namespace) -> Client:
     bus = Client(args.address)
     try:
-        bus.set_flood(soft="queue")
+        bus.set_flood(soft="queue", hard="block" if args.block else None)
         for pattern in args.patterns:
             bus.subscribe(os.fsencode(pattern))
         bus.whoami()  # round trip: the subscriptions are in place from here on
