@@ -220,12 +220,42 @@ def _mount_unit(inst: Installation, user: bool) -> str:
     )
 
 
+#: What sbus-record.service keeps by default (change with 'systemctl edit sbus-record').
+RECORD_RETENTION = "--keep 7d --keep-bytes 2G"
+
+
+def _record_unit(inst: Installation, user: bool) -> str:
+    env = f"Environment=SBUS_ADDRESS={USER_SOCKET}\n" if user else ""
+    return (
+        "[Unit]\n"
+        "Description=sbus recorder: a journal of the bus traffic in %S/sbus/journal\n"
+        "Requires=sbus.socket\n"
+        "After=sbus.socket\n"
+        "\n"
+        "[Service]\n"
+        "# Records every key that is not secret (\"\" is the empty pattern); SIGTERM\n"
+        "# flushes and seals the open segment. Patterns, retention, --block: with\n"
+        "# 'systemctl edit sbus-record', an empty ExecStart= and a new one.\n"
+        "Type=exec\n"
+        f"{env}"
+        "StateDirectory=sbus\n"
+        f"ExecStart={_escaped(inst.exec_start)} record \"\" --dir %S/sbus/journal "
+        f"{RECORD_RETENTION}\n"
+        "Restart=on-failure\n"
+        + (_USER_SANDBOX if user else _system_sandbox(inst))
+        + "\n"
+        "[Install]\n"
+        f"WantedBy={'default.target' if user else 'multi-user.target'}\n"
+    )
+
+
 def render(inst: Installation, *, user: bool) -> dict[str, str]:
     """Unit file name -> text, for the system manager or (``user=True``) a user manager."""
     return {
         "sbus.socket": _socket_unit(user),
         "sbus.service": _service_unit(inst, user),
         "sbus-mount.service": _mount_unit(inst, user),
+        "sbus-record.service": _record_unit(inst, user),
     }
 
 

@@ -30,6 +30,7 @@ class UserManager:
         self.base = base
         self.runtime = base / "run"  # XDG_RUNTIME_DIR: %t in unit files
         self.config = base / "config"  # XDG_CONFIG_HOME: units in config/systemd/user
+        self.state = base / "state"  # XDG_STATE_HOME: %S in unit files
         self.log = base / "manager.log"
         self.runtime.mkdir(mode=0o700)
         self.config.mkdir()
@@ -39,6 +40,7 @@ class UserManager:
             "LANG": "C.UTF-8",
             "XDG_RUNTIME_DIR": str(self.runtime),
             "XDG_CONFIG_HOME": str(self.config),
+            "XDG_STATE_HOME": str(self.state),
         }
         self.cgroup: PrivateCgroup | None = None
         self.proc: subprocess.Popen | None = None

@@ -3,8 +3,8 @@
 sbus is installed inside into a virtualenv of the container's own Python, with
 ``pip install --no-index`` from wheels built on the host (``pip wheel`` of this tree
 and its dependencies, bind-mounted read-only): no network needed, nothing borrowed
-from the host's virtualenv.  The two compiled dependencies come from Debian
-(python3-systemd, python3-msgpack in the rootfs, seen through
+from the host's virtualenv.  The compiled dependencies come from Debian
+(python3-systemd, python3-msgpack, python3-numpy in the rootfs, seen through
 ``--system-site-packages``), so the host's Python version does not matter: the
 host only has to provide pure-Python wheels.
 """
@@ -69,10 +69,11 @@ def container() -> Iterator[Container]:
 def bus(container: Container) -> str:
     """`sbus install-units` and `systemctl start sbus.socket`, typed in the container."""
     out = container.run(SBUS, "install-units").stdout
-    assert out.splitlines()[:4] == [
+    assert out.splitlines()[:5] == [
         "wrote /etc/systemd/system/sbus.socket",
         "wrote /etc/systemd/system/sbus.service",
         "wrote /etc/systemd/system/sbus-mount.service",
+        "wrote /etc/systemd/system/sbus-record.service",
         "ran systemctl daemon-reload",
     ]
     container.run("systemctl", "start", "sbus.socket")
@@ -86,7 +87,7 @@ def _show(c: Container, unit: str, *props: str) -> dict[str, str]:
 
 def test_installed_units_verify_clean(container: Container, bus: str) -> None:
     units = [f"/etc/systemd/system/{n}" for n in ("sbus.socket", "sbus.service",
-                                                   "sbus-mount.service")]
+                                                   "sbus-mount.service", "sbus-record.service")]
     done = container.run("systemd-analyze", "verify", *units, check=False)
     assert (done.returncode, done.stderr, done.stdout) == (0, "", "")
     service = container.run("cat", units[1]).stdout
@@ -161,6 +162,46 @@ def test_unprivileged_user_publishes_and_subscribes(container: Container, bus: s
     # The broker sees alice's real, kernel-verified uid and gid (no UID remapping).
     assert who.startswith(f"!/cred/{gid}/{uid}/") and uid != "0"
     assert payload == "own message\n"
+
+
+def test_record_service_journals_as_a_dynamic_user(container: Container, bus: str) -> None:
+    """sbus-record.service in the system manager: an unprivileged dynamic user writing
+    /var/lib/sbus/journal (StateDirectory=), sealed on stop, with Debian's numpy."""
+    from sbus.journal.store import JournalError, list_segments, records
+
+    container.run("systemctl", "start", "sbus-record.service")
+    journal = Path(container.host_path("/var/lib/private/sbus/journal"))
+
+    def recorded() -> list[tuple]:
+        try:
+            return list(records(journal))
+        except (JournalError, FileNotFoundError):  # not created yet
+            return []
+
+    sent = [(b"log/%d" % (i % 4), b"\0entry %d\xfe" % i) for i in range(200)]
+    try:
+        with Client(bus, timeout=10) as c:
+            deadline = time.monotonic() + 30
+            while not recorded():  # subscribed once a probe is recorded
+                assert time.monotonic() < deadline, _show(container, "sbus-record.service",
+                                                          "ActiveState", "Result")
+                c.publish(b"probe", b"")
+                c.whoami()
+                time.sleep(0.1)
+            for key, payload in sent:
+                c.publish(key, payload)
+            c.whoami()
+        deadline = time.monotonic() + 10
+        while len(recorded()) < len(sent) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        user = _show(container, "sbus-record.service", "MainPID")["MainPID"]
+        owner = container.run("stat", "-c", "%U", f"/proc/{user}").stdout.strip()
+        assert owner not in ("root", "0")  # DynamicUser=yes
+    finally:
+        container.run("systemctl", "stop", "sbus-record.service")
+    assert _show(container, "sbus-record.service", "Result") == {"Result": "success"}
+    assert [s.sealed for s in list_segments(journal)] == [True]
+    assert [(r[2], r[3]) for r in recorded() if r[2] != b"probe"] == sent
 
 
 def test_stop_in_container_leaves_no_broker(container: Container, bus: str) -> None:

@@ -16,7 +16,7 @@ from sbus.units import Installation
 
 REPO = Path(__file__).resolve().parent.parent
 SBUS_EXE = Path(sys.executable).parent / "sbus"
-NAMES = ["sbus.socket", "sbus.service", "sbus-mount.service"]
+NAMES = ["sbus.socket", "sbus.service", "sbus-mount.service", "sbus-record.service"]
 ANALYZE = shutil.which("systemd-analyze")
 
 
@@ -41,7 +41,7 @@ def test_installed_units_verify_clean(short_tmp: Path, scope: str) -> None:
     flags = ["--user"] if scope == "user" else []
     done = install(*flags, "--unit-dir", str(unit_dir))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[:3] == [f"wrote {unit_dir / n}" for n in NAMES]
+    assert done.stdout.splitlines()[:4] == [f"wrote {unit_dir / n}" for n in NAMES]
     assert "daemon-reload" not in done.stdout  # not the manager's own directory
     service = (unit_dir / "sbus.service").read_text()
     assert f"ExecStart={SBUS_EXE} serve\n" in service
@@ -75,6 +75,13 @@ def test_unit_contents() -> None:
     assert "ExecStart=/opt/sbus/bin/sbus mount /mnt/sbus\n" in system["sbus-mount.service"]
     assert "After=sbus.socket\n" in system["sbus-mount.service"]
     assert "Environment=SBUS_ADDRESS=%t/sbus.socket\n" in user["sbus-mount.service"]
+    for scope, text in (("system", system), ("user", user)):
+        record = text["sbus-record.service"]
+        assert ('\nExecStart=/opt/sbus/bin/sbus record "" --dir %S/sbus/journal '
+                f"{units.RECORD_RETENTION}\n") in record, scope
+        assert "\nStateDirectory=sbus\n" in record and "\nAfter=sbus.socket\n" in record
+    assert "Environment=SBUS_ADDRESS=%t/sbus.socket\n" in user["sbus-record.service"]
+    assert "\nDynamicUser=yes\n" in system["sbus-record.service"]
     # '%' in a path is not taken for a systemd specifier
     odd = units.render(Installation("/opt/50%/bin/sbus", True, False), user=False)
     assert "\nExecStart=/opt/50%%/bin/sbus serve\n" in odd["sbus.service"]

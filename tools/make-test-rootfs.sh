@@ -9,8 +9,8 @@
 # below change, so cached copies are rebuilt.
 set -euo pipefail
 
-VERSION=2
-PACKAGES=systemd,systemd-sysv,dbus,python3,python3-venv,python3-systemd,python3-msgpack
+VERSION=3
+PACKAGES=systemd,systemd-sysv,dbus,python3,python3-venv,python3-systemd,python3-msgpack,python3-numpy
 dest=${1:-/var/cache/sbus-test/rootfs}
 mirror=${SBUS_TEST_MIRROR:-http://deb.debian.org/debian}
 stamp="$dest/.sbus-test-rootfs"
