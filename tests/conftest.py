@@ -8,12 +8,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sbus.client import wait_for_broker
+from sbus.journal.store import JournalError, records
 
 SBUS = [sys.executable, "-m", "sbus.cli"]
 
@@ -113,6 +115,34 @@ def sync(s: socket.socket) -> None:
             raise ConnectionError("the broker closed the connection")
         if p.startswith(b"CMSG !/cred/whoami\0"):
             return
+
+
+def recorded_pairs(journal: Path) -> list[tuple[bytes, bytes]]:
+    """``(key, payload)`` of every record but the probes of `publish_to_recorder`, in order;
+    none while the journal does not exist yet."""
+    try:
+        return [(r[2], r[3]) for r in records(journal) if r[2] != b"probe"]
+    except (JournalError, FileNotFoundError):
+        return []
+
+
+def publish_to_recorder(address: str, journal: Path, sent: list[tuple[bytes, bytes]],
+                        unrecorded: list[tuple[bytes, bytes]] = ()) -> None:
+    """Once a recorder of everything writes *journal* (it has recorded a ``probe``),
+    publish *sent* then *unrecorded*, and wait until *sent* is in."""
+    with raw(address, timeout=10) as c:
+        deadline = time.monotonic() + 30
+        while not journal.is_dir() or not any(True for _ in records(journal)):
+            assert time.monotonic() < deadline, f"nothing recorded into {journal}"
+            c.send(b"MSG probe\0")
+            sync(c)
+            time.sleep(0.1)
+        for key, payload in [*sent, *unrecorded]:
+            c.send(b"MSG " + key + b"\0" + payload)
+        sync(c)
+    deadline = time.monotonic() + 10
+    while len(recorded_pairs(journal)) < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 @pytest.fixture(autouse=True)

@@ -21,9 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import publish_to_recorder, recorded_pairs
 from systemd_container import REPO, ROOTFS, Container, ensure_rootfs
 
 from sbus.client import Client, ConnectError
+from sbus.journal.store import list_segments
 from sbus.protocol import Publish
 
 VENV = "/opt/sbus"
@@ -167,41 +169,19 @@ def test_unprivileged_user_publishes_and_subscribes(container: Container, bus: s
 def test_record_service_journals_as_a_dynamic_user(container: Container, bus: str) -> None:
     """sbus-record.service in the system manager: an unprivileged dynamic user writing
     /var/lib/sbus/journal (StateDirectory=), sealed on stop, with Debian's numpy."""
-    from sbus.journal.store import JournalError, list_segments, records
-
     container.run("systemctl", "start", "sbus-record.service")
     journal = Path(container.host_path("/var/lib/private/sbus/journal"))
-
-    def recorded() -> list[tuple]:
-        try:
-            return list(records(journal))
-        except (JournalError, FileNotFoundError):  # not created yet
-            return []
-
     sent = [(b"log/%d" % (i % 4), b"\0entry %d\xfe" % i) for i in range(200)]
     try:
-        with Client(bus, timeout=10) as c:
-            deadline = time.monotonic() + 30
-            while not recorded():  # subscribed once a probe is recorded
-                assert time.monotonic() < deadline, _show(container, "sbus-record.service",
-                                                          "ActiveState", "Result")
-                c.publish(b"probe", b"")
-                c.whoami()
-                time.sleep(0.1)
-            for key, payload in sent:
-                c.publish(key, payload)
-            c.whoami()
-        deadline = time.monotonic() + 10
-        while len(recorded()) < len(sent) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        user = _show(container, "sbus-record.service", "MainPID")["MainPID"]
-        owner = container.run("stat", "-c", "%U", f"/proc/{user}").stdout.strip()
+        publish_to_recorder(bus, journal, sent)
+        pid = _show(container, "sbus-record.service", "MainPID")["MainPID"]
+        owner = container.run("stat", "-c", "%U", f"/proc/{pid}").stdout.strip()
         assert owner not in ("root", "0")  # DynamicUser=yes
     finally:
         container.run("systemctl", "stop", "sbus-record.service")
     assert _show(container, "sbus-record.service", "Result") == {"Result": "success"}
     assert [s.sealed for s in list_segments(journal)] == [True]
-    assert [(r[2], r[3]) for r in recorded() if r[2] != b"probe"] == sent
+    assert recorded_pairs(journal) == sent
 
 
 def test_stop_in_container_leaves_no_broker(container: Container, bus: str) -> None:

@@ -17,9 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import publish_to_recorder, recorded_pairs
 from systemd_usermgr import UserManager
 
 from sbus.client import Client, ConnectError, SbusError
+from sbus.journal.store import list_segments
 from sbus.protocol import Publish
 
 SBUS_EXE = Path(sys.executable).parent / "sbus"
@@ -261,38 +263,15 @@ def test_mount_service_shows_the_bus_as_files(manager: UserManager, bus: str) ->
 def test_record_service_journals_the_bus(manager: UserManager, bus: str) -> None:
     """sbus-record.service records every key that is not secret into %S/sbus/journal (the
     manager's state directory); a stop flushes and seals, so the journal is complete."""
-    from sbus.journal.store import JournalError, list_segments, records
-
     manager.systemctl("start", "sbus-record.service")
     argv = manager.show("sbus-record.service", "ExecStart")["ExecStart"]
     journal = Path(argv.split(" --dir ")[1].split()[0])
     assert journal.parent.parent in (manager.state, manager.config)  # %S: by systemd version
-
-    def recorded() -> list[tuple]:
-        try:
-            return list(records(journal))
-        except JournalError:  # not created yet
-            return []
-
     sent = [(b"rec/%d" % (i % 3), b"\0payload %d\xff" % i) for i in range(300)]
     try:
-        with Client(bus, timeout=10) as c:
-            deadline = time.monotonic() + 30
-            while not recorded():  # the recorder has subscribed once a probe is recorded
-                assert time.monotonic() < deadline, manager.show("sbus-record.service",
-                                                                 "ActiveState")
-                c.publish(b"probe", b"")
-                c.whoami()
-                time.sleep(0.1)
-            for key, payload in sent:
-                c.publish(key, payload)
-            c.publish(b"!/cred/0/secret", b"never recorded")
-            c.whoami()
-        deadline = time.monotonic() + 10
-        while len(recorded()) < len(sent) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        publish_to_recorder(bus, journal, sent, [(b"!/cred/0/secret", b"never recorded")])
     finally:
         manager.systemctl("stop", "sbus-record.service")
     assert manager.show("sbus-record.service", "Result")["Result"] == "success"
     assert [s.sealed for s in list_segments(journal)] == [True]
-    assert [(r[2], r[3]) for r in recorded() if r[2] != b"probe"] == sent
+    assert recorded_pairs(journal) == sent

@@ -249,10 +249,10 @@ def main() -> int:
             print(f"| broker S1 (lg sub) | {m1:,.0f} | - | 1.00 |")
             print(f"| sbus record | {mr:,.0f} | {args.count:,} of {args.count:,} | "
                   f"{mr / m1:.2f} |")
-            rounds = ", ".join(f"{r / s:.2f}" for s, r in zip(s1, rec, strict=True))
+            ratios = [r / s for s, r in zip(s1, rec, strict=True)]
             print(f"\nRatio in each round (S1 and the recorder run one after the other, "
-                  f"so on the same machine state): {rounds}; median "
-                  f"{statistics.median(r / s for s, r in zip(s1, rec, strict=True)):.2f}")
+                  f"so on the same machine state): {', '.join(f'{x:.2f}' for x in ratios)}; "
+                  f"median {statistics.median(ratios):.2f}")
             print(f"Recorder CPU per message (user + system, its own process): "
                   f"{statistics.median(cpu):.2f} µs")
         if args.part in ("all", "read"):
