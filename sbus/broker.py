@@ -437,8 +437,7 @@ class Broker:
                             else:
                                 packet = copies.get(i)
                                 if packet is None:
-                                    at = offsets[i]
-                                    packet = copies[i] = buf[at:at + lengths[i]]
+                                    packet = copies[i] = batch.copy(i)
                                 write(t.fd, packet)
                                 i += 1
                         except BlockingIOError:
