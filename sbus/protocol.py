@@ -27,9 +27,22 @@ __all__ = [
     "encode",
     "publish_key",
     "WHOAMI",
+    "DROPPED",
+    "REFUSED",
+    "PUBLISHER_NOWAIT",
 ]
 
+# Control keys, each defined once (docs/protocol.md explains them).
+#: client -> broker: "who am I?"; broker -> client: the answer, ``!/cred/GID/UID/PID``.
 WHOAMI = b"!/cred/whoami"
+#: broker -> client: payload is the decimal count of messages dropped for this client.
+DROPPED = b"blocking/dropped"
+#: broker -> client: ``refused/VERB`` (sub, unsub, msg, cmsg, packet): the client's packet
+#: was refused; the payload is one line of UTF-8 saying why.
+REFUSED = b"refused"
+#: client -> broker: this connection publishes for many parties (a gateway, a mount):
+#: never pause it; a subscriber that would block it loses the message (counted) instead.
+PUBLISHER_NOWAIT = b"blocking/publisher/nowait"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,36 @@
+"""Every default a user can meet in more than one command, and the one size parser.
+
+A default written twice drifts (the 256 KiB packet limit once stood in six places):
+each lives here and is imported where it is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+__all__ = ["MAX_MESSAGE", "QUEUE_LIMIT", "parse_size", "size_arg"]
+
+#: Largest packet the broker accepts and forwards (``--max-message``).
+MAX_MESSAGE = 256 * 1024
+#: Bytes the broker queues for one client before its hard policy applies (``--queue-limit``).
+QUEUE_LIMIT = 4 * 1024 * 1024
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*")
+
+
+def parse_size(text: str) -> int:
+    """``"256k"`` -> 262144: units k, M, G, T are powers of 1024; ``B``/``iB`` may follow."""
+    m = _SIZE.fullmatch(text.lower())
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 256k, 4M, 10G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def size_arg(text: str) -> int:
+    """`parse_size` for argparse: its message is the one the user sees."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

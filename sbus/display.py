@@ -1,0 +1,68 @@
+"""Client bytes made safe to show a person: one place for every terminal, report and log.
+
+Anything a client chose (keys, patterns, payloads) may hold escape sequences that
+rewrite a terminal, newlines that forge log lines, or megabytes.  `printable` turns
+bytes into text with every control byte and invalid UTF-8 escaped (``\\x1b``, ``\\n``);
+`brief` does the same and cuts to a short quote for log lines and error messages.
+"""
+
+from __future__ import annotations
+
+__all__ = ["printable", "brief", "LOG_QUOTE"]
+
+#: Bytes of client input quoted in a log line or error message at most.
+LOG_QUOTE = 100
+
+_NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def _escape(c: str) -> str:
+    named = _NAMED.get(c)
+    if named:
+        return named
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+
+def _clean(text: str) -> str:
+    """Backslashes doubled; every character Unicode calls "other" or "separator" (controls,
+    bidi overrides, line separators, unassigned…) but the space escaped."""
+    text = text.replace("\\", "\\\\")
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape(c) for c in text)
+
+
+def printable(data: bytes | str, limit: int | None = None) -> str:
+    """*data* as one line of text that a terminal shows literally.
+
+    Invalid UTF-8 becomes ``\\xNN``; controls become ``\\n``, ``\\x1b``…; a backslash is
+    doubled, so an escape cannot be forged.  With *limit*, at most that many bytes (or
+    characters, for text) are shown and the rest is counted: ``…(+N bytes)``.
+    """
+    more = 0
+    if limit is not None and len(data) > limit:
+        data, more = data[:limit], len(data) - limit
+    if isinstance(data, str):
+        text = _clean(data)
+    else:
+        text = _decode(bytes(data))
+    return text + (f"…(+{more} bytes)" if more else "")
+
+
+def _decode(data: bytes) -> str:
+    out: list[str] = []
+    while data:
+        try:
+            out.append(_clean(data.decode("utf-8")))
+            break
+        except UnicodeDecodeError as exc:
+            out.append(_clean(data[:exc.start].decode("utf-8")))
+            out.append("".join(f"\\x{b:02x}" for b in data[exc.start:exc.end]))
+            data = data[exc.end:]
+    return "".join(out)
+
+
+def brief(data: bytes | str, limit: int = LOG_QUOTE) -> str:
+    """A short quote of client input for a log line or an error: ``'printable…(+N bytes)'``."""
+    return "'" + printable(data, limit).replace("'", "\\'") + "'"
