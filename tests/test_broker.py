@@ -97,7 +97,9 @@ def test_a_burst_is_acted_on_in_order(broker):
     for packet in burst * 3:
         a.send(packet)
     me = b"CMSG !/cred/whoami\0!/cred/%d/%d/%d" % (os.getgid(), os.getuid(), os.getpid())
-    expected = [b"MSG self\0after-sub", me, *(b"MSG self\0%d" % i for i in range(40)), me]
+    refused = b"CMSG refused/packet\0MSG without NUL after the key: 'MSG k'"
+    expected = [b"MSG self\0after-sub", me, refused,
+                *(b"MSG self\0%d" % i for i in range(40)), me]
     assert recv_all(a, len(expected) * 3) == expected * 3
     assert recv_all(watcher, 9) == [b"MSG k\0one", b"MSG k\0\0two", b"MSG k\0"] * 3
     assert_silent(a)
@@ -130,17 +132,25 @@ def test_junk_packets_hurt_nobody(broker):
     good, pub, junk = raw(broker.address), raw(broker.address), raw(broker.address)
     good.send(b"SUB k")
     sync(good)
-    for packet in [b"", b"HELLO", b"MSG no-nul", b"SUB", b"\0\0\0", b"UNSUB never-subscribed",
-                   b"CMSG blocking/soft/nonsense", b"MSG a/!/b\0x", b"SUB !/cred/*/*/*/",
-                   b"SUB !/", b"MSG !/x\0y"]:
+    packets = {b"": b"packet", b"HELLO": b"packet", b"MSG no-nul": b"packet",
+               b"SUB": b"packet", b"\0\0\0": b"packet", b"UNSUB never-subscribed": b"unsub",
+               b"CMSG blocking/soft/nonsense": b"cmsg", b"MSG a/!/b\0x": b"msg",
+               b"SUB !/cred/*/*/*/": b"sub", b"SUB !/": b"sub", b"MSG !/x\0y": b"msg"}
+    for packet in packets:
         junk.send(packet)
-    sync(junk)  # still connected and served
+    junk.send(b"CMSG !/cred/whoami")  # still connected and served; each refusal answered
+    answers = []
+    while not (p := junk.recv(1 << 20)).startswith(b"CMSG !/cred/whoami\0"):
+        answers.append(p)
+    assert [a.split(b"\0")[0] for a in answers] == [b"CMSG refused/" + v
+                                                   for v in packets.values()]
+    assert b"not subscribed to 'never-subscribed'" in answers[5]
     pub.send(b"MSG k\0fine")
     assert good.recv(1 << 20) == b"MSG k\0fine"
     log = broker.log()
     assert "empty packet" in log and "unknown message type" in log
-    assert "MSG without NUL" in log and "not subscribed to b'never-subscribed'" in log
-    assert "wildcard in the GID field" in log and "publish refused" in log
+    assert "MSG without NUL" in log and "not subscribed to 'never-subscribed'" in log
+    assert "wildcard in the GID field" in log and "msg refused" in log
 
 
 def test_oversized_packet_ignored(make_broker):
