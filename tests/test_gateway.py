@@ -34,10 +34,12 @@ class GatewayProcess:
     """A real `sbus gateway` child process; its log goes to a file we can read."""
 
     def __init__(self, directory: Path, bus: str, *args: str, port: int | None = None,
-                 name: str = "gw") -> None:
+                 name: str = "gw", quick: bool = True, verbose: bool = True) -> None:
         self.dir = directory
         self.bus = bus
-        self.args = args
+        # quick: refusals close after 0.3 s rather than the default 5 s
+        self.args = (("--refusal-delay", "0.3") if quick else ()) + args
+        self.verbose = verbose
         self.port = port or free_port()
         self.keyfile = directory / f"{name}.key"
         self.keyfile.write_bytes(SECRET + b"\n")
@@ -47,9 +49,9 @@ class GatewayProcess:
 
     def start(self) -> GatewayProcess:
         self.proc = subprocess.Popen(
-            [*SBUS, "-v", "gateway", "--listen", f"127.0.0.1:{self.port}",
-             "--auth-key-file", str(self.keyfile), "--address", self.bus,
-             "--refusal-delay", "0.3", *self.args],
+            [*SBUS, *(["-v"] if self.verbose else []), "gateway",
+             "--listen", f"127.0.0.1:{self.port}",
+             "--auth-key-file", str(self.keyfile), "--address", self.bus, *self.args],
             stdout=subprocess.DEVNULL, stderr=self.logfile.open("a"),
         )
         deadline = time.monotonic() + 15

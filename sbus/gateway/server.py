@@ -293,40 +293,46 @@ class Gateway:
             rc.scope.cancel()
 
     async def _reader(self, rc: Remote) -> None:
-        decoder = FrameDecoder(self.max_frame, read_size=READ_SIZE)
-        receive = rc.stream.receive_some
-        clock = time.perf_counter
+        decoder: FrameDecoder | None = FrameDecoder(self.max_frame, read_size=READ_SIZE)
         try:
-            while True:
-                data = await receive(READ_SIZE)
-                if not data:
-                    if not decoder.idle:
-                        self.say(rc.host, logging.INFO, "%r closed in the middle of a frame",
-                                 rc)
-                    return
-                rc.touch()
-                start = clock()
-                # frames decoded before a bad one are not acted upon: the stream is bad
-                for frame in decoder.feed(data):
-                    try:
-                        await self._frame(rc, frame)
-                    except Refused as exc:
-                        rc.refused += 1
-                        self.refused += 1
-                        self.say(rc.host, logging.WARNING, "%r: %s", rc, exc)
-                    if clock() - start > TURN:
-                        await trio.lowlevel.checkpoint()  # others get a turn
-                        start = clock()
-                if not rc.authenticated and decoder.held > UNAUTHENTICATED_HOLD:
-                    raise FrameError(f"an incomplete frame holds {decoder.held} bytes, over "
-                                     f"the {UNAUTHENTICATED_HOLD} allowed before "
-                                     "authenticating")
+            await self._read(rc, decoder)
+            return
         except FrameError as exc:
-            await self._refuse_and_close(rc, f"malformed input: {exc}")
+            reason = f"malformed input: {exc}"
         except Disconnect as exc:
-            await self._refuse_and_close(rc, str(exc))
+            reason = str(exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._close(rc, f"read failed: {exc.__cause__ or exc}")
+            return
+        decoder = None  # what it buffered is not kept through the delay  # noqa: F841
+        await self._refuse_and_close(rc, reason)
+
+    async def _read(self, rc: Remote, decoder: FrameDecoder) -> None:
+        receive = rc.stream.receive_some
+        clock = time.perf_counter
+        while True:
+            data = await receive(READ_SIZE)
+            if not data:
+                if not decoder.idle:
+                    self.say(rc.host, logging.INFO, "%r closed in the middle of a frame", rc)
+                return
+            rc.touch()
+            start = clock()
+            # frames decoded before a bad one are not acted upon: the stream is bad
+            for frame in decoder.feed(data):
+                try:
+                    await self._frame(rc, frame)
+                except Refused as exc:
+                    rc.refused += 1
+                    self.refused += 1
+                    self.say(rc.host, logging.WARNING, "%r: %s", rc, exc)
+                if clock() - start > TURN:
+                    await trio.lowlevel.checkpoint()  # others get a turn
+                    start = clock()
+            del data
+            if not rc.authenticated and decoder.held > UNAUTHENTICATED_HOLD:
+                raise FrameError(f"an incomplete frame holds {decoder.held} bytes, over "
+                                 f"the {UNAUTHENTICATED_HOLD} allowed before authenticating")
 
     async def _frame(self, rc: Remote, frame: codec.Frame) -> None:
         kind = type(frame)
