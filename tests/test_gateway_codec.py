@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sbus.gateway import codec
+from sbus.gateway.admission import Caps, Pool
 from sbus.gateway.client import backoff_delay
 from sbus.gateway.codec import (
     Authenticate,
@@ -23,6 +24,7 @@ from sbus.gateway.codec import (
 )
 from sbus.gateway.https import decide
 from sbus.gateway.outbox import Outbox
+from sbus.keys import KeyRules
 
 # -- encoding -----------------------------------------------------------------------
 
@@ -155,6 +157,39 @@ def test_outbox_bounds_bytes_but_always_takes_one():
         Outbox(0, 10)
 
 
+def test_outboxes_share_a_pool_and_give_it_back():
+    pool = Pool(100)
+    a, b = Outbox(10, 1000, pool), Outbox(10, 1000, pool)
+    assert a.offer(b"x" * 60) and b.offer(b"y" * 40) and pool.used == 100
+    assert not b.offer(b"z")  # the pool is full, even though b's own bound is not
+    assert b.dropped == 1 and pool.used == 100
+    assert not Outbox(10, 1000, pool).offer(b"q")  # an empty outbox too: the pool is hard
+    assert a.take() == b"x" * 60 and pool.used == 40
+    b.clear()
+    assert pool.used == 0 and not b
+
+
+def test_caps_per_address_and_in_total():
+    caps = Caps(total=3, per_peer=2)
+    assert caps.admit("a") is None and caps.admit("a") is None
+    assert "one address" in caps.admit("a")
+    assert caps.admit("b") is None
+    assert "3 connections" in caps.admit("c")
+    assert caps.refused == 2
+    caps.release("a")
+    assert caps.admit("c") is None and caps.peers() == 3
+    with pytest.raises(ValueError):
+        Caps(0, 1)
+
+
+def test_decoder_says_how_much_an_incomplete_frame_holds():
+    d = FrameDecoder(max_frame=100_000)
+    assert d.held == 0
+    head = b"\x04\xc4\x03abc\xc6" + (50_000).to_bytes(4, "big")
+    assert d.feed(head + bytes(1000)) == [] and d.held >= 1000 + 3
+    assert d.feed(bytes(49_000)) == [Publish(b"abc", bytes(50_000))] and d.held == 0
+
+
 def test_backoff_doubles_to_its_cap_with_jitter():
     for failures, base in [(0, 1), (1, 2), (2, 4), (5, 32), (6, 60), (100, 60)]:
         delays = [backoff_delay(failures, 1.0, 60.0) for _ in range(200)]
@@ -189,6 +224,7 @@ def _doc(topic: bytes, body: bytes) -> bytes:
     (b"POST", JSON, _doc(b"!/cred/0/0/1/x", b"x"), 400),
     (b"POST", JSON, _doc(b"a\x00b", b"x"), 400),
     (b"POST", JSON, _doc(b"a", b"x" * 2000), 413),
+    (b"POST", JSON, b"[" * 100_000 + b"]" * 100_000, 400),  # RecursionError inside json
 ])
 def test_https_decisions(method, headers, content, status):
     answer = decide(method, headers, content, SECRET, max_frame=1024)
@@ -197,3 +233,10 @@ def test_https_decisions(method, headers, content, status):
         assert (answer.topic, answer.body) == (b"a/b", b"\x00\xff")
     else:
         assert answer.topic is None
+
+
+def test_https_secret_keys_follow_the_brokers_separator():
+    dot = KeyRules(b".")
+    doc = _doc(b"!.cred.0.0.1.x", b"x")
+    assert decide(b"POST", JSON, doc, SECRET, 1024, dot).status == 400
+    assert decide(b"POST", JSON, _doc(b"a.b", b"x"), SECRET, 1024, dot).status == 201

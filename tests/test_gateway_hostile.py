@@ -408,3 +408,88 @@ def test_https_deeply_nested_json_is_refused_and_the_gateway_lives(https_gw):
     s = https_gw.https()  # still serving
     s.sendall(_request(b"wrong", b"{}"))
     assert _read_all(s).startswith(b"HTTP/1.1 401")
+
+
+# -- class 1: the shared route cache and the outgoing buffers are bounded in bytes ----------
+
+def reader(s: socket.socket, stop: threading.Event) -> threading.Thread:
+    def run() -> None:
+        s.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                if not s.recv(1 << 20):
+                    return
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_long_distinct_keys_cannot_grow_the_route_cache(gw, local):
+    """Every key the bus sends the gateway is looked up once and cached: 400 distinct
+    200 KB keys (80 MB) must not stay in the cache (4 MiB by default, in bytes)."""
+    sub = gw.connect()
+    subscribe_bridged(sub, b"", local, b"probe")
+    stop = threading.Event()
+    t = reader(sub, stop)
+    pub = gw.connect()
+    pub.sendall(codec.authenticate(SECRET))
+    roundtrip(pub)
+    before = rss_kib(gw.proc.pid)
+    try:
+        for i in range(400):
+            pub.sendall(codec.publish(b"%06d" % i + b"k" * 200_000, b"v"))
+        roundtrip(pub)
+        time.sleep(1.0)
+        growth_mib = (rss_kib(gw.proc.pid) - before) / 1024
+        print(f"gateway RSS +{growth_mib:.1f} MiB after 80 MB of distinct keys")
+        assert growth_mib < 16, f"RSS grew by {growth_mib:.1f} MiB"
+    finally:
+        stop.set()
+        t.join(5)
+
+
+def test_all_outgoing_buffers_together_are_bounded(hdir, bus, local):
+    g = start(hdir, bus, "--buffer-pool", "4m")
+    conns = []
+    try:
+        for n in range(20):  # each subscribes to its own topics and never reads
+            s = g.connect(rcvbuf=4096)
+            subscribe_bridged(s, b"fill/%d/" % n, local, b"fill/%d/probe" % n)
+            conns.append(s)
+        before = rss_kib(g.proc.pid)
+        body = bytes(60_000)
+        for i in range(60):  # 3.6 MB to each: 1 MiB buffers each would hold 20 MiB
+            for n in range(20):
+                local.send(b"MSG fill/%d/%d\0" % (n, i) + body)
+        time.sleep(1.5)
+        growth_mib = (rss_kib(g.proc.pid) - before) / 1024
+        print(f"gateway RSS +{growth_mib:.1f} MiB with 20 readers that never read")
+        assert growth_mib < 10, f"RSS grew by {growth_mib:.1f} MiB"
+        roundtrip(g.connect())
+    finally:
+        for s in conns:
+            s.close()
+        g.stop()
+
+
+def test_total_connection_cap(hdir, bus):
+    g = start(hdir, bus, "--max-clients", "10")
+    conns = [g.connect() for _ in range(10)]
+    try:
+        for c in conns:
+            roundtrip(c)
+        extra = g.connect()
+        assert closed_by_gateway(extra, timeout=2)
+        conns.pop().close()
+        time.sleep(0.2)
+        roundtrip(g.connect())  # a freed slot is taken again
+        assert log_lines(g, "at the cap of 10 connections") == 1
+    finally:
+        for c in conns:
+            c.close()
+        g.stop()
