@@ -311,7 +311,8 @@ class Gateway:
         receive = rc.stream.receive_some
         clock = time.perf_counter
         while True:
-            data = await receive(READ_SIZE)
+            # before authenticating, small reads: what one read allocates is bounded too
+            data = await receive(READ_SIZE if rc.authenticated else UNAUTHENTICATED_HOLD)
             if not data:
                 if not decoder.idle:
                     self.say(rc.host, logging.INFO, "%r closed in the middle of a frame", rc)
