@@ -41,21 +41,24 @@ class Outbox:
         2 if it was not; 0 if full, when the frame is counted as discarded.
 
         A frame larger than the byte bound on its own is still accepted into an
-        empty buffer, so a bound below the frame limit cannot starve a client; the
-        shared pool, when full, refuses even that.
+        empty buffer, so a bound below the frame limit cannot starve a client.
+        The shared pool is *not* charged here but by the caller, once per fan-out
+        (`Gateway._deliver`: this is the hot path); `take` and `clear` give back.
         """
         frames = self.frames
         n = len(frames)
-        size = len(frame)
-        pool = self.pool
-        if (n and (n >= self.max_messages or self.size + size > self.max_bytes)) \
-                or (pool is not None and not pool.take(size)):
+        if n and (n >= self.max_messages or self.size + len(frame) > self.max_bytes):
             self.dropped += 1
             self.dropped_total += 1
             return 0
         frames.append(frame)
-        self.size += size
+        self.size += len(frame)
         return 2 if n else 1
+
+    def discard(self) -> None:
+        """Count a frame discarded for this client by the caller (the pool was full)."""
+        self.dropped += 1
+        self.dropped_total += 1
 
     def force(self, frame: bytes) -> bool:
         """Queue *frame* even when the buffer is full of messages (keep-alive echoes),
@@ -74,9 +77,10 @@ class Outbox:
         frames = self.frames
         if len(frames) == 1 or frames[0].__len__() >= limit:
             frame = frames.popleft()
-            self.size -= len(frame)
+            n = len(frame)
+            self.size -= n
             if self.pool is not None:
-                self.pool.used -= len(frame)
+                self.pool.used -= n
             return frame
         out = []
         n = 0

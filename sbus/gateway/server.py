@@ -209,13 +209,30 @@ class Gateway:
 
     def _deliver(self, targets: tuple[Remote, ...], key: bytes, payload: bytes) -> None:
         frame = codec.publish(key, payload)
+        size = len(frame)
+        pool = self.buffers
         dropped = 0
-        for rc in targets:
-            queued = rc.outbox.offer(frame)
-            if queued == 1:
-                rc.lot.unpark()  # only the writer of an empty outbox waits
-            elif not queued:
-                dropped += 1
+        if pool.used + size * len(targets) <= pool.limit:
+            for rc in targets:  # the hot path: the pool is charged once, below
+                queued = rc.outbox.offer(frame)
+                if queued == 1:
+                    rc.lot.unpark()  # only the writer of an empty outbox waits
+                elif not queued:
+                    dropped += 1
+            pool.used += size * (len(targets) - dropped)
+        else:  # the pool is nearly full: charge it frame by frame
+            for rc in targets:
+                if pool.used + size > pool.limit:
+                    rc.outbox.discard()
+                    dropped += 1
+                    continue
+                queued = rc.outbox.offer(frame)
+                if queued:
+                    pool.used += size
+                    if queued == 1:
+                        rc.lot.unpark()
+                else:
+                    dropped += 1
         self.delivered += len(targets) - dropped
         self.dropped += dropped
 
