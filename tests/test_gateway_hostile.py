@@ -494,3 +494,10 @@ def test_total_connection_cap(hdir, bus):
         for c in conns:
             c.close()
         g.stop()
+
+
+def test_plaintext_on_the_tls_port_does_not_make_a_reconnect_storm(https_gw):
+    attempts = storm(https_gw, codec.subscribe(b"plain"))
+    assert attempts <= 2, f"{attempts} connections in 3 s"
+    assert len(https_gw.log().splitlines()) <= 12, https_gw.log()
+    https_gw.wait_log("TLS failed")

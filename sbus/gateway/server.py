@@ -319,8 +319,10 @@ class Gateway:
         except Disconnect as exc:
             reason = str(exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._close(rc, f"read failed: {exc.__cause__ or exc}")
-            return
+            if not isinstance(exc.__cause__, ssl.SSLError):
+                self._close(rc, f"read failed: {exc.__cause__ or exc}")
+                return
+            reason = f"TLS failed: {exc.__cause__}"  # e.g. plaintext: a misconfigured client
         decoder = None  # what it buffered is not kept through the delay  # noqa: F841
         await self._refuse_and_close(rc, reason)
 
