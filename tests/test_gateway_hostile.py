@@ -501,3 +501,26 @@ def test_plaintext_on_the_tls_port_does_not_make_a_reconnect_storm(https_gw):
     assert attempts <= 2, f"{attempts} connections in 3 s"
     assert len(https_gw.log().splitlines()) <= 12, https_gw.log()
     https_gw.wait_log("TLS failed")
+
+
+def test_a_broker_restarted_with_another_separator_is_followed(hdir):
+    address = str(hdir / "swap.sock")
+    slash = BrokerProcess(address).start()
+    gw = start(hdir, slash)
+    try:
+        old = gw.connect()
+        old.sendall(codec.subscribe(b"a/"))
+        roundtrip(old)
+        slash.stop()
+        dot = BrokerProcess(address, "--separator", ".").start()
+        try:
+            gw.wait_log("the broker's separator is '.'", timeout=15)
+            assert closed_by_gateway(old)  # its pattern meant something else
+            s = gw.connect()
+            s.sendall(codec.authenticate(SECRET) + codec.publish(b"!.cred.0.0.1.x", b"no"))
+            roundtrip(s)
+            gw.wait_log("is a secret (!.) key")
+        finally:
+            dot.stop()
+    finally:
+        gw.stop()
