@@ -524,3 +524,27 @@ def test_a_broker_restarted_with_another_separator_is_followed(hdir):
             dot.stop()
     finally:
         gw.stop()
+
+
+def test_https_bodies_of_unauthenticated_requests_are_never_held(https_gw):
+    pid = https_gw.proc.pid
+    warm = https_gw.https()
+    warm.sendall(_request(b"wrong", b"{}"))
+    _read_all(warm)
+    before = rss_kib(pid)
+    head = (b"POST / HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b"X-Authentication-Key: guess\r\nContent-Length: 300000\r\n\r\n")
+    conns = []
+    for _ in range(100):  # each sends most of a 300 KB body and then waits
+        s = https_gw.https()
+        try:
+            s.sendall(head + b"[" * 200_000)
+        except OSError:
+            pass  # answered and closed before the body was all sent: as it should be
+        conns.append(s)
+    time.sleep(1.0)
+    growth_mib = (rss_kib(pid) - before) / 1024
+    print(f"gateway RSS +{growth_mib:.1f} MiB with 100 unauthenticated HTTPS bodies")
+    for s in conns:
+        s.close()
+    assert growth_mib < 10, f"RSS grew by {growth_mib:.1f} MiB"

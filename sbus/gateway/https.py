@@ -54,9 +54,10 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     return None
 
 
-def decide(method: bytes, headers: list[tuple[bytes, bytes]], content: bytes,
-           secret: bytes, max_frame: int, rules: KeyRules | None = None) -> Answer:
-    """What to answer to one complete request (pure)."""
+def decide_head(method: bytes, headers: list[tuple[bytes, bytes]],
+                secret: bytes) -> Answer | None:
+    """The answer a request gets from its head alone, before its body is read (pure):
+    an unauthenticated peer never makes the gateway hold a body."""
     if method != b"POST":
         return Answer(405, "only POST is supported")
     key = _header(headers, b"x-authentication-key")
@@ -64,6 +65,15 @@ def decide(method: bytes, headers: list[tuple[bytes, bytes]], content: bytes,
         return Answer(401, "X-Authentication-Key header missing")
     if not hmac.compare_digest(key, secret):
         return Answer(401, "wrong authentication key")
+    return None
+
+
+def decide(method: bytes, headers: list[tuple[bytes, bytes]], content: bytes,
+           secret: bytes, max_frame: int, rules: KeyRules | None = None) -> Answer:
+    """What to answer to one complete request (pure)."""
+    early = decide_head(method, headers, secret)
+    if early is not None:
+        return early
     ctype = (_header(headers, b"content-type") or b"").split(b";")[0].strip().lower()
     if ctype != b"application/json":
         return Answer(415, "Content-Type must be application/json")
@@ -135,7 +145,8 @@ async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
                     elif isinstance(event, h11.Request):
                         request = event
                         length = _header(event.headers, b"content-length")
-                        if length is not None and int(length) > limit:
+                        answer = decide_head(event.method, event.headers, gw.secret)
+                        if answer is None and length is not None and int(length) > limit:
                             answer = Answer(413, f"request body over {limit} bytes")
                     elif isinstance(event, h11.Data):
                         size += len(event.data)
