@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sbus.gateway import codec
-from sbus.gateway.admission import Caps, Pool
+from sbus.gateway.admission import Caps, Pool, peer_group
 from sbus.gateway.client import backoff_delay
 from sbus.gateway.codec import (
     Authenticate,
@@ -182,6 +182,16 @@ def test_caps_per_address_and_in_total():
     assert caps.admit("c") is None and caps.peers() == 3
     with pytest.raises(ValueError):
         Caps(0, 1)
+
+
+def test_peers_are_grouped_by_ipv4_address_or_ipv6_64():
+    assert peer_group("192.0.2.7") == "192.0.2.7"
+    assert peer_group("::ffff:192.0.2.7") == "192.0.2.7"
+    assert peer_group("2001:db8:1:2:aaaa::1") == peer_group("2001:db8:1:2:bbbb::9") \
+        == "2001:db8:1:2::/64"
+    assert peer_group("2001:db8:1:3::1") != peer_group("2001:db8:1:2::1")
+    assert peer_group("fe80::1%eth0") == "fe80::/64"
+    assert peer_group("?") == "?"
 
 
 def test_decoder_says_how_much_an_incomplete_frame_holds():

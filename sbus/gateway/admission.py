@@ -10,9 +10,25 @@ the caps times those bounds plus the pools.
 
 from __future__ import annotations
 
+import ipaddress
 from collections import Counter
 
-__all__ = ["Caps", "Pool"]
+__all__ = ["Caps", "Pool", "peer_group"]
+
+
+def peer_group(host: str) -> str:
+    """What caps and log rations are counted by: the IPv4 address (also when mapped into
+    IPv6), or the IPv6 /64 (one host usually owns a whole /64, so a per-address cap on
+    single IPv6 addresses would be no cap)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return host
 
 
 class Caps:

@@ -45,7 +45,7 @@ from ..keys import Credentials, KeyRefused, KeyRules
 from ..limits import LogAllowance
 from ..routing import pattern_cost
 from . import codec
-from .admission import Caps, Pool
+from .admission import Caps, Pool, peer_group
 from .bridge import Bridge
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
 from .outbox import Outbox
@@ -119,13 +119,14 @@ class Remote:
 
 
 def _peer(stream: trio.abc.Stream) -> tuple[str, str]:
-    """(host, host:port) of the peer of *stream*."""
+    """(group, host:port) of the peer of *stream*: caps and log rations count by the
+    group (`admission.peer_group`: the IPv4 address or the IPv6 /64)."""
     sock_stream = getattr(stream, "transport_stream", stream)
     try:
         host, port = sock_stream.socket.getpeername()[:2]
     except (AttributeError, OSError):
         return "?", "?"
-    return host, (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    return peer_group(host), (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
 
 class Gateway:
