@@ -49,7 +49,7 @@ class GatewayProcess:
 
     def start(self) -> GatewayProcess:
         self.proc = subprocess.Popen(
-            [*SBUS, *(["-v"] if self.verbose else []), "gateway",
+            [*SBUS, *(["-vv"] if self.verbose else []), "gateway",
              "--listen", f"127.0.0.1:{self.port}",
              "--auth-key-file", str(self.keyfile), "--address", self.bus, *self.args],
             stdout=subprocess.DEVNULL, stderr=self.logfile.open("a"),

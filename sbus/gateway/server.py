@@ -274,7 +274,7 @@ class Gateway:
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught and not rc.reason:
                 rc.reason = f"idle for {self.idle_timeout:g} s"
-                self.say(host, logging.INFO, "disconnecting %r: %s", rc, rc.reason)
+                log.debug("disconnecting %r: %s", rc, rc.reason)  # routine: not rationed
         finally:
             self.clients.discard(rc)
             rc.outbox.clear()
@@ -297,7 +297,7 @@ class Gateway:
         """End *rc*'s session now (from its reader or writer) and say why."""
         if not rc.reason:
             rc.reason = reason
-            self.say(rc.host, logging.INFO, "%r: %s", rc, reason)
+            log.debug("%r: %s", rc, reason)  # routine (peer gone, broker changed)
         if rc.scope is not None:
             rc.scope.cancel()
 
