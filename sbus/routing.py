@@ -44,12 +44,12 @@ C = TypeVar("C", bound=Hashable)
 #: Segment kinds in a compiled pattern.
 LITERAL, PREFIX = 0, 1
 
-#: Bytes of broker memory one trie node costs (measured: tests/test_routing.py).
-NODE_COST = 400
+#: Bytes of broker memory one trie node costs, at most (tests/test_routing.py measures it).
+NODE_COST = 700
 #: Bytes one subscription costs besides its nodes and pattern (counters, index entries).
 SUBSCRIPTION_COST = 300
 #: Bytes one cache entry costs besides its key and targets (dict slots, index entries).
-ENTRY_COST = 300
+ENTRY_COST = 360
 #: Default byte bound of the route cache.
 CACHE_BYTES = 16 * 1024 * 1024
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import resource
 import signal
@@ -455,3 +456,53 @@ def test_not_a_socket_left_alone(short_tmp):
                        timeout=10)
     assert r.returncode == 1 and "is not a socket" in r.stderr
     assert path.read_text() == "precious"
+
+
+def test_a_nowait_publisher_is_never_paused_by_a_blocking_subscriber(make_broker):
+    """A shared connection (gateway, mount, bridge) says `blocking/publisher/nowait`: a
+    subscriber on `block` that does not read then loses messages, and is told how many,
+    instead of stalling the publisher and everyone it publishes for."""
+    broker = make_broker("--queue-limit", "64k")
+    stuck, reader, shared = raw(broker.address), raw(broker.address), raw(broker.address)
+    stuck.send(b"CMSG blocking/soft/block")
+    stuck.send(b"SUB k")
+    sync(stuck)
+    reader.send(b"SUB k")
+    sync(reader)
+    shared.send(b"CMSG blocking/publisher/nowait")
+    shared.settimeout(10)
+    sent = [b"MSG k\0%d " % i + b"x" * 1000 for i in range(2000)]  # 2 MB
+    with concurrent.futures.ThreadPoolExecutor() as pool:
+        reading = pool.submit(recv_all, reader, 2000)  # a reader that keeps up
+        for packet in sent:
+            shared.send(packet)
+        sync(shared)  # answered: the broker never stopped reading it
+        assert reading.result() == sent
+    got, dropped = 0, 0
+    while not dropped:  # stuck reads now: what was kept, then the drop report
+        p = stuck.recv(1 << 20)
+        if p.startswith(b"CMSG blocking/dropped\0"):
+            dropped = int(p.split(b"\0")[1])
+        else:
+            got += 1
+    assert dropped > 0 and got + dropped == 2000
+
+
+def test_without_nowait_the_same_subscriber_pauses_its_own_user(make_broker):
+    """The control case: the same publisher without nowait is paused (same UID), so the
+    test above really measures the switch."""
+    broker = make_broker("--queue-limit", "64k")
+    stuck, pub = raw(broker.address), raw(broker.address)
+    stuck.send(b"CMSG blocking/soft/block")
+    stuck.send(b"SUB k")
+    sync(stuck)
+    pub.setblocking(False)
+    sent = 0
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        try:
+            pub.send(b"MSG k\0" + b"x" * 1000)
+            sent += 1
+        except BlockingIOError:
+            time.sleep(0.05)
+    assert sent < 2000  # paused: the kernel pushed back
