@@ -33,6 +33,7 @@ inserting the dropped entries cost, so churn cannot be made expensive.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter
 from collections.abc import Hashable, Iterator
 from typing import Generic, TypeVar
@@ -225,7 +226,11 @@ class RouteCache(Generic[C]):
         if not tail and all(kind == LITERAL for kind, _ in segments):
             self.drop(pattern)  # only the key that equals it
         elif pattern.startswith(self._secret):
-            self.drop_group(self.sep.join(text for _, text in segments[:5]))
+            head = segments[:5]
+            if len(segments) + tail > 5 and all(kind == LITERAL for kind, _ in head):
+                self.drop_group(self.sep.join(text for _, text in head))
+            else:  # not a !/cred/G/U/P/ pattern (the broker refuses those): all secrets
+                self.clear(secret=True)
         elif segments[0][0] == LITERAL:
             self.drop_group(segments[0][1])
         else:
@@ -277,6 +282,25 @@ class RoutingIndex(Generic[C]):
             if not mine:
                 del self._by_client[client]
         return True
+
+    def remove_some(self, client: C, n: int) -> tuple[int, bool]:
+        """Drop up to *n* of *client*'s distinct patterns (a departing client with many
+        leaves a part at a time); returns the subscriptions dropped and whether any are
+        left."""
+        mine = self._by_client.get(client)
+        if not mine:
+            return 0, False
+        removed = 0
+        for pattern in list(itertools.islice(mine, n)):
+            count = mine.pop(pattern)
+            self.cache.invalidate(pattern,
+                                  compile_pattern(pattern, self.sep) if pattern else None)
+            self._remove(client, pattern, count)
+            removed += count
+        if not mine:
+            del self._by_client[client]
+            return removed, False
+        return removed, True
 
     def remove_client(self, client: C) -> int:
         """Drop every subscription of *client*; returns how many there were."""
