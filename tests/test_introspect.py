@@ -31,7 +31,8 @@ def a_user_asks(pipe, address: str) -> None:
     pipe.recv()  # hold the connection until the test is done
 
 
-def test_a_user_sees_its_own_clients_root_sees_everyone(broker):
+def test_a_user_sees_its_own_clients_root_sees_everyone(broker, short_tmp):
+    os.chmod(short_tmp, 0o755)  # let the other user reach the socket
     root = raw(broker.address)
     root.send(b"SUB roots/secret/plans")
     root.send(b"CMSG blocking/soft/discard")
