@@ -46,9 +46,9 @@ C = TypeVar("C", bound=Hashable)
 LITERAL, PREFIX = 0, 1
 
 #: Bytes of broker memory one trie node costs, at most (tests/test_routing.py measures it).
-NODE_COST = 700
+NODE_COST = 400
 #: Bytes one subscription costs besides its nodes and pattern (counters, index entries).
-SUBSCRIPTION_COST = 300
+SUBSCRIPTION_COST = 400
 #: Bytes one cache entry costs besides its key and targets (dict slots, index entries).
 ENTRY_COST = 360
 #: Default byte bound of the route cache.
@@ -102,19 +102,36 @@ def pattern_cost(pattern: bytes, sep: bytes = b"/") -> int:
 
 
 class _Node(Generic[C]):
+    """One segment of the trie.  Every container is made when first needed: most nodes
+    of a long pattern have one literal child and nothing else, and a node is cheap to
+    build only if it holds nothing it does not use."""
+
     __slots__ = ("literal", "prefix", "lengths", "end", "tail")
 
     def __init__(self) -> None:
-        self.literal: dict[bytes, _Node[C]] = {}
-        self.prefix: dict[bytes, _Node[C]] = {}
-        self.lengths: list[int] = []  # distinct lengths of the keys of `prefix`, ascending
-        self.end: Counter[C] = Counter()  # patterns that end here: the key must end too
-        self.tail: Counter[C] = Counter()  # patterns ending here with a trailing separator
+        self.literal: dict[bytes, _Node[C]] | None = None
+        self.prefix: dict[bytes, _Node[C]] | None = None
+        self.lengths: list[int] | None = None  # distinct lengths of `prefix` keys, ascending
+        self.end: Counter[C] | None = None  # patterns that end here: the key must end too
+        self.tail: Counter[C] | None = None  # patterns ending here with a trailing separator
 
     def empty(self) -> bool:
         return not (self.literal or self.prefix or self.end or self.tail)
 
+    def add_literal(self, text: bytes) -> _Node[C]:
+        if self.literal is None:
+            self.literal = {}
+        child = self.literal[text] = _Node()
+        return child
+
+    def remove_literal(self, text: bytes) -> None:
+        del self.literal[text]
+        if not self.literal:
+            self.literal = None
+
     def add_prefix(self, text: bytes) -> _Node[C]:
+        if self.prefix is None:
+            self.prefix, self.lengths = {}, []
         child = self.prefix[text] = _Node()
         i = bisect.bisect_left(self.lengths, len(text))
         if i == len(self.lengths) or self.lengths[i] != len(text):
@@ -123,6 +140,9 @@ class _Node(Generic[C]):
 
     def remove_prefix(self, text: bytes) -> None:
         del self.prefix[text]
+        if not self.prefix:
+            self.prefix = self.lengths = None
+            return
         size = len(text)
         if not any(len(p) == size for p in self.prefix):
             self.lengths.remove(size)
@@ -335,7 +355,7 @@ class RoutingIndex(Generic[C]):
             kind, text = segments[depth - 1]
             parent = path[depth - 1]
             if kind == LITERAL:
-                del parent.literal[text]
+                parent.remove_literal(text)
             else:
                 parent.remove_prefix(text)
 
@@ -349,15 +369,21 @@ class RoutingIndex(Generic[C]):
         node = self._secret if pattern.startswith(self._secret_prefix) else self._public
         for kind, text in segments:
             if kind == LITERAL:
-                child = node.literal.get(text)
+                child = node.literal.get(text) if node.literal else None
                 if child is None:
-                    child = node.literal[text] = _Node()
+                    child = node.add_literal(text)
             else:
-                child = node.prefix.get(text)
+                child = node.prefix.get(text) if node.prefix else None
                 if child is None:
                     child = node.add_prefix(text)
             node = child
-        return node.tail if tail else node.end
+        if tail:
+            if node.tail is None:
+                node.tail = Counter()
+            return node.tail
+        if node.end is None:
+            node.end = Counter()
+        return node.end
 
     # -- lookups -----------------------------------------------------------
 
@@ -396,9 +422,11 @@ class RoutingIndex(Generic[C]):
             if node.tail:
                 found.update(node.tail)
             seg = segs[i]
-            child = node.literal.get(seg)
-            if child is not None:
-                stack.append((child, i + 1))
+            literal = node.literal
+            if literal is not None:
+                child = literal.get(seg)
+                if child is not None:
+                    stack.append((child, i + 1))
             if node.lengths:
                 prefix = node.prefix
                 size = len(seg)
