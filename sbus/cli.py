@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "whoami": ("sbus.cmd.whoami", "print this client's credentials path"),
     "status": ("sbus.cmd.status", "show the broker's state and the clients you may see"),
     "ping": ("sbus.cmd.ping", "measure round trips to the broker"),
+    "bench": ("sbus.cmd.bench", "measure publish/subscribe throughput and latency"),
     "install-units": ("sbus.units", "install the systemd units for this installation"),
     "mount": ("sbus.fuse.cli", "mount the bus as a filesystem (FUSE)"),
     "top": ("sbus.top", "live traffic monitor"),
