@@ -61,6 +61,15 @@ TURN_SECONDS = 0.002
 WRITES_PER_TURN = 1024
 #: Subscriptions of a departed client dropped before yielding to the other clients.
 REMOVALS_PER_TURN = 512
+#: Packets read at once from a new client; it earns more (up to the batch) by packets
+#: that prove cheap, and a batch that overran its turn makes it read fewer: a client
+#: whose packets are expensive (a fan-out to thousands, a lookup through a wide trie)
+#: is served one packet per turn.
+FIRST_SLOTS = 4
+#: Clients accepted before yielding: a storm of connections waits in the backlog (and
+#: is refused by the kernel when that is full) instead of crowding out the clients
+#: already served.
+ACCEPTS_PER_TURN = 16
 DROPPED = b"CMSG " + protocol.DROPPED + b"\0"
 REFUSED = b"CMSG " + protocol.REFUSED + b"/"
 
@@ -111,7 +120,7 @@ class Connection:
 
     __slots__ = ("id", "sock", "fd", "cred", "out", "writer_lot", "paused", "closed",
                  "scope", "subscriptions", "subscription_bytes", "nowait",
-                 "may_pause_others", "held", "__weakref__")
+                 "may_pause_others", "held", "slots", "__weakref__")
 
     def __init__(self, cid: int, sock: socket.socket, cred: Credentials, queue_limit: int):
         self.id = cid
@@ -128,6 +137,7 @@ class Connection:
         self.nowait = False  # asked never to be paused as a publisher (a shared connection)
         self.may_pause_others = False  # its `block` may pause other users' publishers
         self.held = 0  # bytes it sent beyond full queues while paused, charged to its user
+        self.slots = FIRST_SLOTS  # packets read at once: fewer while its packets cost much
 
     def __repr__(self) -> str:
         c = self.cred
@@ -189,7 +199,9 @@ class Broker:
                 while True:
                     await wait_readable(listener)
                     turn_ends = time.perf_counter() + TURN_SECONDS
-                    while time.perf_counter() < turn_ends:
+                    for _ in range(ACCEPTS_PER_TURN):
+                        if time.perf_counter() > turn_ends:
+                            break
                         try:
                             sock, _ = listener.accept()
                         except BlockingIOError:
@@ -332,8 +344,9 @@ class Broker:
             await wait_readable(sock)
             turn_ends = clock() + TURN_SECONDS
             for _ in range(READS_PER_WAKE):
+                started = clock()
                 try:
-                    n = batch.receive(fd)
+                    n = batch.receive(fd, limit=conn.slots)
                 except BlockingIOError:
                     break
                 except OSError as exc:
@@ -341,14 +354,21 @@ class Broker:
                         log.info("%r: read failed: %s", conn, exc)
                     return
                 blocked, done = self._handle(conn, n)
+                spent = clock() - started
+                if spent > TURN_SECONDS:  # expensive packets: read fewer at once
+                    conn.slots = max(1, int(n * TURN_SECONDS / spent))
+                elif n == conn.slots and conn.slots < batch.slots and \
+                        spent * 4 < TURN_SECONDS:
+                    conn.slots = min(batch.slots, conn.slots * 2)
                 if blocked:
                     await self._wait_for(conn, blocked)
-                if out.nbytes > out.limit and not conn.closed:
+                if not conn.closed and (out.nbytes > out.limit or out.budget is not None
+                                        and out.budget.queued > out.budget.limit):
                     # replies it does not read: it is not read from until it does
                     await self._wait_for_own_queue(conn)
                 if done or conn.closed:
                     return
-                if n < batch.slots or clock() > turn_ends:
+                if n < conn.slots or clock() > turn_ends:
                     break  # drained, or its turn is over
 
     def _handle(self, conn: Connection, n: int) -> tuple[list[Connection] | None, bool]:
@@ -582,10 +602,14 @@ class Broker:
             conn.held = 0
 
     async def _wait_for_own_queue(self, conn: Connection) -> None:
-        """A client whose queue is over its limit because of the broker's own replies (it
-        asks and does not read) is not read from until its queue is back to half."""
+        """A client whose queue (or whose user's queues together) is over its limit, e.g.
+        because of the broker's own replies (it asks and does not read), is not read
+        from until its queue is back to half its limit, or empty."""
         out = conn.out
-        while not conn.closed and out.nbytes > out.limit // 2 and out.items:
+        budget = out.budget
+        while not conn.closed and out.items and (
+                out.nbytes > out.limit // 2
+                or budget is not None and budget.queued > budget.limit):
             conn.writer_lot.unpark()
             await conn.paused.park()
 
