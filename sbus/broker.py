@@ -11,14 +11,23 @@ task come into play (docs/performance.md has the measurements).
 Each client is a task pair in its own nursery: a reader (everything the client
 sends) and a writer (only busy while packets wait).  A failing client is
 cancelled through its own cancel scope and never disturbs another one.
+
+No client can hold the loop: every packet's work is bounded (patterns are limited in
+shape, lookups probe once per prefix length, cache invalidation is amortised, order
+changes re-sort at most a few hundred packets), and a reader yields to the others
+once its turn has run `TURN_SECONDS`.  Everything a client makes the broker keep is
+charged to its UID (sbus/limits.py).  A refused packet is answered with
+``CMSG refused/VERB\0reason`` and logged within the UID's allowance.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
+import pwd
 import select
 import socket
 import struct
@@ -28,11 +37,13 @@ import trio
 from trio.lowlevel import ParkingLot, wait_readable, wait_writable
 
 from . import protocol
-from .flood import Hard, Order, OutQueue, Soft, Verdict, parse_control
+from .defaults import MAX_MESSAGE, QUEUE_LIMIT
+from .display import brief
+from .flood import PACKET_OVERHEAD, Hard, Order, OutQueue, Soft, Verdict, parse_control
 from .keys import Credentials, KeyRefused, KeyRules
-from .limits import Limits, UserAccounts
+from .limits import Limits, LogAllowance, UserAccounts
 from .packetio import PacketBatch
-from .routing import RoutingIndex
+from .routing import RouteCache, RoutingIndex, pattern_cost
 
 log = logging.getLogger("sbus.broker")
 
@@ -44,9 +55,10 @@ BATCH_MEMORY = 8 * 1024 * 1024
 READS_PER_WAKE = 4
 #: Packets for one target from which one `sendmmsg` beats a `write` each.
 SEND_BATCH_MIN = 3
-#: Complaints logged per client before going quiet about it.
-COMPLAINTS_LOGGED = 10
-DROPPED = b"CMSG blocking/dropped\0"
+#: A reader that has run this long yields to the other clients before reading more.
+TURN_SECONDS = 0.002
+DROPPED = b"CMSG " + protocol.DROPPED + b"\0"
+REFUSED = b"CMSG " + protocol.REFUSED + b"/"
 
 _ucred = struct.Struct("3i")
 _HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
@@ -94,7 +106,8 @@ class Connection:
     """One client: its socket, identity, waiting packets and the tasks serving it."""
 
     __slots__ = ("id", "sock", "fd", "cred", "out", "writer_lot", "paused", "closed",
-                 "scope", "complaints", "subscriptions", "account", "__weakref__")
+                 "scope", "subscriptions", "subscription_bytes", "nowait",
+                 "may_pause_others", "held", "__weakref__")
 
     def __init__(self, cid: int, sock: socket.socket, cred: Credentials, queue_limit: int):
         self.id = cid
@@ -106,9 +119,11 @@ class Connection:
         self.paused = ParkingLot()  # publishers wait here while this client blocks them
         self.closed = False
         self.scope: trio.CancelScope | None = None
-        self.complaints = 0
         self.subscriptions = 0
-        self.account = None
+        self.subscription_bytes = 0
+        self.nowait = False  # asked never to be paused as a publisher (a shared connection)
+        self.may_pause_others = False  # its `block` may pause other users' publishers
+        self.held = 0  # bytes it sent beyond full queues while paused, charged to its user
 
     def __repr__(self) -> str:
         c = self.cred
@@ -120,15 +135,17 @@ class Broker:
         self,
         *,
         sep: bytes = b"/",
-        max_message: int = 256 * 1024,
-        queue_limit: int = 4 * 1024 * 1024,
+        max_message: int = MAX_MESSAGE,
+        queue_limit: int = QUEUE_LIMIT,
         limits: Limits | None = None,
         defaults: tuple[Soft, Hard, Order] = (Soft.QUEUE, Hard.DISCARD, Order.QUEUE),
     ) -> None:
         self.sep = sep
         self.defaults = defaults
         self.rules = KeyRules(sep)
-        self.index: RoutingIndex[Connection] = RoutingIndex(sep)
+        limits = limits or Limits()
+        self.index: RoutingIndex[Connection] = RoutingIndex(
+            sep, RouteCache(sep, limits.cache_bytes, limits.cache_bytes_per_user))
         self._whoami = protocol.WHOAMI.replace(b"/", sep)  # either spelling is answered
         self.max_message = max_message
         self.queue_limit = queue_limit
@@ -136,7 +153,8 @@ class Broker:
         slot = max_message + 1  # one more, to see an oversized packet (the kernel truncates)
         self._batch = PacketBatch(max(1, min(BATCH_SLOTS, BATCH_MEMORY // slot)), slot)
         self._head_slices: dict[int, list[slice]] = {}  # for `_same_head`, by head length
-        self.accounts = UserAccounts(limits or Limits())
+        self.accounts = UserAccounts(limits)
+        self.allowance = LogAllowance()
         self.connections: set[Connection] = set()
         self._ids = itertools.count(1)
         # counters (read by STATUS= and monitoring)
@@ -212,10 +230,11 @@ class Broker:
             conn.out.apply(setting)
         refusal = self.accounts.connect(conn)
         if refusal:
-            log.warning("refusing %r: %s", conn, refusal)
+            self._log(conn, f"connection refused: {refusal}")
             sock.close()
             return None
         conn.out.budget = self.accounts.budget(conn)
+        conn.may_pause_others = self._trusted(cred.uid)
         self.connections.add(conn)
         log.debug("%r connected", conn)
         return conn
@@ -232,6 +251,7 @@ class Broker:
 
     def _forget(self, conn: Connection) -> None:
         conn.closed = True
+        self._release_held(conn)
         self.index.remove_client(conn)
         self.accounts.disconnect(conn)
         self.connections.discard(conn)
@@ -251,23 +271,42 @@ class Broker:
                 conn.scope.cancel()
             conn.paused.unpark_all()
 
-    def complain(self, conn: Connection, what: str) -> None:
-        """Log a refused or ignored packet, without letting one client flood the log."""
-        conn.complaints += 1
-        if conn.complaints <= COMPLAINTS_LOGGED:
-            log.warning("%r: %s", conn, what)
-            if conn.complaints == COMPLAINTS_LOGGED:
-                log.warning("%r: further complaints about this client are not logged", conn)
+    def _trusted(self, uid: int) -> bool:
+        """Whether subscribers of *uid* may pause other users' publishers."""
+        limits = self.accounts.limits
+        if limits.may_pause_others(uid):
+            return True
+        names = {t for t in limits.trusted if isinstance(t, str)}
+        return bool(names) and _user_name(uid) in names
+
+    def _log(self, conn: Connection, what: str) -> None:
+        """A warning about *conn*, within its UID's allowance (see `LogAllowance`).
+
+        *what* must quote client input only through `display.brief`."""
+        held = self.allowance.take(conn.cred.uid)
+        if held is None:
+            return
+        more = f" ({held} more lines about uid {conn.cred.uid} were not logged)" if held else ""
+        log.warning("%r: %s%s", conn, what, more)
+
+    def refuse(self, conn: Connection, verb: bytes, why: str) -> None:
+        """Tell *conn* that its packet was refused, and log it within its allowance."""
+        self._log(conn, f"{verb.decode()} refused: {why}")
+        self.reply(conn, REFUSED + verb + b"\0" + why.encode("utf-8", "backslashreplace"))
 
     # -- reading ---------------------------------------------------------------
 
     async def _reader(self, conn: Connection) -> None:
-        """Read what *conn* sends, a batch of packets per system call."""
+        """Read what *conn* sends, a batch of packets per system call, and yield to the
+        other clients after `READS_PER_WAKE` batches or `TURN_SECONDS`."""
         sock = conn.sock
         fd = conn.fd
         batch = self._batch
+        out = conn.out
+        clock = time.perf_counter
         while True:
             await wait_readable(sock)
+            turn_ends = clock() + TURN_SECONDS
             for _ in range(READS_PER_WAKE):
                 try:
                     n = batch.receive(fd)
@@ -279,11 +318,14 @@ class Broker:
                     return
                 blocked, done = self._handle(conn, n)
                 if blocked:
-                    await self._wait_for(blocked)
+                    await self._wait_for(conn, blocked)
+                if out.nbytes > out.limit and not conn.closed:
+                    # replies it does not read: it is not read from until it does
+                    await self._wait_for_own_queue(conn)
                 if done or conn.closed:
                     return
-                if n < batch.slots:
-                    break  # drained
+                if n < batch.slots or clock() > turn_ends:
+                    break  # drained, or its turn is over
 
     def _handle(self, conn: Connection, n: int) -> tuple[list[Connection] | None, bool]:
         """Act on the *n* packets *conn* sent that are in the batch buffer.
@@ -297,7 +339,8 @@ class Broker:
         batch = self._batch
         buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
         max_message = self.max_message
-        cache = self.index._cache
+        cache = self.index.cache.entries
+        owner = conn.cred.uid
         blocked: list[Connection] | None = None
         published = 0
         runs: list[tuple[int, int, tuple[Connection, ...]]] = []  # (start, end, targets)
@@ -323,7 +366,7 @@ class Broker:
                     targets = cache.get(key)
                     if targets is None and not (b"!" in key and
                                                 not self._key_allowed(conn, key)):
-                        targets = self.index.match(key)
+                        targets = self.index.match(key, owner)
                     if targets is not None:
                         published += 1
                         if targets is not run_targets:
@@ -341,7 +384,7 @@ class Broker:
             if run_targets:
                 runs.append((run_start, i, run_targets))
             if runs:
-                blocked = self._deliver(runs, blocked)
+                blocked = self._deliver(conn, runs, blocked)
                 runs = []
             run_start, run_targets, head, head_len = i + 1, (), None, 0
             if targets is None:
@@ -350,9 +393,9 @@ class Broker:
                 if _at_eof(conn.sock):
                     done = True
                     break
-                self.complain(conn, "packet ignored: empty packet")
+                self.refuse(conn, b"packet", "empty packet")
             elif size > max_message:
-                self.complain(conn, f"packet over the {max_message}-byte limit ignored")
+                self.refuse(conn, b"packet", f"over the {max_message}-byte limit")
             else:
                 self._other(conn, batch.copy(i))
                 if conn.closed:
@@ -361,7 +404,7 @@ class Broker:
         if run_targets:  # still open: it runs to the end of the batch
             runs.append((run_start, n, run_targets))
         if runs:
-            blocked = self._deliver(runs, blocked)
+            blocked = self._deliver(conn, runs, blocked)
         # what was read was published, even if the publisher is gone now
         self.published += published
         return blocked, done
@@ -392,18 +435,25 @@ class Broker:
         try:
             self.rules.check_key(key)
         except KeyRefused as exc:
-            self.complain(conn, f"publish refused: {exc}")
+            self.refuse(conn, b"msg", str(exc))
             return False
         return True
 
-    def _deliver(self, runs, blocked):
+    def _deliver(self, publisher: Connection, runs, blocked):
         """Hand each run's batch packets ``start .. end-1`` to each of its targets.
 
         What a target's kernel buffer does not take goes to its queue under its flood
         policy.  Returns *blocked* plus the targets that now ask the publisher to wait:
         the publisher is paused after the whole batch, so a blocking queue can be over
-        its limit by at most one batch.
+        its limit by at most one batch; what it holds beyond the limit is charged to the
+        publisher's user (`Connection.held`), and once that user's budget is spent the
+        target loses the packet instead (counted, reported).  Only a target of the
+        publisher's own UID, or a trusted one, may pause it (`Limits.trusted`), and never
+        a publisher that asked not to be paused (`protocol.PUBLISHER_NOWAIT`).
         """
+        pub_uid = publisher.cred.uid
+        pub_budget = publisher.out.budget
+        pausable = not publisher.nowait
         batch = self._batch
         buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
         copies: dict[int, bytes] = {}
@@ -452,14 +502,24 @@ class Broker:
                     if i == end or t.closed:
                         continue
                 out = t.out
+                may_block = pausable and (t.cred.uid == pub_uid or t.may_pause_others)
                 for j in range(i, end):
                     packet = copies.get(j)
                     if packet is None:
                         packet = copies[j] = batch.copy(j)
-                    verdict = out.offer(packet)
+                    over = may_block and out.nbytes >= out.limit
+                    if over and pub_budget is not None and \
+                            pub_budget.queued + len(packet) > pub_budget.limit:
+                        over = may_block = False  # its user cannot hold more: drop
+                    verdict = out.offer(packet, may_block)
                     if verdict is Verdict.DROPPED:
                         self.dropped += 1
                     elif verdict is Verdict.BLOCK:
+                        if over:
+                            size = len(packet) + PACKET_OVERHEAD
+                            publisher.held += size
+                            if pub_budget is not None:
+                                pub_budget.queued += size
                         if blocked is None:
                             blocked = [t]
                         elif t not in blocked:
@@ -476,23 +536,41 @@ class Broker:
         if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):  # it hung up: normal
             self._drop(conn, "it hung up", logging.DEBUG)
         elif exc.errno == errno.EMSGSIZE:
-            self.complain(conn, f"a {exc.strerror} message could not be delivered: dropped")
+            self._log(conn, f"a {exc.strerror} message could not be delivered: dropped")
             conn.out.dropped += 1
             self.dropped += 1
         else:
             self._drop(conn, f"send failed: {exc}")
 
-    async def _wait_for(self, blocked: list[Connection]) -> None:
-        for t in blocked:
-            while not t.closed and not t.out.publisher_may_continue():
-                await t.paused.park()
+    async def _wait_for(self, conn: Connection, blocked: list[Connection]) -> None:
+        """Pause the publisher *conn* until every target in *blocked* lets it go on."""
+        try:
+            for t in blocked:
+                while not t.closed and not t.out.publisher_may_continue():
+                    await t.paused.park()
+        finally:
+            self._release_held(conn)
+
+    def _release_held(self, conn: Connection) -> None:
+        if conn.held:
+            if conn.out.budget is not None:
+                conn.out.budget.queued -= conn.held
+            conn.held = 0
+
+    async def _wait_for_own_queue(self, conn: Connection) -> None:
+        """A client whose queue is over its limit because of the broker's own replies (it
+        asks and does not read) is not read from until its queue is back to half."""
+        out = conn.out
+        while not conn.closed and out.nbytes > out.limit // 2 and out.items:
+            conn.writer_lot.unpark()
+            await conn.paused.park()
 
     def _other(self, conn: Connection, packet: bytes) -> None:
         """Every packet but a well-formed MSG: the slow path."""
         try:
             event = protocol.parse(packet)
         except protocol.ProtocolError as exc:
-            self.complain(conn, f"packet ignored: {exc}")
+            self.refuse(conn, b"packet", str(exc))
             return
         if isinstance(event, protocol.Subscribe):
             self.subscribe(conn, event.pattern)
@@ -505,38 +583,40 @@ class Broker:
         try:
             pattern = self.rules.check_pattern(pattern, conn.cred)
         except KeyRefused as exc:
-            self.complain(conn, f"subscription refused: {exc}")
+            self.refuse(conn, b"sub", str(exc))
             return
-        refusal = self.accounts.subscribe(conn)
+        refusal = self.accounts.subscribe(conn, pattern_cost(pattern, self.sep))
         if refusal:
-            self.complain(conn, f"subscription to {pattern!r} refused: {refusal}")
+            self.refuse(conn, b"sub", f"{brief(pattern)}: {refusal}")
             return
-        conn.subscriptions += 1
         self.index.subscribe(conn, pattern)
 
     def unsubscribe(self, conn: Connection, pattern: bytes) -> None:
         try:
             pattern = self.rules.check_pattern(pattern, conn.cred)
         except KeyRefused as exc:
-            self.complain(conn, f"unsubscription ignored: {exc}")
+            self.refuse(conn, b"unsub", str(exc))
             return
         if self.index.unsubscribe(conn, pattern):
-            conn.subscriptions -= 1
-            self.accounts.unsubscribe(conn)
+            self.accounts.unsubscribe(conn, pattern_cost(pattern, self.sep))
         else:
-            self.complain(conn, f"unsubscription ignored: not subscribed to {pattern!r}")
+            self.refuse(conn, b"unsub", f"not subscribed to {brief(pattern)}")
 
     def control(self, conn: Connection, key: bytes, payload: bytes | None) -> None:
         if key == protocol.WHOAMI or key == self._whoami:
             self.reply(conn, b"CMSG " + key + b"\0" + conn.cred.path(self.sep))
             return
-        setting = parse_control(key.replace(self.sep, b"/"))
+        plain = key.replace(self.sep, b"/")
+        if plain == protocol.PUBLISHER_NOWAIT:
+            conn.nowait = True
+            return
+        setting = parse_control(plain)
         if setting is not None:
             conn.out.apply(setting)
             conn.paused.unpark_all()  # paused publishers re-check under the new policy
             log.debug("%r: flood control %s", conn, setting)
             return
-        self.complain(conn, f"control message {key!r} not understood: ignored")
+        self.refuse(conn, b"cmsg", f"control message {brief(key)} not understood")
 
     def reply(self, conn: Connection, packet: bytes) -> None:
         """Send the broker's own packet to *conn*, whatever its flood policy."""
@@ -595,3 +675,11 @@ class Broker:
         return (f"{len(self.connections)} clients, {len(self.index)} subscriptions, "
                 f"{self.published} published, {self.delivered} delivered, "
                 f"{self.dropped} dropped, {paused} publishers paused")
+
+
+@functools.lru_cache(maxsize=4096)
+def _user_name(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None

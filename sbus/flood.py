@@ -20,7 +20,15 @@ order random   largest first: the order that frees memory fastest (ties oldest f
 =============  ==============================================================
 
 A paused publisher is simply not read from, so the kernel pushes back on it and on
-nobody else.
+nobody else.  Pausing is a privilege (`OutQueue.offer`'s *may_block*): a publisher the
+subscriber may not pause is served as if the subscriber had chosen soft queue, hard
+discard.
+
+Every queued packet is charged its length plus `PACKET_OVERHEAD` (the memory a queue
+entry costs besides the bytes), so a queue of tiny packets is bounded like any other.
+A change of order re-sorts at most `REORDER_LIMIT` packets at once: on a longer queue
+it takes effect once the queue has drained to that length, so that flipping the order
+back and forth costs the broker next to nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +38,15 @@ import itertools
 from collections import deque
 from enum import Enum
 
-__all__ = ["Soft", "Hard", "Order", "Verdict", "OutQueue", "Budget", "parse_control"]
+__all__ = ["Soft", "Hard", "Order", "Verdict", "OutQueue", "Budget", "parse_control",
+           "PACKET_OVERHEAD"]
+
+#: Bytes charged per queued packet besides its length (object header, queue slot).
+PACKET_OVERHEAD = 64
+#: ... and in a largest-first queue (a heap entry: a tuple and a sequence number).
+HEAP_OVERHEAD = 160
+#: Packets re-sorted at most when the order changes.
+REORDER_LIMIT = 256
 
 
 class Budget:
@@ -88,8 +104,8 @@ def parse_control(key: bytes) -> Soft | Hard | Order | None:
 class OutQueue:
     """One client's waiting packets, their policy, and the byte limit of the hard policy."""
 
-    __slots__ = ("limit", "soft", "hard", "_order", "items", "_seq", "nbytes", "dropped",
-                 "budget")
+    __slots__ = ("limit", "soft", "hard", "_order", "_next_order", "_overhead", "items", "_seq",
+                 "nbytes", "dropped", "budget")
 
     def __init__(self, limit: int, budget: Budget | None = None) -> None:
         self.limit = limit
@@ -97,6 +113,8 @@ class OutQueue:
         self.soft = Soft.QUEUE
         self.hard = Hard.DISCARD
         self._order = Order.QUEUE
+        self._next_order: Order | None = None  # asked for, waiting for a short queue
+        self._overhead = PACKET_OVERHEAD
         self.items: deque[bytes] | list[tuple[int, int, bytes]] = deque()
         self._seq = itertools.count()
         self.nbytes = 0
@@ -118,44 +136,59 @@ class OutQueue:
 
     @property
     def order(self) -> Order:
-        return self._order
+        """The order asked for last (it may still wait for the queue to get short)."""
+        return self._next_order or self._order
 
     @order.setter
     def order(self, order: Order) -> None:
+        self._next_order = None
         if order is self._order:
             return
+        if len(self.items) > REORDER_LIMIT:
+            self._next_order = order  # `pop` applies it once the queue is short
+            return
+        self._reorder(order)
+
+    def _reorder(self, order: Order) -> None:
+        self._next_order = None
         if self._order is Order.RANDOM:  # back to arrival order
             packets = [p for _, _, p in sorted(self.items, key=lambda item: item[1])]
         else:
             packets = list(self.items)
         self.clear()  # the re-push below charges the budget again
         self._order = order
+        self._overhead = HEAP_OVERHEAD if order is Order.RANDOM else PACKET_OVERHEAD
         self.items = [] if order is Order.RANDOM else deque()
         for packet in packets:
             self._push(packet)
 
-    def offer(self, packet: bytes) -> Verdict:
-        """A packet the kernel would not take now (or that must wait behind others)."""
+    def offer(self, packet: bytes, may_block: bool = True) -> Verdict:
+        """A packet the kernel would not take now (or that must wait behind others).
+
+        *may_block*: whether this client may pause the packet's publisher; if not, a
+        blocking policy is served as soft queue, hard discard.
+        """
         soft = self.soft
         if soft is Soft.DISCARD:
             self.dropped += 1
             return Verdict.DROPPED
         if soft is Soft.ERROR:
             return Verdict.ERROR
-        if soft is Soft.BLOCK:
+        if soft is Soft.BLOCK and may_block:
             self._push(packet)
             return Verdict.BLOCK
         budget = self.budget
-        if self.nbytes + len(packet) > self.limit or \
-                budget is not None and budget.queued + len(packet) > budget.limit:
+        size = len(packet) + self._overhead
+        if self.nbytes + size > self.limit or \
+                budget is not None and budget.queued + size > budget.limit:
             hard = self.hard
-            if hard is Hard.DISCARD:
-                self.dropped += 1
-                return Verdict.DROPPED
-            if hard is Hard.ERROR:
+            if hard is Hard.ERROR and soft is not Soft.BLOCK:
                 return Verdict.ERROR
-            self._push(packet)
-            return Verdict.BLOCK
+            if hard is Hard.BLOCK and soft is not Soft.BLOCK and may_block:
+                self._push(packet)
+                return Verdict.BLOCK
+            self.dropped += 1
+            return Verdict.DROPPED
         self._push(packet)
         return Verdict.QUEUED
 
@@ -192,9 +225,12 @@ class OutQueue:
             packet = items.pop()
         else:
             packet = heapq.heappop(items)[2]
-        self.nbytes -= len(packet)
+        size = len(packet) + self._overhead
+        self.nbytes -= size
         if self.budget is not None:
-            self.budget.queued -= len(packet)
+            self.budget.queued -= size
+        if self._next_order is not None and len(items) <= REORDER_LIMIT:
+            self._reorder(self._next_order)
         return packet
 
     def take_dropped(self) -> int:
@@ -208,9 +244,10 @@ class OutQueue:
         self.nbytes = 0
 
     def _push(self, packet: bytes) -> None:
-        self.nbytes += len(packet)
+        size = len(packet) + self._overhead
+        self.nbytes += size
         if self.budget is not None:
-            self.budget.queued += len(packet)
+            self.budget.queued += size
         if self._order is Order.RANDOM:
             heapq.heappush(self.items, (-len(packet), next(self._seq), packet))
         else:

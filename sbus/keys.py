@@ -15,6 +15,9 @@ Decisions where the protocol text leaves room:
 * Credential fields of a pattern are compared as decimal text with the
   subscriber's own: ``0100`` is not ``100``.  Nested credentials after the first
   prefix belong to other machines and are not checked here.
+* A pattern has at most `MAX_SEGMENTS` segments, and the prefix before a ``*`` at
+  most `MAX_WILDCARD_PREFIX` bytes: these bound what one lookup and one subscription
+  can cost the broker (sbus/routing.py).  Keys have no such limit.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["Credentials", "KeyRefused", "KeyRules"]
+from .display import brief
+
+__all__ = ["Credentials", "KeyRefused", "KeyRules", "MAX_SEGMENTS", "MAX_WILDCARD_PREFIX"]
+
+#: Segments a subscription pattern may have at most.
+MAX_SEGMENTS = 256
+#: Bytes before the ``*`` of a wildcard segment (``prefix*``) at most.
+MAX_WILDCARD_PREFIX = 255
 
 
 class KeyRefused(ValueError):
@@ -73,30 +83,47 @@ class KeyRules:
             m = self._cred_key.match(rest)
             if m is None:
                 raise KeyRefused(
-                    f"secret key {key!r} must have the form !/cred/GID/UID/PID/... "
+                    f"secret key {brief(key)} must have the form !/cred/GID/UID/PID/... "
                     "with decimal fields".replace("/", self.sep.decode("latin-1"))
                 )
             rest = rest[m.end():]
         self._check_bang(key, rest)
 
+    def check_shape(self, pattern: bytes) -> None:
+        """Raise `KeyRefused` if *pattern* has too many segments or too long a wildcard prefix."""
+        segments = pattern.count(self.sep) + 1
+        if segments > MAX_SEGMENTS:
+            raise KeyRefused(f"pattern {brief(pattern)} has {segments} segments "
+                             f"(at most {MAX_SEGMENTS})")
+        star = pattern.find(b"*")
+        while star >= 0:
+            start = pattern.rfind(self.sep, 0, star) + 1
+            if star - start > MAX_WILDCARD_PREFIX:
+                raise KeyRefused(f"the prefix before '*' in pattern {brief(pattern)} is "
+                                 f"{star - start} bytes (at most {MAX_WILDCARD_PREFIX})")
+            end = pattern.find(self.sep, star)
+            star = -1 if end < 0 else pattern.find(b"*", end)
+
     def check_pattern(self, pattern: bytes, cred: Credentials) -> bytes:
         """Check a SUB pattern for a subscriber; return it with empty credential fields filled."""
+        self.check_shape(pattern)
         if not self.is_secret(pattern):
             self._check_bang(pattern, pattern)
             return pattern
         m = self._cred_pattern.match(pattern)
         if m is None:
-            raise KeyRefused(f"truncated secret pattern {pattern!r}: needs !/cred/GID/UID/PID/")
+            raise KeyRefused(
+                f"truncated secret pattern {brief(pattern)}: needs !/cred/GID/UID/PID/")
         own = (b"%d" % cred.gid, b"%d" % cred.uid, b"%d" % cred.pid)
         fields = []
         for name, given, mine in zip(("GID", "UID", "PID"), m.groups(), own, strict=True):
             if b"*" in given:
-                raise KeyRefused(f"wildcard in the {name} field of secret pattern {pattern!r}")
+                raise KeyRefused(f"wildcard in the {name} field of secret pattern {brief(pattern)}")
             if given and not given.isdigit():
-                raise KeyRefused(f"{name} field of secret pattern {pattern!r} is not decimal")
+                raise KeyRefused(f"{name} field of secret pattern {brief(pattern)} is not decimal")
             if given and given != mine:
                 raise KeyRefused(
-                    f"secret pattern {pattern!r} names {name} {given.decode()}, "
+                    f"secret pattern {brief(pattern)} names {name} {given.decode()}, "
                     f"subscriber has {mine.decode()}"
                 )
             fields.append(mine)
@@ -115,4 +142,4 @@ class KeyRules:
 
     def _check_bang(self, whole: bytes, rest: bytes) -> None:
         if b"!" in rest and b"!" in rest.split(self.sep):
-            raise KeyRefused(f"'!' is reserved and cannot stand as a segment of {whole!r}")
+            raise KeyRefused(f"'!' is reserved and cannot stand as a segment of {brief(whole)}")

@@ -3,28 +3,48 @@
 Like dbus-broker, the broker charges resources to the UID of the connecting
 process (kernel-verified) rather than to connections, which any user can open
 in numbers.  Pure bookkeeping; the broker asks before it grants.
+
+What one UID can make the broker hold, at most (docs/security.md has the figures):
+its connections (``connections_per_user`` x about 12 KB each), its subscriptions
+(``subscription_bytes_per_user``, charged by `routing.pattern_cost`), the packets
+queued for its clients plus what its paused publishers had already sent
+(``queued_bytes_per_user``, each packet with its overhead) and its share of the
+route cache (``cache_bytes_per_user``).  Root is exempt.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
 
 from .flood import Budget
 
-__all__ = ["Limits", "UserAccounts"]
+__all__ = ["Limits", "UserAccounts", "LogAllowance"]
 
 
 @dataclass(frozen=True)
 class Limits:
     #: Connections one UID may hold at once.
-    connections_per_user: int = 4096
+    connections_per_user: int = 1024
     #: Subscriptions (duplicates counted) one UID may hold at once.
     subscriptions_per_user: int = 65536
-    #: Bytes queued in the broker for all of one UID's connections together.
+    #: Bytes of broker memory one UID's subscriptions may cost (`routing.pattern_cost`).
+    subscription_bytes_per_user: int = 16 * 1024 * 1024
+    #: Bytes queued in the broker for all of one UID's connections together, plus what
+    #: its paused publishers had sent beyond a full queue.
     queued_bytes_per_user: int = 64 * 1024 * 1024
+    #: Bytes of the route cache in all.
+    cache_bytes: int = 16 * 1024 * 1024
+    #: Bytes of the route cache one UID's publishes may fill.
+    cache_bytes_per_user: int = 2 * 1024 * 1024
     #: UIDs exempt from the limits (root by default: it can raise them anyway).
     exempt: frozenset[int] = frozenset({0})
+    #: UIDs whose subscribers may pause other users' publishers (`block`); root always may.
+    trusted: frozenset[int | str] = field(default_factory=frozenset)
+
+    def may_pause_others(self, uid: int) -> bool:
+        return uid == 0 or uid in self.trusted
 
 
 class UserAccounts:
@@ -32,6 +52,7 @@ class UserAccounts:
         self.limits = limits
         self.connections: Counter[int] = Counter()
         self.subscriptions: Counter[int] = Counter()
+        self.subscription_bytes: Counter[int] = Counter()
         self.budgets: dict[int, Budget] = {}
 
     def budget(self, conn) -> Budget | None:
@@ -57,19 +78,71 @@ class UserAccounts:
         uid = conn.cred.uid
         self.connections[uid] -= 1
         self.subscriptions[uid] -= conn.subscriptions
-        for counter in (self.connections, self.subscriptions):
+        self.subscription_bytes[uid] -= conn.subscription_bytes
+        for counter in (self.connections, self.subscriptions, self.subscription_bytes):
             if counter[uid] <= 0:
                 del counter[uid]
         if uid not in self.connections:
             self.budgets.pop(uid, None)
 
-    def subscribe(self, conn) -> str | None:
+    def subscribe(self, conn, cost: int) -> str | None:
+        """Charge a subscription costing *cost* bytes; a reason string if it is refused."""
         uid = conn.cred.uid
-        if uid not in self.limits.exempt and \
-                self.subscriptions[uid] >= self.limits.subscriptions_per_user:
-            return f"uid {uid} already holds {self.subscriptions[uid]} subscriptions (the limit)"
+        if uid not in self.limits.exempt:
+            if self.subscriptions[uid] >= self.limits.subscriptions_per_user:
+                return (f"uid {uid} already holds {self.subscriptions[uid]} subscriptions "
+                        "(the limit)")
+            if self.subscription_bytes[uid] + cost > self.limits.subscription_bytes_per_user:
+                return (f"uid {uid}'s subscriptions would cost "
+                        f"{self.subscription_bytes[uid] + cost} bytes "
+                        f"(the limit is {self.limits.subscription_bytes_per_user})")
         self.subscriptions[uid] += 1
+        self.subscription_bytes[uid] += cost
+        conn.subscriptions += 1
+        conn.subscription_bytes += cost
         return None
 
-    def unsubscribe(self, conn) -> None:
-        self.subscriptions[conn.cred.uid] -= 1
+    def unsubscribe(self, conn, cost: int) -> None:
+        uid = conn.cred.uid
+        self.subscriptions[uid] -= 1
+        self.subscription_bytes[uid] -= cost
+        conn.subscriptions -= 1
+        conn.subscription_bytes -= cost
+
+    def cache_owner(self, conn) -> int:
+        """Whose share of the route cache a lookup for *conn* is charged to."""
+        return conn.cred.uid
+
+
+class LogAllowance:
+    """Log lines about clients, rationed per UID (not per connection: reconnecting must not
+    buy a new allowance).  A UID gets `burst` lines, then one per `interval` seconds; what
+    was held back is counted and said in the next line it may write."""
+
+    def __init__(self, burst: int = 10, interval: float = 60.0, users: int = 4096,
+                 clock=time.monotonic) -> None:
+        self.burst = burst
+        self.interval = interval
+        self.users = users
+        self.clock = clock
+        self._state: OrderedDict[int, list] = OrderedDict()  # uid -> [tokens, at, held]
+
+    def take(self, uid: int) -> int | None:
+        """None if a line about *uid* must not be written now; else how many were held back
+        since the last one (to say so in it)."""
+        now = self.clock()
+        state = self._state.get(uid)
+        if state is None:
+            state = self._state[uid] = [float(self.burst), now, 0]
+            if len(self._state) > self.users:
+                self._state.popitem(last=False)
+        else:
+            self._state.move_to_end(uid)
+            state[0] = min(self.burst, state[0] + (now - state[1]) / self.interval)
+            state[1] = now
+        if state[0] < 1:
+            state[2] += 1
+            return None
+        state[0] -= 1
+        held, state[2] = state[2], 0
+        return held

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .display import brief
+
 __all__ = [
     "Subscribe",
     "Unsubscribe",
@@ -76,8 +78,7 @@ class ProtocolError(ValueError):
 
 
 def _describe(packet: bytes) -> str:
-    head = packet[:24]
-    return repr(head) + ("…" if len(packet) > 24 else "")
+    return brief(packet, 24)
 
 
 def parse(packet: bytes) -> Event:

@@ -17,23 +17,41 @@ it; the empty pattern matches every key that is not secret.  Secret keys
 (``!/…``) are looked up in a second trie that only holds secret patterns, so no
 other pattern can ever match them.
 
-Lookups are cached per key; any subscribe or unsubscribe clears the cache.
+A lookup costs at most one step per pattern segment (patterns have at most
+`keys.MAX_SEGMENTS`) and, at a node with ``prefix*`` children, one dict probe per
+distinct prefix *length* (at most `keys.MAX_WILDCARD_PREFIX` + 1), never one per
+sibling: ten thousand ``a1*``…``a9999*`` siblings cost four probes.
+
+Lookups are cached per key in a `RouteCache`, bounded in bytes overall and per owner
+(the broker's owner is the publisher's UID).  A subscribe or unsubscribe drops only the
+entries it can change: the key itself for a literal pattern, the keys under the
+pattern's first segment (or, for secret keys, under its credentials) otherwise, every
+public key only for a pattern that starts with a wildcard.  Dropping costs at most what
+inserting the dropped entries cost, so churn cannot be made expensive.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Hashable, Iterator
 from typing import Generic, TypeVar
 
-__all__ = ["RoutingIndex", "compile_pattern", "matches"]
+__all__ = ["RoutingIndex", "RouteCache", "compile_pattern", "matches", "pattern_cost"]
 
 C = TypeVar("C", bound=Hashable)
 
 #: Segment kinds in a compiled pattern.
 LITERAL, PREFIX = 0, 1
 
-CACHE_LIMIT = 65536
+#: Bytes of broker memory one trie node costs, at most (tests/test_routing.py measures it).
+NODE_COST = 700
+#: Bytes one subscription costs besides its nodes and pattern (counters, index entries).
+SUBSCRIPTION_COST = 300
+#: Bytes one cache entry costs besides its key and targets (dict slots, index entries).
+ENTRY_COST = 360
+#: Default byte bound of the route cache.
+CACHE_BYTES = 16 * 1024 * 1024
 
 
 def compile_pattern(
@@ -76,17 +94,142 @@ def matches(pattern: bytes, key: bytes, sep: bytes = b"/") -> bool:
     return True
 
 
+def pattern_cost(pattern: bytes, sep: bytes = b"/") -> int:
+    """Bytes of broker memory a subscription to *pattern* may cost, at most: what a user's
+    subscription budget is charged (a node per segment, as if none were shared)."""
+    return SUBSCRIPTION_COST + 2 * len(pattern) + NODE_COST * (pattern.count(sep) + 1)
+
+
 class _Node(Generic[C]):
-    __slots__ = ("literal", "prefix", "end", "tail")
+    __slots__ = ("literal", "prefix", "lengths", "end", "tail")
 
     def __init__(self) -> None:
         self.literal: dict[bytes, _Node[C]] = {}
         self.prefix: dict[bytes, _Node[C]] = {}
+        self.lengths: list[int] = []  # distinct lengths of the keys of `prefix`, ascending
         self.end: Counter[C] = Counter()  # patterns that end here: the key must end too
         self.tail: Counter[C] = Counter()  # patterns ending here with a trailing separator
 
     def empty(self) -> bool:
         return not (self.literal or self.prefix or self.end or self.tail)
+
+    def add_prefix(self, text: bytes) -> _Node[C]:
+        child = self.prefix[text] = _Node()
+        i = bisect.bisect_left(self.lengths, len(text))
+        if i == len(self.lengths) or self.lengths[i] != len(text):
+            self.lengths.insert(i, len(text))
+        return child
+
+    def remove_prefix(self, text: bytes) -> None:
+        del self.prefix[text]
+        size = len(text)
+        if not any(len(p) == size for p in self.prefix):
+            self.lengths.remove(size)
+
+
+class RouteCache(Generic[C]):
+    """Key -> subscribers, bounded in bytes overall and for each owner.
+
+    The broker reads `entries` directly on its hot path (one dict lookup per run of a
+    key).  An owner over its share loses its own oldest entries first; the cache over
+    its bound loses the oldest of everyone.  Entries are grouped by what a pattern can
+    name without a wildcard, so that `invalidate` touches only a pattern's group.
+    """
+
+    def __init__(self, sep: bytes, limit: int = CACHE_BYTES, per_owner: int | None = None):
+        self.sep = sep
+        self.limit = limit
+        self.per_owner = limit if per_owner is None else per_owner
+        self.entries: dict[bytes, tuple[C, ...]] = {}
+        self.nbytes = 0
+        self._meta: dict[bytes, tuple[object, bytes, int]] = {}  # key -> owner, group, cost
+        self._owned: dict[object, dict[bytes, None]] = {}  # owner -> its keys, oldest first
+        self._owner_bytes: Counter[object] = Counter()
+        self._groups: dict[bytes, dict[bytes, None]] = {}  # group -> its keys
+        self._secret = b"!" + sep
+
+    def group(self, key: bytes) -> bytes:
+        """A key's group: its first segment; for a secret key its ``!/cred/G/U/P``."""
+        if key.startswith(self._secret):
+            return self.sep.join(key.split(self.sep, 5)[:5])
+        return key.split(self.sep, 1)[0]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def owner_bytes(self, owner: object) -> int:
+        return self._owner_bytes.get(owner, 0)
+
+    def put(self, key: bytes, targets: tuple[C, ...], owner: object) -> None:
+        if key in self.entries:
+            return
+        cost = ENTRY_COST + len(key) + 8 * len(targets)
+        if cost > self.per_owner or cost > self.limit:
+            return
+        owned = self._owned.setdefault(owner, {})
+        while self._owner_bytes[owner] + cost > self.per_owner and owned:
+            self.drop(next(iter(owned)))
+        while self.nbytes + cost > self.limit and self.entries:
+            self.drop(next(iter(self.entries)))
+        owned = self._owned.setdefault(owner, {})
+        group = self.group(key)
+        self.entries[key] = targets
+        self._meta[key] = (owner, group, cost)
+        owned[key] = None
+        self._groups.setdefault(group, {})[key] = None
+        self._owner_bytes[owner] += cost
+        self.nbytes += cost
+
+    def drop(self, key: bytes) -> None:
+        meta = self._meta.pop(key, None)
+        if meta is None:
+            return
+        owner, group, cost = meta
+        del self.entries[key]
+        owned = self._owned[owner]
+        del owned[key]
+        if not owned:
+            del self._owned[owner]
+        members = self._groups[group]
+        del members[key]
+        if not members:
+            del self._groups[group]
+        self._owner_bytes[owner] -= cost
+        if not self._owner_bytes[owner]:
+            del self._owner_bytes[owner]
+        self.nbytes -= cost
+
+    def drop_group(self, group: bytes) -> None:
+        for key in list(self._groups.get(group, ())):
+            self.drop(key)
+
+    def clear(self, secret: bool | None = None) -> None:
+        """Drop every entry (only the public ones, or only the secret ones, if asked)."""
+        if secret is None:
+            for table in (self.entries, self._meta, self._owned, self._owner_bytes,
+                          self._groups):
+                table.clear()
+            self.nbytes = 0
+            return
+        for group in [g for g in self._groups if g.startswith(self._secret) == secret]:
+            self.drop_group(group)
+
+    def invalidate(self, pattern: bytes, compiled) -> None:
+        """Drop the entries a subscription change to *pattern* can make wrong."""
+        if not pattern:
+            self.clear(secret=False)
+            return
+        if compiled is None:
+            return  # never matches anything
+        segments, tail = compiled
+        if not tail and all(kind == LITERAL for kind, _ in segments):
+            self.drop(pattern)  # only the key that equals it
+        elif pattern.startswith(self._secret):
+            self.drop_group(self.sep.join(text for _, text in segments[:5]))
+        elif segments[0][0] == LITERAL:
+            self.drop_group(segments[0][1])
+        else:
+            self.clear(secret=False)
 
 
 class RoutingIndex(Generic[C]):
@@ -96,7 +239,7 @@ class RoutingIndex(Generic[C]):
     unsubscribes; `match` still returns each client once.
     """
 
-    def __init__(self, sep: bytes = b"/") -> None:
+    def __init__(self, sep: bytes = b"/", cache: RouteCache[C] | None = None) -> None:
         self.sep = sep
         self._secret_prefix = b"!" + sep
         self._public = _Node[C]()
@@ -104,12 +247,16 @@ class RoutingIndex(Generic[C]):
         self._everything: Counter[C] = Counter()  # the empty pattern
         self._never: Counter[tuple[C, bytes]] = Counter()
         self._by_client: dict[C, Counter[bytes]] = {}
-        self._cache: dict[bytes, tuple[C, ...]] = {}
+        self._depth = 1  # most segments of any pattern ever held: keys are split no further
+        self.cache: RouteCache[C] = cache if cache is not None else RouteCache(sep)
 
     # -- changes ---------------------------------------------------------
 
     def subscribe(self, client: C, pattern: bytes) -> None:
-        self._cache.clear()
+        compiled = compile_pattern(pattern, self.sep) if pattern else None
+        self.cache.invalidate(pattern, compiled)
+        if compiled is not None:
+            self._depth = max(self._depth, len(compiled[0]))
         self._by_client.setdefault(client, Counter())[pattern] += 1
         bucket = self._bucket(pattern, create=True)
         if bucket is None:
@@ -122,7 +269,7 @@ class RoutingIndex(Generic[C]):
         mine = self._by_client.get(client)
         if not mine or not mine[pattern]:
             return False
-        self._cache.clear()
+        self.cache.invalidate(pattern, compile_pattern(pattern, self.sep) if pattern else None)
         self._remove(client, pattern, 1)
         mine[pattern] -= 1
         if not mine[pattern]:
@@ -136,8 +283,9 @@ class RoutingIndex(Generic[C]):
         mine = self._by_client.pop(client, None)
         if not mine:
             return 0
-        self._cache.clear()
         for pattern, count in mine.items():
+            self.cache.invalidate(pattern,
+                                  compile_pattern(pattern, self.sep) if pattern else None)
             self._remove(client, pattern, count)
         return sum(mine.values())
 
@@ -162,7 +310,10 @@ class RoutingIndex(Generic[C]):
                 break
             kind, text = segments[depth - 1]
             parent = path[depth - 1]
-            del (parent.literal if kind == LITERAL else parent.prefix)[text]
+            if kind == LITERAL:
+                del parent.literal[text]
+            else:
+                parent.remove_prefix(text)
 
     def _bucket(self, pattern: bytes, create: bool) -> Counter[C] | None:
         if not pattern:
@@ -173,31 +324,40 @@ class RoutingIndex(Generic[C]):
         segments, tail = compiled
         node = self._secret if pattern.startswith(self._secret_prefix) else self._public
         for kind, text in segments:
-            children = node.literal if kind == LITERAL else node.prefix
-            child = children.get(text)
-            if child is None:
-                child = children[text] = _Node()
+            if kind == LITERAL:
+                child = node.literal.get(text)
+                if child is None:
+                    child = node.literal[text] = _Node()
+            else:
+                child = node.prefix.get(text)
+                if child is None:
+                    child = node.add_prefix(text)
             node = child
         return node.tail if tail else node.end
 
     # -- lookups -----------------------------------------------------------
 
-    def match(self, key: bytes) -> tuple[C, ...]:
-        """The clients with at least one pattern matching *key*, each once."""
-        hit = self._cache.get(key)
+    def match(self, key: bytes, owner: object = None) -> tuple[C, ...]:
+        """The clients with at least one pattern matching *key*, each once; the answer is
+        cached and charged to *owner*."""
+        hit = self.cache.entries.get(key)
         if hit is not None:
             return hit
+        result = self.lookup(key)
+        self.cache.put(key, result, owner)
+        return result
+
+    def lookup(self, key: bytes) -> tuple[C, ...]:
+        """`match` without the cache."""
         found: set[C] = set()
+        # no pattern has more than `_depth` segments: the rest of a longer key stays whole
+        segs = key.split(self.sep, self._depth)
         if key.startswith(self._secret_prefix):
-            self._walk(self._secret, key.split(self.sep), found)
+            self._walk(self._secret, segs, found)
         else:
             found.update(self._everything)
-            self._walk(self._public, key.split(self.sep), found)
-        result = tuple(found)
-        if len(self._cache) >= CACHE_LIMIT:
-            self._cache.clear()
-        self._cache[key] = result
-        return result
+            self._walk(self._public, segs, found)
+        return tuple(found)
 
     @staticmethod
     def _walk(root: _Node[C], segs: list[bytes], found: set[C]) -> None:
@@ -215,9 +375,15 @@ class RoutingIndex(Generic[C]):
             child = node.literal.get(seg)
             if child is not None:
                 stack.append((child, i + 1))
-            for prefix, child in node.prefix.items():
-                if seg.startswith(prefix):
-                    stack.append((child, i + 1))
+            if node.lengths:
+                prefix = node.prefix
+                size = len(seg)
+                for length in node.lengths:
+                    if length > size:
+                        break
+                    child = prefix.get(seg[:length])
+                    if child is not None:
+                        stack.append((child, i + 1))
 
     # -- introspection -----------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import resource
 import signal
@@ -97,7 +98,9 @@ def test_a_burst_is_acted_on_in_order(broker):
     for packet in burst * 3:
         a.send(packet)
     me = b"CMSG !/cred/whoami\0!/cred/%d/%d/%d" % (os.getgid(), os.getuid(), os.getpid())
-    expected = [b"MSG self\0after-sub", me, *(b"MSG self\0%d" % i for i in range(40)), me]
+    refused = b"CMSG refused/packet\0MSG without NUL after the key: 'MSG k'"
+    expected = [b"MSG self\0after-sub", me, refused,
+                *(b"MSG self\0%d" % i for i in range(40)), me]
     assert recv_all(a, len(expected) * 3) == expected * 3
     assert recv_all(watcher, 9) == [b"MSG k\0one", b"MSG k\0\0two", b"MSG k\0"] * 3
     assert_silent(a)
@@ -130,17 +133,25 @@ def test_junk_packets_hurt_nobody(broker):
     good, pub, junk = raw(broker.address), raw(broker.address), raw(broker.address)
     good.send(b"SUB k")
     sync(good)
-    for packet in [b"", b"HELLO", b"MSG no-nul", b"SUB", b"\0\0\0", b"UNSUB never-subscribed",
-                   b"CMSG blocking/soft/nonsense", b"MSG a/!/b\0x", b"SUB !/cred/*/*/*/",
-                   b"SUB !/", b"MSG !/x\0y"]:
+    packets = {b"": b"packet", b"HELLO": b"packet", b"MSG no-nul": b"packet",
+               b"SUB": b"packet", b"\0\0\0": b"packet", b"UNSUB never-subscribed": b"unsub",
+               b"CMSG blocking/soft/nonsense": b"cmsg", b"MSG a/!/b\0x": b"msg",
+               b"SUB !/cred/*/*/*/": b"sub", b"SUB !/": b"sub", b"MSG !/x\0y": b"msg"}
+    for packet in packets:
         junk.send(packet)
-    sync(junk)  # still connected and served
+    junk.send(b"CMSG !/cred/whoami")  # still connected and served; each refusal answered
+    answers = []
+    while not (p := junk.recv(1 << 20)).startswith(b"CMSG !/cred/whoami\0"):
+        answers.append(p)
+    assert [a.split(b"\0")[0] for a in answers] == [b"CMSG refused/" + v
+                                                   for v in packets.values()]
+    assert b"not subscribed to 'never-subscribed'" in answers[5]
     pub.send(b"MSG k\0fine")
     assert good.recv(1 << 20) == b"MSG k\0fine"
     log = broker.log()
     assert "empty packet" in log and "unknown message type" in log
-    assert "MSG without NUL" in log and "not subscribed to b'never-subscribed'" in log
-    assert "wildcard in the GID field" in log and "publish refused" in log
+    assert "MSG without NUL" in log and "not subscribed to 'never-subscribed'" in log
+    assert "wildcard in the GID field" in log and "msg refused" in log
 
 
 def test_oversized_packet_ignored(make_broker):
@@ -445,3 +456,53 @@ def test_not_a_socket_left_alone(short_tmp):
                        timeout=10)
     assert r.returncode == 1 and "is not a socket" in r.stderr
     assert path.read_text() == "precious"
+
+
+def test_a_nowait_publisher_is_never_paused_by_a_blocking_subscriber(make_broker):
+    """A shared connection (gateway, mount, bridge) says `blocking/publisher/nowait`: a
+    subscriber on `block` that does not read then loses messages, and is told how many,
+    instead of stalling the publisher and everyone it publishes for."""
+    broker = make_broker("--queue-limit", "64k")
+    stuck, reader, shared = raw(broker.address), raw(broker.address), raw(broker.address)
+    stuck.send(b"CMSG blocking/soft/block")
+    stuck.send(b"SUB k")
+    sync(stuck)
+    reader.send(b"SUB k")
+    sync(reader)
+    shared.send(b"CMSG blocking/publisher/nowait")
+    shared.settimeout(10)
+    sent = [b"MSG k\0%d " % i + b"x" * 1000 for i in range(2000)]  # 2 MB
+    with concurrent.futures.ThreadPoolExecutor() as pool:
+        reading = pool.submit(recv_all, reader, 2000)  # a reader that keeps up
+        for packet in sent:
+            shared.send(packet)
+        sync(shared)  # answered: the broker never stopped reading it
+        assert reading.result() == sent
+    got, dropped = 0, 0
+    while not dropped:  # stuck reads now: what was kept, then the drop report
+        p = stuck.recv(1 << 20)
+        if p.startswith(b"CMSG blocking/dropped\0"):
+            dropped = int(p.split(b"\0")[1])
+        else:
+            got += 1
+    assert dropped > 0 and got + dropped == 2000
+
+
+def test_without_nowait_the_same_subscriber_pauses_its_own_user(make_broker):
+    """The control case: the same publisher without nowait is paused (same UID), so the
+    test above really measures the switch."""
+    broker = make_broker("--queue-limit", "64k")
+    stuck, pub = raw(broker.address), raw(broker.address)
+    stuck.send(b"CMSG blocking/soft/block")
+    stuck.send(b"SUB k")
+    sync(stuck)
+    pub.setblocking(False)
+    sent = 0
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        try:
+            pub.send(b"MSG k\0" + b"x" * 1000)
+            sent += 1
+        except BlockingIOError:
+            time.sleep(0.05)
+    assert sent < 2000  # paused: the kernel pushed back

@@ -30,6 +30,7 @@ class Peer:
         self.sock = raw(address)
         self.whoami = b"CMSG !" + sep + b"cred" + sep + b"whoami"
         self.inbox: list[bytes] = []
+        self.refusals: list[bytes] = []  # the verb of each ``CMSG refused/VERB`` received
 
     def send(self, packet: bytes) -> None:
         self.sock.send(packet)
@@ -41,7 +42,10 @@ class Peer:
             p = self.sock.recv(1 << 20)
             if p.startswith(self.whoami + b"\0"):
                 return
-            self.inbox.append(p)
+            if p.startswith(b"CMSG refused/"):
+                self.refusals.append(p[13:p.index(b"\0")])
+            else:
+                self.inbox.append(p)
 
 
 class Workload:
@@ -98,8 +102,10 @@ class Workload:
         return self.rng.randbytes(self.rng.randint(0, 40))
 
 
-JUNK = [b"", b"HELLO", b"MSG no-nul", b"SUB", b"UNSUB", b"\0\0\0", b"CMSG nonsense/x",
-        b"MSG", b"PUB a\0b"]
+#: Junk packets and the verb the broker names when it refuses each.
+JUNK = {b"": b"packet", b"HELLO": b"packet", b"MSG no-nul": b"packet", b"SUB": b"packet",
+        b"UNSUB": b"packet", b"\0\0\0": b"packet", b"CMSG nonsense/x": b"cmsg",
+        b"MSG": b"packet", b"PUB a\0b": b"packet"}
 
 
 def run_workload(address: str, sep: bytes, seed: int, ops: int = OPS) -> dict[str, int]:
@@ -111,6 +117,7 @@ def run_workload(address: str, sep: bytes, seed: int, ops: int = OPS) -> dict[st
     expected: dict[int, list[bytes]] = {id(p): [] for p in peers}
     retired: list[Peer] = []
     subs: dict[int, list[bytes]] = {id(p): [] for p in peers}
+    refusals: dict[int, list[bytes]] = {id(p): [] for p in peers}
     stats = {"sub": 0, "refused": 0, "unsub": 0, "pub": 0, "delivered": 0, "junk": 0,
              "reconnect": 0}
     for step in range(ops):
@@ -125,6 +132,7 @@ def run_workload(address: str, sep: bytes, seed: int, ops: int = OPS) -> dict[st
             peer.send(b"SUB " + pattern + (b"\0trailer" if rng.random() < 0.1 else b""))
             if stored is None:
                 stats["refused"] += 1
+                refusals[id(peer)].append(b"sub")
             else:
                 model.subscribe(id(peer), stored)
                 subs[id(peer)].append(pattern)
@@ -139,7 +147,8 @@ def run_workload(address: str, sep: bytes, seed: int, ops: int = OPS) -> dict[st
             if pattern.startswith(b"!" + sep):
                 stored = sep.join([b"!", b"cred", *work.own]) + sep + pattern.split(sep, 5)[5]
             peer.send(b"UNSUB " + pattern)
-            model.unsubscribe(id(peer), stored)
+            if not model.unsubscribe(id(peer), stored):
+                refusals[id(peer)].append(b"unsub")
             stats["unsub"] += 1
         elif r < 0.92:
             key = work.key()
@@ -150,7 +159,9 @@ def run_workload(address: str, sep: bytes, seed: int, ops: int = OPS) -> dict[st
                 stats["delivered"] += 1
             stats["pub"] += 1
         elif r < 0.97:
-            peer.send(rng.choice(JUNK))
+            junk = rng.choice(list(JUNK))
+            peer.send(junk)
+            refusals[id(peer)].append(JUNK[junk])
             stats["junk"] += 1
         else:
             # disconnect abruptly (maybe with unread packets) and come back as a new client
@@ -161,6 +172,7 @@ def run_workload(address: str, sep: bytes, seed: int, ops: int = OPS) -> dict[st
             peers[i] = Peer(address, sep)
             expected[id(peers[i])] = []
             subs[id(peers[i])] = []
+            refusals[id(peers[i])] = []
             stats["reconnect"] += 1
             continue
         peer.sync()
@@ -171,6 +183,7 @@ def run_workload(address: str, sep: bytes, seed: int, ops: int = OPS) -> dict[st
         p.sync()
     for p in retired + peers:
         assert p.inbox == expected[id(p)], _first_difference(p.inbox, expected[id(p)])
+        assert p.refusals == refusals[id(p)]  # each refused packet answered, in order
     for p in peers:
         p.sock.close()
     return stats

@@ -145,3 +145,135 @@ def test_index_agrees_with_brute(subs, keys, data):
         got = index.match(key)
         assert len(got) == len(set(got))
         assert set(got) == want, (key, dict(model))
+
+
+# -- the cache: bounded in bytes, charged to owners, invalidated where a change matters --
+
+from sbus.routing import ENTRY_COST, RouteCache  # noqa: E402
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.sampled_from(["sub", "unsub", "match", "drop"]),
+                          st.sampled_from("xyz"), pattern_st, key_st), max_size=40))
+def test_cached_answers_equal_uncached_ones(ops):
+    """With a tiny cache (evicting all the time) and without: the same answers, always."""
+    cached = RoutingIndex(cache=RouteCache(b"/", limit=3 * (ENTRY_COST + 16)))
+    plain = RoutingIndex()
+    for op, client, pattern, key in ops:
+        if op == "sub":
+            cached.subscribe(client, pattern)
+            plain.subscribe(client, pattern)
+        elif op == "unsub":
+            assert cached.unsubscribe(client, pattern) == plain.unsubscribe(client, pattern)
+        elif op == "drop":
+            cached.remove_client(client)
+            plain.remove_client(client)
+        for k in (key, pattern):
+            assert set(cached.match(k, owner=client)) == set(plain.lookup(k))
+
+
+def test_cache_is_bounded_in_bytes_and_per_owner():
+    index = RoutingIndex(cache=RouteCache(b"/", limit=200_000, per_owner=50_000))
+    for i in range(10_000):
+        index.match(b"attacker/%d/" % i + b"x" * 500, owner=1000)
+    assert index.cache.owner_bytes(1000) <= 50_000
+    for i in range(100):
+        index.match(b"honest/%d" % i, owner=1001)
+    assert index.cache.owner_bytes(1001) > 0
+    assert all(b"honest/%d" % i in index.cache.entries for i in range(100))
+    assert index.cache.nbytes <= 200_000
+
+
+def test_unrelated_subscriptions_keep_the_cache():
+    index = RoutingIndex()
+    index.subscribe("s", b"sensors/*/temp")
+    keys = [b"sensors/%d/temp" % i for i in range(100)]
+    for k in keys:
+        assert index.match(k) == ("s",)
+    for i in range(1000):  # churn elsewhere: other first segments, literal patterns
+        index.subscribe("churn", b"jobs/%d/" % i)
+        index.subscribe("churn", b"sensors/%d/humidity" % i)
+        index.unsubscribe("churn", b"jobs/%d/" % i)
+    assert all(k in index.cache.entries for k in keys)
+    index.subscribe("t", b"sensors/")  # a change that can matter drops that group
+    assert not any(k in index.cache.entries for k in keys)
+    assert index.match(keys[0]) in (("s", "t"), ("t", "s"))
+
+
+def test_secret_changes_drop_only_that_process_s_keys():
+    index = RoutingIndex()
+    mine, other = b"!/cred/1/2/3/inbox", b"!/cred/1/2/4/inbox"
+    index.match(mine)
+    index.match(other)
+    index.match(b"public")
+    index.subscribe("p", b"!/cred/1/2/3/")
+    assert other in index.cache.entries and b"public" in index.cache.entries
+    assert index.match(mine) == ("p",)
+
+
+def test_many_prefix_siblings_cost_one_probe_per_length():
+    index = RoutingIndex()
+    for i in range(10_000):
+        index.subscribe("attacker", b"a%d*" % i)
+    node = index._public
+    assert node.lengths == [2, 3, 4, 5]
+    assert index.lookup(b"a42x") == ("attacker",)
+    assert index.lookup(b"b1") == ()
+
+
+def test_keys_are_split_no_deeper_than_the_deepest_pattern():
+    index = RoutingIndex()
+    index.subscribe("c", b"a/")
+    index.subscribe("d", b"a/b")
+    assert index._depth == 2
+    key = b"a/" + b"x/" * 100_000
+    assert index.lookup(key) == ("c",)
+    assert set(index.lookup(b"a/b")) == {"c", "d"}
+
+
+def _traced(build) -> int:
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        keep = build()
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    del keep
+    return used
+
+
+@pytest.mark.parametrize("patterns", [
+    [b"/".join(b"s%d_%d" % (i, j) for j in range(256)) for i in range(100)],  # deep
+    [b"k%d" % i for i in range(3000)],                                       # short
+    [b"a%d*" % i for i in range(3000)],                                      # siblings
+    [b"x/%d/" % i for i in range(3000)],                                     # tails
+    [b"p/" + b"*/" * 200 + b"q%d" % i for i in range(100)],                  # wild
+], ids=["deep", "short", "prefix-siblings", "tails", "wildcards"])
+def test_what_a_subscription_is_charged_covers_its_memory(patterns):
+    """The subscription budget bounds broker memory only if `pattern_cost` is no less than
+    what the index really allocates, for the shapes an attacker would pick."""
+    from sbus.routing import pattern_cost
+
+    def build():
+        index = RoutingIndex()
+        for i, p in enumerate(patterns):
+            index.subscribe(i, p)
+        return index
+
+    assert _traced(build) <= sum(pattern_cost(p) for p in patterns)
+
+
+def test_what_a_cache_entry_is_charged_covers_its_memory():
+    cache = RouteCache(b"/", limit=1 << 30)
+
+    def build():
+        for i in range(5000):
+            cache.put(b"key/%d/" % i + b"x" * (i % 300), ("a", "b"), i % 7)
+        return cache
+
+    assert _traced(build) <= cache.nbytes

@@ -8,16 +8,15 @@ import sys
 import trio
 
 from .. import server
+from ..defaults import MAX_MESSAGE, QUEUE_LIMIT, size_arg
 from ..flood import Hard, Order, Soft
 from ..limits import Limits
 
 
-def _size(text: str) -> int:
-    units = {"k": 1024, "m": 1024**2, "g": 1024**3}
-    text = text.strip().lower().rstrip("ib")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+def _user(text: str) -> int | str:
+    """A ``--trusted-user``: a UID, or a name looked up when its clients connect (a
+    DynamicUser= service's user exists only while the service runs)."""
+    return int(text) if text.isdigit() else text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,9 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a multi-user bus; secrets are guarded by credentials)")
     p.add_argument("--separator", default="/", choices=["/", "."],
                    help="routing key separator ('.' serves the early-draft dialect)")
-    p.add_argument("--max-message", type=_size, default=256 * 1024, metavar="BYTES",
+    p.add_argument("--max-message", type=size_arg, default=MAX_MESSAGE, metavar="BYTES",
                    help="largest packet accepted and forwarded (default 256k)")
-    p.add_argument("--queue-limit", type=_size, default=4 * 1024 * 1024, metavar="BYTES",
+    p.add_argument("--queue-limit", type=size_arg, default=QUEUE_LIMIT, metavar="BYTES",
                    help="bytes queued per slow client before its hard policy applies "
                         "(default 4m)")
     p.add_argument("--soft", choices=[s.value.decode() for s in Soft], default="queue",
@@ -37,19 +36,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="flood policy of new clients whose queue is full (default discard)")
     p.add_argument("--order", choices=[o.value.decode() for o in Order], default="queue",
                    help="order in which queued messages leave (default queue)")
-    p.add_argument("--max-connections-per-user", type=int, default=Limits.connections_per_user)
-    p.add_argument("--max-subscriptions-per-user", type=int,
-                   default=Limits.subscriptions_per_user)
-    p.add_argument("--max-queued-bytes-per-user", type=_size,
+    p.add_argument("--max-connections-per-user", type=int, default=Limits.connections_per_user,
+                   metavar="N", help="connections one user may hold at once "
+                                     f"(default {Limits.connections_per_user}; root is exempt)")
+    p.add_argument("--max-subscriptions-per-user", type=int, metavar="N",
+                   default=Limits.subscriptions_per_user,
+                   help="subscriptions one user may hold at once "
+                        f"(default {Limits.subscriptions_per_user})")
+    p.add_argument("--max-subscription-bytes-per-user", type=size_arg, metavar="BYTES",
+                   default=Limits.subscription_bytes_per_user,
+                   help="broker memory one user's subscriptions may cost (default 16m)")
+    p.add_argument("--max-queued-bytes-per-user", type=size_arg,
                    default=Limits.queued_bytes_per_user, metavar="BYTES",
-                   help="bytes queued in the broker for all of one user's connections "
-                        "(default 64m; root is exempt)")
+                   help="bytes queued in the broker for all of one user's connections, and "
+                        "held for its paused publishers (default 64m; root is exempt)")
+    p.add_argument("--max-cache-bytes", type=size_arg, default=Limits.cache_bytes,
+                   metavar="BYTES", help="size of the route cache (default 16m)")
+    p.add_argument("--max-cache-bytes-per-user", type=size_arg,
+                   default=Limits.cache_bytes_per_user, metavar="BYTES",
+                   help="share of the route cache one user's publishes may fill (default 2m)")
+    p.add_argument("--trusted-user", type=_user, action="append", default=[],
+                   metavar="USER", help="a user (name or UID) whose subscribers may pause "
+                                        "other users' publishers with 'block' (root always "
+                                        "may); repeatable")
 
 
 def run(args: argparse.Namespace) -> int:
     limits = Limits(connections_per_user=args.max_connections_per_user,
                     subscriptions_per_user=args.max_subscriptions_per_user,
-                    queued_bytes_per_user=args.max_queued_bytes_per_user)
+                    subscription_bytes_per_user=args.max_subscription_bytes_per_user,
+                    queued_bytes_per_user=args.max_queued_bytes_per_user,
+                    cache_bytes=args.max_cache_bytes,
+                    cache_bytes_per_user=args.max_cache_bytes_per_user,
+                    trusted=frozenset(args.trusted_user))
     try:
         trio.run(lambda: server.run(args.address, mode=args.mode, sep=args.separator.encode(),
                              max_message=args.max_message, queue_limit=args.queue_limit,
