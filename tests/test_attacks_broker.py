@@ -152,7 +152,7 @@ def test_c_replies_to_a_client_that_never_reads(start) -> None:
     grown, report, lat = memory_attack(b, "reply_attack", seconds=15)
     assert grown < 2 * 4 * MIB + 16 * MIB, \
         f"replies: broker grew by {grown // MIB} MiB for {report}; honest whoami {lat}"
-    assert report.get("sent", 0) > 100_000, report
+    assert report.get("sent", 0) > 10_000, report  # a fixed broker stops reading the asker
     no_missing_flags(b)
 
 
