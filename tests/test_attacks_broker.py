@@ -156,6 +156,19 @@ def test_c_replies_to_a_client_that_never_reads(start) -> None:
     no_missing_flags(b)
 
 
+def test_c_replies_on_many_connections(start) -> None:
+    """The same on 100 connections of one user: each may be paused once its own queue is
+    full, but together they must stay within the user's budget.  c4a42ae: see test_c
+    (unbounded).  2c5dc63: +170 MiB with the default 64 MiB budget (a queue limit per
+    connection, not per user)."""
+    b = start("--max-queued-bytes-per-user", "4m")
+    grown, report, lat = memory_attack(b, "reply_attack", seconds=12, connections=100)
+    assert grown < 2 * 4 * MIB + 16 * MIB, \
+        f"replies on 100 connections: broker grew by {grown // MIB} MiB for {report}; " \
+        f"honest whoami {lat}"
+    no_missing_flags(b)
+
+
 def test_d_paused_publishers_under_block(start) -> None:
     """A never-reading ``soft/block`` subscriber and many publishers of the same user, each
     with ten 200 KB packets sent: each publisher's batch is read, queued, then it is paused.
@@ -187,7 +200,7 @@ def loop_attack(b, name: str, seconds: float = 8, **params) -> tuple[dict, dict,
     before = hostile.Role(HONEST, "prober", b.address, seconds=1.5)
     quiet = hostile.latency_figures(before.finish(10, stop=False)["latencies"])
     attack = hostile.Role(ATTACKER, name, b.address, seconds=seconds + 60, **params)
-    if name in ("order_attack", "prefix_attack"):
+    if name in ("order_attack", "prefix_attack", "fanout_attack", "walk_attack"):
         assert attack.wait_state(60), f"{name} never got ready: {attack.finish()}"
     probe = hostile.Role(HONEST, "prober", b.address, seconds=seconds)
     lat = probe.finish(seconds + 60, stop=False)
@@ -226,6 +239,44 @@ def test_f_lookup_against_prefix_siblings(start) -> None:
     b = start()
     quiet, lat, report = loop_attack(b, "prefix_attack", siblings=10_000)
     assert_fast(quiet, lat, "prefix siblings", report)
+
+
+def test_f_fanout_to_own_subscribers(start) -> None:
+    """1,000 subscriber connections of the attacker (``soft/discard``, never reading) on
+    ``fan/``, and publishes of unique keys under it: a batch of 32 packets is 32,000
+    writes.  2c5dc63: p99 131 ms, p50 34 ms."""
+    b = start()
+    quiet, lat, report = loop_attack(b, "fanout_attack", subscribers=1000)
+    assert_fast(quiet, lat, "fan-out to own subscribers", report)
+
+
+def test_f_lookup_walking_every_matching_pattern(start) -> None:
+    """Patterns of 24 segments from ``a``, ``*``, ``a*``, as many as the default subscription
+    budget takes (~900, ~18,000 distinct nodes that all match ``a/a/…/a/N``), then unique
+    keys of that shape: a lookup visits every node.  2c5dc63, with 8 segments: p99 66 ms,
+    max 102 ms; with 24: see the message."""
+    b = start()
+    quiet, lat, report = loop_attack(b, "walk_attack", depth=24)
+    assert_fast(quiet, lat, "walk of matching patterns", report)
+
+
+def test_f_accept_storm(start) -> None:
+    """Two processes connect and hang up as fast as they can: the accept loop drains the
+    backlog without yielding while it is refilled.  An already connected honest client
+    measures.  2c5dc63: p99 3.3 s, max stall 5.0 s."""
+    b = start()
+    probe = hostile.Role(HONEST, "prober", b.address, seconds=60)
+    time.sleep(1.5)
+    storms = [hostile.Role(uid, "accept_storm", b.address, seconds=8)
+              for uid in (ATTACKER, ATTACKER2)]
+    for s in storms:
+        s.finish(60, stop=False)
+    lat = probe.finish()
+    quiet = hostile.latency_figures(lat["latencies"][:100])
+    during = hostile.latency_figures(lat["latencies"][100:])
+    assert b.proc.poll() is None, "the broker died"
+    assert during["probes"], lat
+    assert_fast(quiet, during, "accept storm", [s.result for s in storms])
 
 
 # -- 3. block across users ------------------------------------------------------------------
@@ -304,7 +355,8 @@ def test_h_connection_limit_refusals_rate_limited(start) -> None:
 
 # -- 5. the route cache under churn ------------------------------------------------------
 
-def test_i_churn_keeps_the_route_cache(start) -> None:
+@pytest.mark.parametrize("churned", [b"churn/%d/x", b"*/%d"], ids=["literal", "wildcard"])
+def test_i_churn_keeps_the_route_cache(start, churned: bytes) -> None:
     """An S-style publisher over 1,000 cached keys (1,000 other ``p*`` siblings in the
     index), measured quiet and while another user SUBs/UNSUBs unrelated patterns 2,000
     times a second.  Loose bound: half the quiet rate.  c4a42ae: every SUB/UNSUB clears
@@ -318,12 +370,13 @@ def test_i_churn_keeps_the_route_cache(start) -> None:
         assert served(setup, 30)
         quiet = hostile.Role(HONEST, "throughput_publisher", b.address, seconds=4)
         quiet_rates = quiet.finish(60, stop=False)["rates"]
-        churn = hostile.Role(ATTACKER, "churn_attack", b.address, seconds=60, rate=2000)
+        churn = hostile.Role(ATTACKER, "churn_attack", b.address, seconds=60, rate=2000,
+                             pattern=churned)
         time.sleep(0.5)
         busy = hostile.Role(HONEST, "throughput_publisher", b.address, seconds=4)
         busy_rates = busy.finish(60, stop=False)["rates"]
-        churned = churn.finish()
+        report = churn.finish()
     q = statistics.median(quiet_rates[1:] or quiet_rates)  # the first round fills the cache
     c = statistics.median(busy_rates)
-    assert churned.get("sent", 0) > 2000, churned
+    assert report.get("sent", 0) > 2000, report
     assert c > q / 2, f"publisher {c:.0f} msg/s under churn, {q:.0f} msg/s quiet"

@@ -181,17 +181,29 @@ def trie_attack(pipe, address: str, params: dict) -> None:
 
 
 def reply_attack(pipe, address: str, params: dict) -> None:
-    """Ask whoami (and earn refusals) forever, never reading an answer (reply queue)."""
+    """Ask whoami (and earn refusals) forever on *connections* connections, never reading
+    an answer (reply queues)."""
     clock = Clock(pipe, params)
-    s = connect(address, BIG_SNDBUF, timeout=1.0)
+    conns = [connect(address, BIG_SNDBUF) for _ in range(params.get("connections", 1))]
+    for s in conns:
+        s.setblocking(False)
     asks = [ASK] * 7 + [b"SUB !/cred/*/*/*/"]
     n = 0
     while not clock.over():
-        for p in asks:
-            if _send(s, p):
+        moved = False
+        for s in conns:
+            for p in asks * 8:
+                try:
+                    s.send(p)
+                except BlockingIOError:
+                    break
                 n += 1
-    s.close()
-    pipe.send(("done", {"sent": n}))
+                moved = True
+        if not moved:
+            time.sleep(0.005)
+    for s in conns:
+        s.close()
+    pipe.send(("done", {"sent": n, "connections": len(conns)}))
 
 
 def paused_attack(pipe, address: str, params: dict) -> None:
@@ -338,7 +350,7 @@ def churn_attack(pipe, address: str, params: dict) -> None:
         if n > rate * (time.monotonic() - t0):
             time.sleep(0.002)
             continue
-        p = b"churn/%d/x" % (n % 1000)
+        p = params.get("pattern", b"churn/%d/x") % (n % 1000)
         _send(s, b"SUB " + p)
         _send(s, b"UNSUB " + p)
         n += 2
@@ -346,6 +358,95 @@ def churn_attack(pipe, address: str, params: dict) -> None:
             drain(s)
     s.close()
     pipe.send(("done", {"sent": n}))
+
+
+def fanout_attack(pipe, address: str, params: dict) -> None:
+    """Many own subscribers (``soft/discard``, never reading) of one prefix, and publishes
+    of unique keys under it: every packet is one write per subscriber, and every key a
+    cache entry as large as the subscriber list."""
+    clock = Clock(pipe, params)
+    subs = []
+    for _ in range(params.get("subscribers", 1000)):
+        try:
+            s = connect(address)
+        except OSError:
+            break
+        s.send(b"CMSG blocking/soft/discard")
+        s.send(b"SUB fan/")
+        subs.append(s)
+    roundtrip(subs[-1], 30)
+    clock.state(f"{len(subs)} subscribers")
+    pub = connect(address, BIG_SNDBUF, timeout=1.0)
+    n = 0
+    while not clock.over():
+        for _ in range(32):
+            if _send(pub, b"MSG fan/%d\0" % n):
+                n += 1
+        drain(pub)
+    for s in [pub, *subs]:
+        s.close()
+    pipe.send(("done", {"subscribers": len(subs), "published": n}))
+
+
+def walk_patterns(depth: int = 8, count: int = 8000) -> list[bytes]:
+    """Every pattern of *depth* segments from ``a``, ``*``, ``a*``, upper levels first
+    (digits reversed), so that however many are accepted, they share few nodes: a key
+    ``a/a/…`` makes a lookup visit every one of those nodes."""
+    choice = [b"a", b"*", b"a*"]
+    out = []
+    for i in range(min(count, 3 ** depth)):
+        segs = []
+        for _ in range(depth):
+            i, d = divmod(i, 3)
+            segs.append(choice[d])
+        out.append(b"/".join(segs))
+    return out
+
+
+def walk_attack(pipe, address: str, params: dict) -> None:
+    """Patterns that all match one key shape (until the budget refuses more), then unique
+    keys of that shape: a cache miss walks every pattern's nodes."""
+    clock = Clock(pipe, params)
+    depth = params.get("depth", 8)
+    s = connect(address, BIG_SNDBUF, timeout=30)
+    accepted = 0
+    patterns = walk_patterns(depth)
+    for start in range(0, len(patterns), 500):
+        chunk = patterns[start:start + 500]
+        for p in chunk:
+            s.send(b"SUB " + p)
+        refused = sum(p.startswith(REFUSAL) for p in roundtrip(s, 60))
+        accepted += len(chunk) - refused
+        if refused or clock.over():
+            break
+    clock.state(f"{accepted} patterns")
+    s.settimeout(1.0)
+    stem = b"/".join([b"a"] * depth)
+    n = 0
+    while not clock.over():
+        for _ in range(32):
+            if _send(s, b"MSG %s/%d\0" % (stem, n)):
+                n += 1
+        drain(s)
+    s.close()
+    pipe.send(("done", {"patterns": accepted, "published": n}))
+
+
+def accept_storm(pipe, address: str, params: dict) -> None:
+    """Connect and hang up as fast as possible: the broker's accept loop against the backlog."""
+    clock = Clock(pipe, params)
+    n = refused = 0
+    while not clock.over():
+        for _ in range(64):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.setblocking(False)
+            try:
+                s.connect(address)
+                n += 1
+            except OSError:
+                refused += 1
+            s.close()
+    pipe.send(("done", {"connects": n, "backlog_full": refused}))
 
 
 # -- attacks: block, logs -------------------------------------------------------------------
@@ -606,9 +707,9 @@ def throughput_publisher(pipe, address: str, params: dict) -> None:
 
 ROLES = {f.__name__: f for f in (
     cache_attack, trie_attack, reply_attack, paused_attack, tiny_attack, sub_batch_attack,
-    order_attack, prefix_attack, churn_attack, blocker, log_attack, storm, prober,
-    reliable_pair, cross_reader, sequenced_publisher, secret_user, refusal_probe,
-    throughput_publisher)}
+    order_attack, prefix_attack, churn_attack, fanout_attack, walk_attack, accept_storm,
+    blocker, log_attack, storm, prober, reliable_pair, cross_reader, sequenced_publisher,
+    secret_user, refusal_probe, throughput_publisher)}
 
 
 # -- orchestration ----------------------------------------------------------------------------
