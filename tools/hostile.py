@@ -376,14 +376,15 @@ def fanout_attack(pipe, address: str, params: dict) -> None:
     clock = Clock(pipe, params)
     subs = []
     for _ in range(params.get("subscribers", 1000)):
-        try:
+        try:  # the user's connection limit (or the broker) may refuse some
             s = connect(address)
+            s.send(b"CMSG blocking/soft/discard")
+            s.send(b"SUB fan/")
+            if len(subs) % 100 == 99:
+                roundtrip(s, 5)  # now and then: let the broker catch up
         except OSError:
-            break
-        s.send(b"CMSG blocking/soft/discard")
-        s.send(b"SUB fan/")
+            continue
         subs.append(s)
-    roundtrip(subs[-1], 30)
     clock.state(f"{len(subs)} subscribers")
     pub = connect(address, BIG_SNDBUF, timeout=1.0)
     n = 0
@@ -872,13 +873,13 @@ def attack_plan(seconds: float) -> list[tuple[int, str, dict]]:
         (a, "log_attack", {"seconds": seconds, "reconnects": 50, "connections": 100}),
         (a, "churn_attack", {"seconds": seconds, "pattern": b"*/%d"}),
         (a, "fanout_attack", {"seconds": seconds, "subscribers": 300}),
-        (a, "accept_storm", {"seconds": seconds}),
         (b, "paused_attack", {"seconds": seconds, "publishers": 100}),
         (b, "tiny_attack", {"seconds": seconds, "count": 400_000}),
         (b, "sub_batch_attack", {"seconds": seconds}),
         (b, "order_attack", {"seconds": seconds, "fill": 300_000}),
         (b, "prefix_attack", {"seconds": seconds, "siblings": 5000}),
         (b, "walk_attack", {"seconds": seconds, "depth": 24}),
+        (b, "accept_storm", {"seconds": seconds}),
     ]
 
 
@@ -942,7 +943,7 @@ def run(address: str, broker_pid: int, duration: float, cap_kib: int,
                         f"not pause this publisher): {results['cross_reader']}")
     if secret_stats["secret_leaks"] or not secret_stats["secrets_received"]:
         problems.append(f"secrets: {dict(secret_stats)}")
-    for name, res in {**results, **attacks}.items():
+    for name, res in results.items():  # an attacker's error is in its table row
         if "error" in res:
             problems.append(f"{name} failed: {res['error']}")
     figures = {
