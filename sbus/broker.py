@@ -36,7 +36,7 @@ import time
 import trio
 from trio.lowlevel import ParkingLot, wait_readable, wait_writable
 
-from . import protocol
+from . import introspect, protocol
 from .defaults import MAX_MESSAGE, QUEUE_LIMIT
 from .display import brief
 from .flood import PACKET_OVERHEAD, Hard, Order, OutQueue, Soft, Verdict, parse_control
@@ -57,6 +57,10 @@ READS_PER_WAKE = 4
 SEND_BATCH_MIN = 3
 #: A reader that has run this long yields to the other clients before reading more.
 TURN_SECONDS = 0.002
+#: Packets a writer sends from a queue before yielding to the other clients.
+WRITES_PER_TURN = 1024
+#: Subscriptions of a departed client dropped before yielding to the other clients.
+REMOVALS_PER_TURN = 512
 DROPPED = b"CMSG " + protocol.DROPPED + b"\0"
 REFUSED = b"CMSG " + protocol.REFUSED + b"/"
 
@@ -156,6 +160,8 @@ class Broker:
         self.accounts = UserAccounts(limits)
         self.allowance = LogAllowance()
         self.connections: set[Connection] = set()
+        self._by_uid: dict[int, dict[int, Connection]] = {}  # uid -> id -> connection
+        self.subscription_count = 0
         self._ids = itertools.count(1)
         # counters (read by STATUS= and monitoring)
         self.published = 0
@@ -182,7 +188,8 @@ class Broker:
                 task_status.started()
                 while True:
                     await wait_readable(listener)
-                    while True:
+                    turn_ends = time.perf_counter() + TURN_SECONDS
+                    while time.perf_counter() < turn_ends:
                         try:
                             sock, _ = listener.accept()
                         except BlockingIOError:
@@ -236,6 +243,7 @@ class Broker:
         conn.out.budget = self.accounts.budget(conn)
         conn.may_pause_others = self._trusted(cred.uid)
         self.connections.add(conn)
+        self._by_uid.setdefault(cred.uid, {})[conn.id] = conn
         log.debug("%r connected", conn)
         return conn
 
@@ -247,14 +255,30 @@ class Broker:
                 await self._reader(conn)
                 nursery.cancel_scope.cancel()
         finally:
+            conn.closed = True  # nothing is delivered to it from now on
+            with trio.CancelScope(shield=True):
+                # a client with many subscriptions leaves a few hundred at a time
+                while self._unsubscribe_some(conn, REMOVALS_PER_TURN):
+                    await trio.lowlevel.checkpoint()
             self._forget(conn)
+
+    def _unsubscribe_some(self, conn: Connection, n: int) -> bool:
+        """Drop up to *n* of a departed client's patterns; whether any are left."""
+        removed, left = self.index.remove_some(conn, n)
+        self.subscription_count -= removed
+        return left
 
     def _forget(self, conn: Connection) -> None:
         conn.closed = True
         self._release_held(conn)
-        self.index.remove_client(conn)
+        self.subscription_count -= self.index.remove_client(conn)
         self.accounts.disconnect(conn)
         self.connections.discard(conn)
+        mine = self._by_uid.get(conn.cred.uid)
+        if mine is not None:
+            mine.pop(conn.id, None)
+            if not mine:
+                del self._by_uid[conn.cred.uid]
         conn.out.clear()
         conn.paused.unpark_all()
         conn.fd = -1
@@ -590,6 +614,7 @@ class Broker:
             self.refuse(conn, b"sub", f"{brief(pattern)}: {refusal}")
             return
         self.index.subscribe(conn, pattern)
+        self.subscription_count += 1
 
     def unsubscribe(self, conn: Connection, pattern: bytes) -> None:
         try:
@@ -599,6 +624,7 @@ class Broker:
             return
         if self.index.unsubscribe(conn, pattern):
             self.accounts.unsubscribe(conn, pattern_cost(pattern, self.sep))
+            self.subscription_count -= 1
         else:
             self.refuse(conn, b"unsub", f"not subscribed to {brief(pattern)}")
 
@@ -609,6 +635,9 @@ class Broker:
         plain = key.replace(self.sep, b"/")
         if plain == protocol.PUBLISHER_NOWAIT:
             conn.nowait = True
+            return
+        if plain == protocol.STATUS:
+            self.reply(conn, introspect.answer(self, conn, payload))
             return
         setting = parse_control(plain)
         if setting is not None:
@@ -644,13 +673,15 @@ class Broker:
                 continue
             await wait_writable(conn.sock)
             try:
-                while out.items:
+                turn = WRITES_PER_TURN
+                while out.items and turn:
                     try:
                         write(conn.fd, out.peek())
                     except BlockingIOError:
                         break
                     out.pop()
                     self.delivered += 1
+                    turn -= 1
                 if not out.items and out.dropped:
                     write(conn.fd, DROPPED + b"%d" % out.dropped)
                     out.take_dropped()
@@ -670,9 +701,15 @@ class Broker:
 
     # -- reporting ---------------------------------------------------------------
 
+    def connections_of(self, uid: int | None):
+        """The connections of *uid* (of everyone for None), oldest first."""
+        if uid is not None:
+            return list(self._by_uid.get(uid, {}).values())
+        return sorted(self.connections, key=lambda c: c.id)
+
     def status(self) -> str:
         paused = sum(len(c.paused) for c in self.connections)
-        return (f"{len(self.connections)} clients, {len(self.index)} subscriptions, "
+        return (f"{len(self.connections)} clients, {self.subscription_count} subscriptions, "
                 f"{self.published} published, {self.delivered} delivered, "
                 f"{self.dropped} dropped, {paused} publishers paused")
 

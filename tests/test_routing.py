@@ -277,3 +277,17 @@ def test_what_a_cache_entry_is_charged_covers_its_memory():
         return cache
 
     assert _traced(build) <= cache.nbytes
+
+
+def test_a_departing_client_can_leave_a_part_at_a_time():
+    index = RoutingIndex()
+    for i in range(1000):
+        index.subscribe("big", b"p/%d" % i)
+    index.subscribe("big", b"p/0")
+    index.subscribe("other", b"p/5")
+    assert index.remove_some("big", 400) == (401, True)  # p/0 counted twice
+    assert index.remove_some("big", 400) == (400, True)
+    assert index.remove_some("big", 400) == (200, False)
+    assert index.remove_some("big", 400) == (0, False)
+    assert index.match(b"p/5") == ("other",) and index.match(b"p/6") == ()
+    assert len(index) == 1
