@@ -797,6 +797,12 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+#: Messages per second the cross-user publisher sends (it must manage that many).
+CROSS_RATE = 2000
+#: Longest single honest round trip allowed: the issue's ~10 ms per turn, with room for a
+#: loaded two-core machine.
+MAX_STALL_MS = 500
+
 #: Per-user limits the soak gives its broker (small, so the RSS bound is tight).
 SOAK_LIMITS = {
     "--max-queued-bytes-per-user": "8m",
@@ -903,7 +909,7 @@ def run(address: str, broker_pid: int, duration: float, cap_kib: int,
     attackers = [Role(uid, name, address, **params)
                  for uid, name, params in attack_plan(duration) if name not in without]
     honest["cross_pub"] = Role(honest_a, "sequenced_publisher", address, seconds=duration,
-                               key=b"honest/cross/a", rate=2000)
+                               key=b"honest/cross/a", rate=CROSS_RATE)
     peak, capped = base, False
     end = time.monotonic() + duration
     while time.monotonic() < end:
@@ -932,12 +938,18 @@ def run(address: str, broker_pid: int, duration: float, cap_kib: int,
     if lat["p99_ms"] is None or lat["p99_ms"] >= 50:
         problems.append(f"honest whoami p99 {lat['p99_ms']} ms (max {lat['max_ms']} ms): "
                         f"must stay under 50 ms")
+    elif lat["max_ms"] >= MAX_STALL_MS:  # a freeze of seconds hides in a fast p99
+        problems.append(f"honest whoami waited {lat['max_ms']} ms once: the broker stalled "
+                        f"(allowed {MAX_STALL_MS} ms on a loaded machine)")
     rel = results["reliable"]
     if rel.get("sent", 0) == 0 or rel.get("received") != rel.get("sent") \
             or rel.get("out_of_order"):
         problems.append(f"honest reliable reader: {rel}")
     sent = results["cross_pub"].get("sent", 0)
     got = results["cross_reader"].get("got", {}).get("honest/cross/a", 0)
+    if sent < CROSS_RATE * duration * 0.8:
+        problems.append(f"cross-user publisher sent {sent} of {CROSS_RATE * duration:.0f} in "
+                        f"{duration} s: it was held back (another user's block?)")
     if sent == 0 or got != sent or results["cross_reader"].get("out_of_order"):
         problems.append(f"cross-user reader got {got} of {sent} (another user's block must "
                         f"not pause this publisher): {results['cross_reader']}")
