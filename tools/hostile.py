@@ -893,7 +893,7 @@ def run(address: str, broker_pid: int, duration: float, cap_kib: int,
         without: frozenset[str] = frozenset()) -> tuple[dict, list]:
     honest_a, honest_b = HONEST
     base = rss_kib(broker_pid)
-    t = duration + 5
+    t = duration + 10
     honest = {
         "prober": Role(honest_a, "prober", address, seconds=duration, nice=-5),
         "reliable": Role(honest_b, "reliable_pair", address, seconds=duration),
@@ -920,7 +920,8 @@ def run(address: str, broker_pid: int, duration: float, cap_kib: int,
             for r in attackers:
                 r.stop()
         time.sleep(0.05)
-    results = {name: r.finish() for name, r in honest.items()}
+    # the cross-user reader reads on until its own deadline: what is still on its way
+    results = {name: r.finish(stop=name != "cross_reader") for name, r in honest.items()}
     attacks = {f"{r.name}@{r.uid}": r.finish() for r in attackers}
     secret_stats = Counter()
     for s in secrets:
