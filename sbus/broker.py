@@ -36,7 +36,7 @@ import time
 import trio
 from trio.lowlevel import ParkingLot, wait_readable, wait_writable
 
-from . import protocol
+from . import introspect, protocol
 from .defaults import MAX_MESSAGE, QUEUE_LIMIT
 from .display import brief
 from .flood import PACKET_OVERHEAD, Hard, Order, OutQueue, Soft, Verdict, parse_control
@@ -57,6 +57,19 @@ READS_PER_WAKE = 4
 SEND_BATCH_MIN = 3
 #: A reader that has run this long yields to the other clients before reading more.
 TURN_SECONDS = 0.002
+#: Packets a writer sends from a queue before yielding to the other clients.
+WRITES_PER_TURN = 1024
+#: Subscriptions of a departed client dropped before yielding to the other clients.
+REMOVALS_PER_TURN = 512
+#: Packets read at once from a new client; it earns more (up to the batch) by packets
+#: that prove cheap, and a batch that overran its turn makes it read fewer: a client
+#: whose packets are expensive (a fan-out to thousands, a lookup through a wide trie)
+#: is served one packet per turn.
+FIRST_SLOTS = 4
+#: Clients accepted before yielding: a storm of connections waits in the backlog (and
+#: is refused by the kernel when that is full) instead of crowding out the clients
+#: already served.
+ACCEPTS_PER_TURN = 16
 DROPPED = b"CMSG " + protocol.DROPPED + b"\0"
 REFUSED = b"CMSG " + protocol.REFUSED + b"/"
 
@@ -107,7 +120,7 @@ class Connection:
 
     __slots__ = ("id", "sock", "fd", "cred", "out", "writer_lot", "paused", "closed",
                  "scope", "subscriptions", "subscription_bytes", "nowait",
-                 "may_pause_others", "held", "__weakref__")
+                 "may_pause_others", "held", "slots", "__weakref__")
 
     def __init__(self, cid: int, sock: socket.socket, cred: Credentials, queue_limit: int):
         self.id = cid
@@ -124,6 +137,7 @@ class Connection:
         self.nowait = False  # asked never to be paused as a publisher (a shared connection)
         self.may_pause_others = False  # its `block` may pause other users' publishers
         self.held = 0  # bytes it sent beyond full queues while paused, charged to its user
+        self.slots = FIRST_SLOTS  # packets read at once: fewer while its packets cost much
 
     def __repr__(self) -> str:
         c = self.cred
@@ -156,6 +170,8 @@ class Broker:
         self.accounts = UserAccounts(limits)
         self.allowance = LogAllowance()
         self.connections: set[Connection] = set()
+        self._by_uid: dict[int, dict[int, Connection]] = {}  # uid -> id -> connection
+        self.subscription_count = 0
         self._ids = itertools.count(1)
         # counters (read by STATUS= and monitoring)
         self.published = 0
@@ -182,7 +198,10 @@ class Broker:
                 task_status.started()
                 while True:
                     await wait_readable(listener)
-                    while True:
+                    turn_ends = time.perf_counter() + TURN_SECONDS
+                    for _ in range(ACCEPTS_PER_TURN):
+                        if time.perf_counter() > turn_ends:
+                            break
                         try:
                             sock, _ = listener.accept()
                         except BlockingIOError:
@@ -236,6 +255,7 @@ class Broker:
         conn.out.budget = self.accounts.budget(conn)
         conn.may_pause_others = self._trusted(cred.uid)
         self.connections.add(conn)
+        self._by_uid.setdefault(cred.uid, {})[conn.id] = conn
         log.debug("%r connected", conn)
         return conn
 
@@ -247,14 +267,30 @@ class Broker:
                 await self._reader(conn)
                 nursery.cancel_scope.cancel()
         finally:
+            conn.closed = True  # nothing is delivered to it from now on
+            with trio.CancelScope(shield=True):
+                # a client with many subscriptions leaves a few hundred at a time
+                while self._unsubscribe_some(conn, REMOVALS_PER_TURN):
+                    await trio.lowlevel.checkpoint()
             self._forget(conn)
+
+    def _unsubscribe_some(self, conn: Connection, n: int) -> bool:
+        """Drop up to *n* of a departed client's patterns; whether any are left."""
+        removed, left = self.index.remove_some(conn, n)
+        self.subscription_count -= removed
+        return left
 
     def _forget(self, conn: Connection) -> None:
         conn.closed = True
         self._release_held(conn)
-        self.index.remove_client(conn)
+        self.subscription_count -= self.index.remove_client(conn)
         self.accounts.disconnect(conn)
         self.connections.discard(conn)
+        mine = self._by_uid.get(conn.cred.uid)
+        if mine is not None:
+            mine.pop(conn.id, None)
+            if not mine:
+                del self._by_uid[conn.cred.uid]
         conn.out.clear()
         conn.paused.unpark_all()
         conn.fd = -1
@@ -308,8 +344,9 @@ class Broker:
             await wait_readable(sock)
             turn_ends = clock() + TURN_SECONDS
             for _ in range(READS_PER_WAKE):
+                started = clock()
                 try:
-                    n = batch.receive(fd)
+                    n = batch.receive(fd, limit=conn.slots)
                 except BlockingIOError:
                     break
                 except OSError as exc:
@@ -317,14 +354,21 @@ class Broker:
                         log.info("%r: read failed: %s", conn, exc)
                     return
                 blocked, done = self._handle(conn, n)
+                spent = clock() - started
+                if spent > TURN_SECONDS:  # expensive packets: read fewer at once
+                    conn.slots = max(1, int(n * TURN_SECONDS / spent))
+                elif n == conn.slots and conn.slots < batch.slots and \
+                        spent * 4 < TURN_SECONDS:
+                    conn.slots = min(batch.slots, conn.slots * 2)
                 if blocked:
                     await self._wait_for(conn, blocked)
-                if out.nbytes > out.limit and not conn.closed:
+                if not conn.closed and (out.nbytes > out.limit or out.budget is not None
+                                        and out.budget.queued > out.budget.limit):
                     # replies it does not read: it is not read from until it does
                     await self._wait_for_own_queue(conn)
                 if done or conn.closed:
                     return
-                if n < batch.slots or clock() > turn_ends:
+                if n < conn.slots or clock() > turn_ends:
                     break  # drained, or its turn is over
 
     def _handle(self, conn: Connection, n: int) -> tuple[list[Connection] | None, bool]:
@@ -558,10 +602,14 @@ class Broker:
             conn.held = 0
 
     async def _wait_for_own_queue(self, conn: Connection) -> None:
-        """A client whose queue is over its limit because of the broker's own replies (it
-        asks and does not read) is not read from until its queue is back to half."""
+        """A client whose queue (or whose user's queues together) is over its limit, e.g.
+        because of the broker's own replies (it asks and does not read), is not read
+        from until its queue is back to half its limit, or empty."""
         out = conn.out
-        while not conn.closed and out.nbytes > out.limit // 2 and out.items:
+        budget = out.budget
+        while not conn.closed and out.items and (
+                out.nbytes > out.limit // 2
+                or budget is not None and budget.queued > budget.limit):
             conn.writer_lot.unpark()
             await conn.paused.park()
 
@@ -590,6 +638,7 @@ class Broker:
             self.refuse(conn, b"sub", f"{brief(pattern)}: {refusal}")
             return
         self.index.subscribe(conn, pattern)
+        self.subscription_count += 1
 
     def unsubscribe(self, conn: Connection, pattern: bytes) -> None:
         try:
@@ -599,6 +648,7 @@ class Broker:
             return
         if self.index.unsubscribe(conn, pattern):
             self.accounts.unsubscribe(conn, pattern_cost(pattern, self.sep))
+            self.subscription_count -= 1
         else:
             self.refuse(conn, b"unsub", f"not subscribed to {brief(pattern)}")
 
@@ -609,6 +659,9 @@ class Broker:
         plain = key.replace(self.sep, b"/")
         if plain == protocol.PUBLISHER_NOWAIT:
             conn.nowait = True
+            return
+        if plain == protocol.STATUS:
+            self.reply(conn, introspect.answer(self, conn, payload))
             return
         setting = parse_control(plain)
         if setting is not None:
@@ -644,13 +697,15 @@ class Broker:
                 continue
             await wait_writable(conn.sock)
             try:
-                while out.items:
+                turn = WRITES_PER_TURN
+                while out.items and turn:
                     try:
                         write(conn.fd, out.peek())
                     except BlockingIOError:
                         break
                     out.pop()
                     self.delivered += 1
+                    turn -= 1
                 if not out.items and out.dropped:
                     write(conn.fd, DROPPED + b"%d" % out.dropped)
                     out.take_dropped()
@@ -670,9 +725,15 @@ class Broker:
 
     # -- reporting ---------------------------------------------------------------
 
+    def connections_of(self, uid: int | None):
+        """The connections of *uid* (of everyone for None), oldest first."""
+        if uid is not None:
+            return list(self._by_uid.get(uid, {}).values())
+        return sorted(self.connections, key=lambda c: c.id)
+
     def status(self) -> str:
         paused = sum(len(c.paused) for c in self.connections)
-        return (f"{len(self.connections)} clients, {len(self.index)} subscriptions, "
+        return (f"{len(self.connections)} clients, {self.subscription_count} subscriptions, "
                 f"{self.published} published, {self.delivered} delivered, "
                 f"{self.dropped} dropped, {paused} publishers paused")
 

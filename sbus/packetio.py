@@ -102,7 +102,7 @@ class PacketBatch:
         self._iov_lens = sizes[at:at + step * slots:step]
         self._sendable = 0  # packets whose send length is set, since the last receive
 
-    def receive(self, fd: int, wait: bool = False) -> int:
+    def receive(self, fd: int, wait: bool = False, limit: int | None = None) -> int:
         """Receive what is waiting on *fd*, without blocking: the number of packets.
 
         Raises BlockingIOError when nothing waits, OSError on failure.  At end of
@@ -112,10 +112,10 @@ class PacketBatch:
         With *wait*, a blocking socket blocks until the first packet (or its
         ``SO_RCVTIMEO``, then BlockingIOError; a signal raises InterruptedError) and
         then takes what else is waiting: one system call where ``select`` and a
-        receive would be two.
+        receive would be two.  *limit*: take at most that many packets.
         """
-        n = _recvmmsg(fd, self._rmsgs_at, self.slots, MSG_WAITFORONE if wait else MSG_DONTWAIT,
-                      None)
+        n = _recvmmsg(fd, self._rmsgs_at, self.slots if limit is None else limit,
+                      MSG_WAITFORONE if wait else MSG_DONTWAIT, None)
         if n < 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))  # EAGAIN makes it a BlockingIOError

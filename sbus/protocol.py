@@ -32,6 +32,7 @@ __all__ = [
     "DROPPED",
     "REFUSED",
     "PUBLISHER_NOWAIT",
+    "STATUS",
 ]
 
 # Control keys, each defined once (docs/protocol.md explains them).
@@ -45,6 +46,9 @@ REFUSED = b"refused"
 #: client -> broker: this connection publishes for many parties (a gateway, a mount):
 #: never pause it; a subscriber that would block it loses the message (counted) instead.
 PUBLISHER_NOWAIT = b"blocking/publisher/nowait"
+#: client -> broker: "tell me about yourself" (payload optional: ``{"after": ID}``);
+#: broker -> client: a JSON object (sbus/introspect.py, docs/protocol.md).
+STATUS = b"broker/status"
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ inserting the dropped entries cost, so churn cannot be made expensive.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter
 from collections.abc import Hashable, Iterator
 from typing import Generic, TypeVar
@@ -44,12 +45,12 @@ C = TypeVar("C", bound=Hashable)
 #: Segment kinds in a compiled pattern.
 LITERAL, PREFIX = 0, 1
 
-#: Bytes of broker memory one trie node costs (measured: tests/test_routing.py).
+#: Bytes of broker memory one trie node costs, at most (tests/test_routing.py measures it).
 NODE_COST = 400
 #: Bytes one subscription costs besides its nodes and pattern (counters, index entries).
-SUBSCRIPTION_COST = 300
+SUBSCRIPTION_COST = 400
 #: Bytes one cache entry costs besides its key and targets (dict slots, index entries).
-ENTRY_COST = 300
+ENTRY_COST = 360
 #: Default byte bound of the route cache.
 CACHE_BYTES = 16 * 1024 * 1024
 
@@ -101,19 +102,36 @@ def pattern_cost(pattern: bytes, sep: bytes = b"/") -> int:
 
 
 class _Node(Generic[C]):
+    """One segment of the trie.  Every container is made when first needed: most nodes
+    of a long pattern have one literal child and nothing else, and a node is cheap to
+    build only if it holds nothing it does not use."""
+
     __slots__ = ("literal", "prefix", "lengths", "end", "tail")
 
     def __init__(self) -> None:
-        self.literal: dict[bytes, _Node[C]] = {}
-        self.prefix: dict[bytes, _Node[C]] = {}
-        self.lengths: list[int] = []  # distinct lengths of the keys of `prefix`, ascending
-        self.end: Counter[C] = Counter()  # patterns that end here: the key must end too
-        self.tail: Counter[C] = Counter()  # patterns ending here with a trailing separator
+        self.literal: dict[bytes, _Node[C]] | None = None
+        self.prefix: dict[bytes, _Node[C]] | None = None
+        self.lengths: list[int] | None = None  # distinct lengths of `prefix` keys, ascending
+        self.end: Counter[C] | None = None  # patterns that end here: the key must end too
+        self.tail: Counter[C] | None = None  # patterns ending here with a trailing separator
 
     def empty(self) -> bool:
         return not (self.literal or self.prefix or self.end or self.tail)
 
+    def add_literal(self, text: bytes) -> _Node[C]:
+        if self.literal is None:
+            self.literal = {}
+        child = self.literal[text] = _Node()
+        return child
+
+    def remove_literal(self, text: bytes) -> None:
+        del self.literal[text]
+        if not self.literal:
+            self.literal = None
+
     def add_prefix(self, text: bytes) -> _Node[C]:
+        if self.prefix is None:
+            self.prefix, self.lengths = {}, []
         child = self.prefix[text] = _Node()
         i = bisect.bisect_left(self.lengths, len(text))
         if i == len(self.lengths) or self.lengths[i] != len(text):
@@ -122,6 +140,9 @@ class _Node(Generic[C]):
 
     def remove_prefix(self, text: bytes) -> None:
         del self.prefix[text]
+        if not self.prefix:
+            self.prefix = self.lengths = None
+            return
         size = len(text)
         if not any(len(p) == size for p in self.prefix):
             self.lengths.remove(size)
@@ -225,7 +246,11 @@ class RouteCache(Generic[C]):
         if not tail and all(kind == LITERAL for kind, _ in segments):
             self.drop(pattern)  # only the key that equals it
         elif pattern.startswith(self._secret):
-            self.drop_group(self.sep.join(text for _, text in segments[:5]))
+            head = segments[:5]
+            if len(segments) + tail > 5 and all(kind == LITERAL for kind, _ in head):
+                self.drop_group(self.sep.join(text for _, text in head))
+            else:  # not a !/cred/G/U/P/ pattern (the broker refuses those): all secrets
+                self.clear(secret=True)
         elif segments[0][0] == LITERAL:
             self.drop_group(segments[0][1])
         else:
@@ -278,6 +303,25 @@ class RoutingIndex(Generic[C]):
                 del self._by_client[client]
         return True
 
+    def remove_some(self, client: C, n: int) -> tuple[int, bool]:
+        """Drop up to *n* of *client*'s distinct patterns (a departing client with many
+        leaves a part at a time); returns the subscriptions dropped and whether any are
+        left."""
+        mine = self._by_client.get(client)
+        if not mine:
+            return 0, False
+        removed = 0
+        for pattern in list(itertools.islice(mine, n)):
+            count = mine.pop(pattern)
+            self.cache.invalidate(pattern,
+                                  compile_pattern(pattern, self.sep) if pattern else None)
+            self._remove(client, pattern, count)
+            removed += count
+        if not mine:
+            del self._by_client[client]
+            return removed, False
+        return removed, True
+
     def remove_client(self, client: C) -> int:
         """Drop every subscription of *client*; returns how many there were."""
         mine = self._by_client.pop(client, None)
@@ -311,7 +355,7 @@ class RoutingIndex(Generic[C]):
             kind, text = segments[depth - 1]
             parent = path[depth - 1]
             if kind == LITERAL:
-                del parent.literal[text]
+                parent.remove_literal(text)
             else:
                 parent.remove_prefix(text)
 
@@ -325,15 +369,21 @@ class RoutingIndex(Generic[C]):
         node = self._secret if pattern.startswith(self._secret_prefix) else self._public
         for kind, text in segments:
             if kind == LITERAL:
-                child = node.literal.get(text)
+                child = node.literal.get(text) if node.literal else None
                 if child is None:
-                    child = node.literal[text] = _Node()
+                    child = node.add_literal(text)
             else:
-                child = node.prefix.get(text)
+                child = node.prefix.get(text) if node.prefix else None
                 if child is None:
                     child = node.add_prefix(text)
             node = child
-        return node.tail if tail else node.end
+        if tail:
+            if node.tail is None:
+                node.tail = Counter()
+            return node.tail
+        if node.end is None:
+            node.end = Counter()
+        return node.end
 
     # -- lookups -----------------------------------------------------------
 
@@ -372,9 +422,11 @@ class RoutingIndex(Generic[C]):
             if node.tail:
                 found.update(node.tail)
             seg = segs[i]
-            child = node.literal.get(seg)
-            if child is not None:
-                stack.append((child, i + 1))
+            literal = node.literal
+            if literal is not None:
+                child = literal.get(seg)
+                if child is not None:
+                    stack.append((child, i + 1))
             if node.lengths:
                 prefix = node.prefix
                 size = len(seg)

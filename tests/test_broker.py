@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import resource
 import signal
@@ -455,3 +456,63 @@ def test_not_a_socket_left_alone(short_tmp):
                        timeout=10)
     assert r.returncode == 1 and "is not a socket" in r.stderr
     assert path.read_text() == "precious"
+
+
+def test_a_nowait_publisher_is_never_paused_by_a_blocking_subscriber(broker):
+    """A shared connection (gateway, mount, bridge) says `blocking/publisher/nowait`: a
+    subscriber on `block` that does not read then loses messages, and is told how many,
+    instead of stalling the publisher and everyone it publishes for."""
+    stuck, reader, shared = raw(broker.address), raw(broker.address), raw(broker.address)
+    stuck.send(b"CMSG blocking/soft/block")
+    stuck.send(b"SUB k")
+    sync(stuck)
+    reader.send(b"SUB k")
+    sync(reader)
+    shared.send(b"CMSG blocking/publisher/nowait")
+    shared.settimeout(10)
+    count = 6000  # 6 MB: beyond the kernel buffer and the 4 MiB queue of `stuck`
+    sent = [b"MSG k\0%d " % i + b"x" * 1000 for i in range(count)]
+    with concurrent.futures.ThreadPoolExecutor() as pool:
+        reading = pool.submit(drain, reader, count)  # a reader that reads all along
+        for packet in sent:
+            shared.send(packet)
+        sync(shared)  # answered: the broker never stopped reading it
+        got, dropped = reading.result()
+    kept = set(got)
+    assert got == [p for p in sent if p in kept]  # in order, nothing made up
+    assert len(got) + dropped == count and len(got) > count // 2
+    got, dropped = drain(stuck, count)  # stuck reads now: what was kept, then the report
+    assert dropped > 0 and len(got) + dropped == count
+
+
+def drain(sock: socket.socket, count: int) -> tuple[list[bytes], int]:
+    """Read messages and drop reports until *count* are accounted for."""
+    got, dropped = [], 0
+    sock.settimeout(30)
+    while len(got) + dropped < count:
+        p = sock.recv(1 << 20)
+        if p.startswith(b"CMSG blocking/dropped\0"):
+            dropped += int(p.split(b"\0")[1])
+        else:
+            got.append(p)
+    return got, dropped
+
+
+def test_without_nowait_the_same_subscriber_pauses_its_own_user(make_broker):
+    """The control case: the same publisher without nowait is paused (same UID), so the
+    test above really measures the switch."""
+    broker = make_broker("--queue-limit", "64k")
+    stuck, pub = raw(broker.address), raw(broker.address)
+    stuck.send(b"CMSG blocking/soft/block")
+    stuck.send(b"SUB k")
+    sync(stuck)
+    pub.setblocking(False)
+    sent = 0
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        try:
+            pub.send(b"MSG k\0" + b"x" * 1000)
+            sent += 1
+        except BlockingIOError:
+            time.sleep(0.05)
+    assert sent < 2000  # paused: the kernel pushed back

@@ -229,3 +229,65 @@ def test_keys_are_split_no_deeper_than_the_deepest_pattern():
     key = b"a/" + b"x/" * 100_000
     assert index.lookup(key) == ("c",)
     assert set(index.lookup(b"a/b")) == {"c", "d"}
+
+
+def _traced(build) -> int:
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        keep = build()
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    del keep
+    return used
+
+
+@pytest.mark.parametrize("patterns", [
+    [b"/".join(b"s%d_%d" % (i, j) for j in range(256)) for i in range(100)],  # deep
+    [b"k%d" % i for i in range(3000)],                                       # short
+    [b"a%d*" % i for i in range(3000)],                                      # siblings
+    [b"x/%d/" % i for i in range(3000)],                                     # tails
+    [b"p/" + b"*/" * 200 + b"q%d" % i for i in range(100)],                  # wild
+], ids=["deep", "short", "prefix-siblings", "tails", "wildcards"])
+def test_what_a_subscription_is_charged_covers_its_memory(patterns):
+    """The subscription budget bounds broker memory only if `pattern_cost` is no less than
+    what the index really allocates, for the shapes an attacker would pick."""
+    from sbus.routing import pattern_cost
+
+    def build():
+        index = RoutingIndex()
+        for i, p in enumerate(patterns):
+            index.subscribe(i, p)
+        return index
+
+    assert _traced(build) <= sum(pattern_cost(p) for p in patterns)
+
+
+def test_what_a_cache_entry_is_charged_covers_its_memory():
+    cache = RouteCache(b"/", limit=1 << 30)
+
+    def build():
+        for i in range(5000):
+            cache.put(b"key/%d/" % i + b"x" * (i % 300), ("a", "b"), i % 7)
+        return cache
+
+    assert _traced(build) <= cache.nbytes
+
+
+def test_a_departing_client_can_leave_a_part_at_a_time():
+    index = RoutingIndex()
+    for i in range(1000):
+        index.subscribe("big", b"p/%d" % i)
+    index.subscribe("big", b"p/0")
+    index.subscribe("other", b"p/5")
+    assert index.remove_some("big", 400) == (401, True)  # p/0 counted twice
+    assert index.remove_some("big", 400) == (400, True)
+    assert index.remove_some("big", 400) == (200, False)
+    assert index.remove_some("big", 400) == (0, False)
+    assert index.match(b"p/5") == ("other",) and index.match(b"p/6") == ()
+    assert len(index) == 1

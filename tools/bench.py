@@ -12,8 +12,12 @@ their send time, so the subscriber side measures one-way latency too.
     S4  4 publishers -> 1 subscriber
 
 Usage: tools/bench.py [--count N] [--runs R] [--brokers cbroker,sbus,mosquitto]
+                      [--before TREE]
 Prints throughput with ratios, latency at 1,000 msg/s, and broker memory with
 1,000 idle clients.  Results belong in docs/performance.md with this command.
+``--before TREE`` adds the broker of another checkout (e.g. a ``git worktree`` of the
+commit before a change) as broker ``before``, taking turns with the others, and prints
+sbus/before: an optimisation or a hardening measured before and after in one run.
 """
 
 from __future__ import annotations
@@ -80,13 +84,16 @@ def wait_socket(path: str, timeout: float = 10) -> None:
 
 
 class Broker:
+    #: the checkout the ``before`` broker runs from (``--before``)
+    before_tree: Path | None = None
+
     def __init__(self, kind: str, tmp: Path, cbroker: Path, sbus_args: list[str]) -> None:
         self.kind = kind
         self.path = str(tmp / ("b.mqtt" if kind == "mosquitto" else "b.sock"))
         self.proto = "mqtt" if kind == "mosquitto" else "sbus"
         if kind == "cbroker":
             cmd = [str(cbroker), self.path]
-        elif kind == "sbus":
+        elif kind in ("sbus", "before"):
             cmd = [sys.executable, "-m", "sbus.cli", "serve", "--address", self.path, *sbus_args]
         else:
             conf = tmp / "mosquitto.conf"
@@ -96,8 +103,10 @@ class Broker:
                             "max_queued_messages 0\nmax_inflight_messages 0\n"
                             + ("user root\n" if os.getuid() == 0 else ""))
             cmd = ["mosquitto", "-c", str(conf)]
+        tree = self.before_tree if kind == "before" else ROOT
+        env = {**os.environ, "PYTHONPATH": str(tree)}
         self.proc = subprocess.Popen(taskset(CORE_BROKER, cmd), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, cwd=ROOT)
+                                     stderr=subprocess.DEVNULL, cwd=tree, env=env)
         wait_socket(self.path)
 
     def cpu_seconds(self) -> float:
@@ -171,6 +180,8 @@ def main() -> int:
     ap.add_argument("--brokers", default="cbroker,sbus,mosquitto")
     ap.add_argument("--scenarios", default="S1,S2,S3,S4")
     ap.add_argument("--json", metavar="FILE", help="also write raw results here")
+    ap.add_argument("--before", metavar="TREE", type=Path,
+                    help="also run the sbus broker of this checkout, as broker 'before'")
     ap.add_argument("--lossy", action="store_true",
                     help="run sbus with its default flood policy (hard discard: a lagging "
                          "subscriber loses messages) instead of hard block, which like the C "
@@ -178,6 +189,9 @@ def main() -> int:
     args = ap.parse_args()
     sbus_args = [] if args.lossy else ["--hard", "block"]
     brokers = [b for b in args.brokers.split(",") if b != "mosquitto" or shutil.which("mosquitto")]
+    if args.before:
+        Broker.before_tree = args.before.resolve()
+        brokers.append("before")
     scenarios = args.scenarios.split(",")
     cbroker, lg = build()
     results: dict[str, dict] = {b: {} for b in brokers}
@@ -210,12 +224,13 @@ def main() -> int:
         for kind in brokers:  # the run with the median p99
             results[kind]["light"] = sorted(light[kind], key=lambda r: r["p99_us"])[
                 len(light[kind]) // 2]
-        if "sbus" in brokers:
-            broker = Broker("sbus", tmp, cbroker, sbus_args)
-            try:
-                results["sbus"]["idle_rss_kb"] = idle_clients_rss(broker)
-            finally:
-                broker.stop()
+        for kind in ("sbus", "before"):
+            if kind in brokers:
+                broker = Broker(kind, tmp, cbroker, sbus_args)
+                try:
+                    results[kind]["idle_rss_kb"] = idle_clients_rss(broker)
+                finally:
+                    broker.stop()
     report(results, brokers, scenarios, args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
@@ -257,9 +272,16 @@ def report(results: dict, brokers: list[str], scenarios: list[str], args) -> Non
         print(f"| {b} | {sat.get('p50_us', float('nan')):.0f} | "
               f"{sat.get('p99_us', float('nan')):.0f} | {light['p50_us']:.0f} | "
               f"{light['p99_us']:.0f} | {light['expected'] - light['recv']} |")
-    if "sbus" in results and "idle_rss_kb" in results["sbus"]:
-        print(f"\nsbus broker RSS with 1,000 idle subscribed clients: "
-              f"{results['sbus']['idle_rss_kb'] / 1024:.1f} MB (target <= 60 MB)")
+    for kind in ("sbus", "before"):
+        if kind in results and "idle_rss_kb" in results[kind]:
+            print(f"\n{kind} broker RSS with 1,000 idle subscribed clients: "
+                  f"{results[kind]['idle_rss_kb'] / 1024:.1f} MB (target <= 60 MB)")
+    if "before" in brokers and "sbus" in brokers:
+        print("\nsbus after / before the change, in this run (throughput; CPU per delivery):")
+        for n in scenarios:
+            after, before = results["sbus"][n], results["before"][n]
+            print(f"  {n}: {after['rate'] / before['rate']:.3f}; "
+                  f"{after['cpu_us_per_delivery'] / before['cpu_us_per_delivery']:.3f}")
     if "sbus" in results:
         lost = {n: results["sbus"][n]["expected"] - results["sbus"][n]["recv"]
                 for n in scenarios}

@@ -535,7 +535,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="outgoing bytes buffered for all clients together (default 256m)")
     p.add_argument("--subscription-bytes", type=size_arg, default=SUBSCRIPTION_BYTES,
                    metavar="BYTES", help="what one client's subscriptions may cost "
-                   "(default 256k; a pattern costs 300 + 2 x its length + 400 per segment)")
+                   "(default 256k; a pattern costs 400 + 2 x its length + 400 per segment)")
     p.add_argument("--subscription-pool", type=size_arg, default=SUBSCRIPTION_POOL,
                    metavar="BYTES", help="the same for all clients together (default 64m)")
     p.add_argument("--route-cache", type=size_arg, default=ROUTE_CACHE, metavar="BYTES",

@@ -1,0 +1,43 @@
+"""sbus ping: round trips to the broker (a whoami each), like ping(8)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from .. import protocol
+from ..client import Client
+from ..protocol import Control
+
+
+def round_trip(bus: Client, timeout: float) -> float:
+    """Seconds one whoami takes to come back (messages meanwhile are skipped)."""
+    started = time.perf_counter()
+    bus.control(protocol.WHOAMI)
+    while True:
+        event = bus.receive(timeout=timeout)
+        if isinstance(event, Control) and event.key == protocol.WHOAMI:
+            return time.perf_counter() - started
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--count", type=int, default=4, metavar="N",
+                   help="round trips to make (default 4)")
+    p.add_argument("-i", "--interval", type=float, default=0.5, metavar="SECONDS",
+                   help="pause between round trips (default 0.5)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="how long one round trip may take (default 5)")
+
+
+def run(args: argparse.Namespace) -> int:
+    times = []
+    with Client(args.address) as bus:
+        for n in range(args.count):
+            if n:
+                time.sleep(args.interval)
+            times.append(round_trip(bus, args.timeout) * 1e6)
+            print(f"round trip {n + 1}: {times[-1]:.0f} µs", flush=True)
+    print(f"{len(times)} round trips: min {min(times):.0f} µs, "
+          f"median {statistics.median(times):.0f} µs, max {max(times):.0f} µs")
+    return 0
