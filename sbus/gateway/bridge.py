@@ -79,6 +79,7 @@ class Bridge:
         self.rules = KeyRules(self.sep)
         self.index: RoutingIndex[Hashable] = self._new_index()
         self._complaints = LogAllowance(burst=10, interval=60.0)
+        self.connected_once = False  # a separator change after this disconnects clients
         self.patterns: Counter[bytes] = Counter()  # distinct remote patterns -> clients
         self._bus: AsyncClient | None = None
         self._queued = 0  # senders waiting for the bus socket to drain, in FIFO order
@@ -98,9 +99,10 @@ class Bridge:
     def _set_separator(self, sep: bytes) -> None:
         if sep == self.sep:
             return
-        log.warning("the broker's separator is %r: routing and secret checks follow it%s",
-                    sep.decode("latin-1"),
-                    " (remote clients are disconnected)" if self.patterns else "")
+        log.log(logging.WARNING if self.connected_once else logging.INFO,
+                "the broker's separator is %r: routing and secret checks follow it%s",
+                sep.decode("latin-1"),
+                " (remote clients are disconnected)" if self.connected_once else "")
         self.sep = sep
         self.rules = KeyRules(sep)
         self.index = self._new_index()
@@ -253,6 +255,7 @@ class Bridge:
                 await trio.sleep(delay * random.uniform(0.5, 1.0))
                 continue
             self._set_separator(me[1:2])
+            self.connected_once = True
             delay = BUS_BACKOFF_FIRST
             self._bus = bus
             patterns = list(self.patterns)  # taken with no await since _bus was set
