@@ -433,7 +433,8 @@ class Gateway:
         return (f"{len(self.clients)} clients, {len(b.patterns)} patterns, "
                 f"{b.published} published, {self.delivered} delivered, "
                 f"{self.dropped} discarded (buffers full), {b.lost} lost (bus down), "
-                f"{self.refused} frames refused, {self.caps.refused} connections refused, "
+                f"{self.refused} frames refused, {self.closed} closed (wrong key, junk), "
+                f"{self.caps.refused} connections refused at the caps, "
                 f"bus {'up' if b.up else 'DOWN'}")
 
     async def serve(self, listeners: list[trio.abc.Listener], *,
