@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sbus.gateway import codec
+from sbus.gateway.admission import Caps, Pool, peer_group
 from sbus.gateway.client import backoff_delay
 from sbus.gateway.codec import (
     Authenticate,
@@ -23,6 +24,7 @@ from sbus.gateway.codec import (
 )
 from sbus.gateway.https import decide
 from sbus.gateway.outbox import Outbox
+from sbus.keys import KeyRules
 
 # -- encoding -----------------------------------------------------------------------
 
@@ -155,6 +157,51 @@ def test_outbox_bounds_bytes_but_always_takes_one():
         Outbox(0, 10)
 
 
+def test_outboxes_give_back_to_their_pool():
+    pool = Pool(100)
+    a, b = Outbox(10, 1000, pool), Outbox(10, 1000, pool)
+    for box, frame in ((a, b"x" * 60), (b, b"y" * 40)):
+        assert box.offer(frame) and pool.take(len(frame))  # the caller charges the pool
+    assert pool.used == 100 and not pool.take(1)
+    b.discard()
+    assert b.dropped == 1
+    assert a.take() == b"x" * 60 and pool.used == 40
+    assert b.force(b"\x00") and pool.used == 41
+    b.clear()
+    assert pool.used == 0 and not b
+
+
+def test_caps_per_address_and_in_total():
+    caps = Caps(total=3, per_peer=2)
+    assert caps.admit("a") is None and caps.admit("a") is None
+    assert "one address" in caps.admit("a")
+    assert caps.admit("b") is None
+    assert "3 connections" in caps.admit("c")
+    assert caps.refused == 2
+    caps.release("a")
+    assert caps.admit("c") is None and caps.peers() == 3
+    with pytest.raises(ValueError):
+        Caps(0, 1)
+
+
+def test_peers_are_grouped_by_ipv4_address_or_ipv6_64():
+    assert peer_group("192.0.2.7") == "192.0.2.7"
+    assert peer_group("::ffff:192.0.2.7") == "192.0.2.7"
+    assert peer_group("2001:db8:1:2:aaaa::1") == peer_group("2001:db8:1:2:bbbb::9") \
+        == "2001:db8:1:2::/64"
+    assert peer_group("2001:db8:1:3::1") != peer_group("2001:db8:1:2::1")
+    assert peer_group("fe80::1%eth0") == "fe80::/64"
+    assert peer_group("?") == "?"
+
+
+def test_decoder_says_how_much_an_incomplete_frame_holds():
+    d = FrameDecoder(max_frame=100_000)
+    assert d.held == 0
+    head = b"\x04\xc4\x03abc\xc6" + (50_000).to_bytes(4, "big")
+    assert d.feed(head + bytes(1000)) == [] and d.held >= 1000 + 3
+    assert d.feed(bytes(49_000)) == [Publish(b"abc", bytes(50_000))] and d.held == 0
+
+
 def test_backoff_doubles_to_its_cap_with_jitter():
     for failures, base in [(0, 1), (1, 2), (2, 4), (5, 32), (6, 60), (100, 60)]:
         delays = [backoff_delay(failures, 1.0, 60.0) for _ in range(200)]
@@ -189,6 +236,7 @@ def _doc(topic: bytes, body: bytes) -> bytes:
     (b"POST", JSON, _doc(b"!/cred/0/0/1/x", b"x"), 400),
     (b"POST", JSON, _doc(b"a\x00b", b"x"), 400),
     (b"POST", JSON, _doc(b"a", b"x" * 2000), 413),
+    (b"POST", JSON, b"[" * 100_000 + b"]" * 100_000, 400),  # RecursionError inside json
 ])
 def test_https_decisions(method, headers, content, status):
     answer = decide(method, headers, content, SECRET, max_frame=1024)
@@ -197,3 +245,10 @@ def test_https_decisions(method, headers, content, status):
         assert (answer.topic, answer.body) == (b"a/b", b"\x00\xff")
     else:
         assert answer.topic is None
+
+
+def test_https_secret_keys_follow_the_brokers_separator():
+    dot = KeyRules(b".")
+    doc = _doc(b"!.cred.0.0.1.x", b"x")
+    assert decide(b"POST", JSON, doc, SECRET, 1024, dot).status == 400
+    assert decide(b"POST", JSON, _doc(b"a.b", b"x"), SECRET, 1024, dot).status == 201

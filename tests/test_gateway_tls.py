@@ -67,6 +67,7 @@ def tls_gw(tlsdir, tls_bus, ca):
                        f"127.0.0.1:{free_port()}", name="tls")
     g.https_port = int(g.args[-1].rsplit(":", 1)[1])
     g.start()
+    g.wait_log(f"HTTPS 127.0.0.1:{g.https_port}", timeout=15)  # both listeners are up
     yield g
     g.stop()
 

@@ -9,6 +9,14 @@ of remote subscriptions and holds each distinct pattern once on the bus
 (reference counted), so the broker sends each matching message once and the
 gateway fans it out.
 
+The bridge asks the broker who it is on every connect: the answer
+(``!/cred/G/U/P``, or ``!.cred.G.U.P`` for a ``--separator .`` broker) tells the
+separator, so the index routes and the secret-key checks refuse keys the way this
+broker spells them.  It also sends ``CMSG blocking/publisher/nowait``: the broker then
+never pauses this one shared publishing connection because one local subscriber is
+slow (that subscriber loses the message instead), so remote publishers never stall
+each other through it.
+
 If the bus goes away (broker restart), remote clients stay connected: the
 bridge reconnects with backoff and subscribes every pattern again.  Messages
 published by remote clients while the bus is down are discarded and counted,
@@ -20,6 +28,7 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 
@@ -29,7 +38,10 @@ from trio.lowlevel import wait_writable
 
 from .. import protocol
 from ..client import AsyncClient, SbusError
-from ..routing import RoutingIndex
+from ..display import brief
+from ..keys import KeyRules
+from ..limits import LogAllowance
+from ..routing import CACHE_BYTES, RouteCache, RoutingIndex
 
 log = logging.getLogger("sbus.gateway")
 
@@ -42,6 +54,9 @@ CONTROL_TIMEOUT = 10.0
 #: Messages taken from the bus before the clients' writers get a turn: well under
 #: the default per-client buffer, so a burst does not overflow a client that keeps up.
 FORWARD_BATCH = 32
+#: Seconds of fan-out (or of dropping a client's subscriptions) before other tasks get
+#: a turn: the loop never runs much longer than this for any one cause.
+TURN = 0.002
 
 
 class Bridge:
@@ -53,10 +68,17 @@ class Bridge:
     """
 
     def __init__(self, address: str | None,
-                 deliver: Callable[[tuple, bytes, bytes], None]) -> None:
+                 deliver: Callable[[tuple, bytes, bytes], None],
+                 cache_bytes: int = CACHE_BYTES,
+                 on_separator: Callable[[bytes], None] | None = None) -> None:
         self.address = address
         self.deliver = deliver
-        self.index: RoutingIndex[Hashable] = RoutingIndex()
+        self.cache_bytes = cache_bytes
+        self.on_separator = on_separator  # called when a reconnected broker has another one
+        self.sep = b"/"
+        self.rules = KeyRules(self.sep)
+        self.index: RoutingIndex[Hashable] = self._new_index()
+        self._complaints = LogAllowance(burst=10, interval=60.0)
         self.patterns: Counter[bytes] = Counter()  # distinct remote patterns -> clients
         self._bus: AsyncClient | None = None
         self._queued = 0  # senders waiting for the bus socket to drain, in FIFO order
@@ -67,6 +89,24 @@ class Bridge:
         self.lost = 0  # remote publishes discarded because the bus was down
         self.received = 0  # messages from the bus
         self.bus_dropped = 0  # messages the broker reported dropping for us
+
+    def _new_index(self) -> RoutingIndex[Hashable]:
+        # one owner: the cache is bounded in bytes as a whole (keys come from the bus,
+        # which does not say which remote client, if any, published them)
+        return RoutingIndex(self.sep, RouteCache(self.sep, self.cache_bytes))
+
+    def _set_separator(self, sep: bytes) -> None:
+        if sep == self.sep:
+            return
+        log.warning("the broker's separator is %r: routing and secret checks follow it%s",
+                    sep.decode("latin-1"),
+                    " (remote clients are disconnected)" if self.patterns else "")
+        self.sep = sep
+        self.rules = KeyRules(sep)
+        self.index = self._new_index()
+        self.patterns.clear()
+        if self.on_separator is not None:
+            self.on_separator(sep)
 
     # -- subscriptions ------------------------------------------------------------
 
@@ -83,11 +123,18 @@ class Bridge:
         return True
 
     async def remove_client(self, client: Hashable) -> None:
-        mine = self.index.patterns(client)
-        self.index.remove_client(client)
+        index = self.index
+        mine = index.patterns(client)
+        start = time.perf_counter()
         for pattern, count in mine.items():
+            if index is not self.index:
+                return  # the separator changed: the new index never held these
             for _ in range(count):
+                index.unsubscribe(client, pattern)
                 await self._release(pattern)
+            if time.perf_counter() - start > TURN:
+                await trio.lowlevel.checkpoint()  # thousands of patterns: let others run
+                start = time.perf_counter()
 
     async def _release(self, pattern: bytes) -> None:
         self.patterns[pattern] -= 1
@@ -185,16 +232,27 @@ class Bridge:
                 await trio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, BUS_BACKOFF_MAX)
                 continue
-            # queue in the broker rather than block local publishers when we lag;
-            # the broker tells us how many it dropped
+            # never be paused as a publisher by one slow local subscriber; queue in the
+            # broker rather than block local publishers when we lag (it tells us how
+            # many it dropped); learn the separator from who the broker says we are
             try:
-                for packet in (b"CMSG blocking/soft/queue", b"CMSG blocking/hard/discard"):
+                for packet in (b"CMSG " + protocol.PUBLISHER_NOWAIT,
+                               b"CMSG blocking/soft/queue", b"CMSG blocking/hard/discard"):
                     bus.sock.send(packet)
-            except OSError as exc:  # a broker that went away just after accepting us
+                with trio.fail_after(CONTROL_TIMEOUT):
+                    me = await bus.whoami()
+                if not me.startswith(b"!") or len(me) < 2:
+                    raise SbusError(f"the broker answered whoami with {brief(me)}")
+            except (OSError, SbusError, trio.TooSlowError, anyio.ClosedResourceError,
+                    anyio.BrokenResourceError, anyio.EndOfStream) as exc:
+                # a broker that went away just after accepting us
+                if not started:
+                    raise SbusError(f"the bus at {bus.address} did not answer: {exc}") from None
                 log.warning("lost the bus at %s at once: %s; retrying", bus.address, exc)
                 await bus.aclose()
                 await trio.sleep(delay * random.uniform(0.5, 1.0))
                 continue
+            self._set_separator(me[1:2])
             delay = BUS_BACKOFF_FIRST
             self._bus = bus
             patterns = list(self.patterns)  # taken with no await since _bus was set
@@ -219,24 +277,36 @@ class Bridge:
                     await bus.aclose()
 
     async def _forward(self, bus: AsyncClient) -> None:
-        match = self.index.match
+        index = self.index
         deliver = self.deliver
-        secret = b"!/"
+        secret = self.rules.secret_prefix
+        clock = time.perf_counter
         while self._bus is bus:
+            start = clock()
             for event in await bus.receive_batch(FORWARD_BATCH):
                 if type(event) is protocol.Publish:
                     self.received += 1
                     key = event.key
                     if key.startswith(secret):
                         continue  # never forwarded, whatever the broker sent
-                    targets = match(key)
+                    targets = index.match(key)
                     if targets:
                         deliver(targets, key, event.payload)
-                elif event.key == b"blocking/dropped" and (event.payload or b"").isdigit():
+                        if clock() - start > TURN:  # a wide fan-out: let the writers run
+                            await trio.lowlevel.checkpoint()
+                            start = clock()
+                elif event.key == protocol.DROPPED and (event.payload or b"").isdigit():
                     n = int(event.payload)
                     self.bus_dropped += n
                     log.warning("the broker dropped %d messages for the gateway "
                                 "(it could not keep up)", n)
+                elif event.key.startswith(protocol.REFUSED + b"/"):
+                    held = self._complaints.take(0)
+                    if held is not None:
+                        log.warning("the broker refused the gateway's %s: %s%s",
+                                    brief(event.key[len(protocol.REFUSED) + 1:], 16),
+                                    brief(event.payload or b"", 200),
+                                    f" ({held} more not logged)" if held else "")
             await trio.lowlevel.checkpoint()
 
     @property

@@ -231,6 +231,15 @@ class FrameDecoder:
             self._unpacker = None  # nothing buffered: let an idle connection hold none
         return frames
 
+    @property
+    def held(self) -> int:
+        """Bytes of the incomplete frame held between two `feed`s (what a peer that never
+        finishes a frame makes us keep; the caller bounds it before authentication)."""
+        if self._unpacker is None:
+            return 0
+        return (self._fed - self._unpacker.tell()
+                + sum(len(v) for v in self._pending[1:] if type(v) is bytes))
+
     def _value(self, value: object, position: int) -> Frame | None:
         pending = self._pending
         if not pending:

@@ -7,7 +7,10 @@ Answers: 201 published, 400 bad request, 401 missing or wrong key, 405 not a
 POST, 413 too large, 415 not JSON, 503 the bus is down.  Any path is accepted.
 
 HTTP/1.1 parsing is h11's (a small, strict, sans-IO parser); the decision for
-one request is the pure `decide`, the rest is a thin trio shell.
+one request is the pure `decide`, the rest is a thin trio shell.  Every answer but
+201 closes the connection (a 401 too: a key guess costs a new TLS handshake, and
+pipelined guesses after it are never read); connections count against the
+gateway's caps like protocol clients.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from functools import partial
 import h11
 import trio
 
-from .server import Disconnect, Gateway, _check_key
+from ..keys import KeyRules
+from .server import Gateway, Refused, check_key
 
 log = logging.getLogger("sbus.gateway.https")
 
@@ -50,9 +54,10 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     return None
 
 
-def decide(method: bytes, headers: list[tuple[bytes, bytes]], content: bytes,
-           secret: bytes, max_frame: int) -> Answer:
-    """What to answer to one complete request (pure)."""
+def decide_head(method: bytes, headers: list[tuple[bytes, bytes]],
+                secret: bytes) -> Answer | None:
+    """The answer a request gets from its head alone, before its body is read (pure):
+    an unauthenticated peer never makes the gateway hold a body."""
     if method != b"POST":
         return Answer(405, "only POST is supported")
     key = _header(headers, b"x-authentication-key")
@@ -60,6 +65,15 @@ def decide(method: bytes, headers: list[tuple[bytes, bytes]], content: bytes,
         return Answer(401, "X-Authentication-Key header missing")
     if not hmac.compare_digest(key, secret):
         return Answer(401, "wrong authentication key")
+    return None
+
+
+def decide(method: bytes, headers: list[tuple[bytes, bytes]], content: bytes,
+           secret: bytes, max_frame: int, rules: KeyRules | None = None) -> Answer:
+    """What to answer to one complete request (pure)."""
+    early = decide_head(method, headers, secret)
+    if early is not None:
+        return early
     ctype = (_header(headers, b"content-type") or b"").split(b";")[0].strip().lower()
     if ctype != b"application/json":
         return Answer(415, "Content-Type must be application/json")
@@ -67,6 +81,8 @@ def decide(method: bytes, headers: list[tuple[bytes, bytes]], content: bytes,
         doc = json.loads(content)
     except (ValueError, UnicodeDecodeError) as exc:
         return Answer(400, f"body is not JSON: {exc}")
+    except RecursionError:
+        return Answer(400, "body is not JSON this gateway reads: nested too deeply")
     if not isinstance(doc, dict) or not isinstance(doc.get("topic"), str) \
             or not isinstance(doc.get("body", ""), str):
         return Answer(400, 'expected {"topic": base64, "body": base64}')
@@ -78,8 +94,8 @@ def decide(method: bytes, headers: list[tuple[bytes, bytes]], content: bytes,
     if len(topic) + len(body) > max_frame:
         return Answer(413, f"topic and body exceed {max_frame} bytes")
     try:
-        _check_key(topic)
-    except Disconnect as exc:
+        check_key(rules or KeyRules(b"/"), topic)
+    except Refused as exc:
         return Answer(400, str(exc))
     return Answer(201, "published", topic, body)
 
@@ -94,7 +110,7 @@ async def _respond(stream: trio.abc.Stream, conn: h11.Connection, answer: Answer
                ("Content-Length", str(len(text)))]
     if answer.status == 405:
         headers.append(("Allow", "POST"))
-    if answer.status >= 400 and answer.status != 401:
+    if answer.status >= 400:
         headers.append(("Connection", "close"))
     data = conn.send(h11.Response(status_code=answer.status, headers=headers))
     data += conn.send(h11.Data(data=text)) + conn.send(h11.EndOfMessage())
@@ -102,6 +118,17 @@ async def _respond(stream: trio.abc.Stream, conn: h11.Connection, answer: Answer
 
 
 async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
+    admitted = gw.admit(stream)
+    if admitted is None:
+        await trio.aclose_forcefully(stream)
+        return
+    try:
+        await _serve(gw, stream, admitted[0])
+    finally:
+        gw.caps.release(admitted[0])
+
+
+async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER)
     limit = _max_content(gw.max_frame)
     try:
@@ -118,7 +145,8 @@ async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
                     elif isinstance(event, h11.Request):
                         request = event
                         length = _header(event.headers, b"content-length")
-                        if length is not None and int(length) > limit:
+                        answer = decide_head(event.method, event.headers, gw.secret)
+                        if answer is None and length is not None and int(length) > limit:
                             answer = Answer(413, f"request body over {limit} bytes")
                     elif isinstance(event, h11.Data):
                         size += len(event.data)
@@ -128,7 +156,7 @@ async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
                     elif isinstance(event, h11.EndOfMessage):
                         assert request is not None
                         answer = decide(request.method, request.headers, b"".join(chunks),
-                                        gw.secret, gw.max_frame)
+                                        gw.secret, gw.max_frame, gw.rules)
                     elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
                         return
             if answer is None:
@@ -138,10 +166,10 @@ async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
                 if not await gw.bridge.publish(answer.topic, answer.body):
                     answer = Answer(503, "the bus is not available; try again")
             elif answer.status == 401 and "wrong" in answer.text:
-                log.warning("HTTPS %s: wrong authentication key", _peer(stream))
+                gw.say(host, logging.WARNING, "HTTPS %s: wrong authentication key",
+                       _peer(stream)[1])
             await _respond(stream, conn, answer)
-            if conn.our_state is h11.MUST_CLOSE or answer.status >= 400 \
-                    and answer.status != 401:
+            if conn.our_state is h11.MUST_CLOSE or answer.status >= 400:
                 return
             conn.start_next_cycle()
     except h11.RemoteProtocolError as exc:
@@ -149,7 +177,8 @@ async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
             try:
                 await _respond(stream, conn, Answer(exc.error_status_hint,
                                                     f"bad HTTP request: {exc}"))
-            except (trio.BrokenResourceError, h11.LocalProtocolError):
+            except (trio.BrokenResourceError, trio.ClosedResourceError,
+                    h11.LocalProtocolError):
                 pass
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
@@ -157,7 +186,7 @@ async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
         await trio.aclose_forcefully(stream)
 
 
-def _peer(stream: trio.abc.Stream) -> str:
+def _peer(stream: trio.abc.Stream) -> tuple[str, str]:
     from .server import _peer as peer
 
     return peer(stream)

@@ -1,21 +1,24 @@
 """`sbus gateway`: remote clients publish and subscribe on the bus over TCP or TLS.
 
 A thin trio shell: `codec` turns bytes into frames, `Outbox` bounds what waits
-for each client, `Bridge` holds the one shared bus connection and the routing
-index of remote subscriptions.  Each remote client is a reader and a writer task
-in a cancel scope whose deadline is the idle timeout, pushed forward by every
-read and write; anything abnormal cancels that scope and nothing else.
+for each client, `admission` caps connections and shared byte pools, `Bridge` holds
+the one shared bus connection and the routing index of remote subscriptions.  Each
+remote client is a reader and a writer task in a cancel scope whose deadline is the
+idle timeout, pushed forward by every read and write; anything abnormal cancels
+that scope and nothing else.
 
-Decisions where the design leaves room (see docs/gateway.md):
+Decisions where the design leaves room (see docs/gateway.md, "Refusals"):
 
-* a wrong secret disconnects (and is logged with the peer address), so each
-  guess costs a new connection;
-* any client may subscribe, but never to a ``!/`` (secret) pattern: those are
-  addressed to local processes by credentials, which would be the gateway's; such
-  a subscription is logged and disconnects;
-* remote clients may not publish to ``!/`` keys either (logged, disconnects):
-  a secret key is a private channel between local processes, and a remote
-  client could never receive the reply anyway;
+* a refused frame that is well formed (a subscription to a secret or malformed
+  pattern or over the client's budget; a publish before authenticating or to a
+  refused key) is dropped, counted and logged (rationed per peer address), and the
+  connection stays: clients that reconnect at once after a disconnect (the
+  getlantern/pubsub Go client) would otherwise turn one refusal into a storm;
+* a wrong secret or a stream that is not MessagePack frames closes the connection
+  after a delay (`--refusal-delay`), reading nothing meanwhile: each guess costs a
+  slot of the per-address cap for that long, so reconnecting at once gains nothing;
+* secret keys are spelled with the broker's separator (``!/`` or ``!.``), learned
+  from its whoami answer;
 * unsubscribing from a topic one is not subscribed to is ignored (harmless);
   subscribing twice to the same topic is one subscription.
 """
@@ -30,52 +33,83 @@ import resource
 import signal
 import ssl
 import stat
+import time
 
 import trio
 from trio.lowlevel import ParkingLot
 
 from ..client import SbusError
+from ..defaults import size_arg
+from ..display import brief
 from ..keys import Credentials, KeyRefused, KeyRules
+from ..limits import LogAllowance
+from ..routing import pattern_cost
 from . import codec
+from .admission import Caps, Pool, peer_group
 from .bridge import Bridge
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
 from .outbox import Outbox
 
 log = logging.getLogger("sbus.gateway")
 
-__all__ = ["Gateway", "add_arguments", "run", "parse_hostport", "read_secret"]
+__all__ = ["Gateway", "add_arguments", "run", "parse_hostport", "read_secret", "Refused",
+           "check_key", "check_pattern"]
 
 #: Bytes read from a client at once (also the codec's chunk size).
 READ_SIZE = 65536
-#: Distinct topics one remote client may hold; more is treated as abuse.
+#: Distinct topics one remote client may hold; more are refused.
 MAX_SUBSCRIPTIONS = 4096
 #: How long a closing connection may take to say goodbye (TLS close_notify).
 CLOSE_GRACE = 1.0
+#: Bytes decoded at once (a slice of a read): decoding is one step that cannot yield.
+FEED_SIZE = 8192
+#: Bytes of an incomplete frame an unauthenticated connection may hold between reads.
+UNAUTHENTICATED_HOLD = 16 * 1024
+#: Seconds of work for one client's input before the others get a turn.
+TURN = 0.002
+#: Seconds between two log lines about connections refused at the caps.
+CAP_LOG_INTERVAL = 10.0
 
-_RULES = KeyRules(b"/")
+#: Defaults of the bounds (docs/gateway.md, docs/security.md).
+MAX_CLIENTS = 10000
+MAX_CLIENTS_PER_ADDRESS = 256
+SUBSCRIPTION_BYTES = 256 * 1024
+SUBSCRIPTION_POOL = 64 * 1024 * 1024
+BUFFER_POOL = 256 * 1024 * 1024
+ROUTE_CACHE = 4 * 1024 * 1024
+REFUSAL_DELAY = 5.0
+
 _NOBODY = Credentials(0, 0, 0)  # check_pattern needs some; secret patterns never get there
 
 
+class Refused(Exception):
+    """A frame refused; the connection stays (the message says why, quoting briefly)."""
+
+
 class Disconnect(Exception):
-    """Something abnormal: the connection is closed, the reason logged."""
+    """Something abnormal: the connection is closed after the refusal delay."""
 
 
 class Remote:
     """One remote client: its stream, subscriptions, outgoing buffer and idle deadline."""
 
-    __slots__ = ("stream", "peer", "outbox", "lot", "scope", "authenticated", "topics",
-                 "idle", "reason", "__weakref__")
+    __slots__ = ("stream", "host", "peer", "outbox", "lot", "scope", "authenticated", "topics",
+                 "sub_bytes", "idle", "reason", "refused", "__weakref__")
 
-    def __init__(self, stream: trio.abc.Stream, peer: str, outbox: Outbox, idle: float) -> None:
+    def __init__(self, stream: trio.abc.Stream, host: str, peer: str, outbox: Outbox,
+                 idle: float) -> None:
         self.stream = stream
+        self.host = host
         self.peer = peer
         self.outbox = outbox
         self.lot = ParkingLot()  # the writer waits here for frames
         self.scope: trio.CancelScope | None = None
         self.authenticated = False
         self.topics: set[bytes] = set()
+        self.sub_bytes = 0  # what its subscriptions are charged (routing.pattern_cost)
         self.idle = idle
         self.reason = ""
+        self.refused = 0  # frames refused on this connection
 
     def touch(self) -> None:
         """Any read or write resets the idle timeout."""
@@ -86,13 +120,15 @@ class Remote:
         return f"remote {self.peer}"
 
 
-def _peer(stream: trio.abc.Stream) -> str:
+def _peer(stream: trio.abc.Stream) -> tuple[str, str]:
+    """(group, host:port) of the peer of *stream*: caps and log rations count by the
+    group (`admission.peer_group`: the IPv4 address or the IPv6 /64)."""
     sock_stream = getattr(stream, "transport_stream", stream)
     try:
         host, port = sock_stream.socket.getpeername()[:2]
     except (AttributeError, OSError):
-        return "?"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return "?", "?"
+    return peer_group(host), (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
 
 class Gateway:
@@ -104,7 +140,14 @@ class Gateway:
         idle_timeout: float = 70.0,
         buffer_messages: int = 100,
         buffer_bytes: int = 1 << 20,
+        buffer_pool: int = BUFFER_POOL,
         max_frame: int = DEFAULT_MAX_FRAME,
+        max_clients: int = MAX_CLIENTS,
+        max_clients_per_address: int = MAX_CLIENTS_PER_ADDRESS,
+        subscription_bytes: int = SUBSCRIPTION_BYTES,
+        subscription_pool: int = SUBSCRIPTION_POOL,
+        route_cache: int = ROUTE_CACHE,
+        refusal_delay: float = REFUSAL_DELAY,
     ) -> None:
         if not secret:
             raise ValueError("the authentication secret is empty")
@@ -113,33 +156,111 @@ class Gateway:
         self.buffer_messages = buffer_messages
         self.buffer_bytes = buffer_bytes
         self.max_frame = max_frame
-        self.bridge = Bridge(address, self._deliver)
+        self.subscription_bytes = subscription_bytes
+        self.refusal_delay = refusal_delay
+        self.caps = Caps(max_clients, max_clients_per_address)
+        self.buffers = Pool(buffer_pool)
+        self.subscriptions = Pool(subscription_pool)
+        self.bridge = Bridge(address, self._deliver, cache_bytes=route_cache,
+                             on_separator=self._separator_changed)
         self.clients: set[Remote] = set()
+        #: Log lines about remote peers, rationed per address (reconnecting buys none).
+        self.allowance = LogAllowance(burst=10, interval=10.0)
+        self._cap_unlogged = 0
+        self._cap_logged_at = -CAP_LOG_INTERVAL
         # counters
         self.accepted = 0
         self.delivered = 0  # frames queued for remote clients
         self.dropped = 0  # frames discarded because a client's buffer was full
-        self.refused = 0  # connections closed for abnormal input
+        self.refused = 0  # frames refused (connection kept)
+        self.closed = 0  # connections closed for a wrong key or malformed input
+
+    @property
+    def rules(self) -> KeyRules:
+        """The broker's key rules (its separator), learned when the bridge connected."""
+        return self.bridge.rules
+
+    # -- log lines about peers ---------------------------------------------------------
+
+    def say(self, host: str, level: int, msg: str, *args: object) -> None:
+        """Log a line about a peer, rationed per peer address."""
+        held = self.allowance.take(host)  # type: ignore[arg-type]
+        if held is None:
+            return
+        if held:
+            msg += f" ({held} earlier lines about {host} not logged)"
+        log.log(level, msg, *args)
+
+    # -- admission ------------------------------------------------------------------------
+
+    def admit(self, stream: trio.abc.Stream) -> tuple[str, str] | None:
+        """(host, peer) if *stream* may be served (its slot taken), else None."""
+        host, peer = _peer(stream)
+        why = self.caps.admit(host)
+        if why is None:
+            return host, peer
+        self._cap_unlogged += 1
+        now = time.monotonic()
+        if now - self._cap_logged_at >= CAP_LOG_INTERVAL:
+            log.warning("refused %d connection(s) since the last such line, %s "
+                        "(latest from %s)", self._cap_unlogged, why, host)
+            self._cap_unlogged = 0
+            self._cap_logged_at = now
+        return None
 
     # -- fan-out from the bus ---------------------------------------------------------
 
     def _deliver(self, targets: tuple[Remote, ...], key: bytes, payload: bytes) -> None:
         frame = codec.publish(key, payload)
+        size = len(frame)
+        pool = self.buffers
         dropped = 0
-        for rc in targets:
-            queued = rc.outbox.offer(frame)
-            if queued == 1:
-                rc.lot.unpark()  # only the writer of an empty outbox waits
-            elif not queued:
-                dropped += 1
+        if pool.used + size * len(targets) <= pool.limit:
+            for rc in targets:  # the hot path: the pool is charged once, below
+                queued = rc.outbox.offer(frame)
+                if queued == 1:
+                    rc.lot.unpark()  # only the writer of an empty outbox waits
+                elif not queued:
+                    dropped += 1
+            pool.used += size * (len(targets) - dropped)
+        else:  # the pool is nearly full: charge it frame by frame
+            for rc in targets:
+                if pool.used + size > pool.limit:
+                    rc.outbox.discard()
+                    dropped += 1
+                    continue
+                queued = rc.outbox.offer(frame)
+                if queued:
+                    pool.used += size
+                    if queued == 1:
+                        rc.lot.unpark()
+                else:
+                    dropped += 1
         self.delivered += len(targets) - dropped
         self.dropped += dropped
+
+    def _separator_changed(self, sep: bytes) -> None:
+        for rc in list(self.clients):
+            rc.topics.clear()  # the bridge's new index holds none of them
+            self._close(rc, "the broker's separator changed; reconnect")
 
     # -- one remote client --------------------------------------------------------------
 
     async def handle(self, stream: trio.abc.Stream) -> None:
         """Serve one remote client until it leaves, misbehaves or idles out."""
-        rc = Remote(stream, _peer(stream), Outbox(self.buffer_messages, self.buffer_bytes),
+        admitted = self.admit(stream)
+        if admitted is None:
+            await trio.aclose_forcefully(stream)
+            return
+        host, peer = admitted
+        try:
+            await self._serve(stream, host, peer)
+        finally:
+            self.caps.release(host)
+
+    async def _serve(self, stream: trio.abc.Stream, host: str, peer: str) -> None:
+        rc = Remote(stream, host, peer,
+                    Outbox(self.buffer_messages, self.buffer_bytes, self.buffers),
                     self.idle_timeout)
         self.accepted += 1
         self.clients.add(rc)
@@ -153,9 +274,12 @@ class Gateway:
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught and not rc.reason:
                 rc.reason = f"idle for {self.idle_timeout:g} s"
-                log.info("disconnecting %r: %s", rc, rc.reason)
+                log.debug("disconnecting %r: %s", rc, rc.reason)  # routine: not rationed
         finally:
             self.clients.discard(rc)
+            rc.outbox.clear()
+            self.subscriptions.give(rc.sub_bytes)
+            rc.sub_bytes = 0
             with trio.CancelScope(shield=True):
                 await self.bridge.remove_client(rc)
                 with trio.move_on_after(CLOSE_GRACE):
@@ -163,71 +287,125 @@ class Gateway:
                         await stream.aclose()
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
-            if rc.outbox.dropped_total:
-                log.info("%r: %d messages were discarded for it (buffer full)",
-                         rc, rc.outbox.dropped_total)
+            if rc.outbox.dropped_total or rc.refused:
+                self.say(host, logging.INFO, "%r: %d messages were discarded for it (buffer "
+                         "full), %d of its frames refused", rc, rc.outbox.dropped_total,
+                         rc.refused)
             log.debug("%r disconnected: %s", rc, rc.reason or "closed by peer")
 
-    def _close(self, rc: Remote, reason: str, abnormal: bool = False) -> None:
-        """End *rc*'s session (from its reader or writer) and say why."""
+    def _close(self, rc: Remote, reason: str) -> None:
+        """End *rc*'s session now (from its reader or writer) and say why."""
         if not rc.reason:
             rc.reason = reason
-            if abnormal:
-                self.refused += 1
-                log.warning("disconnecting %r: %s", rc, reason)
-            else:
-                log.info("%r: %s", rc, reason)
+            log.debug("%r: %s", rc, reason)  # routine (peer gone, broker changed)
+        if rc.scope is not None:
+            rc.scope.cancel()
+
+    async def _refuse_and_close(self, rc: Remote, reason: str) -> None:
+        """A wrong key or a broken stream: log (rationed), read nothing for the refusal
+        delay, then close; a client that reconnects at once waits that long first."""
+        self.closed += 1
+        rc.reason = reason
+        self.say(rc.host, logging.WARNING, "disconnecting %r in %g s: %s", rc,
+                 self.refusal_delay, reason)
+        await trio.sleep(self.refusal_delay)
         if rc.scope is not None:
             rc.scope.cancel()
 
     async def _reader(self, rc: Remote) -> None:
-        decoder = FrameDecoder(self.max_frame, read_size=READ_SIZE)
-        receive = rc.stream.receive_some
+        decoder: FrameDecoder | None = FrameDecoder(self.max_frame, read_size=READ_SIZE)
         try:
-            while True:
-                data = await receive(READ_SIZE)
-                if not data:
-                    if not decoder.idle:
-                        self._close(rc, "closed in the middle of a frame", abnormal=True)
-                    return
-                rc.touch()
-                # frames decoded before a bad one are not acted upon: the stream is bad
-                for frame in decoder.feed(data):
-                    await self._frame(rc, frame)
+            await self._read(rc, decoder)
+            return
         except FrameError as exc:
-            self._close(rc, f"malformed input: {exc}", abnormal=True)
+            reason = f"malformed input: {exc}"
         except Disconnect as exc:
-            self._close(rc, str(exc), abnormal=True)
+            reason = str(exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._close(rc, f"read failed: {exc.__cause__ or exc}")
+            if not isinstance(exc.__cause__, ssl.SSLError):
+                self._close(rc, f"read failed: {exc.__cause__ or exc}")
+                return
+            reason = f"TLS failed: {exc.__cause__}"  # e.g. plaintext: a misconfigured client
+        decoder = None  # what it buffered is not kept through the delay  # noqa: F841
+        await self._refuse_and_close(rc, reason)
+
+    async def _read(self, rc: Remote, decoder: FrameDecoder) -> None:
+        receive = rc.stream.receive_some
+        clock = time.perf_counter
+        while True:
+            # before authenticating, small reads: what one read allocates is bounded too
+            data = await receive(READ_SIZE if rc.authenticated else UNAUTHENTICATED_HOLD)
+            if not data:
+                if not decoder.idle:
+                    self.say(rc.host, logging.INFO, "%r closed in the middle of a frame", rc)
+                return
+            rc.touch()
+            start = clock()
+            # decoded in slices: 64 KiB of tiny frames takes ~10 ms to decode at once
+            for offset in range(0, len(data), FEED_SIZE):
+                piece = data if len(data) <= FEED_SIZE else data[offset:offset + FEED_SIZE]
+                # frames decoded before a bad one are not acted upon: the stream is bad
+                for frame in decoder.feed(piece):
+                    try:
+                        await self._frame(rc, frame)
+                    except Refused as exc:
+                        rc.refused += 1
+                        self.refused += 1
+                        self.say(rc.host, logging.WARNING, "%r: %s", rc, exc)
+                    if clock() - start > TURN:
+                        await trio.lowlevel.checkpoint()  # others get a turn
+                        start = clock()
+                if clock() - start > TURN:
+                    await trio.lowlevel.checkpoint()
+                    start = clock()
+            del data, piece
+            if not rc.authenticated and decoder.held > UNAUTHENTICATED_HOLD:
+                raise FrameError(f"an incomplete frame holds {decoder.held} bytes, over "
+                                 f"the {UNAUTHENTICATED_HOLD} allowed before authenticating")
 
     async def _frame(self, rc: Remote, frame: codec.Frame) -> None:
         kind = type(frame)
         if kind is codec.Publish:
             if not rc.authenticated:
-                raise Disconnect("publish before authenticating")
-            _check_key(frame.topic)
+                raise Refused(f"publish to {brief(frame.topic)} before authenticating "
+                              "dropped")
+            self.check_key(frame.topic)
             await self.bridge.publish(frame.topic, frame.body)
         elif kind is codec.KeepAlive:
             rc.outbox.force(codec.KEEPALIVE)
             rc.lot.unpark()
         elif kind is codec.Subscribe:
-            _check_pattern(frame.topic)
-            if frame.topic not in rc.topics:
-                if len(rc.topics) >= MAX_SUBSCRIPTIONS:
-                    raise Disconnect(f"more than {MAX_SUBSCRIPTIONS} subscriptions")
-                rc.topics.add(frame.topic)
-                await self.bridge.subscribe(rc, frame.topic)
+            topic = frame.topic
+            if topic in rc.topics:
+                return
+            self.check_pattern(topic)
+            if len(rc.topics) >= MAX_SUBSCRIPTIONS:
+                raise Refused(f"subscription to {brief(topic)} ignored: it holds "
+                              f"{MAX_SUBSCRIPTIONS} already")
+            cost = pattern_cost(topic, self.rules.sep)
+            if rc.sub_bytes + cost > self.subscription_bytes:
+                raise Refused(f"subscription to {brief(topic)} ignored: over its "
+                              f"{self.subscription_bytes}-byte subscription budget")
+            if not self.subscriptions.take(cost):
+                raise Refused(f"subscription to {brief(topic)} ignored: the gateway's "
+                              f"{self.subscriptions.limit}-byte subscription pool is full")
+            rc.sub_bytes += cost
+            rc.topics.add(topic)
+            await self.bridge.subscribe(rc, topic)
         elif kind is codec.Unsubscribe:
-            if frame.topic in rc.topics:
-                rc.topics.discard(frame.topic)
-                await self.bridge.unsubscribe(rc, frame.topic)
+            topic = frame.topic
+            if topic in rc.topics:
+                rc.topics.discard(topic)
+                cost = pattern_cost(topic, self.rules.sep)
+                rc.sub_bytes -= cost
+                self.subscriptions.give(cost)
+                await self.bridge.unsubscribe(rc, topic)
         elif kind is codec.Authenticate:
             if not hmac.compare_digest(frame.secret, self.secret):
                 raise Disconnect("wrong authentication secret")
             if not rc.authenticated:
                 rc.authenticated = True
-                log.info("%r authenticated", rc)
+                log.debug("%r authenticated", rc)
 
     async def _writer(self, rc: Remote) -> None:
         out = rc.outbox
@@ -242,6 +420,12 @@ class Gateway:
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._close(rc, f"write failed: {exc.__cause__ or exc}")
 
+    def check_pattern(self, topic: bytes) -> None:
+        check_pattern(self.rules, topic)
+
+    def check_key(self, topic: bytes) -> None:
+        check_key(self.rules, topic)
+
     # -- serving --------------------------------------------------------------------------
 
     def status(self) -> str:
@@ -249,6 +433,7 @@ class Gateway:
         return (f"{len(self.clients)} clients, {len(b.patterns)} patterns, "
                 f"{b.published} published, {self.delivered} delivered, "
                 f"{self.dropped} discarded (buffers full), {b.lost} lost (bus down), "
+                f"{self.refused} frames refused, {self.caps.refused} connections refused, "
                 f"bus {'up' if b.up else 'DOWN'}")
 
     async def serve(self, listeners: list[trio.abc.Listener], *,
@@ -260,28 +445,34 @@ class Gateway:
             task_status.started()
 
 
-def _check_common(topic: bytes, what: str) -> None:
+# -- key checks (with the broker's separator) --------------------------------------------
+
+def _check_common(rules: KeyRules, topic: bytes, what: str) -> None:
     if b"\0" in topic:
-        raise Disconnect(f"{what} {topic[:64]!r} contains NUL, which sbus keys cannot")
-    if _RULES.is_secret(topic):
-        raise Disconnect(f"{what} {topic[:64]!r} is a secret (!/) key, "
-                         "which remote clients may not use")
+        raise Refused(f"{what} {brief(topic)} refused: it contains NUL, which sbus keys "
+                      "cannot")
+    if rules.is_secret(topic):
+        raise Refused(f"{what} {brief(topic)} refused: it is a secret "
+                      f"({rules.secret_prefix.decode('latin-1')}) key, which remote "
+                      "clients may not use")
 
 
-def _check_pattern(topic: bytes) -> None:
-    _check_common(topic, "subscription to")
+def check_pattern(rules: KeyRules, topic: bytes) -> None:
+    """Raise `Refused` unless remote clients may subscribe to *topic*."""
+    _check_common(rules, topic, "subscription to")
     try:
-        _RULES.check_pattern(topic, _NOBODY)
+        rules.check_pattern(topic, _NOBODY)
     except KeyRefused as exc:
-        raise Disconnect(f"subscription refused: {exc}") from None
+        raise Refused(f"subscription refused: {exc}") from None
 
 
-def _check_key(topic: bytes) -> None:
-    _check_common(topic, "publish to")
+def check_key(rules: KeyRules, topic: bytes) -> None:
+    """Raise `Refused` unless remote clients may publish to *topic*."""
+    _check_common(rules, topic, "publish to")
     try:
-        _RULES.check_key(topic)
+        rules.check_key(topic)
     except KeyRefused as exc:
-        raise Disconnect(f"publish refused: {exc}") from None
+        raise Refused(f"publish refused: {exc}") from None
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -314,14 +505,6 @@ def read_secret(path: str) -> bytes:
     return secret
 
 
-def _size(text: str) -> int:
-    units = {"k": 1024, "m": 1024**2, "g": 1024**3}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", required=True, metavar="HOST:PORT",
                    help="where remote clients connect ([::]:PORT for IPv6)")
@@ -335,13 +518,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffer-messages", type=int, default=100, metavar="N",
                    help="outgoing messages buffered per client before new ones are "
                         "discarded (default 100)")
-    p.add_argument("--buffer-bytes", type=_size, default=1 << 20, metavar="BYTES",
+    p.add_argument("--buffer-bytes", type=size_arg, default=1 << 20, metavar="BYTES",
                    help="outgoing bytes buffered per client (default 1m)")
-    p.add_argument("--max-frame", type=_size, default=DEFAULT_MAX_FRAME, metavar="BYTES",
+    p.add_argument("--max-frame", type=size_arg, default=DEFAULT_MAX_FRAME, metavar="BYTES",
                    help=f"largest topic+body accepted (default {DEFAULT_MAX_FRAME}); "
                         "larger frames disconnect")
     p.add_argument("--https-listen", metavar="HOST:PORT",
                    help="also accept HTTPS POST publishes here (needs --tls-cert)")
+    p.add_argument("--max-clients", type=int, default=MAX_CLIENTS, metavar="N",
+                   help=f"connections served at once, HTTPS included (default {MAX_CLIENTS}); "
+                        "more are closed at once")
+    p.add_argument("--max-clients-per-address", type=int, default=MAX_CLIENTS_PER_ADDRESS,
+                   metavar="N", help="connections from one peer address at once "
+                   f"(default {MAX_CLIENTS_PER_ADDRESS})")
+    p.add_argument("--buffer-pool", type=size_arg, default=BUFFER_POOL, metavar="BYTES",
+                   help="outgoing bytes buffered for all clients together (default 256m)")
+    p.add_argument("--subscription-bytes", type=size_arg, default=SUBSCRIPTION_BYTES,
+                   metavar="BYTES", help="what one client's subscriptions may cost "
+                   "(default 256k; a pattern costs 400 + 2 x its length + 400 per segment)")
+    p.add_argument("--subscription-pool", type=size_arg, default=SUBSCRIPTION_POOL,
+                   metavar="BYTES", help="the same for all clients together (default 64m)")
+    p.add_argument("--route-cache", type=size_arg, default=ROUTE_CACHE, metavar="BYTES",
+                   help="bytes of the cache of routing answers (default 4m)")
+    p.add_argument("--refusal-delay", type=float, default=REFUSAL_DELAY, metavar="SECONDS",
+                   help="after a wrong key or malformed input, wait this long before "
+                        f"closing (default {REFUSAL_DELAY:g})")
 
 
 def _tls_context(cert: str, key: str) -> ssl.SSLContext:
@@ -388,12 +589,25 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
     host, port = parse_hostport(args.listen)
     for name, value in (("--buffer-messages", args.buffer_messages),
                         ("--buffer-bytes", args.buffer_bytes),
-                        ("--idle-timeout", args.idle_timeout), ("--max-frame", args.max_frame)):
+                        ("--idle-timeout", args.idle_timeout), ("--max-frame", args.max_frame),
+                        ("--max-clients", args.max_clients),
+                        ("--max-clients-per-address", args.max_clients_per_address),
+                        ("--buffer-pool", args.buffer_pool),
+                        ("--subscription-bytes", args.subscription_bytes),
+                        ("--subscription-pool", args.subscription_pool),
+                        ("--route-cache", args.route_cache)):
         if value <= 0:
             raise SbusError(f"{name} must be positive")
+    if args.refusal_delay < 0:
+        raise SbusError("--refusal-delay must not be negative")
     gw = Gateway(secret, address=args.address, idle_timeout=args.idle_timeout,
                  buffer_messages=args.buffer_messages, buffer_bytes=args.buffer_bytes,
-                 max_frame=args.max_frame)
+                 buffer_pool=args.buffer_pool, max_frame=args.max_frame,
+                 max_clients=args.max_clients,
+                 max_clients_per_address=args.max_clients_per_address,
+                 subscription_bytes=args.subscription_bytes,
+                 subscription_pool=args.subscription_pool, route_cache=args.route_cache,
+                 refusal_delay=args.refusal_delay)
     try:
         listeners: list[trio.abc.Listener] = await trio.open_tcp_listeners(
             port, host=host or None, backlog=4096)
@@ -410,8 +624,8 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
                 from .https import serve_https
 
                 https_host, https_port = parse_hostport(args.https_listen)
-                await nursery.start(serve_https, gw, https_host, https_port, ctx)
-                where.append(f"HTTPS {args.https_listen}")
+                https = await nursery.start(serve_https, gw, https_host, https_port, ctx)
+                where.append("HTTPS " + ", ".join(_bound(lst) for lst in https))
             nursery.start_soon(_report, gw)
             log.info("sbus gateway listening on %s, bus %s", ", ".join(where),
                      gw.bridge.address or "default")
@@ -436,6 +650,10 @@ def _first(group: BaseExceptionGroup, kind: type[BaseException]) -> BaseExceptio
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.verbose:
+        # a service: where it listens (the real port, also for port 0), refusals and
+        # bus changes are worth a line; per-peer lines are rationed (Gateway.say)
+        log.setLevel(logging.INFO)
     _raise_nofile()
     try:
         trio.run(serve, args)

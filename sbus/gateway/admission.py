@@ -1,0 +1,89 @@
+"""What the gateway lets remote peers hold: connections and shared byte pools (pure, no I/O).
+
+A remote peer has no UID to charge, only an address.  The gateway bounds what any
+number of peers can make it hold by a total connection cap and a cap per peer
+address (so one host cannot take every slot), and bounds the bytes shared by all
+connections (outgoing buffers, subscriptions) by pools with a fixed size.  Each
+per-connection structure is bounded on its own, so the gateway's memory is at most
+the caps times those bounds plus the pools.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+
+__all__ = ["Caps", "Pool", "peer_group"]
+
+
+def peer_group(host: str) -> str:
+    """What caps and log rations are counted by: the IPv4 address (also when mapped into
+    IPv6), or the IPv6 /64 (one host usually owns a whole /64, so a per-address cap on
+    single IPv6 addresses would be no cap)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return host
+
+
+class Caps:
+    """Open connections, in total and per peer address."""
+
+    __slots__ = ("total", "per_peer", "open", "_by_peer", "refused")
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        if total < 1 or per_peer < 1:
+            raise ValueError("connection caps must be positive")
+        self.total = total
+        self.per_peer = per_peer
+        self.open = 0
+        self._by_peer: Counter[str] = Counter()
+        self.refused = 0  # connections turned away, ever
+
+    def admit(self, host: str) -> str | None:
+        """Take a slot for a connection from *host*; None if admitted, else why not."""
+        if self.open >= self.total:
+            self.refused += 1
+            return f"at the cap of {self.total} connections"
+        if self._by_peer[host] >= self.per_peer:
+            self.refused += 1
+            return f"at the cap of {self.per_peer} connections from one address"
+        self.open += 1
+        self._by_peer[host] += 1
+        return None
+
+    def release(self, host: str) -> None:
+        self.open -= 1
+        self._by_peer[host] -= 1
+        if self._by_peer[host] <= 0:
+            del self._by_peer[host]
+
+    def peers(self) -> int:
+        return len(self._by_peer)
+
+
+class Pool:
+    """Bytes shared by every connection (e.g. all outgoing buffers together)."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def fits(self, n: int) -> bool:
+        return self.used + n <= self.limit
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n

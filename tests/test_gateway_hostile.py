@@ -1,0 +1,554 @@
+"""The gateway under hostile use (issue 13), tried as an attacker would: a real
+`sbus gateway` process, real TCP/TLS sockets on loopback, a real broker.
+
+Each test runs the gateway with its default bounds unless the bound itself is what
+is tested, and measures what matters to other users: the gateway's RSS, another
+client's round trip, the number of log lines and reconnects a refusal causes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import ssl
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trustme
+from conftest import SBUS, BrokerProcess, raw, sync
+from faultkit import rss_kib
+from test_gateway import (
+    SECRET,
+    GatewayProcess,
+    closed_by_gateway,
+    free_port,
+    next_loopback,
+    read_exactly,
+    roundtrip,
+    subscribe_bridged,
+)
+
+from sbus.gateway import codec
+
+
+@pytest.fixture
+def hdir():
+    d = Path(tempfile.mkdtemp(prefix="sbus-gwh-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def bus(hdir):
+    b = BrokerProcess(str(hdir / "bus.sock")).start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def local(bus):
+    s = raw(bus.address)
+    yield s
+    s.close()
+
+
+def start(hdir: Path, bus: BrokerProcess, *args: str, **kw) -> GatewayProcess:
+    """A gateway with the default refusal delay and log level (what a service runs)."""
+    kw.setdefault("quick", False)
+    kw.setdefault("verbose", False)
+    return GatewayProcess(hdir, bus.address, *args, **kw).start()
+
+
+@pytest.fixture
+def gw(hdir, bus):
+    g = start(hdir, bus)
+    yield g
+    g.stop()
+
+
+def log_lines(gw: GatewayProcess, text: str) -> int:
+    return sum(text in line for line in gw.log().splitlines())
+
+
+# -- issue 16: the real port in the log ----------------------------------------------------
+
+def test_listening_line_names_the_real_port_also_for_port_0(hdir, bus):
+    keyfile = hdir / "k"
+    keyfile.write_bytes(SECRET)
+    keyfile.chmod(0o600)
+    logfile = hdir / "port0.log"
+    proc = subprocess.Popen([*SBUS, "gateway", "--listen", "127.0.0.1:0", "--auth-key-file",
+                             str(keyfile), "--address", bus.address],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=logfile.open("w"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 15
+        port = None
+        while port is None and time.monotonic() < deadline:
+            for line in logfile.read_text().splitlines():
+                if "listening on 127.0.0.1:" in line:
+                    port = int(line.split("listening on 127.0.0.1:")[1].split()[0])
+            time.sleep(0.05)
+        assert port, f"no listening line at the default log level:\n{logfile.read_text()}"
+        assert port != 0
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        roundtrip(s)  # it is the gateway that listens there
+        s.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# -- class 7: secrets follow the broker's separator --------------------------------------
+
+def test_secret_inboxes_of_a_dot_separator_broker_stay_local(hdir):
+    bus = BrokerProcess(str(hdir / "dot.sock"), "--separator", ".").start()
+    gw = start(hdir, bus)
+    local = raw(bus.address)
+    try:
+        local.send(b"CMSG !/cred/whoami")
+        me = local.recv(1 << 16).split(b"\0", 1)[1]
+        assert me.startswith(b"!.cred.")
+        local.send(b"SUB " + me + b".")
+        sync(local)
+        # a remote publisher with the key forges a message into a local secret inbox
+        forger = gw.connect()
+        forger.sendall(codec.authenticate(SECRET) + codec.publish(me + b".inbox", b"forged"))
+        roundtrip(forger)
+        local.send(b"MSG " + me + b".inbox\0genuine")
+        assert local.recv(1 << 16) == b"MSG " + me + b".inbox\0genuine"
+        # a remote subscriber asks for the gateway's own secret inbox (empty fields are
+        # filled with the subscriber's credentials: the gateway's) and for everything
+        spy = gw.connect()
+        spy.sendall(codec.subscribe(b"!.cred..."))
+        subscribe_bridged(spy, b"", local, b"probe")
+        secret_key = b"!.cred.0.0.%d.private" % gw.proc.pid
+        local.send(b"MSG " + secret_key + b"\0leak")
+        local.send(b"MSG public\0ok")
+        expected = codec.publish(b"public", b"ok")
+        assert read_exactly(spy, len(expected)) == expected  # not the secret one first
+        gw.wait_log("is a secret (!.) key")
+    finally:
+        local.close()
+        gw.stop()
+        bus.stop()
+
+
+# -- class 7: refusals do not make reconnect storms ---------------------------------------
+
+def storm(gw: GatewayProcess, first: bytes, seconds: float = 3.0) -> int:
+    """A client that, like the getlantern/pubsub Go client, reconnects as soon as it is
+    disconnected and sends *first* again; returns how many connections it made."""
+    source = next_loopback()
+    attempts = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            s = gw.connect(source=source)
+        except OSError:
+            continue
+        attempts += 1
+        try:
+            s.sendall(first)
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            while s.recv(65536):
+                pass
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            s.close()
+    return attempts
+
+
+@pytest.mark.parametrize("first, what", [
+    (codec.authenticate(b"wrong"), "wrong authentication secret"),
+    (codec.subscribe(b"!/cred/0/0/1/"), "secret"),
+    (codec.publish(b"a", b"before auth"), "before authenticating"),
+    (b"\xc1", "malformed"),
+])
+def test_a_refusal_does_not_make_a_reconnect_storm(gw, first, what):
+    attempts = storm(gw, first)
+    time.sleep(0.5)
+    lines = len(gw.log().splitlines())
+    # at most one connection per refusal delay (5 s by default): the old gateway took
+    # hundreds, each with a log line
+    assert attempts <= 2, f"{attempts} connections in 3 s"
+    assert lines <= 12, gw.log()
+    assert what in gw.log()
+    ok = gw.connect()
+    roundtrip(ok)
+
+
+def test_log_lines_quote_client_input_briefly_and_escaped(gw):
+    s = gw.connect()
+    s.sendall(codec.subscribe(b"!/" + b"\x1b[2J" * 5000))
+    roundtrip(s)
+    line = next(x for x in gw.wait_log("secret").splitlines() if "secret" in x)
+    assert "\x1b" not in line and "\\x1b[2J" in line
+    assert len(line) < 400
+
+
+# -- class 1: connection caps --------------------------------------------------------------
+
+def test_one_address_gets_at_most_its_cap_of_connections(gw):
+    source = next_loopback()
+    conns = []
+    for _ in range(300):  # the default cap per address is 256
+        try:
+            conns.append(gw.connect(source=source))
+        except OSError:
+            break
+    closed = sum(closed_by_gateway(c, timeout=0.02) for c in conns)
+    try:
+        assert closed >= 300 - 256, f"only {closed} of 300 connections refused"
+        roundtrip(conns[0])  # the first ones are served
+        other = gw.connect()  # another address is still served
+        roundtrip(other)
+        time.sleep(0.2)
+        # refusals at the cap are counted in one line, not logged one by one
+        assert 1 <= log_lines(gw, "refused") <= 2, gw.log()
+    finally:
+        for c in conns:
+            c.close()
+
+
+# -- class 1: memory an unauthenticated client causes -------------------------------------
+
+def half_frames(gw: GatewayProcess, n: int, source: str, sent: int) -> list[socket.socket]:
+    """*n* connections, each sending *sent* bytes of a 200 KB publish frame and no more."""
+    head = b"\x04\xc4\x01a\xc6" + (200_000).to_bytes(4, "big")
+    conns = []
+    for _ in range(n):
+        s = gw.connect(source=source)
+        s.sendall(head + bytes(sent))
+        conns.append(s)
+    return conns
+
+
+def deep_subscriptions(gw: GatewayProcess, n: int = 4096, depth: int = 64) -> socket.socket:
+    """One connection subscribing *n* distinct patterns of *depth* segments each."""
+    s = gw.connect()
+    tail = b"/s" * (depth - 1)
+    batch = b"".join(codec.subscribe(b"%d" % i + tail) for i in range(n))
+    threading.Thread(target=s.sendall, args=(batch,), daemon=True).start()
+    return s
+
+
+def test_unauthenticated_clients_cannot_grow_the_gateway(gw):
+    pid = gw.proc.pid
+    warm = gw.connect()
+    roundtrip(warm)
+    before = rss_kib(pid)
+    conns = half_frames(gw, 200, next_loopback(), 60_000)  # over the bound: closed
+    conns += half_frames(gw, 200, next_loopback(), 15_000)  # just under it: kept
+    conns.append(deep_subscriptions(gw))
+    time.sleep(2.0)
+    peak = rss_kib(pid)
+    growth_mib = (peak - before) / 1024
+    print(f"gateway RSS {before} KiB -> {peak} KiB under attack (+{growth_mib:.1f} MiB)")
+    try:
+        # the documented bounds: 16 KiB of a half-sent frame before authenticating,
+        # 256 KiB of subscriptions per client; 401 connections cost far below 40 MiB
+        # (the old gateway held every half frame and 262144 trie nodes: ~150 MiB)
+        assert growth_mib < 40, f"RSS grew by {growth_mib:.1f} MiB"
+        roundtrip(warm)
+    finally:
+        for c in conns:
+            c.close()
+
+
+# -- class 2: another client's round trip while one client does its worst ---------------
+
+def round_trips(s: socket.socket, seconds: float) -> list[float]:
+    times = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        t0 = time.perf_counter()
+        roundtrip(s)
+        times.append(time.perf_counter() - t0)
+        time.sleep(0.005)
+    return times
+
+
+def test_one_client_cannot_stall_the_others(gw):
+    honest = gw.connect()
+    roundtrip(honest)
+    quiet = round_trips(honest, 1.0)
+    attacker = gw.connect()
+    stop = threading.Event()
+
+    def attack() -> None:
+        # keep-alives by the 64 KiB and subscription churn, never reading a byte
+        churn = b"".join(codec.subscribe(b"c/%d" % i) + codec.unsubscribe(b"c/%d" % i)
+                         for i in range(3000))
+        zeros = bytes(65536)
+        try:
+            while not stop.is_set():
+                attacker.sendall(zeros)
+                attacker.sendall(churn)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=attack, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    loaded = round_trips(honest, 3.0)
+    stop.set()
+    attacker.close()
+    t.join(5)
+    q = statistics.quantiles(loaded, n=100)
+    print(f"honest round trip: quiet median {statistics.median(quiet) * 1e3:.2f} ms; "
+          f"under attack median {statistics.median(loaded) * 1e3:.2f} ms, "
+          f"p99 {q[98] * 1e3:.1f} ms, max {max(loaded) * 1e3:.1f} ms ({len(loaded)} trips)")
+    # issue 13 asks p99 < 50 ms; measured ~7-12 ms on a quiet machine.  The margins here
+    # allow for 2 cores shared with other work (the old gateway: median 119, p99 319 ms)
+    assert statistics.median(loaded) < 0.030, f"median {statistics.median(loaded) * 1e3:.1f} ms"
+    assert q[98] < 0.100, f"p99 {q[98] * 1e3:.1f} ms"
+
+
+# -- class 3: the shared publishing connection is never paused ----------------------------
+
+def test_a_blocking_local_subscriber_does_not_stall_remote_publishers(gw, bus, local):
+    slow = raw(bus.address)
+    slow.send(b"SUB ")  # everything, and pause publishers rather than lose messages
+    slow.send(b"CMSG blocking/soft/block")
+    slow.send(b"CMSG blocking/hard/block")
+    sync(slow)
+    local.send(b"SUB x/")
+    sync(local)
+    flooder = gw.connect()
+    flooder.sendall(codec.authenticate(SECRET))
+    body = bytes(16384)
+    done = threading.Event()
+
+    def flood() -> None:
+        try:
+            for i in range(1000):  # 16 MB: far past the broker's queue for the slow one
+                flooder.sendall(codec.publish(b"flood/%d" % i, body))
+        except OSError:
+            pass
+        done.set()
+
+    threading.Thread(target=flood, daemon=True).start()
+    done.wait(20)
+    other = gw.connect()
+    other.sendall(codec.authenticate(SECRET) + codec.publish(b"x/probe", b"unrelated"))
+    local.settimeout(10)
+    try:
+        while True:
+            packet = local.recv(1 << 16)
+            if packet == b"MSG x/probe\0unrelated":
+                break
+    except TimeoutError:
+        raise AssertionError("a remote publish stalled behind one slow local subscriber") \
+            from None
+    finally:
+        slow.close()
+    assert done.is_set()
+
+
+# -- HTTPS: 401 closes, pipelined guesses are not read, deep JSON is refused --------------
+
+@pytest.fixture
+def https_gw(hdir, bus):
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    certfile, keyfile = hdir / "cert.pem", hdir / "key.pem"
+    certfile.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    port = free_port()
+    g = start(hdir, bus, "--tls-cert", str(certfile), "--tls-key", str(keyfile),
+              "--https-listen", f"127.0.0.1:{port}", name="https")
+    g.wait_log(f"HTTPS 127.0.0.1:{port}", timeout=15)  # logged once both listen
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    g.https = lambda: _tls(ctx, port)
+    yield g
+    g.stop()
+
+
+def _tls(ctx: ssl.SSLContext, port: int) -> ssl.SSLSocket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return ctx.wrap_socket(s, server_hostname="localhost")
+
+
+def _request(key: bytes, body: bytes) -> bytes:
+    return (b"POST /publish HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b"X-Authentication-Key: " + key + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body)
+
+
+def _read_all(s: ssl.SSLSocket) -> bytes:
+    out = b""
+    s.settimeout(5)
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except (TimeoutError, ssl.SSLError, ConnectionResetError):
+        pass
+    return out
+
+
+def test_https_closes_after_401_and_reads_no_pipelined_guess(https_gw):
+    body = b'{"topic": "YQ=="}'
+    s = https_gw.https()
+    s.sendall(b"".join(_request(b"guess%d" % i, body) for i in range(20)))
+    answer = _read_all(s)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert answer.count(b"HTTP/1.1") == 1, answer  # closed after the first answer
+    assert log_lines(https_gw, "wrong authentication key") == 1
+
+
+def test_https_deeply_nested_json_is_refused_and_the_gateway_lives(https_gw):
+    s = https_gw.https()
+    s.sendall(_request(SECRET, b"[" * 100_000 + b"]" * 100_000))
+    answer = _read_all(s)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert https_gw.proc.poll() is None
+    s = https_gw.https()  # still serving
+    s.sendall(_request(b"wrong", b"{}"))
+    assert _read_all(s).startswith(b"HTTP/1.1 401")
+
+
+# -- class 1: the shared route cache and the outgoing buffers are bounded in bytes ----------
+
+def reader(s: socket.socket, stop: threading.Event) -> threading.Thread:
+    def run() -> None:
+        s.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                if not s.recv(1 << 20):
+                    return
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_long_distinct_keys_cannot_grow_the_route_cache(gw, local):
+    """Every key the bus sends the gateway is looked up once and cached: 400 distinct
+    200 KB keys (80 MB) must not stay in the cache (4 MiB by default, in bytes)."""
+    sub = gw.connect()
+    subscribe_bridged(sub, b"", local, b"probe")
+    stop = threading.Event()
+    t = reader(sub, stop)
+    pub = gw.connect()
+    pub.sendall(codec.authenticate(SECRET))
+    roundtrip(pub)
+    before = rss_kib(gw.proc.pid)
+    try:
+        for i in range(400):
+            pub.sendall(codec.publish(b"%06d" % i + b"k" * 200_000, b"v"))
+        roundtrip(pub)
+        time.sleep(1.0)
+        growth_mib = (rss_kib(gw.proc.pid) - before) / 1024
+        print(f"gateway RSS +{growth_mib:.1f} MiB after 80 MB of distinct keys")
+        assert growth_mib < 16, f"RSS grew by {growth_mib:.1f} MiB"
+    finally:
+        stop.set()
+        t.join(5)
+
+
+def test_all_outgoing_buffers_together_are_bounded(hdir, bus, local):
+    g = start(hdir, bus, "--buffer-pool", "4m")
+    conns = []
+    try:
+        for n in range(20):  # each subscribes to its own topics and never reads
+            s = g.connect(rcvbuf=4096)
+            subscribe_bridged(s, b"fill/%d/" % n, local, b"fill/%d/probe" % n)
+            conns.append(s)
+        before = rss_kib(g.proc.pid)
+        body = bytes(60_000)
+        for i in range(60):  # 3.6 MB to each: 1 MiB buffers each would hold 20 MiB
+            for n in range(20):
+                local.send(b"MSG fill/%d/%d\0" % (n, i) + body)
+        time.sleep(1.5)
+        growth_mib = (rss_kib(g.proc.pid) - before) / 1024
+        print(f"gateway RSS +{growth_mib:.1f} MiB with 20 readers that never read")
+        assert growth_mib < 10, f"RSS grew by {growth_mib:.1f} MiB"
+        roundtrip(g.connect())
+    finally:
+        for s in conns:
+            s.close()
+        g.stop()
+
+
+def test_total_connection_cap(hdir, bus):
+    g = start(hdir, bus, "--max-clients", "10")
+    conns = [g.connect() for _ in range(10)]
+    try:
+        for c in conns:
+            roundtrip(c)
+        extra = g.connect()
+        assert closed_by_gateway(extra, timeout=2)
+        conns.pop().close()
+        time.sleep(0.2)
+        roundtrip(g.connect())  # a freed slot is taken again
+        assert log_lines(g, "at the cap of 10 connections") == 1
+    finally:
+        for c in conns:
+            c.close()
+        g.stop()
+
+
+def test_plaintext_on_the_tls_port_does_not_make_a_reconnect_storm(https_gw):
+    attempts = storm(https_gw, codec.subscribe(b"plain"))
+    assert attempts <= 2, f"{attempts} connections in 3 s"
+    assert len(https_gw.log().splitlines()) <= 12, https_gw.log()
+    https_gw.wait_log("TLS failed")
+
+
+def test_a_broker_restarted_with_another_separator_is_followed(hdir):
+    address = str(hdir / "swap.sock")
+    slash = BrokerProcess(address).start()
+    gw = start(hdir, slash)
+    try:
+        old = gw.connect()
+        old.sendall(codec.subscribe(b"a/"))
+        roundtrip(old)
+        slash.stop()
+        dot = BrokerProcess(address, "--separator", ".").start()
+        try:
+            gw.wait_log("the broker's separator is '.'", timeout=15)
+            assert closed_by_gateway(old)  # its pattern meant something else
+            s = gw.connect()
+            s.sendall(codec.authenticate(SECRET) + codec.publish(b"!.cred.0.0.1.x", b"no"))
+            roundtrip(s)
+            gw.wait_log("is a secret (!.) key")
+        finally:
+            dot.stop()
+    finally:
+        gw.stop()
+
+
+def test_https_bodies_of_unauthenticated_requests_are_never_held(https_gw):
+    pid = https_gw.proc.pid
+    warm = https_gw.https()
+    warm.sendall(_request(b"wrong", b"{}"))
+    _read_all(warm)
+    before = rss_kib(pid)
+    head = (b"POST / HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b"X-Authentication-Key: guess\r\nContent-Length: 300000\r\n\r\n")
+    conns = []
+    for _ in range(100):  # each sends most of a 300 KB body and then waits
+        s = https_gw.https()
+        try:
+            s.sendall(head + b"[" * 200_000)
+        except OSError:
+            pass  # answered and closed before the body was all sent: as it should be
+        conns.append(s)
+    time.sleep(1.0)
+    growth_mib = (rss_kib(pid) - before) / 1024
+    print(f"gateway RSS +{growth_mib:.1f} MiB with 100 unauthenticated HTTPS bodies")
+    for s in conns:
+        s.close()
+    assert growth_mib < 10, f"RSS grew by {growth_mib:.1f} MiB"
