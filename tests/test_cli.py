@@ -32,6 +32,24 @@ def test_pub_sub_lines_and_count(broker):
     assert lines == [f"t/{i} payload {i}" for i in range(first, first + 3)]
 
 
+def test_sub_lines_escape_what_would_drive_the_terminal(broker):
+    """Keys and payloads are the publisher's bytes: in `lines` format an ESC, a newline or
+    invalid UTF-8 is shown escaped, so another user cannot clear or retitle the reader's
+    terminal, or forge lines."""
+    sub = subprocess.Popen([*SBUS, "sub", "--address", broker.address, "--count", "1", "x/"],
+                           stdout=subprocess.PIPE)
+    with Client(broker.address) as pub:
+        for _ in range(400):
+            pub.publish(b"x/\x1b]0;owned\x07", b"\x1b[2J\x1b[31mred\nforged line\xff\\")
+            try:
+                out, _ = sub.communicate(timeout=0.05)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    assert out == b"x/\\x1b]0;owned\\x07 \\x1b[2J\\x1b[31mred\\nforged line\\xff\\\\\n"
+    assert b"\x1b" not in out and out.count(b"\n") == 1
+
+
 def test_pub_from_stdin_and_lines(broker):
     with Client(broker.address) as c:
         c.subscribe(b"in")

@@ -9,6 +9,7 @@ import os
 import sys
 
 from ..client import Client, Publish
+from ..display import printable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,15 +17,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="routing key pattern ('' for everything not secret)")
     p.add_argument("--count", "-n", type=int, default=None, help="exit after N messages")
     p.add_argument("--format", choices=["lines", "raw", "json"], default="lines",
-                   help="lines: 'KEY PAYLOAD' per message; raw: payload bytes only, as they "
-                        "are; json: one object per line (non-UTF-8 as *_base64)")
+                   help="lines: 'KEY PAYLOAD' per message, control bytes and invalid UTF-8 "
+                        "escaped (\\x1b, \\n) so that a message cannot drive the terminal; "
+                        "raw: payload bytes only, as they are; json: one object per line "
+                        "(non-UTF-8 as *_base64)")
 
 
 def format_message(msg: Publish, fmt: str) -> bytes:
     if fmt == "raw":
         return msg.payload
     if fmt == "lines":
-        return msg.key + b" " + msg.payload.rstrip(b"\n") + b"\n"
+        line = printable(msg.key) + " " + printable(msg.payload.rstrip(b"\n"))
+        return line.encode() + b"\n"
     obj: dict[str, str] = {}
     for name, value in (("key", msg.key), ("payload", msg.payload)):
         try:
