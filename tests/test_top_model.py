@@ -259,3 +259,29 @@ def test_screen_fills_the_terminal_exactly(width, height):
     assert max(len(line) for line in lines) <= width
     assert lines[-1].startswith("q quit")
     assert f"{fit.rows}/200 rows" in lines[-1] or width < 80
+
+
+def test_what_a_publisher_makes_the_viewer_hold_is_bounded_in_bytes():
+    """Many long keys with large payloads: the model stays within max_bytes by its own
+    count, and that count covers what tracemalloc sees it allocate."""
+    import gc
+    import tracemalloc
+
+    from sbus.top.model import PREVIEW_BYTES
+
+    model = TrafficModel(0.0, max_keys=10_000, max_bytes=4 << 20)
+    payload = b"p" * 200_000
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(400):
+            key = b"k/%d/" % i + b"x" * (i * 100)
+            model.feed_packets([b"MSG " + key + b"\0" + payload], float(i))
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert model.held <= 4 << 20 and model.evicted > 0
+    assert used <= model.held + (1 << 20)  # recent messages and history besides
+    newest = model.keys[next(reversed(model.keys))]
+    assert len(newest.last_payload) == PREVIEW_BYTES and newest.nbytes == len(payload)

@@ -220,3 +220,13 @@ def test_many_keys_stay_bounded(broker):
     assert b"many/9999" in model.keys and b"many/0" not in model.keys
     text = screen(model, 80, 24)
     assert "keys 500 (+9,500 evicted)" in text
+
+
+def test_keys_that_would_drive_the_terminal_are_shown_escaped():
+    model = TrafficModel(time.monotonic())
+    evil = b"a\x1b]0;owned\x07\x1b[2Jb\n"
+    model.feed_packets([b"MSG " + evil + b"\0\x1b[31mred"], time.monotonic())
+    model.tick(time.monotonic() + 1)
+    text = screen(model, 120, 30)
+    assert "\x1b" not in text and "\x07" not in text
+    assert "a\\x1b]0;owned\\x07\\x1b[2Jb\\n" in text

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from ..client import SbusError, default_address
+from ..defaults import size_arg
 from .model import SortBy, ViewOptions
 
 __all__ = ["add_arguments", "run", "main"]
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-keys", type=_positive(int), default=10_000, metavar="N",
                         help="keys tracked at most; the least recently seen are "
                              "forgotten (default 10000)")
+    parser.add_argument("--max-bytes", type=size_arg, default=32 << 20, metavar="BYTES",
+                        help="memory for tracked keys and their last payloads at most; the "
+                             "least recently seen are forgotten (default 32m)")
     parser.add_argument("--limit", type=_positive(int), default=None, metavar="N",
                         help="rows in a --json snapshot (default: all)")
     parser.add_argument("--interval", type=_positive(float), default=0.25, metavar="S",
@@ -72,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings(
         address=args.address, patterns=patterns,
         options=ViewOptions(sort=_SORTS[args.sort], filter=args.filter, depth=args.group),
-        max_keys=args.max_keys, interval=args.interval, seconds=args.seconds,
-        idle=args.idle, limit=args.limit,
+        max_keys=args.max_keys, max_bytes=args.max_bytes, interval=args.interval,
+        seconds=args.seconds, idle=args.idle, limit=args.limit,
     )
     if args.svg and not args.once:
         raise SbusError("--svg goes with --once")

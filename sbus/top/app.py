@@ -32,6 +32,7 @@ class Settings:
     patterns: list[bytes]
     options: ViewOptions = field(default_factory=ViewOptions)
     max_keys: int = 10_000
+    max_bytes: int = 32 << 20
     interval: float = 0.25  # seconds between redraws
     retry: float = 0.5  # seconds between reconnection attempts
     seconds: float = 3.0  # how long a snapshot counts
@@ -41,6 +42,7 @@ class Settings:
 
 def _model(settings: Settings) -> TrafficModel:
     return TrafficModel(time.monotonic(), max_keys=settings.max_keys,
+                        max_bytes=settings.max_bytes,
                         address=settings.address or default_address())
 
 

@@ -42,6 +42,12 @@ class SortBy(Enum):
         return members[(members.index(self) + 1) % len(members)]
 
 
+#: Payload bytes kept per key and per recent message for previews (a preview shows less).
+PREVIEW_BYTES = 2048
+#: Bytes a key's counters cost besides its key and packet (KeyStats, dict entry).
+KEY_COST = 300
+
+
 @dataclass(slots=True)
 class KeyStats:
     """Counters for one routing key; `rate`/`byte_rate` are refreshed by `tick`."""
@@ -49,7 +55,7 @@ class KeyStats:
     count: int = 0
     nbytes: int = 0
     last_seen: float = 0.0
-    last_packet: bytes = b"MSG \0"  # the whole packet: slicing out the payload costs
+    last_packet: bytes = b"MSG \0"  # the packet, cut after `PREVIEW_BYTES` of payload
     mark_count: int = 0
     mark_bytes: int = 0
     rate: float = 0.0
@@ -164,14 +170,19 @@ def preview(payload: bytes, limit: int = 64) -> str:
 
 
 class TrafficModel:
-    """Per-key counters (an LRU bounded to *max_keys*), totals, a minute of rate history
-    and the most recent messages."""
+    """Per-key counters (an LRU bounded to *max_keys* and *max_bytes*), totals, a minute of
+    rate history and the most recent messages.
 
-    def __init__(self, now: float, *, max_keys: int = 10_000, history: int = 60,
-                 recent: int = 50, address: str = "") -> None:
+    Every key is charged its bytes, the packet kept for its preview and `KEY_COST`; a
+    packet is kept whole only up to `PREVIEW_BYTES` of payload (a preview shows less), so
+    publishers of many or long keys and payloads cost the viewer at most *max_bytes*."""
+
+    def __init__(self, now: float, *, max_keys: int = 10_000, max_bytes: int = 32 << 20,
+                 history: int = 60, recent: int = 50, address: str = "") -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be at least 1")
         self.max_keys = max_keys
+        self.max_bytes = max_bytes
         self.started = now
         self.address = address
         self.state = "connecting"
@@ -182,6 +193,7 @@ class TrafficModel:
     def clear(self, now: float) -> None:
         """Forget all counters (the `c` key); uptime and connection state stay."""
         self.keys: OrderedDict[bytes, KeyStats] = OrderedDict()
+        self.held = 0  # bytes charged for `keys` (see the class docstring)
         self.total = 0
         self.total_bytes = 0
         self.evicted = 0
@@ -221,14 +233,17 @@ class TrafficModel:
                 continue
             key = packet[4:nul]
             size = len(packet) - nul - 1
+            if size > PREVIEW_BYTES:
+                packet = packet[:nul + 1 + PREVIEW_BYTES]
             st = keys.get(key)
             if st is None:
                 st = keys[key] = KeyStats()
-                if len(keys) > self.max_keys:
-                    keys.popitem(last=False)
-                    self.evicted += 1
+                self.held += KEY_COST + 2 * len(key) + len(st.last_packet)
             else:
                 keys.move_to_end(key)
+            self.held += len(packet) - len(st.last_packet)
+            if self.held > self.max_bytes or len(keys) > self.max_keys:
+                self._evict()
             st.count += 1
             st.nbytes += size
             st.last_seen = now
@@ -245,6 +260,14 @@ class TrafficModel:
             ev = parse(packet)
             recent.append(Message(now, ev.key, ev.payload))
         return other
+
+    def _evict(self) -> None:
+        """Forget the least recently seen keys (never the newest) until within bounds."""
+        keys = self.keys
+        while len(keys) > 1 and (len(keys) > self.max_keys or self.held > self.max_bytes):
+            key, st = keys.popitem(last=False)
+            self.held -= KEY_COST + 2 * len(key) + len(st.last_packet)
+            self.evicted += 1
 
     def feed(self, events: Iterable[Publish | Control], now: float) -> list[Control]:
         """`feed_packets` for events (tests, callers that already parsed)."""

@@ -16,6 +16,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
+from ..display import printable
 from .controls import FOOTER_KEYS
 from .model import Row, Snapshot, SortBy, preview
 
@@ -190,7 +191,7 @@ def _table(snap: Snapshot, width: int, nrows: int) -> Table:
 
 
 def _name(row: Row, grouped: bool) -> str:
-    name = row.name.decode("utf-8", "backslashreplace")
+    name = printable(row.name)
     return f"{name} ({row.keys})" if grouped and row.keys > 1 else name
 
 
@@ -214,7 +215,7 @@ def _recent(snap: Snapshot, width: int, count: int, wall: float) -> list[Text]:
     key_w = max(12, min(40, width // 3))
     for msg in snap.recent[-count:] if count else []:
         stamp = time.strftime("%H:%M:%S", time.localtime(wall - (snap.now - msg.at)))
-        key = msg.key.decode("utf-8", "backslashreplace")
+        key = printable(msg.key, 4 * key_w)
         if len(key) > key_w:
             key = key[: key_w - 1] + "…"
         room = width - len(stamp) - key_w - 2
