@@ -9,6 +9,7 @@ import select
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -170,6 +171,35 @@ def test_echo_publishes_one_message(mnt, bus):
     subprocess.run(["sh", "-c", f"echo hi > {mnt / 'a/b/c'}"], check=True)
     assert sub.recv(1 << 20) == b"MSG a/b/c\0hi\n"
     assert os.path.isfile(mnt / "a/b/c")
+
+
+def test_a_blocking_subscriber_does_not_stall_other_writers(mnt, bus):
+    """The mount publishes every writer's messages on one connection: a subscriber on
+    `block` that never reads (root's, so it may pause anyone) must not stall the mount.
+    The mount says `blocking/publisher/nowait`; the stuck subscriber loses messages and
+    is told so, and another writer's message goes through at once."""
+    stuck = subscriber(bus.address)
+    stuck.send(b"CMSG blocking/soft/block")
+    stuck.send(b"SUB stall/")
+    sync(stuck)
+    other = subscriber(bus.address, b"freeflow/y")
+    os.makedirs(mnt / "stall", exist_ok=True)
+    os.makedirs(mnt / "freeflow", exist_ok=True)
+    flood = "import sys\nwith open(sys.argv[1], 'wb', buffering=0) as f:\n" \
+            "    for i in range(6000): f.write(b'%d ' % i + b'x' * 1000)\n"
+    subprocess.run([sys.executable, "-c", flood, str(mnt / "stall/x")], check=True, timeout=30)
+    subprocess.run(["sh", "-c", f"echo hi > {mnt / 'freeflow/y'}"], check=True, timeout=10)
+    other.settimeout(10)
+    assert other.recv(1 << 20) == b"MSG freeflow/y\0hi\n"
+    stuck.settimeout(10)
+    got, dropped = 0, 0
+    while got + dropped < 6000:
+        p = stuck.recv(1 << 20)
+        if p.startswith(b"CMSG blocking/dropped\0"):
+            dropped += int(p.split(b"\0")[1])
+        else:
+            got += 1
+    assert dropped > 0
 
 
 def test_append_truncate_and_each_write_is_one_message(mnt, bus):

@@ -299,3 +299,23 @@ def test_thread_group_of_a_thread() -> None:
     t.join()
     assert thread_group(os.getpid()) == os.getpid()
     assert not interrupted(tids[0], os.getpid())  # thread gone, process asked instead
+
+
+def test_remembered_keys_are_bounded_in_bytes_and_cost_what_they_are_charged():
+    """A publisher of many long, deep keys cannot make the mount hold more than
+    max_bytes: the charge covers what tracemalloc sees the tree allocate."""
+    import gc
+    import tracemalloc
+
+    tree = KnownTree(capacity=100_000, max_bytes=2 << 20)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(3000):
+            tree.learn(tuple(b"s%d_%d" % (i, j) for j in range(i % 60 + 1)))
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert tree.held <= 2 << 20 and len(tree) < 3000
+    assert used <= tree.held

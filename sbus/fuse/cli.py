@@ -16,17 +16,10 @@ import sys
 import trio
 
 from ..client import SbusError, default_address
+from ..defaults import MAX_MESSAGE, size_arg
 from .framing import FORMATS
 
 log = logging.getLogger("sbus.fuse")
-
-
-def _size(text: str) -> int:
-    units = {"k": 1024, "m": 1024**2}
-    text = text.strip().lower().rstrip("ib")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "JSON object per message with key, payload and time (jsonl)")
     p.add_argument("--remember", type=int, default=10000, metavar="N",
                    help="live keys remembered for directory listings (default 10000)")
-    p.add_argument("--max-message", type=_size, default=256 * 1024, metavar="BYTES",
+    p.add_argument("--remember-bytes", type=size_arg, default=16 << 20, metavar="BYTES",
+                   help="memory for remembered keys at most (default 16m); the least "
+                        "recently seen are forgotten first")
+    p.add_argument("--max-message", type=size_arg, default=MAX_MESSAGE, metavar="BYTES",
                    help="the broker's packet limit: larger writes fail with EMSGSIZE "
                         "(default 256k, as 'sbus serve')")
     p.add_argument("--reconnect-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -146,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     address = os.path.abspath(args.address or default_address())
     Client(address, timeout=5).close()  # a clear error before anything is mounted
     fs = BusFS(address, fmt=args.format, remember=args.remember,
+               remember_bytes=args.remember_bytes,
                max_message=args.max_message, reconnect_timeout=args.reconnect_timeout)
     options = set(pyfuse3.default_options) | {"fsname=sbus", "subtype=sbus"}
     if args.allow_other:

@@ -110,15 +110,28 @@ class _Node:
         return not (self.key or self.explicit or self.children)
 
 
+#: Bytes a remembered key is charged besides its segments' bytes: its entry and, as if
+#: none were shared, a node per segment (measured: tests/test_fuse_mapping.py).
+KEY_COST = 200
+SEGMENT_COST = 400
+
+
+def key_cost(path: Path) -> int:
+    return KEY_COST + sum(SEGMENT_COST + 2 * len(seg) for seg in path)
+
+
 class KnownTree:
     """The names the mount knows: directories made with ``mkdir`` (kept until
-    ``rmdir``) and the most recently seen keys (at most *capacity*, least recently
-    seen forgotten first).  A name is a directory if anything known lies below it."""
+    ``rmdir``) and the most recently seen keys (at most *capacity*, and at most
+    *max_bytes* by `key_cost`; least recently seen forgotten first).  A name is a
+    directory if anything known lies below it."""
 
-    def __init__(self, capacity: int = 10000) -> None:
+    def __init__(self, capacity: int = 10000, max_bytes: int = 16 << 20) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.held = 0
         self._root = _Node()
         self._keys: OrderedDict[Path, None] = OrderedDict()
 
@@ -134,12 +147,14 @@ class KnownTree:
             keys.move_to_end(path)
             return
         keys[path] = None
+        self.held += key_cost(path)
         node = self._root
         for seg in path:
             node = node.children.setdefault(seg, _Node())
         node.key = True
-        if len(keys) > self.capacity:
+        while len(keys) > 1 and (len(keys) > self.capacity or self.held > self.max_bytes):
             old, _ = keys.popitem(last=False)
+            self.held -= key_cost(old)
             self._clear(old, "key")
 
     def forget(self, path: Path) -> bool:
@@ -147,6 +162,7 @@ class KnownTree:
         if path not in self._keys:
             return False
         del self._keys[path]
+        self.held -= key_cost(path)
         self._clear(path, "key")
         return True
 

@@ -37,8 +37,10 @@ import trio
 from pyfuse3 import FUSEError
 from trio.lowlevel import ParkingLot, wait_readable, wait_writable
 
+from .. import protocol
+from ..defaults import MAX_MESSAGE
 from ..keys import Credentials, KeyRefused, KeyRules
-from ..protocol import WHOAMI
+from ..protocol import PUBLISHER_NOWAIT, WHOAMI
 from . import mapping
 from .framing import Outbox, frame
 from .mapping import Kind, Path, Refused
@@ -76,7 +78,7 @@ MONITOR_PAUSE = 0.05
 #: through at once.
 PUMP_COALESCE = 0.002
 PUMP_SMALL = 32
-DROPPED = b"CMSG blocking/dropped\0"
+DROPPED = b"CMSG " + protocol.DROPPED + b"\0"
 WHOAMI_REPLY = b"CMSG " + WHOAMI + b"\0"
 
 
@@ -203,11 +205,12 @@ class BusFS(pyfuse3.Operations):
     """The filesystem.  Call `start` inside a nursery before `pyfuse3.main`."""
 
     def __init__(self, address: str, *, fmt: str = "lines", remember: int = 10000,
-                 max_message: int = 256 * 1024, reconnect_timeout: float = 30.0) -> None:
+                 remember_bytes: int = 16 << 20, max_message: int = MAX_MESSAGE,
+                 reconnect_timeout: float = 30.0) -> None:
         super().__init__()
         self.address = address
         self.fmt = fmt
-        self.tree = mapping.KnownTree(remember)
+        self.tree = mapping.KnownTree(remember, remember_bytes)
         self.max_message = max_message
         self.reconnect_timeout = reconnect_timeout
         self.rules = KeyRules(mapping.SEP)
@@ -228,7 +231,7 @@ class BusFS(pyfuse3.Operations):
         self._dirs: dict[int, tuple[Path, list[tuple[bytes, Kind]]]] = {}
         self._publisher: socket.socket | None = None
         self._publish_lock = trio.Lock()
-        self._buf = bytearray(max(max_message, 256 * 1024) + RECV_SPARE)
+        self._buf = bytearray(max(max_message, MAX_MESSAGE) + RECV_SPARE)
         self._recv_size = len(self._buf) - RECV_SPARE
         self._view = memoryview(self._buf)
         self._readers: set[Reader] = set()
@@ -758,6 +761,9 @@ class BusFS(pyfuse3.Operations):
                     if sock is None:
                         log.error("cannot publish: no broker at %s", self.address)
                         raise FUSEError(errno.EIO)
+                    # one connection publishes for every writer: a slow subscriber of
+                    # one key must not stall writers of others (docs/protocol.md)
+                    await _send(sock, b"CMSG " + PUBLISHER_NOWAIT)
                     self._publisher = sock
                 try:
                     await _send(sock, packet)
