@@ -406,3 +406,29 @@ def test_streaming_rollups_published_under_stats(spark, bus, tmp_path):
     assert got == {k: v for k, v in expect.items() if k[1] < 3}
     assert run_once() == []
     sub.close()
+
+
+def test_a_damaged_journal_fails_the_query_with_one_clear_error(spark, tmp_path):
+    """A flipped bit in a sealed segment: the Python worker neither crashes nor returns a
+    wrong row; the query fails naming the file and the block's position.  With
+    verify=false (trusted journals) offsets that point outside a block still fail."""
+    import struct
+
+    from sbus.journal import format as fmt
+
+    jdir = tmp_path / "damaged"
+    with JournalWriter(jdir, fsync=False) as w:
+        w.append(1_000_000, [b"a/%d" % i for i in range(50)], [b"x" * i for i in range(50)])
+        w.flush()
+        w.seal()
+    (seg,) = list_segments(jdir)
+    data = bytearray(seg.path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside the payloads
+    seg.path.write_bytes(data)
+    with pytest.raises(Exception, match="damaged journal segment .*block at byte 32"):
+        spark.read.format("sbus").load(str(jdir)).collect()
+    at = fmt.FILE_HEAD.size + fmt.BLOCK_HEAD.size + 8 * 50 + 4 * 10  # a key offset
+    struct.pack_into("<i", data, at, 10**7)
+    seg.path.write_bytes(data)
+    with pytest.raises(Exception, match="corrupt key offsets"):
+        spark.read.format("sbus").option("verify", "false").load(str(jdir)).collect()

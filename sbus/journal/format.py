@@ -17,6 +17,11 @@ first is stored.  The CRC lets recovery tell a complete block from a torn tail.
 A sealed segment ends with an index (one entry per block: position, first_seq,
 count, min/max receive time) and a fixed trailer pointing at it, so a reader can
 split a segment into byte ranges without scanning it.
+
+Nothing read from a file is trusted: every count, size, position and offset is checked
+against the bytes actually there before it is used (`decode_block`, `decode_index`),
+always, whether or not the CRC is verified.  A damaged file is a `FormatError`, never
+an out-of-bounds view (which Arrow would turn into a crash) or a huge allocation.
 """
 
 from __future__ import annotations
@@ -170,7 +175,8 @@ def decode_block_head(data, pos: int = 0) -> tuple[int, int, int, int, int]:
 def decode_block(data, pos: int = 0, verify: bool = True) -> tuple[Block, int]:
     """The block at *pos* of *data* and the position after it.
 
-    Raises FormatError for a torn or corrupt block (short, bad magic, bad CRC)."""
+    Raises FormatError for a torn or corrupt block (short, bad magic, bad CRC, offsets
+    that do not rise from 0 to the column's length)."""
     count, first_seq, klen, plen, crc = decode_block_head(data, pos)
     size = block_size(count, klen, plen)
     end = pos + size
@@ -185,7 +191,19 @@ def decode_block(data, pos: int = 0, verify: bool = True) -> tuple[Block, int]:
     c = b + 4 * (count + 1)
     d = c + klen
     block = Block(first_seq, count, body[:a], body[a:b], body[b:c], body[c:d], body[d:d + plen])
+    _check_offsets(block.key_offsets, klen, "key")
+    _check_offsets(block.payload_offsets, plen, "payload")
     return block, end
+
+
+def _check_offsets(offsets: memoryview, length: int, what: str) -> None:
+    """Offsets must start at 0, never fall, and end at the column's length: otherwise an
+    Arrow array built on them reads outside the block."""
+    import numpy as np  # the journal's readers and writer use it anyway
+
+    o = np.frombuffer(offsets, dtype="<i4")
+    if o[0] != 0 or o[-1] != length or (len(o) > 1 and (np.diff(o) < 0).any()):
+        raise FormatError(f"corrupt {what} offsets")
 
 
 def encode_index(blocks: list[BlockInfo], index_pos: int) -> bytes:
@@ -214,5 +232,9 @@ def decode_index(data: bytes, nblocks: int, crc: int, index_pos: int) -> list[Bl
     out = []
     for i, (pos, first_seq, count, lo, hi) in enumerate(raw):
         end = raw[i + 1][0] if i + 1 < nblocks else index_pos
+        smallest = block_size(count, 0, 0) if count > 0 else 0
+        if pos < FILE_HEAD.size or count <= 0 or end - pos < smallest or \
+                (out and first_seq != out[-1].next_seq):
+            raise FormatError(f"corrupt segment index (entry {i})")
         out.append(BlockInfo(pos, first_seq, count, lo, hi, end - pos))
     return out

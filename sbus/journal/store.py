@@ -93,6 +93,9 @@ def _sealed_blocks(f, path: Path) -> list[BlockInfo]:
         raise FormatError("segment too short")
     f.seek(size - fmt.TRAILER.size)
     index_pos, nblocks, crc = fmt.decode_trailer(f.read(fmt.TRAILER.size))
+    if not fmt.FILE_HEAD.size <= index_pos <= size - fmt.TRAILER.size or \
+            index_pos + nblocks * fmt.INDEX_ENTRY.size != size - fmt.TRAILER.size:
+        raise FormatError("trailer points outside the segment")
     f.seek(index_pos)
     return fmt.decode_index(f.read(nblocks * fmt.INDEX_ENTRY.size), nblocks, crc, index_pos)
 
@@ -103,6 +106,7 @@ def scan_blocks(f, start: int = fmt.FILE_HEAD.size, verify: bool = True) -> list
     out = []
     pos = start
     f.seek(pos)
+    file_size = os.fstat(f.fileno()).st_size
     while True:
         head = f.read(fmt.BLOCK_HEAD.size)
         try:
@@ -110,6 +114,8 @@ def scan_blocks(f, start: int = fmt.FILE_HEAD.size, verify: bool = True) -> list
         except FormatError:
             break
         size = fmt.block_size(count, klen, plen)
+        if pos + size > file_size:  # torn, or a head claiming more than there is
+            break
         rest = f.read(size - fmt.BLOCK_HEAD.size)
         try:
             block, _ = fmt.decode_block(head + rest, 0, verify)
@@ -146,26 +152,35 @@ def read_blocks(directory: str | os.PathLike, first_seq: int, start: int, end: i
     """Decoded blocks whose positions lie in ``[start, end)`` of the segment starting at
     *first_seq*; *start* must be a block boundary.  FileNotFoundError if it is gone.
 
-    *verify* checks each block's CRC; None (default) checks only in an open segment, where a
-    block may be half-written — a sealed one was fsynced before its rename."""
+    *verify* checks each block's CRC (the default: a flipped bit in a key or payload is
+    an error, not a wrong row); False skips it for speed on journals you trust.  Counts,
+    sizes and offsets are checked always.  A damaged block raises JournalError naming
+    the file and the block's byte position."""
     seg = resolve(directory, first_seq)
     if seg is None:
         raise FileNotFoundError(f"journal segment {_name(first_seq)} no longer exists "
                                 f"in {directory} (removed by retention?)")
-    if verify is None:
-        verify = not seg.sealed
+    verify = verify is not False
     fd = os.open(seg.path, os.O_RDONLY)
     try:
+        file_end = os.fstat(fd).st_size
         pos = start
         while pos < end:
-            count, _, klen, plen, _ = fmt.decode_block_head(
-                os.pread(fd, fmt.BLOCK_HEAD.size, pos))
-            size = fmt.block_size(count, klen, plen)
-            # One copy, straight into the buffer the block's Arrow arrays will wrap.
-            data = bytearray(size)
-            if os.preadv(fd, [data], pos) != size:
-                raise FormatError("truncated block")
-            block, _ = fmt.decode_block(data, 0, verify)
+            try:
+                count, _, klen, plen, _ = fmt.decode_block_head(
+                    os.pread(fd, fmt.BLOCK_HEAD.size, pos))
+                size = fmt.block_size(count, klen, plen)
+                if pos + size > file_end:  # checked before the buffer is allocated
+                    raise FormatError(f"block claims {size} bytes, the file has "
+                                      f"{file_end - pos} left")
+                # One copy, straight into the buffer the block's Arrow arrays will wrap.
+                data = bytearray(size)
+                if os.preadv(fd, [data], pos) != size:
+                    raise FormatError("truncated block")
+                block, _ = fmt.decode_block(data, 0, verify)
+            except FormatError as exc:
+                raise JournalError(f"damaged journal segment {seg.path}: block at byte "
+                                   f"{pos}: {exc}") from None
             yield block
             pos += size
     finally:
@@ -222,7 +237,11 @@ class JournalWriter:
         next_seq = 1
         for seg in list_segments(self.dir):
             if seg.sealed:
-                blocks = segment_blocks(seg)
+                try:
+                    blocks = segment_blocks(seg)
+                except JournalError as exc:
+                    next_seq = max(next_seq, self._quarantine(seg, exc))
+                    continue
             else:
                 blocks = self._recover_open(seg)
             if blocks:
@@ -230,6 +249,18 @@ class JournalWriter:
             else:
                 next_seq = max(next_seq, seg.first_seq)
         return next_seq
+
+    def _quarantine(self, seg: Segment, exc: JournalError) -> int:
+        """Move a sealed segment whose index is damaged aside (``.corrupt``: kept for
+        inspection, skipped by readers) instead of failing at every start, and return a
+        sequence number beyond any record it can hold, so none is ever reused."""
+        size = seg.path.stat().st_size
+        aside = seg.path.with_name(seg.path.name + ".corrupt")
+        os.rename(seg.path, aside)
+        self._fsync_dir()
+        log.error("%s; moved aside to %s, its records are skipped", exc, aside.name)
+        smallest_record = 16  # ts (8) and two offsets (4 + 4)
+        return seg.first_seq + size // smallest_record + 1
 
     def _recover_open(self, seg: Segment) -> list[BlockInfo]:
         with open(seg.path, "r+b") as f:

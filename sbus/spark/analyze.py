@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from pathlib import Path
 
 from sbus.client import SbusError  # absolute: spark-submit runs this file as a script
+from sbus.display import printable
 
 STATS_PREFIX = "stats/"
 
@@ -169,7 +171,7 @@ def plot_traffic(traffic: list, path: Path, window: str) -> str | None:
     marker = "o" if len(xs) < 30 else None
     ax.plot(xs, [totals[x] for x in xs], color="black", linewidth=2, label="all", marker=marker)
     for p in busiest:
-        ax.plot(xs, [per_prefix[p].get(x, 0) for x in xs], label=p or "(empty)", marker=marker)
+        ax.plot(xs, [per_prefix[p].get(x, 0) for x in xs], label=_label(p), marker=marker)
     width = traffic[0]["window_end"] - traffic[0]["window_start"]
     ax.set_xlim(xs[0] - width, xs[-1] + width)
     ax.set_ylim(bottom=0)
@@ -189,11 +191,27 @@ def _row(cols: list) -> str:
     return "| " + " | ".join(str(c) for c in cols) + " |"
 
 
+def _code(text: str, limit: int = 120) -> str:
+    """Client text as a code span that stays inside its table cell: control bytes and
+    newlines escaped (`printable`), pipes escaped, and a fence longer than any run of
+    backticks in it, so a key cannot end the span, split the row or leave the table."""
+    shown = printable(text, limit).replace("|", "\\|")
+    runs = [len(r) for r in re.findall("`+", shown)]
+    fence = "`" * (max(runs, default=0) + 1)
+    pad = " " if shown.startswith("`") or shown.endswith("`") else ""
+    return f"{fence}{pad}{shown}{pad}{fence}"
+
+
+def _label(text: str) -> str:
+    """A legend label: escaped, short, and with ``$`` taken literally (not mathtext)."""
+    return printable(text, 40).replace("$", r"\$") or "(empty)"
+
+
 def render_report(summary: dict, keys: list, prefixes: list, window: str,
                   plot: str | None) -> str:
     lines = [
         "# sbus traffic report", "",
-        f"Journal: `{summary['journal']}`  ",
+        f"Journal: {_code(str(summary['journal']), 300)}  ",
         f"Messages: {summary['messages']}, payload bytes: {summary['bytes']}, "
         f"distinct keys: {summary['keys']}, prefixes: {summary['prefixes']}  ",
         f"From {summary['first']} to {summary['last']} (UTC)", "",
@@ -207,9 +225,9 @@ def render_report(summary: dict, keys: list, prefixes: list, window: str,
                 r["p90_size"], r["p99_size"], r["max_size"]]
 
     lines += ["## Busiest prefixes", "", _row(["prefix", *head]), _row(["---"] * 8)]
-    lines += [_row([f"`{r['prefix']}`", *stats(r)]) for r in prefixes]
+    lines += [_row([_code(r["prefix"]), *stats(r)]) for r in prefixes]
     lines += ["", "## Busiest keys", "", _row(["key", *head]), _row(["---"] * 8)]
-    lines += [_row([f"`{r['key']}`", *stats(r)]) for r in keys]
+    lines += [_row([_code(r["key"]), *stats(r)]) for r in keys]
     lines += ["", "Full tables: `keys.parquet`, `prefixes.parquet`, `windows.parquet`.", ""]
     return "\n".join(lines)
 

@@ -6,8 +6,9 @@ pattern; only matching keys are returned, filtered inside the reader; ``patternH
 it as hex bytes, for patterns that are not UTF-8),
 ``maxPartitionBytes`` (split size, default 128M), ``minPartitions`` (split a read into
 this many equal partitions when there are enough blocks, more only if maxPartitionBytes asks
-for it; default: the planning machine's CPU count), ``verify`` (check block CRCs: true,
-false; default: only in the open segment); streaming also ``maxRowsPerTrigger`` and
+for it; default: the planning machine's CPU count), ``verify`` (check block CRCs:
+true, the default, or false for journals you trust; sizes and offsets are checked
+either way); streaming also ``maxRowsPerTrigger`` and
 ``startingOffsets`` (earliest | latest).
 Sink options: see `sbus.spark.sink`.
 """

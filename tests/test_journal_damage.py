@@ -1,0 +1,165 @@
+"""Hostile or damaged journals: every read either returns exactly the recorded rows or
+raises one clear error naming the file and the position; never a crash, a hang, a huge
+allocation or a wrong row.  The recorder moves a damaged sealed segment aside instead
+of failing at every start."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from conftest import SBUS, raw, sync
+
+from sbus.journal import format as fmt
+from sbus.journal.store import JournalError, JournalWriter, list_segments, records
+
+ROWS = [(b"k/%d" % (i % 7), b"payload %d " % i + bytes(range(i % 50))) for i in range(60)]
+
+
+def sealed_journal(directory: Path) -> Path:
+    """A journal of three blocks in one sealed segment; returns the segment's path."""
+    with JournalWriter(directory, block_bytes=1 << 20, fsync=False) as w:
+        for n in range(3):
+            part = ROWS[n * 20:(n + 1) * 20]
+            w.append(1_000_000 + n, [k for k, _ in part], [p for _, p in part])
+            w.flush()
+        w.seal()
+    (seg,) = list_segments(directory)
+    assert seg.sealed
+    return seg.path
+
+
+def read_all(directory: Path) -> list[tuple[bytes, bytes]]:
+    return [(key, payload) for _, _, key, payload in records(directory)]
+
+
+def test_every_flipped_bit_is_the_right_rows_or_a_clear_error(tmp_path):
+    path = sealed_journal(tmp_path)
+    original = path.read_bytes()
+    assert read_all(tmp_path) == ROWS
+    errors = 0
+    for byte in range(len(original)):
+        damaged = bytearray(original)
+        damaged[byte] ^= 1 << (byte % 8)
+        path.write_bytes(damaged)
+        try:
+            rows = read_all(tmp_path)
+        except JournalError as exc:
+            assert str(path) in str(exc), exc
+            errors += 1
+            continue
+        assert rows == ROWS, f"byte {byte}: wrong rows, no error"
+    path.write_bytes(original)
+    assert errors > len(original) * 0.9  # only the file head is not read for a sealed file
+
+
+def crafted(tmp_path: Path, **head) -> Path:
+    """A sealed segment whose first block head is rewritten with *head* fields."""
+    path = sealed_journal(tmp_path)
+    data = bytearray(path.read_bytes())
+    at = fmt.FILE_HEAD.size
+    magic, count, first_seq, klen, plen, crc, zero = fmt.BLOCK_HEAD.unpack_from(data, at)
+    fields = dict(count=count, klen=klen, plen=plen) | head
+    struct.pack_into("<4sIqIIII", data, at, magic, fields["count"], first_seq,
+                     fields["klen"], fields["plen"], crc, zero)
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("head", [dict(count=2**32 - 1), dict(klen=2**32 - 1),
+                                  dict(plen=2**31), dict(count=2**31, klen=2**31)])
+def test_a_crafted_block_head_allocates_nothing_large(tmp_path, head):
+    crafted(tmp_path, **head)
+    tracemalloc.start()
+    try:
+        with pytest.raises(JournalError, match="block at byte 32"):
+            read_all(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+
+
+def test_a_truncated_segment_is_a_clear_error(tmp_path):
+    path = sealed_journal(tmp_path)
+    data = path.read_bytes()
+    for cut in (len(data) - 1, len(data) // 2, 40):
+        path.write_bytes(data[:cut])
+        with pytest.raises(JournalError, match=str(path)):
+            read_all(tmp_path)
+
+
+def test_offsets_pointing_outside_the_block_are_refused_without_a_crc(tmp_path):
+    """With verification off (trusted journals), the structure is still checked: offsets
+    that would make Arrow read outside the block are an error, not a crash."""
+    from sbus.journal.store import read_blocks, segment_blocks
+
+    path = sealed_journal(tmp_path)
+    data = bytearray(path.read_bytes())
+    at = fmt.FILE_HEAD.size + fmt.BLOCK_HEAD.size + 8 * 20 + 4 * 5  # a key offset
+    struct.pack_into("<i", data, at, 10**6)
+    path.write_bytes(data)
+    (seg,) = list_segments(tmp_path)
+    blocks = segment_blocks(seg)
+    with pytest.raises(JournalError, match="corrupt key offsets"):
+        list(read_blocks(tmp_path, seg.first_seq, blocks[0].pos, blocks[-1].end,
+                         verify=False))
+
+
+def test_the_recorder_moves_a_damaged_segment_aside_and_records_on(broker, tmp_path):
+    journal = tmp_path / "journal"
+    path = sealed_journal(journal)
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0xFF  # the trailer: the index cannot be found
+    path.write_bytes(data)
+    rec = subprocess.Popen([*SBUS, "record", "rec/", "--dir", str(journal), "--address",
+                            broker.address], stderr=subprocess.PIPE, text=True,
+                           stdin=subprocess.DEVNULL)
+    try:
+        with raw(broker.address) as pub:
+            for _ in range(300):  # until the recorder has started and recorded one
+                pub.send(b"MSG rec/after\0hello")
+                sync(pub)
+                if any(k == b"rec/after" for _, _, k, _ in _safe_records(journal)):
+                    break
+                time.sleep(0.1)
+        assert rec.poll() is None, rec.stderr.read()
+    finally:
+        rec.terminate()
+        _, err = rec.communicate(timeout=20)
+    assert os.path.exists(str(path) + ".corrupt")
+    lines = [line for line in err.splitlines() if "moved aside" in line]
+    assert len(lines) == 1 and "Traceback" not in err
+    seqs = [seq for seq, _, key, _ in records(journal) if key == b"rec/after"]
+    assert seqs and min(seqs) > 60  # never reuses a sequence number the damaged file held
+
+
+def _safe_records(journal: Path):
+    try:
+        return list(records(journal))
+    except (JournalError, FileNotFoundError):
+        return []
+
+
+def test_the_analyze_report_keeps_hostile_keys_inside_their_cells():
+    """Keys are client input: in report.md they must not drive a terminal that shows the
+    file, split a table row, end their code span or start a new line."""
+    from sbus.spark.analyze import render_report
+
+    evil = ["a|b", "x`y``z", "line\nbreak | # heading", "\x1b]0;owned\x07\x1b[2J", "`", ""]
+    row = dict(messages=1, bytes=2, msg_per_s=0.5, p50_size=1, p90_size=1, p99_size=1,
+               max_size=1)
+    summary = dict(journal="/j", messages=1, bytes=2, keys=1, prefixes=1, first="a", last="b")
+    text = render_report(summary, [dict(key=k, **row) for k in evil],
+                         [dict(prefix=k, **row) for k in evil], "1 minute", None)
+    assert "\x1b" not in text and "\x07" not in text
+    table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(table) == 2 + 2 * len(evil)  # one line per row: nothing broke out
+    for line in table:
+        cells = [c for c in line.replace("\\|", "").split("|")[1:-1]]
+        assert len(cells) == 8, line  # no pipe split a row
