@@ -507,8 +507,11 @@ def log_attack(pipe, address: str, params: dict) -> None:
         except OSError:
             stats["connect_failed"] += 1
             break
+    # all are checked while all are held, then closed: closing each after its check
+    # would free a slot for one the broker has not reached yet in its backlog
     for s in held:
         stats["connections_answered"] += bool(_answered(s))
+    for s in held:
         s.close()
     clock.state("logged")
     pipe.send(("done", dict(stats)))
