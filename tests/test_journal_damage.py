@@ -163,3 +163,18 @@ def test_the_analyze_report_keeps_hostile_keys_inside_their_cells():
     for line in table:
         cells = [c for c in line.replace("\\|", "").split("|")[1:-1]]
         assert len(cells) == 8, line  # no pipe split a row
+
+
+def test_an_unsealed_segment_with_a_damaged_header_is_kept_aside_not_deleted(tmp_path):
+    w = JournalWriter(tmp_path, fsync=False)
+    w.append(1, [b"a"] * 10, [b"x"] * 10)
+    w.flush()
+    (seg,) = list_segments(tmp_path)
+    assert not seg.sealed
+    data = bytearray(seg.path.read_bytes())
+    data[0] ^= 0xFF  # the file magic
+    seg.path.write_bytes(data)
+    w._lock.close()  # as if the recorder had died: a new one recovers
+    with JournalWriter(tmp_path, fsync=False) as again:
+        assert again.next_seq > 10
+    assert (tmp_path / (seg.path.name + ".corrupt")).read_bytes() == bytes(data)

@@ -39,6 +39,7 @@ from trio.lowlevel import ParkingLot, wait_readable, wait_writable
 
 from .. import protocol
 from ..defaults import MAX_MESSAGE
+from ..display import brief
 from ..keys import Credentials, KeyRefused, KeyRules
 from ..protocol import PUBLISHER_NOWAIT, WHOAMI
 from . import mapping
@@ -247,8 +248,8 @@ class BusFS(pyfuse3.Operations):
             self.cred = Credentials.parse(cred)
             self.own = tuple(cred.split(mapping.SEP)[2:5])
         except ValueError:
-            log.warning("the broker's whoami answer %r is not a credentials path; "
-                        "secret keys are not reachable through this mount", cred)
+            log.warning("the broker's whoami answer %s is not a credentials path; "
+                        "secret keys are not reachable through this mount", brief(cred))
         nursery.start_soon(self._monitor, sock)
 
     def shutdown(self) -> None:
@@ -548,7 +549,7 @@ class BusFS(pyfuse3.Operations):
         try:
             self.rules.check_key(key)
         except KeyRefused as exc:
-            log.info("refusing to publish on %r: %s", key, exc)
+            log.info("refusing to publish on %s: %s", brief(key), exc)
             raise FUSEError(errno.EINVAL) from None
 
     async def _open(self, ino: int, flags: int, ctx: Ctx) -> pyfuse3.FileInfo:
@@ -614,8 +615,8 @@ class BusFS(pyfuse3.Operations):
                 r.out.push(frame(self.fmt, raw[4:nul], raw[nul + 1:], time.time()))
         elif bytes(packet[:len(DROPPED)]) == DROPPED:
             n = bytes(packet[len(DROPPED):])
-            log.warning("the broker dropped %s messages for a reader of %r (it was too slow)",
-                        n.decode(errors="replace"), r.pattern)
+            log.warning("the broker dropped %s messages for a reader of %s (it was too slow)",
+                        brief(n), brief(r.pattern))
 
     async def _pump(self, r: Reader) -> None:
         with r.scope:
@@ -675,7 +676,7 @@ class BusFS(pyfuse3.Operations):
             r.failed = True
             r.wake()
             return
-        log.warning("reader of %r lost the broker at %s; re-subscribing", r.pattern,
+        log.warning("reader of %s lost the broker at %s; re-subscribing", brief(r.pattern),
                     self.address)
         sock = await self._reconnect([r.pattern], r)
         if sock is None:
@@ -684,7 +685,7 @@ class BusFS(pyfuse3.Operations):
             r.failed = True
         else:
             r.sock = sock
-            log.warning("reader of %r re-subscribed", r.pattern)
+            log.warning("reader of %s re-subscribed", brief(r.pattern))
         r.wake()
 
     @answering

@@ -236,14 +236,11 @@ class JournalWriter:
         number."""
         next_seq = 1
         for seg in list_segments(self.dir):
-            if seg.sealed:
-                try:
-                    blocks = segment_blocks(seg)
-                except JournalError as exc:
-                    next_seq = max(next_seq, self._quarantine(seg, exc))
-                    continue
-            else:
-                blocks = self._recover_open(seg)
+            try:
+                blocks = segment_blocks(seg) if seg.sealed else self._recover_open(seg)
+            except JournalError as exc:
+                next_seq = max(next_seq, self._quarantine(seg, exc))
+                continue
             if blocks:
                 next_seq = max(next_seq, blocks[-1].next_seq)
             else:
@@ -251,7 +248,7 @@ class JournalWriter:
         return next_seq
 
     def _quarantine(self, seg: Segment, exc: JournalError) -> int:
-        """Move a sealed segment whose index is damaged aside (``.corrupt``: kept for
+        """Move a segment whose index or header is damaged aside (``.corrupt``: kept for
         inspection, skipped by readers) instead of failing at every start, and return a
         sequence number beyond any record it can hold, so none is ever reused."""
         size = seg.path.stat().st_size
@@ -267,10 +264,13 @@ class JournalWriter:
             try:
                 fmt.decode_header(f.read(fmt.FILE_HEAD.size))
                 blocks = scan_blocks(f)
-            except FormatError:
+            except FormatError as exc:
+                if os.fstat(f.fileno()).st_size > fmt.FILE_HEAD.size:  # data: keep it
+                    raise JournalError(f"unsealed segment {seg.path} has a damaged "
+                                       f"header: {exc}") from None
                 blocks = []
             if not blocks:
-                log.warning("removing empty or unreadable unsealed segment %s", seg.path)
+                log.warning("removing empty unsealed segment %s", seg.path)
                 seg.path.unlink()
                 return []
             end = blocks[-1].end
