@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import re
 
-__all__ = ["MAX_MESSAGE", "QUEUE_LIMIT", "parse_size", "size_arg"]
+__all__ = ["MAX_MESSAGE", "QUEUE_LIMIT", "parse_size", "size_arg", "parse_duration",
+           "duration_arg"]
 
 #: Largest packet the broker accepts and forwards (``--max-message``).
 MAX_MESSAGE = 256 * 1024
@@ -34,3 +35,26 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_SECONDS = {"": 1, "s": 1, "ms": 0.001, "m": 60, "min": 60, "h": 3600, "d": 86400,
+            "w": 7 * 86400}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|min|[smhdw]?)\s*")
+
+
+def parse_duration(text: str) -> float:
+    """``"90s"``, ``"30m"``/``"30min"``, ``"12h"``, ``"7d"``, ``"2w"``, ``"250ms"`` ->
+    seconds (a bare number is seconds)."""
+    m = _DURATION.fullmatch(text.lower())
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 30min, 12h, 7d)")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+def duration_arg(text: str) -> float:
+    """`parse_duration` for argparse."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+

@@ -21,3 +21,21 @@ def test_bad_sizes_say_what_to_write(text):
         parse_size(text)
     with pytest.raises(argparse.ArgumentTypeError, match="256k"):
         size_arg(text)
+
+
+@pytest.mark.parametrize("text,value", [("90", 90), ("90s", 90), ("30min", 1800), ("30m", 1800),
+                                        ("1.5h", 5400), ("7d", 604800), ("250ms", 0.25)])
+def test_durations(text, value):
+    from sbus.defaults import parse_duration
+
+    assert parse_duration(text) == value
+
+
+def test_bad_durations_say_what_to_write():
+    from sbus.defaults import duration_arg, parse_duration
+
+    for text in ("", "soon", "-1s", "5 years"):
+        with pytest.raises(ValueError, match="not a duration"):
+            parse_duration(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="30min"):
+        duration_arg("x")

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import SBUS, raw, sync
 
+from sbus.defaults import parse_duration, parse_size
 from sbus.journal import format as fmt
-from sbus.journal.retention import SegmentAge, expired, parse_duration, parse_size
+from sbus.journal.retention import SegmentAge, expired
 from sbus.journal.store import (
     OPEN_SUFFIX,
     SUFFIX,

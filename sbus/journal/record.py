@@ -27,10 +27,10 @@ import numpy as np
 
 from .. import protocol
 from ..client import RECV_BUFFER, Client, SbusError
+from ..defaults import parse_duration, parse_size
 from ..packetio import PacketBatch
 from ..protocol import Control, Publish
 from .columns import split
-from .retention import parse_duration, parse_size
 from .store import JournalError, JournalWriter
 
 log = logging.getLogger("sbus.record")

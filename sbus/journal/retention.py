@@ -2,29 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-__all__ = ["parse_duration", "parse_size", "SegmentAge", "expired"]
-
-_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_UNITS_B = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_duration(text: str) -> float:
-    """``"7d"`` -> seconds; units s, m, h, d, w (a bare number means seconds)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
-    if not m:
-        raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 30m, 12h, 7d, 2w)")
-    return float(m.group(1)) * _UNITS_S[m.group(2) or "s"]
-
-
-def parse_size(text: str) -> int:
-    """``"10G"`` -> bytes; units k, M, G, T (powers of 1024), optional trailing B/iB."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if not m:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512M, 10G)")
-    return int(float(m.group(1)) * _UNITS_B[m.group(2)])
+__all__ = ["SegmentAge", "expired"]
 
 
 @dataclass(frozen=True, slots=True)

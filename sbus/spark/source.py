@@ -29,8 +29,8 @@ from pyspark.sql.datasource import (
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 from pyspark.sql.types import StructType
 
+from ..defaults import parse_size
 from ..journal.format import FILE_HEAD, BlockInfo
-from ..journal.retention import parse_size
 from ..journal.store import JournalError, list_segments, segment_blocks
 from .arrow import COLUMNS, DEFAULT_SCHEMA, NULLABLE, Range, arrow_schema, pattern_bytes, read_range
 from .offsets import START, Offset, View, advance, partitions
