@@ -172,6 +172,7 @@ class Broker:
         self.connections: set[Connection] = set()
         self._by_uid: dict[int, dict[int, Connection]] = {}  # uid -> id -> connection
         self.subscription_count = 0
+        self.empty_since: float | None = time.monotonic()  # no client since (None: some)
         self._ids = itertools.count(1)
         # counters (read by STATUS= and monitoring)
         self.published = 0
@@ -255,6 +256,7 @@ class Broker:
         conn.out.budget = self.accounts.budget(conn)
         conn.may_pause_others = self._trusted(cred.uid)
         self.connections.add(conn)
+        self.empty_since = None
         self._by_uid.setdefault(cred.uid, {})[conn.id] = conn
         log.debug("%r connected", conn)
         return conn
@@ -286,6 +288,8 @@ class Broker:
         self.subscription_count -= self.index.remove_client(conn)
         self.accounts.disconnect(conn)
         self.connections.discard(conn)
+        if not self.connections:
+            self.empty_since = time.monotonic()
         mine = self._by_uid.get(conn.cred.uid)
         if mine is not None:
             mine.pop(conn.id, None)

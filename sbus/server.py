@@ -134,6 +134,26 @@ async def _report(broker: Broker) -> None:
             log.warning("cannot notify systemd: %s", exc)
 
 
+async def _exit_when_idle(broker: Broker, idle: float, done: trio.CancelScope) -> None:
+    """End the broker once no client has been connected for *idle* seconds.  Under socket
+    activation systemd keeps the listening socket, and the next client's connect starts
+    the broker again (a client arriving while it exits waits in the backlog meanwhile)."""
+    while True:
+        empty_since = broker.empty_since
+        if empty_since is None:
+            await trio.sleep(min(idle, 1.0))
+            continue
+        left = empty_since + idle - time.monotonic()
+        if left > 0:
+            await trio.sleep(min(left, 1.0))
+            continue
+        log.info("no client for %s s: exiting (the socket stays with whoever listens)",
+                 f"{idle:g}")
+        daemon.notify("STOPPING=1")
+        done.cancel()
+        return
+
+
 async def run(
     address: str | None = None,
     *,
@@ -143,6 +163,7 @@ async def run(
     queue_limit: int = 4 * 1024 * 1024,
     limits: Limits | None = None,
     defaults: tuple | None = None,
+    exit_idle: float | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until SIGTERM/SIGINT; remove the socket file if we created it."""
@@ -162,6 +183,8 @@ async def run(
             async with trio.open_nursery() as nursery:
                 await nursery.start(broker.serve, listener)
                 nursery.start_soon(_report, broker)
+                if exit_idle is not None:
+                    nursery.start_soon(_exit_when_idle, broker, exit_idle, nursery.cancel_scope)
                 log.info("sbus broker listening on %s (pid %d)", where, os.getpid())
                 # the modules and objects of start-up live as long as the broker: keep
                 # them out of the collector's full passes (a pause of ~10 ms otherwise)

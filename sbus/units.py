@@ -173,6 +173,15 @@ def _system_sandbox(inst: Installation) -> str:
     return "\n".join(lines) + "\n" + _USER_SANDBOX
 
 
+#: A user's bus ends when no client has been connected for this long (sbus.socket
+#: starts it again on the next connect); the system bus serves everyone and stays.
+USER_EXIT_IDLE = "10min"
+_USER_IDLE = ("# Exits once no client has been connected for a while; the socket starts it\n"
+              "# again on the next connect.\n")
+_SYSTEM_IDLE = ("# Runs until stopped; add --exit-idle-time DURATION to ExecStart= (a drop-in)\n"
+                "# to end it when idle: sbus.socket starts it again on the next connect.\n")
+
+
 def _service_unit(inst: Installation, user: bool) -> str:
     return (
         "[Unit]\n"
@@ -185,8 +194,10 @@ def _service_unit(inst: Installation, user: bool) -> str:
         "# listening socket from LISTEN_FDS, reports READY=1 and a live STATUS=.\n"
         "Type=notify\n"
         "NotifyAccess=main\n"
-        f"ExecStart={_escaped(inst.exec_start)} serve\n"
-        "Restart=on-failure\n"
+        + (_USER_IDLE if user else _SYSTEM_IDLE)
+        + f"ExecStart={_escaped(inst.exec_start)} serve"
+        + (f" --exit-idle-time {USER_EXIT_IDLE}\n" if user else "\n")
+        + "Restart=on-failure\n"
         "WatchdogSec=30s\n"
         "# Every client is a file descriptor.\n"
         "LimitNOFILE=65536\n"

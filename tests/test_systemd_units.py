@@ -44,7 +44,8 @@ def test_installed_units_verify_clean(short_tmp: Path, scope: str) -> None:
     assert done.stdout.splitlines()[:4] == [f"wrote {unit_dir / n}" for n in NAMES]
     assert "daemon-reload" not in done.stdout  # not the manager's own directory
     service = (unit_dir / "sbus.service").read_text()
-    assert f"ExecStart={SBUS_EXE} serve\n" in service
+    idle = " --exit-idle-time 10min" if scope == "user" else ""
+    assert f"ExecStart={SBUS_EXE} serve{idle}\n" in service
     runtime = short_tmp / "xdg"
     runtime.mkdir(mode=0o700)
     verify = subprocess.run([ANALYZE, *flags, "verify", *(str(unit_dir / n) for n in NAMES)],
@@ -61,9 +62,10 @@ def test_unit_contents() -> None:
     assert "SocketMode=0666\n" in system["sbus.socket"]
     assert "ListenSequentialPacket=%t/sbus.socket\n" in user["sbus.socket"]
     assert "SocketMode=0600\n" in user["sbus.socket"]
+    assert "\nExecStart=/opt/sbus/bin/sbus serve\n" in system["sbus.service"]  # stays up
+    assert "\nExecStart=/opt/sbus/bin/sbus serve --exit-idle-time 10min\n" in user["sbus.service"]
     for text in (system["sbus.service"], user["sbus.service"]):
-        for line in ("Type=notify", "NotifyAccess=main", "ExecStart=/opt/sbus/bin/sbus serve",
-                     "Restart=on-failure", "NoNewPrivileges=yes", "After=sbus.socket"):
+        for line in ("Type=notify", "NotifyAccess=main", "Restart=on-failure", "NoNewPrivileges=yes", "After=sbus.socket"):
             assert f"\n{line}\n" in text
         assert "\nPrivateUsers=" not in text  # it would remap what SO_PEERCRED reports
     for line in ("DynamicUser=yes", "ProtectSystem=strict", "PrivateTmp=yes", "ProtectHome=yes"):

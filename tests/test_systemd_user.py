@@ -63,7 +63,7 @@ def test_install_units_writes_into_the_managers_unit_dir(manager: UserManager,
                                           ("sbus.socket", "sbus.service", "sbus-mount.service")]
     assert "ran systemctl --user daemon-reload" in installed
     service = (unit_dir / "sbus.service").read_text()
-    assert f"ExecStart={SBUS_EXE} serve\n" in service
+    assert f"ExecStart={SBUS_EXE} serve --exit-idle-time 10min\n" in service
     loaded = manager.show("sbus.socket", "LoadState", "FragmentPath", "Listen")
     assert loaded["LoadState"] == "loaded"
     assert loaded["FragmentPath"] == str(unit_dir / "sbus.socket")
@@ -275,3 +275,41 @@ def test_record_service_journals_the_bus(manager: UserManager, bus: str) -> None
     assert manager.show("sbus-record.service", "Result")["Result"] == "success"
     assert [s.sealed for s in list_segments(journal)] == [True]
     assert recorded_pairs(journal) == sent
+
+
+def test_exit_on_idle_and_started_again_by_the_next_client(manager: UserManager,
+                                                           bus: str) -> None:
+    """`--exit-idle-time`: the broker ends once nobody has been connected for that long
+    (the user unit's default is 10 minutes; a drop-in shortens it here), sbus.socket
+    keeps listening, and the next client starts a new broker and is served."""
+    unit = (manager.unit_dir / "sbus.service").read_text()
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert exec_start.endswith(" serve --exit-idle-time 10min")
+    dropin = manager.unit_dir / "sbus.service.d"
+    dropin.mkdir(exist_ok=True)
+    (dropin / "idle.conf").write_text(
+        "[Service]\nExecStart=\n" + exec_start.replace("10min", "1s") + "\n")
+    manager.systemctl("daemon-reload")
+    try:
+        with Client(bus) as c:
+            c.whoami()
+            first = manager.show("sbus.service", "MainPID")["MainPID"]
+            time.sleep(2)  # a client connected: no exit however long it lasts
+            assert manager.show("sbus.service", "ActiveState")["ActiveState"] == "active"
+        closed = time.monotonic()
+        while manager.show("sbus.service", "ActiveState")["ActiveState"] != "inactive":
+            assert time.monotonic() - closed < 15, "the broker did not exit when idle"
+            time.sleep(0.1)
+        assert time.monotonic() - closed >= 0.9
+        ended = manager.show("sbus.service", "Result", "ExecMainStatus", "NRestarts")
+        assert ended == {"Result": "success", "ExecMainStatus": "0", "NRestarts": "0"}
+        assert manager.show("sbus.socket", "ActiveState")["ActiveState"] == "active"
+        with Client(bus) as c:  # the socket starts it again
+            c.subscribe(b"again")
+            c.publish(b"again", b"served")
+            assert c.receive(timeout=10) == Publish(b"again", b"served")
+            assert manager.show("sbus.service", "MainPID")["MainPID"] not in ("0", first)
+    finally:
+        (dropin / "idle.conf").unlink()
+        dropin.rmdir()
+        manager.systemctl("daemon-reload")

@@ -8,7 +8,7 @@ import sys
 import trio
 
 from .. import server
-from ..defaults import MAX_MESSAGE, QUEUE_LIMIT, size_arg
+from ..defaults import MAX_MESSAGE, QUEUE_LIMIT, duration_arg, size_arg
 from ..flood import Hard, Order, Soft
 from ..limits import Limits
 
@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cache-bytes-per-user", type=size_arg,
                    default=Limits.cache_bytes_per_user, metavar="BYTES",
                    help="share of the route cache one user's publishes may fill (default 2m)")
+    p.add_argument("--exit-idle-time", type=duration_arg, default=None, metavar="DURATION",
+                   help="exit once no client has been connected for this long (e.g. 5min; "
+                        "default: never). Under socket activation the next client starts "
+                        "the broker again")
     p.add_argument("--trusted-user", type=_user, action="append", default=[],
                    metavar="USER", help="a user (name or UID) whose subscribers may pause "
                                         "other users' publishers with 'block' (root always "
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         trio.run(lambda: server.run(args.address, mode=args.mode, sep=args.separator.encode(),
                              max_message=args.max_message, queue_limit=args.queue_limit,
-                             limits=limits,
+                             limits=limits, exit_idle=args.exit_idle_time,
                              defaults=(Soft(args.soft.encode()), Hard(args.hard.encode()),
                                        Order(args.order.encode()))))
     except server.ServeError as exc:
