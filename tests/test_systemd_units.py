@@ -65,7 +65,8 @@ def test_unit_contents() -> None:
     assert "\nExecStart=/opt/sbus/bin/sbus serve\n" in system["sbus.service"]  # stays up
     assert "\nExecStart=/opt/sbus/bin/sbus serve --exit-idle-time 10min\n" in user["sbus.service"]
     for text in (system["sbus.service"], user["sbus.service"]):
-        for line in ("Type=notify", "NotifyAccess=main", "Restart=on-failure", "NoNewPrivileges=yes", "After=sbus.socket"):
+        for line in ("Type=notify", "NotifyAccess=main", "Restart=on-failure",
+                     "NoNewPrivileges=yes", "After=sbus.socket"):
             assert f"\n{line}\n" in text
         assert "\nPrivateUsers=" not in text  # it would remap what SO_PEERCRED reports
     for line in ("DynamicUser=yes", "ProtectSystem=strict", "PrivateTmp=yes", "ProtectHome=yes"):
