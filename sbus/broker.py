@@ -36,7 +36,7 @@ import time
 import trio
 from trio.lowlevel import ParkingLot, wait_readable, wait_writable
 
-from . import introspect, protocol
+from . import handover, introspect, protocol
 from .defaults import MAX_MESSAGE, QUEUE_LIMIT
 from .display import brief
 from .flood import PACKET_OVERHEAD, Hard, Order, OutQueue, Soft, Verdict, parse_control
@@ -173,6 +173,8 @@ class Broker:
         self._by_uid: dict[int, dict[int, Connection]] = {}  # uid -> id -> connection
         self.subscription_count = 0
         self.empty_since: float | None = time.monotonic()  # no client since (None: some)
+        self.handing_over = False  # clients keep their sockets and state for a successor
+        self._adopted: list[Connection] = []  # restored from a predecessor, to be served
         self._ids = itertools.count(1)
         # counters (read by STATUS= and monitoring)
         self.published = 0
@@ -196,6 +198,9 @@ class Broker:
         exhausted, refused = False, 0
         try:
             async with trio.open_nursery() as nursery:
+                for conn in self._adopted:
+                    nursery.start_soon(self._serve_client, conn)
+                self._adopted = []
                 task_status.started()
                 while True:
                     await wait_readable(listener)
@@ -235,7 +240,7 @@ class Broker:
             if spare >= 0:
                 os.close(spare)
 
-    def _admit(self, sock: socket.socket) -> Connection | None:
+    def _admit(self, sock: socket.socket, cid: int | None = None) -> Connection | None:
         sock.setblocking(False)
         try:
             # room in the kernel for the largest packet we forward
@@ -245,7 +250,7 @@ class Broker:
             log.warning("dropping a new client: %s", exc)
             sock.close()
             return None
-        conn = Connection(next(self._ids), sock, cred, self.queue_limit)
+        conn = Connection(next(self._ids) if cid is None else cid, sock, cred, self.queue_limit)
         for setting in self.defaults:
             conn.out.apply(setting)
         refusal = self.accounts.connect(conn)
@@ -269,12 +274,14 @@ class Broker:
                 await self._reader(conn)
                 nursery.cancel_scope.cancel()
         finally:
-            conn.closed = True  # nothing is delivered to it from now on
-            with trio.CancelScope(shield=True):
-                # a client with many subscriptions leaves a few hundred at a time
-                while self._unsubscribe_some(conn, REMOVALS_PER_TURN):
-                    await trio.lowlevel.checkpoint()
-            self._forget(conn)
+            # handing over, its socket and state go to the successor (`snapshot`)
+            if not self.handing_over or conn.closed:
+                conn.closed = True  # nothing is delivered to it from now on
+                with trio.CancelScope(shield=True):
+                    # a client with many subscriptions leaves a few hundred at a time
+                    while self._unsubscribe_some(conn, REMOVALS_PER_TURN):
+                        await trio.lowlevel.checkpoint()
+                self._forget(conn)
 
     def _unsubscribe_some(self, conn: Connection, n: int) -> bool:
         """Drop up to *n* of a departed client's patterns; whether any are left."""
@@ -721,6 +728,63 @@ class Broker:
                     return
             if out.publisher_may_continue():
                 conn.paused.unpark_all()  # cheap when nobody waits; never miss a waiter
+
+    # -- handing over to a successor (sbus/handover.py) ------------------------------------
+
+    def snapshot(self) -> tuple[handover.State, dict[int, socket.socket]]:
+        """Every connected client's state and socket, once its tasks have stopped in
+        `handing_over` mode (they then neither read nor write)."""
+        clients, socks = [], {}
+        for conn in sorted(self.connections, key=lambda c: c.id):
+            if conn.closed:
+                continue
+            out = conn.out
+            if isinstance(out.items, list):  # largest first: a heap of (-size, seq, packet)
+                queued = [p for _, _, p in sorted(out.items, key=lambda item: item[1])]
+            else:
+                queued = list(out.items)
+            clients.append(handover.ClientState(
+                conn.id, sorted(self.index.patterns(conn).items()), out.soft.value,
+                out.hard.value, out.order.value, conn.nowait, queued, out.dropped))
+            socks[conn.id] = conn.sock
+        counters = {"published": self.published, "delivered": self.delivered,
+                    "dropped": self.dropped, "disconnects": self.disconnects}
+        return handover.State(self.sep, counters, clients), socks
+
+    def restore(self, state: handover.State, socks: dict[int, socket.socket]) -> int:
+        """Take over a predecessor's clients (served once `serve` starts); returns how
+        many.  Credentials are asked of the kernel again; a client the limits now refuse,
+        or whose socket is missing, is let go (it sees end-of-file, as after an ordinary
+        restart)."""
+        if state.sep != self.sep:
+            raise handover.HandoverError(f"the predecessor used the separator {state.sep!r}")
+        for name in ("published", "delivered", "dropped", "disconnects"):
+            setattr(self, name, state.counters.get(name, 0))
+        taken = 0
+        for c in state.clients:
+            sock = socks.pop(c.id, None)
+            if sock is None:
+                continue
+            conn = self._admit(sock, c.id)
+            if conn is None:
+                continue
+            out = conn.out
+            out.apply(Soft(c.soft))
+            out.apply(Hard(c.hard))
+            out.apply(Order(c.order))
+            conn.nowait = c.nowait
+            for pattern, count in c.patterns:
+                for _ in range(count):
+                    self.subscribe(conn, pattern)
+            for packet in c.queued:
+                out.force(packet)
+            out.dropped = c.dropped
+            self._adopted.append(conn)
+            taken += 1
+        for sock in socks.values():  # named, but not in the snapshot
+            sock.close()
+        self._ids = itertools.count(max([0, *(c.id for c in state.clients)]) + 1)
+        return taken
 
     def release_buffers(self) -> None:
         """Return the pages large packets left in the batch buffer (called between

@@ -17,11 +17,12 @@ import os
 import signal
 import socket
 import stat
+import sys
 import time
 
 import trio
-from systemd import daemon
 
+from . import handover, sdnotify
 from .broker import Broker
 from .limits import Limits
 
@@ -38,18 +39,98 @@ def default_address() -> str:
     return os.environ.get("SBUS_ADDRESS") or DEFAULT_ADDRESS
 
 
-def systemd_listener() -> socket.socket | None:
-    """The socket systemd passed us, checked to be what we need; None when not activated."""
-    fds = daemon.listen_fds()
-    if not fds:
-        return None
-    if len(fds) != 1:
-        raise ServeError(f"systemd passed {len(fds)} sockets; sbus.socket must define exactly one")
-    fd = fds[0]
-    if not daemon.is_socket_unix(fd, socket.SOCK_SEQPACKET, 1):
-        raise ServeError(f"the socket systemd passed (fd {fd}) is not a listening unix "
-                         "SOCK_SEQPACKET socket: use ListenSequentialPacket= in sbus.socket")
-    return socket.socket(fileno=fd)
+def _is_listening_seqpacket(fd: int) -> bool:
+    try:
+        probe = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False  # not a socket (the snapshot memfd)
+    with probe:
+        return probe.family == socket.AF_UNIX and probe.type == socket.SOCK_SEQPACKET and \
+            bool(probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+
+
+def passed_descriptors() -> tuple[socket.socket | None, dict[str, int]]:
+    """The listening socket passed to us (by systemd, or by our predecessor across
+    ``exec``) and every other passed descriptor by name: the handover's snapshot and
+    clients (sbus/handover.py)."""
+    listener, named = None, {}
+    for fd, name in sdnotify.listen_fds():
+        if name == handover.SNAPSHOT_NAME or handover.client_id(name) is not None:
+            named[name] = fd
+        elif listener is None and _is_listening_seqpacket(fd):
+            listener = socket.socket(fileno=fd)
+        else:
+            raise ServeError(f"the socket systemd passed (fd {fd}) is not a listening unix "
+                             "SOCK_SEQPACKET socket: use ListenSequentialPacket= in sbus.socket")
+    return listener, named
+
+
+def take_over(broker: Broker, named: dict[str, int]) -> None:
+    """Adopt the clients a predecessor handed over; one log line either way.  A snapshot
+    of another format is refused and its clients let go (they see end-of-file and
+    reconnect, as after an ordinary restart)."""
+    snapshot = named.pop(handover.SNAPSHOT_NAME, None)
+    socks = {handover.client_id(name): socket.socket(fileno=fd) for name, fd in named.items()}
+    if snapshot is None:
+        if socks:
+            log.warning("%d client sockets were passed without a snapshot: letting them go",
+                        len(socks))
+        for sock in socks.values():
+            sock.close()
+        return
+    try:
+        with open(snapshot, "rb", closefd=True) as f:
+            state = handover.decode(f.read())
+        taken = broker.restore(state, socks)
+    except handover.HandoverError as exc:
+        log.warning("not taking over from the previous broker (%s): its %d clients "
+                    "reconnect", exc, len(socks))
+        for sock in socks.values():
+            sock.close()
+        return
+    log.info("took over %d clients from the previous broker", taken)
+    # the store's copies are ours now: the next handover stores them afresh
+    for name in [handover.SNAPSHOT_NAME, *named]:
+        sdnotify.notify(f"FDSTOREREMOVE=1\nFDNAME={name}")
+
+
+def hand_over(broker: Broker) -> list[tuple[str, int]]:
+    """The broker's clients and a snapshot as ``(name, fd)``, once its tasks stopped."""
+    state, socks = broker.snapshot()
+    memfd = os.memfd_create(handover.SNAPSHOT_NAME, os.MFD_CLOEXEC)
+    data = handover.encode(state)
+    os.pwrite(memfd, data, 0)
+    passed = [(handover.SNAPSHOT_NAME, memfd)]
+    passed += [(handover.client_name(cid), sock.fileno()) for cid, sock in socks.items()]
+    log.info("handing over %d clients (%d bytes of state)", len(socks), len(data))
+    return passed
+
+
+def store_for_restart(passed: list[tuple[str, int]]) -> None:
+    """Put everything into systemd's fd store (``FileDescriptorStoreMax=`` in the unit):
+    after ``systemctl restart`` the next broker gets it back; after a stop systemd closes
+    it, and the clients see end-of-file as they would have anyway."""
+    for name, fd in passed:
+        try:
+            sdnotify.notify(f"FDSTORE=1\nFDNAME={name}", [fd])
+        except OSError as exc:
+            log.warning("cannot store %s with systemd: %s", name, exc)
+            return
+
+
+def exec_successor(listener: socket.socket, passed: list[tuple[str, int]]) -> None:
+    """Replace this process by a fresh broker (same pid, same arguments) that inherits
+    the listener and *passed* as ``LISTEN_FDS`` from 3 on (the successor cannot tell it
+    from systemd)."""
+    fds = [listener.fileno(), *(fd for _, fd in passed)]
+    names = ["sbus-listener", *(name for name, _ in passed)]
+    high = [os.dup(fd) for fd in fds]  # out of the way of the targets 3, 4, ...
+    for i, fd in enumerate(high):
+        os.dup2(fd, sdnotify.LISTEN_FDS_START + i, inheritable=True)
+    os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)),
+                      LISTEN_FDNAMES=":".join(names))
+    logging.shutdown()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def bind_listener(path: str, mode: int | None) -> socket.socket:
@@ -128,7 +209,7 @@ async def _report(broker: Broker) -> None:
         rate = (broker.published - last) / (now - last_t)
         last, last_t = broker.published, now
         try:
-            daemon.notify(f"STATUS={broker.status()}, {rate:.0f} msg/s"
+            sdnotify.notify(f"STATUS={broker.status()}, {rate:.0f} msg/s"
                           + ("\nWATCHDOG=1" if interval else ""))
         except OSError as exc:  # e.g. out of descriptors: reporting must not stop the bus
             log.warning("cannot notify systemd: %s", exc)
@@ -149,7 +230,7 @@ async def _exit_when_idle(broker: Broker, idle: float, done: trio.CancelScope) -
             continue
         log.info("no client for %s s: exiting (the socket stays with whoever listens)",
                  f"{idle:g}")
-        daemon.notify("STOPPING=1")
+        sdnotify.notify("STOPPING=1")
         done.cancel()
         return
 
@@ -166,20 +247,30 @@ async def run(
     exit_idle: float | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until SIGTERM/SIGINT; remove the socket file if we created it."""
-    listener = systemd_listener()
+    """Serve until SIGTERM/SIGINT; remove the socket file if we created it.
+
+    Handing over (docs/systemd.md): under systemd, SIGTERM puts every client and a
+    snapshot into the fd store, so after ``systemctl restart`` the next broker serves the
+    same connections; SIGUSR2 re-executes this broker in place with the same hand-over
+    (with or without systemd)."""
+    listener, named = passed_descriptors()
     created = None
+    address = address or default_address()
     if listener is None:
-        address = address or default_address()
         listener = bind_listener(address, mode)
         created = os.stat(address).st_ino
         where = address
     else:
         where = "the socket from systemd"
+        if os.environ.pop("SBUS_CREATED_SOCKET", None) == address:  # ours, across exec
+            created, where = os.stat(address).st_ino, address
     broker = Broker(sep=sep, max_message=max_message, queue_limit=queue_limit, limits=limits,
                     **({"defaults": defaults} if defaults else {}))
+    take_over(broker, named)
+    successor = False
     try:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT,
+                                       signal.SIGUSR2) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(broker.serve, listener)
                 nursery.start_soon(_report, broker)
@@ -189,13 +280,26 @@ async def run(
                 # the modules and objects of start-up live as long as the broker: keep
                 # them out of the collector's full passes (a pause of ~10 ms otherwise)
                 gc.freeze()
-                daemon.notify(f"READY=1\nSTATUS=listening, {broker.status()}")
+                sdnotify.notify(f"READY=1\nSTATUS=listening, {broker.status()}")
                 task_status.started(broker)
                 async for signum in signals:
-                    log.info("%s: shutting down", signal.Signals(signum).name)
-                    daemon.notify("STOPPING=1")
+                    successor = signum == signal.SIGUSR2
+                    under_systemd = bool(os.environ.get("NOTIFY_SOCKET"))
+                    log.info("%s: %s", signal.Signals(signum).name,
+                             "handing over to a new broker" if successor else "shutting down")
+                    if successor or (signum == signal.SIGTERM and under_systemd):
+                        broker.handing_over = True  # clients keep sockets and state
+                    if not successor:
+                        sdnotify.notify("STOPPING=1")
                     nursery.cancel_scope.cancel()
                     break
+        if broker.handing_over:
+            passed = hand_over(broker)
+            if successor:
+                if created is not None:
+                    os.environ["SBUS_CREATED_SOCKET"] = address
+                exec_successor(listener, passed)  # does not return
+            store_for_restart(passed)
     finally:
         listener.close()
         if created is not None:

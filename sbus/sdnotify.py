@@ -1,0 +1,53 @@
+"""The two halves of systemd's service protocol that sbus uses, without a C extension:
+`notify` (sd_notify(3): a datagram to ``$NOTIFY_SOCKET``, file descriptors attached
+with ``SCM_RIGHTS`` for ``FDSTORE=1``) and `listen_fds` (sd_listen_fds(3): descriptors
+from 3 on, named by ``LISTEN_FDNAMES``).  Both are documented, stable and small; the
+handover of clients across restarts needs fds in notify messages, and a pure-Python
+version keeps the core install free of a compiler."""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+from collections.abc import Sequence
+
+__all__ = ["notify", "listen_fds", "LISTEN_FDS_START"]
+
+LISTEN_FDS_START = 3
+
+
+def notify(state: str, fds: Sequence[int] = ()) -> bool:
+    """Send *state* (``READY=1``, ``STATUS=…``, ``FDSTORE=1\\nFDNAME=x``…) to the service
+    manager, with *fds* attached; False when not run by one."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return False
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.connect(path)
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        s.sendmsg([state.encode()], rights if fds else [])
+    return True
+
+
+def listen_fds(unset: bool = True) -> list[tuple[int, str]]:
+    """The descriptors passed to this process, with their names (``unknown`` if unnamed),
+    marked close-on-exec; [] when none were passed to *this* process."""
+    try:
+        if int(os.environ.get("LISTEN_PID", "")) != os.getpid():
+            return []
+        count = int(os.environ.get("LISTEN_FDS", ""))
+    except ValueError:
+        return []
+    names = os.environ.get("LISTEN_FDNAMES", "").split(":")
+    if unset:
+        for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+            os.environ.pop(var, None)
+    out = []
+    for i in range(count):
+        fd = LISTEN_FDS_START + i
+        os.set_inheritable(fd, False)
+        out.append((fd, names[i] if i < len(names) and names[i] else "unknown"))
+    return out
