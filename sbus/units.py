@@ -199,6 +199,10 @@ def _service_unit(inst: Installation, user: bool) -> str:
         + (f" --exit-idle-time {USER_EXIT_IDLE}\n" if user else "\n")
         + "Restart=on-failure\n"
         "WatchdogSec=30s\n"
+        "# On stop the broker puts every client's socket and its state into the fd store:\n"
+        "# after 'systemctl restart' the next broker serves the same connections (a\n"
+        "# plain stop empties the store). One per client, so as many as descriptors.\n"
+        "FileDescriptorStoreMax=65536\n"
         "# Every client is a file descriptor.\n"
         "LimitNOFILE=65536\n"
         "# No PrivateUsers=: it would remap the UIDs that SO_PEERCRED reports.\n"

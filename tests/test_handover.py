@@ -1,0 +1,137 @@
+"""Zero-downtime restart: a broker hands its clients and state to its successor.
+
+The snapshot codec directly; then real brokers: ``SIGUSR2`` re-executes a running
+`sbus serve` in place while a publisher streams, and its clients notice nothing (no
+end-of-file, subscriptions, secrets and flood policies intact, queued messages
+delivered, order kept); a snapshot of another format is refused with one log line and
+an ordinary start.  `systemctl restart` through the fd store is in
+tests/test_systemd_user.py and tests/test_systemd_container.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import raw, sync
+
+from sbus import handover
+from sbus.handover import ClientState, HandoverError, State
+
+
+def test_snapshot_round_trip_and_refusals():
+    state = State(b"/", {"published": 5, "delivered": 4, "dropped": 1, "disconnects": 0}, [
+        ClientState(7, [(b"a/", 2), (b"!/cred/1/2/3/", 1)], b"block", b"discard", b"random",
+                    True, [b"MSG a/1\0x", b"MSG a/2\0\0\xff"], 3)])
+    assert handover.decode(handover.encode(state)) == state
+    other = handover.encode(state).replace(handover.FORMAT.encode(), b"sbus-handover/0")
+    with pytest.raises(HandoverError, match="of format 'sbus-handover/0'"):
+        handover.decode(other)
+    with pytest.raises(HandoverError, match="cannot be read|damaged"):
+        handover.decode(b"\x93\x01garbage")
+    assert handover.client_id(handover.client_name(42)) == 42
+    assert handover.client_id("sbus.socket") is None
+
+
+def drain(sock: socket.socket, count: int, times: list[float] | None = None) -> list[bytes]:
+    got = []
+    while len(got) < count:
+        p = sock.recv(1 << 20)
+        assert p, "end of file: the client noticed the restart"
+        if p.startswith(b"MSG "):
+            got.append(p)
+            if times is not None:
+                times.append(time.monotonic())
+    return got
+
+
+def test_sigusr2_hands_every_client_over_under_load(make_broker):
+    broker = make_broker()
+    reliable, lagging, secret, pub = (raw(broker.address, timeout=30) for _ in range(4))
+    reliable.send(b"CMSG blocking/hard/block")  # same user: it may hold the publisher back
+    reliable.send(b"SUB seq/")
+    sync(reliable)
+    lagging.send(b"SUB seq/")  # reads nothing until after the restart: its queue crosses
+    sync(lagging)
+    secret.send(b"SUB !/cred////")
+    secret.send(b"CMSG !/cred/whoami")
+    while not (p := secret.recv(1 << 20)).startswith(b"CMSG !/cred/whoami\0"):
+        pass
+    me = p.split(b"\0", 1)[1]
+    count = 20_000
+    sent = [b"MSG seq/%d\0" % (i % 10) + b"%d" % i for i in range(count)]
+    times: list[float] = []
+    box: dict = {}
+    reading = threading.Thread(target=lambda: box.update(r=drain(reliable, count, times)))
+    reading.start()
+    old_pid = broker.proc.pid
+    for i, packet in enumerate(sent):
+        pub.send(packet)
+        if i == count // 2:
+            broker.proc.send_signal(signal.SIGUSR2)
+        if i % 500 == 0:
+            time.sleep(0.005)  # a steady stream, not one burst
+    pub.send(b"MSG " + me + b"/inbox\0only yours")
+    sync(pub)
+    reading.join(60)
+    assert box["r"] == sent  # everything, in order, no end-of-file
+    assert drain(lagging, count) == sent  # what waited in its queue crossed too
+    assert secret.recv(1 << 20) == b"MSG " + me + b"/inbox\0only yours"
+    gap = max(b - a for a, b in zip(times, times[1:], strict=False))
+    print(f"longest gap between two deliveries across the hand-over: {gap * 1000:.1f} ms")
+    assert gap < 2.0
+    assert broker.proc.poll() is None and broker.proc.pid == old_pid  # re-executed in place
+    log = broker.stop()
+    assert "handing over 4 clients" in log and "took over 4 clients" in log
+    assert not os.path.exists(broker.address)  # the successor still cleans up the socket
+
+
+def test_a_snapshot_of_another_format_is_refused_with_one_line(short_tmp):
+    """A successor of another version: the clients are let go (they see end-of-file and
+    reconnect, as after an ordinary restart) and the broker serves as usual."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(short_tmp / "bus.sock"))
+    listener.listen(8)
+    kept, passed = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    state = State(b"/", {}, [ClientState(1, [(b"x", 1)])])
+    memfd = os.memfd_create("snapshot")
+    os.write(memfd, handover.encode(state).replace(handover.FORMAT.encode(), b"sbus-handover/0"))
+    os.lseek(memfd, 0, os.SEEK_SET)
+    fds = [listener.fileno(), memfd, passed.fileno()]
+    # in the child: move them to 3, 4, 5 (as systemd would pass them) and close the rest
+    # (dup2 onto itself keeps a descriptor close-on-exec: mark 3, 4, 5 inheritable after)
+    script = (f"import os, sys; src = {fds}; tmp = [os.dup(f) for f in src]\n"
+              "for i, t in enumerate(tmp): os.dup2(t, 3 + i); os.set_inheritable(3 + i, True)\n"
+              "for f in set(src + tmp) - {3, 4, 5}: os.close(f)\n"
+              "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='3', "
+              "LISTEN_FDNAMES='sbus-listener:sbus-snapshot:client-1')\n"
+              f"os.execv({sys.executable!r}, [{sys.executable!r}, '-m', 'sbus.cli', 'serve'])")
+    log = short_tmp / "log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", script], stderr=f, pass_fds=fds)
+    try:
+        passed.close()
+        os.close(memfd)
+        kept.settimeout(10)
+        try:
+            assert kept.recv(100) == b""  # let go: end-of-file
+        except TimeoutError:
+            raise AssertionError(log.read_text()) from None
+        with raw(str(short_tmp / "bus.sock")) as c:
+            try:
+                sync(c)  # and serving
+            except TimeoutError:
+                raise AssertionError(log.read_text()) from None
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    text = log.read_text()
+    lines = [x for x in text.splitlines() if "not taking over" in x]
+    assert len(lines) == 1 and "sbus-handover/0" in lines[0] and "1 clients" in lines[0]
+    assert "Traceback" not in text
