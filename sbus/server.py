@@ -71,27 +71,29 @@ def take_over(broker: Broker, named: dict[str, int]) -> None:
     reconnect, as after an ordinary restart)."""
     snapshot = named.pop(handover.SNAPSHOT_NAME, None)
     socks = {handover.client_id(name): socket.socket(fileno=fd) for name, fd in named.items()}
-    if snapshot is None:
-        if socks:
-            log.warning("%d client sockets were passed without a snapshot: letting them go",
-                        len(socks))
-        for sock in socks.values():
-            sock.close()
-        return
+    stored = [*named, *([handover.SNAPSHOT_NAME] if snapshot is not None else [])]
     try:
-        with open(snapshot, "rb", closefd=True) as f:
-            state = handover.decode(f.read())
-        taken = broker.restore(state, socks)
-    except handover.HandoverError as exc:
-        log.warning("not taking over from the previous broker (%s): its %d clients "
-                    "reconnect", exc, len(socks))
+        if snapshot is None:
+            if socks:
+                log.warning("%d client sockets were passed without a snapshot: letting "
+                            "them go", len(socks))
+        else:
+            try:
+                with open(snapshot, "rb", closefd=True) as f:
+                    state = handover.decode(f.read())
+                taken = broker.restore(state, socks)
+                log.info("took over %d clients from the previous broker", taken)
+                return
+            except handover.HandoverError as exc:
+                log.warning("not taking over from the previous broker (%s): its %d clients "
+                            "reconnect", exc, len(socks))
         for sock in socks.values():
             sock.close()
-        return
-    log.info("took over %d clients from the previous broker", taken)
-    # the store's copies are ours now: the next handover stores them afresh
-    for name in [handover.SNAPSHOT_NAME, *named]:
-        sdnotify.notify(f"FDSTOREREMOVE=1\nFDNAME={name}")
+    finally:
+        # The store's copies are ours now, taken or let go: the next handover stores
+        # afresh.  (A client let go but left in the store would never see end-of-file.)
+        for name in stored:
+            sdnotify.notify(f"FDSTOREREMOVE=1\nFDNAME={name}")
 
 
 def hand_over(broker: Broker) -> list[tuple[str, int]]:
