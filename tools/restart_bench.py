@@ -109,6 +109,19 @@ class SystemdBroker:
 MODES = {"usr2": Usr2Broker, "systemd": SystemdBroker}
 
 
+def startup_ms(runs: int = 3) -> float:
+    """Wall time of a new ``sbus serve`` process up to its argument parsing (interpreter
+    and imports; ``--help`` imports the command's modules): the floor of the gap, as
+    every restart starts a new process image."""
+    times = []
+    for _ in range(runs):
+        t = time.monotonic()
+        subprocess.run(taskset(CORE_BROKER, [sys.executable, "-m", "sbus.cli", "serve",
+                                             "--help"]), check=True, stdout=subprocess.DEVNULL)
+        times.append(time.monotonic() - t)
+    return statistics.median(times) * 1e3
+
+
 def connect_subscribers(address: str, n: int, reliable: int) -> list[socket.socket]:
     socks = []
     for i in range(n):
@@ -264,6 +277,8 @@ def main() -> int:
     for mode in modes:
         gaps = [r["gap_ms"] for m, r in results if m == mode]
         print(f"{mode}: median longest gap {statistics.median(gaps):.0f} ms")
+    print(f"a new broker process takes {startup_ms():.0f} ms to start (interpreter and "
+          "imports, median of 3): the floor of any gap")
     bad = [r for _, r in results if r["disconnects"] or r["lost"] or r["reordered"]
            or not r["handed_over"] or r["delivered"] != r["sent"]]
     return 1 if bad else 0
