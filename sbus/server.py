@@ -253,8 +253,9 @@ async def run(
 
     Handing over (docs/systemd.md): under systemd, SIGTERM puts every client and a
     snapshot into the fd store, so after ``systemctl restart`` the next broker serves the
-    same connections; SIGUSR2 re-executes this broker in place with the same hand-over
-    (with or without systemd)."""
+    same connections (and this process then ends at once, without the interpreter's
+    teardown); SIGUSR2 re-executes this broker in place with the same hand-over (with
+    or without systemd)."""
     listener, named = passed_descriptors()
     created = None
     address = address or default_address()
@@ -308,3 +309,9 @@ async def run(
             with contextlib.suppress(OSError):
                 if os.stat(address).st_ino == created:
                     os.unlink(address)
+    if broker.handing_over:
+        # Everything is in the store, and systemd starts the successor only once we are
+        # gone: skip the interpreter's teardown of the whole heap (measured: 250 ms of
+        # the 500 from SIGTERM to exit with 100,000 patterns held).
+        logging.shutdown()
+        os._exit(0)
