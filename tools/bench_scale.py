@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench import CORE_LOAD, Broker, build, run_scenario
@@ -110,6 +111,26 @@ def sync(s: socket.socket) -> int:
             refused += 1
 
 
+def grow(broker: Broker, steps: list[int], packet: bytes) -> Iterator[dict]:
+    """From one new connection, send ``packet % i`` for i = 0, 1, ... up to each of
+    *steps* in turn; yields for each step the broker's CPU µs per packet of that step,
+    how many it refused, its RSS (KB) and the RSS growth since the start (KB)."""
+    sock = connect(broker.path)
+    sync(sock)
+    base = settle(broker)
+    n = 0
+    for step in steps:
+        cpu0, first = cpu_seconds(broker), n
+        while n < step:
+            sock.send(packet % n)
+            n += 1
+        refused = sync(sock)
+        us = (cpu_seconds(broker) - cpu0) * 1e6 / (step - first)
+        rss = settle(broker)
+        yield {"step": step, "us": us, "refused": refused, "rss": rss, "growth": rss - base}
+    sock.close()
+
+
 def settle(broker: Broker) -> int:
     time.sleep(0.5)
     return broker.rss_kb()
@@ -174,18 +195,8 @@ def part_patterns(tmp: Path, cbroker: Path, lg: Path, max_patterns: int,
     twin = Broker("sbus", tmp / "none", cbroker, UNLIMITED)
     rows = []
     try:
-        holder = connect(broker.path)
-        sync(holder)
-        base = settle(broker)
-        n = 0
-        for step in [s for s in PATTERN_STEPS if s <= max_patterns]:
-            cpu0, first = cpu_seconds(broker), n
-            while n < step:
-                holder.send(b"SUB p/%d/x" % n)
-                n += 1
-            refused = sync(holder)
-            sub_cpu = cpu_seconds(broker) - cpu0
-            rss = settle(broker)
+        steps = [s for s in PATTERN_STEPS if s <= max_patterns]
+        for g in grow(broker, steps, b"SUB p/%d/x"):
             held, none = [], []
             for _ in range(rounds):
                 held.append(run_scenario(lg, broker, "S1", S_COUNT))
@@ -193,14 +204,13 @@ def part_patterns(tmp: Path, cbroker: Path, lg: Path, max_patterns: int,
             s1, s1_none = (statistics.median(r["rate"] for r in x) for x in (held, none))
             cpu, cpu_none = (statistics.median(r["cpu_us_per_delivery"] for r in x)
                              for x in (held, none))
-            rows.append({"patterns": step, "rss_mb": rss / 1024,
-                         "bytes_per_pattern": (rss - base) * 1024 / step,
-                         "sub_us": sub_cpu * 1e6 / (step - first), "refused": refused,
+            rows.append({"patterns": g["step"], "rss_mb": g["rss"] / 1024,
+                         "bytes_per_pattern": g["growth"] * 1024 / g["step"],
+                         "sub_us": g["us"], "refused": g["refused"],
                          "s1_kps": s1 / 1e3, "s1_none_kps": s1_none / 1e3,
                          "s1_ratio": s1 / s1_none, "s1_cpu_us": cpu,
                          "s1_none_cpu_us": cpu_none, "cpu_ratio": cpu / cpu_none})
-            print(f"  patterns {step}: {json.dumps(_round(rows[-1]))}", file=sys.stderr)
-        holder.close()
+            print(f"  patterns: {json.dumps(_round(rows[-1]))}", file=sys.stderr)
     finally:
         broker.stop()
         twin.stop()
@@ -211,22 +221,12 @@ def part_keys(tmp: Path, cbroker: Path, max_keys: int) -> list[dict]:
     broker = Broker("sbus", tmp, cbroker, UNLIMITED)
     rows = []
     try:
-        pub = connect(broker.path)
-        sync(pub)
-        base = settle(broker)
-        n = 0
-        for step in [s for s in KEY_STEPS if s <= max_keys]:
-            cpu0, first = cpu_seconds(broker), n
-            while n < step:
-                pub.send(b"MSG key/%d\0x" % n)
-                n += 1
-            refused = sync(pub)
-            cpu = cpu_seconds(broker) - cpu0
-            rss = settle(broker)
-            rows.append({"keys": step, "rss_mb": rss / 1024, "growth_mb": (rss - base) / 1024,
-                         "publish_us": cpu * 1e6 / (step - first), "refused": refused})
-            print(f"  keys {step}: {json.dumps(_round(rows[-1]))}", file=sys.stderr)
-        pub.close()
+        steps = [s for s in KEY_STEPS if s <= max_keys]
+        for g in grow(broker, steps, b"MSG key/%d\0x"):
+            rows.append({"keys": g["step"], "rss_mb": g["rss"] / 1024,
+                         "growth_mb": g["growth"] / 1024, "publish_us": g["us"],
+                         "refused": g["refused"]})
+            print(f"  keys: {json.dumps(_round(rows[-1]))}", file=sys.stderr)
     finally:
         broker.stop()
     return rows
