@@ -348,10 +348,10 @@ def plot(results: dict[str, list[dict]], out: Path) -> list[Path]:
         axes = [ax, ax.twinx()]
         xs = [r[x] for r in rows]
         for (y, label, side), style in zip(ys, ("o-", "s--"), strict=True):
-            axes[side].plot(xs, [r[y] for r in rows], style, label=label,
-                            color="C0" if side == 0 else "C1")
-            axes[side].set_ylabel(label, color="C0" if side == 0 else "C1")
-            axes[side].set_ylim(bottom=0)
+            values = [r[y] for r in rows]
+            axes[side].plot(xs, values, style, label=label, color=f"C{side}")
+            axes[side].set_ylabel(label, color=f"C{side}")
+            axes[side].set_ylim(0, max(values) * 1.15 or 1)
         if logx:
             ax.set_xscale("log")
         elif 0 in xs:
