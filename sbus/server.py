@@ -367,28 +367,42 @@ async def run(
                     under_systemd = bool(os.environ.get("NOTIFY_SOCKET"))
                     log.info("%s: %s", signal.Signals(signum).name,
                              "handing over to a new broker" if successor else "shutting down")
-                    if successor or (signum == signal.SIGTERM and under_systemd):
-                        broker.handing_over = True  # clients keep sockets and state
                     if not successor:
                         sdnotify.notify("STOPPING=1")
+                    if successor or (signum == signal.SIGTERM and under_systemd):
+                        _hand_over_now(broker, listener, successor, address, created)
                     nursery.cancel_scope.cancel()
                     break
-        if broker.handing_over:
-            passed = hand_over(broker)
-            if successor:
-                if created is not None:
-                    os.environ["SBUS_CREATED_SOCKET"] = address
-                exec_successor(listener, passed)  # does not return
-            store_for_restart(passed)
     finally:
-        listener.close()
+        _release(listener, address, created)
+
+
+def _hand_over_now(broker: Broker, listener: socket.socket, successor: bool, address: str,
+                   created: int | None) -> None:
+    """Hand the clients over and end this process: by re-executing it (*successor*) or,
+    with everything in systemd's fd store, by exiting.
+
+    At once, from the signal: every task waits at an await and a batch of packets is
+    handled without one, so the state is whole; nothing runs again in this process, so
+    the tasks (two per client) need not be unwound first (with 11,000 clients that took
+    5 s).  The exit skips the interpreter's teardown of the heap too, as systemd starts
+    the successor only once we are gone (250 ms of 500 with 100,000 patterns held)."""
+    broker.handing_over = True  # clients keep sockets and state
+    passed = hand_over(broker)
+    if successor:
         if created is not None:
-            with contextlib.suppress(OSError):
-                if os.stat(address).st_ino == created:
-                    os.unlink(address)
-    if broker.handing_over:
-        # Everything is in the store, and systemd starts the successor only once we are
-        # gone: skip the interpreter's teardown of the whole heap (measured: 250 ms of
-        # the 500 from SIGTERM to exit with 100,000 patterns held).
-        logging.shutdown()
-        os._exit(0)
+            os.environ["SBUS_CREATED_SOCKET"] = address
+        exec_successor(listener, passed)  # does not return
+    store_for_restart(passed)
+    _release(listener, address, created)
+    logging.shutdown()
+    os._exit(0)
+
+
+def _release(listener: socket.socket, address: str, created: int | None) -> None:
+    """Close the listener, and remove the socket file if this broker made it."""
+    listener.close()
+    if created is not None:
+        with contextlib.suppress(OSError):
+            if os.stat(address).st_ino == created:
+                os.unlink(address)
