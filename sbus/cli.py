@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "record": ("sbus.journal.record", "record traffic into a journal"),
     "analyze": ("sbus.spark.analyze", "analyse a journal with Spark"),
     "gateway": ("sbus.gateway.server", "TCP/TLS gateway for remote clients"),
+    "bridge": ("sbus.bridge.cli", "join the bus to an MQTT broker"),
 }
 
 
