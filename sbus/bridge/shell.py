@@ -44,10 +44,10 @@ __all__ = ["MqttSettings", "BridgeShell"]
 BATCH = 256
 #: QoS 1 exports unacknowledged at once; also paho's in-flight window.
 WINDOW = 1000
-#: Seconds a blocking send to the local broker may take before the bus counts as gone.
+#: Seconds the local broker may take to answer whoami on connect.
 BUS_TIMEOUT = 5.0
-#: Seconds between STATUS= updates.
-STATUS_EVERY = 2.0
+#: Seconds between STATUS= updates at most (one is sent when the line changed).
+STATUS_EVERY = 0.5
 #: MQTT packets processed per turn of the loop (keeps both sides served).
 READ_TURN = 512
 
@@ -80,6 +80,7 @@ class BridgeShell:
         self.bus_backoff = Backoff(backoff_first, backoff_max)
         self.mqtt_backoff = Backoff(backoff_first, backoff_max)
         self.mqtt_up = False
+        self.subscribed = False  # the broker acknowledged our subscriptions
         self._outstanding: set[int] = set()
         self._activity = 0
         self._stopping = False
@@ -122,6 +123,7 @@ class BridgeShell:
         log.info("connected to MQTT broker %s:%d (session %s)", self.settings.host,
                  self.settings.port, "resumed" if flags.session_present else "new")
         filters = self.core.mqtt_filters()
+        self.subscribed = not filters
         if filters:
             # No Local: never our own messages back; retainHandling 2: no retained
             # messages (sbus has no retained state; they would repeat on every reconnect).
@@ -130,6 +132,7 @@ class BridgeShell:
             mq.subscribe([(f, opts) for f in filters])
 
     def _on_subscribe(self, mq, userdata, mid, reasons, properties) -> None:
+        self.subscribed = True
         for f, reason in zip(self.core.mqtt_filters(), reasons, strict=False):
             if reason.is_failure:
                 log.error("MQTT broker refused the subscription %s: %s", f, reason)
@@ -138,7 +141,8 @@ class BridgeShell:
         if self.mqtt_up:
             log.warning("lost the MQTT broker %s:%d: %s", self.settings.host,
                         self.settings.port, reason)
-        self.mqtt_up = False
+        self.mqtt_up = self.subscribed = False
+        self.mqtt_backoff.failed(time.monotonic())
         if self.settings.export_qos == 0:
             self._outstanding.clear()
 
@@ -183,7 +187,7 @@ class BridgeShell:
 
     def _connect_bus(self, now: float) -> None:
         try:
-            bus = Client(self.address, timeout=BUS_TIMEOUT)
+            bus = Client(self.address)
         except SbusError as exc:
             delay = self.bus_backoff.failed(now)
             log.warning("%s; again in %.1f s", exc, delay)
@@ -270,8 +274,9 @@ class BridgeShell:
             self._note("refused " + self.core.refusals.popleft())
 
     def status(self) -> str:
-        return (f"bus {'up' if self.bus else 'down'}, mqtt {'up' if self.mqtt_up else 'down'}"
-                f"; {self.core.status()}")
+        mqtt_state = ("down" if not self.mqtt_up else "up" if self.subscribed else
+                      "subscribing")
+        return f"bus {'up' if self.bus else 'down'}, mqtt {mqtt_state}; {self.core.status()}"
 
     def stop(self, *_args) -> None:
         self._stopping = True
@@ -283,7 +288,7 @@ class BridgeShell:
         wake_w.setblocking(False)
         old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
         ready = False
-        next_status = 0.0
+        next_status, last = 0.0, ""
         try:
             while not self._stopping:
                 now = time.monotonic()
@@ -297,8 +302,9 @@ class BridgeShell:
                 self._turn(wake_r)
                 self._log_refusals()
                 now = time.monotonic()
-                if now >= next_status:
-                    sdnotify.notify(f"STATUS={self.status()}")
+                if now >= next_status and self.status() != last:
+                    last = self.status()
+                    sdnotify.notify(f"STATUS={last}")
                     next_status = now + STATUS_EVERY
         finally:
             signal.set_wakeup_fd(old_wakeup)
@@ -341,10 +347,8 @@ class BridgeShell:
             self.mq.loop_misc()
             if self.mq.want_write():
                 self.mq.loop_write()
-        elif self.mqtt_up:  # closed without on_disconnect (e.g. keep-alive timeout)
+        elif self.mqtt_up:  # closed without on_disconnect
             self._on_disconnect(self.mq, None, None, "connection closed", None)
-        if self.mq.socket() is None and self.mqtt_backoff.next_at <= time.monotonic():
-            self.mqtt_backoff.failed(time.monotonic())
 
     def _read_mqtt(self) -> None:
         """Process what the MQTT socket holds, up to `READ_TURN` packets."""
@@ -358,6 +362,7 @@ class BridgeShell:
 
     def _close(self) -> None:
         if self.mq.socket() is not None:
+            self.mqtt_up = False  # a goodbye, not a loss
             self.mq.disconnect()
             deadline = time.monotonic() + 1.0
             while self.mq.want_write() and time.monotonic() < deadline:
