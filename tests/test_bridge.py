@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import SBUS, stop_process, wait_for_socket
-from mqtt_hosts import Hosts, Peer
+from mqtt_hosts import Hosts, Mosquitto, Peer
 
 from sbus import Client
 from sbus.protocol import Publish
@@ -230,3 +234,43 @@ def test_mqtt_broker_restart(persistent_hosts: Hosts, qos: int) -> None:
     publish(a, [("sensors/after", b"y")])
     expected = ([(k.encode(), p) for k, p in sent] if qos else []) + [(b"sensors/after", b"y")]
     assert collect(sub_b, want=len(expected)) == expected
+
+
+def test_bridge_unit_under_a_user_manager(short_tmp) -> None:
+    """sbus-bridge@NAME.service as install-units writes it, under a real systemd user
+    manager: options from %E/sbus/bridge-NAME.conf, READY=1, counters in StatusText."""
+    from systemd_usermgr import UserManager
+
+    port = _free_port()
+    broker = Mosquitto(short_tmp, [("127.0.0.1", port)]).start()
+    base = Path(tempfile.mkdtemp(prefix="sbus-um-", dir="/tmp"))
+    manager = UserManager(base).start()
+    try:
+        manager.run(str(Path(sys.executable).parent / "sbus"), "install-units", "--user")
+        (manager.config / "sbus").mkdir()
+        (manager.config / "sbus" / "bridge-t.conf").write_text(
+            f"BRIDGE_ARGS=--mqtt mqtt://127.0.0.1:{port} --export unit/ --client-id u\n")
+        manager.systemctl("start", "sbus.socket", "sbus-bridge@t.service")
+        peer = Peer(broker.sock, ["#"])
+        publish(str(manager.runtime / "sbus.socket"), [("unit/x", b"1"), ("unit/a+b", b"2")])
+        deadline = time.monotonic() + 10
+        while "refused 1" not in (status := manager.show("sbus-bridge@t.service",
+                                                         "StatusText")["StatusText"]):
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)
+        assert status.startswith("bus up, mqtt up; exported 1, imported 0, dropped 0, refused 1")
+        assert [(t, p) for t, p, _ in peer.got] == [("unit/x", b"1")]
+        peer.close()
+        manager.systemctl("stop", "sbus-bridge@t.service", "sbus.socket", "sbus.service")
+        assert manager.show("sbus-bridge@t.service", "Result")["Result"] == "success"
+    finally:
+        leftover = manager.stop()
+        broker.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    assert not leftover
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
