@@ -73,12 +73,15 @@ class Mosquitto:
 class Peer:
     """A plain MQTT 5 client on mosquitto's unix socket, collecting what it receives."""
 
-    def __init__(self, sock: str, filters: list[str] = ()) -> None:
+    def __init__(self, sock: str, filters: list[str] = (),
+                 auth: tuple[str, str] | None = None) -> None:
         self.got: list[tuple[str, bytes, list]] = []
         self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"peer-{uuid.uuid4().hex}",
                              protocol=mqtt.MQTTv5, transport="unix")
         self.c.on_message = lambda c, u, m: self.got.append(
             (m.topic, m.payload, getattr(m.properties, "UserProperty", [])))
+        if auth:
+            self.c.username_pw_set(*auth)
         self.c.connect(sock, 1)  # the port is ignored for a unix socket
         self.c.loop_start()
         for f in filters:
@@ -109,7 +112,7 @@ class Bridge:
         self.proc: subprocess.Popen | None = None
         self.last_status = ""
 
-    def start(self) -> Bridge:
+    def start(self, wait: bool = True) -> Bridge:
         cmd = [*SBUS, "-vv", "bridge", "--address", self.address, "--mqtt", self.mqtt_url,
                "--backoff-max", "0.5", *self.args]
         if self.netns:
@@ -119,7 +122,8 @@ class Bridge:
         env = {**os.environ, "NOTIFY_SOCKET": self.notify_path}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
-        self.wait_status(lambda s: "bus up, mqtt up" in s)
+        if wait:
+            self.wait_status(lambda s: "bus up, mqtt up" in s)
         return self
 
     def _take(self, data: bytes) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SBUS, stop_process, wait_for_socket
-from mqtt_hosts import Hosts, Mosquitto, Peer
+from mqtt_hosts import Bridge, Hosts, Mosquitto, Peer
 
 from sbus import Client
 from sbus.protocol import Publish
@@ -274,3 +274,65 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_tls_with_a_client_certificate_and_a_password(short_tmp) -> None:
+    """mqtts:// against mosquitto requiring TLS, a client certificate signed by its CA and
+    a password: the bridge gets in with --cafile --cert --key --password-file; without
+    the password it is refused and says so, retrying with backoff."""
+    import trustme
+
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    client = ca.issue_cert("bridge-client")
+    for name, blob in (("ca.pem", ca.cert_pem), ("server.pem", server.cert_chain_pems[0]),
+                       ("server.key", server.private_key_pem), ("client.pem",
+                       client.cert_chain_pems[0]), ("client.key", client.private_key_pem)):
+        blob.write_to_path(str(short_tmp / name))
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(short_tmp / "passwd"), "robot",
+                    "s3cret pw"], check=True, capture_output=True)
+    port = _free_port()
+    broker = Mosquitto(short_tmp, [("127.0.0.1", port)])
+    conf = broker.conf.read_text().replace(
+        f"listener {port} 127.0.0.1\n",
+        f"listener {port} 127.0.0.1\ncafile {short_tmp}/ca.pem\n"
+        f"certfile {short_tmp}/server.pem\nkeyfile {short_tmp}/server.key\n"
+        "require_certificate true\n").replace("allow_anonymous true", "allow_anonymous false")
+    broker.conf.write_text(conf + f"password_file {short_tmp}/passwd\n"
+                           "per_listener_settings false\n")
+    broker.start()
+    (short_tmp / "pw").write_text("s3cret pw\n")
+    common = ["--export", "tls/", "--cafile", str(short_tmp / "ca.pem"),
+              "--cert", str(short_tmp / "client.pem"), "--key", str(short_tmp / "client.key")]
+    address = str(short_tmp / "bus.sock")
+    bus = subprocess.Popen([*SBUS, "serve", "--address", address],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wrong = good = None
+    try:
+        wait_for_socket(address, bus)
+        wrong = Bridge(short_tmp, "wrong", address, f"mqtts://robot@127.0.0.1:{port}",
+                       [*common, "--client-id", "wrong"])
+        wrong.start(wait=False)
+        deadline = time.monotonic() + 10
+        while "refused the connection: Not authorized" not in wrong.log.read_text():
+            assert time.monotonic() < deadline, wrong.log.read_text()
+            time.sleep(0.05)
+        assert "mqtt down" in wrong.status()
+        wrong.stop()
+        good = Bridge(short_tmp, "good", address, f"mqtts://robot@127.0.0.1:{port}",
+                      [*common, "--client-id", "good", "--password-file",
+                       str(short_tmp / "pw")]).start()
+        peer = Peer(broker.sock, ["tls/#"], auth=("robot", "s3cret pw"))
+        publish(address, [("tls/x", b"over TLS")])
+        deadline = time.monotonic() + 10
+        while not peer.got:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert [(t, p) for t, p, _ in peer.got] == [("tls/x", b"over TLS")]
+        peer.close()
+    finally:
+        for b in (wrong, good):
+            if b is not None:
+                b.close()
+        stop_process(bus)
+        broker.stop()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -96,7 +97,8 @@ class Stack:
             notify.settimeout(15)
             while b"mqtt up" not in notify.recv(4096):
                 pass
-            self.bridge_notify = notify
+            notify.close()  # unread, it would fill and make the bridge's notify wait
+            os.unlink(tmp / "notify")
             if path == "sbus-export":
                 self.pub_addr, self.pub_proto = f"unix:{bus}", "sbus"
             else:
@@ -144,6 +146,7 @@ def measure(lg: Path, stack: Stack, count: int, rate: int) -> dict:
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the stacks on the way out
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--count", type=int, default=100_000, help="messages of the burst")
     ap.add_argument("--light", type=int, default=3000, help="messages at 1,000 msg/s")
