@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -336,3 +337,56 @@ def test_tls_with_a_client_certificate_and_a_password(short_tmp) -> None:
                 b.close()
         stop_process(bus)
         broker.stop()
+
+
+@pytest.fixture
+def one_host() -> Iterator[Hosts]:
+    h = Hosts(1)
+    h.start_bus(0)
+    yield h
+    h.close()
+
+
+def test_stalled_mqtt_never_stalls_local_publishers(one_host: Hosts) -> None:
+    """mosquitto stopped (SIGSTOP): the bridge's TCP fills, it stops reading the bus, the
+    local broker queues for it and then drops, and the publisher never waits. Every
+    message is counted, exported or dropped."""
+    hosts = one_host
+    br = hosts.bridge(0, "--export", "flood/", "--export-qos", "0")
+    mosq = hosts.mosquitto.proc
+    assert mosq is not None
+    n, payload = 20000, b"x" * 1024   # 20 MiB: far beyond TCP buffers and the 4 MiB queue
+    os.kill(mosq.pid, signal.SIGSTOP)
+    try:
+        with Client(hosts.bus_address(0), timeout=10) as pub:  # a stall would time out
+            for i in range(n):
+                pub.publish(b"flood/%d" % (i % 10), payload)
+            pub.whoami()
+    finally:
+        os.kill(mosq.pid, signal.SIGCONT)
+    c = br.wait_counters(lambda c: c["exported"] + c["dropped"] == n, timeout=20)
+    assert c["dropped"] > 0 and c["exported"] > 0, c
+
+
+def test_slow_local_subscriber_never_stalls_imports(one_host: Hosts) -> None:
+    """A local subscriber that blocks and never reads (same user as the bridge, so its
+    block would pause the bridge) costs the bridge nothing: it publishes with
+    blocking/publisher/nowait, the slow one loses messages, a reading one gets them all."""
+    hosts = one_host
+    br = hosts.bridge(0, "--import", "in/")
+    bus = hosts.bus_address(0)
+    slow = Client(bus)
+    slow.set_flood(soft="block")
+    slow.subscribe("in/")
+    slow.whoami()
+    fast = subscriber(bus, "in/")
+    peer = Peer(hosts.mosquitto.sock)
+    n = 3000
+    for i in range(n):
+        peer.c.publish("in/x", b"%06d" % i + b"y" * 4096, qos=0)
+    peer.publish("in/x", b"last")
+    got = collect(fast, want=n + 1, timeout=30)
+    assert len(got) == n + 1 and got[-1] == (b"in/x", b"last")
+    assert br.wait_counters(lambda c: c["imported"] == n + 1)["dropped"] == 0
+    slow.close()
+    peer.close()

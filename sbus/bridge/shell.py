@@ -157,8 +157,6 @@ class BridgeShell:
                         self.settings.port, reason)
         self.mqtt_up = self.subscribed = False
         self.mqtt_backoff.failed(time.monotonic())
-        if self.settings.export_qos == 0:
-            self._outstanding.clear()
 
     def _on_publish(self, mq, userdata, mid, reason, properties) -> None:
         self._activity += 1
@@ -175,7 +173,12 @@ class BridgeShell:
             if name == MARKER:
                 marker = value
                 break
-        key = self.core.from_mqtt(msg.topic.encode("utf-8"), msg.payload, marker)
+        try:
+            topic = msg.topic.encode("utf-8")
+        except UnicodeDecodeError:  # the broker should have refused it
+            self.core.refused_by_broker()
+            return
+        key = self.core.from_mqtt(topic, msg.payload, marker)
         if key is None:
             return
         if self.bus is None:
