@@ -12,11 +12,12 @@ Each path carries 64-byte messages from the C load generator's publisher (lg, in
 Every bridge hop is TCP on 127.0.0.1; lg talks to each broker over a unix socket; MQTT
 messages are QoS 0 end to end, except the bridge's own leg with ``--qos 1``.  Per run
 each path is set up fresh, then: a burst of --count messages at full speed (delivered
-msg/s and the share lost on the way), and --light messages at 1,000 msg/s (latency).
+msg/s and the share lost on the way), --steady msg/s for 3 s (the share lost at a rate
+the bridge should sustain), and --light messages at 1,000 msg/s (latency).
 Paths take turns, --runs times; medians are printed, with the added latency of each
 bridge (its p50 minus the baseline's).
 
-Usage: tools/bench_bridge.py [--count N] [--light N] [--runs R] [--qos 0|1]
+Usage: tools/bench_bridge.py [--count N] [--steady RATE] [--light N] [--runs R] [--qos 0|1]
 Results belong in docs/performance.md with the command and the machine's load.
 """
 
@@ -149,39 +150,47 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the stacks on the way out
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--count", type=int, default=100_000, help="messages of the burst")
+    ap.add_argument("--steady", type=int, default=8000, help="msg/s for 3 s (default 8000)")
     ap.add_argument("--light", type=int, default=3000, help="messages at 1,000 msg/s")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--qos", type=int, choices=(0, 1), default=0,
                     help="QoS of the sbus bridge's MQTT leg (default 0, as mosquitto's)")
     args = ap.parse_args()
     _, lg = bench.build()
-    results: dict[str, list[tuple[dict, dict]]] = {p: [] for p in PATHS}
+    results: dict[str, list[tuple[dict, dict, dict]]] = {p: [] for p in PATHS}
     for run in range(args.runs):
         for path in PATHS:
             with tempfile.TemporaryDirectory(prefix="sbus-bb-") as d:
                 stack = Stack(path, Path(d), args.qos)
                 try:
                     burst = measure(lg, stack, args.count, 0)
+                    steady = measure(lg, stack, args.steady * 3, args.steady)
                     light = measure(lg, stack, args.light, 1000)
                 finally:
                     stack.stop()
-            results[path].append((burst, light))
+            results[path].append((burst, steady, light))
             print(f"run {run + 1} {path}: {burst['recv']}/{args.count} at "
-                  f"{burst['rate']:.0f} msg/s; p50 {light['p50_us']:.0f} us", file=sys.stderr)
+                  f"{burst['rate']:.0f} msg/s; steady {steady['recv']}/{args.steady * 3}; "
+                  f"p50 {light['p50_us']:.0f} us", file=sys.stderr)
     load = os.getloadavg()
-    print(f"\n{args.count} messages at full speed, {args.light} at 1,000 msg/s, 64-byte "
+    print(f"\n{args.count} messages at full speed, {args.steady} msg/s for 3 s, "
+          f"{args.light} at 1,000 msg/s, 64-byte "
           f"payloads, sbus bridge QoS {args.qos}; medians of {args.runs} alternating runs; "
           f"load average {load[0]:.1f} on {os.cpu_count()} cores\n")
-    print("| path | burst msg/s | burst lost | p50 µs | p99 µs | added p50 µs |")
-    print("|---|---|---|---|---|---|")
-    base = statistics.median(light["p50_us"] for _, light in results["mqtt-direct"])
+    print(f"| path | burst msg/s | burst lost | lost at {args.steady:,} msg/s | p50 µs "
+          "| p99 µs | added p50 µs |")
+    print("|---|---|---|---|---|---|---|")
+    base = statistics.median(light["p50_us"] for _, _, light in results["mqtt-direct"])
     for path in PATHS:
-        rate = statistics.median(b["rate"] for b, _ in results[path])
-        lost = statistics.median(1 - b["recv"] / args.count for b, _ in results[path])
-        p50 = statistics.median(light["p50_us"] for _, light in results[path])
-        p99 = statistics.median(light["p99_us"] for _, light in results[path])
+        runs = results[path]
+        rate = statistics.median(b["rate"] for b, _, _ in runs)
+        lost = statistics.median(1 - b["recv"] / args.count for b, _, _ in runs)
+        steady_lost = statistics.median(1 - s["recv"] / (args.steady * 3) for _, s, _ in runs)
+        p50 = statistics.median(light["p50_us"] for _, _, light in runs)
+        p99 = statistics.median(light["p99_us"] for _, _, light in runs)
         added = "—" if path == "mqtt-direct" else f"{p50 - base:.0f}"
-        print(f"| {path} | {rate:,.0f} | {lost:.1%} | {p50:.0f} | {p99:.0f} | {added} |")
+        print(f"| {path} | {rate:,.0f} | {lost:.1%} | {steady_lost:.1%} | {p50:.0f} | "
+              f"{p99:.0f} | {added} |")
     return 0
 
 
