@@ -390,3 +390,13 @@ def test_slow_local_subscriber_never_stalls_imports(one_host: Hosts) -> None:
     assert br.wait_counters(lambda c: c["imported"] == n + 1)["dropped"] == 0
     slow.close()
     peer.close()
+
+
+def test_qos1_queue_while_the_broker_is_away_is_bounded_in_bytes(one_host: Hosts) -> None:
+    hosts = one_host
+    br = hosts.bridge(0, "--export", "q/", "--max-queued-bytes", "10k")
+    hosts.mosquitto.stop()
+    br.wait_status(lambda s: "mqtt down" in s)
+    publish(hosts.bus_address(0), [(f"q/{i}", b"z" * 1000) for i in range(20)])
+    c = br.wait_counters(lambda c: c["exported"] + c["dropped"] == 20)
+    assert (c["exported"], c["dropped"]) == (10, 10), c   # 10 x 1003 bytes fit in 10 KiB

@@ -196,6 +196,15 @@ def test_full_echo_memory_drops_rather_than_risk_a_loop() -> None:
     assert c.from_mqtt(b"x/9", b"v", "peer") == b"x/9"
 
 
+def test_echo_memory_is_bounded_in_bytes_too() -> None:
+    c = core(exports=[b"x/"], imports=[b""], echo_bytes=100)
+    assert c.from_mqtt(b"x/" + b"a" * 60, b"v", "peer") is not None
+    assert c.from_mqtt(b"x/" + b"b" * 60, b"v", "peer") is None     # 124 bytes > 100
+    assert c.from_bus(b"x/" + b"a" * 60, b"v") is None               # its echo frees room
+    assert c.from_mqtt(b"x/" + b"b" * 60, b"v", "peer") is not None
+    assert c.counters.dropped == 1
+
+
 def test_status_line_counts() -> None:
     c = core()
     c.exported()

@@ -46,7 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long the MQTT broker keeps the bridge's session (and QoS 1 "
                         "imports) while it is away (default 1h; 0: a clean session)")
     p.add_argument("--max-queued", type=int, default=10000, metavar="N",
-                   help="QoS 1 exports held while the MQTT broker is away (default 10000)")
+                   help="QoS 1 exports held until acknowledged, e.g. while the MQTT broker "
+                        "is away (default 10000)")
+    p.add_argument("--max-queued-bytes", type=size_arg, default=64 << 20, metavar="BYTES",
+                   help="and their bytes at most (default 64m)")
     p.add_argument("--max-message", type=size_arg, default=MAX_MESSAGE, metavar="BYTES",
                    help="largest message taken from MQTT (default 256k, as 'sbus serve')")
     p.add_argument("--keepalive", type=int, default=30, metavar="SECONDS",
@@ -92,6 +95,7 @@ def settings(args: argparse.Namespace) -> MqttSettings:
         cafile=args.cafile, certfile=args.cert, keyfile=args.key or None,
         keepalive=args.keepalive, export_qos=args.export_qos, import_qos=args.import_qos,
         session_expiry=int(args.session_expiry), max_queued=args.max_queued,
+        max_queued_bytes=args.max_queued_bytes,
         max_message=args.max_message)
 
 

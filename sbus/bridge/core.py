@@ -15,7 +15,8 @@ each such import (key and payload hash, in the order published, bounded) and dro
 first identical message from the bus; a single connection's messages come back in
 order, so older entries left unmatched (the broker dropped them for us) are forgotten as
 soon as a later one returns.  While the memory is full, imports that would need an entry
-are dropped (counted) rather than risking a loop.
+are dropped (counted) rather than risking a loop.  The memory is bounded in entries and
+in the bytes of their keys (`ECHO_LIMIT`, `ECHO_BYTES`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ MARKER = "sbus-bridge"
 IDENTITY = Mapping()
 #: A connection that stayed up this long (seconds) resets its side's backoff.
 STABLE_AFTER = 10.0
-#: Imports remembered to recognise their echo from the bus (bounds memory and loops).
+#: Imports remembered to recognise their echo from the bus (bounds memory and loops),
+#: and the bytes of their keys at most.
 ECHO_LIMIT = 65536
+ECHO_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -58,13 +61,15 @@ class Counters:
 class BridgeCore:
     def __init__(self, exports: list[bytes], imports: list[bytes], *,
                  export_map: Mapping = IDENTITY, import_map: Mapping = IDENTITY,
-                 client_id: str = "sbus-bridge", echo_limit: int = ECHO_LIMIT) -> None:
+                 client_id: str = "sbus-bridge", echo_limit: int = ECHO_LIMIT,
+                 echo_bytes: int = ECHO_BYTES) -> None:
         self.export_map, self.import_map = export_map, import_map
         self.exports = [topics.check_export(p, export_map) for p in exports]
         self.filters: list[Filter] = [topics.to_filter(p, import_map) for p in imports]
         self.client_id = client_id
         self.counters = Counters()
-        self.echo_limit = echo_limit
+        self.echo_limit, self.echo_bytes = echo_limit, echo_bytes
+        self._echo_held = 0  # bytes of the keys remembered
         self._echo: deque[tuple[bytes, int]] = deque()
         self._echo_count: Counter[tuple[bytes, int]] = Counter()
         self._echo_keys: Counter[bytes] = Counter()
@@ -114,11 +119,13 @@ class BridgeCore:
         if problem:
             return self._refuse(key, problem)
         if any(matches(p, key) for p in self.exports):
-            if len(self._echo) >= self.echo_limit:
+            if (len(self._echo) >= self.echo_limit
+                    or self._echo_held + len(key) > self.echo_bytes):
                 self.counters.dropped += 1  # cannot tell its echo apart: a loop otherwise
                 return None
             entry = (key, hash(payload))
             self._echo.append(entry)
+            self._echo_held += len(key)
             self._echo_count[entry] += 1
             self._echo_keys[key] += 1
         return key
@@ -141,6 +148,7 @@ class BridgeCore:
     def bus_reset(self) -> None:
         """The bus connection is new: no echo of an earlier import can arrive on it."""
         self._echo.clear()
+        self._echo_held = 0
         self._echo_count.clear()
         self._echo_keys.clear()
 
@@ -152,6 +160,7 @@ class BridgeCore:
             return False
         while True:  # entries before it were dropped by the broker: they never return
             old = self._echo.popleft()
+            self._echo_held -= len(old[0])
             self._echo_count[old] -= 1
             if not self._echo_count[old]:
                 del self._echo_count[old]

@@ -66,7 +66,8 @@ class MqttSettings:
     export_qos: int = 1
     import_qos: int = 1
     session_expiry: int = 3600  # seconds the broker keeps our session (QoS 1 imports)
-    max_queued: int = 10000  # QoS 1 exports held while the broker is away
+    max_queued: int = 10000  # QoS 1 exports held until acknowledged (the broker away)
+    max_queued_bytes: int = 64 << 20  # and their bytes at most
     max_message: int = 256 * 1024  # largest packet the broker may send us
 
 
@@ -94,7 +95,8 @@ class BridgeShell:
         self.mqtt_backoff = Backoff(backoff_first, backoff_max)
         self.mqtt_up = False
         self.subscribed = False  # the broker acknowledged our subscriptions
-        self._outstanding: set[int] = set()
+        self._outstanding: dict[int, int] = {}  # QoS 1 mid -> bytes held for it
+        self._outstanding_bytes = 0
         self._activity = 0
         self._stopping = False
         self._notify_failed = False
@@ -160,8 +162,9 @@ class BridgeShell:
 
     def _on_publish(self, mq, userdata, mid, reason, properties) -> None:
         self._activity += 1
-        if mid in self._outstanding:
-            self._outstanding.discard(mid)
+        size = self._outstanding.pop(mid, None)
+        if size is not None:
+            self._outstanding_bytes -= size
             if reason.is_failure:
                 self.core.refused_by_broker()
                 self._note(f"the MQTT broker refused an exported message: {reason}")
@@ -255,12 +258,17 @@ class BridgeShell:
                 topic = core.from_bus(event.key, event.payload)
                 if topic is None:
                     continue
+                size = len(topic) + len(event.payload)
+                if qos == 1 and self._outstanding_bytes + size > self.settings.max_queued_bytes:
+                    core.dropped()
+                    continue
                 info = self.mq.publish(topic, event.payload, qos, properties=props)
                 if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS or (
                         qos == 1 and info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN):
                     core.exported()  # QoS 1 without a connection: queued by paho
                     if qos == 1:
-                        self._outstanding.add(info.mid)
+                        self._outstanding[info.mid] = size
+                        self._outstanding_bytes += size
                 else:
                     core.dropped()
             elif isinstance(event, Control):
