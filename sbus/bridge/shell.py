@@ -362,7 +362,9 @@ class BridgeShell:
             waits.append(self.bus_backoff.next_at - now)
         if sock is None:
             waits.append(self.mqtt_backoff.next_at - now)
-        pending = sock is not None and getattr(sock, "pending", lambda: 0)()
+        # TLS may hold decrypted bytes that select cannot see; read them only for a bus
+        pending = (sock is not None and self.bus is not None
+                   and getattr(sock, "pending", lambda: 0)())
         timeout = 0.0 if pending else max(0.0, min(waits))
         readable, writable, _ = select.select(readers, writers, [], timeout)
         if wake in readable:
