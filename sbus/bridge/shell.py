@@ -42,8 +42,10 @@ __all__ = ["MqttSettings", "BridgeShell"]
 
 #: Messages taken from the bus per turn of the loop.
 BATCH = 256
-#: QoS 1 exports unacknowledged at once; also paho's in-flight window.
-WINDOW = 1000
+#: QoS 1 exports unacknowledged at once; also paho's in-flight window.  paho scans its
+#: whole window on every acknowledgement, so a larger one costs more than it gains (1,000
+#: made that scan 40 µs per message; 100 keeps ~30,000 msg/s in flight at 3 ms round trips).
+WINDOW = 100
 #: Seconds the local broker may take to answer whoami on connect.
 BUS_TIMEOUT = 5.0
 #: Seconds between STATUS= updates at most (one is sent when the line changed).
