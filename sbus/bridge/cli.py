@@ -1,4 +1,7 @@
-"""``sbus bridge --mqtt URL [--export PATTERN…] [--import PATTERN…]`` (docs/bridge.md)."""
+"""``sbus bridge --mqtt URL [--export PATTERN…] [--import PATTERN…]`` (docs/bridge.md).
+
+paho-mqtt (the ``bridge`` extra) is imported only to run: ``--help``, man pages and
+completion work without it."""
 
 from __future__ import annotations
 
@@ -6,13 +9,17 @@ import argparse
 import logging
 import signal
 import socket
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from ..client import SbusError
 from ..defaults import MAX_MESSAGE, duration_arg, size_arg
+from ..display import brief
 from .core import BridgeCore
-from .shell import BridgeShell, MqttSettings
 from .topics import ConfigError, Mapping
+
+if TYPE_CHECKING:
+    from .shell import MqttSettings
 
 log = logging.getLogger("sbus.bridge")
 
@@ -72,6 +79,8 @@ def _mapping(text: str) -> Mapping:
 
 
 def settings(args: argparse.Namespace) -> MqttSettings:
+    from .shell import MqttSettings  # paho-mqtt only when the bridge runs (not for --help)
+
     url = urlsplit(args.mqtt)
     if url.scheme not in PORTS or not url.hostname:
         raise SbusError(f"--mqtt must be mqtt://HOST[:PORT] or mqtts://HOST[:PORT], "
@@ -108,14 +117,16 @@ def run(args: argparse.Namespace) -> int:
                           client_id=args.client_id or f"sbus-bridge-{socket.gethostname()}")
     except ConfigError as exc:
         raise SbusError(str(exc)) from None
+    logging.getLogger().setLevel(min(logging.getLogger().level, logging.INFO))
     for f in core.filters:
-        log.info("import %s as MQTT filter %s%s", f.pattern.decode(errors="replace"), f.mqtt,
+        log.info("import %s as MQTT filter %s%s", brief(f.pattern), brief(f.mqtt),
                  "" if f.exact else " (checked locally)")
+    from .shell import BridgeShell
+
     shell = BridgeShell(core, args.address, settings(args),
                         backoff_max=max(0.2, args.backoff_max))
     signal.signal(signal.SIGTERM, shell.stop)
     signal.signal(signal.SIGINT, shell.stop)
-    logging.getLogger().setLevel(min(logging.getLogger().level, logging.INFO))
     shell.run()
     log.info("stopped: %s", shell.status())
     return 0
