@@ -44,7 +44,8 @@ def build_parser(argv: list[str], *, everything: bool = False
     parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
     parser.add_argument("-V", "--version", action="version", version=f"sbus {version()}",
                         help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                help="what to do; each command has its own --help")
     modules: dict[str, object] = {}
     wanted = None if everything else next((a for a in argv if not a.startswith("-")), None)
     for name, (modname, helptext) in COMMANDS.items():
