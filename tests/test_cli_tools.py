@@ -7,6 +7,8 @@ import argparse
 import contextlib
 import io
 import json
+import os
+import pty
 import re
 import subprocess
 import sys
@@ -269,3 +271,32 @@ def test_a_reply_key_must_be_a_secret_inbox(broker):
         bus.publish(b"svc", bus.whoami() + b"/inbox/x\0body")  # not subscribed: nobody hears
     assert replier.wait(10) == 0
     assert "is not a secret !/cred/ key" in replier.stderr.read().decode()
+
+
+def test_request_escapes_a_reply_for_a_terminal_not_for_a_pipe(broker):
+    """A replier is another party: on a terminal its bytes cannot clear the screen or set
+    the title (--raw if you mean it); into a pipe they go as they are."""
+    replier = start("reply", "--address", broker.address, "-n", "3", "evil", "--",
+                    "printf", "\\033[2J\\033]0;owned\\007two\\nlines\\377")
+    wait_subscribed(broker.address, "evil")
+    hostile = b"\x1b[2J\x1b]0;owned\x07two\nlines\xff"
+    assert sbus("request", "--address", broker.address, "evil", "x").stdout == hostile
+    for args, expected in (([], b"\\x1b[2J\\x1b]0;owned\\x07two\r\nlines\\xff\r\n"),
+                           (["--raw"], hostile.replace(b"\n", b"\r\n"))):
+        leader, follower = pty.openpty()
+        proc = subprocess.Popen([*SBUS, "request", "--address", broker.address, *args,
+                                 "evil", "x"], stdout=follower, stdin=subprocess.DEVNULL)
+        os.close(follower)
+        assert proc.wait(20) == 0
+        out = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: the terminal's other side is closed
+                break
+            if not chunk:
+                break
+            out += chunk
+        os.close(leader)
+        assert out == expected
+    assert replier.wait(10) == 0
