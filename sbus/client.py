@@ -362,6 +362,13 @@ class AsyncClient:
             self._cred = event.payload or b""
         return self._cred
 
+    async def request(self, key: bytes | str, payload: bytes | str = b"",
+                      timeout: float = 5.0) -> bytes:
+        """`Client.request` for async code; ``TimeoutError`` after *timeout* seconds."""
+        from .request import request_async
+
+        return await request_async(self, key, payload, timeout, keep=self._pending.append)
+
     def fileno(self) -> int:
         return self.sock.fileno()
 

@@ -21,11 +21,13 @@ import secrets
 import time
 from collections.abc import Callable
 
-from .client import Client, SbusError
+import anyio
+
+from .client import AsyncClient, Client, SbusError
 from .display import brief
 from .protocol import Control, Publish
 
-__all__ = ["request", "make_request", "parse_request", "inbox_root", "NotARequest"]
+__all__ = ["request", "request_async", "make_request", "parse_request", "inbox_root", "NotARequest"]
 
 #: The segment under a process's ``!/cred/G/U/P`` that holds its reply inboxes.
 INBOX = b"inbox"
@@ -61,6 +63,17 @@ def parse_request(payload: bytes) -> tuple[bytes, bytes]:
     return reply, payload[nul + 1:]
 
 
+def _start(key: bytes | str, cred: bytes) -> tuple[bytes, bytes, bytes]:
+    """(key, inbox root, a fresh inbox) for one request."""
+    key = key.encode() if isinstance(key, str) else bytes(key)
+    root = inbox_root(cred)
+    return key, root, root + secrets.token_hex(8).encode()
+
+
+def _body(payload: bytes | str) -> bytes:
+    return payload.encode() if isinstance(payload, str) else bytes(payload)
+
+
 def request(bus: Client, key: bytes | str, payload: bytes | str = b"",
             timeout: float = 5.0, keep: Callable[[Publish | Control], None] | None = None
             ) -> bytes:
@@ -69,14 +82,11 @@ def request(bus: Client, key: bytes | str, payload: bytes | str = b"",
     Raises `TimeoutError` when no reply came within *timeout* seconds.  Other messages
     that arrive meanwhile go to *keep* (`Client.request` keeps them for `receive`); late
     replies to this client's earlier requests are dropped."""
-    key = key.encode() if isinstance(key, str) else bytes(key)
-    body = payload.encode() if isinstance(payload, str) else bytes(payload)
-    root = inbox_root(bus.whoami(timeout))
-    inbox = root + secrets.token_hex(8).encode()
+    key, root, inbox = _start(key, bus.whoami(timeout))
     bus.subscribe(inbox)
     kept: list = []
     try:
-        bus.publish(key, make_request(inbox, body))
+        bus.publish(key, make_request(inbox, _body(payload)))
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -94,3 +104,33 @@ def request(bus: Client, key: bytes | str, payload: bytes | str = b"",
                 keep(event)
         with contextlib.suppress(SbusError):  # the connection may be what failed
             bus.unsubscribe(inbox)
+
+
+async def request_async(bus: AsyncClient, key: bytes | str, payload: bytes | str = b"",
+                        timeout: float = 5.0,
+                        keep: Callable[[Publish | Control], None] | None = None) -> bytes:
+    """`request` for an `AsyncClient` (trio or asyncio)."""
+    with anyio.fail_after(timeout):  # the whoami is part of the wait
+        cred = await bus.whoami()
+    key, root, inbox = _start(key, cred)
+    await bus.subscribe(inbox)
+    kept: list = []
+    try:
+        await bus.publish(key, make_request(inbox, _body(payload)))
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    event = await bus.receive()
+                    if isinstance(event, Publish) and event.key == inbox:
+                        return event.payload
+                    if not (isinstance(event, Publish) and event.key.startswith(root)):
+                        kept.append(event)
+        except TimeoutError:
+            raise TimeoutError(f"no reply to the request on {brief(key)} within "
+                               f"{timeout:g} s") from None
+    finally:
+        if keep is not None:
+            for event in kept:
+                keep(event)
+        with contextlib.suppress(SbusError), anyio.CancelScope(shield=True):
+            await bus.unsubscribe(inbox)

@@ -300,3 +300,26 @@ def test_request_escapes_a_reply_for_a_terminal_not_for_a_pipe(broker):
         os.close(leader)
         assert out == expected
     assert replier.wait(10) == 0
+
+
+def test_async_client_request_under_trio(broker):
+    import trio
+
+    from sbus import AsyncClient
+
+    replier = start("reply", "--address", broker.address, "-n", "2", "async", "--", "rev")
+    wait_subscribed(broker.address, "async")
+
+    async def main() -> list:
+        async with await AsyncClient.connect(broker.address) as bus:
+            first = await bus.request(b"async", b"abc\n", timeout=10)
+            await bus.subscribe(b"other")
+            await bus.publish(b"other", b"kept")
+            second = await bus.request("async", "xyz\n", timeout=10)
+            kept = await bus.receive()
+            with pytest.raises(TimeoutError, match="no reply to the request on 'nobody'"):
+                await bus.request(b"nobody", b"", timeout=0.3)
+            return [first, second, kept.payload]
+
+    assert trio.run(main) == [b"cba\n", b"zyx\n", b"kept"]
+    assert replier.wait(10) == 0
