@@ -140,7 +140,11 @@ MANUAL: dict[str, tuple[str, list[tuple[str, str]], str]] = {
             "cli.md"),
     "whoami": ("Prints the credentials path the broker sees for this connection, "
                "!/cred/GID/UID/PID: the prefix of the secret keys only this process may "
-               "subscribe to.", [], "protocol.md"),
+               "subscribe to.",
+               [("sbus whoami", "prints e.g. !/cred/1000/1000/4242 (a new process, so a "
+                 "new PID, each time)"),
+                ("sbus whoami --address /run/user/1000/sbus.socket", "who the user bus "
+                 "sees")], "protocol.md"),
     "status": ("Asks the broker about itself: totals, and the clients you may see (your own "
                "user's; every client for root) with their subscriptions, queues, drops and "
                "flood policy. --json prints the whole answer.",

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
           f"{b['dropped']:,} dropped, up {b['uptime']:,.0f} s")
     print(f"clients visible to you ({b['visible']}):")
     print(f"{'id':>6} {'pid':>7} {'uid':>6} {'subs':>5} {'queued':>8} {'bytes':>10} "
-          f"{'flood':<22} patterns")
+          f"{'drops':>7} {'paused':>6} {'flood':<22} patterns")
     for c in state["clients"]:
         me = "*" if c["id"] == b["you"] else " "
         flood = f"{c['soft']}/{c['hard']}/{c['order']}" + (" nowait" if c["nowait"] else "")
@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         more = c["subscriptions"] - min(len(c["patterns"]), 5)
         if more > 0:
             patterns += f" (+{more})"
+        drops = c.get("dropped", c.get("dropped_unreported", 0))
         print(f"{c['id']:>5}{me} {c['pid']:>7} {c['uid']:>6} {c['subscriptions']:>5} "
-              f"{c['queued']:>8} {c['queued_bytes']:>10} {flood:<22} {patterns}")
+              f"{c['queued']:>8} {c['queued_bytes']:>10} {drops:>7} "
+              f"{c.get('publishers_paused', 0):>6} {flood:<22} {patterns}")
     return 0
