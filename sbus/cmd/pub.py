@@ -9,13 +9,7 @@ import sys
 import time
 
 from ..client import Client, SbusError
-from ..defaults import duration_arg
-
-
-def _count(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"not a count of 1 or more: {text!r}")
-    return int(text)
+from ..defaults import count_arg, duration_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lines", action="store_true",
                    help="publish each line of standard input as its own message "
                         "(without the newline)")
-    p.add_argument("-c", "--count", type=_count, default=None, metavar="N",
+    p.add_argument("-c", "--count", type=count_arg, default=None, metavar="N",
                    help="publish N messages; '{n}' in the payload becomes 1, 2, ... N and "
                         "'{time}' the time of sending (seconds since 1970)")
     p.add_argument("-i", "--interval", type=duration_arg, default=0.0, metavar="SECONDS",

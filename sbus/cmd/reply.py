@@ -12,7 +12,7 @@ import threading
 import time
 
 from ..client import Client, Publish, SbusError
-from ..defaults import MAX_MESSAGE, duration_arg, size_arg
+from ..defaults import MAX_MESSAGE, count_arg, duration_arg, size_arg
 from ..display import brief
 from ..request import NotARequest, parse_request
 
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="program and arguments to run per request (after '--'); it gets "
                         "the body on standard input and $SBUS_KEY, its standard output "
                         "is the reply")
-    p.add_argument("--count", "-n", type=int, default=None, metavar="N",
+    p.add_argument("--count", "-n", type=count_arg, default=None, metavar="N",
                    help="exit after answering N requests")
     p.add_argument("--command-timeout", type=duration_arg, default=30.0, metavar="SECONDS",
                    help="kill COMMAND after this long and send no reply (default 30)")
