@@ -110,6 +110,12 @@ def test_bad_values_are_named_without_internal_names():
             assert m is None or m.group(1) in ("int", "float"), line
             assert "<" not in line, line
     assert seen > 30
+    for args in (["ping", "-c", "0"], ["pub", "-c", "-1", "k", "v"], ["ping", "-i", "-1"],
+                 ["status", "--timeout", "-1"], ["sub", "--timeout", "soon", "k"]):
+        r = sbus(*args)
+        assert r.returncode == 2 and b"Traceback" not in r.stderr, args
+        assert r.stderr.decode().splitlines()[-1].startswith(f"sbus {args[0]}: error: "
+                                                            f"argument {args[1]}")
     r = sbus("serve", "--mode", "rw-r--r--")
     assert r.returncode == 2
     assert r.stderr.decode().splitlines()[-1] == (

@@ -8,6 +8,7 @@ import sys
 
 from .. import protocol
 from ..client import Client, SbusError
+from ..defaults import duration_arg
 from ..display import printable
 from ..protocol import Control
 
@@ -15,7 +16,7 @@ from ..protocol import Control
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the broker's answer as one JSON object (all pages joined)")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=duration_arg, default=5.0, metavar="SECONDS",
                    help="how long to wait for each answer (default 5)")
 
 
