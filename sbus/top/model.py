@@ -58,6 +58,7 @@ def client_value(client: dict, name: str) -> object:
         name = "dropped_unreported"
     return client.get(name)
 
+
 #: Payload bytes kept per key and per recent message for previews (a preview shows less).
 PREVIEW_BYTES = 2048
 #: Bytes a key's counters cost besides its key and packet (KeyStats, dict entry).
@@ -112,7 +113,7 @@ class ViewOptions:
     depth: int = 0  # 0: one row per key; N: one row per prefix of N segments
     reverse: bool = False  # smallest first (names: Z to A)
     scroll: int = 0  # rows skipped at the top of the table (clamped by `snapshot`)
-    pane: str = "keys"  # "keys" or "clients" (`CLIENTS_PANE`)
+    pane: str = KEYS_PANE  # or CLIENTS_PANE
 
 
 @dataclass(frozen=True, slots=True)
