@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from datetime import datetime
 
-from .display import printable
+from .display import brief, printable
 from .protocol import Publish
 
 __all__ = ["FORMATS", "DIRECTIVES", "compile_format", "format_message", "wildcard_hint"]
@@ -128,8 +128,8 @@ def wildcard_hint(pattern: bytes, sep: bytes = b"/") -> str | None:
                 fix = sep.join([*segments[:i], b"*", *segments[i + 1:]])
             else:
                 fix = sep.join(segments[:i]) + sep if i else b""
-            return (f"{printable(pattern)!r}: {_FOREIGN[seg]} is a literal segment in sbus; "
+            return (f"{brief(pattern)}: {_FOREIGN[seg]} is a literal segment in sbus; "
                     f"for {'one segment' if seg == b'+' else 'everything below'} write "
-                    f"{printable(fix)!r} ('*' is one segment, a trailing '/' everything "
+                    f"{brief(fix)} ('*' is one segment, a trailing '/' everything "
                     "below, '' everything)")
     return None
