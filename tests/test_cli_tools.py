@@ -53,7 +53,10 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
 # -- the command itself -----------------------------------------------------------------
 
 def test_version_from_the_installed_package():
+    import sbus as package
+
     expected = f"sbus {metadata.version('sbus')}\n"
+    assert package.__version__ == metadata.version("sbus")
     for flag in ("--version", "-V"):
         r = sbus(flag)
         assert r.returncode == 0 and r.stdout.decode() == expected
