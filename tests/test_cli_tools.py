@@ -154,7 +154,7 @@ def test_sub_timeout_ends_a_quiet_subscription(broker):
     assert 0.5 <= time.monotonic() - began < 10
     r = sbus("sub", "--address", broker.address, "--timeout", "300ms", "-n", "2", "quiet")
     assert r.returncode == 1
-    assert r.stderr.decode() == "sbus sub: only 0 of 2 messages within 0.3 s of each other\n"
+    assert r.stderr.decode() == "sbus sub: 0 of 2 messages, then none for 0.3 s\n"
 
 
 def test_sub_timeout_is_reset_by_each_message(broker):

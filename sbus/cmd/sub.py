@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
             except TimeoutError:
                 if args.count is None:
                     return 0
-                raise SbusError(f"only {seen} of {args.count} messages within "
-                                f"{args.timeout:g} s of each other") from None
+                raise SbusError(f"{seen} of {args.count} messages, then none for "
+                                f"{args.timeout:g} s") from None
             if not isinstance(msg, Publish):
                 continue
             if any(matches(x, msg.key) for x in excluded):
