@@ -80,8 +80,10 @@ def request(bus: Client, key: bytes | str, payload: bytes | str = b"",
     """Publish a request on *key* and return the first reply's payload.
 
     Raises `TimeoutError` when no reply came within *timeout* seconds.  Other messages
-    that arrive meanwhile go to *keep* (`Client.request` keeps them for `receive`); late
-    replies to this client's earlier requests are dropped."""
+    that arrive meanwhile go to *keep* (`Client.request` keeps them for `receive`), but
+    a late reply to an earlier request (on another of this client's inboxes) is dropped.
+    The inbox is unsubscribed on the way out; a second reply already on its way can still
+    reach `receive` afterwards, on an ``!/cred/…/inbox/…`` key."""
     key, root, inbox = _start(key, bus.whoami(timeout))
     bus.subscribe(inbox)
     kept: list = []
