@@ -220,6 +220,10 @@ def test_pub_count_interval_and_template(broker):
     assert began <= ats[0] and all(b - a >= 0.12 for a, b in zip(ats, ats[1:], strict=False))
     bad = sbus("pub", "-c", "0", "p", "x")
     assert bad.returncode == 2 and b"not a count of 1 or more: '0'" in bad.stderr
+    for args, why in ((["-i", "1"], "--interval goes with --count"),
+                      (["-c", "2", "--lines"], "--count and --lines do not go together")):
+        bad = sbus("pub", "--address", broker.address, *args, "p", input=b"x\n")
+        assert bad.returncode == 1 and bad.stderr.decode() == f"sbus pub: {why}\n"
 
 
 # -- request / reply --------------------------------------------------------------------

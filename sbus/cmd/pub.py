@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     key = os.fsencode(args.key)
     if args.count is not None and args.lines:
         raise SbusError("--count and --lines do not go together")
+    if args.interval and args.count is None:
+        raise SbusError("--interval goes with --count")
     with Client(args.address) as bus:
         if args.lines:
             for line in sys.stdin.buffer:
