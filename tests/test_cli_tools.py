@@ -145,6 +145,10 @@ def test_sub_format_string_with_time_hex_json_and_length(broker):
     assert length == "5" and rest == "%\tend\n"
     bad = sbus("sub", "-F", "%k %z", "x")
     assert bad.returncode == 2 and b"unknown directive %z" in bad.stderr
+    for args in (["-F", "%k", "-t"], ["--format", "raw", "--pretty"]):
+        bad = sbus("sub", "--address", broker.address, *args, "x")
+        assert bad.returncode == 1 and bad.stderr.startswith(b"sbus sub: --timestamps and "
+                                                             b"--pretty do not go with")
 
 
 def test_sub_timeout_ends_a_quiet_subscription(broker):

@@ -48,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.format == "raw" and args.format_string is None and (args.timestamps or args.pretty):
+    if (args.timestamps or args.pretty) and args.format_string is not None:
+        raise SbusError("--timestamps and --pretty do not go with -F (%t is the time)")
+    if (args.timestamps or args.pretty) and args.format == "raw":
         raise SbusError("--timestamps and --pretty do not go with --format raw")
     fmt = args.format_string if args.format_string is not None else args.format
     for pattern in args.patterns:
