@@ -155,3 +155,17 @@ def test_zsh_completion_typed_into_zsh(short_tmp):
         assert "command not found" not in pane() and "_arguments:" not in pane()
     finally:
         subprocess.run([*base, "kill-server"], capture_output=True)
+
+
+def test_manpages_and_completion_need_no_optional_part(tmp_path):
+    """A package build may lack FUSE and Spark: the pages and scripts come from the
+    argparse definitions alone (importing pyfuse3 or pyspark here fails)."""
+    code = ("import sys; sys.modules.update(pyfuse3=None, pyspark=None, pyarrow=None)\n"
+            "from sbus.manpages import write_manpages\n"
+            "from sbus import completion\n"
+            f"print(len(write_manpages({str(tmp_path)!r})), len(completion.bash()) > 0, "
+            "len(completion.zsh()) > 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(len(COMMANDS) + 1), "True", "True"]
