@@ -336,6 +336,9 @@ def test_clients_pane_from_the_broker_answer():
     text.print(render(snap, 100, 24))
     screen = text.export_text()
     assert "a/\\x1b (+2)" in screen and "2*" in screen and "\x1b" not in screen
+    head = next(line for line in screen.splitlines() if "patterns" in line)
+    assert head.split() == ["id", "pid", "uid", "subs", "queued", "bytes▼", "drops", "paused",
+                            "flood", "patterns"]
     m.take_status(b"not json")
     snap = m.snapshot(1.0, ViewOptions(pane="clients"), limit=5)
     assert snap.clients == [] and snap.clients_note == "the broker's status answer was not JSON"

@@ -201,8 +201,8 @@ def _head(title: str, sorted_by: bool, reverse: bool) -> Text:
 #: The clients pane: (title, field, width); the payload-like last column takes the rest.
 _CLIENT_COLUMNS = [("id", "id", 6), ("pid", "pid", 8), ("uid", "uid", 6),
                    ("subs", "subscriptions", 5), ("queued", "queued", 7),
-                   ("bytes", "queued_bytes", 9), ("dropped", "dropped", 8),
-                   ("flood", None, 16)]
+                   ("bytes", "queued_bytes", 9), ("drops", "dropped", 7),
+                   ("paused", "publishers_paused", 7), ("flood", None, 14)]
 
 
 def _number(value: object) -> str:
@@ -229,7 +229,7 @@ def _client_cells(c: dict) -> list[Text | str]:
             _plain(c.get("uid")), _number(c.get("subscriptions")), _number(c.get("queued")),
             fmt_bytes(c["queued_bytes"]) if isinstance(c.get("queued_bytes"), int) else "?",
             Text(_number(dropped), style="bold red" if _number(dropped) not in ("0", "?") else ""),
-            flood,
+            _number(c.get("publishers_paused")), flood,
             Text(shown)]
 
 
@@ -249,7 +249,7 @@ def _clients_table(snap: Snapshot, width: int, nrows: int) -> Table:
     for c in rows:
         table.add_row(*_client_cells(c))
     if not rows and snap.clients_note:
-        table.add_row("", "", "", "", "", "", "", "", Text(snap.clients_note, style="dim"))
+        table.add_row(*[""] * len(_CLIENT_COLUMNS), Text(snap.clients_note, style="dim"))
         rows = [{}]
     for _ in range(nrows - len(rows)):
         table.add_row("")
