@@ -400,3 +400,34 @@ def test_qos1_queue_while_the_broker_is_away_is_bounded_in_bytes(one_host: Hosts
     publish(hosts.bus_address(0), [(f"q/{i}", b"z" * 1000) for i in range(20)])
     c = br.wait_counters(lambda c: c["exported"] + c["dropped"] == 20)
     assert (c["exported"], c["dropped"]) == (10, 10), c   # 10 x 1003 bytes fit in 10 KiB
+
+
+def test_own_message_returned_by_a_relay_is_recognised_by_its_marker(one_host: Hosts) -> None:
+    """What a broker bridge or cluster does, done by a relay client: it republishes what
+    the bridge exported, user properties included, so No Local does not apply (the relay
+    is the publisher). The bridge knows its own marker and does not import it again."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+    from paho.mqtt.subscribeoptions import SubscribeOptions
+
+    hosts = one_host
+    br = hosts.bridge(0, "--client-id", "a", "--export", "out/", "--import", "out/")
+    relay = Peer(hosts.mosquitto.sock)
+
+    def republish(client, userdata, msg: mqtt.MQTTMessage) -> None:
+        props = Properties(PacketTypes.PUBLISH)
+        props.UserProperty = list(msg.properties.UserProperty)
+        client.publish(msg.topic, msg.payload, 0, properties=props)
+
+    relay.c.on_message = republish
+    relay.c.subscribe("out/#", options=SubscribeOptions(qos=0, noLocal=True))
+    time.sleep(0.3)
+    bus = hosts.bus_address(0)
+    local = subscriber(bus, "out/")
+    publish(bus, [("out/x", b"once")])
+    c = br.wait_counters(lambda c: c["looped"] >= 1)
+    assert collect(local, quiet=0.5) == [(b"out/x", b"once")]
+    c = br.counters()
+    assert (c["exported"], c["imported"], c["looped"]) == (1, 0, 1), c
+    relay.close()
