@@ -5,3 +5,12 @@ from .protocol import Control, Publish, Subscribe, Unsubscribe
 
 __all__ = ["Client", "AsyncClient", "SbusError", "ConnectError", "default_address",
            "Publish", "Control", "Subscribe", "Unsubscribe"]
+
+
+def __getattr__(name: str) -> str:
+    """``sbus.__version__``, read from the installed package's metadata when asked."""
+    if name == "__version__":
+        from .version import version
+
+        return version()
+    raise AttributeError(f"module 'sbus' has no attribute {name!r}")
