@@ -18,6 +18,9 @@ runs on core 0, the load on core 1.
 
 Usage: tools/restart_bench.py [--clients 100] [--rate 20000] [--seconds 4]
                               [--reliable 50] [--runs 2] [--modes usr2,systemd]
+                              [--idle N]
+``--idle N`` adds N idle clients (the hand-over carries them too; each must still be
+answered afterwards), to see what many clients do to the gap.
 Results belong in docs/performance.md with the command.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import select
 import shutil
 import signal
@@ -140,11 +144,26 @@ def connect_subscribers(address: str, n: int, reliable: int) -> list[socket.sock
     return socks
 
 
+def still_there(socks: list[socket.socket]) -> int:
+    """How many of *socks* are still connected and answered (a whoami round trip)."""
+    for s in socks:
+        s.setblocking(True)
+        s.settimeout(30)
+        s.send(b"CMSG !/cred/whoami")
+    return sum(1 for s in socks if s.recv(4096).startswith(b"CMSG !/cred/whoami\0"))
+
+
 def one_run(lg: Path, broker, clients: int, rate: int, seconds: float,
-            reliable: int) -> dict:
+            reliable: int, idle: int) -> dict:
     nsub = clients - 1
     count = int(rate * seconds)
     socks = connect_subscribers(broker.address, nsub, reliable)
+    quiet = []  # idle clients: the hand-over carries them too
+    for _ in range(idle):
+        quiet.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+        quiet[-1].connect(broker.address)
+    if quiet:
+        still_there(quiet[-1:])  # all accepted
     pid_before = broker.pid()
     pub = subprocess.Popen(
         taskset(CORE_LOAD, [str(lg), "pub", "-p", "sbus", "-a", f"unix:{broker.address}",
@@ -212,7 +231,8 @@ def one_run(lg: Path, broker, clients: int, rate: int, seconds: float,
     sent = sum(json.loads(line)["sent"] for line in out.splitlines() if line.startswith("{"))
     # what never came after each subscriber's last message
     lost += sum(max(0, (sent - want + nsub - 1) // nsub) for want in expected_next)
-    for s in socks:
+    idle_kept = still_there(quiet) if quiet else 0
+    for s in socks + quiet:
         s.close()
     ep.close()
     gaps = [b - a for a, b in zip(recv_times, recv_times[1:], strict=False)]
@@ -224,7 +244,7 @@ def one_run(lg: Path, broker, clients: int, rate: int, seconds: float,
         "p99_ms": latencies[int(len(latencies) * 0.99)] / 1e6 if latencies else 0,
         "max_ms": latencies[-1] / 1e6 if latencies else 0,
         "restart_call_ms": (timing["end"] - timing["start"]) * 1e3,
-        "same_pid": broker.pid() == pid_before,
+        "same_pid": broker.pid() == pid_before, "idle_kept": idle_kept,
     }
 
 
@@ -236,6 +256,8 @@ def main() -> int:
     ap.add_argument("--reliable", type=int, default=50, help="subscribers on 'block'")
     ap.add_argument("--runs", type=int, default=2, help="runs per mode, modes alternating")
     ap.add_argument("--modes", default="usr2,systemd")
+    ap.add_argument("--idle", type=int, default=0,
+                    help="also this many idle clients, handed over with the others")
     args = ap.parse_args()
     if args.clients < 2 or args.clients > 1000:
         ap.error("--clients: 2 to 1000 (lg has 1000 keys)")
@@ -245,6 +267,11 @@ def main() -> int:
             ap.error(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
     if (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {int(CORE_LOAD)})
+    if args.idle:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if args.idle + args.clients + 200 > hard:
+            ap.error(f"--idle: RLIMIT_NOFILE allows {hard - args.clients - 200} here")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the broker's too
     _, lg = build()
     results: list[tuple[str, dict]] = []
     load = os.getloadavg()
@@ -253,33 +280,40 @@ def main() -> int:
             tmp = Path(tempfile.mkdtemp(prefix="sbus-rb-", dir="/tmp"))
             broker = MODES[mode](tmp)
             try:
-                r = one_run(lg, broker, args.clients, args.rate, args.seconds, args.reliable)
+                r = one_run(lg, broker, args.clients, args.rate, args.seconds, args.reliable,
+                            args.idle)
             finally:
                 log = broker.stop()
                 shutil.rmtree(tmp, ignore_errors=True)
-            r["handed_over"] = f"handing over {args.clients} clients" in log and \
-                f"took over {args.clients} clients" in log
+            total = args.clients + args.idle
+            r["handed_over"] = f"handing over {total} clients" in log and \
+                f"took over {total} clients" in log
             results.append((mode, r))
             print(f"run {run + 1} {mode}: " + json.dumps(
                 {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}),
                 file=sys.stderr)
     print(f"\n{args.clients} clients ({args.clients - 1} subscribers, {args.reliable} on "
           f"'block'), {args.rate} msg/s offered for {args.seconds:g} s, restart at 40 %; "
-          f"load average before {load[0]:.1f}")
+          f"load average before {load[0]:.1f}"
+          + (f"; {args.idle} idle clients besides, kept = still answered after" if args.idle
+             else ""))
     print("| restart | run | sent | delivered | disconnects | lost | reordered | "
-          "longest gap ms | latency p50 / p99 / max ms | restart call ms | handed over |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "longest gap ms | latency p50 / p99 / max ms | restart call ms | handed over |"
+          + (" idle kept |" if args.idle else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.idle else ""))
     for n, (mode, r) in enumerate(results):
         print(f"| {mode} | {n // len(modes) + 1} | {r['sent']} | {r['delivered']} | "
               f"{r['disconnects']} | {r['lost']} | {r['reordered']} | {r['gap_ms']:.0f} | "
               f"{r['p50_ms']:.2f} / {r['p99_ms']:.1f} / {r['max_ms']:.0f} | "
-              f"{r['restart_call_ms']:.0f} | {'yes' if r['handed_over'] else 'NO'} |")
+              f"{r['restart_call_ms']:.0f} | {'yes' if r['handed_over'] else 'NO'} |"
+              + (f" {r['idle_kept']} |" if args.idle else ""))
     for mode in modes:
         gaps = [r["gap_ms"] for m, r in results if m == mode]
         print(f"{mode}: median longest gap {statistics.median(gaps):.0f} ms")
     print(f"a new broker process takes {startup_ms():.0f} ms to start (interpreter and "
           "imports, median of 3): the floor of any gap")
     bad = [r for _, r in results if r["disconnects"] or r["lost"] or r["reordered"]
+           or r["idle_kept"] != args.idle
            or not r["handed_over"] or r["delivered"] != r["sent"]]
     return 1 if bad else 0
 
