@@ -172,3 +172,28 @@ def test_a_snapshot_of_another_format_is_refused_with_one_line(short_tmp):
     lines = [x for x in text.splitlines() if "not taking over" in x]
     assert len(lines) == 1 and "sbus-handover/0" in lines[0] and "1 clients" in lines[0]
     assert "Traceback" not in text
+
+
+def test_a_carrier_that_does_not_match_the_snapshot_is_refused(caplog):
+    """Two clients in the snapshot, one socket in the carrier: which socket is whose
+    cannot be known, so none is adopted; one log line, and the client sees end-of-file."""
+    from sbus.broker import Broker
+
+    kept, passed = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    state = State(b"/", {}, [ClientState(1, [(b"a", 1)]), ClientState(2, [(b"b", 1)])])
+    memfd = os.memfd_create("snapshot")
+    os.write(memfd, handover.encode(state))
+    os.lseek(memfd, 0, os.SEEK_SET)
+    carrier = server._pack([passed])
+    passed.close()
+    broker = Broker()
+    with caplog.at_level("INFO", logger="sbus.server"):
+        server.take_over(broker, {handover.SNAPSHOT_NAME: memfd,
+                                  handover.CLIENTS_NAME: carrier})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["not taking over from the previous broker (1 client sockets for 2 "
+                     "clients): its 1 clients reconnect"]
+    assert not broker.connections
+    kept.settimeout(5)
+    assert kept.recv(10) == b""
+    kept.close()
