@@ -10,6 +10,7 @@ import logging
 import sys
 
 from .client import SbusError, default_address
+from .extras import missing_extra_message
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,8 +46,9 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, ob
                 module = importlib.import_module(modname)
             except ImportError as exc:
                 if wanted == name:
-                    raise SystemExit(
-                        f"sbus {name}: not available in this installation: {exc}") from None
+                    raise SystemExit(missing_extra_message(f"sbus {name}", exc) or
+                                     f"sbus {name}: not available in this installation: "
+                                     f"{exc}") from None
                 continue
             module.add_arguments(p)
             modules[name] = module
@@ -67,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         return modules[args.command].run(args) or 0
     except SbusError as exc:
         print(f"sbus {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except ImportError as exc:  # a part imported only once needed (e.g. pyfuse3)
+        message = missing_extra_message(f"sbus {args.command}", exc)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -9,8 +9,10 @@
 # below change, so cached copies are rebuilt.
 set -euo pipefail
 
-VERSION=3
+VERSION=4
 PACKAGES=systemd,systemd-sysv,dbus,python3,python3-venv,python3-systemd,python3-msgpack,python3-numpy
+# What the .deb (tools/build-deb.sh) depends on, so that the test installs it offline.
+PACKAGES+=,fuse3,python3-rich,python3-h11,python3-idna,python3-sortedcontainers,python3-outcome
 dest=${1:-/var/cache/sbus-test/rootfs}
 mirror=${SBUS_TEST_MIRROR:-http://deb.debian.org/debian}
 stamp="$dest/.sbus-test-rootfs"

@@ -44,6 +44,7 @@ from ..display import brief
 from ..keys import Credentials, KeyRefused, KeyRules
 from ..limits import LogAllowance
 from ..routing import pattern_cost
+from ..sdnotify import notify
 from . import codec
 from .admission import Caps, Pool, peer_group
 from .bridge import Bridge
@@ -570,16 +571,12 @@ def _raise_nofile() -> None:
 
 
 async def _report(gw: Gateway) -> None:
-    from systemd import daemon
-
     while True:
         await trio.sleep(5)
-        daemon.notify(f"STATUS={gw.status()}")
+        notify(f"STATUS={gw.status()}")
 
 
 async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    from systemd import daemon
-
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SbusError("--tls-cert and --tls-key go together")
     ctx = _tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
@@ -630,11 +627,11 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
             nursery.start_soon(_report, gw)
             log.info("sbus gateway listening on %s, bus %s", ", ".join(where),
                      gw.bridge.address or "default")
-            daemon.notify(f"READY=1\nSTATUS=listening, {gw.status()}")
+            notify(f"READY=1\nSTATUS=listening, {gw.status()}")
             task_status.started(gw)
             async for signum in signals:
                 log.info("%s: shutting down (%s)", signal.Signals(signum).name, gw.status())
-                daemon.notify("STOPPING=1")
+                notify("STOPPING=1")
                 nursery.cancel_scope.cancel()
                 break
 
