@@ -37,10 +37,12 @@ def ensure_rootfs(rootfs: Path = ROOTFS) -> float:
 
 
 class Container:
-    def __init__(self, rootfs: Path, name: str, binds_ro: dict[str, str], log: Path) -> None:
+    def __init__(self, rootfs: Path, name: str, binds_ro: dict[str, str], log: Path,
+                 options: tuple[str, ...] = ()) -> None:
         self.rootfs = rootfs
         self.name = name
         self.binds_ro = binds_ro
+        self.options = options  # more systemd-nspawn options, e.g. a device to bind
         self.log = log
         self.cgroup: PrivateCgroup | None = None
         self.proc: subprocess.Popen | None = None
@@ -52,6 +54,7 @@ class Container:
                 "--directory", str(self.rootfs), "--volatile=overlay", "--private-network",
                 "--machine", self.name, "--console=read-only", "--boot"]
         argv += [f"--bind-ro={host}:{inside}" for host, inside in self.binds_ro.items()]
+        argv += self.options
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(self.cgroup.wrap(argv), stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=log)
