@@ -92,6 +92,17 @@ def test_the_core_installs_without_heavy_dependencies(venv):
         assert heavy not in names, f"{heavy} came with the core install"
 
 
+QUICK_PATH = ("sbus serve &\n", "sbus sub 'greetings/*' &\n", "sbus pub greetings/world hello\n",
+              "pip install .\n")
+
+
+def test_the_readme_shows_the_quick_path_tested_here():
+    readme = (REPO / "README.md").read_text()
+    quick = readme[readme.index("## Quick start"):readme.index("## Set up a machine")]
+    for line in QUICK_PATH:
+        assert line in quick, line
+
+
 def test_quick_path_serve_sub_pub(venv):
     """README: `sbus serve &`, `sbus sub 'greetings/*' &`, `sbus pub greetings/world hello`."""
     path, env = venv
