@@ -1,7 +1,7 @@
 """A booted Debian container (``systemd-nspawn -b``) for testing the system units.
 
 The root filesystem is built once by ``tools/make-test-rootfs.sh`` and cached in
-``/var/cache/sbus-test/rootfs``; it is booted with ``--volatile=overlay`` so every
+``/var/cache/sbus-test/rootfs-vVERSION``; it is booted with ``--volatile=overlay`` so every
 run starts from the same clean tree and never writes into the cache.
 ``--register=no --keep-unit`` because no systemd (machined) runs on the host.
 
@@ -22,7 +22,19 @@ from pathlib import Path
 from systemd_cgroup import PrivateCgroup
 
 REPO = Path(__file__).resolve().parent.parent
-ROOTFS = Path(os.environ.get("SBUS_TEST_ROOTFS", "/var/cache/sbus-test/rootfs"))
+
+
+def _rootfs_version() -> str:
+    """VERSION of tools/make-test-rootfs.sh: each version is cached in a directory of its
+    own, so that checkouts at different versions never rebuild each other's rootfs."""
+    for line in (REPO / "tools" / "make-test-rootfs.sh").read_text().splitlines():
+        if line.startswith("VERSION="):
+            return line.split("=", 1)[1].strip()
+    raise RuntimeError("tools/make-test-rootfs.sh has no VERSION=")
+
+
+ROOTFS = Path(os.environ.get("SBUS_TEST_ROOTFS",
+                             f"/var/cache/sbus-test/rootfs-v{_rootfs_version()}"))
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
