@@ -6,10 +6,13 @@ in one line which extra to install."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tarfile
 import time
 import tomllib
 from collections.abc import Iterator
@@ -81,6 +84,10 @@ def test_wheel_and_sdist_pass_twine_check(dist: Path):
     out = _run([sys.executable, "-m", "twine", "check", "--strict",
                 *map(str, dist.iterdir())]).stdout
     assert out.count("PASSED") == 2, out
+    with tarfile.open(dist / f"sbus-{version}.tar.gz") as sdist:
+        names = set(sdist.getnames())
+    for name in ("sbus/cli.py", "docs/systemd.md", "units/system/sbus.service", "README.md"):
+        assert f"sbus-{version}/{name}" in names, name
 
 
 def test_the_core_installs_without_heavy_dependencies(venv):
@@ -151,3 +158,28 @@ def test_every_extra_named_to_users_is_declared():
     for module, extra in MODULE_EXTRA.items():
         assert extra in extras, f"{module}: extra {extra!r} is not in pyproject.toml"
     assert set(MODULE_EXTRA.values()) <= set(extras["all"][0][5:-1].split(","))
+
+
+def test_without_the_systemd_extra_a_backgrounded_mount_logs_to_syslog(monkeypatch, tmp_path):
+    """python-systemd (the 'systemd' extra) gives the journal handler; without it the
+    mount logs to syslog's socket (which journald reads), or nowhere if there is none."""
+    from sbus.fuse.cli import _system_log_handler
+
+    try:
+        from systemd.journal import JournalHandler
+    except ImportError:
+        pass
+    else:
+        assert isinstance(_system_log_handler(), JournalHandler)
+    monkeypatch.setitem(sys.modules, "systemd.journal", None)  # as if not installed
+    assert isinstance(_system_log_handler(str(tmp_path / "none")), logging.NullHandler)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as syslog:
+        syslog.bind(str(tmp_path / "log"))
+        handler = _system_log_handler(str(tmp_path / "log"))
+        try:
+            handler.handle(logging.makeLogRecord({"msg": "mounted", "levelno": logging.INFO,
+                                                  "levelname": "INFO"}))
+        finally:
+            handler.close()
+        syslog.settimeout(5)
+        assert f"sbus-mount[{os.getpid()}]: mounted".encode() in syslog.recv(1000)

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1000)")
 
 
-def _system_log_handler() -> logging.Handler:
+def _system_log_handler(syslog: str = "/dev/log") -> logging.Handler:
     """Where a backgrounded mount logs: the journal with structured fields when the
     'systemd' extra (python-systemd) is installed, else syslog's socket, which journald
     also reads on a systemd machine; stderr is /dev/null by then."""
@@ -61,8 +61,8 @@ def _system_log_handler() -> logging.Handler:
         pass
     else:
         return JournalHandler(SYSLOG_IDENTIFIER="sbus-mount")
-    if os.path.exists("/dev/log"):
-        handler = logging.handlers.SysLogHandler("/dev/log")
+    if os.path.exists(syslog):
+        handler = logging.handlers.SysLogHandler(syslog)
         handler.setFormatter(logging.Formatter("sbus-mount[%(process)d]: %(message)s"))
         return handler
     return logging.NullHandler()
