@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import raw, sync
 from systemd_container import REPO, ROOTFS, Container, ensure_rootfs
 
 USER = "alice"
@@ -79,6 +80,10 @@ def _wait_subscribed(c: Container, pattern: str, timeout: float = 15) -> None:
     while pattern not in c.run("sbus", "status").stdout:
         assert time.monotonic() < deadline, f"nobody subscribed to {pattern!r}"
         time.sleep(0.05)
+
+
+def _main_pid(c: Container, unit: str) -> str:
+    return c.run("systemctl", "show", "-p", "MainPID", "--value", unit).stdout.strip()
 
 
 def _line(proc: subprocess.Popen, timeout: float = 10) -> str:
@@ -154,6 +159,30 @@ def test_the_design_card(container: Container, installed) -> None:
             if proc is not None:
                 proc.kill()
                 proc.wait()
+
+
+def test_an_upgrade_restarts_the_broker_and_keeps_its_clients(container: Container,
+                                                             installed) -> None:
+    """Reinstalling is an upgrade to the maintainer scripts: the broker is restarted (new
+    code) and hands its clients over; the socket is neither stopped nor restarted."""
+    c = container
+    s = raw(c.host_path("/run/sbus.socket"), timeout=10)
+    try:
+        s.send(b"SUB up/")
+        sync(s)
+        before = _main_pid(c, "sbus.service")
+        listening_since = c.run("systemctl", "show", "-p", "ActiveEnterTimestampMonotonic",
+                                "sbus.socket").stdout
+        c.run("sh", "-c", "cd /mnt/dist && apt install -y --reinstall ./sbus_*.deb",
+              timeout=300)
+        after = _main_pid(c, "sbus.service")
+        assert after not in ("0", before), "the broker was not restarted"
+        assert c.run("systemctl", "show", "-p", "ActiveEnterTimestampMonotonic",
+                     "sbus.socket").stdout == listening_since
+        c.run("sbus", "pub", "up/x", "after the upgrade")
+        assert s.recv(1000) == b"MSG up/x\0after the upgrade"
+    finally:
+        s.close()
 
 
 def test_removing_the_package_stops_everything(container: Container, installed) -> None:
