@@ -22,8 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import raw, sync
+from conftest import raw, recorded_pairs, sync
 from systemd_container import REPO, ROOTFS, Container, ensure_rootfs
+
+from sbus.journal.store import list_segments
 
 USER = "alice"
 
@@ -159,6 +161,29 @@ def test_the_design_card(container: Container, installed) -> None:
             if proc is not None:
                 proc.kill()
                 proc.wait()
+
+
+def test_the_recorder_runs_from_the_package(container: Container, installed) -> None:
+    """sbus-record.service, installed disabled, runs when the admin starts it (Debian's
+    numpy) and seals its segment on stop."""
+    c = container
+    c.run("systemctl", "start", "sbus-record.service")
+    try:
+        deadline = time.monotonic() + 15
+        pid = _main_pid(c, "sbus-record.service")
+        # a row of sbus status: id pid uid subs ...; the recorder's, once it subscribed
+        while not any(row.split()[1:2] == [pid] and row.split()[3] != "0"
+                      for row in c.run("sbus", "status").stdout.splitlines()):
+            assert time.monotonic() < deadline, "the recorder did not subscribe"
+            time.sleep(0.1)
+        c.run("sbus", "pub", "log/x", "to the journal")
+    finally:
+        c.run("systemctl", "stop", "sbus-record.service")
+    assert c.run("systemctl", "show", "-p", "Result", "--value",
+                 "sbus-record.service").stdout.strip() == "success"
+    journal = Path(c.host_path("/var/lib/private/sbus/journal"))
+    assert [s.sealed for s in list_segments(journal)] == [True]
+    assert recorded_pairs(journal) == [(b"log/x", b"to the journal")]
 
 
 def test_an_upgrade_restarts_the_broker_and_keeps_its_clients(container: Container,
