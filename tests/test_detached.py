@@ -1,5 +1,6 @@
 """The suite runs detached from any terminal (``setsid ./tools/test.sh </dev/null``, as CI,
-nohup and cron run it), and its tests of job control hold there too."""
+nohup and cron run it), and its tests of job control hold there too; and it runs from a
+fresh clone, where only what git records exists."""
 
 from __future__ import annotations
 
@@ -52,3 +53,14 @@ def test_the_job_control_test_passes_detached():
         start_new_session=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "1 passed" in done.stdout
+
+
+def test_the_scripts_people_and_ci_run_are_executable_in_a_clone():
+    """A clone has the modes git records, not the ones in this working tree."""
+    listed = subprocess.run(["git", "ls-files", "-s", "tools", ".ci", "debian"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout
+    modes = {line.split("\t")[1]: line.split()[0] for line in listed.splitlines()}
+    scripts = [p for p in modes if p.endswith(".sh") or p in (".ci/run", "debian/rules")
+               or p.startswith("debian/bin/")]
+    assert "tools/build-deb.sh" in scripts and "debian/rules" in scripts
+    assert {p: modes[p] for p in scripts if modes[p] != "100755"} == {}
