@@ -140,9 +140,20 @@ def test_quick_path_serve_sub_pub(venv):
     (["sbus-top", "--once"], "top"),
     (["sbus", "record", "", "--dir", "{tmp}/journal"], "record"),
     (["sbus", "analyze", "{tmp}", "--out", "{tmp}/out"], "spark"),
+    (["sbus", "gateway", "--listen", "127.0.0.1:0", "--auth-key-file", "{tmp}/key",
+      "--tls-cert", "{tmp}/cert.pem", "--tls-key", "{tmp}/key.pem",
+      "--https-listen", "127.0.0.1:0"], "gateway"),
 ])
 def test_a_missing_extra_is_named_in_one_line(venv, tmp_path, argv, extra):
     path, env = venv
+    if extra == "gateway":  # the core gateway runs; HTTPS needs h11
+        import trustme
+
+        cert = trustme.CA().issue_cert("127.0.0.1")
+        cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+        cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+        (tmp_path / "key").write_text("secret\n")
+        (tmp_path / "key").chmod(0o600)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     done = subprocess.run(argv, env=env, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=60)

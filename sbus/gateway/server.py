@@ -598,6 +598,8 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
             raise SbusError(f"{name} must be positive")
     if args.refusal_delay < 0:
         raise SbusError("--refusal-delay must not be negative")
+    if args.https_listen:  # needs the 'gateway' extra (h11): say so before serving anyone
+        from .https import serve_https
     gw = Gateway(secret, address=args.address, idle_timeout=args.idle_timeout,
                  buffer_messages=args.buffer_messages, buffer_bytes=args.buffer_bytes,
                  buffer_pool=args.buffer_pool, max_frame=args.max_frame,
@@ -619,8 +621,6 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
             where = [", ".join(_bound(lst) for lst in listeners)
                      + (" (TLS)" if ctx else " (plain TCP)")]
             if args.https_listen:
-                from .https import serve_https
-
                 https_host, https_port = parse_hostport(args.https_listen)
                 https = await nursery.start(serve_https, gw, https_host, https_port, ctx)
                 where.append("HTTPS " + ", ".join(_bound(lst) for lst in https))
