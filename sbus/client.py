@@ -221,6 +221,14 @@ class Client:
             self._cred = event.payload or b""
         return self._cred
 
+    def request(self, key: bytes | str, payload: bytes | str = b"",
+                timeout: float = 5.0) -> bytes:
+        """Publish a request on *key* and return the first reply's payload, received on a
+        private inbox (`sbus.request`); ``TimeoutError`` after *timeout* seconds."""
+        from .request import request
+
+        return request(self, key, payload, timeout, keep=self._pending.append)
+
     def credentials(self, timeout: float = 5.0) -> Credentials:
         return Credentials.parse(self.whoami(timeout))
 
@@ -353,6 +361,13 @@ class AsyncClient:
             self._pending.extend(skipped)
             self._cred = event.payload or b""
         return self._cred
+
+    async def request(self, key: bytes | str, payload: bytes | str = b"",
+                      timeout: float = 5.0) -> bytes:
+        """`Client.request` for async code; ``TimeoutError`` after *timeout* seconds."""
+        from .request import request_async
+
+        return await request_async(self, key, payload, timeout, keep=self._pending.append)
 
     def fileno(self) -> int:
         return self.sock.fileno()

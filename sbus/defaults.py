@@ -10,7 +10,7 @@ import argparse
 import re
 
 __all__ = ["MAX_MESSAGE", "QUEUE_LIMIT", "parse_size", "size_arg", "parse_duration",
-           "duration_arg"]
+           "duration_arg", "count_arg"]
 
 #: Largest packet the broker accepts and forwards (``--max-message``).
 MAX_MESSAGE = 256 * 1024
@@ -58,3 +58,10 @@ def duration_arg(text: str) -> float:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
+
+
+def count_arg(text: str) -> int:
+    """A count of 1 or more for argparse (``--count``)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a count of 1 or more: {text!r}")
+    return int(text)

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,9 +32,8 @@ USER = "alice"
 
 
 def _version() -> str:
-    import sbus
-
-    return sbus.__version__
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["version"]
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +129,7 @@ def test_apt_installs_it_offline_and_enables_the_socket(container: Container,
         assert _unit(container, "is-enabled", unit) == "disabled"
         assert _unit(container, "is-active", unit) == "inactive"
     assert _unit(container, "is-enabled", "sbus.service") == "static"  # by the socket
+    assert container.run("sbus", "--version").stdout == f"sbus {_version()}\n"
     # the broker runs as a dynamic user, from the carried packages in /usr/lib/sbus
     verify = container.run("systemd-analyze", "verify", "/lib/systemd/system/sbus.service",
                            "/lib/systemd/system/sbus.socket", check=False)

@@ -9,17 +9,15 @@
 # are too old (debian/carried.txt), with a pip cache of its own so that pyfuse3 is
 # compiled for Debian's python3 and libfuse3 (never taken from another Python's cache).
 # dpkg-buildpackage then works offline in a copy of the tree; the version is
-# sbus.__version__.
+# pyproject.toml's.
 set -euo pipefail
 outdir=$(realpath -m "${1:-$(dirname "$0")/../dist}")
 cd "$(dirname "$0")/.."
 repo=$PWD
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/sbus-deb/pip
 
-version=$(python3 -c 'import ast, sys
-tree = ast.parse(open("sbus/__init__.py").read())
-print(next(n.value.value for n in tree.body if isinstance(n, ast.Assign)
-           and n.targets[0].id == "__version__"))')
+version=$(python3 -c 'import tomllib
+print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
 arch=$(dpkg --print-architecture)
 work=$(mktemp -d /tmp/sbus-deb.XXXXXX)
 trap 'rm -rf "$work"' EXIT

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from ..client import AsyncClient, SbusError
-from ..protocol import WHOAMI
+from ..client import AsyncClient, SbusError, default_address
+from ..protocol import REFUSED, STATUS, WHOAMI
 from .model import TrafficModel
 
 __all__ = ["Reader", "tick_forever", "CONNECTED", "RETRYING"]
@@ -38,6 +38,7 @@ class Reader:
         self.retry = retry
         self.clock = clock
         self.connects = 0
+        self.bus: AsyncClient | None = None  # while connected
 
     async def connect(self) -> AsyncClient:
         """One attempt: connect, subscribe, and ask whoami, whose answer (seen by the
@@ -51,7 +52,7 @@ class Reader:
             await bus.aclose()
             raise
         self.connects += 1
-        self.model.state = CONNECTED
+        self.model.state, self.model.problem = CONNECTED, ""
         return bus
 
     async def run(self, bus: AsyncClient | None = None, *,
@@ -63,8 +64,9 @@ class Reader:
             if bus is None:
                 try:
                     bus = await self.connect()
-                except SbusError:  # includes ConnectError
+                except SbusError as exc:  # includes ConnectError
                     self.model.state = RETRYING
+                    self.model.problem = _reason(exc, self.address)
                     await trio.sleep(self.retry)
                     continue
             def subscribed() -> None:
@@ -74,10 +76,12 @@ class Reader:
                     task_status.started()
 
             try:
+                self.bus = bus
                 await self._pump(bus, subscribed)
-            except SbusError:
-                self.model.state = RETRYING
+            except SbusError as exc:
+                self.model.state, self.model.problem = RETRYING, _reason(exc, self.address)
             finally:
+                self.bus = None
                 await bus.aclose()
                 bus = None
 
@@ -89,6 +93,27 @@ class Reader:
             for ev in feed(await bus.receive_packets(BATCH), clock()):
                 if ev.key == WHOAMI:
                     subscribed()
+                elif ev.key == STATUS:
+                    self.model.take_status(ev.payload)
+                elif ev.key == REFUSED + b"/cmsg" and STATUS in (ev.payload or b""):
+                    self.model.clients_note = "this broker does not answer broker/status"
+
+    async def ask_status_forever(self, interval: float = 1.0) -> None:
+        """Ask the broker about its clients every *interval* seconds while connected (the
+        answer comes back through `_pump`, in order with the traffic)."""
+        while True:
+            bus = self.bus
+            if bus is not None:
+                try:
+                    await bus.control(STATUS)
+                except SbusError:
+                    pass  # the pump sees the connection end and reconnects
+            await trio.sleep(interval)
+
+
+def _reason(exc: SbusError, address: str | None) -> str:
+    """The first sentence of an error, without the address (the screen shows it)."""
+    return str(exc).split(". ")[0].replace(f" at {address or default_address()}", "")
 
 
 async def tick_forever(model: TrafficModel, interval: float = 1.0,
