@@ -134,6 +134,14 @@ def test_quick_path_serve_sub_pub(venv):
         stop_process(serve)
 
 
+def test_completion_works_without_the_extras(venv):
+    """Completion lists every command; one whose extra is missing just lacks options."""
+    path, env = venv
+    out = _run(["sbus", "completion", "bash"], env=env).stdout
+    for command in ("serve", "pub", "sub", "mount", "record", "top"):
+        assert command in out, command
+
+
 @pytest.mark.parametrize("argv, extra", [
     (["sbus", "mount", "{tmp}"], "fuse"),
     (["sbus", "top", "--once"], "top"),
