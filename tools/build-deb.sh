@@ -19,6 +19,12 @@ cache=${XDG_CACHE_HOME:-$HOME/.cache}/sbus-deb/pip
 version=$(python3 -c 'import tomllib
 print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
 arch=$(dpkg --print-architecture)
+for tool in dpkg-buildpackage dh dh_python3 lintian /usr/bin/python3; do
+    command -v "$tool" >/dev/null ||
+        { echo "build-deb: $tool is missing (tools/setup.sh test installs it)" >&2; exit 1; }
+done
+/usr/bin/python3 -m pip --version >/dev/null 2>&1 ||
+    { echo "build-deb: pip for /usr/bin/python3 is missing (apt install python3-pip)" >&2; exit 1; }
 work=$(mktemp -d /tmp/sbus-deb.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
