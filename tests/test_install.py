@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -127,6 +128,7 @@ def test_quick_path_serve_sub_pub(venv):
             assert time.monotonic() < deadline, "sbus sub did not subscribe"
             time.sleep(0.05)
         _run(["sbus", "pub", "greetings/world", "hello"], env=env)
+        assert select.select([sub.stdout], [], [], 10)[0], "sbus sub printed nothing"
         line = sub.stdout.readline()
         assert "greetings/world" in line and "hello" in line, line
     finally:
