@@ -10,6 +10,7 @@ import logging
 import sys
 
 from .client import SbusError, default_address
+from .extras import missing_extra, missing_extra_message
 from .version import version
 
 #: subcommand -> (module, one-line help)
@@ -60,9 +61,12 @@ def build_parser(argv: list[str], *, everything: bool = False
             try:
                 module = importlib.import_module(modname)
             except ImportError as exc:
-                if wanted == name or everything:
-                    raise SystemExit(
-                        f"sbus {name}: not available in this installation: {exc}") from None
+                # man pages and completion leave out the options of a command whose
+                # extra is not installed; anything else is a bug to show
+                if wanted == name or (everything and missing_extra(exc) is None):
+                    raise SystemExit(missing_extra_message(f"sbus {name}", exc) or
+                                     f"sbus {name}: not available in this installation: "
+                                     f"{exc}") from None
                 continue
             module.add_arguments(p)
             modules[name] = module
@@ -84,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         return modules[args.command].run(args) or 0
     except SbusError as exc:
         print(f"sbus {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except ImportError as exc:  # a part imported only once needed (e.g. pyfuse3)
+        message = missing_extra_message(f"sbus {args.command}", exc)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

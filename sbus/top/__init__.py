@@ -12,6 +12,7 @@ import sys
 
 from ..client import SbusError, default_address
 from ..defaults import size_arg
+from ..extras import missing_extra_message
 from .model import SortBy, ViewOptions
 
 __all__ = ["add_arguments", "run", "main", "build_parser"]
@@ -106,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         return run(args) or 0
     except SbusError as exc:
         print(f"sbus-top: {exc}", file=sys.stderr)
+        return 1
+    except ImportError as exc:
+        message = missing_extra_message("sbus-top", exc)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
