@@ -15,7 +15,10 @@ SCHEMA = ("key string not null, payload binary not null, ts timestamp not null, 
 
 
 def register(spark) -> None:
-    """Register the ``sbus`` format on *spark* (a SparkSession); idempotent."""
+    """Register the ``sbus`` format on *spark* (a SparkSession); idempotent.  Also turns on
+    filter pushdown for Python data sources, which the source's ``pushFilters`` needs
+    (Spark refuses a source that implements it while the setting is off)."""
     from .source import SbusDataSource
 
+    spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
     spark.dataSource.register(SbusDataSource)
