@@ -543,3 +543,19 @@ def test_retention_race_fails_or_skips_as_failOnDataLoss_says(spark, tmp_path):
     assert sorted(seen) == sorted(set(range(1, 601)) - gone)
     offsets = [json.loads(p.sources[0].endOffset) for p in q.recentProgress]
     assert offsets[-1] == {"seq": 601, "lost": len([s for s in gone if s > 200])}
+
+
+def test_exported_parquet_and_the_open_tail_read_as_one(spark, tmp_path):
+    from sbus.journal.export import export_journal
+    from sbus.spark import read_journal
+
+    jdir = tmp_path / "j"
+    small_journal(jdir, 500, segment_bytes=3000)
+    export_journal(jdir, tmp_path / "pq")
+    with JournalWriter(jdir, fsync=False) as w:  # more rows, and an open segment
+        w.append(time.time_ns(), [b"late/1", b"late/2"], [b"x", b"y"])
+        w.flush()
+        df = read_journal(spark, str(jdir), str(tmp_path / "pq"))
+        assert df.columns == ["seq", "ts", "key", "key_bytes", "payload"]
+        assert [r.seq for r in df.orderBy("seq").select("seq").collect()] == list(range(1, 503))
+        assert df.where("key like 'late/%'").count() == 2
