@@ -133,6 +133,44 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def realistic_journal(directory: Path, rows: int, rate: float = 3000.0,
+                      flush: float = 0.1) -> None:
+    """A journal as `sbus record` writes it at a modest rate: *rate* messages per second,
+    a block per *flush* seconds (~300 rows at 3k msg/s), segments of 64 MiB sealed (and
+    re-blocked) as the recorder does.  Traffic as a bus carries it: 200 keys under 8
+    prefixes at skewed rates, payloads of 20-400 bytes (JSON-ish), a daily-ish wave in
+    the rate, a few keys that fall silent half-way."""
+    import numpy as np
+
+    from sbus.journal.store import JournalWriter
+
+    rng = np.random.default_rng(7)
+    prefixes = ["sensors", "logs", "metrics", "events", "cmd", "status", "audit", "trace"]
+    keys = [f"{prefixes[i % 8]}/{'node%02d' % (i // 8)}/{['temp', 'cpu', 'rx', 'err'][i % 4]}"
+            .encode() for i in range(200)]
+    weights = 1.0 / np.arange(1, 201) ** 0.8
+    weights /= weights.sum()
+    start = 1_767_225_600 * 10**9  # 2026-01-01T00:00:00Z
+    per_block = max(1, int(rate * flush))
+    body = bytes(rng.integers(97, 123, 400, dtype=np.uint8))
+    with JournalWriter(directory, fsync=False, segment_seconds=1e12) as w:
+        done = 0
+        t = start
+        while done < rows:
+            n = min(per_block, rows - done)
+            wave = 1 + 0.5 * np.sin(done / rows * 6.28)
+            idx = rng.choice(200, n, p=weights)
+            if done > rows // 2:
+                idx = np.where(idx % 50 == 7, 0, idx)  # keys ...07/... stop half-way
+            sizes = rng.integers(20, 400, n)
+            w.append(t, [keys[i] for i in idx],
+                     [b'{"v":%d,"s":"' % (done + j) + body[:s] + b'"}'
+                      for j, s in enumerate(sizes)])
+            w.flush()  # what the recorder's --flush timer does at this rate
+            done += n
+            t += int(flush * 1e9 / wave)
+
+
 def spark_session():
     os.environ["PYSPARK_PYTHON"] = PY
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
