@@ -360,6 +360,9 @@ def test_analyze_end_to_end(spark, recorded, tmp_path, capsys):
     assert windows.agg(F.sum("messages")).first()[0] == len(EXPECTED)
     report = (out / "report.md").read_text()
     assert "`sensors`" in report and "sensors/a/temp" in report and "traffic.png" in report
+    assert f"Messages: {len(EXPECTED):,}," in report  # thousands separators
+    assert "## Stale keys" in report and "No sequence gaps" in report
+    assert summary["window"] == "1 minute"
     assert (out / "traffic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

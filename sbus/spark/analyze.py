@@ -113,7 +113,7 @@ def rollups(df, window: str, late: str):
 # -- batch -----------------------------------------------------------------------------------
 
 #: Window lengths `sbus analyze` picks from (seconds), for about `WINDOWS` windows per span.
-NICE_WINDOWS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200,
+NICE_WINDOWS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200,
                 86400, 604800)
 WINDOWS = 60
 OUTPUTS = ("keys.parquet", "prefixes.parquet", "windows.parquet", "report.md", "traffic.png")
@@ -485,7 +485,11 @@ def run(args: argparse.Namespace) -> int:
     from sbus.spark.session import get_session
 
     verbose = getattr(args, "verbose", 0)
-    if not verbose:  # py4j logs every broken connection of an interrupted job
+    if not verbose:  # py4j logs every broken connection of an interrupted job, on root
+        if not logging.getLogger().handlers:
+            logging.basicConfig(format="%(name)s: %(message)s")
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(lambda r: "py4j" not in r.pathname)
         logging.getLogger("py4j").setLevel(logging.CRITICAL)
         warnings.filterwarnings("ignore", module="pyspark")
     progress = Progress()
