@@ -228,15 +228,21 @@ def interleaved(cases: dict, repeat: int) -> dict:
     return {name: (statistics.median(w), statistics.median(c)) for name, (w, c) in runs.items()}
 
 
-def read_bench(journal: Path, tmp: Path, repeat: int) -> dict:
-    from pyspark.sql import functions as F
-
+def both_sources(journal: Path, tmp: Path):
+    """A session, the journal through the sbus source, and Parquet of the same rows."""
     spark = spark_session()
     sbus_df = spark.read.format("sbus").load(str(journal))
     rows = sbus_df.count()
     sbus_df.write.mode("overwrite").parquet(str(tmp / "copy.parquet"))
     pq_df = spark.read.parquet(str(tmp / "copy.parquet"))
     assert pq_df.count() == rows
+    return spark, sbus_df, pq_df, rows
+
+
+def read_bench(journal: Path, tmp: Path, repeat: int) -> dict:
+    from pyspark.sql import functions as F
+
+    spark, sbus_df, pq_df, rows = both_sources(journal, tmp)
     # The Python source cannot prune columns itself; a schema naming only the needed ones does.
     narrow = spark.read.format("sbus").schema("key string, payload binary").load(str(journal))
 
@@ -266,12 +272,7 @@ def realistic_bench(journal: Path, tmp: Path, repeat: int) -> dict:
 
     from pyspark.sql import functions as F
 
-    spark = spark_session()
-    sbus_df = spark.read.format("sbus").load(str(journal))
-    rows = sbus_df.count()
-    sbus_df.write.mode("overwrite").parquet(str(tmp / "copy.parquet"))
-    pq_df = spark.read.parquet(str(tmp / "copy.parquet"))
-    assert pq_df.count() == rows
+    spark, sbus_df, pq_df, rows = both_sources(journal, tmp)
     lo, hi = sbus_df.agg(F.min("ts"), F.max("ts")).first()
     a = lo + (hi - lo) * 0.5
     b = a + (hi - lo) / 100

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import sys
@@ -19,7 +18,7 @@ from datetime import UTC, datetime
 
 from ..client import SbusError
 from ..defaults import parse_duration
-from ..display import printable
+from ..display import json_bytes, printable
 from ..routing import matches
 from .store import JournalError, list_segments, read_seq_range, segment_blocks
 
@@ -98,11 +97,8 @@ def format_record(rec: Record, fmt: str) -> bytes:
         text = printable(payload.rstrip(b"\n"))
         return f"{when} {seq} {printable(key)} {text}\n".encode()
     obj: dict = {"seq": seq, "ts": when}
-    for name, value in (("key", key), ("payload", payload)):
-        try:
-            obj[name] = value.decode()
-        except UnicodeDecodeError:
-            obj[name + "_base64"] = base64.b64encode(value).decode()
+    json_bytes(obj, "key", key)
+    json_bytes(obj, "payload", payload)
     return json.dumps(obj).encode() + b"\n"
 
 
