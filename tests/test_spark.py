@@ -449,26 +449,36 @@ def small_journal(directory, rows: int, segment_bytes: int = 1 << 20) -> None:
 
 
 def test_pushdown_and_kafka_like_options(spark, tmp_path):
-    """Filters on ts, seq and key are taken by the source (no Filter left in Spark's plan)
-    and give exactly the rows Spark's own filtering gives; the Kafka-style options bound a
-    batch read; an unknown option names the nearest valid one."""
+    """With option pushdown, filters on ts, seq and key are taken by the source (no Filter
+    left in Spark's plan) and give exactly the rows Spark's own filtering gives.  Without
+    it a DataFrame reused for another query stays right (PySpark 4.3 reuses the first
+    query's planned read).  The Kafka-style options bound a batch read; an unknown option
+    names the nearest valid one."""
     from datetime import UTC, datetime
 
     from pyspark.sql import functions as F
 
     small_journal(tmp_path, 3000, segment_bytes=20_000)
-    df = spark.read.format("sbus").load(str(tmp_path))
+
+    def pushing():
+        return spark.read.format("sbus").option("pushdown", "true").load(str(tmp_path))
+
     at = [datetime.fromtimestamp(10**9 + s, UTC) for s in (100, 150)]
-    pushed = df.where((F.col("ts") >= at[0]) & (F.col("ts") < at[1]) & (F.col("key") == "a/1"))
+    pushed = pushing().where((F.col("ts") >= at[0]) & (F.col("ts") < at[1]) &
+                             (F.col("key") == "a/1"))
     plan = pushed._jdf.queryExecution().executedPlan().toString()
     assert "BatchScan sbus" in plan and not re.search(r"\bFilter [(\[]", plan), plan
     assert [r.seq for r in pushed.collect()] == list(range(102, 151, 5))
-    assert [r.seq for r in df.where("seq between 10 and 20 and key like 'a/2%' and "
-                                    "key in ('a/2', 'a/3')").collect()] == [13, 18]
-    # Compared with Spark filtering the same rows itself (a local copy has no pushdown).
-    local = spark.createDataFrame(df.collect(), df.schema)
+    assert [r.seq for r in pushing().where("seq between 10 and 20 and key like 'a/2%' and "
+                                           "key in ('a/2', 'a/3')").collect()] == [13, 18]
+    # The same rows as Spark filtering them itself (a local copy has no pushdown).
+    plain = spark.read.format("sbus").load(str(tmp_path))
+    local = spark.createDataFrame(plain.collect(), plain.schema)
+    assert local.count() == 3000
     cond = "seq > 2500 and ts <= timestamp'2001-09-09 02:28:00' or key = 'a/4'"
-    assert sorted(df.where(cond).collect()) == sorted(local.where(cond).collect())
+    assert sorted(pushing().where(cond).collect()) == sorted(local.where(cond).collect())
+    reused = spark.read.format("sbus").load(str(tmp_path))
+    assert reused.where("seq < 10").count() == 9 and reused.count() == 3000
 
     def read(**opts):
         r = spark.read.format("sbus")

@@ -18,7 +18,7 @@ __all__ = ["ReadOptions", "OPTIONS", "Position"]
 OPTIONS = ("path", "pattern", "patternHex", "maxPartitionBytes", "minPartitions", "verify",
            "startingSeq", "endingSeq", "startingTimestamp", "endingTimestamp",
            "startingOffsets", "endingOffsets", "maxRowsPerTrigger", "maxOffsetsPerTrigger",
-           "failOnDataLoss")
+           "failOnDataLoss", "pushdown")
 _CANONICAL = {name.lower(): name for name in OPTIONS}
 
 
@@ -112,6 +112,10 @@ class ReadOptions:
         verify = options.get("verify")
         self.verify = None if verify is None else _bool("verify", verify, True)
         self.fail_on_data_loss = _bool("failOnDataLoss", options.get("failOnDataLoss"), True)
+        # Off by default: PySpark <= 4.3 keeps the read planned for a query with pushed filters
+        # on the DataFrame and reuses it for a later query on it that pushes none, which
+        # would then get the first query's rows (see docs/spark.md, "Filter pushdown").
+        self.pushdown = _bool("pushdown", options.get("pushdown"), False)
         rows = [n for n in ("maxRowsPerTrigger", "maxOffsetsPerTrigger") if n in options]
         if len(rows) > 1:
             raise ValueError("maxOffsetsPerTrigger is another name for maxRowsPerTrigger: "

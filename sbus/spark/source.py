@@ -196,7 +196,12 @@ class BatchReader(DataSourceReader):
 
     def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
         """Take ``seq`` and ``ts`` comparisons and ``key`` =, IN and LIKE 'prefix%'; give
-        back the rest.  Each taken filter is applied exactly by the reader."""
+        back the rest.  Each taken filter is applied exactly by the reader.  Without the
+        ``pushdown`` option every filter is given back and the reader stays as it was, so
+        a plan Spark reuses for another query on the same DataFrame is still right."""
+        if not self.opts.pushdown:
+            yield from filters
+            return
         rows = self.rows
         for f in filters:
             if isinstance(f, In) and f.attribute == ("key",) and \
