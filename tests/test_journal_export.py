@@ -108,3 +108,31 @@ def test_tail_follow_prints_what_is_recorded_after_it_started(tmp_path):
 @pytest.mark.parametrize("argv", [["journal"], ["journal", "cat"]])
 def test_journal_usage_errors(argv):
     assert sbus(*argv).returncode == 2
+
+
+def test_the_recorder_exports_each_sealed_segment_itself(broker, tmp_path):
+    """``sbus record --export DIR``: every segment it seals is also a Parquet file, written
+    off the recording path, with exactly that segment's rows."""
+    from conftest import raw, sync
+
+    jdir, out = tmp_path / "j", tmp_path / "pq"
+    rec = subprocess.Popen([*SBUS, "record", "e/", "--dir", str(jdir), "--address",
+                            broker.address, "--segment-size", "20k", "--export", str(out)],
+                           stderr=subprocess.PIPE, text=True)
+    assert "recording into" in rec.stderr.readline()
+    pub = raw(broker.address)
+    for chunk in range(6):  # in chunks: a block each, so several segments are sealed
+        for i in range(chunk * 500, chunk * 500 + 500):
+            pub.send(b"MSG e/%d\0payload %d" % (i % 9, i))
+        sync(pub)
+        deadline = time.monotonic() + 20
+        while len(list(records(jdir))) < chunk * 500 + 500 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    pub.close()
+    rec.terminate()
+    assert rec.wait(20) == 0
+    sealed = [s.name for s in list_segments(jdir)]
+    assert len(sealed) > 2 and sorted(p.stem for p in out.glob("*.parquet")) == sealed
+    table = pq.read_table(out).sort_by("seq")
+    assert table.column("seq").to_pylist() == list(range(1, 3001))
+    assert table.column("payload").to_pylist()[1234] == b"payload 1234"

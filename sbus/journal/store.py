@@ -244,9 +244,12 @@ class JournalWriter:
     def __init__(self, directory: str | os.PathLike, *, segment_bytes: int = 64 << 20,
                  segment_seconds: float = 3600.0, block_bytes: int = 1 << 20,
                  keep_seconds: float | None = None, keep_bytes: int | None = None,
-                 fsync: bool = True, reblock_bytes: int = 4 << 20) -> None:
+                 fsync: bool = True, reblock_bytes: int = 4 << 20,
+                 export_dir: str | os.PathLike | None = None) -> None:
         self.dir = Path(directory)
         self.reblock_bytes = reblock_bytes
+        self.export_dir = export_dir
+        self._exporter = None  # a thread exporting sealed segments as Parquet, if asked
         self.segment_bytes = segment_bytes
         self.segment_seconds = segment_seconds
         self.block_bytes = block_bytes
@@ -440,7 +443,7 @@ class JournalWriter:
                 os.close(fd)
                 if self.fsync:
                     self._fsync_dir()
-                self.apply_retention()
+                self._sealed(name)
                 return
         try:
             index = memoryview(fmt.encode_index(self._blocks, self._seg_size))
@@ -457,7 +460,31 @@ class JournalWriter:
         os.rename(self.dir / (name + OPEN_SUFFIX), self.dir / (name + SUFFIX))
         if self.fsync:
             self._fsync_dir()
+        self._sealed(name)
+
+    def _sealed(self, name: str) -> None:
+        """After a seal: retention, and the Parquet export (``export_dir``) in a thread of
+        its own, off the recording path."""
+        if self.export_dir is not None:
+            if self._exporter is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._exporter = ThreadPoolExecutor(1, thread_name_prefix="sbus-export")
+            self._exporter.submit(self._export, int(name))
         self.apply_retention()
+
+    def _export(self, first_seq: int) -> None:
+        from .export import export_segment
+
+        seg = resolve(self.dir, first_seq)
+        try:
+            if seg is not None and seg.sealed:
+                Path(self.export_dir).mkdir(parents=True, exist_ok=True)
+                export_segment(self.dir, seg, Path(self.export_dir))
+        except FileNotFoundError:
+            pass  # removed by retention first: nothing to export
+        except Exception as exc:  # noqa: BLE001 - the recording goes on; say why once
+            log.error("exporting %s as Parquet failed: %s", _name(first_seq), exc)
 
     def _reblock_worth_it(self) -> bool:
         """Blocks flushed by the clock at a modest rate are small (a few hundred rows), and
@@ -555,6 +582,8 @@ class JournalWriter:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            if self._exporter is not None:
+                self._exporter.shutdown(wait=True)  # every sealed segment exported
             self._lock.close()
 
     def __enter__(self) -> JournalWriter:
