@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mount": ("sbus.fuse.cli", "mount the bus as a filesystem (FUSE)"),
     "top": ("sbus.top", "live traffic monitor"),
     "record": ("sbus.journal.record", "record traffic into a journal"),
+    "journal": ("sbus.journal.cli", "read a recorded journal (cat, tail) or export it as Parquet"),
     "analyze": ("sbus.spark.analyze", "analyse a journal with Spark"),
     "gateway": ("sbus.gateway.server", "TCP/TLS gateway for remote clients"),
     "request": ("sbus.cmd.request", "send a request and print the reply"),

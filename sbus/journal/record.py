@@ -57,11 +57,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block", action="store_true",
                    help="when the broker's queue for the recorder is full, pause the "
                         "publishers (hard 'block' policy) instead of dropping messages for it")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="also write each sealed segment as zstd Parquet into DIR (in a "
+                        "thread of its own; as 'sbus journal export')")
     p.add_argument("--no-fsync", action="store_true",
                    help="do not fsync sealed segments (faster, not crash-safe against power loss)")
 
 
 def _options(args: argparse.Namespace) -> dict:
+    if args.export is not None:
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise SbusError("--export needs pyarrow: pip install 'sbus[spark]'") from None
     try:
         return dict(
             segment_bytes=parse_size(args.segment_size),
@@ -69,6 +77,7 @@ def _options(args: argparse.Namespace) -> dict:
             keep_seconds=None if args.keep is None else parse_duration(args.keep),
             keep_bytes=None if args.keep_bytes is None else parse_size(args.keep_bytes),
             fsync=not args.no_fsync,
+            export_dir=args.export,
         )
     except ValueError as exc:
         raise SbusError(str(exc)) from None
