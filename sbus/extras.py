@@ -15,6 +15,7 @@ MODULE_EXTRA: dict[str, str] = {
     "pyspark": "spark",
     "pyarrow": "spark",
     "matplotlib": "spark",
+    "pandas": "spark",
     "paho": "bridge",
 }
 
