@@ -9,7 +9,8 @@ import importlib
 import logging
 import sys
 
-from .client import SbusError, default_address
+from .defaults import default_address
+from .errors import SbusError
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

@@ -1,4 +1,10 @@
-"""sbus sub PATTERN...: print messages until interrupted or --count N."""
+"""sbus sub PATTERN...: print messages until interrupted or --count N.
+
+What a user must see, this says on stderr: every drop report (``dropped N messages``),
+a refused subscription (then exit 1), a lost broker and the reconnect (by default it
+waits for the broker to come back and subscribes again).  ``--ready-fd`` tells a
+script when the subscriptions are in force.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import sys
 
 from ..client import Client, Publish
 from ..display import printable
+from ..session import FLOOD_VALUES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,6 +28,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "escaped (\\x1b, \\n) so that a message cannot drive the terminal; "
                         "raw: payload bytes only, as they are; json: one object per line "
                         "(non-UTF-8 as *_base64)")
+    for name, values in FLOOD_VALUES.items():
+        p.add_argument(f"--{name}", choices=values, default=None,
+                       help=f"the broker's {name} flood policy for this subscriber "
+                            "(docs/protocol.md)")
+    p.add_argument("--block", action="store_true",
+                   help="lose nothing: when the broker's queue for us is full, pause the "
+                        "publishers (same as --hard block)")
+    p.add_argument("--no-reconnect", dest="reconnect", action="store_false",
+                   help="exit 1 when the broker goes away (default: wait for it to come "
+                        "back and subscribe again, saying so on stderr)")
+    p.add_argument("--ready-fd", type=int, default=None, metavar="FD",
+                   help="write 'ready' and a newline to file descriptor FD, then close it, "
+                        "once the subscriptions are in force (for scripts: no race with a "
+                        "publisher started after that)")
 
 
 def format_message(msg: Publish, fmt: str) -> bytes:
@@ -38,11 +59,29 @@ def format_message(msg: Publish, fmt: str) -> bytes:
     return json.dumps(obj).encode() + b"\n"
 
 
+def _say(line: str) -> None:
+    print(f"sbus sub: {line}", file=sys.stderr, flush=True)
+
+
+def _ready(fd: int) -> None:
+    try:
+        os.write(fd, b"ready\n")
+        os.close(fd)
+    except OSError as exc:
+        _say(f"--ready-fd {fd}: {exc.strerror}")
+
+
 def run(args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
-    with Client(args.address) as bus:
+    hard = "block" if args.block else args.hard
+    with Client(args.address, reconnect=args.reconnect, on_connection=_say,
+                on_drop=lambda n: _say(f"dropped {n} messages")) as bus:
+        bus.set_flood(soft=args.soft, hard=hard, order=args.order)
         for pattern in args.patterns:
-            bus.subscribe(os.fsencode(pattern))
+            bus.subscribe(os.fsencode(pattern), wait=False)
+        bus.sync()  # every subscription in force, or the broker's refusal raised
+        if args.ready_fd is not None:
+            _ready(args.ready_fd)
         seen = 0
         if args.count == 0:
             return 0
