@@ -11,7 +11,8 @@ are bytes; `str` is accepted and encoded as UTF-8.
 
 With ``reconnect=True`` a lost broker is waited for (`Backoff`) and the new connection
 gets the flood policy and every subscription again; messages published meanwhile are
-lost, as on any pubsub bus.  *on_connection* hears one line per change of state.
+lost, as on any pubsub bus.  *on_connection(up, line)* hears of each change of state
+(else it is logged).
 """
 
 from __future__ import annotations
@@ -88,13 +89,14 @@ class _Shell:
 
     def __init__(self, address: str | None, reconnect: bool,
                  on_drop: Callable[[int], None] | None,
-                 on_connection: Callable[[str], None] | None, max_message: int) -> None:
+                 on_connection: Callable[[bool, str], None] | None, max_message: int,
+                 backoff: Backoff | None) -> None:
         self.address = address or default_address()
         self.session = Session(max_message=max_message)
         self.reconnect = reconnect
         self.on_drop = on_drop
         self.on_connection = on_connection
-        self.backoff = Backoff()
+        self.backoff = backoff or Backoff()
         self._buf = bytearray(RECV_BUFFER)
         self._view = memoryview(self._buf)
         self._pending: deque[Received] = deque()
@@ -105,9 +107,9 @@ class _Shell:
         """Messages the broker reported dropping for this client, in total."""
         return self.session.dropped
 
-    def _say(self, line: str) -> None:
+    def _say(self, up: bool, line: str) -> None:
         if self.on_connection is not None:
-            self.on_connection(line)
+            self.on_connection(up, line)
         else:
             log.warning("%s", line)
 
@@ -181,9 +183,9 @@ class Client(_Shell):
 
     def __init__(self, address: str | None = None, *, timeout: float | None = None,
                  reconnect: bool = False, on_drop: Callable[[int], None] | None = None,
-                 on_connection: Callable[[str], None] | None = None,
-                 max_message: int = MAX_MESSAGE) -> None:
-        super().__init__(address, reconnect, on_drop, on_connection, max_message)
+                 on_connection: Callable[[bool, str], None] | None = None,
+                 max_message: int = MAX_MESSAGE, backoff: Backoff | None = None) -> None:
+        super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff)
         self._timeout = timeout
         self.sock = connect_socket(self.address)  # the first connection must work
         self.sock.settimeout(timeout)
@@ -191,7 +193,7 @@ class Client(_Shell):
 
     def _reconnect(self, why: str) -> None:
         self.sock.close()
-        self._say(f"lost the broker at {self.address} ({why}); reconnecting")
+        self._say(False, f"lost the broker at {self.address} ({why}); reconnecting")
         while True:
             try:
                 sock = connect_socket(self.address)
@@ -203,7 +205,7 @@ class Client(_Shell):
                 time.sleep(self.backoff.next())
         self.sock = sock
         self.backoff.reset()
-        self._say(f"reconnected to the broker at {self.address}")
+        self._say(True, f"reconnected to the broker at {self.address}")
 
     # -- sending ---------------------------------------------------------------
 
@@ -353,9 +355,9 @@ class AsyncClient(_Shell):
 
     def __init__(self, address: str | None = None, *, reconnect: bool = False,
                  on_drop: Callable[[int], None] | None = None,
-                 on_connection: Callable[[str], None] | None = None,
-                 max_message: int = MAX_MESSAGE) -> None:
-        super().__init__(address, reconnect, on_drop, on_connection, max_message)
+                 on_connection: Callable[[bool, str], None] | None = None,
+                 max_message: int = MAX_MESSAGE, backoff: Backoff | None = None) -> None:
+        super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff)
         self.sock: socket.socket | None = None
 
     @classmethod
@@ -374,7 +376,7 @@ class AsyncClient(_Shell):
     async def _reconnect(self, why: str) -> socket.socket:
         if self.sock is not None:
             self.sock.close()
-        self._say(f"lost the broker at {self.address} ({why}); reconnecting")
+        self._say(False, f"lost the broker at {self.address} ({why}); reconnecting")
         while True:
             try:
                 sock = connect_socket(self.address)
@@ -386,7 +388,7 @@ class AsyncClient(_Shell):
         sock.setblocking(False)
         self.sock = sock
         self.backoff.reset()
-        self._say(f"reconnected to the broker at {self.address}")
+        self._say(True, f"reconnected to the broker at {self.address}")
         return sock
 
     def _socket(self) -> socket.socket:

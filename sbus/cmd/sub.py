@@ -74,7 +74,7 @@ def _ready(fd: int) -> None:
 def run(args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
     hard = "block" if args.block else args.hard
-    with Client(args.address, reconnect=args.reconnect, on_connection=_say,
+    with Client(args.address, reconnect=args.reconnect, on_connection=lambda up, line: _say(line),
                 on_drop=lambda n: _say(f"dropped {n} messages")) as bus:
         bus.set_flood(soft=args.soft, hard=hard, order=args.order)
         for pattern in args.patterns:

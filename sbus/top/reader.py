@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from ..client import AsyncClient, SbusError
-from ..protocol import WHOAMI
+from ..client import AsyncClient
+from ..errors import SbusError
+from ..session import Backoff
 from .model import TrafficModel
 
 __all__ = ["Reader", "tick_forever", "CONNECTED", "RETRYING"]
@@ -28,7 +29,8 @@ class Reader:
     """Subscribes *patterns* at *address* and counts everything into *model*.
 
     `run` never returns: when the broker goes away the model's state says so and the
-    reader tries again every *retry* seconds, subscribing afresh once it is back."""
+    client reconnects (the session's `Backoff`, at most *retry* seconds apart) and
+    subscribes afresh once it is back."""
 
     def __init__(self, model: TrafficModel, address: str | None, patterns: Sequence[bytes],
                  *, retry: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
@@ -39,56 +41,48 @@ class Reader:
         self.clock = clock
         self.connects = 0
 
+    def _backoff(self) -> Backoff:
+        return Backoff(first=min(0.05, self.retry), maximum=self.retry)
+
+    def _connection(self, up: bool, line: str) -> None:
+        if up:
+            self.connects += 1
+        self.model.state = CONNECTED if up else RETRYING
+
     async def connect(self) -> AsyncClient:
-        """One attempt: connect, subscribe, and ask whoami, whose answer (seen by the
-        pump) says the subscriptions are in place.  Raises `SbusError`."""
-        bus = await AsyncClient.connect(self.address)
+        """One attempt: connect and subscribe; the subscriptions are in force on return
+        (a refused one raises).  Raises `SbusError`."""
+        bus = AsyncClient(self.address, reconnect=True, on_connection=self._connection,
+                          backoff=self._backoff())
+        await bus.open()
         try:
             for pattern in self.patterns:
-                await bus.subscribe(pattern)
-            await bus.control(WHOAMI)
+                await bus.subscribe(pattern, wait=False)
+            await bus.sync()
         except BaseException:
             await bus.aclose()
             raise
-        self.connects += 1
-        self.model.state = CONNECTED
+        self._connection(True, "connected")
         return bus
 
     async def run(self, bus: AsyncClient | None = None, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Read forever, starting with *bus* if given (a `connect` result).  Reports
         started (``nursery.start``) once the first subscriptions are in place."""
-        started = False
-        while True:
-            if bus is None:
-                try:
-                    bus = await self.connect()
-                except SbusError:  # includes ConnectError
-                    self.model.state = RETRYING
-                    await trio.sleep(self.retry)
-                    continue
-            def subscribed() -> None:
-                nonlocal started
-                if not started:
-                    started = True
-                    task_status.started()
-
+        backoff = self._backoff()
+        while bus is None:
             try:
-                await self._pump(bus, subscribed)
-            except SbusError:
+                bus = await self.connect()
+            except SbusError:  # includes ConnectError
                 self.model.state = RETRYING
-            finally:
-                await bus.aclose()
-                bus = None
-
-    async def _pump(self, bus: AsyncClient, subscribed: Callable[[], None]) -> None:
-        """Drain the socket in batches into the model; calls *subscribed* when the broker
-        answers whoami."""
-        feed, clock = self.model.feed_packets, self.clock
-        while True:
-            for ev in feed(await bus.receive_packets(BATCH), clock()):
-                if ev.key == WHOAMI:
-                    subscribed()
+                await trio.sleep(backoff.next())
+        task_status.started()
+        try:
+            feed, clock = self.model.feed_packets, self.clock
+            while True:  # reconnects inside receive_packets
+                feed(await bus.receive_packets(BATCH), clock())
+        finally:
+            await bus.aclose()
 
 
 async def tick_forever(model: TrafficModel, interval: float = 1.0,
