@@ -112,9 +112,14 @@ class Session:
         policy and every pattern again, then a whoami question (the barrier after which
         the subscriptions are in force again); on the first connection, nothing."""
         self.connections += 1
-        self.asked = 0  # questions on the old connection will never be answered
         if self.connections == 1:
             return []
+        return self.opening()
+
+    def opening(self) -> list[bytes]:
+        """Everything this session asked for, as the first packets of a fresh connection:
+        the flood policy, every pattern, and a whoami question (the barrier)."""
+        self.asked = 0  # questions on an old connection will never be answered
         out = self._policy()
         out += [b"SUB " + p for p, n in self.patterns.items() for _ in range(n)]
         out.append(self.ask())
