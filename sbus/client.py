@@ -192,18 +192,25 @@ class Client(_Shell):
         self.session.connected()
 
     def _reconnect(self, why: str) -> None:
+        """Replace the lost connection: wait for the broker (`Backoff`), send the session's
+        opening and wait for its barrier, so the subscriptions are in force on return."""
         self.sock.close()
         self._say(False, f"lost the broker at {self.address} ({why}); reconnecting")
         while True:
             try:
-                sock = connect_socket(self.address)
-                sock.settimeout(self._timeout)
+                self.sock = connect_socket(self.address)
+                self.sock.settimeout(self._timeout)
                 for packet in self.session.connected():
-                    sock.send(packet)
+                    self.sock.send(packet)
+                while self.session.asked:
+                    n = self.sock.recv_into(self._buf)
+                    if not n:
+                        raise ConnectionResetError(errno.ECONNRESET, "closed at once")
+                    self._settle(self._event(self._view[:n].tobytes()))
                 break
             except (ConnectError, OSError):
+                self.sock.close()
                 time.sleep(self.backoff.next())
-        self.sock = sock
         self.backoff.reset()
         self._say(True, f"reconnected to the broker at {self.address}")
 
@@ -246,16 +253,18 @@ class Client(_Shell):
         for packet in self.session.set_flood(soft, hard, order):
             self.send_packet(packet)
 
-    def sync(self, timeout: float = 5.0) -> None:
+    def sync(self, timeout: float | None = 5.0) -> None:
         """Return once the broker has acted on everything sent before (a whoami round
-        trip); raises `Refused` if it refused any of it.  Messages meanwhile are kept."""
+        trip); raises `Refused` if it refused any of it.  Messages meanwhile are kept.
+        *timeout* None waits as long as it takes (a publisher the broker paused)."""
         self.send_packet(self.session.ask())
-        deadline = time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self.session.asked:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._readable(left):
-                raise TimeoutError(f"the broker at {self.address} did not answer "
-                                   f"within {timeout} s")
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._readable(left):
+                    raise TimeoutError(f"the broker at {self.address} did not answer "
+                                       f"within {timeout} s")
             self._settle(self._event(self.recv_packet()))
         self._refused()
 
@@ -286,6 +295,7 @@ class Client(_Shell):
     def receive(self, timeout: float | None = None, flags: int = 0) -> Received:
         """The next message, drop report or control message; ``TimeoutError`` after
         *timeout* seconds; `Refused` if the broker refused something sent before."""
+        self._refused()
         if self._pending:
             return self._pending.popleft()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -374,18 +384,31 @@ class AsyncClient(_Shell):
         self.session.connected()
 
     async def _reconnect(self, why: str) -> socket.socket:
+        """`Client._reconnect`: the subscriptions are in force again on return."""
         if self.sock is not None:
             self.sock.close()
         self._say(False, f"lost the broker at {self.address} ({why}); reconnecting")
         while True:
+            sock = None
             try:
                 sock = connect_socket(self.address)
+                sock.setblocking(False)
                 for packet in self.session.connected():
                     sock.send(packet)
+                while self.session.asked:
+                    try:
+                        n = sock.recv_into(self._buf)
+                    except BlockingIOError:
+                        await anyio.wait_readable(sock)
+                        continue
+                    if not n:
+                        raise ConnectionResetError(errno.ECONNRESET, "closed at once")
+                    self._settle(self._event(self._view[:n].tobytes()))
                 break
             except (ConnectError, OSError):
+                if sock is not None:
+                    sock.close()
                 await anyio.sleep(self.backoff.next())
-        sock.setblocking(False)
         self.sock = sock
         self.backoff.reset()
         self._say(True, f"reconnected to the broker at {self.address}")
@@ -430,7 +453,7 @@ class AsyncClient(_Shell):
         for packet in self.session.set_flood(soft, hard, order):
             await self.send_packet(packet)
 
-    async def sync(self, timeout: float = 5.0) -> None:
+    async def sync(self, timeout: float | None = 5.0) -> None:
         """`Client.sync`: the broker has acted on everything sent before, or `Refused`."""
         await self.send_packet(self.session.ask())
         with anyio.fail_after(timeout):
@@ -446,6 +469,7 @@ class AsyncClient(_Shell):
     async def receive(self) -> Received:
         """The next message, drop report or control message; `Refused` if the broker
         refused something sent before."""
+        self._refused()
         while not self._pending:
             self._absorb(await self.receive_packets())
         return self._pending.popleft()

@@ -45,8 +45,13 @@ def run(tree: Path, bench: str, args: argparse.Namespace) -> str:
                str(args.seconds), "--writes", str(args.writes)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("SBUS_BENCH_SHARED", str(ROOT.parent / "shared" / "bench"))
-    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True)
-    return out.stdout
+    for attempt in (1, 2):  # a shared machine sometimes times a run out: once more
+        out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+        if out.returncode == 0:
+            return out.stdout
+        print(f"{bench} from {tree} failed (attempt {attempt}):\n{out.stderr[-2000:]}",
+              file=sys.stderr, flush=True)
+    raise SystemExit(f"{bench} from {tree} failed twice")
 
 
 def figures(bench: str, text: str) -> dict[str, float]:

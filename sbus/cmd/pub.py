@@ -34,5 +34,6 @@ def run(args: argparse.Namespace) -> int:
                 bus.publish(key, line.rstrip(b"\n"))
         else:
             bus.publish(key, sys.stdin.buffer.read())
-        bus.sync()  # the broker has taken every message, or its refusal is raised
+        bus.sync(None)  # the broker took every message (or raised its refusal); a
+        # publisher it paused for a slow subscriber waits here as in its sends
     return 0

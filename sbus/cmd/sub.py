@@ -39,9 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="exit 1 when the broker goes away (default: wait for it to come "
                         "back and subscribe again, saying so on stderr)")
     p.add_argument("--ready-fd", type=int, default=None, metavar="FD",
-                   help="write 'ready' and a newline to file descriptor FD, then close it, "
-                        "once the subscriptions are in force (for scripts: no race with a "
-                        "publisher started after that)")
+                   help="write 'ready' and a newline to file descriptor FD (then close it, "
+                        "unless it is 1 or 2) once the subscriptions are in force (for "
+                        "scripts: no race with a publisher started after that)")
 
 
 def format_message(msg: Publish, fmt: str) -> bytes:
@@ -66,7 +66,8 @@ def _say(line: str) -> None:
 def _ready(fd: int) -> None:
     try:
         os.write(fd, b"ready\n")
-        os.close(fd)
+        if fd > 2:  # stdout or stderr stay open for what follows
+            os.close(fd)
     except OSError as exc:
         _say(f"--ready-fd {fd}: {exc.strerror}")
 
