@@ -30,7 +30,7 @@ from trio.lowlevel import ParkingLot, wait_readable, wait_writable
 
 from ..client import connect_socket
 from ..display import brief
-from ..errors import ConnectError, InvalidRequest, Refused
+from ..errors import ConnectError, ConnectionLost, InvalidRequest, Refused
 from ..keys import Credentials
 from ..protocol import ProtocolError
 from ..session import Backoff, Dropped, Refusal, Session, Whoami
@@ -60,10 +60,6 @@ MONITOR_PAUSE = 0.05
 #: through at once.
 PUMP_COALESCE = 0.002
 PUMP_SMALL = 32
-
-
-class BrokerGone(Exception):
-    pass
 
 
 def _connect(address: str) -> socket.socket:
@@ -178,7 +174,7 @@ class MountBus:
                     await wait_readable(sock)
                     continue
                 if n == 0:
-                    raise BrokerGone("the broker closed the connection")
+                    raise ConnectionLost(f"the broker at {self.address} closed the connection")
                 packet = self._view[:n].tobytes()
                 if packet.startswith(b"MSG "):
                     if reader is not None:
@@ -211,7 +207,7 @@ class MountBus:
                 try:
                     await self._handshake(sock, session, session.opening(), reader)
                     return sock
-                except (OSError, BrokerGone, trio.TooSlowError, Refused):
+                except (OSError, ConnectionLost, trio.TooSlowError, Refused):
                     sock.close()
             if trio.current_time() >= deadline or self.closing:
                 return None
@@ -277,7 +273,7 @@ class MountBus:
             sock.close()
             log.info("cannot subscribe to %s: %s", brief(r.pattern), exc)
             raise FUSEError(errno.EACCES) from None
-        except (OSError, BrokerGone, trio.TooSlowError) as exc:
+        except (OSError, ConnectionLost, trio.TooSlowError) as exc:
             sock.close()
             log.error("cannot subscribe to %s at %s: %s", brief(r.pattern), self.address, exc)
             raise FUSEError(errno.EIO) from None

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import SbusError
 from . import format as fmt
 from .columns import Columns
 from .format import Block, BlockInfo, FormatError
@@ -35,7 +36,7 @@ OPEN_SUFFIX = ".sbj.open"
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
-class JournalError(Exception):
+class JournalError(SbusError):
     """A journal directory that cannot be used (locked, unreadable, corrupt sealed segment)."""
 
 

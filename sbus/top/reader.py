@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import trio
 
 from ..client import AsyncClient
-from ..errors import SbusError
+from ..errors import ConnectError, ConnectionLost
 from ..session import Backoff
 from .model import TrafficModel
 
@@ -51,7 +51,7 @@ class Reader:
 
     async def connect(self) -> AsyncClient:
         """One attempt: connect and subscribe; the subscriptions are in force on return
-        (a refused one raises).  Raises `SbusError`."""
+        (a refused one raises `Refused`).  Raises `SbusError`."""
         bus = AsyncClient(self.address, reconnect=True, on_connection=self._connection,
                           backoff=self._backoff())
         await bus.open()
@@ -73,7 +73,7 @@ class Reader:
         while bus is None:
             try:
                 bus = await self.connect()
-            except SbusError:  # includes ConnectError
+            except (ConnectError, ConnectionLost, TimeoutError):  # a refusal is raised
                 self.model.state = RETRYING
                 await trio.sleep(backoff.next())
         task_status.started()
