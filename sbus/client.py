@@ -136,6 +136,9 @@ class _Shell:
         if type(event) is Dropped:
             if self.on_drop is not None:
                 self.on_drop(event.count)
+            else:  # never silent: a program that did not ask still gets a log line
+                log.warning("the broker at %s dropped %d messages for this client",
+                            self.address, event.count)
             return event
         if type(event) is Whoami:
             return None
