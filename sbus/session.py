@@ -35,7 +35,7 @@ from .defaults import MAX_MESSAGE
 from .display import brief
 from .errors import InvalidRequest, Refused
 from .keys import Credentials, KeyRules
-from .protocol import DROPPED, REFUSED, WHOAMI, Control, Publish
+from .protocol import DROPPED, REFUSED, WHOAMI, Control, Publish, Subscribe
 
 __all__ = ["Session", "Backoff", "Dropped", "Whoami", "Refusal", "Event", "Publish",
            "Control", "FLOOD_VALUES"]
@@ -83,6 +83,17 @@ def _b(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
+def _encode(event: protocol.Event) -> bytes:
+    try:
+        return protocol.encode(event)
+    except protocol.ProtocolError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def _flood(name: str, value: bytes) -> bytes:
+    return _encode(Control(_FLOOD_KEYS[name] + b"/" + value))
+
+
 class Session:
     """One client's protocol state; see the module docstring.  Every method that returns
     bytes has already updated the state as if they were sent."""
@@ -121,22 +132,22 @@ class Session:
         the flood policy, every pattern, and a whoami question (the barrier)."""
         self.asked = 0  # questions on an old connection will never be answered
         out = self._policy()
-        out += [b"SUB " + p for p, n in self.patterns.items() for _ in range(n)]
+        out += [_encode(Subscribe(p)) for p, n in self.patterns.items() for _ in range(n)]
         out.append(self.ask())
         return out
 
     def _policy(self) -> list[bytes]:
-        out = [b"CMSG " + _FLOOD_KEYS[name] + b"/" + value
-               for name, value in self.flood.items()]
+        out = [_flood(name, value) for name, value in self.flood.items()]
         if self.nowait:
-            out.append(b"CMSG " + protocol.PUBLISHER_NOWAIT)
+            out.append(_encode(Control(protocol.PUBLISHER_NOWAIT)))
         return out
 
     def subscribe(self, pattern: bytes | str) -> bytes:
         pattern = _b(pattern)
-        self._check_pattern(pattern)
+        packet = _encode(Subscribe(pattern))
+        self.rules.check_pattern(pattern, self.cred)
         self.patterns[pattern] += 1
-        return protocol.encode(protocol.Subscribe(pattern))
+        return packet
 
     def unsubscribe(self, pattern: bytes | str) -> bytes:
         pattern = _b(pattern)
@@ -146,15 +157,12 @@ class Session:
         self.patterns[pattern] -= 1
         if not self.patterns[pattern]:
             del self.patterns[pattern]
-        return protocol.encode(protocol.Unsubscribe(pattern))
+        return _encode(protocol.Unsubscribe(pattern))
 
     def publish(self, key: bytes | str, payload: bytes | str = b"") -> bytes:
         key = _b(key)
-        try:
-            self.rules.check_key(key)
-            packet = protocol.encode(Publish(key, _b(payload)))
-        except protocol.ProtocolError as exc:
-            raise InvalidRequest(str(exc)) from None
+        packet = _encode(Publish(key, _b(payload)))
+        self.rules.check_key(key)
         if len(packet) > self.max_message:
             raise InvalidRequest(
                 f"the message to {brief(key)} is {len(packet)} bytes with its header, over "
@@ -174,35 +182,25 @@ class Session:
         for name, value in asked.items():
             if value is not None:
                 self.flood[name] = value.encode()
-                out.append(b"CMSG " + _FLOOD_KEYS[name] + b"/" + value.encode())
+                out.append(_flood(name, value.encode()))
         return out
 
     def publisher_nowait(self) -> bytes:
         """Ask never to be paused as a publisher (a connection publishing for many)."""
         self.nowait = True
-        return b"CMSG " + protocol.PUBLISHER_NOWAIT
+        return _encode(Control(protocol.PUBLISHER_NOWAIT))
 
     def ask(self) -> bytes:
         """A whoami question: its answer is also the barrier for everything before it."""
         self.asked += 1
-        return b"CMSG " + WHOAMI
+        return _encode(Control(WHOAMI))
 
     def control(self, key: bytes | str, payload: bytes | str | None = None) -> bytes:
         """Any other control message (e.g. ``broker/status``), as it is."""
         key = _b(key)
         if key == WHOAMI:
             return self.ask()
-        try:
-            return protocol.encode(Control(key, None if payload is None else _b(payload)))
-        except protocol.ProtocolError as exc:
-            raise InvalidRequest(str(exc)) from None
-
-    def _check_pattern(self, pattern: bytes) -> None:
-        try:
-            protocol.encode(protocol.Subscribe(pattern))
-        except protocol.ProtocolError as exc:
-            raise InvalidRequest(str(exc)) from None
-        self.rules.check_pattern(pattern, self.cred)
+        return _encode(Control(key, None if payload is None else _b(payload)))
 
     # -- packets -> events -------------------------------------------------------
 
