@@ -88,12 +88,13 @@ def main() -> int:
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     print(f"{args.rounds} alternating rounds; load average {min(loads):.1f}–{max(loads):.1f} "
           f"on {os.cpu_count()} CPUs")
-    print("\n| figure | before (median) | after (median) | after / before |")
+    print("\n| figure | before: median (range) | after: median (range) | after / before |")
     print("|---|---|---|---|")
     for name in values["before"]:
-        b = statistics.median(values["before"][name])
-        a = statistics.median(values["after"][name])
-        print(f"| {name} | {b:,.2f} | {a:,.2f} | {a / b:.3f} |")
+        b, a = values["before"][name], values["after"][name]
+        print(f"| {name} | {statistics.median(b):,.2f} ({min(b):,.2f}–{max(b):,.2f}) | "
+              f"{statistics.median(a):,.2f} ({min(a):,.2f}–{max(a):,.2f}) | "
+              f"{statistics.median(a) / statistics.median(b):.3f} |")
     return 0
 
 
