@@ -11,6 +11,7 @@ import sys
 
 from .defaults import default_address
 from .errors import SbusError
+from .version import version
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -27,25 +28,39 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "record": ("sbus.journal.record", "record traffic into a journal"),
     "analyze": ("sbus.spark.analyze", "analyse a journal with Spark"),
     "gateway": ("sbus.gateway.server", "TCP/TLS gateway for remote clients"),
+    "request": ("sbus.cmd.request", "send a request and print the reply"),
+    "reply": ("sbus.cmd.reply", "answer requests by running a command for each"),
+    "completion": ("sbus.cmd.completion", "print a shell completion script (bash or zsh)"),
 }
 
 
-def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+VERBOSE_HELP = "more log output (repeat for debug)"
+
+
+def build_parser(argv: list[str], *, everything: bool = False
+                 ) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    """The parser, with the options of the subcommand named in *argv* (of every one for
+    ``--help`` or *everything*: man pages and completion)."""
     parser = argparse.ArgumentParser(prog="sbus", description="sbus: a small, fast message bus")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="more log output (repeat for debug)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
+    parser.add_argument("-V", "--version", action="version", version=f"sbus {version()}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                help="what to do; each command has its own --help")
     modules: dict[str, object] = {}
-    wanted = next((a for a in argv if not a.startswith("-")), None)
+    wanted = None if everything else next((a for a in argv if not a.startswith("-")), None)
     for name, (modname, helptext) in COMMANDS.items():
         p = sub.add_parser(name, help=helptext, description=helptext)
         p.add_argument("--address", default=None, metavar="PATH",
                        help=f"broker socket (default $SBUS_ADDRESS, else {default_address()})")
+        # `sbus serve -v` as well as `sbus -v serve`: counted separately, added up in main
+        p.add_argument("-v", "--verbose", dest="sub_verbose", action="count", default=0,
+                       help=VERBOSE_HELP)
         if wanted in (name, None, "--help", "-h"):
             try:
                 module = importlib.import_module(modname)
             except ImportError as exc:
-                if wanted == name:
+                if wanted == name or everything:
                     raise SystemExit(
                         f"sbus {name}: not available in this installation: {exc}") from None
                 continue
@@ -58,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, modules = build_parser(argv)
     args = parser.parse_args(argv)
+    args.verbose += args.sub_verbose
     logging.basicConfig(
         level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
         format="%(name)s: %(message)s",

@@ -198,7 +198,7 @@ class Client(_Shell):
         """Replace the lost connection: wait for the broker (`Backoff`), send the session's
         opening and wait for its barrier, so the subscriptions are in force on return."""
         self.sock.close()
-        self._say(False, f"lost the broker at {self.address} ({why}); reconnecting")
+        self._say(False, f"the broker at {self.address} {why}; reconnecting")
         while True:
             try:
                 self.sock = connect_socket(self.address)
@@ -231,7 +231,7 @@ class Client(_Shell):
             except OSError as exc:
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
-                self._reconnect(exc.strerror or str(exc))
+                self._reconnect(f"failed: {exc.strerror or exc}")
 
     def subscribe(self, pattern: bytes | str, flags: int = 0, *, wait: bool = True) -> None:
         """Subscribe; with *wait* (the default), return once the broker has the
@@ -287,13 +287,13 @@ class Client(_Shell):
             except OSError as exc:
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._lost(f"failed: {exc.strerror or exc}") from None
-                self._reconnect(exc.strerror or str(exc))
+                self._reconnect(f"failed: {exc.strerror or exc}")
                 continue
             if n:
                 return self._view[:n].tobytes()
             if not self.reconnect:
                 raise self._lost("closed the connection")
-            self._reconnect("it closed the connection")
+            self._reconnect("closed the connection")
 
     def receive(self, timeout: float | None = None, flags: int = 0) -> Received:
         """The next message, drop report or control message; ``TimeoutError`` after
@@ -338,6 +338,14 @@ class Client(_Shell):
         if self.session.whoami is None:
             self.sync(timeout)
         return self._whoami()
+
+    def request(self, key: bytes | str, payload: bytes | str = b"",
+                timeout: float = 5.0) -> bytes:
+        """Publish a request on *key* and return the first reply's payload, received on a
+        private inbox (`sbus.request`); ``TimeoutError`` after *timeout* seconds."""
+        from .request import request
+
+        return request(self, key, payload, timeout, keep=self._pending.append)
 
     def credentials(self, timeout: float = 5.0) -> Credentials:
         return Credentials.parse(self.whoami(timeout))
@@ -390,7 +398,7 @@ class AsyncClient(_Shell):
         """`Client._reconnect`: the subscriptions are in force again on return."""
         if self.sock is not None:
             self.sock.close()
-        self._say(False, f"lost the broker at {self.address} ({why}); reconnecting")
+        self._say(False, f"the broker at {self.address} {why}; reconnecting")
         while True:
             sock = None
             try:
@@ -434,7 +442,7 @@ class AsyncClient(_Shell):
             except OSError as exc:
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
-                sock = await self._reconnect(exc.strerror or str(exc))
+                sock = await self._reconnect(f"failed: {exc.strerror or exc}")
 
     async def subscribe(self, pattern: bytes | str, *, wait: bool = True) -> None:
         """Subscribe; with *wait*, return once it is in force (`Refused` if refused)."""
@@ -497,10 +505,10 @@ class AsyncClient(_Shell):
                 except OSError as exc:
                     if not (self.reconnect and exc.errno in _GONE):
                         raise self._lost(f"failed: {exc.strerror or exc}") from None
-                    gone = exc.strerror or str(exc)
+                    gone = f"failed: {exc.strerror or exc}"
                     break
                 if n == 0:
-                    gone = "it closed the connection"
+                    gone = "closed the connection"
                     break
                 out.append(view[:n].tobytes())
             if out:
@@ -538,6 +546,13 @@ class AsyncClient(_Shell):
 
     async def credentials(self, timeout: float = 5.0) -> Credentials:
         return Credentials.parse(await self.whoami(timeout))
+
+    async def request(self, key: bytes | str, payload: bytes | str = b"",
+                      timeout: float = 5.0) -> bytes:
+        """`Client.request` for async code; ``TimeoutError`` after *timeout* seconds."""
+        from .request import request_async
+
+        return await request_async(self, key, payload, timeout, keep=self._pending.append)
 
     def fileno(self) -> int:
         return self._socket().fileno()

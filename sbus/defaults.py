@@ -11,7 +11,8 @@ import os
 import re
 
 __all__ = ["MAX_MESSAGE", "QUEUE_LIMIT", "parse_size", "size_arg", "parse_duration",
-           "duration_arg", "DEFAULT_ADDRESS", "default_address", "RECV_BUFFER", "SEND_BUFFER"]
+           "duration_arg", "DEFAULT_ADDRESS", "default_address", "RECV_BUFFER", "SEND_BUFFER",
+           "count_arg"]
 
 #: Where the broker listens unless told otherwise (``$SBUS_ADDRESS`` overrides it).
 DEFAULT_ADDRESS = "/run/sbus.socket"
@@ -71,3 +72,10 @@ def duration_arg(text: str) -> float:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
+
+
+def count_arg(text: str) -> int:
+    """A count of 1 or more for argparse (``--count``)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a count of 1 or more: {text!r}")
+    return int(text)

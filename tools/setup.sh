@@ -10,6 +10,7 @@ APT_PACKAGES=(
     libsystemd-dev                          # systemd-python compiles against it
     systemd systemd-container debootstrap   # socket activation, user manager, nspawn
     tmux                                    # sbus-top end-to-end tests
+    zsh man-db groff-base                   # completion and man page tests
     mosquitto                               # benchmark reference broker
     openjdk-17-jre-headless                 # Spark
     gcc libc6-dev                           # the C reference broker and load generator

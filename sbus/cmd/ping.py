@@ -7,6 +7,7 @@ import statistics
 import time
 
 from ..client import Client
+from ..defaults import count_arg, duration_arg
 
 
 def round_trip(bus: Client, timeout: float) -> float:
@@ -17,11 +18,11 @@ def round_trip(bus: Client, timeout: float) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--count", type=int, default=4, metavar="N",
+    p.add_argument("-c", "--count", type=count_arg, default=4, metavar="N",
                    help="round trips to make (default 4)")
-    p.add_argument("-i", "--interval", type=float, default=0.5, metavar="SECONDS",
+    p.add_argument("-i", "--interval", type=duration_arg, default=0.5, metavar="SECONDS",
                    help="pause between round trips (default 0.5)")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=duration_arg, default=5.0, metavar="SECONDS",
                    help="how long one round trip may take (default 5)")
 
 

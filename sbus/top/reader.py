@@ -13,8 +13,11 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from .. import protocol
 from ..client import AsyncClient
+from ..defaults import default_address
 from ..errors import ConnectError, ConnectionLost
+from ..protocol import REFUSED, STATUS
 from ..session import Backoff
 from .model import TrafficModel
 
@@ -23,6 +26,7 @@ __all__ = ["Reader", "tick_forever", "CONNECTED", "RETRYING"]
 CONNECTED = "connected"
 RETRYING = "disconnected — retrying"
 BATCH = 4096
+_ASK_STATUS = protocol.encode(protocol.Control(STATUS))
 
 
 class Reader:
@@ -40,6 +44,7 @@ class Reader:
         self.retry = retry
         self.clock = clock
         self.connects = 0
+        self.bus: AsyncClient | None = None  # while connected
 
     def _backoff(self) -> Backoff:
         return Backoff(first=min(0.05, self.retry), maximum=self.retry)
@@ -47,7 +52,10 @@ class Reader:
     def _connection(self, up: bool, line: str) -> None:
         if up:
             self.connects += 1
-        self.model.state = CONNECTED if up else RETRYING
+            self.model.state, self.model.problem = CONNECTED, ""
+        else:
+            self.model.state = RETRYING
+            self.model.problem = _reason(line.split("; ")[0], self.address)
 
     async def connect(self) -> AsyncClient:
         """One attempt: connect and subscribe; the subscriptions are in force on return
@@ -73,16 +81,41 @@ class Reader:
         while bus is None:
             try:
                 bus = await self.connect()
-            except (ConnectError, ConnectionLost, TimeoutError):  # a refusal is raised
+            except (ConnectError, ConnectionLost, TimeoutError) as exc:  # refusals raise
                 self.model.state = RETRYING
+                self.model.problem = _reason(str(exc), self.address)
                 await trio.sleep(backoff.next())
         task_status.started()
+        self.bus = bus
         try:
-            feed, clock = self.model.feed_packets, self.clock
+            feed, clock, model = self.model.feed_packets, self.clock, self.model
             while True:  # reconnects inside receive_packets
-                feed(await bus.receive_packets(BATCH), clock())
+                for ev in feed(await bus.receive_packets(BATCH), clock()):
+                    if ev.key == STATUS:
+                        model.take_status(ev.payload)
+                    elif ev.key == REFUSED + b"/cmsg" and STATUS in (ev.payload or b""):
+                        model.clients_note = "this broker does not answer broker/status"
         finally:
+            self.bus = None
             await bus.aclose()
+
+    async def ask_status_forever(self, interval: float = 1.0) -> None:
+        """Ask the broker about its clients every *interval* seconds while connected (the
+        answer comes back through `run`, in order with the traffic).  A plain send that
+        never waits: a lost connection is the reading task's to notice and restore."""
+        while True:
+            bus = self.bus
+            if bus is not None and bus.sock is not None:
+                try:
+                    bus.sock.send(_ASK_STATUS)
+                except OSError:
+                    pass
+            await trio.sleep(interval)
+
+
+def _reason(text: str, address: str | None) -> str:
+    """The first sentence of an error, without the address (the screen shows it)."""
+    return text.split(". ")[0].replace(f" at {address or default_address()}", "")
 
 
 async def tick_forever(model: TrafficModel, interval: float = 1.0,
