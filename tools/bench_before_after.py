@@ -8,7 +8,9 @@ Each round runs ``tools/bench_journal.py --part recorder`` and ``tools/bench_fus
 the *before* tree and from this tree (the order flips every round), so both see the same
 machine state on a shared, noisy machine.  Each benchmark runs its own tree's code (its
 own ``ROOT`` comes first on the path).  Printed: the median of every figure on each side
-and the ratio after/before (for rates higher is better, for CPU per message lower is).
+and the ratio after/before (for rates higher is better, for CPU per message lower is),
+also as the median of each round's own ratio (the two runs of a round saw the most
+similar machine).
 The before tree needs ``../shared/bench`` (``lg.c``) beside it, like this one.
 """
 
@@ -88,13 +90,15 @@ def main() -> int:
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     print(f"{args.rounds} alternating rounds; load average {min(loads):.1f}–{max(loads):.1f} "
           f"on {os.cpu_count()} CPUs")
-    print("\n| figure | before: median (range) | after: median (range) | after / before |")
-    print("|---|---|---|---|")
+    print("\n| figure | before: median (range) | after: median (range) | after / before | "
+          "median of round ratios |")
+    print("|---|---|---|---|---|")
     for name in values["before"]:
         b, a = values["before"][name], values["after"][name]
+        paired = statistics.median(y / x for x, y in zip(b, a, strict=True) if x)
         print(f"| {name} | {statistics.median(b):,.2f} ({min(b):,.2f}–{max(b):,.2f}) | "
               f"{statistics.median(a):,.2f} ({min(a):,.2f}–{max(a):,.2f}) | "
-              f"{statistics.median(a) / statistics.median(b):.3f} |")
+              f"{statistics.median(a) / statistics.median(b):.3f} | {paired:.3f} |")
     return 0
 
 
