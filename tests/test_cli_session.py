@@ -71,6 +71,15 @@ def test_sub_of_a_malformed_pattern_is_refused_before_sending(broker):
     assert "refused" not in broker.log()  # never reached the broker
 
 
+@pytest.mark.parametrize("command", [["record", "--dir", "journal"], ["top", "--once",
+                                                                     "--seconds", "1"]])
+def test_recorder_and_top_say_a_refused_pattern_and_exit_1(broker, short_tmp, command):
+    p = run(command[0], "--address", broker.address, "!/cred/0/0/1/", *command[1:],
+            cwd=short_tmp)
+    assert p.returncode == 1
+    assert one_line(p.stderr).startswith(f"sbus {command[0]}: the broker refused the SUB: ")
+
+
 def test_library_raises_for_each_failure(broker):
     with Client(broker.address) as bus:
         with pytest.raises(InvalidRequest, match="'bogus' is not one of"):
