@@ -12,7 +12,8 @@ are bytes; `str` is accepted and encoded as UTF-8.
 With ``reconnect=True`` a lost broker is waited for (`Backoff`) and the new connection
 gets the flood policy and every subscription again; messages published meanwhile are
 lost, as on any pubsub bus.  *on_connection(up, line)* hears of each change of state
-(else it is logged).
+(else it is logged).  A program that would rather hear of refusals than catch them
+passes *on_refusal* (a `Refusal` event each, nothing raised).
 """
 
 from __future__ import annotations
@@ -90,12 +91,14 @@ class _Shell:
     def __init__(self, address: str | None, reconnect: bool,
                  on_drop: Callable[[int], None] | None,
                  on_connection: Callable[[bool, str], None] | None, max_message: int,
-                 backoff: Backoff | None) -> None:
+                 backoff: Backoff | None,
+                 on_refusal: Callable[[Refusal], None] | None = None) -> None:
         self.address = address or default_address()
         self.session = Session(max_message=max_message)
         self.reconnect = reconnect
         self.on_drop = on_drop
         self.on_connection = on_connection
+        self.on_refusal = on_refusal
         self.backoff = backoff or Backoff()
         self._buf = bytearray(RECV_BUFFER)
         self._view = memoryview(self._buf)
@@ -143,12 +146,15 @@ class _Shell:
         if type(event) is Whoami:
             return None
         if type(event) is Refusal:
+            if self.on_refusal is not None:
+                self.on_refusal(event)
+                return None
             raise event.error()
         return event  # type: ignore[return-value]
 
     def _settle(self, event: Event) -> None:
         """During `sync`: keep what `receive` should return later, collect refusals."""
-        if type(event) is Refusal:
+        if type(event) is Refusal and self.on_refusal is None:
             self._refusals.append(event)
             return
         taken = self._take(event)
@@ -187,8 +193,10 @@ class Client(_Shell):
     def __init__(self, address: str | None = None, *, timeout: float | None = None,
                  reconnect: bool = False, on_drop: Callable[[int], None] | None = None,
                  on_connection: Callable[[bool, str], None] | None = None,
-                 max_message: int = MAX_MESSAGE, backoff: Backoff | None = None) -> None:
-        super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff)
+                 max_message: int = MAX_MESSAGE, backoff: Backoff | None = None,
+                 on_refusal: Callable[[Refusal], None] | None = None) -> None:
+        super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff,
+                         on_refusal)
         self._timeout = timeout
         self.sock = connect_socket(self.address)  # the first connection must work
         self.sock.settimeout(timeout)
@@ -377,8 +385,10 @@ class AsyncClient(_Shell):
     def __init__(self, address: str | None = None, *, reconnect: bool = False,
                  on_drop: Callable[[int], None] | None = None,
                  on_connection: Callable[[bool, str], None] | None = None,
-                 max_message: int = MAX_MESSAGE, backoff: Backoff | None = None) -> None:
-        super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff)
+                 max_message: int = MAX_MESSAGE, backoff: Backoff | None = None,
+                 on_refusal: Callable[[Refusal], None] | None = None) -> None:
+        super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff,
+                         on_refusal)
         self.sock: socket.socket | None = None
 
     @classmethod

@@ -201,6 +201,19 @@ MANUAL: dict[str, tuple[str, list[tuple[str, str]], str]] = {
                    [("source <(sbus completion bash)", "in ~/.bashrc"),
                     ("sbus completion zsh > /usr/share/zsh/vendor-completions/_sbus",
                      "for every zsh user")], "cli.md"),
+    "bridge": ("Joins the local bus to an MQTT broker (MQTT 5, paho-mqtt): messages on "
+               "the --export patterns go out as MQTT topics, topics covered by the --import "
+               "patterns come in as keys, each side under its own prefix (--export-map, "
+               "--import-map). Keys MQTT cannot carry (+, #, invalid UTF-8, control "
+               "characters) and secret keys are refused, never escaped; its own messages "
+               "never come back (No Local and a user property). Local publishers never wait "
+               "for MQTT. Both sides reconnect with backoff; under systemd, STATUS= shows "
+               "the exported, imported, dropped, refused, looped and filtered counts.",
+               [("sbus bridge --mqtt mqtt://broker:1883 --export sensors/ --export-map "
+                 "sensors/=site/robot7/sensors/", "this host's sensors under its name"),
+                ("sbus bridge --mqtt mqtts://broker:8883 --cafile ca.pem --import "
+                 "'fleet/*/sensors/' --import-map fleet/=site/", "every host's sensors, "
+                 "over TLS")], "bridge.md"),
     "top": ("sbus-top connects as an ordinary client, subscribes to the patterns given "
             "(everything that is not secret by default) and shows what flows: rates per "
             "key, payloads, recent messages, and the clients the broker lets you see (Tab). "

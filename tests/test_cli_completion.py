@@ -160,7 +160,7 @@ def test_zsh_completion_typed_into_zsh(short_tmp):
 def test_manpages_and_completion_need_no_optional_part(tmp_path):
     """A package build may lack FUSE and Spark: the pages and scripts come from the
     argparse definitions alone (importing pyfuse3 or pyspark here fails)."""
-    code = ("import sys; sys.modules.update(pyfuse3=None, pyspark=None, pyarrow=None)\n"
+    code = ("import sys; sys.modules.update(pyfuse3=None, pyspark=None, pyarrow=None, paho=None)\n"
             "from sbus.manpages import write_manpages\n"
             "from sbus import completion\n"
             f"print(len(write_manpages({str(tmp_path)!r})), len(completion.bash()) > 0, "

@@ -32,7 +32,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e '.[fuse,spark,dev]'
+.venv/bin/pip install -q -e '.[fuse,spark,dev,bridge]'
 # Put the commands on PATH for everyone when we may (root on a machine of our own).
 if [ "$(id -u)" = 0 ] && [ -w /usr/local/bin ]; then
     for cmd in sbus sbus-top; do ln -sfn "$(pwd)/.venv/bin/$cmd" "/usr/local/bin/$cmd"; done
