@@ -9,7 +9,8 @@ import importlib
 import logging
 import sys
 
-from .client import SbusError, default_address
+from .defaults import default_address
+from .errors import SbusError
 from .extras import missing_extra, missing_extra_message
 from .version import version
 

@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .client import SbusError
+from .errors import SbusError
 
 SYSTEM_SOCKET = "/run/sbus.socket"
 USER_SOCKET = "%t/sbus.socket"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from sbus.client import wait_for_broker  # noqa: E402
 
-SHARED = ROOT.parent / "shared" / "bench"
+SHARED = Path(os.environ.get("SBUS_BENCH_SHARED", ROOT.parent / "shared" / "bench"))
 BIN = Path(os.environ.get("SBUS_BENCH_BIN", "/var/cache/sbus-bench"))
 PY = sys.executable
 

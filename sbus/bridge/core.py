@@ -25,8 +25,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, fields
 
 from ..display import brief
-from ..gateway.client import backoff_delay
 from ..routing import matches
+from ..session import Backoff as Delays
 from . import topics
 from .topics import Filter, Mapping
 
@@ -184,8 +184,8 @@ class Backoff:
     to *maximum*); a connection that stayed up `stable` seconds starts it over."""
 
     def __init__(self, first: float, maximum: float, stable: float = STABLE_AFTER) -> None:
-        self.first, self.maximum, self.stable = first, maximum, stable
-        self.failures = 0
+        self.stable = stable
+        self.delays = Delays(first, maximum)  # sbus.session's policy, used by every client
         self.next_at = 0.0
         self._up_at: float | None = None
 
@@ -195,9 +195,8 @@ class Backoff:
     def failed(self, now: float) -> float:
         """A connection attempt failed or a connection broke: the delay until the next."""
         if self._up_at is not None and now - self._up_at >= self.stable:
-            self.failures = 0
+            self.delays.reset()
         self._up_at = None
-        delay = backoff_delay(self.failures, self.first, self.maximum)
-        self.failures += 1
+        delay = self.delays.next()
         self.next_at = now + delay
         return delay

@@ -33,7 +33,8 @@ from .. import protocol, sdnotify
 from ..client import Client, SbusError
 from ..display import printable
 from ..limits import LogAllowance
-from ..protocol import Control, Publish
+from ..protocol import Publish
+from ..session import Refusal
 from .core import MARKER, Backoff, BridgeCore
 
 log = logging.getLogger("sbus.bridge")
@@ -209,7 +210,7 @@ class BridgeShell:
 
     def _connect_bus(self, now: float) -> None:
         try:
-            bus = Client(self.address)
+            bus = Client(self.address, on_drop=self.core.dropped, on_refusal=self._refused)
         except SbusError as exc:
             delay = self.bus_backoff.failed(now)
             log.warning("%s; again in %.1f s", exc, delay)
@@ -273,21 +274,15 @@ class BridgeShell:
                         self._outstanding_bytes += size
                 else:
                     core.dropped()
-            elif isinstance(event, Control):
-                self._control(event)
 
-    def _control(self, event: Control) -> None:
-        if event.key == protocol.DROPPED:
-            try:
-                self.core.dropped(int(event.payload or b"0"))
-            except ValueError:
-                pass
-        elif event.key == protocol.REFUSED + b"/msg":
+    def _refused(self, refusal: Refusal) -> None:
+        """The broker refused a packet of ours (the client's *on_refusal*: not raised)."""
+        if refusal.verb == "msg":
             self.core.refused_by_broker()
-            self._note(f"the bus refused an import: {printable(event.payload or b'', 200)}")
-        elif event.key.startswith(protocol.REFUSED):
-            log.error("the bus refused %s: %s", printable(event.key),
-                      printable(event.payload or b"", 200))
+            self._note(f"the bus refused an import: {printable(refusal.reason, 200)}")
+        else:
+            log.error("the bus refused %s: %s", printable(refusal.verb),
+                      printable(refusal.reason, 200))
 
     # -- the loop ----------------------------------------------------------------------
 

@@ -6,20 +6,15 @@ import argparse
 import statistics
 import time
 
-from .. import protocol
 from ..client import Client
 from ..defaults import count_arg, duration_arg
-from ..protocol import Control
 
 
 def round_trip(bus: Client, timeout: float) -> float:
     """Seconds one whoami takes to come back (messages meanwhile are skipped)."""
     started = time.perf_counter()
-    bus.control(protocol.WHOAMI)
-    while True:
-        event = bus.receive(timeout=timeout)
-        if isinstance(event, Control) and event.key == protocol.WHOAMI:
-            return time.perf_counter() - started
+    bus.sync(timeout)
+    return time.perf_counter() - started
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

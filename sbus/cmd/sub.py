@@ -1,4 +1,10 @@
-"""sbus sub PATTERN...: print messages until interrupted, --count N or --timeout."""
+"""sbus sub PATTERN...: print messages until interrupted, --count N or --timeout.
+
+What a user must see, this says on stderr: every drop report (``dropped N messages``),
+a refused subscription (then exit 1), a lost broker and the reconnect (by default it
+waits for the broker to come back and subscribes again).  ``--ready-fd`` tells a
+script when the subscriptions are in force.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from ..client import Client, Publish, SbusError
 from ..defaults import duration_arg
 from ..msgformat import DIRECTIVES, FORMATS, compile_format, format_message, wildcard_hint
 from ..routing import matches
+from ..session import FLOOD_VALUES
 
 
 def _format_string(text: str) -> list:
@@ -45,6 +52,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pretty", action="store_true",
                    help="lines: payloads that are JSON objects or arrays indented over "
                         "several lines; json: each object indented")
+    for name, values in FLOOD_VALUES.items():
+        p.add_argument(f"--{name}", choices=values, default=None,
+                       help=f"the broker's {name} flood policy for this subscriber "
+                            "(docs/protocol.md)")
+    p.add_argument("--block", action="store_true",
+                   help="lose nothing: when the broker's queue for us is full, pause the "
+                        "publishers (same as --hard block)")
+    p.add_argument("--no-reconnect", dest="reconnect", action="store_false",
+                   help="exit 1 when the broker goes away (default: wait for it to come "
+                        "back and subscribe again, saying so on stderr)")
+    p.add_argument("--ready-fd", type=int, default=None, metavar="FD",
+                   help="write 'ready' and a newline to file descriptor FD (then close it, "
+                        "unless it is 1 or 2) once the subscriptions are in force (for "
+                        "scripts: no race with a publisher started after that)")
+
+
+def _say(line: str) -> None:
+    print(f"sbus sub: {line}", file=sys.stderr, flush=True)
+
+
+def _ready(fd: int) -> None:
+    try:
+        os.write(fd, b"ready\n")
+        if fd > 2:  # stdout or stderr stay open for what follows
+            os.close(fd)
+    except OSError as exc:
+        _say(f"--ready-fd {fd}: {exc.strerror}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,9 +94,16 @@ def run(args: argparse.Namespace) -> int:
     excluded = [os.fsencode(x) for x in args.exclude]
     out = sys.stdout.buffer
     seen = 0
-    with Client(args.address) as bus:
+    hard = "block" if args.block else args.hard
+    with Client(args.address, reconnect=args.reconnect,
+                on_connection=lambda up, line: _say(line),
+                on_drop=lambda n: _say(f"dropped {n} messages")) as bus:
+        bus.set_flood(soft=args.soft, hard=hard, order=args.order)
         for pattern in args.patterns:
-            bus.subscribe(os.fsencode(pattern))
+            bus.subscribe(os.fsencode(pattern), wait=False)
+        bus.sync()  # every subscription in force, or the broker's refusal raised
+        if args.ready_fd is not None:
+            _ready(args.ready_fd)
         while args.count is None or seen < args.count:
             try:
                 msg = bus.receive(timeout=args.timeout)

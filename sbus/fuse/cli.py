@@ -16,8 +16,8 @@ import sys
 
 import trio
 
-from ..client import SbusError, default_address
-from ..defaults import MAX_MESSAGE, size_arg
+from ..defaults import MAX_MESSAGE, default_address, size_arg
+from ..errors import SbusError
 from ..sdnotify import notify
 from .framing import FORMATS
 

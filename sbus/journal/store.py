@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import SbusError
 from . import format as fmt
 from .columns import Columns
 from .format import Block, BlockInfo, FormatError
@@ -38,7 +39,7 @@ REBLOCK_ROWS = 1 << 16
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
-class JournalError(Exception):
+class JournalError(SbusError):
     """A journal directory that cannot be used (locked, unreadable, corrupt sealed segment)."""
 
 

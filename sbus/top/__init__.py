@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..client import SbusError, default_address
-from ..defaults import size_arg
+from ..defaults import default_address, size_arg
+from ..errors import SbusError
 from ..extras import missing_extra_message
 from .model import SortBy, ViewOptions
 

@@ -16,7 +16,8 @@ import trio
 from rich.console import Console
 from rich.live import Live
 
-from ..client import SbusError, default_address
+from ..defaults import default_address
+from ..errors import SbusError
 from .controls import Action, Controls
 from .model import Snapshot, TrafficModel, ViewOptions, preview
 from .reader import Reader, tick_forever

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..protocol import Control, ProtocolError, Publish, encode, parse
+from ..protocol import DROPPED, Control, ProtocolError, Publish, encode, parse
 from ..routing import matches
 
 __all__ = [
@@ -27,7 +27,6 @@ __all__ = [
 
 SEP = b"/"
 #: The broker's report that it dropped messages meant for us (payload: a decimal count).
-DROPPED_KEY = b"blocking/dropped"
 
 
 class SortBy(Enum):
@@ -321,7 +320,7 @@ class TrafficModel:
 
     def _control(self, ev: Control) -> bool:
         """Take in a drop report (True), or say this control message is not one."""
-        if ev.key != DROPPED_KEY:
+        if ev.key != DROPPED:
             return False
         try:
             self.dropped += int(ev.payload or b"0")
