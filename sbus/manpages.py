@@ -175,6 +175,15 @@ MANUAL: dict[str, tuple[str, list[tuple[str, str]], str]] = {
                "--keep and --keep-bytes. sbus analyze and the Spark data source read it.",
                [("sbus record --dir /var/lib/sbus/journal ''", "record everything")],
                "spark.md"),
+    "journal": ("Reads a journal that sbus record wrote, without Spark: cat prints its "
+                "messages (escaped lines, raw payloads or JSON), tail the last ones and, with "
+                "-f, those recorded from then on; --pattern and --since narrow both. export "
+                "writes each sealed segment as a zstd Parquet file that pyarrow, DuckDB, "
+                "pandas, Polars and Spark read.",
+                [("sbus journal tail -f --pattern 'sensors/*/temp' /var/lib/sbus/journal",
+                  "follow one kind of key"),
+                 ("sbus journal export /var/lib/sbus/journal --out /srv/parquet",
+                  "Parquet for every tool")], "spark.md"),
     "analyze": ("Analyses a journal with Spark: per-key and per-prefix statistics and "
                 "traffic per time window as Parquet, a report and a plot; or, with --stream, "
                 "per-window rollups published back onto the bus.",

@@ -38,9 +38,9 @@ import time
 import trio
 from trio.lowlevel import ParkingLot
 
-from ..client import SbusError
 from ..defaults import size_arg
 from ..display import brief
+from ..errors import SbusError
 from ..keys import Credentials, KeyRefused, KeyRules
 from ..limits import LogAllowance
 from ..routing import pattern_cost

@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
-from ..client import SbusError
 from ..defaults import parse_duration
 from ..display import json_bytes, printable
+from ..errors import SbusError
 from ..routing import matches
 from .store import JournalError, list_segments, read_seq_range, segment_blocks
 
@@ -26,7 +26,8 @@ Record = tuple[int, int, bytes, bytes]  # seq, ts_ns, key, payload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True,
+                           help="cat, tail or export")
     for name, helptext in (("cat", "print recorded messages"),
                            ("tail", "print the last messages, and with -f new ones"),
                            ("export", "write sealed segments as zstd Parquet")):
