@@ -101,7 +101,7 @@ def hand_over(broker: Broker) -> list[tuple[str, int]]:
     data = handover.encode(state)
     os.pwrite(memfd, data, 0)
     passed = [(handover.SNAPSHOT_NAME, memfd)]
-    passed += [(handover.client_name(cid), sock.fileno()) for cid, sock in socks.items()]
+    passed += [(handover.client_name(cid), fd) for cid, fd in socks.items()]
     log.info("handing over %d clients (%d bytes of state)", len(socks), len(data))
     return passed
 
