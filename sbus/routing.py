@@ -271,7 +271,11 @@ class RoutingIndex(Generic[C]):
         self._secret = _Node[C]()
         self._everything: Counter[C] = Counter()  # the empty pattern
         self._never: Counter[tuple[C, bytes]] = Counter()
-        self._by_client: dict[C, Counter[bytes]] = {}
+        # patterns without a wildcard or a trailing separator match only the key equal to
+        # them: one probe of this dict finds them all.  A value is the one subscriber
+        # (most patterns have one) or a dict of subscriber -> count (`_add`, `_take`)
+        self._exact: dict[bytes, C | dict[C, int]] = {}
+        self._by_client: dict[C, dict[bytes, int]] = {}  # client -> pattern -> count
         self._depth = 1  # most segments of any pattern ever held: keys are split no further
         self.cache: RouteCache[C] = cache if cache is not None else RouteCache(sep)
 
@@ -282,7 +286,13 @@ class RoutingIndex(Generic[C]):
         self.cache.invalidate(pattern, compiled)
         if compiled is not None:
             self._depth = max(self._depth, len(compiled[0]))
-        self._by_client.setdefault(client, Counter())[pattern] += 1
+        mine = self._by_client.get(client)
+        if mine is None:
+            mine = self._by_client[client] = {}
+        mine[pattern] = mine.get(pattern, 0) + 1
+        if _exact(compiled):
+            _add(self._exact, pattern, client)
+            return
         bucket = self._bucket(pattern, create=True)
         if bucket is None:
             self._never[client, pattern] += 1
@@ -292,7 +302,7 @@ class RoutingIndex(Generic[C]):
     def unsubscribe(self, client: C, pattern: bytes) -> bool:
         """Remove one subscription; False (and no change) if the client did not have it."""
         mine = self._by_client.get(client)
-        if not mine or not mine[pattern]:
+        if not mine or not mine.get(pattern):
             return False
         self.cache.invalidate(pattern, compile_pattern(pattern, self.sep) if pattern else None)
         self._remove(client, pattern, 1)
@@ -340,6 +350,9 @@ class RoutingIndex(Generic[C]):
         compiled = compile_pattern(pattern, self.sep)
         if compiled is None:
             _decrement(self._never, (client, pattern), count)
+            return
+        if _exact(compiled):
+            _take(self._exact, pattern, client, count)
             return
         segments, tail = compiled
         root = self._secret if pattern.startswith(self._secret_prefix) else self._public
@@ -400,6 +413,12 @@ class RoutingIndex(Generic[C]):
     def lookup(self, key: bytes) -> tuple[C, ...]:
         """`match` without the cache."""
         found: set[C] = set()
+        exact = self._exact.get(key)
+        if exact is not None:
+            if type(exact) is dict:
+                found.update(exact)
+            else:
+                found.add(exact)
         # no pattern has more than `_depth` segments: the rest of a longer key stays whole
         segs = key.split(self.sep, self._depth)
         if key.startswith(self._secret_prefix):
@@ -449,6 +468,40 @@ class RoutingIndex(Generic[C]):
     def __len__(self) -> int:
         """Number of subscriptions (duplicates counted)."""
         return sum(sum(c.values()) for c in self._by_client.values())
+
+
+def _exact(compiled) -> bool:
+    """Whether a compiled pattern matches only the key equal to it."""
+    return compiled is not None and not compiled[1] and \
+        all(kind == LITERAL for kind, _ in compiled[0])
+
+
+def _add(table: dict, pattern: bytes, client) -> None:
+    held = table.get(pattern)
+    if held is None:
+        table[pattern] = client
+    elif type(held) is dict:
+        held[client] = held.get(client, 0) + 1
+    else:
+        table[pattern] = {held: 2} if held == client else {held: 1, client: 1}
+
+
+def _take(table: dict, pattern: bytes, client, count: int) -> None:
+    held = table[pattern]
+    if type(held) is not dict:
+        del table[pattern]
+        return
+    left = held[client] - count
+    if left > 0:
+        held[client] = left
+        return
+    del held[client]
+    if not held:
+        del table[pattern]
+    elif len(held) == 1:
+        (only, n), = held.items()
+        if n == 1:
+            table[pattern] = only
 
 
 def _decrement(counter: Counter, item: object, count: int) -> None:
