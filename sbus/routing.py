@@ -112,11 +112,14 @@ class _Node(Generic[C]):
         self.literal: dict[bytes, _Node[C]] | None = None
         self.prefix: dict[bytes, _Node[C]] | None = None
         self.lengths: list[int] | None = None  # distinct lengths of `prefix` keys, ascending
-        self.end: Counter[C] | None = None  # patterns that end here: the key must end too
-        self.tail: Counter[C] | None = None  # patterns ending here with a trailing separator
+        # subscribers of the patterns that end here (the key must end too) and of those
+        # that end here with a trailing separator: None, the one subscriber (the usual
+        # case, and the cheapest), or a dict of subscriber -> count (`_plus`, `_minus`)
+        self.end: C | dict[C, int] | None = None
+        self.tail: C | dict[C, int] | None = None
 
     def empty(self) -> bool:
-        return not (self.literal or self.prefix or self.end or self.tail)
+        return not (self.literal or self.prefix) and self.end is None and self.tail is None
 
     def add_literal(self, text: bytes) -> _Node[C]:
         if self.literal is None:
@@ -293,11 +296,16 @@ class RoutingIndex(Generic[C]):
         if _exact(compiled):
             _add(self._exact, pattern, client)
             return
-        bucket = self._bucket(pattern, create=True)
-        if bucket is None:
+        if not pattern:
+            self._everything[client] += 1
+        elif compiled is None:
             self._never[client, pattern] += 1
         else:
-            bucket[client] += 1
+            node = self._node(pattern, compiled)
+            if compiled[1]:
+                node.tail = _plus(node.tail, client)
+            else:
+                node.end = _plus(node.end, client)
 
     def unsubscribe(self, client: C, pattern: bytes) -> bool:
         """Remove one subscription; False (and no change) if the client did not have it."""
@@ -359,7 +367,11 @@ class RoutingIndex(Generic[C]):
         path = [root]
         for kind, text in segments:
             path.append((path[-1].literal if kind == LITERAL else path[-1].prefix)[text])
-        _decrement(path[-1].tail if tail else path[-1].end, client, count)
+        node = path[-1]
+        if tail:
+            node.tail = _minus(node.tail, client, count)
+        else:
+            node.end = _minus(node.end, client, count)
         # prune empty nodes bottom-up so the trie does not keep dead branches
         for depth in range(len(segments), 0, -1):
             node = path[depth]
@@ -372,13 +384,9 @@ class RoutingIndex(Generic[C]):
             else:
                 parent.remove_prefix(text)
 
-    def _bucket(self, pattern: bytes, create: bool) -> Counter[C] | None:
-        if not pattern:
-            return self._everything
-        compiled = compile_pattern(pattern, self.sep)
-        if compiled is None:
-            return None
-        segments, tail = compiled
+    def _node(self, pattern: bytes, compiled) -> _Node[C]:
+        """The node where *pattern* ends, made as needed."""
+        segments, _ = compiled
         node = self._secret if pattern.startswith(self._secret_prefix) else self._public
         for kind, text in segments:
             if kind == LITERAL:
@@ -390,13 +398,7 @@ class RoutingIndex(Generic[C]):
                 if child is None:
                     child = node.add_prefix(text)
             node = child
-        if tail:
-            if node.tail is None:
-                node.tail = Counter()
-            return node.tail
-        if node.end is None:
-            node.end = Counter()
-        return node.end
+        return node
 
     # -- lookups -----------------------------------------------------------
 
@@ -435,11 +437,19 @@ class RoutingIndex(Generic[C]):
         while stack:
             node, i = stack.pop()
             if i == n:
-                if node.end:
-                    found.update(node.end)
+                held = node.end
+                if held is not None:
+                    if type(held) is dict:
+                        found.update(held)
+                    else:
+                        found.add(held)
                 continue
-            if node.tail:
-                found.update(node.tail)
+            held = node.tail
+            if held is not None:
+                if type(held) is dict:
+                    found.update(held)
+                else:
+                    found.add(held)
             seg = segs[i]
             literal = node.literal
             if literal is not None:
@@ -476,32 +486,44 @@ def _exact(compiled) -> bool:
         all(kind == LITERAL for kind, _ in compiled[0])
 
 
-def _add(table: dict, pattern: bytes, client) -> None:
-    held = table.get(pattern)
+def _plus(held, client):
+    """Subscribers with one more subscription of *client* (see `_Node.end`)."""
     if held is None:
-        table[pattern] = client
-    elif type(held) is dict:
+        return client
+    if type(held) is dict:
         held[client] = held.get(client, 0) + 1
-    else:
-        table[pattern] = {held: 2} if held == client else {held: 1, client: 1}
+        return held
+    return {held: 2} if held == client else {held: 1, client: 1}
 
 
-def _take(table: dict, pattern: bytes, client, count: int) -> None:
-    held = table[pattern]
+def _minus(held, client, count: int):
+    """Subscribers with *count* fewer subscriptions of *client*; None once empty."""
     if type(held) is not dict:
-        del table[pattern]
-        return
+        return None
     left = held[client] - count
     if left > 0:
         held[client] = left
-        return
+        return held
     del held[client]
     if not held:
-        del table[pattern]
-    elif len(held) == 1:
+        return None
+    if len(held) == 1:
         (only, n), = held.items()
         if n == 1:
-            table[pattern] = only
+            return only
+    return held
+
+
+def _add(table: dict, pattern: bytes, client) -> None:
+    table[pattern] = _plus(table.get(pattern), client)
+
+
+def _take(table: dict, pattern: bytes, client, count: int) -> None:
+    held = _minus(table[pattern], client, count)
+    if held is None:
+        del table[pattern]
+    else:
+        table[pattern] = held
 
 
 def _decrement(counter: Counter, item: object, count: int) -> None:

@@ -3,8 +3,9 @@
 
 Starts a broker, reads its RSS, connects N clients that do nothing (a whoami round
 trip on each proves the broker holds it), reads RSS again, then has one client
-subscribe P distinct patterns (``mem/<i>/x``, a node of their own each) and
-reads RSS a third time.  Per client = growth / N, per subscription = growth / P.
+subscribe P distinct patterns of each shape in turn, reading RSS after each: exact
+(``exact/<i>/x``), with a trailing separator (``tail/<i>/``) and with a wildcard
+(``star/<i>*/x``).  Per client = growth / N, per subscription = growth / P.
 
 Usage: tools/bench_memory.py [--clients N] [--patterns P] [--before TREE]
 ``--before TREE`` measures the broker of another checkout too, in the same run.
@@ -24,6 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+SHAPES = {"exact": b"exact/%d/x", "tail": b"tail/%d/", "wildcard": b"star/%d*/x"}
 
 
 def rss_kb(pid: int) -> int:
@@ -72,20 +76,26 @@ def measure(tree: Path, n: int, patterns: int) -> dict:
             for s in clients:
                 roundtrip(s)
             idle = settle(proc.pid)
-            for start in range(0, patterns, 1000):
-                for i in range(start, min(patterns, start + 1000)):
-                    first.send(b"SUB mem/%d/x" % i)
-                roundtrip(first)
-            subscribed = settle(proc.pid)
+            rss = {}
+            for shape, form in SHAPES.items():
+                for start in range(0, patterns, 1000):
+                    for i in range(start, min(patterns, start + 1000)):
+                        first.send(b"SUB " + form % i)
+                    roundtrip(first)
+                rss[shape] = settle(proc.pid)
             for s in clients:
                 s.close()
             first.close()
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(10)
-    return {"base_kb": base, "idle_kb": idle, "subscribed_kb": subscribed,
-            "per_client_b": (idle - base) * 1024 / n,
-            "per_subscription_b": (subscribed - idle) * 1024 / patterns}
+    result = {"base_kb": base, "idle_kb": idle, "per_client_b": (idle - base) * 1024 / n}
+    last = idle
+    for shape in SHAPES:
+        result[f"{shape}_b"] = (rss[shape] - last) * 1024 / patterns
+        last = rss[shape]
+    result["subscribed_kb"] = last
+    return result
 
 
 def main() -> int:
@@ -99,15 +109,16 @@ def main() -> int:
     trees = {"sbus": ROOT}
     if args.before:
         trees["before"] = args.before.resolve()
-    print(f"\n{args.clients:,} idle clients, then {args.patterns:,} distinct patterns\n")
+    print(f"\n{args.clients:,} idle clients, then {args.patterns:,} distinct patterns "
+          "of each shape\n")
     print("| broker | base RSS MB | + idle clients MB | + patterns MB | B per idle client "
-          "| B per subscription |")
+          "| B per subscription: exact / tail / wildcard |")
     print("|---|---|---|---|---|---|")
     for name, tree in trees.items():
         r = measure(tree, args.clients, args.patterns)
         print(f"| {name} | {r['base_kb'] / 1024:.1f} | {r['idle_kb'] / 1024:.1f} | "
               f"{r['subscribed_kb'] / 1024:.1f} | {r['per_client_b']:,.0f} | "
-              f"{r['per_subscription_b']:,.0f} |", flush=True)
+              + " / ".join(f"{r[f'{shape}_b']:,.0f}" for shape in SHAPES) + " |", flush=True)
     return 0
 
 
