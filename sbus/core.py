@@ -351,11 +351,17 @@ class BrokerCore:
         elif isinstance(event, protocol.Control):
             self.control(conn, event.key, event.payload)
 
-    def subscribe(self, conn: Client, pattern: bytes) -> None:
+    def _checked(self, conn: Client, verb: bytes, pattern: bytes) -> bytes | None:
+        """*pattern* as the rules complete it for *conn*, or None (refused, and said why)."""
         try:
-            pattern = self.rules.check_pattern(pattern, conn.cred)
+            return self.rules.check_pattern(pattern, conn.cred)
         except KeyRefused as exc:
-            self.refuse(conn, b"sub", str(exc))
+            self.refuse(conn, verb, str(exc))
+            return None
+
+    def subscribe(self, conn: Client, pattern: bytes) -> None:
+        pattern = self._checked(conn, b"sub", pattern)
+        if pattern is None:
             return
         refusal = self.accounts.subscribe(conn, pattern_cost(pattern, self.sep))
         if refusal:
@@ -365,10 +371,8 @@ class BrokerCore:
         self.subscription_count += 1
 
     def unsubscribe(self, conn: Client, pattern: bytes) -> None:
-        try:
-            pattern = self.rules.check_pattern(pattern, conn.cred)
-        except KeyRefused as exc:
-            self.refuse(conn, b"unsub", str(exc))
+        pattern = self._checked(conn, b"unsub", pattern)
+        if pattern is None:
             return
         if self.index.unsubscribe(conn, pattern):
             self.accounts.unsubscribe(conn, pattern_cost(pattern, self.sep))

@@ -417,10 +417,7 @@ class RoutingIndex(Generic[C]):
         found: set[C] = set()
         exact = self._exact.get(key)
         if exact is not None:
-            if type(exact) is dict:
-                found.update(exact)
-            else:
-                found.add(exact)
+            _gather(found, exact)
         # no pattern has more than `_depth` segments: the rest of a longer key stays whole
         segs = key.split(self.sep, self._depth)
         if key.startswith(self._secret_prefix):
@@ -437,19 +434,11 @@ class RoutingIndex(Generic[C]):
         while stack:
             node, i = stack.pop()
             if i == n:
-                held = node.end
-                if held is not None:
-                    if type(held) is dict:
-                        found.update(held)
-                    else:
-                        found.add(held)
+                if node.end is not None:
+                    _gather(found, node.end)
                 continue
-            held = node.tail
-            if held is not None:
-                if type(held) is dict:
-                    found.update(held)
-                else:
-                    found.add(held)
+            if node.tail is not None:
+                _gather(found, node.tail)
             seg = segs[i]
             literal = node.literal
             if literal is not None:
@@ -512,6 +501,14 @@ def _minus(held, client, count: int):
         if n == 1:
             return only
     return held
+
+
+def _gather(found: set, held) -> None:
+    """Add the subscribers *held* (one, or a dict of them) to *found*."""
+    if type(held) is dict:
+        found.update(held)
+    else:
+        found.add(held)
 
 
 def _add(table: dict, pattern: bytes, client) -> None:
