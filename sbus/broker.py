@@ -201,6 +201,8 @@ class Broker:
                         core.writable(c)
                     if ev & _EITHER and c.wants_read:
                         self._read(c)
+                        if core.dirty:
+                            self._drain_early(c)
                     if core.gone or core.logs:
                         self._flush()
                 if clock() >= yield_at:  # signals, timers, cancellation
@@ -233,6 +235,18 @@ class Broker:
             core.turn_taken(c, n, clock() - started)
             if not c.wants_read or n < c.slots or clock() > turn_ends:
                 break  # paused or gone, drained, or its turn is over
+
+    def _drain_early(self, reader: Client) -> None:
+        """After *reader*'s turn, try at once to send what it queued for its targets.
+
+        Waiting for EPOLLOUT instead would leave queues in use while their clients keep
+        up: Linux reports a socket writable only once its send buffer is three-quarters
+        empty, so a queue that waits for that is refilled first, and every packet is
+        then copied and written singly (S4: 40,000 writes instead of 500 per 300,000
+        messages).  A target whose kernel is still full costs one failed write."""
+        core = self.core
+        for t in [t for t in core.dirty if t.wants_write and t is not reader]:
+            core.writable(t)
 
     def _flush(self) -> None:
         """Do what the core decided: log, close the departed, watch what clients want."""
