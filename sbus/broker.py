@@ -62,6 +62,8 @@ ACCEPT_PAUSE = 0.1
 #: The loop lets trio's other tasks (signals, STATUS=, exit-on-idle) run at least this
 #: often while clients keep it busy; an idle loop waits in trio anyway.
 YIELD_SECONDS = 0.005
+#: Targets sent their queue right after a client's turn, at most (`_drain_early`).
+EARLY_DRAINS = 64
 #: Readiness events taken per round.
 EVENTS_PER_ROUND = 1024
 
@@ -243,9 +245,12 @@ class Broker:
         up: Linux reports a socket writable only once its send buffer is three-quarters
         empty, so a queue that waits for that is refilled first, and every packet is
         then copied and written singly (S4: 40,000 writes instead of 500 per 300,000
-        messages).  A target whose kernel is still full costs one failed write."""
+        messages).  A target whose kernel is still full costs one failed write, so at
+        most `EARLY_DRAINS` targets are tried per turn (a fan-out to thousands of
+        clients that do not read must not double the turn)."""
         core = self.core
-        for t in [t for t in core.dirty if t.wants_write and t is not reader]:
+        targets = [t for t in core.dirty if t.wants_write and t is not reader]
+        for t in targets[:EARLY_DRAINS]:
             core.writable(t)
 
     def _flush(self) -> None:
