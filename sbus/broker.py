@@ -148,6 +148,7 @@ class Broker:
     empty_since = property(lambda self: self.core.empty_since)
     published = property(lambda self: self.core.published)
     disconnects = property(lambda self: self.core.disconnects)
+    connections = property(lambda self: self.core.connections)
 
     def status(self) -> str:
         return self.core.status()
@@ -358,10 +359,12 @@ class Broker:
 
     # -- handing over to a successor (sbus/handover.py) ------------------------------------
 
-    def snapshot(self) -> tuple[handover.State, dict[int, int]]:
-        """Every connected client's state and descriptor, once `serve` has stopped."""
+    def snapshot(self) -> tuple[handover.State, dict[int, socket.socket]]:
+        """Every connected client's state and socket (the loop waits at an await then,
+        and a batch is handled without one: the state is whole)."""
         state = self.core.snapshot()
-        return state, {c.id: self.core.connections[c.id].link for c in state.clients}
+        links = {c.id: self.core.connections[c.id].link for c in state.clients}
+        return state, {cid: socket.socket(fileno=fd) for cid, fd in links.items()}
 
     def restore(self, state: handover.State, socks: dict[int, socket.socket]) -> int:
         """Take over a predecessor's clients (served once `serve` starts); returns how

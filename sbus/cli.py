@@ -9,7 +9,10 @@ import importlib
 import logging
 import sys
 
-from .client import SbusError, default_address
+from .defaults import default_address
+from .errors import SbusError
+from .extras import missing_extra, missing_extra_message
+from .version import version
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -24,29 +27,48 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mount": ("sbus.fuse.cli", "mount the bus as a filesystem (FUSE)"),
     "top": ("sbus.top", "live traffic monitor"),
     "record": ("sbus.journal.record", "record traffic into a journal"),
+    "journal": ("sbus.journal.cli", "read a recorded journal (cat, tail) or export it as Parquet"),
     "analyze": ("sbus.spark.analyze", "analyse a journal with Spark"),
     "gateway": ("sbus.gateway.server", "TCP/TLS gateway for remote clients"),
+    "request": ("sbus.cmd.request", "send a request and print the reply"),
+    "reply": ("sbus.cmd.reply", "answer requests by running a command for each"),
+    "completion": ("sbus.cmd.completion", "print a shell completion script (bash or zsh)"),
+    "bridge": ("sbus.bridge.cli", "join the bus to an MQTT broker"),
 }
 
 
-def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+VERBOSE_HELP = "more log output (repeat for debug)"
+
+
+def build_parser(argv: list[str], *, everything: bool = False
+                 ) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    """The parser, with the options of the subcommand named in *argv* (of every one for
+    ``--help`` or *everything*: man pages and completion)."""
     parser = argparse.ArgumentParser(prog="sbus", description="sbus: a small, fast message bus")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="more log output (repeat for debug)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
+    parser.add_argument("-V", "--version", action="version", version=f"sbus {version()}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                help="what to do; each command has its own --help")
     modules: dict[str, object] = {}
-    wanted = next((a for a in argv if not a.startswith("-")), None)
+    wanted = None if everything else next((a for a in argv if not a.startswith("-")), None)
     for name, (modname, helptext) in COMMANDS.items():
         p = sub.add_parser(name, help=helptext, description=helptext)
         p.add_argument("--address", default=None, metavar="PATH",
                        help=f"broker socket (default $SBUS_ADDRESS, else {default_address()})")
+        # `sbus serve -v` as well as `sbus -v serve`: counted separately, added up in main
+        p.add_argument("-v", "--verbose", dest="sub_verbose", action="count", default=0,
+                       help=VERBOSE_HELP)
         if wanted in (name, None, "--help", "-h"):
             try:
                 module = importlib.import_module(modname)
             except ImportError as exc:
-                if wanted == name:
-                    raise SystemExit(
-                        f"sbus {name}: not available in this installation: {exc}") from None
+                # man pages and completion leave out the options of a command whose
+                # extra is not installed; anything else is a bug to show
+                if wanted == name or (everything and missing_extra(exc) is None):
+                    raise SystemExit(missing_extra_message(f"sbus {name}", exc) or
+                                     f"sbus {name}: not available in this installation: "
+                                     f"{exc}") from None
                 continue
             module.add_arguments(p)
             modules[name] = module
@@ -57,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, modules = build_parser(argv)
     args = parser.parse_args(argv)
+    args.verbose += args.sub_verbose
     logging.basicConfig(
         level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
         format="%(name)s: %(message)s",
@@ -67,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         return modules[args.command].run(args) or 0
     except SbusError as exc:
         print(f"sbus {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except ImportError as exc:  # a part imported only once needed (e.g. pyfuse3)
+        message = missing_extra_message(f"sbus {args.command}", exc)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -7,15 +7,29 @@ each lives here and is imported where it is used.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 __all__ = ["MAX_MESSAGE", "QUEUE_LIMIT", "parse_size", "size_arg", "parse_duration",
-           "duration_arg"]
+           "duration_arg", "DEFAULT_ADDRESS", "default_address", "RECV_BUFFER", "SEND_BUFFER",
+           "count_arg"]
+
+#: Where the broker listens unless told otherwise (``$SBUS_ADDRESS`` overrides it).
+DEFAULT_ADDRESS = "/run/sbus.socket"
 
 #: Largest packet the broker accepts and forwards (``--max-message``).
 MAX_MESSAGE = 256 * 1024
 #: Bytes the broker queues for one client before its hard policy applies (``--queue-limit``).
 QUEUE_LIMIT = 4 * 1024 * 1024
+#: A client's receive buffer: larger than any packet a broker forwards by default.
+RECV_BUFFER = 1024 * 1024
+#: Send buffer a client asks of the kernel, so packets up to `MAX_MESSAGE` can be sent.
+SEND_BUFFER = 512 * 1024
+
+
+def default_address() -> str:
+    """``$SBUS_ADDRESS``, else `DEFAULT_ADDRESS`."""
+    return os.environ.get("SBUS_ADDRESS") or DEFAULT_ADDRESS
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*")
@@ -58,3 +72,10 @@ def duration_arg(text: str) -> float:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
+
+
+def count_arg(text: str) -> int:
+    """A count of 1 or more for argparse (``--count``)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a count of 1 or more: {text!r}")
+    return int(text)

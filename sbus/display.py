@@ -66,3 +66,14 @@ def _decode(data: bytes) -> str:
 def brief(data: bytes | str, limit: int = LOG_QUOTE) -> str:
     """A short quote of client input for a log line or an error: ``'printable…(+N bytes)'``."""
     return "'" + printable(data, limit).replace("'", "\\'") + "'"
+
+
+def json_bytes(obj: dict, name: str, value: bytes) -> None:
+    """Put *value* into a JSON object as text under *name*, or, when it is not UTF-8, as
+    base64 under ``<name>_base64`` (JSON strings cannot hold arbitrary bytes)."""
+    import base64
+
+    try:
+        obj[name] = value.decode()
+    except UnicodeDecodeError:
+        obj[name + "_base64"] = base64.b64encode(value).decode()

@@ -38,6 +38,8 @@ import itertools
 from collections import deque
 from enum import Enum
 
+from .protocol import HARD, ORDER, SOFT
+
 __all__ = ["Soft", "Hard", "Order", "Verdict", "OutQueue", "Budget", "parse_control",
            "PACKET_OVERHEAD"]
 
@@ -90,11 +92,11 @@ def parse_control(key: bytes) -> Soft | Hard | Order | None:
     """The flood setting a ``CMSG`` key asks for, or None if it is not a flood key."""
     head, _, value = key.rpartition(b"/")
     try:
-        if head == b"blocking/soft":
+        if head == SOFT:
             return Soft(value)
-        if head == b"blocking/hard":
+        if head == HARD:
             return Hard(value)
-        if head == b"order":
+        if head == ORDER:
             return Order(value)
     except ValueError:
         return None

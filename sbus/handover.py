@@ -4,10 +4,14 @@ restart): encode/decode only, no I/O.
 What crosses: every client's subscriptions (with their counts), flood policy, the
 packets waiting in its queue (in arrival order) and the drops not yet reported to it,
 plus the broker's counters.  Sockets cross separately (the systemd fd store, or
-inheritance across ``exec``), named ``client-ID``; credentials are not in the
-snapshot at all: the successor asks the kernel again (``SO_PEERCRED`` of the same
-socket).  The snapshot carries its format version: a successor of another version
-refuses it (`HandoverError`) and starts as after an ordinary restart.
+inheritance across ``exec``): all of them in flight inside one socket, the
+``sbus-clients`` carrier (sbus/server.py), in the snapshot's order of clients -- one
+fd-store entry and one short name whatever the number of clients (a name per client
+would not fit ``LISTEN_FDNAMES`` beyond about 10,000: an environment string is limited
+to 128 KiB).  Credentials are not in the snapshot at all: the successor asks the kernel
+again (``SO_PEERCRED`` of the same socket).  The snapshot carries its format version:
+a successor of another version refuses it (`HandoverError`) and starts as after an
+ordinary restart.
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-__all__ = ["FORMAT", "SNAPSHOT_NAME", "ClientState", "State", "HandoverError", "encode",
-           "decode", "client_name", "client_id"]
+__all__ = ["FORMAT", "SNAPSHOT_NAME", "CLIENTS_NAME", "ClientState", "State",
+           "HandoverError", "encode", "decode", "is_handover_name"]
 
-#: Bump when the snapshot's layout or meaning changes.
-FORMAT = "sbus-handover/1"
+#: Bump when the snapshot's layout or meaning changes (2: the clients in one carrier;
+#: 1 passed one descriptor per client, named ``client-ID``).
+FORMAT = "sbus-handover/2"
 #: The fd name of the snapshot (a memfd).
 SNAPSHOT_NAME = "sbus-snapshot"
-_CLIENT = "client-"
+#: The fd name of the socket that holds every client socket in flight.
+CLIENTS_NAME = "sbus-clients"
+_FORMAT1_CLIENT = "client-"
 
 
 class HandoverError(ValueError):
@@ -49,15 +56,9 @@ class State:
     clients: list[ClientState]
 
 
-def client_name(cid: int) -> str:
-    return f"{_CLIENT}{cid}"
-
-
-def client_id(name: str) -> int | None:
-    """The client id in an fd name, or None if it names no client."""
-    if name.startswith(_CLIENT) and name[len(_CLIENT):].isdigit():
-        return int(name[len(_CLIENT):])
-    return None
+def is_handover_name(name: str) -> bool:
+    """Whether a passed descriptor's name is a predecessor's (of this format or of 1)."""
+    return name in (SNAPSHOT_NAME, CLIENTS_NAME) or name.startswith(_FORMAT1_CLIENT)
 
 
 def encode(state: State) -> bytes:

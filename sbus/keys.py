@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 
 from .display import brief
+from .errors import InvalidRequest
 
 __all__ = ["Credentials", "KeyRefused", "KeyRules", "MAX_SEGMENTS", "MAX_WILDCARD_PREFIX"]
 
@@ -35,7 +36,7 @@ MAX_SEGMENTS = 256
 MAX_WILDCARD_PREFIX = 255
 
 
-class KeyRefused(ValueError):
+class KeyRefused(InvalidRequest):
     """A key or pattern that misuses the reserved ``!`` or names someone else's secrets."""
 
 
@@ -104,8 +105,11 @@ class KeyRules:
             end = pattern.find(self.sep, star)
             star = -1 if end < 0 else pattern.find(b"*", end)
 
-    def check_pattern(self, pattern: bytes, cred: Credentials) -> bytes:
-        """Check a SUB pattern for a subscriber; return it with empty credential fields filled."""
+    def check_pattern(self, pattern: bytes, cred: Credentials | None) -> bytes:
+        """Check a SUB pattern for a subscriber; return it with empty credential fields filled.
+
+        Without *cred* (a client that has not asked whoami yet) the fields are checked for
+        form only, and the pattern is returned as it is."""
         self.check_shape(pattern)
         if not self.is_secret(pattern):
             self._check_bang(pattern, pattern)
@@ -114,14 +118,15 @@ class KeyRules:
         if m is None:
             raise KeyRefused(
                 f"truncated secret pattern {brief(pattern)}: needs !/cred/GID/UID/PID/")
-        own = (b"%d" % cred.gid, b"%d" % cred.uid, b"%d" % cred.pid)
+        own = (None,) * 3 if cred is None else (b"%d" % cred.gid, b"%d" % cred.uid,
+                                                 b"%d" % cred.pid)
         fields = []
         for name, given, mine in zip(("GID", "UID", "PID"), m.groups(), own, strict=True):
             if b"*" in given:
                 raise KeyRefused(f"wildcard in the {name} field of secret pattern {brief(pattern)}")
             if given and not given.isdigit():
                 raise KeyRefused(f"{name} field of secret pattern {brief(pattern)} is not decimal")
-            if given and given != mine:
+            if given and mine is not None and given != mine:
                 raise KeyRefused(
                     f"secret pattern {brief(pattern)} names {name} {given.decode()}, "
                     f"subscriber has {mine.decode()}"
@@ -130,6 +135,8 @@ class KeyRules:
         sep = self.sep
         rest = pattern[m.end():]
         self._check_bang(pattern, self._strip_nested(rest))
+        if cred is None:
+            return pattern
         return sep.join([b"!", b"cred", *fields]) + sep + rest
 
     def _strip_nested(self, rest: bytes) -> bytes:

@@ -33,6 +33,9 @@ __all__ = [
     "REFUSED",
     "PUBLISHER_NOWAIT",
     "STATUS",
+    "SOFT",
+    "HARD",
+    "ORDER",
 ]
 
 # Control keys, each defined once (docs/protocol.md explains them).
@@ -49,6 +52,11 @@ PUBLISHER_NOWAIT = b"blocking/publisher/nowait"
 #: client -> broker: "tell me about yourself" (payload optional: ``{"after": ID}``);
 #: broker -> client: a JSON object (sbus/introspect.py, docs/protocol.md).
 STATUS = b"broker/status"
+#: client -> broker, flood control: ``SOFT/queue|discard|block|error``,
+#: ``HARD/discard|block|error``, ``ORDER/queue|stack|random`` (sbus/flood.py).
+SOFT = b"blocking/soft"
+HARD = b"blocking/hard"
+ORDER = b"order"
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .client import SbusError
+from .errors import SbusError
 
 SYSTEM_SOCKET = "/run/sbus.socket"
 USER_SOCKET = "%t/sbus.socket"
@@ -199,10 +199,10 @@ def _service_unit(inst: Installation, user: bool) -> str:
         + (f" --exit-idle-time {USER_EXIT_IDLE}\n" if user else "\n")
         + "Restart=on-failure\n"
         "WatchdogSec=30s\n"
-        "# On stop the broker puts every client's socket and its state into the fd store:\n"
-        "# after 'systemctl restart' the next broker serves the same connections (a\n"
-        "# plain stop empties the store). One per client, so as many as descriptors.\n"
-        "FileDescriptorStoreMax=65536\n"
+        "# On stop the broker puts its clients' sockets (all inside one socket) and its\n"
+        "# state into the fd store: after 'systemctl restart' the next broker serves the\n"
+        "# same connections (a plain stop empties the store). Two entries are used.\n"
+        "FileDescriptorStoreMax=16\n"
         "# Every client is a file descriptor.\n"
         "LimitNOFILE=65536\n"
         "# No PrivateUsers=: it would remap the UIDs that SO_PEERCRED reports.\n"
@@ -264,6 +264,39 @@ def _record_unit(inst: Installation, user: bool) -> str:
     )
 
 
+def _bridge_unit(inst: Installation, user: bool) -> str:
+    env = f"Environment=SBUS_ADDRESS={USER_SOCKET}\n" if user else ""
+    # the sandbox of the other units, with the network the bridge exists for
+    sandbox = (_USER_SANDBOX if user else _system_sandbox(inst)).replace(
+        "PrivateNetwork=yes\n", "").replace(
+        "RestrictAddressFamilies=AF_UNIX\n", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6\n")
+    return (
+        "[Unit]\n"
+        "Description=sbus bridge %i: the bus joined to an MQTT broker\n"
+        "Requires=sbus.socket\n"
+        "After=sbus.socket network-online.target\n"
+        "Wants=network-online.target\n"
+        "\n"
+        "[Service]\n"
+        "# One instance per MQTT broker: sbus-bridge@NAME reads BRIDGE_ARGS from\n"
+        "# %E/sbus/bridge-NAME.conf (docs/bridge.md), e.g.\n"
+        "#   BRIDGE_ARGS=--mqtt mqtt://broker:1883 --export sensors/\n"
+        "#     --export-map sensors/=site/HOST/sensors/   (on one line)\n"
+        "# STATUS= shows the connections and the exported/imported/dropped/refused counts.\n"
+        "Type=notify\n"
+        "NotifyAccess=main\n"
+        f"{env}"
+        "EnvironmentFile=%E/sbus/bridge-%i.conf\n"
+        f"ExecStart={_escaped(inst.exec_start)} bridge $BRIDGE_ARGS\n"
+        "Restart=on-failure\n"
+        "RestartSec=5s\n"
+        + sandbox
+        + "\n"
+        "[Install]\n"
+        f"WantedBy={'default.target' if user else 'multi-user.target'}\n"
+    )
+
+
 def render(inst: Installation, *, user: bool) -> dict[str, str]:
     """Unit file name -> text, for the system manager or (``user=True``) a user manager."""
     return {
@@ -271,6 +304,7 @@ def render(inst: Installation, *, user: bool) -> dict[str, str]:
         "sbus.service": _service_unit(inst, user),
         "sbus-mount.service": _mount_unit(inst, user),
         "sbus-record.service": _record_unit(inst, user),
+        "sbus-bridge@.service": _bridge_unit(inst, user),
     }
 
 

@@ -1,7 +1,7 @@
 """A booted Debian container (``systemd-nspawn -b``) for testing the system units.
 
 The root filesystem is built once by ``tools/make-test-rootfs.sh`` and cached in
-``/var/cache/sbus-test/rootfs``; it is booted with ``--volatile=overlay`` so every
+``/var/cache/sbus-test/rootfs-vVERSION``; it is booted with ``--volatile=overlay`` so every
 run starts from the same clean tree and never writes into the cache.
 ``--register=no --keep-unit`` because no systemd (machined) runs on the host.
 
@@ -22,7 +22,19 @@ from pathlib import Path
 from systemd_cgroup import PrivateCgroup
 
 REPO = Path(__file__).resolve().parent.parent
-ROOTFS = Path(os.environ.get("SBUS_TEST_ROOTFS", "/var/cache/sbus-test/rootfs"))
+
+
+def _rootfs_version() -> str:
+    """VERSION of tools/make-test-rootfs.sh: each version is cached in a directory of its
+    own, so that checkouts at different versions never rebuild each other's rootfs."""
+    for line in (REPO / "tools" / "make-test-rootfs.sh").read_text().splitlines():
+        if line.startswith("VERSION="):
+            return line.split("=", 1)[1].strip()
+    raise RuntimeError("tools/make-test-rootfs.sh has no VERSION=")
+
+
+ROOTFS = Path(os.environ.get("SBUS_TEST_ROOTFS",
+                             f"/var/cache/sbus-test/rootfs-v{_rootfs_version()}"))
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -37,10 +49,12 @@ def ensure_rootfs(rootfs: Path = ROOTFS) -> float:
 
 
 class Container:
-    def __init__(self, rootfs: Path, name: str, binds_ro: dict[str, str], log: Path) -> None:
+    def __init__(self, rootfs: Path, name: str, binds_ro: dict[str, str], log: Path,
+                 options: tuple[str, ...] = ()) -> None:
         self.rootfs = rootfs
         self.name = name
         self.binds_ro = binds_ro
+        self.options = options  # more systemd-nspawn options, e.g. a device to bind
         self.log = log
         self.cgroup: PrivateCgroup | None = None
         self.proc: subprocess.Popen | None = None
@@ -52,6 +66,7 @@ class Container:
                 "--directory", str(self.rootfs), "--volatile=overlay", "--private-network",
                 "--machine", self.name, "--console=read-only", "--boot"]
         argv += [f"--bind-ro={host}:{inside}" for host, inside in self.binds_ro.items()]
+        argv += self.options
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(self.cgroup.wrap(argv), stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=log)

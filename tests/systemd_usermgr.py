@@ -6,7 +6,9 @@ mount namespace with a tmpfs on ``/run/systemd`` -- the host's ``/run`` is not
 touched -- in a cgroup of its own (see `systemd_cgroup`).  It is reached from
 outside like any user manager: ``systemctl --user`` with ``XDG_RUNTIME_DIR``
 pointing at its runtime directory (the private socket ``systemd/private``).
-Its services log to the manager's stderr, kept in ``manager.log``.
+The manager's own messages are kept in ``manager.log``; its services' standard
+output and error go to /dev/null (``inherit`` means the manager's standard input)
+unless a unit says otherwise (``StandardError=append:FILE``).
 """
 
 from __future__ import annotations

@@ -25,3 +25,34 @@ def test_bench_without_a_broker_is_one_clear_line(short_tmp):
     out = bench("--address", str(short_tmp / "none.sock"), "--msgs", "10")
     assert out.returncode == 1
     assert len(out.stderr.strip().splitlines()) == 1 and "sbus bench:" in out.stderr
+
+
+def test_bench_progress_is_one_line_rewritten_on_a_terminal(broker):
+    """On a terminal the progress line is redrawn in place (\\r, erase to the end of the
+    line) while the messages flow, and left standing at 100 %."""
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([*SBUS, "bench", "--address", broker.address, "--msgs", "40000",
+                             "--size", "64"], stdout=subprocess.PIPE, stderr=follower,
+                            stdin=subprocess.DEVNULL)
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # EIO: the bench closed its side
+            break
+        if not chunk:
+            break
+        seen += chunk
+    out = proc.communicate(timeout=120)[0].decode()
+    os.close(leader)
+    assert proc.returncode == 0
+    assert seen.endswith(b"\x1b[K\r\n")  # the last one stays (the terminal adds \r)
+    updates = [u for u in seen.split(b"\r")[1:] if u != b"\n"]
+    assert len(updates) >= 2 and all(u.startswith(b"published ") for u in updates)
+    assert all(u.endswith(b" s\x1b[K") for u in updates)
+    assert b"received 40,000/40,000 (100%)" in updates[-1]
+    assert "msgs/s" in out and "latency (µs): p50" in out

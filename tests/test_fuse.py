@@ -119,9 +119,14 @@ def wait_open(proc: subprocess.Popen, path: str, timeout: float = 10) -> None:
     raise TimeoutError(f"{path} not opened")
 
 
-def cat(path: str, *args: str) -> subprocess.Popen:
+def cat(path: str, *args: str, job: bool = False) -> subprocess.Popen:
+    """``cat`` of *path*; with *job*, in a process group of its own, as a shell runs a job.
+
+    A job must be its own group for SIGTSTP to stop it when the suite runs detached
+    (``setsid``, as CI and cron do): the suite's group is then orphaned (no parent in
+    another group of its session) and the kernel discards stop signals sent to it."""
     proc = subprocess.Popen([*args, "cat", path], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, process_group=0 if job else None)
     wait_open(proc, path)
     return proc
 
@@ -376,7 +381,7 @@ def proc_state(pid: int) -> str:
 def test_ctrl_z_stops_at_the_next_message_and_fg_reads_on(mnt, bus):
     """SIGTSTP must not turn into EINTR (cat would fail after fg): the reader stops
     once its next message is delivered, and reads on after SIGCONT."""
-    proc = cat(touch(mnt, "tstp"))
+    proc = cat(touch(mnt, "tstp"), job=True)
     try:
         proc.send_signal(signal.SIGTSTP)
         time.sleep(0.3)

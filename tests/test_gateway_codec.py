@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from sbus.gateway import codec
 from sbus.gateway.admission import Caps, Pool, peer_group
-from sbus.gateway.client import backoff_delay
 from sbus.gateway.codec import (
     Authenticate,
     FrameDecoder,
@@ -200,13 +199,6 @@ def test_decoder_says_how_much_an_incomplete_frame_holds():
     head = b"\x04\xc4\x03abc\xc6" + (50_000).to_bytes(4, "big")
     assert d.feed(head + bytes(1000)) == [] and d.held >= 1000 + 3
     assert d.feed(bytes(49_000)) == [Publish(b"abc", bytes(50_000))] and d.held == 0
-
-
-def test_backoff_doubles_to_its_cap_with_jitter():
-    for failures, base in [(0, 1), (1, 2), (2, 4), (5, 32), (6, 60), (100, 60)]:
-        delays = [backoff_delay(failures, 1.0, 60.0) for _ in range(200)]
-        assert base / 2 <= min(delays) and max(delays) <= base
-        assert max(delays) - min(delays) > base / 10  # jittered, not fixed
 
 
 # -- HTTPS decisions -------------------------------------------------------------------

@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 import trio
 import trustme
@@ -124,7 +125,9 @@ def test_plaintext_on_the_tls_port_is_dropped_alone(tls_gw, client_ctx):
     roundtrip(good)
 
 
-def test_trio_client_over_tls_both_ways(tls_gw, client_ctx, local):
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_client_over_tls_both_ways(tls_gw, client_ctx, local, backend):
+    """The remote client library under trio and under asyncio (it is written for anyio)."""
     local.send(b"SUB lib/out")
     sync(local)
 
@@ -133,17 +136,17 @@ def test_trio_client_over_tls_both_ways(tls_gw, client_ctx, local):
                           server_hostname="localhost") as c:
             await c.subscribe(b"lib/in/*")
             await c.wait_connected()
-            with trio.fail_after(10):
+            with anyio.fail_after(10):
                 while True:  # until the subscription is on the bus
                     local.send(b"MSG lib/in/x\0hello")
-                    with trio.move_on_after(0.1):
+                    with anyio.move_on_after(0.1):
                         msg = await c.receive()
                         break
             assert (msg.topic, msg.body) == (b"lib/in/x", b"hello")
             assert await c.publish(b"lib/out", b"from remote")
             return c.connections
 
-    assert trio.run(main) == 1
+    assert anyio.run(main, backend=backend) == 1
     assert local.recv(1 << 16) == b"MSG lib/out\0from remote"
 
 

@@ -21,7 +21,7 @@ import time
 import pytest
 from conftest import raw, sync
 
-from sbus import handover
+from sbus import handover, server
 from sbus.handover import ClientState, HandoverError, State
 
 
@@ -35,8 +35,43 @@ def test_snapshot_round_trip_and_refusals():
         handover.decode(other)
     with pytest.raises(HandoverError, match="cannot be read|damaged"):
         handover.decode(b"\x93\x01garbage")
-    assert handover.client_id(handover.client_name(42)) == 42
-    assert handover.client_id("sbus.socket") is None
+    assert handover.is_handover_name(handover.CLIENTS_NAME)
+    assert handover.is_handover_name("client-42")  # format 1: let go, removed from the store
+    assert not handover.is_handover_name("sbus.socket")
+
+
+def test_the_carrier_keeps_every_socket_in_order_and_lets_them_go_when_closed():
+    """Hundreds of sockets (several messages of at most 253 descriptors) in flight in
+    one carrier: they come out in order; a carrier closed unread (a stop: systemd closes
+    the store) closes them, and their peers see end-of-file."""
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(600)]
+    try:
+        fd = server._pack([b for _, b in pairs[:500]])
+        for _, b in pairs[:500]:
+            b.close()  # only the carrier holds them now
+        with socket.socket(fileno=os.dup(fd)) as carrier, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as intruder:
+            with pytest.raises(PermissionError):  # nobody can slip a packet or socket in
+                intruder.sendto(b"c", carrier.getsockname())
+        got, whole = server._unpack(fd)
+        assert whole and len(got) == 500
+        for i, ((a, _), sock) in enumerate(zip(pairs, got, strict=False)):
+            a.send(b"%d" % i)
+            assert sock.recv(10) == b"%d" % i  # the same connection, in the same place
+            sock.close()
+        fd = server._pack([b for _, b in pairs[500:]])
+        for a, b in pairs[500:]:
+            b.close()
+            a.settimeout(0)
+            with pytest.raises(BlockingIOError):
+                a.recv(10)  # still open: held in flight
+        os.close(fd)
+        for a, _ in pairs[500:]:
+            assert a.recv(10) == b""
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
 
 
 def drain(sock: socket.socket, count: int, times: list[float] | None = None) -> list[bytes]:
@@ -103,14 +138,15 @@ def test_a_snapshot_of_another_format_is_refused_with_one_line(short_tmp):
     memfd = os.memfd_create("snapshot")
     os.write(memfd, handover.encode(state).replace(handover.FORMAT.encode(), b"sbus-handover/0"))
     os.lseek(memfd, 0, os.SEEK_SET)
-    fds = [listener.fileno(), memfd, passed.fileno()]
+    carrier = server._pack([passed])
+    fds = [listener.fileno(), memfd, carrier]
     # in the child: move them to 3, 4, 5 (as systemd would pass them) and close the rest
     # (dup2 onto itself keeps a descriptor close-on-exec: mark 3, 4, 5 inheritable after)
     script = (f"import os, sys; src = {fds}; tmp = [os.dup(f) for f in src]\n"
               "for i, t in enumerate(tmp): os.dup2(t, 3 + i); os.set_inheritable(3 + i, True)\n"
               "for f in set(src + tmp) - {3, 4, 5}: os.close(f)\n"
               "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='3', "
-              "LISTEN_FDNAMES='sbus-listener:sbus-snapshot:client-1')\n"
+              "LISTEN_FDNAMES='sbus-listener:sbus-snapshot:sbus-clients')\n"
               f"os.execv({sys.executable!r}, [{sys.executable!r}, '-m', 'sbus.cli', 'serve'])")
     log = short_tmp / "log"
     with open(log, "w") as f:
@@ -118,6 +154,7 @@ def test_a_snapshot_of_another_format_is_refused_with_one_line(short_tmp):
     try:
         passed.close()
         os.close(memfd)
+        os.close(carrier)
         kept.settimeout(10)
         try:
             assert kept.recv(100) == b""  # let go: end-of-file
@@ -135,3 +172,28 @@ def test_a_snapshot_of_another_format_is_refused_with_one_line(short_tmp):
     lines = [x for x in text.splitlines() if "not taking over" in x]
     assert len(lines) == 1 and "sbus-handover/0" in lines[0] and "1 clients" in lines[0]
     assert "Traceback" not in text
+
+
+def test_a_carrier_that_does_not_match_the_snapshot_is_refused(caplog):
+    """Two clients in the snapshot, one socket in the carrier: which socket is whose
+    cannot be known, so none is adopted; one log line, and the client sees end-of-file."""
+    from sbus.broker import Broker
+
+    kept, passed = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    state = State(b"/", {}, [ClientState(1, [(b"a", 1)]), ClientState(2, [(b"b", 1)])])
+    memfd = os.memfd_create("snapshot")
+    os.write(memfd, handover.encode(state))
+    os.lseek(memfd, 0, os.SEEK_SET)
+    carrier = server._pack([passed])
+    passed.close()
+    broker = Broker()
+    with caplog.at_level("INFO", logger="sbus.server"):
+        server.take_over(broker, {handover.SNAPSHOT_NAME: memfd,
+                                  handover.CLIENTS_NAME: carrier})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["not taking over from the previous broker (1 client sockets for 2 "
+                     "clients): its 1 clients reconnect"]
+    assert not broker.connections
+    kept.settimeout(5)
+    assert kept.recv(10) == b""
+    kept.close()

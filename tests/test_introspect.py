@@ -84,6 +84,9 @@ def test_sbus_status_and_ping_from_the_shell(broker):
     assert out.returncode == 0, out.stderr
     assert "broker: 2 clients, 1 subscriptions" in out.stdout
     assert "shown/\\x1b]0;pwned\\x07" in out.stdout and "\x1b" not in out.stdout
+    head = next(line for line in out.stdout.splitlines() if line.strip().startswith("id"))
+    assert head.split() == ["id", "pid", "uid", "subs", "queued", "bytes", "drops", "paused",
+                            "flood", "patterns"]
     js = subprocess.run([*SBUS, "status", "--json", "--address", broker.address],
                         capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
     assert json.loads(js.stdout)["broker"]["subscriptions"] == 1

@@ -290,3 +290,27 @@ def test_record_without_broker_fails_cleanly(short_tmp: Path):
     assert proc.returncode == 1 and "cannot connect" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list((short_tmp / "j").glob("*" + SUFFIX))
+
+
+def test_sealing_re_blocks_small_blocks_and_recovery_removes_its_leftovers(tmp_path: Path):
+    """A segment of many small (clock-flushed) blocks is sealed as few large ones with the
+    same records; a crash inside that re-write leaves a temporary file or an open twin of
+    the sealed file, which the next writer removes (readers already prefer the sealed)."""
+    import shutil
+
+    from sbus.journal.store import segment_blocks
+
+    with JournalWriter(tmp_path, fsync=False) as w:
+        for i in range(500):
+            w.append(1_000 + i, [b"k/%d" % (i % 3)], [b"v%d" % i])
+            w.flush()
+    (seg,) = list_segments(tmp_path)
+    assert seg.sealed and len(segment_blocks(seg)) == 1
+    rows = list(records(tmp_path))
+    assert [r[0] for r in rows] == list(range(1, 501)) and rows[7][2:] == (b"k/1", b"v7")
+    shutil.copy(seg.path, tmp_path / (seg.name + ".sbj.open"))  # crash before the unlink
+    (tmp_path / (seg.name + ".sbj.tmp")).write_bytes(b"half")   # or during the write
+    assert list_segments(tmp_path) == [seg] and list(records(tmp_path)) == rows
+    JournalWriter(tmp_path, fsync=False).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", seg.path.name]
+    assert list(records(tmp_path)) == rows

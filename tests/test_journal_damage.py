@@ -22,8 +22,9 @@ ROWS = [(b"k/%d" % (i % 7), b"payload %d " % i + bytes(range(i % 50))) for i in 
 
 
 def sealed_journal(directory: Path) -> Path:
-    """A journal of three blocks in one sealed segment; returns the segment's path."""
-    with JournalWriter(directory, block_bytes=1 << 20, fsync=False) as w:
+    """A journal of three blocks (not re-blocked) in one sealed segment; returns the
+    segment's path."""
+    with JournalWriter(directory, block_bytes=1 << 20, fsync=False, reblock_bytes=0) as w:
         for n in range(3):
             part = ROWS[n * 20:(n + 1) * 20]
             w.append(1_000_000 + n, [k for k, _ in part], [p for _, p in part])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -359,6 +360,9 @@ def test_analyze_end_to_end(spark, recorded, tmp_path, capsys):
     assert windows.agg(F.sum("messages")).first()[0] == len(EXPECTED)
     report = (out / "report.md").read_text()
     assert "`sensors`" in report and "sensors/a/temp" in report and "traffic.png" in report
+    assert f"Messages: {len(EXPECTED):,}," in report  # thousands separators
+    assert "## Stale keys" in report and "No sequence gaps" in report
+    assert summary["window"] == "1 minute"
     assert (out / "traffic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -432,3 +436,139 @@ def test_a_damaged_journal_fails_the_query_with_one_clear_error(spark, tmp_path)
     seg.path.write_bytes(data)
     with pytest.raises(Exception, match="corrupt key offsets"):
         spark.read.format("sbus").option("verify", "false").load(str(jdir)).collect()
+
+
+def small_journal(directory, rows: int, segment_bytes: int = 1 << 20) -> None:
+    """*rows* records one second apart from 2001-09-09T01:46:40Z, keys a/0..a/4, flushed
+    every 20 rows (so re-blocked at seal)."""
+    with JournalWriter(directory, fsync=False, segment_bytes=segment_bytes) as w:
+        for i in range(rows):
+            w.append(10**18 + i * 10**9, [b"a/%d" % (i % 5)], [b"p%d" % i])
+            if i % 20 == 19:
+                w.flush()
+
+
+def test_pushdown_and_kafka_like_options(spark, tmp_path):
+    """With option pushdown, filters on ts, seq and key are taken by the source (no Filter
+    left in Spark's plan) and give exactly the rows Spark's own filtering gives.  Without
+    it a DataFrame reused for another query stays right (PySpark 4.3 reuses the first
+    query's planned read).  The Kafka-style options bound a batch read; an unknown option
+    names the nearest valid one."""
+    from datetime import UTC, datetime
+
+    from pyspark.sql import functions as F
+
+    small_journal(tmp_path, 3000, segment_bytes=20_000)
+
+    def pushing():
+        return spark.read.format("sbus").option("pushdown", "true").load(str(tmp_path))
+
+    at = [datetime.fromtimestamp(10**9 + s, UTC) for s in (100, 150)]
+    pushed = pushing().where((F.col("ts") >= at[0]) & (F.col("ts") < at[1]) &
+                             (F.col("key") == "a/1"))
+    plan = pushed._jdf.queryExecution().executedPlan().toString()
+    assert "BatchScan sbus" in plan and not re.search(r"\bFilter [(\[]", plan), plan
+    assert [r.seq for r in pushed.collect()] == list(range(102, 151, 5))
+    assert [r.seq for r in pushing().where("seq between 10 and 20 and key like 'a/2%' and "
+                                           "key in ('a/2', 'a/3')").collect()] == [13, 18]
+    # The same rows as Spark filtering them itself (a local copy has no pushdown).
+    plain = spark.read.format("sbus").load(str(tmp_path))
+    local = spark.createDataFrame(plain.collect(), plain.schema)
+    assert local.count() == 3000
+    cond = "seq > 2500 and ts <= timestamp'2001-09-09 02:28:00' or key = 'a/4'"
+    assert sorted(pushing().where(cond).collect()) == sorted(local.where(cond).collect())
+    reused = spark.read.format("sbus").load(str(tmp_path))
+    assert reused.where("seq < 10").count() == 9 and reused.count() == 3000
+
+    def read(**opts):
+        r = spark.read.format("sbus")
+        for k, v in opts.items():
+            r = r.option(k, v)
+        return [row.seq for row in r.load(str(tmp_path)).select("seq").collect()]
+
+    assert read(startingSeq=2990) == list(range(2990, 3001))
+    assert read(startingOffsets='{"seq": 2995}', endingOffsets='{"seq": 2998}') == \
+        [2995, 2996, 2997]
+    assert read(startingTimestamp=str((10**9 + 10) * 1000), endingSeq=14) == [11, 12, 13]
+    assert read(startingTimestamp="2001-09-09T02:36:38Z") == [2999, 3000]
+    with pytest.raises(Exception, match=r"'maxrowspertriger' \(did you mean maxRowsPerTrigger"):
+        read(maxRowsPerTriger=5)
+    with pytest.raises(Exception, match="give one of startingSeq, startingTimestamp"):
+        read(startingSeq=1, startingTimestamp=1)
+    # Retention removed the first segment: asking for rows before it is a loss.
+    first = list_segments(tmp_path)[0]
+    first.path.unlink()
+    assert read(startingSeq=3000) == [3000]
+    with pytest.raises(Exception, match=r"rows lost: seq 1\.\..*failOnDataLoss=false"):
+        read(startingSeq=1)
+    assert read(startingSeq=1, failOnDataLoss="false")[0] > 1
+
+
+def test_retention_race_fails_or_skips_as_failOnDataLoss_says(spark, tmp_path):
+    """A micro-batch is planned, then retention deletes the segment it reads (inside the
+    batch, before its rows are read): the query fails naming the exact rows, and fails
+    again when restarted; with failOnDataLoss=false the rows are skipped, and rows deleted
+    before a batch is planned are counted in its end offset (shown in progress)."""
+    jdir = tmp_path / "j"
+    small_journal(jdir, 600, segment_bytes=2500)
+    view = [(s.first_seq, s.path) for s in list_segments(jdir)]
+    assert len(view) > 5
+
+    def segment_of(seq):
+        return next(p for first, p in reversed(view) if first <= seq)
+
+    def start(ck, seen, doomed, **opts):
+        def handle(df, batch_id):
+            for path in doomed.pop(batch_id, ()):
+                path.unlink()  # retention, between planning this batch and reading it
+            seen.extend(r.seq for r in df.select("seq").collect())
+
+        reader = spark.readStream.format("sbus").option("maxOffsetsPerTrigger", 100)
+        for k, v in opts.items():
+            reader = reader.option(k, v)
+        return (reader.load(str(jdir)).writeStream.foreachBatch(handle)
+                .option("checkpointLocation", str(ck)).trigger(availableNow=True).start())
+
+    victim = segment_of(150)  # batch 1 reads seq 101..200
+    lo = int(victim.name.split(".")[0])
+    hi = min(next(first for first, _ in view if first > lo), 201)  # what batch 1 reads of it
+    lost = f"{hi - lo} rows lost: seq {lo}..{hi - 1} "
+    q = start(tmp_path / "ck", [], {1: [victim]})
+    with pytest.raises(Exception, match=lost):
+        q.awaitTermination(120)
+    q = start(tmp_path / "ck", [], {})  # the restart replays batch 1: still lost
+    with pytest.raises(Exception, match=f"micro-batch replayed: .*{lost}"):
+        q.awaitTermination(120)
+
+    # failOnDataLoss=false: batch 1 loses what is deleted under it and goes on; batch 2 is
+    # planned after a segment it would read was deleted, and its end offset counts those.
+    jdir = tmp_path / "j2"
+    small_journal(jdir, 600, segment_bytes=2500)
+    view = [(s.first_seq, s.path) for s in list_segments(jdir)]
+    doomed = [segment_of(150), segment_of(260)]
+    assert doomed[0] != doomed[1]
+    gone = {s for first, path in view if path in doomed
+            for s in range(first, next((f for f, _ in view if f > first), 601))}
+    seen: list[int] = []
+    q = start(tmp_path / "ck2", seen, {1: doomed}, failOnDataLoss="false")
+    q.awaitTermination(120)
+    assert q.exception() is None
+    assert sorted(seen) == sorted(set(range(1, 601)) - gone)
+    offsets = [json.loads(p.sources[0].endOffset) for p in q.recentProgress]
+    assert offsets[-1] == {"seq": 601, "lost": len([s for s in gone if s > 200])}
+
+
+def test_exported_parquet_and_the_open_tail_read_as_one(spark, tmp_path):
+    from sbus.journal.export import export_journal
+    from sbus.spark import read_journal
+
+    jdir = tmp_path / "j"
+    small_journal(jdir, 500, segment_bytes=3000)
+    export_journal(jdir, tmp_path / "pq")
+    with JournalWriter(jdir, fsync=False) as w:  # more rows, and an open segment
+        w.append(time.time_ns(), [b"late/1", b"late/2"], [b"x", b"y"])
+        w.flush()
+        df = read_journal(spark, str(jdir), str(tmp_path / "pq"))
+        assert df.columns == ["seq", "ts", "key", "key_bytes", "payload"]
+        assert [r.seq for r in df.orderBy("seq").select("seq").collect()] == list(range(1, 503))
+        assert df.where("key like 'late/%'").count() == 2

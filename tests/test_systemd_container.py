@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import publish_to_recorder, recorded_pairs
+from restart_load import Audience
 from systemd_container import REPO, ROOTFS, Container, ensure_rootfs
 
 from sbus.client import Client, ConnectError
@@ -71,11 +72,12 @@ def container() -> Iterator[Container]:
 def bus(container: Container) -> str:
     """`sbus install-units` and `systemctl start sbus.socket`, typed in the container."""
     out = container.run(SBUS, "install-units").stdout
-    assert out.splitlines()[:5] == [
+    assert out.splitlines()[:6] == [
         "wrote /etc/systemd/system/sbus.socket",
         "wrote /etc/systemd/system/sbus.service",
         "wrote /etc/systemd/system/sbus-mount.service",
         "wrote /etc/systemd/system/sbus-record.service",
+        "wrote /etc/systemd/system/sbus-bridge@.service",
         "ran systemctl daemon-reload",
     ]
     container.run("systemctl", "start", "sbus.socket")
@@ -202,3 +204,34 @@ def test_stop_in_container_leaves_no_broker(container: Container, bus: str) -> N
     with pytest.raises(ConnectError):
         Client(bus)
     container.run("systemctl", "start", "sbus.socket")  # as the other tests found it
+
+
+def _broker_log(c: Container) -> list[str]:
+    return c.run("journalctl", "-u", "sbus.service", "-o", "cat", "--no-pager").stdout \
+        .splitlines()
+
+
+def test_restart_in_container_hands_every_client_over(container: Container, bus: str) -> None:
+    """`systemctl restart sbus.service` in the booted system, under load: the host's
+    reliable (block), ordinary and secret readers keep their connections and get
+    everything, in order; `stop` then `start` is an ordinary restart (end-of-file)."""
+    audience = Audience(bus)
+    try:
+        first = _show(container, "sbus.service", "MainPID")["MainPID"]
+        mark = len(_broker_log(container))
+        report = audience.across(lambda: container.run("systemctl", "restart", "sbus.service"))
+        print("systemctl restart under load in the container:", report)
+        assert _show(container, "sbus.service", "MainPID")["MainPID"] not in ("0", first)
+        log = "\n".join(_broker_log(container)[mark:])
+        assert "handing over 4 clients" in log and "took over 4 clients" in log, log
+        assert _show(container, "sbus.service", "NFileDescriptorStore") == \
+            {"NFileDescriptorStore": "0"}
+        container.run("systemctl", "stop", "sbus.service")
+        audience.all_see_eof()
+        mark = len(_broker_log(container))
+        container.run("systemctl", "start", "sbus.service")
+        with Client(bus, timeout=10) as c:
+            c.whoami()
+        assert not any("took over" in x for x in _broker_log(container)[mark:])
+    finally:
+        audience.close()

@@ -113,7 +113,7 @@ def test_root_option_installs_below_a_tree(short_tmp: Path) -> None:
     done = install("--root", str(short_tmp / "img"), "--exec", "/usr/bin/sbus")
     assert done.returncode == 0, done.stderr
     target = short_tmp / "img" / "etc" / "systemd" / "system"
-    assert sorted(p.name for p in target.iterdir()) == sorted(NAMES)
+    assert sorted(p.name for p in target.iterdir()) == sorted([*NAMES, "sbus-bridge@.service"])
     assert "ExecStart=/usr/bin/sbus serve\n" in (target / "sbus.service").read_text()
     for p in target.iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o644

@@ -258,7 +258,7 @@ def test_screen_fills_the_terminal_exactly(width, height):
     assert len(lines) == height
     assert max(len(line) for line in lines) <= width
     assert lines[-1].startswith("q quit")
-    assert f"{fit.rows}/200 rows" in lines[-1] or width < 80
+    assert lines[-1].endswith(f" {fit.rows}/200") or width < 80
 
 
 def test_what_a_publisher_makes_the_viewer_hold_is_bounded_in_bytes():
@@ -285,3 +285,60 @@ def test_what_a_publisher_makes_the_viewer_hold_is_bounded_in_bytes():
     assert used <= model.held + (1 << 20)  # recent messages and history besides
     newest = model.keys[next(reversed(model.keys))]
     assert len(newest.last_payload) == PREVIEW_BYTES and newest.nbytes == len(payload)
+
+
+def test_reverse_and_scroll_pick_the_rows_shown():
+    m = TrafficModel(0.0)
+    for i in range(10):
+        m.feed(msgs(f"k{i}", 1), 0.1)
+    def names(**view) -> list[bytes]:
+        return [r.name for r in m.snapshot(1.0, ViewOptions(sort=SortBy.KEY, **view),
+                                           limit=3).rows]
+    assert names() == [b"k0", b"k1", b"k2"]
+    assert names(reverse=True) == [b"k9", b"k8", b"k7"]
+    assert names(scroll=4) == [b"k4", b"k5", b"k6"]
+    assert names(scroll=4, reverse=True) == [b"k5", b"k4", b"k3"]
+    assert names(scroll=1000) == [b"k7", b"k8", b"k9"]  # past the end: the last page
+    snap = m.snapshot(1.0, ViewOptions(sort=SortBy.KEY, scroll=1000), limit=3)
+    assert snap.options.scroll == 7  # the screen puts this back into the controls
+
+
+def test_keys_for_scrolling_reverse_help_and_the_clients_pane():
+    c = Controls(ViewOptions(scroll=0))
+    c.page = 5
+    assert c.press("\x1b[B") is Action.REDRAW and c.options.scroll == 1
+    c.press("\x1b[6~")
+    assert c.options.scroll == 6
+    c.press("\x1b[A")
+    c.press("\x1b[5~")
+    assert c.options.scroll == 0  # never above the top
+    c.press("\x1b[F")
+    assert c.options.scroll > 1000  # the end (the model clamps it)
+    c.press("r")
+    assert c.options.reverse and c.options.scroll == 0
+    assert c.press("\t") is Action.REDRAW and c.options.pane == "clients"
+    assert c.press("?") is Action.REDRAW and c.helping
+    assert c.press("s") is Action.REDRAW and not c.helping  # any key closes the help...
+    assert c.options.sort is SortBy.RATE  # ... and does nothing else
+    c.press("?")
+    assert c.press("q") is Action.QUIT
+
+
+def test_clients_pane_from_the_broker_answer():
+    m = TrafficModel(0.0)
+    m.take_status(b'{"broker": {"you": 2}, "clients": [{"id": 1, "queued_bytes": 10, '
+                  b'"patterns": ["a/\\u001b"], "subscriptions": 3}, {"id": 2, "queued_bytes": 50,'
+                  b' "patterns": [""], "subscriptions": 1}, "junk"], "more": false}')
+    snap = m.snapshot(1.0, ViewOptions(pane="clients"), limit=5)
+    assert [c["id"] for c in snap.clients] == [2, 1]  # most queued first
+    assert snap.clients[0]["you"] and not snap.clients[1]["you"]
+    text = Console(width=100, height=24, file=io.StringIO(), record=True)
+    text.print(render(snap, 100, 24))
+    screen = text.export_text()
+    assert "a/\\x1b (+2)" in screen and "2*" in screen and "\x1b" not in screen
+    head = next(line for line in screen.splitlines() if "patterns" in line)
+    assert head.split() == ["id", "pid", "uid", "subs", "queued", "bytes▼", "drops", "paused",
+                            "flood", "patterns"]
+    m.take_status(b"not json")
+    snap = m.snapshot(1.0, ViewOptions(pane="clients"), limit=5)
+    assert snap.clients == [] and snap.clients_note == "the broker's status answer was not JSON"

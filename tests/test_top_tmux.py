@@ -60,7 +60,7 @@ class Tmux:
 
 @pytest.fixture
 def tmux(short_tmp: Path) -> Iterator[Tmux]:
-    t = Tmux(f"sbus-top-test-{os.getpid()}", short_tmp)
+    t = Tmux(f"sbus-top-test-{os.getpid()}-{short_tmp.name}", short_tmp)  # one server each
     yield t
     t.kill()
 
@@ -92,7 +92,7 @@ def table(text: str) -> list[str]:
     head = next(i for i, line in enumerate(lines) if line.startswith(("key", "prefix")))
     out = []
     for line in lines[head + 1:]:
-        if not line.strip():
+        if not line.strip() or line.startswith("recent messages"):
             break
         out.append(line)
     return out
@@ -183,6 +183,8 @@ def test_ctrl_c_also_restores_the_terminal(broker, tmux, short_tmp):
     tmux.wait(lambda s: "● connected" in s, "sbus-top connected")
     tmux.send("C-c")
     tmux.wait(lambda s: "sbus-top" not in s, "sbus-top gone")
+    tmux.type_line("echo status-$?")
+    tmux.wait(lambda s: "\nstatus-130" in s, "exit status 130, like the other commands")
     assert "Traceback" not in tmux.pane()
     assert shell_ready(tmux, short_tmp, "after") == before
 
@@ -199,3 +201,77 @@ def test_broker_gone_shows_retrying_then_reconnects(tmux, make_broker):
         bus.publish(b"back/again", b"hello again")
     tmux.wait(lambda s: "back/again" in s and "hello again" in s, "new traffic counted")
     tmux.send("q")
+
+
+def test_no_broker_says_why_instead_of_retrying(tmux, short_tmp):
+    tmux.type_line(f"{sys.executable} -m sbus.top --address {short_tmp}/none.sock; "
+                   "echo status-$?")
+    screen = tmux.wait(lambda s: "\nstatus-" in s, "sbus-top ending")
+    text = "".join(screen.splitlines())  # the terminal wraps the line
+    assert f"sbus-top: cannot connect to the sbus broker at {short_tmp}/none.sock: No such " \
+           "file or directory." in text
+    assert "status-1" in text and "Traceback" not in text
+
+
+def test_scrolling_reverse_sort_help_and_the_clients_pane(broker, tmux):
+    with Client(broker.address) as bus:
+        for i in range(1, 41):
+            bus.publish(b"k/%02d" % i, b"v%d" % i)
+    watcher = Client(broker.address)
+    watcher.subscribe(b"watch/\x1b[2J")  # someone else's client, with a hostile pattern
+    watcher.whoami()
+    tmux.type_line(f"{sys.executable} -m sbus.top --address {broker.address} --sort key "
+                   "--interval 0.1")
+    tmux.wait(lambda s: "● connected" in s, "sbus-top connected")
+    for attempt in range(10):  # published again until sbus-top has counted them all
+        with Client(broker.address) as bus:
+            for i in range(1, 41):
+                bus.publish(b"k/%02d" % i, b"v%d" % i)
+        try:
+            screen = tmux.wait(lambda s: "keys 40" in s and table(s)[0].startswith("k/01"),
+                               "40 keys sorted by name", timeout=2)
+            break
+        except AssertionError:
+            if attempt == 9:
+                raise
+    page = len(table(screen))
+    assert screen.rstrip().endswith(f" {page}/40") and "? help" in screen
+    tmux.send("End")
+    screen = tmux.wait(lambda s: table(s)[-1].startswith("k/40"), "the last page")
+    assert table(screen)[0].startswith(f"k/{41 - page:02d}")
+    assert screen.rstrip().endswith(f" {41 - page}-40/40")
+    tmux.send("Up")
+    tmux.wait(lambda s: table(s)[-1].startswith("k/39"), "one row up")
+    tmux.send("Home")
+    tmux.wait(lambda s: table(s)[0].startswith("k/01"), "the first page again")
+    tmux.send("PageDown")
+    tmux.wait(lambda s: table(s)[0].startswith(f"k/{page + 1:02d}"), "one page down")
+    tmux.send("r")
+    screen = tmux.wait(lambda s: "key▲" in s and table(s)[0].startswith("k/40"),
+                       "reversed, from the top")
+    assert "sort:key rev" in screen
+    tmux.send("Down")
+    tmux.wait(lambda s: table(s)[0].startswith("k/39"), "scrolled one row")
+
+    tmux.send("?")
+    screen = tmux.wait(lambda s: "keys (any key closes this help)" in s, "the help screen")
+    assert "reverse the sort" in screen and "PgUp PgDn" in screen
+    tmux.send("x")
+    tmux.wait(lambda s: "key▲" in s and "any key closes" not in s, "the table back")
+
+    tmux.send("Tab")
+    screen = tmux.wait(lambda s: "patterns" in s and "watch/" in s, "the clients pane")
+    lines = screen.splitlines()
+    head = next(i for i, line in enumerate(lines) if "patterns" in line)
+    rows = [line for line in lines[head + 1:head + 6] if line.strip()]
+    assert len(rows) == 2  # sbus-top's connection and the watcher (the root user sees all)
+    mine = next(r for r in rows if "*" in r.split()[0])
+    other = next(r for r in rows if r is not mine)
+    assert other.split()[1] == str(os.getpid()) and other.endswith("watch/\\x1b[2J")
+    assert mine.rstrip().endswith("''")  # sbus-top's own pattern: everything
+    assert "\x1b" not in screen
+    tmux.send("Tab")
+    tmux.wait(lambda s: "key▲" in s, "the keys again")
+    tmux.send("q")
+    tmux.wait(lambda s: s.rstrip().endswith(("$", "#")), "the shell prompt back")
+    watcher.close()

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared" / "bench"
+SHARED = Path(os.environ.get("SBUS_BENCH_SRC", ROOT.parent / "shared" / "bench"))
 BIN = Path(os.environ.get("SBUS_BENCH_BIN", "/var/cache/sbus-bench"))
 
 SCENARIOS = {

@@ -3,15 +3,17 @@
 # boots with systemd-nspawn, and cache it: later runs only check the stamp file.
 # The tests never write into it (they boot it with --volatile=overlay).
 #
-#   tools/make-test-rootfs.sh [DIR]     (default /var/cache/sbus-test/rootfs; needs root)
+#   tools/make-test-rootfs.sh [DIR]     (default /var/cache/sbus-test/rootfs-vVERSION; root)
 #
 # SBUS_TEST_MIRROR overrides the Debian mirror.  Bump VERSION whenever the contents
 # below change, so cached copies are rebuilt.
 set -euo pipefail
 
-VERSION=3
+VERSION=4
 PACKAGES=systemd,systemd-sysv,dbus,python3,python3-venv,python3-systemd,python3-msgpack,python3-numpy
-dest=${1:-/var/cache/sbus-test/rootfs}
+# What the .deb (tools/build-deb.sh) depends on, so that the test installs it offline.
+PACKAGES+=,fuse3,python3-rich,python3-h11,python3-idna,python3-sortedcontainers,python3-outcome
+dest=${1:-/var/cache/sbus-test/rootfs-v$VERSION}  # one per version: no rebuilding another's
 mirror=${SBUS_TEST_MIRROR:-http://deb.debian.org/debian}
 stamp="$dest/.sbus-test-rootfs"
 want="version=$VERSION packages=$PACKAGES"

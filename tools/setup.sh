@@ -1,21 +1,41 @@
 #!/usr/bin/env bash
-# Install everything sbus needs on a fresh Debian bookworm machine (run as root):
-# the Debian packages its parts and tests use, then a virtualenv in .venv with
-# sbus installed (editable) and every optional part.
+# Install what sbus needs on a Debian bookworm machine (run as root), into .venv:
+#
+#   tools/setup.sh run     what running the bus needs: the core (broker, client, CLI)
+#   tools/setup.sh test    (default) everything the tests need: every Debian package
+#                          below, every extra and the dev tools
+#
+# Nothing is installed outside the checkout but Debian packages: the commands stay in
+# .venv/bin (put it on PATH), so no global link can outlive the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+profile=${1:-test}
 
+RUN_APT_PACKAGES=(
+    python3 python3-venv                    # the core needs nothing compiled
+)
 APT_PACKAGES=(
     fuse3 libfuse3-dev pkg-config           # pyfuse3 compiles against libfuse3
     libsystemd-dev                          # systemd-python compiles against it
     systemd systemd-container debootstrap   # socket activation, user manager, nspawn
     tmux                                    # sbus-top end-to-end tests
+    zsh man-db groff-base                   # completion and man page tests
     mosquitto                               # benchmark reference broker
     openjdk-17-jre-headless                 # Spark
     gcc libc6-dev                           # the C reference broker and load generator
+    # tools/build-deb.sh and tests/test_deb.py: the package's build tools, and Debian's
+    # python3 with the packages the .deb depends on (debian/control Build-Depends)
+    debhelper dh-python lintian dpkg-dev python3-pip python3-dev
+    python3-h11 python3-idna python3-msgpack python3-numpy python3-outcome python3-rich
+    python3-sortedcontainers
 )
+case $profile in
+    run) wanted=("${RUN_APT_PACKAGES[@]}"); extras="" ;;
+    test) wanted=("${RUN_APT_PACKAGES[@]}" "${APT_PACKAGES[@]}"); extras="[all,dev]" ;;
+    *) echo "usage: tools/setup.sh [run|test]" >&2; exit 2 ;;
+esac
 missing=()
-for p in "${APT_PACKAGES[@]}"; do
+for p in "${wanted[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
@@ -24,16 +44,23 @@ if ((${#missing[@]})); then
     apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 # mosquitto is for benchmarks only: never leave the packaged daemon running.
-systemctl disable --now mosquitto >/dev/null 2>&1 || true
+if [ "$profile" = test ]; then
+    systemctl disable --now mosquitto >/dev/null 2>&1 || true
+fi
 
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e '.[fuse,spark,dev]'
-# Put the commands on PATH for everyone when we may (root on a machine of our own).
-if [ "$(id -u)" = 0 ] && [ -w /usr/local/bin ]; then
-    for cmd in sbus sbus-top; do ln -sfn "$(pwd)/.venv/bin/$cmd" "/usr/local/bin/$cmd"; done
-fi
-echo "sbus set up in $(pwd)/.venv"
+.venv/bin/pip install -q -e ".$extras"
+# Earlier versions linked the commands into /usr/local/bin; drop such a link when it
+# points into this checkout or nowhere (a deleted clone), so it cannot shadow PATH.
+for cmd in sbus sbus-top; do
+    link=/usr/local/bin/$cmd
+    if [ -L "$link" ] && { [ ! -e "$link" ] || [ "$(readlink "$link")" = "$PWD/.venv/bin/$cmd" ]; }
+    then
+        rm -f "$link" 2>/dev/null || true
+    fi
+done
+echo "sbus set up in $PWD/.venv ($profile); its commands: export PATH=$PWD/.venv/bin:\$PATH"

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     done_pub = done_sub = None
     outcome: list[tuple] = []
     while time.monotonic() < deadline:
-        _progress(sent.value, args.msgs, got.value, total)
+        _progress(sent.value, args.msgs, got.value, total, time.monotonic() - began)
         if done_pub is None and all(not p.is_alive() for p in pubs):
             done_pub = time.monotonic()
         try:  # read results as they come: a child cannot exit with unread results
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         if len(outcome) == len(subs):
             done_sub = time.monotonic()
             break
-    _progress(sent.value, args.msgs, got.value, total, end=True)
+    _progress(sent.value, args.msgs, got.value, total, time.monotonic() - began, end=True)
     if done_sub is None:
         for p in subs + pubs:
             p.kill()
@@ -146,10 +146,14 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(d == 0 and o == 0 for _, d, o, _ in outcome) or args.lossy else 1
 
 
-def _progress(sent: int, msgs: int, got: int, total: int, end: bool = False) -> None:
-    line = f"published {sent:,}/{msgs:,}  received {got:,}/{total:,}"
+def _progress(sent: int, msgs: int, got: int, total: int, seconds: float,
+              end: bool = False) -> None:
+    """One line on the terminal, rewritten in place (only the last one elsewhere)."""
+    rate = got / seconds if seconds > 0 else 0.0
+    line = (f"published {sent:,}/{msgs:,}  received {got:,}/{total:,} "
+            f"({100 * got // max(total, 1)}%)  {rate:,.0f} msgs/s received  {seconds:.1f} s")
     if sys.stderr.isatty():
-        print("\r" + line, end="\n" if end else "", file=sys.stderr, flush=True)
+        print("\r" + line + "\x1b[K", end="\n" if end else "", file=sys.stderr, flush=True)
     elif end:
         print(line, file=sys.stderr)
 

@@ -6,27 +6,23 @@ import argparse
 import statistics
 import time
 
-from .. import protocol
 from ..client import Client
-from ..protocol import Control
+from ..defaults import count_arg, duration_arg
 
 
 def round_trip(bus: Client, timeout: float) -> float:
     """Seconds one whoami takes to come back (messages meanwhile are skipped)."""
     started = time.perf_counter()
-    bus.control(protocol.WHOAMI)
-    while True:
-        event = bus.receive(timeout=timeout)
-        if isinstance(event, Control) and event.key == protocol.WHOAMI:
-            return time.perf_counter() - started
+    bus.sync(timeout)
+    return time.perf_counter() - started
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--count", type=int, default=4, metavar="N",
+    p.add_argument("-c", "--count", type=count_arg, default=4, metavar="N",
                    help="round trips to make (default 4)")
-    p.add_argument("-i", "--interval", type=float, default=0.5, metavar="SECONDS",
+    p.add_argument("-i", "--interval", type=duration_arg, default=0.5, metavar="SECONDS",
                    help="pause between round trips (default 0.5)")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=duration_arg, default=5.0, metavar="SECONDS",
                    help="how long one round trip may take (default 5)")
 
 

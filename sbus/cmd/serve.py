@@ -19,8 +19,19 @@ def _user(text: str) -> int | str:
     return int(text) if text.isdigit() else text
 
 
+def _octal_mode(text: str) -> int:
+    """``--mode``: file permissions in octal, as chmod(1) takes them."""
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o7777:
+        raise argparse.ArgumentTypeError(f"not an octal file mode: {text!r} (e.g. 0660)")
+    return mode
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", type=lambda s: int(s, 8), default=0o666,
+    p.add_argument("--mode", type=_octal_mode, default=0o666, metavar="MODE",
                    help="permissions of the socket file it creates (octal, default 0666: "
                         "a multi-user bus; secrets are guarded by credentials)")
     p.add_argument("--separator", default="/", choices=["/", "."],

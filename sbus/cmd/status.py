@@ -8,6 +8,7 @@ import sys
 
 from .. import protocol
 from ..client import Client, SbusError
+from ..defaults import duration_arg
 from ..display import printable
 from ..protocol import Control
 
@@ -15,7 +16,7 @@ from ..protocol import Control
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the broker's answer as one JSON object (all pages joined)")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=duration_arg, default=5.0, metavar="SECONDS",
                    help="how long to wait for each answer (default 5)")
 
 
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
           f"{b['dropped']:,} dropped, up {b['uptime']:,.0f} s")
     print(f"clients visible to you ({b['visible']}):")
     print(f"{'id':>6} {'pid':>7} {'uid':>6} {'subs':>5} {'queued':>8} {'bytes':>10} "
-          f"{'flood':<22} patterns")
+          f"{'drops':>7} {'paused':>6} {'flood':<22} patterns")
     for c in state["clients"]:
         me = "*" if c["id"] == b["you"] else " "
         flood = f"{c['soft']}/{c['hard']}/{c['order']}" + (" nowait" if c["nowait"] else "")
@@ -65,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         more = c["subscriptions"] - min(len(c["patterns"]), 5)
         if more > 0:
             patterns += f" (+{more})"
+        drops = c.get("dropped", c.get("dropped_unreported", 0))
         print(f"{c['id']:>5}{me} {c['pid']:>7} {c['uid']:>6} {c['subscriptions']:>5} "
-              f"{c['queued']:>8} {c['queued_bytes']:>10} {flood:<22} {patterns}")
+              f"{c['queued']:>8} {c['queued_bytes']:>10} {drops:>7} "
+              f"{c.get('publishers_paused', 0):>6} {flood:<22} {patterns}")
     return 0

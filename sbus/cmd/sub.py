@@ -1,55 +1,123 @@
-"""sbus sub PATTERN...: print messages until interrupted or --count N."""
+"""sbus sub PATTERN...: print messages until interrupted, --count N or --timeout.
+
+What a user must see, this says on stderr: every drop report (``dropped N messages``),
+a refused subscription (then exit 1), a lost broker and the reconnect (by default it
+waits for the broker to come back and subscribes again).  ``--ready-fd`` tells a
+script when the subscriptions are in force.
+"""
 
 from __future__ import annotations
 
 import argparse
-import base64
-import json
 import os
 import sys
+import time
 
-from ..client import Client, Publish
-from ..display import printable
+from ..client import Client, Publish, SbusError
+from ..defaults import duration_arg
+from ..msgformat import DIRECTIVES, FORMATS, compile_format, format_message, wildcard_hint
+from ..routing import matches
+from ..session import FLOOD_VALUES
+
+
+def _format_string(text: str) -> list:
+    try:
+        return compile_format(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("patterns", nargs="+", metavar="PATTERN",
                    help="routing key pattern ('' for everything not secret)")
-    p.add_argument("--count", "-n", type=int, default=None, help="exit after N messages")
-    p.add_argument("--format", choices=["lines", "raw", "json"], default="lines",
-                   help="lines: 'KEY PAYLOAD' per message, control bytes and invalid UTF-8 "
-                        "escaped (\\x1b, \\n) so that a message cannot drive the terminal; "
-                        "raw: payload bytes only, as they are; json: one object per line "
-                        "(non-UTF-8 as *_base64)")
+    p.add_argument("--count", "-n", type=int, default=None, metavar="N",
+                   help="exit after N messages")
+    p.add_argument("--timeout", type=duration_arg, default=None, metavar="SECONDS",
+                   help="exit once nothing arrived for this long (e.g. 5, 500ms); with --count, "
+                        "exit status 1 if fewer than N arrived")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--format", choices=FORMATS, default="lines",
+                     help="lines: 'KEY PAYLOAD' per message, control bytes and invalid UTF-8 "
+                          "escaped (\\x1b, \\n) so that a message cannot drive the terminal; "
+                          "raw: payload bytes only, as they are; json: one object per line "
+                          "(non-UTF-8 as *_base64)")
+    directives = "; ".join(f"%{k} {what}" for k, (what, _) in DIRECTIVES.items())
+    how.add_argument("-F", "--format-string", type=_format_string, metavar="FORMAT",
+                     help=f"print each message as FORMAT, e.g. '%t %k %p' (\\n, \\t "
+                          f"allowed): {directives}".replace("%", "%%"))
+    p.add_argument("-t", "--timestamps", action="store_true",
+                   help="lines: start each line with the time it arrived; json: add 'time'")
+    p.add_argument("--exclude", "-T", action="append", default=[], metavar="PATTERN",
+                   help="skip messages whose key matches PATTERN (repeatable)")
+    p.add_argument("--pretty", action="store_true",
+                   help="lines: payloads that are JSON objects or arrays indented over "
+                        "several lines; json: each object indented")
+    for name, values in FLOOD_VALUES.items():
+        p.add_argument(f"--{name}", choices=values, default=None,
+                       help=f"the broker's {name} flood policy for this subscriber "
+                            "(docs/protocol.md)")
+    p.add_argument("--block", action="store_true",
+                   help="lose nothing: when the broker's queue for us is full, pause the "
+                        "publishers (same as --hard block)")
+    p.add_argument("--no-reconnect", dest="reconnect", action="store_false",
+                   help="exit 1 when the broker goes away (default: wait for it to come "
+                        "back and subscribe again, saying so on stderr)")
+    p.add_argument("--ready-fd", type=int, default=None, metavar="FD",
+                   help="write 'ready' and a newline to file descriptor FD (then close it, "
+                        "unless it is 1 or 2) once the subscriptions are in force (for "
+                        "scripts: no race with a publisher started after that)")
 
 
-def format_message(msg: Publish, fmt: str) -> bytes:
-    if fmt == "raw":
-        return msg.payload
-    if fmt == "lines":
-        line = printable(msg.key) + " " + printable(msg.payload.rstrip(b"\n"))
-        return line.encode() + b"\n"
-    obj: dict[str, str] = {}
-    for name, value in (("key", msg.key), ("payload", msg.payload)):
-        try:
-            obj[name] = value.decode()
-        except UnicodeDecodeError:
-            obj[name + "_base64"] = base64.b64encode(value).decode()
-    return json.dumps(obj).encode() + b"\n"
+def _say(line: str) -> None:
+    print(f"sbus sub: {line}", file=sys.stderr, flush=True)
+
+
+def _ready(fd: int) -> None:
+    try:
+        os.write(fd, b"ready\n")
+        if fd > 2:  # stdout or stderr stay open for what follows
+            os.close(fd)
+    except OSError as exc:
+        _say(f"--ready-fd {fd}: {exc.strerror}")
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.timestamps or args.pretty) and args.format_string is not None:
+        raise SbusError("--timestamps and --pretty do not go with -F (%t is the time)")
+    if (args.timestamps or args.pretty) and args.format == "raw":
+        raise SbusError("--timestamps and --pretty do not go with --format raw")
+    fmt = args.format_string if args.format_string is not None else args.format
+    for pattern in args.patterns:
+        hint = wildcard_hint(os.fsencode(pattern))
+        if hint:
+            print(f"sbus sub: note: {hint}", file=sys.stderr)
+    excluded = [os.fsencode(x) for x in args.exclude]
     out = sys.stdout.buffer
-    with Client(args.address) as bus:
+    seen = 0
+    hard = "block" if args.block else args.hard
+    with Client(args.address, reconnect=args.reconnect,
+                on_connection=lambda up, line: _say(line),
+                on_drop=lambda n: _say(f"dropped {n} messages")) as bus:
+        bus.set_flood(soft=args.soft, hard=hard, order=args.order)
         for pattern in args.patterns:
-            bus.subscribe(os.fsencode(pattern))
-        seen = 0
-        if args.count == 0:
-            return 0
-        for msg in bus:
-            out.write(format_message(msg, args.format))
+            bus.subscribe(os.fsencode(pattern), wait=False)
+        bus.sync()  # every subscription in force, or the broker's refusal raised
+        if args.ready_fd is not None:
+            _ready(args.ready_fd)
+        while args.count is None or seen < args.count:
+            try:
+                msg = bus.receive(timeout=args.timeout)
+            except TimeoutError:
+                if args.count is None:
+                    return 0
+                raise SbusError(f"{seen} of {args.count} messages, then none for "
+                                f"{args.timeout:g} s") from None
+            if not isinstance(msg, Publish):
+                continue
+            if any(matches(x, msg.key) for x in excluded):
+                continue
+            out.write(format_message(msg, fmt, time.time(), timestamps=args.timestamps,
+                                     pretty=args.pretty))
             out.flush()
             seen += 1
-            if args.count is not None and seen >= args.count:
-                break
     return 0

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.handlers
 import os
 import signal
 import sys
 
 import trio
 
-from ..client import SbusError, default_address
-from ..defaults import MAX_MESSAGE, size_arg
+from ..defaults import MAX_MESSAGE, default_address, size_arg
+from ..errors import SbusError
+from ..sdnotify import notify
 from .framing import FORMATS
 
 log = logging.getLogger("sbus.fuse")
@@ -49,6 +51,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1000)")
 
 
+def _system_log_handler(syslog: str = "/dev/log") -> logging.Handler:
+    """Where a backgrounded mount logs: the journal with structured fields when the
+    'systemd' extra (python-systemd) is installed, else syslog's socket, which journald
+    also reads on a systemd machine; stderr is /dev/null by then."""
+    try:
+        from systemd.journal import JournalHandler
+    except ImportError:
+        pass
+    else:
+        return JournalHandler(SYSLOG_IDENTIFIER="sbus-mount")
+    if os.path.exists(syslog):
+        handler = logging.handlers.SysLogHandler(syslog)
+        handler.setFormatter(logging.Formatter("sbus-mount[%(process)d]: %(message)s"))
+        return handler
+    return logging.NullHandler()
+
+
 def _daemonize() -> None:
     """Detach from the terminal; the parent returns once the mount exists."""
     pid = os.fork()
@@ -65,25 +84,17 @@ def _daemonize() -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    try:
-        from systemd.journal import JournalHandler
-
-        root.addHandler(JournalHandler(SYSLOG_IDENTIFIER="sbus-mount"))
-    except ImportError:
-        pass
+    root.addHandler(_system_log_handler())
     if root.level > logging.INFO:
         root.setLevel(logging.INFO)
 
 
 def _notify(state: str) -> None:
     """Tell systemd (a ``Type=notify`` unit) how the mount is doing; no-op elsewhere."""
-    if not os.environ.get("NOTIFY_SOCKET"):
-        return
     try:
-        from systemd import daemon
-    except ImportError:
-        return
-    daemon.notify(state)
+        notify(state)
+    except OSError as exc:
+        log.warning("cannot notify systemd: %s", exc)
 
 
 async def _serve(fs, max_tasks: int) -> None:
@@ -116,10 +127,8 @@ async def _on_signals(fs) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import pyfuse3
-    except ImportError as exc:
-        raise SbusError(f"pyfuse3 is not installed (pip install 'sbus[fuse]'): {exc}") from None
+    import pyfuse3  # a missing 'fuse' extra is reported by sbus.cli
+
     from ..client import Client
     from .operations import BusFS
 

@@ -1,21 +1,10 @@
-"""The pyfuse3 filesystem: broker connections behind the mapping of `sbus.fuse.mapping`.
+"""The pyfuse3 filesystem: the mapping of `sbus.fuse.mapping` answered to the kernel.
 
-Connections:
-
-* one *monitor* subscribed to everything (and the mount's own secrets) with the
-  ``discard`` flood policy: it only teaches the `KnownTree` which names are live;
-* one shared *publisher* for all writes: each ``write(2)`` is one ``MSG``;
-* one connection per open readable file, subscribed before ``open()`` returns (a
-  whoami round trip proves the broker has processed the ``SUB``).  A pump task moves
-  its packets into the handle's `Outbox`; it stops reading while the outbox is full,
-  so a slow reader pushes back on the broker, whose flood policy then applies.
+The broker connections behind it live in `sbus.fuse.bus`; this module holds only what
+FUSE asks (inodes, directories, open/read/write/poll) and how each answer is decided.
 
 Every wait that a caller's syscall depends on also watches the caller's pending
 signals (`sbus.fuse.signals`), because pyfuse3 does not deliver FUSE interrupts.
-
-When the broker goes away, every connection reconnects and re-subscribes for up to
-``reconnect_timeout`` seconds (socket activation keeps the socket while the broker
-restarts); readers then simply go on.  After that, readers get EIO and a log line.
 """
 
 from __future__ import annotations
@@ -25,7 +14,6 @@ import functools
 import logging
 import os
 import select
-import socket
 import stat
 import time
 from collections import Counter
@@ -35,15 +23,12 @@ from typing import TypeVar
 import pyfuse3
 import trio
 from pyfuse3 import FUSEError
-from trio.lowlevel import ParkingLot, wait_readable, wait_writable
 
-from .. import protocol
 from ..defaults import MAX_MESSAGE
 from ..display import brief
-from ..keys import Credentials, KeyRefused, KeyRules
-from ..protocol import PUBLISHER_NOWAIT, WHOAMI
+from ..keys import KeyRefused, KeyRules
 from . import mapping
-from .framing import Outbox, frame
+from .bus import OUTBOX_LOW, MountBus, Reader
 from .mapping import Kind, Path, Refused
 from .signals import interrupted, thread_group
 
@@ -55,57 +40,8 @@ Attrs = pyfuse3.EntryAttributes
 
 #: How often a waiting operation looks at its caller's pending signals (seconds).
 SIGNAL_POLL = 0.05
-#: A reader's pump stops reading from the broker above this many waiting bytes...
-OUTBOX_HIGH = 4 * 1024 * 1024
-#: ...and starts again below this.
-OUTBOX_LOW = 1024 * 1024
-#: Packets a pump drains before letting other tasks run.
-PUMP_BATCH = 512
-#: The broker has to answer a subscription's whoami round trip within this time.
-SUBSCRIBE_TIMEOUT = 5.0
-SEND_BUFFER = 512 * 1024
 #: Seconds the kernel may cache a name's lookup (and attributes).
 ENTRY_TIMEOUT = 1.0
-#: Receive buffer beyond the largest packet: a little room for the newline the
-#: ``lines`` format appends in place, so a message is copied once.
-RECV_SPARE = 64
-#: Packets the monitor drains before pausing; during floods it learns from a sample
-#: (the broker discards the rest for it) instead of competing with readers for CPU.
-MONITOR_BATCH = 64
-MONITOR_PAUSE = 0.05
-#: A pump that found only a few packets waits this long before looking again, so a
-#: steady stream is handled in batches (fewer wakeups, fewer FUSE round trips) at the
-#: price of at most this much latency; the first packet after a quiet spell goes
-#: through at once.
-PUMP_COALESCE = 0.002
-PUMP_SMALL = 32
-DROPPED = b"CMSG " + protocol.DROPPED + b"\0"
-WHOAMI_REPLY = b"CMSG " + WHOAMI + b"\0"
-
-
-class BrokerGone(Exception):
-    pass
-
-
-def _connect(address: str) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-        sock.connect(address)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
-
-
-async def _send(sock: socket.socket, packet: bytes) -> None:
-    while True:
-        try:
-            sock.send(packet)
-            return
-        except BlockingIOError:
-            await wait_writable(sock)
 
 
 async def guarded(pid: int, fn: Callable[[], Awaitable[T]], tgid: int | None = None) -> T:
@@ -159,35 +95,6 @@ def answering(op: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return answer
 
 
-class Reader:
-    """One open readable file: its subscription, waiting bytes and waiting callers."""
-
-    def __init__(self, pattern: bytes, fmt: str) -> None:
-        self.pattern = pattern
-        self.out = Outbox(one_per_read=fmt == "raw")
-        self.sock: socket.socket | None = None
-        self.lot = ParkingLot()  # read() calls waiting for data
-        self.space: trio.Event | None = None  # set when the pump may read again
-        self.poll_handle: pyfuse3.PollHandle | None = None
-        self.failed = False
-        self.scope = trio.CancelScope()
-
-    def wake(self) -> None:
-        self.lot.unpark_all()
-        ph, self.poll_handle = self.poll_handle, None
-        if ph is not None:
-            try:
-                ph.notify()
-            except OSError as exc:
-                log.debug("poll notify failed: %s", exc)
-
-    def close(self) -> None:
-        self.scope.cancel()
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-
 class Handle:
     __slots__ = ("ino", "path", "pattern", "pid", "tgid", "reader", "writable")
 
@@ -216,11 +123,9 @@ class BusFS(pyfuse3.Operations):
         self.reconnect_timeout = reconnect_timeout
         self.rules = KeyRules(mapping.SEP)
         self.uid, self.gid = os.getuid(), os.getgid()
-        self.own: Path | None = None  # (GID, UID, PID) the broker sees for this process
-        self.cred: Credentials | None = None
+        self.bus = MountBus(address, fmt, self.tree, max(max_message, MAX_MESSAGE),
+                            reconnect_timeout)
         self.started = time.time_ns()
-        self.closing = False
-        self.nursery: trio.Nursery | None = None
         # inodes: (path, kind) <-> number, with the kernel's lookup counts
         self._ino_of: dict[tuple[Path, Kind], int] = {((), Kind.DIR): pyfuse3.ROOT_INODE}
         self._node_of: dict[int, tuple[Path, Kind]] = {pyfuse3.ROOT_INODE: ((), Kind.DIR)}
@@ -230,124 +135,25 @@ class BusFS(pyfuse3.Operations):
         self._opened: Counter[int] = Counter()
         self._next_fh = 1
         self._dirs: dict[int, tuple[Path, list[tuple[bytes, Kind]]]] = {}
-        self._publisher: socket.socket | None = None
-        self._publish_lock = trio.Lock()
-        self._buf = bytearray(max(max_message, MAX_MESSAGE) + RECV_SPARE)
-        self._recv_size = len(self._buf) - RECV_SPARE
-        self._view = memoryview(self._buf)
-        self._readers: set[Reader] = set()
+
+    @property
+    def own(self) -> Path | None:
+        """(GID, UID, PID) the broker sees for this process, once known."""
+        return self.bus.own
+
+    @property
+    def closing(self) -> bool:
+        return self.bus.closing
 
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self, nursery: trio.Nursery) -> None:
-        """Learn our credentials and start the monitor; raises OSError if no broker."""
-        self.nursery = nursery
-        sock = _connect(self.address)
-        cred = await self._subscribe(sock, [], None)
-        try:
-            self.cred = Credentials.parse(cred)
-            self.own = tuple(cred.split(mapping.SEP)[2:5])
-        except ValueError:
-            log.warning("the broker's whoami answer %s is not a credentials path; "
-                        "secret keys are not reachable through this mount", brief(cred))
-        nursery.start_soon(self._monitor, sock)
+        """Learn our credentials and start the monitor; raises `ConnectError` if no broker."""
+        await self.bus.start(nursery)
 
     def shutdown(self) -> None:
         """Unmounting: blocked reads end (EOF) instead of holding up the main loop."""
-        self.closing = True
-        for r in list(self._readers):
-            r.wake()
-
-    async def _subscribe(self, sock: socket.socket, patterns: list[bytes],
-                         reader: Reader | None) -> bytes:
-        """Subscribe and wait until the broker has processed it; returns whoami.
-        Messages arriving meanwhile go to *reader*."""
-        for p in patterns:
-            await _send(sock, b"SUB " + p)
-        await _send(sock, b"CMSG " + WHOAMI)
-        with trio.fail_after(SUBSCRIBE_TIMEOUT):
-            while True:
-                try:
-                    n = sock.recv_into(self._buf, self._recv_size)
-                except BlockingIOError:
-                    await wait_readable(sock)
-                    continue
-                if n == 0:
-                    raise BrokerGone("the broker closed the connection")
-                packet = self._view[:n].tobytes()
-                if packet.startswith(WHOAMI_REPLY):
-                    return packet[len(WHOAMI_REPLY):]
-                if reader is not None:
-                    self._deliver(reader, packet)
-
-    async def _reconnect(self, patterns: list[bytes],
-                         reader: Reader | None) -> socket.socket | None:
-        """A fresh, subscribed connection, retried until `reconnect_timeout`; None after."""
-        deadline = trio.current_time() + self.reconnect_timeout
-        while True:
-            try:
-                sock = _connect(self.address)
-            except OSError:
-                pass
-            else:
-                try:
-                    await self._subscribe(sock, patterns, reader)
-                    return sock
-                except (OSError, BrokerGone, trio.TooSlowError):
-                    sock.close()
-            if trio.current_time() >= deadline or self.closing:
-                return None
-            await trio.sleep(0.1)
-
-    async def _monitor(self, sock: socket.socket) -> None:
-        """Learn live keys: everything public, and our own secrets."""
-        patterns = [b""]
-        if self.own is not None:
-            patterns.append(b"!/cred/" + b"/".join(self.own) + b"/")
-        for p in patterns:
-            await _send(sock, b"SUB " + p)
-        await _send(sock, b"CMSG blocking/soft/discard")
-        learn = self.tree.learn
-        seen: dict[bytes, Path | None] = {}
-        batch = 0
-        while True:
-            try:
-                n = sock.recv_into(self._buf, self._recv_size)
-            except BlockingIOError:
-                batch = 0
-                await wait_readable(sock)
-                continue
-            except OSError:
-                n = 0
-            if n == 0:
-                sock.close()
-                log.warning("lost the broker at %s; reconnecting", self.address)
-                while True:
-                    new = await self._reconnect(patterns, None)
-                    if new is not None:
-                        break
-                    log.error("no broker at %s for %.0f s; still trying", self.address,
-                              self.reconnect_timeout)
-                sock = new
-                await _send(sock, b"CMSG blocking/soft/discard")
-                log.warning("reconnected to the broker at %s", self.address)
-                continue
-            # the buffer is shared: use the packet before the next await
-            nul = self._buf.find(b"\0", 4, n) if self._buf.startswith(b"MSG ") else -1
-            if nul >= 0:
-                key = self._view[4:nul].tobytes()
-                if key in seen:
-                    path = seen[key]
-                else:
-                    if len(seen) >= 4096:
-                        seen.clear()
-                    path = seen[key] = mapping.key_segments(key)
-                if path is not None:
-                    learn(path)
-            batch += 1
-            if batch >= MONITOR_BATCH:
-                batch = 0
-                await trio.sleep(MONITOR_PAUSE)
+        self.bus.shutdown()
 
     # -- inodes --------------------------------------------------------------------
 
@@ -571,13 +377,13 @@ class BusFS(pyfuse3.Operations):
         if readable:
             if self.closing:
                 raise FUSEError(errno.ENOTCONN)
-            if self.cred is not None:
+            if self.bus.cred is not None:
                 try:
-                    self.rules.check_pattern(pattern, self.cred)
+                    self.rules.check_pattern(pattern, self.bus.cred)
                 except KeyRefused:
                     raise FUSEError(errno.EACCES) from None
             reader = Reader(pattern, self.fmt)
-            await guarded(ctx.pid, lambda: self._start_reader(reader))
+            await guarded(ctx.pid, lambda: self.bus.start_reader(reader))
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = Handle(ino, path, pattern, ctx.pid, reader, writable)
@@ -585,108 +391,6 @@ class BusFS(pyfuse3.Operations):
         # seekable (offsets are ignored) because head(1) and others seek back over what
         # they read but did not use, and fail loudly on a non-seekable regular file
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
-
-    async def _start_reader(self, r: Reader) -> None:
-        try:
-            sock = _connect(self.address)
-        except OSError as exc:
-            log.error("cannot subscribe to %r: no broker at %s: %s", r.pattern, self.address,
-                      exc.strerror)
-            raise FUSEError(errno.EIO) from None
-        try:
-            await self._subscribe(sock, [r.pattern], r)
-        except (OSError, BrokerGone, trio.TooSlowError) as exc:
-            sock.close()
-            log.error("cannot subscribe to %r at %s: %s", r.pattern, self.address, exc)
-            raise FUSEError(errno.EIO) from None
-        except BaseException:  # cancelled: the caller was interrupted
-            sock.close()
-            raise
-        r.sock = sock
-        self._readers.add(r)
-        assert self.nursery is not None
-        self.nursery.start_soon(self._pump, r)
-
-    def _deliver(self, r: Reader, packet: bytes | memoryview) -> None:
-        if packet[:4] == b"MSG ":
-            raw = bytes(packet)
-            nul = raw.find(b"\0", 4)
-            if nul >= 0:
-                r.out.push(frame(self.fmt, raw[4:nul], raw[nul + 1:], time.time()))
-        elif bytes(packet[:len(DROPPED)]) == DROPPED:
-            n = bytes(packet[len(DROPPED):])
-            log.warning("the broker dropped %s messages for a reader of %s (it was too slow)",
-                        brief(n), brief(r.pattern))
-
-    async def _pump(self, r: Reader) -> None:
-        with r.scope:
-            view, buf, size = self._view, self._buf, self._recv_size
-            lines = self.fmt == "lines"
-            push = r.out.push
-            while True:
-                if r.out.nbytes >= OUTBOX_HIGH:
-                    r.space = trio.Event()
-                    await r.space.wait()
-                    continue
-                sock = r.sock
-                if sock is None:
-                    return
-                got = 0
-                eof = False
-                for _ in range(PUMP_BATCH):
-                    try:
-                        n = sock.recv_into(buf, size)
-                    except BlockingIOError:
-                        break
-                    except OSError:
-                        n = 0
-                    if n == 0:
-                        eof = True
-                        break
-                    got += 1
-                    if lines and buf.startswith(b"MSG "):  # the hot path: one copy
-                        nul = buf.find(b"\0", 4, n)
-                        if nul >= 0:
-                            if buf[n - 1] != 10 or n == nul + 1:
-                                buf[n] = 10
-                                n += 1
-                            push(view[nul + 1:n].tobytes())
-                            continue
-                    self._deliver(r, view[:n])
-                    if r.out.nbytes >= OUTBOX_HIGH:
-                        break
-                if got:
-                    r.wake()
-                if eof:
-                    await self._reader_lost(r)
-                    if r.failed:
-                        return
-                elif got >= PUMP_SMALL:
-                    await trio.lowlevel.checkpoint()
-                elif got:
-                    await trio.sleep(PUMP_COALESCE)
-                else:
-                    await wait_readable(sock)
-
-    async def _reader_lost(self, r: Reader) -> None:
-        if r.sock is not None:
-            r.sock.close()
-            r.sock = None
-        if self.closing:
-            r.failed = True
-            r.wake()
-            return
-        log.warning("reader of %s lost the broker at %s; re-subscribing", brief(r.pattern),
-                    self.address)
-        sock = await self._reconnect([r.pattern], r)
-        if sock is None:
-            log.error("no broker at %s for %.0f s: readers of %r get EIO", self.address,
-                      self.reconnect_timeout, r.pattern)
-            r.failed = True
-        else:
-            r.sock = sock
-            log.warning("reader of %s re-subscribed", brief(r.pattern))
-        r.wake()
 
     @answering
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -735,47 +439,9 @@ class BusFS(pyfuse3.Operations):
         packet = b"MSG " + h.pattern + b"\0" + bytes(buf)
         if len(packet) > self.max_message:
             raise FUSEError(errno.EMSGSIZE)
-        if not self._publish_now(packet):
-            await guarded(h.pid, lambda: self._publish(packet), h.tgid)
+        if not self.bus.publish_now(packet):
+            await guarded(h.pid, lambda: self.bus.publish(packet), h.tgid)
         return len(buf)
-
-    def _publish_now(self, packet: bytes) -> bool:
-        """The common case without a task or a lock: the connection is up and the
-        kernel takes the packet at once.  False means: take the slow path."""
-        sock = self._publisher
-        if sock is None or self._publish_lock.locked():
-            return False
-        try:
-            sock.send(packet)
-        except OSError as exc:
-            if exc.errno == errno.EMSGSIZE:
-                raise FUSEError(errno.EMSGSIZE) from None
-            return False
-        return True
-
-    async def _publish(self, packet: bytes) -> None:
-        async with self._publish_lock:
-            for _ in range(2):
-                sock = self._publisher
-                if sock is None:
-                    sock = await self._reconnect([], None)
-                    if sock is None:
-                        log.error("cannot publish: no broker at %s", self.address)
-                        raise FUSEError(errno.EIO)
-                    # one connection publishes for every writer: a slow subscriber of
-                    # one key must not stall writers of others (docs/protocol.md)
-                    await _send(sock, b"CMSG " + PUBLISHER_NOWAIT)
-                    self._publisher = sock
-                try:
-                    await _send(sock, packet)
-                    return
-                except OSError as exc:
-                    if exc.errno == errno.EMSGSIZE:
-                        raise FUSEError(errno.EMSGSIZE) from None
-                    log.warning("publishing failed (%s); reconnecting", exc.strerror)
-                    sock.close()
-                    self._publisher = None
-            raise FUSEError(errno.EIO)
 
     async def flush(self, fh: int) -> None:
         # Nothing is buffered, so there is nothing to flush.  ENOSYS tells the kernel
@@ -789,8 +455,7 @@ class BusFS(pyfuse3.Operations):
         if h is None:
             return
         if h.reader is not None:
-            h.reader.close()
-            self._readers.discard(h.reader)
+            self.bus.close_reader(h.reader)
         self._opened[h.ino] -= 1
         if self._opened[h.ino] <= 0:
             del self._opened[h.ino]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import random
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -37,11 +36,13 @@ import trio
 from trio.lowlevel import wait_writable
 
 from .. import protocol
-from ..client import AsyncClient, SbusError
+from ..client import AsyncClient
 from ..display import brief
+from ..errors import SbusError
 from ..keys import KeyRules
 from ..limits import LogAllowance
 from ..routing import CACHE_BYTES, RouteCache, RoutingIndex
+from ..session import Backoff, Dropped, Refusal
 
 log = logging.getLogger("sbus.gateway")
 
@@ -222,7 +223,7 @@ class Bridge:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Connect, subscribe, forward messages; reconnect when the bus goes away."""
-        delay = BUS_BACKOFF_FIRST
+        backoff = Backoff(BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX)
         started = False
         while True:
             try:
@@ -230,33 +231,33 @@ class Bridge:
             except SbusError as exc:
                 if not started:
                     raise  # a gateway that never reached its bus is misconfigured
+                delay = backoff.next()
                 log.warning("%s; retrying in %.1f s", exc, delay)
-                await trio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, BUS_BACKOFF_MAX)
+                await trio.sleep(delay)
                 continue
             # never be paused as a publisher by one slow local subscriber; queue in the
             # broker rather than block local publishers when we lag (it tells us how
             # many it dropped); learn the separator from who the broker says we are
+            session = bus.session
             try:
-                for packet in (b"CMSG " + protocol.PUBLISHER_NOWAIT,
-                               b"CMSG blocking/soft/queue", b"CMSG blocking/hard/discard"):
+                for packet in [session.publisher_nowait(),
+                               *session.set_flood(soft="queue", hard="discard")]:
                     bus.sock.send(packet)
-                with trio.fail_after(CONTROL_TIMEOUT):
-                    me = await bus.whoami()
+                me = await bus.whoami(CONTROL_TIMEOUT)
                 if not me.startswith(b"!") or len(me) < 2:
                     raise SbusError(f"the broker answered whoami with {brief(me)}")
-            except (OSError, SbusError, trio.TooSlowError, anyio.ClosedResourceError,
+            except (OSError, SbusError, TimeoutError, anyio.ClosedResourceError,
                     anyio.BrokenResourceError, anyio.EndOfStream) as exc:
                 # a broker that went away just after accepting us
                 if not started:
                     raise SbusError(f"the bus at {bus.address} did not answer: {exc}") from None
                 log.warning("lost the bus at %s at once: %s; retrying", bus.address, exc)
                 await bus.aclose()
-                await trio.sleep(delay * random.uniform(0.5, 1.0))
+                await trio.sleep(backoff.next())
                 continue
             self._set_separator(me[1:2])
             self.connected_once = True
-            delay = BUS_BACKOFF_FIRST
+            backoff.reset()
             self._bus = bus
             patterns = list(self.patterns)  # taken with no await since _bus was set
             self.connected.set()
@@ -284,9 +285,14 @@ class Bridge:
         deliver = self.deliver
         secret = self.rules.secret_prefix
         clock = time.perf_counter
+        receive = bus.session.receive
         while self._bus is bus:
             start = clock()
-            for event in await bus.receive_batch(FORWARD_BATCH):
+            for packet in await bus.receive_packets(FORWARD_BATCH):
+                try:
+                    event = receive(packet)
+                except protocol.ProtocolError as exc:
+                    raise SbusError(f"the bus sent a malformed packet: {exc}") from None
                 if type(event) is protocol.Publish:
                     self.received += 1
                     key = event.key
@@ -298,17 +304,16 @@ class Bridge:
                         if clock() - start > TURN:  # a wide fan-out: let the writers run
                             await trio.lowlevel.checkpoint()
                             start = clock()
-                elif event.key == protocol.DROPPED and (event.payload or b"").isdigit():
-                    n = int(event.payload)
-                    self.bus_dropped += n
+                elif type(event) is Dropped:
+                    self.bus_dropped += event.count
                     log.warning("the broker dropped %d messages for the gateway "
-                                "(it could not keep up)", n)
-                elif event.key.startswith(protocol.REFUSED + b"/"):
+                                "(it could not keep up)", event.count)
+                elif type(event) is Refusal:
                     held = self._complaints.take(0)
                     if held is not None:
                         log.warning("the broker refused the gateway's %s: %s%s",
-                                    brief(event.key[len(protocol.REFUSED) + 1:], 16),
-                                    brief(event.payload or b"", 200),
+                                    brief(event.verb.encode(), 16),
+                                    brief(event.reason.encode(), 200),
                                     f" ({held} more not logged)" if held else "")
             await trio.lowlevel.checkpoint()
 

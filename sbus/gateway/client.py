@@ -1,10 +1,11 @@
-"""Remote client library for the gateway: `Client` (trio) and `BlockingClient` (threads).
+"""Remote client library for the gateway: `Client` (trio or asyncio, through anyio) and
+`BlockingClient` (threads).
 
 The gateway keeps no state across connections and returns no errors, so the
 client keeps it: the topics it is subscribed to and the secret.  A background
 task owns the connection; when it breaks (or the gateway goes silent for
 ``dead_after`` seconds, although it echoes every keep-alive) the task reconnects
-with exponential backoff and jitter (1 s doubling to 60 s by default),
+with the session's `Backoff` (1 s doubling to 60 s by default, with jitter),
 authenticates again and subscribes to every topic again.  Messages published
 while disconnected wait for the next connection; one that was being written
 when the connection broke is not retried (as in the design).
@@ -19,13 +20,15 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import ssl
 import threading
 from contextlib import AsyncExitStack
 
+import anyio
 import trio
+from anyio.abc import ByteStream
 
+from ..session import Backoff
 from . import codec
 from .codec import FrameDecoder, FrameError
 
@@ -39,23 +42,16 @@ Message = codec.Publish
 #: A connection that lasted this long resets the backoff.
 STABLE_AFTER = 10.0
 
-_BROKEN = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, FrameError,
-           trio.TooSlowError)
+_BROKEN = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream,
+           FrameError, TimeoutError)
 
 
 def _b(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-def backoff_delay(failures: int, first: float, maximum: float) -> float:
-    """Delay before the next attempt after *failures* consecutive failures ("equal jitter":
-    between half and all of ``first * 2**failures``, capped at *maximum*)."""
-    base = min(maximum, first * math.pow(2, min(failures, 60)))
-    return base / 2 + random.uniform(0, base / 2)
-
-
 class Client:
-    """A self-healing connection to a gateway, for trio.  Use as ``async with``."""
+    """A self-healing connection to a gateway, for trio or asyncio.  Use as ``async with``."""
 
     def __init__(
         self,
@@ -85,10 +81,10 @@ class Client:
         self.topics: set[bytes] = set()
         #: Connections made so far (1 after the first, more after reconnects).
         self.connections = 0
-        self._send_in, self._receive_out = trio.open_memory_channel[Message](queue)
-        self._stream: trio.abc.Stream | None = None
-        self._connected = trio.Event()
-        self._lock = trio.Lock()
+        self._send_in, self._receive_out = anyio.create_memory_object_stream[Message](queue)
+        self._stream: ByteStream | None = None
+        self._connected = anyio.Event()
+        self._lock = anyio.Lock()
         self._last_sent = 0.0
         self._stack: AsyncExitStack | None = None
 
@@ -96,9 +92,9 @@ class Client:
 
     async def __aenter__(self) -> Client:
         stack = AsyncExitStack()
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        stack.callback(nursery.cancel_scope.cancel)  # runs first on exit
-        nursery.start_soon(self._run)
+        tasks = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tasks.cancel_scope.cancel)  # runs first on exit
+        tasks.start_soon(self._run)
         self._stack = stack
         return self
 
@@ -144,16 +140,16 @@ class Client:
         if stream is not None:
             await self._send(stream, frame)
 
-    async def _send(self, stream: trio.abc.Stream, data: bytes) -> bool:
+    async def _send(self, stream: ByteStream, data: bytes) -> bool:
         async with self._lock:
             if stream is not self._stream:
                 return False
             try:
-                await stream.send_all(data)
+                await stream.send(data)
             except _BROKEN as exc:
                 log.debug("send to %s:%d failed: %s", self.host, self.port, exc)
                 return False
-            self._last_sent = trio.current_time()
+            self._last_sent = anyio.current_time()
             return True
 
     async def receive(self) -> Message:
@@ -167,19 +163,13 @@ class Client:
 
     # -- the connection -----------------------------------------------------------------
 
-    async def _open(self) -> trio.abc.Stream:
-        with trio.fail_after(self.connect_timeout):
-            stream: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
-            if self.ssl_context is not None:
-                tls = trio.SSLStream(stream, self.ssl_context,
-                                     server_hostname=self.server_hostname)
-                try:
-                    await tls.do_handshake()
-                except BaseException:
-                    await trio.aclose_forcefully(stream)
-                    raise
-                stream = tls
-        return stream
+    async def _open(self) -> ByteStream:
+        with anyio.fail_after(self.connect_timeout):
+            if self.ssl_context is None:
+                return await anyio.connect_tcp(self.host, self.port)
+            return await anyio.connect_tcp(self.host, self.port, ssl_context=self.ssl_context,
+                                           tls_hostname=self.server_hostname,
+                                           tls_standard_compatible=False)
 
     def _hello(self) -> bytes:
         """What a fresh connection sends first: the secret, then every subscription."""
@@ -188,9 +178,9 @@ class Client:
         return b"".join(parts)
 
     async def _run(self) -> None:
-        failures = 0
+        backoff = Backoff(self.backoff_first, self.backoff_max)
         while True:
-            began = trio.current_time()
+            began = anyio.current_time()
             try:
                 stream = await self._open()
             except _BROKEN as exc:
@@ -200,59 +190,57 @@ class Client:
                     await self._session(stream)
                 finally:
                     self._stream = None
-                    self._connected = trio.Event()
-                    with trio.CancelScope(shield=True):
-                        await trio.aclose_forcefully(stream)
-            if trio.current_time() - began >= STABLE_AFTER:
-                failures = 0
-            delay = backoff_delay(failures, self.backoff_first, self.backoff_max)
-            failures += 1
+                    self._connected = anyio.Event()
+                    with anyio.CancelScope(shield=True):
+                        await anyio.aclose_forcefully(stream)
+            if anyio.current_time() - began >= STABLE_AFTER:
+                backoff.reset()
+            delay = backoff.next()
             log.info("reconnecting to %s:%d in %.1f s", self.host, self.port, delay)
-            await trio.sleep(delay)
+            await anyio.sleep(delay)
 
-    async def _session(self, stream: trio.abc.Stream) -> None:
+    async def _session(self, stream: ByteStream) -> None:
         async with self._lock:
             try:
                 hello = self._hello()
                 if hello:
-                    await stream.send_all(hello)
+                    await stream.send(hello)
             except _BROKEN as exc:
                 log.info("connection to %s:%d failed at once: %s", self.host, self.port, exc)
                 return
-            self._last_sent = trio.current_time()
+            self._last_sent = anyio.current_time()
             self._stream = stream
         self.connections += 1
         self._connected.set()
         log.info("connected to %s:%d (%d topics)", self.host, self.port, len(self.topics))
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._keepalives, stream, nursery.cancel_scope)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(self._keepalives, stream, tasks.cancel_scope)
             await self._reader(stream)
-            nursery.cancel_scope.cancel()
+            tasks.cancel_scope.cancel()
 
-    async def _keepalives(self, stream: trio.abc.Stream, scope: trio.CancelScope) -> None:
+    async def _keepalives(self, stream: ByteStream, scope: anyio.CancelScope) -> None:
         while True:
-            await trio.sleep_until(self._last_sent + self.keepalive)
-            if trio.current_time() >= self._last_sent + self.keepalive:
+            await anyio.sleep_until(self._last_sent + self.keepalive)
+            if anyio.current_time() >= self._last_sent + self.keepalive:
                 if not await self._send(stream, codec.KEEPALIVE):
                     scope.cancel()
                     return
 
-    async def _reader(self, stream: trio.abc.Stream) -> None:
+    async def _reader(self, stream: ByteStream) -> None:
         decoder = FrameDecoder(self.max_frame)
         try:
             while True:
-                with trio.move_on_after(self.dead_after) as timer:
-                    data = await stream.receive_some(65536)
+                with anyio.move_on_after(self.dead_after) as timer:
+                    data = await stream.receive(65536)
                 if timer.cancelled_caught:
                     log.warning("%s:%d silent for %g s: reconnecting", self.host, self.port,
                                 self.dead_after)
                     return
-                if not data:
-                    log.info("%s:%d closed the connection", self.host, self.port)
-                    return
                 for frame in decoder.feed(data):
                     if type(frame) is codec.Publish:
                         await self._send_in.send(frame)
+        except anyio.EndOfStream:
+            log.info("%s:%d closed the connection", self.host, self.port)
         except _BROKEN as exc:
             log.info("connection to %s:%d lost: %s", self.host, self.port, exc)
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from ..defaults import MAX_MESSAGE
+
 __all__ = [
     "KeepAlive", "Authenticate", "Subscribe", "Unsubscribe", "Publish", "Frame",
     "FrameError", "FrameDecoder", "KEEPALIVE", "DEFAULT_MAX_FRAME",
@@ -40,7 +42,7 @@ KEEPALIVE = b"\x00"
 
 #: Topic plus body bytes of one frame; the broker's own default limit for a whole
 #: ``MSG key\\0payload`` packet is 256 KiB, so a frame a little under it always fits.
-DEFAULT_MAX_FRAME = 256 * 1024 - 1024
+DEFAULT_MAX_FRAME = MAX_MESSAGE - 1024
 
 #: Bytes of MessagePack headers a frame may carry beyond its topic and body.
 _OVERHEAD = 16

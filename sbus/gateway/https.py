@@ -198,7 +198,7 @@ async def serve_https(gw: Gateway, host: str, port: int, ctx: ssl.SSLContext, *,
     try:
         listeners = await trio.open_tcp_listeners(port, host=host or None)
     except OSError as exc:
-        from ..client import SbusError
+        from ..errors import SbusError
 
         raise SbusError(f"cannot listen on {host}:{port} for HTTPS: "
                         f"{exc.strerror or exc}") from None

@@ -38,12 +38,13 @@ import time
 import trio
 from trio.lowlevel import ParkingLot
 
-from ..client import SbusError
 from ..defaults import size_arg
 from ..display import brief
+from ..errors import SbusError
 from ..keys import Credentials, KeyRefused, KeyRules
 from ..limits import LogAllowance
 from ..routing import pattern_cost
+from ..sdnotify import notify
 from . import codec
 from .admission import Caps, Pool, peer_group
 from .bridge import Bridge
@@ -570,16 +571,12 @@ def _raise_nofile() -> None:
 
 
 async def _report(gw: Gateway) -> None:
-    from systemd import daemon
-
     while True:
         await trio.sleep(5)
-        daemon.notify(f"STATUS={gw.status()}")
+        notify(f"STATUS={gw.status()}")
 
 
 async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    from systemd import daemon
-
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SbusError("--tls-cert and --tls-key go together")
     ctx = _tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
@@ -601,6 +598,8 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
             raise SbusError(f"{name} must be positive")
     if args.refusal_delay < 0:
         raise SbusError("--refusal-delay must not be negative")
+    if args.https_listen:  # needs the 'gateway' extra (h11): say so before serving anyone
+        from .https import serve_https
     gw = Gateway(secret, address=args.address, idle_timeout=args.idle_timeout,
                  buffer_messages=args.buffer_messages, buffer_bytes=args.buffer_bytes,
                  buffer_pool=args.buffer_pool, max_frame=args.max_frame,
@@ -622,19 +621,17 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
             where = [", ".join(_bound(lst) for lst in listeners)
                      + (" (TLS)" if ctx else " (plain TCP)")]
             if args.https_listen:
-                from .https import serve_https
-
                 https_host, https_port = parse_hostport(args.https_listen)
                 https = await nursery.start(serve_https, gw, https_host, https_port, ctx)
                 where.append("HTTPS " + ", ".join(_bound(lst) for lst in https))
             nursery.start_soon(_report, gw)
             log.info("sbus gateway listening on %s, bus %s", ", ".join(where),
                      gw.bridge.address or "default")
-            daemon.notify(f"READY=1\nSTATUS=listening, {gw.status()}")
+            notify(f"READY=1\nSTATUS=listening, {gw.status()}")
             task_status.started(gw)
             async for signum in signals:
                 log.info("%s: shutting down (%s)", signal.Signals(signum).name, gw.status())
-                daemon.notify("STOPPING=1")
+                notify("STOPPING=1")
                 nursery.cancel_scope.cancel()
                 break
 

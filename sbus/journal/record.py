@@ -26,16 +26,17 @@ import time
 import numpy as np
 
 from .. import protocol
-from ..client import RECV_BUFFER, Client, SbusError
-from ..defaults import parse_duration, parse_size
+from ..client import Client
+from ..defaults import RECV_BUFFER, parse_duration, parse_size
+from ..errors import ConnectError, ConnectionLost, SbusError
 from ..packetio import PacketBatch
-from ..protocol import Control, Publish
+from ..protocol import Publish
+from ..session import Backoff, Dropped, Refusal
 from .columns import split
 from .store import JournalError, JournalWriter
 
 log = logging.getLogger("sbus.record")
 
-DROPPED = b"blocking/dropped"
 RECV_SLOTS = 256  # packets per system call: `split` costs less per packet in larger batches
 
 
@@ -57,11 +58,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block", action="store_true",
                    help="when the broker's queue for the recorder is full, pause the "
                         "publishers (hard 'block' policy) instead of dropping messages for it")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="also write each sealed segment as zstd Parquet into DIR (in a "
+                        "thread of its own; as 'sbus journal export')")
     p.add_argument("--no-fsync", action="store_true",
                    help="do not fsync sealed segments (faster, not crash-safe against power loss)")
 
 
 def _options(args: argparse.Namespace) -> dict:
+    if args.export is not None:
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise SbusError("--export needs pyarrow: pip install 'sbus[spark]'") from None
     try:
         return dict(
             segment_bytes=parse_size(args.segment_size),
@@ -69,6 +78,7 @@ def _options(args: argparse.Namespace) -> dict:
             keep_seconds=None if args.keep is None else parse_duration(args.keep),
             keep_bytes=None if args.keep_bytes is None else parse_size(args.keep_bytes),
             fsync=not args.no_fsync,
+            export_dir=args.export,
         )
     except ValueError as exc:
         raise SbusError(str(exc)) from None
@@ -89,8 +99,8 @@ def _connect(args: argparse.Namespace) -> Client:
     try:
         bus.set_flood(soft="queue", hard="block" if args.block else None)
         for pattern in args.patterns:
-            bus.subscribe(os.fsencode(pattern))
-        bus.whoami()  # round trip: the subscriptions are in place from here on
+            bus.subscribe(os.fsencode(pattern), wait=False)
+        bus.sync()  # the subscriptions are in place from here on (or refused: raised)
     except BaseException:
         bus.close()
         raise
@@ -99,19 +109,18 @@ def _connect(args: argparse.Namespace) -> Client:
 
 def _reconnect(args: argparse.Namespace, writer: JournalWriter, stopper: _Stopper,
                reason: str) -> Client | None:
-    """After the broker went away: flush, then retry (backing off to 1 s) until it is back
-    or we are told to stop.  Messages published meanwhile are not recorded (the bus keeps
+    """After the broker went away: flush, then retry (the session's `Backoff`) until it is
+    back or we are told to stop.  Messages published meanwhile are not recorded (the bus keeps
     nothing); the sequence numbers simply continue."""
     log.warning("%s; reconnecting", reason)
     print(f"sbus record: {reason}; reconnecting", file=sys.stderr, flush=True)
     writer.flush()
-    delay = 0.05
+    backoff = Backoff()
     while not stopper.stop:
         try:
             bus = _connect(args)
-        except SbusError:
-            time.sleep(delay)
-            delay = min(1.0, delay * 2)
+        except (ConnectionLost, ConnectError, TimeoutError):
+            time.sleep(backoff.next())
             writer.tick()
             continue
         print("sbus record: reconnected", file=sys.stderr, flush=True)
@@ -142,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                 dropped += _loop(bus, writer, args.flush, stopper)
                 bus.close()
                 bus = None
-            except SbusError as exc:  # the broker went away (EOF, reset): come back
+            except ConnectionLost as exc:  # the broker went away (EOF, reset): come back
                 bus.close()
                 bus = _reconnect(args, writer, stopper, str(exc))
     except OSError as exc:  # the journal's disk: full, read-only, gone
@@ -191,8 +200,8 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
         except (BlockingIOError, InterruptedError):  # the timeout, or a signal
             n = 0
         except OSError as exc:
-            raise SbusError(f"receiving from the broker at {bus.address} failed: "
-                            f"{exc.strerror or exc}") from None
+            raise ConnectionLost(f"receiving from the broker at {bus.address} failed: "
+                                 f"{exc.strerror or exc}") from None
         if n:
             ts = time.time_ns()
             records = split(slots, lengths[:n])
@@ -201,10 +210,11 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
             else:
                 _append_events(writer, ts, _parse(bus, batch, n), others)
         for ev in others:
-            if isinstance(ev, Control) and ev.key == DROPPED:
-                count = int(ev.payload or b"0")
-                dropped += count
-                log.warning("broker dropped %d messages for the recorder", count)
+            if type(ev) is Dropped:
+                dropped += ev.count
+                log.warning("broker dropped %d messages for the recorder", ev.count)
+            elif type(ev) is Refusal:
+                log.warning("the broker refused the recorder's %s: %s", ev.verb, ev.reason)
         others.clear()
         now = time.monotonic()
         if now >= next_flush:
@@ -224,9 +234,9 @@ def _parse(bus: Client, batch: PacketBatch, n: int) -> list:
     events = []
     for i in range(n):
         if batch.lengths[i] == 0:  # the broker sends no empty packets: end of file
-            raise SbusError(f"the broker at {bus.address} closed the connection")
+            raise ConnectionLost(f"the broker at {bus.address} closed the connection")
         try:
-            events.append(protocol.parse(batch.copy(i)))
+            events.append(bus.session.receive(batch.copy(i)))
         except protocol.ProtocolError as exc:
             raise SbusError(f"broker at {bus.address} sent a malformed packet: {exc}") from None
     return events

@@ -20,22 +20,26 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import SbusError
 from . import format as fmt
 from .columns import Columns
 from .format import Block, BlockInfo, FormatError
 from .retention import SegmentAge, expired
 
 __all__ = ["Segment", "JournalWriter", "JournalError", "list_segments", "segment_blocks",
-           "read_blocks", "records", "resolve", "SUFFIX", "OPEN_SUFFIX"]
+           "read_blocks", "read_seq_range", "records", "resolve", "SUFFIX", "OPEN_SUFFIX"]
 
 log = logging.getLogger("sbus.journal")
 
 SUFFIX = ".sbj"
 OPEN_SUFFIX = ".sbj.open"
+TMP_SUFFIX = ".sbj.tmp"  # a re-blocked segment being written
+#: Re-blocking at seal stops a block at this many rows (Spark's reader coalesces to it too).
+REBLOCK_ROWS = 1 << 16
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
-class JournalError(Exception):
+class JournalError(SbusError):
     """A journal directory that cannot be used (locked, unreadable, corrupt sealed segment)."""
 
 
@@ -71,7 +75,9 @@ def list_segments(directory: str | os.PathLike) -> list[Segment]:
         if stem.isdigit():
             out.append(Segment(int(stem), Path(entry.path), sealed))
     out.sort(key=lambda s: (s.first_seq, not s.sealed))
-    return out
+    # A crash between re-blocking's rename and its unlink leaves a sealed file and its open
+    # twin, holding the same records: the sealed one is the segment.
+    return [s for i, s in enumerate(out) if i == 0 or out[i - 1].first_seq != s.first_seq]
 
 
 def resolve(directory: str | os.PathLike, first_seq: int) -> Segment | None:
@@ -156,35 +162,76 @@ def read_blocks(directory: str | os.PathLike, first_seq: int, start: int, end: i
     an error, not a wrong row); False skips it for speed on journals you trust.  Counts,
     sizes and offsets are checked always.  A damaged block raises JournalError naming
     the file and the block's byte position."""
-    seg = resolve(directory, first_seq)
-    if seg is None:
-        raise FileNotFoundError(f"journal segment {_name(first_seq)} no longer exists "
-                                f"in {directory} (removed by retention?)")
-    verify = verify is not False
-    fd = os.open(seg.path, os.O_RDONLY)
+    seg, fd = _open(directory, first_seq)
     try:
-        file_end = os.fstat(fd).st_size
-        pos = start
-        while pos < end:
-            try:
-                count, _, klen, plen, _ = fmt.decode_block_head(
-                    os.pread(fd, fmt.BLOCK_HEAD.size, pos))
-                size = fmt.block_size(count, klen, plen)
-                if pos + size > file_end:  # checked before the buffer is allocated
-                    raise FormatError(f"block claims {size} bytes, the file has "
-                                      f"{file_end - pos} left")
-                # One copy, straight into the buffer the block's Arrow arrays will wrap.
-                data = bytearray(size)
-                if os.preadv(fd, [data], pos) != size:
-                    raise FormatError("truncated block")
-                block, _ = fmt.decode_block(data, 0, verify)
-            except FormatError as exc:
-                raise JournalError(f"damaged journal segment {seg.path}: block at byte "
-                                   f"{pos}: {exc}") from None
-            yield block
-            pos += size
+        yield from _blocks_from(fd, seg.path, start, end, verify is not False)
     finally:
         os.close(fd)
+
+
+def read_seq_range(directory: str | os.PathLike, first_seq: int, start: int, end: int,
+                   lo: int, hi: int, verify: bool | None = None) -> Iterator[Block]:
+    """Decoded blocks holding rows ``lo <= seq < hi`` of the segment starting at
+    *first_seq*, planned as the blocks at byte positions ``[start, end)``.
+
+    Positions are a plan made while the segment may still have been open; sealing may
+    have re-blocked it since.  So a segment that is sealed now is read by sequence number
+    through its own index (read from the same open file), an open one at the planned
+    positions (blocks never move while a segment is open).  FileNotFoundError if gone."""
+    seg, fd = _open(directory, first_seq)
+    try:
+        verify = verify is not False
+        if not seg.sealed:
+            yield from _blocks_from(fd, seg.path, start, end, verify)
+            return
+        with open(fd, "rb", closefd=False) as f:
+            try:
+                index = _sealed_blocks(f, seg.path)
+            except FormatError as exc:
+                raise JournalError(f"sealed segment {seg.path} is corrupt: {exc}") from None
+        for b in index:
+            if b.next_seq > lo and b.first_seq < hi:
+                yield from _blocks_from(fd, seg.path, b.pos, b.end, verify)
+    finally:
+        os.close(fd)
+
+
+def _open(directory: str | os.PathLike, first_seq: int) -> tuple[Segment, int]:
+    """The segment starting at *first_seq* and a file descriptor on it; an open segment
+    sealed (renamed) between the lookup and the open is opened under its sealed name."""
+    for _ in range(3):
+        seg = resolve(directory, first_seq)
+        if seg is None:
+            break
+        try:
+            return seg, os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+    raise FileNotFoundError(f"journal segment {_name(first_seq)} no longer exists "
+                            f"in {directory} (removed by retention?)")
+
+
+def _blocks_from(fd: int, path: Path, start: int, end: int, verify: bool) -> Iterator[Block]:
+    file_end = os.fstat(fd).st_size
+    pos = start
+    while pos < end:
+        try:
+            count, _, klen, plen, _ = fmt.decode_block_head(
+                os.pread(fd, fmt.BLOCK_HEAD.size, pos))
+            size = fmt.block_size(count, klen, plen)
+            if pos + size > file_end:  # checked before the buffer is allocated
+                raise FormatError(f"block claims {size} bytes, the file has "
+                                  f"{file_end - pos} left")
+            # One copy, straight into the buffer the block's Arrow arrays will wrap.
+            data = bytearray(size)
+            if os.preadv(fd, [data], pos) != size:
+                raise FormatError("truncated block")
+            block, _ = fmt.decode_block(data, 0, verify)
+        except FormatError as exc:
+            raise JournalError(f"damaged journal segment {path}: block at byte "
+                               f"{pos}: {exc}") from None
+        yield block
+        pos += size
 
 
 class JournalWriter:
@@ -198,8 +245,12 @@ class JournalWriter:
     def __init__(self, directory: str | os.PathLike, *, segment_bytes: int = 64 << 20,
                  segment_seconds: float = 3600.0, block_bytes: int = 1 << 20,
                  keep_seconds: float | None = None, keep_bytes: int | None = None,
-                 fsync: bool = True) -> None:
+                 fsync: bool = True, reblock_bytes: int = 4 << 20,
+                 export_dir: str | os.PathLike | None = None) -> None:
         self.dir = Path(directory)
+        self.reblock_bytes = reblock_bytes
+        self.export_dir = export_dir
+        self._exporter = None  # a thread exporting sealed segments as Parquet, if asked
         self.segment_bytes = segment_bytes
         self.segment_seconds = segment_seconds
         self.block_bytes = block_bytes
@@ -235,6 +286,7 @@ class JournalWriter:
         """Seal any ``.open`` segment at its last whole block; return the next sequence
         number."""
         next_seq = 1
+        self._remove_leftovers()
         for seg in list_segments(self.dir):
             try:
                 blocks = segment_blocks(seg) if seg.sealed else self._recover_open(seg)
@@ -246,6 +298,17 @@ class JournalWriter:
             else:
                 next_seq = max(next_seq, seg.first_seq)
         return next_seq
+
+    def _remove_leftovers(self) -> None:
+        """A re-blocking cut short: its temporary file goes, and so does an open segment
+        whose re-blocked (sealed) twin was already renamed into place."""
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            twin = name.endswith(OPEN_SUFFIX) and \
+                (self.dir / (name[:-len(OPEN_SUFFIX)] + SUFFIX)).exists()
+            if name.endswith(TMP_SUFFIX) or twin:
+                log.warning("removing %s left by an interrupted seal", name)
+                os.unlink(entry.path)
 
     def _quarantine(self, seg: Segment, exc: JournalError) -> int:
         """Move a segment whose index or header is damaged aside (``.corrupt``: kept for
@@ -365,9 +428,24 @@ class JournalWriter:
         self._blocks = []
 
     def seal(self) -> None:
-        """Append the index, fsync, and rename the open segment to its final name."""
+        """Append the index, fsync, and rename the open segment to its final name; a
+        segment of many small blocks is re-blocked instead (`_reblock`)."""
         if self._fd is None:
             return
+        name = _name(self._seg_first)
+        if self._reblock_worth_it():
+            try:
+                self._reblock(name)
+            except OSError as exc:  # disk full, say: seal it as it is
+                log.warning("re-blocking %s failed (%s); sealed as written", name, exc)
+                (self.dir / (name + TMP_SUFFIX)).unlink(missing_ok=True)
+            else:
+                fd, self._fd = self._fd, None
+                os.close(fd)
+                if self.fsync:
+                    self._fsync_dir()
+                self._sealed(name)
+                return
         try:
             index = memoryview(fmt.encode_index(self._blocks, self._seg_size))
             while index:
@@ -380,11 +458,91 @@ class JournalWriter:
         finally:
             fd, self._fd = self._fd, None
             os.close(fd)
-        name = _name(self._seg_first)
         os.rename(self.dir / (name + OPEN_SUFFIX), self.dir / (name + SUFFIX))
         if self.fsync:
             self._fsync_dir()
+        self._sealed(name)
+
+    def _sealed(self, name: str) -> None:
+        """After a seal: retention, and the Parquet export (``export_dir``) in a thread of
+        its own, off the recording path."""
+        if self.export_dir is not None:
+            if self._exporter is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._exporter = ThreadPoolExecutor(1, thread_name_prefix="sbus-export")
+            self._exporter.submit(self._export, int(name))
         self.apply_retention()
+
+    def _export(self, first_seq: int) -> None:
+        from .export import export_segment
+
+        seg = resolve(self.dir, first_seq)
+        try:
+            if seg is not None and seg.sealed:
+                Path(self.export_dir).mkdir(parents=True, exist_ok=True)
+                export_segment(self.dir, seg, Path(self.export_dir))
+        except FileNotFoundError:
+            pass  # removed by retention first: nothing to export
+        except Exception as exc:  # noqa: BLE001 - the recording goes on; say why once
+            log.error("exporting %s as Parquet failed: %s", _name(first_seq), exc)
+
+    def _reblock_worth_it(self) -> bool:
+        """Blocks flushed by the clock at a modest rate are small (a few hundred rows), and
+        every block costs a reader a record batch; blocks written because they were full are
+        left as they are (re-writing them would cost a fast recorder time for nothing)."""
+        n = len(self._blocks)
+        return bool(self.reblock_bytes) and n > 1 and \
+            (self._seg_size - fmt.FILE_HEAD.size) / n < self.block_bytes / 2
+
+    def _reblock(self, name: str) -> None:
+        """Seal by re-writing the open segment as few large blocks (up to `reblock_bytes`
+        and `REBLOCK_ROWS`) into a temporary file, which is fsynced and renamed into place
+        before the open segment is removed.  Readers planned over the open segment keep
+        working: they read a sealed segment by sequence number (`read_seq_range`)."""
+        groups: list[list[BlockInfo]] = []
+        rows = size = 0
+        for b in self._blocks:
+            if not groups or rows + b.count > REBLOCK_ROWS or size + b.size > self.reblock_bytes:
+                groups.append([])
+                rows = size = 0
+            groups[-1].append(b)
+            rows += b.count
+            size += b.size
+        src = self.dir / (name + OPEN_SUFFIX)
+        tmp = self.dir / (name + TMP_SUFFIX)
+        rfd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            _, created = fmt.decode_header(os.pread(rfd, fmt.FILE_HEAD.size, 0))
+            pos = os.write(out, fmt.encode_header(self._seg_first, created))
+            infos = []
+            for group in groups:
+                blocks = list(_blocks_from(rfd, src, group[0].pos, group[-1].end, False))
+                count = sum(b.count for b in blocks)
+                data = fmt.block_parts(
+                    group[0].first_seq,
+                    np.concatenate([np.frombuffer(b.ts, "<i8") for b in blocks]),
+                    _offsets([np.diff(np.frombuffer(b.key_offsets, "<i4")) for b in blocks],
+                             count),
+                    [b.keys for b in blocks],
+                    _offsets([np.diff(np.frombuffer(b.payload_offsets, "<i4"))
+                              for b in blocks], count),
+                    [b.payloads for b in blocks])
+                _write_all(out, data)
+                n = sum(map(len, data))
+                infos.append(BlockInfo(pos, group[0].first_seq, count,
+                                       min(b.min_ts for b in group),
+                                       max(b.max_ts for b in group), n))
+                pos += n
+            _write_all(out, [memoryview(fmt.encode_index(infos, pos))])
+            if self.fsync:
+                os.fsync(out)
+        finally:
+            os.close(rfd)
+            os.close(out)
+        os.rename(tmp, self.dir / (name + SUFFIX))
+        src.unlink()
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -425,6 +583,8 @@ class JournalWriter:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            if self._exporter is not None:
+                self._exporter.shutdown(wait=True)  # every sealed segment exported
             self._lock.close()
 
     def __enter__(self) -> JournalWriter:

@@ -15,6 +15,9 @@ import argparse
 import json
 import os
 import re
+import shutil
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,8 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("journal", metavar="DIR", help="journal directory (from sbus record)")
     p.add_argument("--out", "-o", metavar="DIR", help="output directory (batch mode)")
     p.add_argument("--pattern", default=None, help="only keys matching this routing pattern")
-    p.add_argument("--window", default="1 minute",
-                   help="time window for traffic over time / rollups (default '1 minute')")
+    p.add_argument("--window", default=None,
+                   help="time window for traffic over time (default: sized to the journal's "
+                        "span, about 60 windows) and for streaming rollups (default "
+                        "'1 minute'); e.g. 10s, 5min, '1 hour'")
     p.add_argument("--prefix-depth", type=int, default=1, metavar="N",
                    help="a key's prefix is its first N '/'-separated segments (default 1)")
     p.add_argument("--master", default=None,
@@ -107,80 +112,242 @@ def rollups(df, window: str, late: str):
 
 # -- batch -----------------------------------------------------------------------------------
 
+#: Window lengths `sbus analyze` picks from (seconds), for about `WINDOWS` windows per span.
+NICE_WINDOWS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200,
+                86400, 604800)
+WINDOWS = 60
+OUTPUTS = ("keys.parquet", "prefixes.parquet", "windows.parquet", "report.md", "traffic.png")
+
+
+def pick_window(span_s: float) -> int:
+    """A round window length giving about `WINDOWS` windows over *span_s* seconds."""
+    want = span_s / WINDOWS
+    return next((w for w in NICE_WINDOWS if w >= want), NICE_WINDOWS[-1])
+
+
+def window_text(seconds: int) -> str:
+    for unit, n in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds % n == 0:
+            k = seconds // n
+            return f"{k} {unit}{'s' if k != 1 else ''}"
+    return f"{seconds} second{'s' if seconds != 1 else ''}"
+
+
+class Progress:
+    """One line per step on stderr, with the time since the start."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.started = time.monotonic()
+        self.quiet = quiet
+
+    def __call__(self, text: str) -> None:
+        if not self.quiet:
+            print(f"sbus analyze: {time.monotonic() - self.started:5.1f}s  {text}",
+                  file=sys.stderr, flush=True)
+
+
+def journal_facts(journal: str) -> dict:
+    """From the segment index, without Spark: first and last receive time (ns), rows, and
+    sequence gaps (rows removed by retention in the middle, or moved aside as damaged)."""
+    from sbus.spark.offsets import START, gaps
+    from sbus.spark.source import journal_view
+
+    view = journal_view(journal)
+    blocks = [b for _, bs in view for b in bs]
+    if not blocks:
+        return {"first_ns": None, "last_ns": None, "rows": 0, "gaps": []}
+    end = blocks[-1].next_seq
+    return {"first_ns": min(b.min_ts for b in blocks), "last_ns": max(b.max_ts for b in blocks),
+            "rows": sum(b.count for b in blocks), "gaps": gaps(view, START.seq, end)}
+
 
 def analyze(spark, journal: str, out: str | os.PathLike, *, pattern: str | None = None,
-            window: str = "1 minute", depth: int = 1) -> dict:
-    """Run the batch analysis; returns a summary (also written into the report)."""
-    reader = spark.read.format("sbus")
-    if pattern is not None:
-        reader = reader.option("pattern", pattern)
-    df = with_prefix(reader.load(journal), depth).cache()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        keys = group_stats(df, "key", "key_bytes")
-        prefixes = group_stats(df, "prefix")
-        windows = window_stats(df, window)
-        keys.write.mode("overwrite").parquet(str(out / "keys.parquet"))
-        prefixes.write.mode("overwrite").parquet(str(out / "prefixes.parquet"))
-        windows.write.mode("overwrite").parquet(str(out / "windows.parquet"))
-        read = spark.read.parquet
-        top_keys = read(str(out / "keys.parquet")).orderBy("messages", ascending=False) \
-            .limit(20).collect()
-        top_prefixes = read(str(out / "prefixes.parquet")).orderBy("messages", ascending=False) \
-            .limit(20).collect()
-        traffic = read(str(out / "windows.parquet")).orderBy("window_start").collect()
-    finally:
-        df.unpersist()
+            window: str | None = None, depth: int = 1, progress: Progress | None = None) -> dict:
+    """Run the batch analysis into *out*; returns a summary (also written into the report).
+
+    Everything is written into a temporary directory next to *out* and moved into place
+    at the end, so an interrupted run leaves no half report (and the previous one intact)."""
     from pyspark.sql import functions as F
 
-    totals = read(str(out / "prefixes.parquet")).agg(
-        F.sum("messages"), F.sum("bytes"), F.count("*"), F.min("first_ts"),
-        F.max("last_ts")).first()
-    summary = {
-        "journal": str(journal),
-        "messages": int(totals[0] or 0),
-        "bytes": int(totals[1] or 0),
-        "keys": read(str(out / "keys.parquet")).count(),
-        "prefixes": int(totals[2]),
-        "first": totals[3],
-        "last": totals[4],
-    }
-    plot = plot_traffic(traffic, out / "traffic.png", window)
-    (out / "report.md").write_text(render_report(summary, top_keys, top_prefixes, window, plot))
-    return summary
+    say = progress or Progress(quiet=True)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        say("reading the journal's index")
+        facts = journal_facts(journal)
+        span_s = ((facts["last_ns"] - facts["first_ns"]) / 1e9) if facts["rows"] else 0.0
+        seconds = pick_window(span_s) if window is None else _window_seconds(window)
+        wtext = window_text(seconds)
+        reader = spark.read.format("sbus")
+        if pattern is not None:
+            reader = reader.option("pattern", pattern)
+        df = with_prefix(reader.load(journal), depth).cache()
+        try:
+            say(f"per-key statistics of {facts['rows']:,} messages")
+            group_stats(df, "key", "key_bytes").write.parquet(str(work / "keys.parquet"))
+            say("per-prefix statistics")
+            group_stats(df, "prefix").write.parquet(str(work / "prefixes.parquet"))
+            say(f"traffic per {wtext}")
+            window_stats(df, f"{seconds} seconds").write.parquet(str(work / "windows.parquet"))
+        finally:
+            df.unpersist()
+        say("writing the report")
+        read = spark.read.parquet
+        keys = read(str(work / "keys.parquet"))
+        prefixes = read(str(work / "prefixes.parquet"))
+        top_keys = keys.orderBy("messages", ascending=False).limit(20).collect()
+        top_prefixes = prefixes.orderBy("messages", ascending=False).limit(20).collect()
+        traffic = read(str(work / "windows.parquet")).orderBy("window_start").collect()
+        totals = prefixes.agg(F.sum("messages"), F.sum("bytes"), F.count("*"),
+                              F.min("first_ts"), F.max("last_ts")).first()
+        stale_after = max(3 * seconds, span_s / 10)
+        last = totals[4]
+        stale = [] if last is None else keys.where(
+            F.col("last_ts") < F.lit(last) - F.expr(f"make_interval(0,0,0,0,0,0,{stale_after})")
+        ).orderBy("last_ts").limit(20).collect()
+        summary = {
+            "journal": str(journal),
+            "messages": int(totals[0] or 0),
+            "bytes": int(totals[1] or 0),
+            "keys": keys.count(),
+            "prefixes": int(totals[2]),
+            "first": totals[3],
+            "last": last,
+            "window": wtext,
+        }
+        first_last = (facts["first_ns"], facts["last_ns"])
+        series = window_series(traffic, seconds, first_last)
+        plot = plot_traffic(series, work / "traffic.png", wtext)
+        silent = silent_periods(series["total"], series["starts"], seconds)
+        (work / "report.md").write_text(render_report(
+            summary, top_keys, top_prefixes, wtext, plot, stale=stale,
+            stale_after=stale_after, gaps=facts["gaps"], silent=silent))
+        for name in OUTPUTS:  # into place; the previous report's files go only now
+            target = out / name
+            if (work / name).exists():
+                out.mkdir(exist_ok=True)
+                if target.is_dir():
+                    shutil.rmtree(target)
+                os.replace(work / name, target)
+        return summary
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def plot_traffic(traffic: list, path: Path, window: str) -> str | None:
-    """Messages per window over time, total and the busiest prefixes; the PNG's name."""
-    if not traffic:
+_UNITS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
+
+
+def _window_seconds(text: str) -> int:
+    """``--window``: Spark's words (``1 minute``, ``10 seconds``) or an sbus duration
+    (``10s``, ``5min``, ``1h``)."""
+    from sbus.defaults import parse_duration
+
+    m = re.fullmatch(r"\s*(\d+)\s*(second|minute|hour|day|week)s?\s*", text.lower())
+    if m:
+        return int(m[1]) * _UNITS[m[2]]
+    try:
+        return max(1, round(parse_duration(text)))
+    except ValueError:
+        raise SbusError(f"--window: {text!r} is not a duration (e.g. 10s, 5min, "
+                        "'1 minute')") from None
+
+
+def window_series(traffic: list, seconds: int, first_last: tuple) -> dict:
+    """Messages per second in every window of the span (zero where nothing came), total and
+    per prefix; windows only partly inside the journal's span are marked ``partial`` and
+    their rate is over the part inside, so an edge does not look like a drop."""
+    from datetime import datetime
+
+    if not traffic or first_last[0] is None:
+        return {"starts": [], "total": [], "prefixes": {}, "partial": []}
+    step = seconds
+    t0 = min(r["window_start"] for r in traffic)
+    t1 = max(r["window_start"] for r in traffic)
+    n = int((t1 - t0).total_seconds() // step) + 1
+    starts = [t0 + _td(i * step) for i in range(n)]
+    # Naive local times, as PySpark's collect() gives timestamps.
+    first = datetime.fromtimestamp(first_last[0] / 1e9)
+    last = datetime.fromtimestamp(first_last[1] / 1e9)
+    covered = []
+    for s in starts:
+        e = s + _td(step)
+        inside = (min(e, last) - max(s, first)).total_seconds()
+        covered.append(max(inside, 1e-3) if s < first or e > last else float(step))
+    counts: dict[str, list[float]] = {}
+    for r in traffic:
+        i = int((r["window_start"] - t0).total_seconds() // step)
+        counts.setdefault(r["prefix"], [0.0] * n)[i] += r["messages"]
+    rates = {p: [c / covered[i] for i, c in enumerate(v)] for p, v in counts.items()}
+    total = [sum(v[i] for v in counts.values()) / covered[i] for i in range(n)]
+    partial = [c < step for c in covered]
+    return {"starts": starts, "total": total, "prefixes": rates, "partial": partial}
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def silent_periods(total: list[float], starts: list, seconds: int) -> list[tuple]:
+    """Runs of whole windows with no message at all: ``(start, end, windows)``."""
+    out = []
+    run = None
+    for i, rate in enumerate(total):
+        if rate == 0 and run is None:
+            run = i
+        elif rate != 0 and run is not None:
+            out.append((starts[run], starts[i], i - run))
+            run = None
+    return out
+
+
+def plot_traffic(series: dict, path: Path, window: str) -> str | None:
+    """Total msg/s over time on top, then the busiest prefixes as small multiples (each its
+    own scale, so a quiet prefix is not flattened by a loud one); the PNG's name."""
+    if not series["starts"]:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
-    per_prefix: dict[str, dict] = {}
-    totals: dict = {}
-    for r in traffic:
-        per_prefix.setdefault(r["prefix"], {})[r["window_start"]] = r["messages"]
-        totals[r["window_start"]] = totals.get(r["window_start"], 0) + r["messages"]
-    busiest = sorted(per_prefix, key=lambda p: -sum(per_prefix[p].values()))[:6]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    xs = sorted(totals)
-    marker = "o" if len(xs) < 30 else None
-    ax.plot(xs, [totals[x] for x in xs], color="black", linewidth=2, label="all", marker=marker)
-    for p in busiest:
-        ax.plot(xs, [per_prefix[p].get(x, 0) for x in xs], label=_label(p), marker=marker)
-    width = traffic[0]["window_end"] - traffic[0]["window_start"]
-    ax.set_xlim(xs[0] - width, xs[-1] + width)
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("time (UTC)")
-    ax.set_ylabel(f"messages per {window}")
-    ax.set_title("sbus traffic over time")
-    ax.legend(loc="upper left", fontsize="small")
-    ax.grid(alpha=0.3)
-    fig.autofmt_xdate()
+    starts, partial = series["starts"], series["partial"]
+    step = (starts[1] - starts[0]) if len(starts) > 1 else _td(1)
+    xs = [*starts, starts[-1] + step]  # each window drawn as a step across its width
+    busiest = sorted(series["prefixes"], key=lambda p: -sum(series["prefixes"][p]))[:8]
+    cols = 2
+    rows = -(-len(busiest) // cols)
+    fig = plt.figure(figsize=(11, 3.2 + 1.9 * rows))
+    grid = fig.add_gridspec(1 + rows, cols, height_ratios=[1.6] + [1] * rows)
+    thousands = FuncFormatter(lambda v, _: "0" if v == 0 else
+                              f"{v:,.0f}" if v >= 10 else f"{v:,.1f}")
+
+    def draw(ax, ys, title, color):
+        ax.plot(xs, [*ys, ys[-1]], color=color, linewidth=1.6, drawstyle="steps-post")
+        edge = [i for i, p in enumerate(partial) if p]
+        ax.plot([starts[i] + step / 2 for i in edge], [ys[i] for i in edge], linestyle="none",
+                marker="o", markerfacecolor="white", markeredgecolor=color, markersize=6,
+                label="partial window: rate over the part recorded")
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_formatter(thousands)
+        locator = mdates.AutoDateLocator(maxticks=8)
+        ax.xaxis.set_major_locator(locator)
+        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+        ax.set_title(title, fontsize="medium", loc="left")
+        ax.grid(alpha=0.3)
+
+    top = fig.add_subplot(grid[0, :])
+    draw(top, series["total"], f"all keys: messages per second (windows of {window})",
+         "black")
+    top.legend(loc="upper right", fontsize="small")
+    for i, p in enumerate(busiest):
+        ax = fig.add_subplot(grid[1 + i // cols, i % cols], sharex=top)
+        draw(ax, series["prefixes"][p], f"prefix {_label(p)}: msg/s", f"C{i}")
+    fig.suptitle(f"sbus traffic ({time.strftime('%Z')})", fontsize="large")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -207,28 +374,63 @@ def _label(text: str) -> str:
     return printable(text, 40).replace("$", r"\$") or "(empty)"
 
 
+def _n(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+
+
 def render_report(summary: dict, keys: list, prefixes: list, window: str,
-                  plot: str | None) -> str:
+                  plot: str | None, *, stale: list = (), stale_after: float = 0,
+                  gaps: list = (), silent: list = ()) -> str:
     lines = [
         "# sbus traffic report", "",
         f"Journal: {_code(str(summary['journal']), 300)}  ",
-        f"Messages: {summary['messages']}, payload bytes: {summary['bytes']}, "
-        f"distinct keys: {summary['keys']}, prefixes: {summary['prefixes']}  ",
+        f"Messages: {_n(summary['messages'])}, payload bytes: {_n(summary['bytes'])}, "
+        f"distinct keys: {_n(summary['keys'])}, prefixes: {_n(summary['prefixes'])}  ",
         f"From {summary['first']} to {summary['last']} (UTC)", "",
     ]
     if plot:
-        lines += [f"![traffic per {window}]({plot})", ""]
-    head = ["messages", "bytes", "msg/s", "p50 B", "p90 B", "p99 B", "max B"]
+        lines += [f"![messages per second, windows of {window}]({plot})", "",
+                  "Hollow markers: windows only partly inside the recording (their rate is "
+                  "over the part recorded).", ""]
+    head = ["messages", "msg/s", "bytes", "p50 B", "p90 B", "p99 B", "max B"]
 
     def stats(r) -> list:
-        return [r["messages"], r["bytes"], f"{r['msg_per_s']:.1f}", r["p50_size"],
-                r["p90_size"], r["p99_size"], r["max_size"]]
+        return [_n(r["messages"]), _rate(r["msg_per_s"]), _n(r["bytes"]), _n(r["p50_size"]),
+                _n(r["p90_size"]), _n(r["p99_size"]), _n(r["max_size"])]
 
     lines += ["## Busiest prefixes", "", _row(["prefix", *head]), _row(["---"] * 8)]
     lines += [_row([_code(r["prefix"]), *stats(r)]) for r in prefixes]
     lines += ["", "## Busiest keys", "", _row(["key", *head]), _row(["---"] * 8)]
     lines += [_row([_code(r["key"]), *stats(r)]) for r in keys]
-    lines += ["", "Full tables: `keys.parquet`, `prefixes.parquet`, `windows.parquet`.", ""]
+    lines += ["", "## Stale keys", ""]
+    if stale:
+        lines += [f"Keys with no message in the last {window_text(round(stale_after))} of "
+                  "the recording (oldest first):", "",
+                  _row(["key", "last message (UTC)", "messages"]), _row(["---"] * 3)]
+        lines += [_row([_code(r["key"]), r["last_ts"], _n(r["messages"])]) for r in stale]
+    else:
+        lines += ["None: every key sent a message near the end of the recording."]
+    lines += ["", "## Drops and gaps", ""]
+    if gaps:
+        lines += ["Sequence numbers missing from the journal (removed by retention between "
+                  "other segments, or set aside as damaged):", ""]
+        lines += [f"* seq {lo:,}..{hi - 1:,}: {hi - lo:,} messages" for lo, hi in gaps[:20]]
+        lines += [""]
+    else:
+        lines += ["No sequence gaps: every message from the first to the last recorded one "
+                  "is in the journal.", ""]
+    if silent:
+        lines += [f"Silent periods (whole windows of {window} with no message at all):", ""]
+        lines += [f"* {a} to {b} UTC ({_n(n)} windows)" for a, b, n in silent[:20]]
+    else:
+        lines += ["No silent window between the first and the last message."]
+    lines += ["", "Messages the broker dropped for the recorder are not in the journal; "
+              "`sbus record` logs them and prints their total when it ends.", "",
+              "Full tables: `keys.parquet`, `prefixes.parquet`, `windows.parquet`.", ""]
     return "\n".join(lines)
 
 
@@ -269,24 +471,80 @@ def run(args: argparse.Namespace) -> int:
             raise SbusError("--stream needs --checkpoint DIR")
     elif not args.out:
         raise SbusError("batch analysis needs --out DIR (or use --stream)")
+    if args.window is not None:
+        _window_seconds(args.window)  # a bad --window fails before Spark starts
+    try:
+        import pyarrow  # noqa: F401
+        import pyspark  # noqa: F401
+    except ImportError as exc:
+        raise SbusError(f"needs the spark extra ({exc.name} is not installed): "
+                        "pip install 'sbus[spark]', and a Java 17 runtime") from None
+    import logging
+    import warnings
+
     from sbus.spark.session import get_session
 
-    spark = get_session(args.master, "sbus analyze")
-    if args.stream:
-        query = start_stream(spark, args.journal, args.checkpoint, args.address,
-                             window=args.window, late=args.late, depth=args.prefix_depth,
-                             trigger=args.trigger, max_rows=args.max_rows, pattern=args.pattern)
-        try:
-            query.awaitTermination()
-        except KeyboardInterrupt:
-            query.stop()
+    verbose = getattr(args, "verbose", 0)
+    if not verbose:  # py4j logs every broken connection of an interrupted job, on root
+        if not logging.getLogger().handlers:
+            logging.basicConfig(format="%(name)s: %(message)s")
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(lambda r: "py4j" not in r.pathname)
+        logging.getLogger("py4j").setLevel(logging.CRITICAL)
+        warnings.filterwarnings("ignore", module="pyspark")
+    progress = Progress()
+    spark = None
+    try:
+        progress("starting Spark")
+        spark = get_session(args.master, "sbus analyze", quiet=not verbose)
+        if args.stream:
+            window = args.window or "1 minute"
+            if args.window is not None:
+                window = f"{_window_seconds(window)} seconds"
+            query = start_stream(spark, args.journal, args.checkpoint, args.address,
+                                 window=window, late=args.late, depth=args.prefix_depth,
+                                 trigger=args.trigger, max_rows=args.max_rows,
+                                 pattern=args.pattern)
+            progress("streaming rollups onto the bus (Ctrl-C stops)")
+            try:
+                query.awaitTermination()
+            finally:
+                query.stop()
+            return 0
+        summary = analyze(spark, args.journal, args.out, pattern=args.pattern,
+                          window=args.window, depth=args.prefix_depth, progress=progress)
+        progress(f"done: {summary['messages']:,} messages, {summary['keys']:,} keys; "
+                 f"report in {Path(args.out) / 'report.md'}")
+        print(json.dumps({**summary, "first": str(summary["first"]),
+                          "last": str(summary["last"]),
+                          "seconds": round(time.monotonic() - progress.started, 1)}))
         return 0
-    started = time.monotonic()
-    summary = analyze(spark, args.journal, args.out, pattern=args.pattern,
-                      window=args.window, depth=args.prefix_depth)
-    print(json.dumps({**summary, "first": str(summary["first"]), "last": str(summary["last"]),
-                      "seconds": round(time.monotonic() - started, 1)}))
-    return 0
+    except KeyboardInterrupt:
+        _quiet_stop(spark)
+        print("sbus analyze: interrupted; no report written" if not args.stream else
+              "sbus analyze: interrupted", file=sys.stderr)
+        return 130
+
+
+def _quiet_stop(spark) -> None:
+    """Stop Spark after Ctrl-C without its noise: a second Ctrl-C is ignored meanwhile, and
+    what the stopping JVM and py4j print goes nowhere."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(2)
+    os.dup2(devnull, 2)
+    try:
+        if spark is not None:
+            spark.sparkContext.cancelAllJobs()
+            spark.stop()
+    except Exception:  # noqa: BLE001 - the JVM may already be going; nothing to report
+        pass
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def main() -> int:

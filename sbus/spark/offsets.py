@@ -1,111 +1,150 @@
 """Offsets over the journal and the planning of read ranges, pure (no Spark, no files).
 
-An offset ``(segment, position, row)`` names the next row to read: row *row* of the block
-starting at byte *position* of the segment whose first sequence number is *segment*.
-Offsets order like tuples, and the same offsets mean the same rows forever (segments are
-append-only and sealing does not move blocks), which is what makes a checkpointed
-streaming query replay exactly the rows of an interrupted micro-batch.
+An offset is a sequence number: the next row to read.  Sequence numbers belong to the
+records, not to files, so an offset means the same rows whatever happens to segment files
+later (sealing re-blocks them, retention deletes them), which is what makes a checkpointed
+streaming query replay exactly the rows of an interrupted micro-batch, or know exactly
+which of them are gone.
 
 A *journal view* is a list of ``(segment, [BlockInfo, ...])`` in journal order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from ..journal.format import FILE_HEAD, BlockInfo
+from ..journal.format import BlockInfo
 from .arrow import Range
 
-__all__ = ["Offset", "START", "advance", "plan", "partitions"]
+__all__ = ["Offset", "START", "View", "advance", "gaps", "plan", "partitions", "from_legacy"]
 
 View = list[tuple[int, list[BlockInfo]]]
 
 
 @dataclass(frozen=True, order=True, slots=True)
 class Offset:
-    segment: int
-    position: int
-    row: int = 0
+    """The next sequence number to read; ``lost`` counts rows the query found gone and
+    skipped (``failOnDataLoss=false``) before it, carried along so it shows in progress."""
+
+    seq: int
+    lost: int = field(default=0, compare=False)
 
     def to_dict(self) -> dict:
-        return {"segment": self.segment, "position": self.position, "row": self.row}
+        return {"seq": self.seq, "lost": self.lost} if self.lost else {"seq": self.seq}
 
     @classmethod
-    def from_dict(cls, d: dict) -> Offset:
-        return cls(int(d["segment"]), int(d["position"]), int(d.get("row", 0)))
+    def from_dict(cls, d: dict, view: View | None = None) -> Offset:
+        if "seq" in d:
+            return cls(int(d["seq"]), int(d.get("lost", 0)))
+        if "segment" in d and view is not None:  # a checkpoint of the byte-position offsets
+            return cls(from_legacy(view, int(d["segment"]), int(d["position"]),
+                                   int(d.get("row", 0))))
+        raise ValueError(f"not an sbus offset: {d!r} (expected {{\"seq\": N}})")
 
 
-#: Before everything: sequence numbers start at 1, so segment 0 never exists.
-START = Offset(0, FILE_HEAD.size, 0)
+#: Before everything.  Rows before the first one there are not "lost" from here: the
+#: journal's beginning is wherever retention has left it.
+START = Offset(0)
+
+
+def from_legacy(view: View, segment: int, position: int, row: int) -> int:
+    """The sequence number an old ``(segment, position, row)`` offset named."""
+    for seg, blocks in view:
+        if seg != segment:
+            continue
+        for b in blocks:
+            if b.pos == position:
+                return b.first_seq + row
+        if blocks and position >= blocks[-1].end:
+            return blocks[-1].next_seq
+    return max(segment, 1)  # gone (or re-blocked): from its start; the gap check counts it
+
+
+def first_seq(view: View) -> int | None:
+    return next((bs[0].first_seq for _, bs in view if bs), None)
 
 
 def advance(view: View, start: Offset, max_rows: int | None = None,
             target: Offset | None = None) -> Offset:
-    """The offset after at most *max_rows* rows from *start* (all if None), never beyond
-    *target*.  Returns *start* itself when there is nothing new."""
-    pos = start
+    """The offset after at most *max_rows* existing rows from *start* (all if None), never
+    beyond *target*.  Returns *start* itself when there is nothing new."""
+    pos = start.seq
     budget = max_rows
-    for seg, blocks in view:
-        if seg < start.segment:
-            continue
+    limit = target.seq if target is not None else None
+    for _, blocks in view:
         for b in blocks:
-            here = Offset(seg, b.pos)
-            if here < Offset(start.segment, start.position):
+            if b.next_seq <= start.seq:
                 continue
-            if target is not None and here >= target:
-                return pos
-            skip = start.row if (seg, b.pos) == (start.segment, start.position) else 0
-            avail = b.count - skip
-            if budget is not None and avail > budget:
-                return Offset(seg, b.pos, skip + budget) if budget > 0 else pos
+            lo = max(b.first_seq, start.seq)
+            hi = b.next_seq if limit is None else min(b.next_seq, limit)
+            if hi <= lo:
+                return Offset(pos, start.lost)
+            if budget is not None and hi - lo >= budget:
+                return Offset(lo + budget, start.lost) if budget > 0 else \
+                    Offset(pos, start.lost)
             if budget is not None:
-                budget -= avail
-            pos = Offset(seg, b.end, 0)
-    return pos
+                budget -= hi - lo
+            pos = hi
+    return Offset(pos, start.lost)
 
 
-def plan(view: View, start: Offset, end: Offset, max_bytes: int) -> list[Range]:
+def gaps(view: View, start: int, end: int) -> list[tuple[int, int]]:
+    """Sequence ranges ``[lo, hi)`` inside ``[start, end)`` that no block holds (rows
+    removed by retention or moved aside as damaged).  From `START` (0) the rows before
+    the first one in the journal do not count."""
+    out = []
+    at = start
+    if start == START.seq:
+        at = first_seq(view) or end
+    for _, blocks in view:
+        for b in blocks:
+            if b.next_seq <= at:
+                continue
+            if b.first_seq >= end:
+                break
+            if b.first_seq > at:
+                out.append((at, b.first_seq))
+            at = b.next_seq
+    if at < end:
+        out.append((at, end))
+    return out
+
+
+def plan(view: View, start: int, end: int, max_bytes: int) -> list[Range]:
     """Ranges covering the rows in ``[start, end)``, one segment each (see `partitions`)."""
     return [r for part in partitions(view, start, end, max_bytes) for r in part]
 
 
-def partitions(view: View, start: Offset, end: Offset, max_bytes: int) -> list[list[Range]]:
-    """The rows in ``[start, end)`` as partitions of *max_bytes* of blocks or a little more
-    (a partition ends with the block that reaches the size; only the ends of ``[start, end)``
-    may cut a block).  A partition may span segments, one range per segment, so a journal
-    splits into equal tasks whatever its segment sizes (one task per core, no straggler)."""
+def partitions(view: View, start: int, end: int, max_bytes: int,
+               keep: Callable[[BlockInfo], bool] | None = None) -> list[list[Range]]:
+    """The rows ``start <= seq < end`` as partitions of *max_bytes* of blocks or a little
+    more (a partition ends with the block that reaches the size).  A partition may span
+    segments, so a journal splits into equal tasks whatever its segment sizes.  *keep*
+    prunes blocks (a ``ts`` filter against the index's min/max)."""
     parts: list[list[Range]] = []
     part: list[Range] = []
     size = 0
     for seg, blocks in view:
-        if seg < start.segment or seg > end.segment:
-            continue
-        group: list[tuple[BlockInfo, int, int]] = []
+        run: list[BlockInfo] = []
         for b in blocks:
-            here = (seg, b.pos)
-            if here < (start.segment, start.position) or here > (end.segment, end.position):
+            if b.next_seq <= start or b.first_seq >= end or (keep and not keep(b)):
+                if run:
+                    part.append(_range(seg, run, start, end))
+                    run = []
                 continue
-            if here == (end.segment, end.position) and end.row == 0:
-                continue
-            lo = start.row if here == (start.segment, start.position) else 0
-            hi = end.row if here == (end.segment, end.position) else b.count
-            if hi <= lo:
-                continue
-            group.append((b, lo, hi))
+            run.append(b)
             size += b.size
             if size >= max_bytes:
-                parts.append([*part, _range(seg, group)])
-                part, group, size = [], [], 0
-        if group:
-            part.append(_range(seg, group))
+                parts.append([*part, _range(seg, run, start, end)])
+                part, run, size = [], [], 0
+        if run:
+            part.append(_range(seg, run, start, end))
     if part:
         parts.append(part)
     return parts
 
 
-def _range(seg: int, group: list[tuple[BlockInfo, int, int]]) -> Range:
-    first, lo, _ = group[0]
-    last, _, hi = group[-1]
-    if hi == last.count:
-        return Range(seg, first.pos, lo, last.end, 0)
-    return Range(seg, first.pos, lo, last.pos, hi)
+def _range(seg: int, run: list[BlockInfo], start: int, end: int) -> Range:
+    return Range(seg, run[0].pos, run[-1].end, max(start, run[0].first_seq),
+                 min(end, run[-1].next_seq))

@@ -1,39 +1,54 @@
 """The ``sbus`` Spark data source: batch and streaming reads of a journal, and a streaming
 sink that publishes onto a bus.
 
-Options (reads): ``path`` (the journal directory, or ``load(DIR)``), ``pattern`` (a routing
-pattern; only matching keys are returned, filtered inside the reader; ``patternHex`` gives
-it as hex bytes, for patterns that are not UTF-8),
-``maxPartitionBytes`` (split size, default 128M), ``minPartitions`` (split a read into
-this many equal partitions when there are enough blocks, more only if maxPartitionBytes asks
-for it; default: the planning machine's CPU count), ``verify`` (check block CRCs:
-true, the default, or false for journals you trust; sizes and offsets are checked
-either way); streaming also ``maxRowsPerTrigger`` and
-``startingOffsets`` (earliest | latest).
+Read options are in `sbus.spark.options` (and docs/spark.md's table); filters on ``seq``,
+``ts`` and ``key`` that Spark pushes are applied here (`pushFilters`): ``seq`` and ``ts``
+ranges skip whole blocks by the segment index, and every pushed filter is applied exactly
+inside the reader, so Spark does not evaluate it again.
 Sink options: see `sbus.spark.sink`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from datetime import datetime
 
+import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
     DataSourceStreamReader,
+    EqualNullSafe,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
     InputPartition,
+    LessThan,
+    LessThanOrEqual,
+    StringStartsWith,
 )
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
-from pyspark.sql.types import StructType
+from pyspark.sql.types import StructType, TimestampType
 
-from ..defaults import parse_size
 from ..journal.format import FILE_HEAD, BlockInfo
-from ..journal.store import JournalError, list_segments, segment_blocks
-from .arrow import COLUMNS, DEFAULT_SCHEMA, NULLABLE, Range, arrow_schema, pattern_bytes, read_range
-from .offsets import START, Offset, View, advance, partitions
+from ..journal.store import JournalError, list_segments, read_seq_range, segment_blocks
+from .arrow import (
+    COLUMNS,
+    DEFAULT_SCHEMA,
+    NULLABLE,
+    DataLoss,
+    Range,
+    RowFilter,
+    arrow_schema,
+    lost_message,
+    read_range,
+)
+from .offsets import START, Offset, View, advance, gaps, partitions
+from .options import Position, ReadOptions
 
 try:  # Trigger.AvailableNow for Python sources arrived in Spark 4.2
     from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
@@ -66,17 +81,18 @@ def _columns(schema: StructType) -> pa.Schema:
     return arrow_schema(names, not_null)
 
 
-def _read(opts: _Options, partition: InputPartition, columns: pa.Schema) -> Iterator:
+def _read(opts: ReadOptions, rows: RowFilter, partition: InputPartition,
+          columns: pa.Schema) -> Iterator:
+    def lost(lo: int, hi: int, reason: str) -> None:
+        if opts.fail_on_data_loss:
+            raise DataLoss(lost_message(lo, hi, reason) + _HINT)
+        log.warning("%s; skipped (failOnDataLoss=false)", lost_message(lo, hi, reason))
+
     for rng in getattr(partition, "ranges", ()):  # none: Spark's stand-in for no partitions
-        yield from read_range(opts.path, rng, columns, opts.pattern, opts.verify)
+        yield from read_range(opts.path, rng, columns, rows, opts.verify, lost)
 
 
-def _bool(value: str | None, default: bool) -> bool:
-    if value is None:
-        return default
-    if value.lower() not in ("true", "false"):
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value.lower() == "true"
+_HINT = "; set option failOnDataLoss=false to skip lost rows and go on"
 
 
 def journal_view(directory: str, cache: dict | None = None) -> View:
@@ -104,43 +120,44 @@ def journal_view(directory: str, cache: dict | None = None) -> View:
     return view
 
 
-END = Offset(2**62, 0)
-
-
-def split_size(view: View, opts: _Options, start: Offset = START, end: Offset = END) -> int:
+def split_size(view: View, opts: ReadOptions, start: int, end: int,
+               rows: RowFilter | None = None) -> int:
     """Bytes per partition: the range's share of minPartitions, at most maxPartitionBytes
     (Python tasks have a fixed start-up cost, so fewer, larger partitions are faster, but
     every core should get one, and equal ones, so that none waits for a straggler)."""
-    total = sum(b.size for seg, blocks in view for b in blocks
-                if start <= Offset(seg, b.pos) < end)
+    total = sum(b.size for _, blocks in view for b in blocks
+                if b.next_seq > start and b.first_seq < end
+                and (rows is None or rows.keeps_block(b.min_ts, b.max_ts)))
     return max(1, min(opts.max_bytes, -(-total // opts.min_partitions)))
 
 
-class _Options:
-    def __init__(self, options) -> None:
-        self.path = options.get("path")
-        if not self.path:
-            raise ValueError("the sbus source needs a journal directory: "
-                             "spark.read.format('sbus').load(DIR) or option('path', DIR)")
-        self.pattern = pattern_bytes(options.get("pattern"))
-        if options.get("patternHex") is not None:  # non-UTF-8 patterns (py4j carries text)
-            try:
-                self.pattern = bytes.fromhex(options["patternHex"])
-            except ValueError:
-                raise ValueError("patternHex must be hexadecimal bytes, e.g. 'fffe2f'") from None
-        self.max_bytes = parse_size(options.get("maxPartitionBytes", "128M"))
-        self.min_partitions = int(options.get("minPartitions", os.cpu_count() or 1))
-        if self.max_bytes <= 0 or self.min_partitions <= 0:
-            raise ValueError("maxPartitionBytes and minPartitions must be positive")
-        verify = options.get("verify")
-        self.verify = None if verify is None else _bool(verify, True)
-        mrt = options.get("maxRowsPerTrigger")
-        self.max_rows = None if mrt is None else int(mrt)
-        if self.max_rows is not None and self.max_rows <= 0:
-            raise ValueError("maxRowsPerTrigger must be positive")
-        self.starting = options.get("startingOffsets", "earliest").lower()
-        if self.starting not in ("earliest", "latest"):
-            raise ValueError("startingOffsets must be 'earliest' or 'latest'")
+def seq_at(directory: str, view: View, pos: Position) -> int:
+    """The sequence number a start or end `Position` names, in the journal as it is now."""
+    if pos.kind == "seq":
+        return pos.value
+    if pos.kind == "earliest":
+        return START.seq
+    if pos.kind == "latest":
+        return advance(view, START).seq
+    for seg, blocks in view:  # "time": the first row received at or after it
+        for b in blocks:
+            if b.max_ts >= pos.value:
+                for block in read_seq_range(directory, seg, b.pos, b.end, b.first_seq,
+                                            b.next_seq):
+                    ts = np.frombuffer(block.ts, "<i8")
+                    return block.first_seq + int(np.argmax(ts >= pos.value))
+    return advance(view, START).seq
+
+
+def _pushed_value(f: Filter):
+    """A pushed filter's literal as the reader compares it (``ts``: microseconds)."""
+    if f.attribute == ("ts",):
+        if not isinstance(f.value, datetime):
+            return None
+        return TimestampType().toInternal(f.value)
+    if f.attribute == ("seq",):
+        return f.value if isinstance(f.value, int) and not isinstance(f.value, bool) else None
+    return f.value if isinstance(f.value, str) else None
 
 
 class SbusDataSource(DataSource):
@@ -154,10 +171,10 @@ class SbusDataSource(DataSource):
         return DEFAULT_SCHEMA
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return BatchReader(_Options(self.options), _columns(schema))
+        return BatchReader(ReadOptions(self.options, False), _columns(schema))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return StreamReader(_Options(self.options), _columns(schema))
+        return StreamReader(ReadOptions(self.options, True), _columns(schema))
 
     def writer(self, schema: StructType, overwrite: bool):
         from .sink import BusBatchWriter
@@ -171,28 +188,106 @@ class SbusDataSource(DataSource):
 
 
 class BatchReader(DataSourceReader):
-    def __init__(self, opts: _Options, columns: pa.Schema) -> None:
+    def __init__(self, opts: ReadOptions, columns: pa.Schema) -> None:
         self.opts = opts
         self.columns = columns
+        self.rows = RowFilter(pattern=opts.pattern)
+        self.seq_lo, self.seq_hi = 0, 2**63 - 1  # from pushed seq filters: lo <= seq < hi
+
+    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
+        """Take ``seq`` and ``ts`` comparisons and ``key`` =, IN and LIKE 'prefix%'; give
+        back the rest.  Each taken filter is applied exactly by the reader.  Without the
+        ``pushdown`` option every filter is given back and the reader stays as it was, so
+        a plan Spark reuses for another query on the same DataFrame is still right."""
+        if not self.opts.pushdown:
+            yield from filters
+            return
+        rows = self.rows
+        for f in filters:
+            if isinstance(f, In) and f.attribute == ("key",) and \
+                    all(isinstance(v, str) for v in f.value):
+                rows.key_sets += (frozenset(f.value),)
+                continue
+            if isinstance(f, StringStartsWith) and f.attribute == ("key",):
+                rows.key_prefixes += (f.value,)
+                continue
+            if not isinstance(f, EqualTo | EqualNullSafe | GreaterThan | GreaterThanOrEqual |
+                              LessThan | LessThanOrEqual) or \
+                    f.attribute not in (("key",), ("ts",), ("seq",)):
+                yield f
+                continue
+            v = _pushed_value(f)
+            if v is None:
+                yield f
+                continue
+            if f.attribute == ("key",):
+                if not isinstance(f, EqualTo | EqualNullSafe):
+                    yield f
+                    continue
+                rows.key_sets += (frozenset([v]),)
+                continue
+            lo = v + 1 if isinstance(f, GreaterThan) else \
+                v if isinstance(f, GreaterThanOrEqual | EqualTo | EqualNullSafe) else None
+            hi = v - 1 if isinstance(f, LessThan) else \
+                v if isinstance(f, LessThanOrEqual | EqualTo | EqualNullSafe) else None
+            if f.attribute == ("ts",):
+                if lo is not None:
+                    rows.ts_min = lo if rows.ts_min is None else max(rows.ts_min, lo)
+                if hi is not None:
+                    rows.ts_max = hi if rows.ts_max is None else min(rows.ts_max, hi)
+            else:
+                if lo is not None:
+                    self.seq_lo = max(self.seq_lo, lo)
+                if hi is not None:
+                    self.seq_hi = min(self.seq_hi, hi + 1)
 
     def partitions(self) -> list[InputPartition]:
         try:
             view = journal_view(self.opts.path)
         except JournalError as exc:
             raise ValueError(str(exc)) from None
-        return [RangePartition(p)
-                for p in partitions(view, START, END, split_size(view, self.opts))]
+        first = seq_at(self.opts.path, view, self.opts.starting)
+        start = max(first, self.seq_lo)
+        end = min(seq_at(self.opts.path, view, self.opts.ending), self.seq_hi)
+        if start >= end:
+            return []
+        # Rows missing from where the read starts are lost; a seq filter only selects.
+        missing = [(max(lo, start), hi) for lo, hi in gaps(view, first, end) if hi > start]
+        _check_loss(missing, self.opts.fail_on_data_loss, "")
+        rows = self.rows
+
+        def keep(b: BlockInfo) -> bool:
+            return rows.keeps_block(b.min_ts, b.max_ts)
+
+        size = split_size(view, self.opts, start, end, rows)
+        return [RangePartition(p) for p in partitions(view, start, end, size, keep)]
 
     def read(self, partition: InputPartition) -> Iterator:
-        return _read(self.opts, partition, self.columns)
+        return _read(self.opts, self.rows, partition, self.columns)
+
+
+def _check_loss(missing: list[tuple[int, int]], fail: bool, context: str) -> int:
+    """Fail the query on rows the journal no longer has, or log them; their count."""
+    count = sum(hi - lo for lo, hi in missing)
+    if not count:
+        return 0
+    text = "; ".join(lost_message(lo, hi, "removed by retention or moved aside as damaged")
+                     for lo, hi in missing[:3]) + (" ..." if len(missing) > 3 else "")
+    if fail:
+        raise DataLoss(f"{context}{text}{_HINT}")
+    log.warning("%s%s; skipped (failOnDataLoss=false)", context, text)
+    return count
 
 
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Micro-batches over the journal; see `sbus.spark.offsets` for the offset model."""
+    """Micro-batches over the journal; offsets are sequence numbers (`sbus.spark.offsets`).
+    Rows found gone are counted in the end offset's ``lost`` field with
+    ``failOnDataLoss=false`` (so they show in the query's progress), else fail the query."""
 
-    def __init__(self, opts: _Options, columns: pa.Schema) -> None:
+    def __init__(self, opts: ReadOptions, columns: pa.Schema) -> None:
         self.opts = opts
         self.columns = columns
+        self.rows = RowFilter(pattern=opts.pattern)
         self._cache: dict = {}
         self._target: Offset | None = None
 
@@ -202,10 +297,14 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         except JournalError:
             return []  # no journal yet: nothing to read until the recorder creates it
 
+    def _end(self, view: View) -> Offset | None:
+        if self.opts.ending.kind == "latest":
+            return None
+        return Offset(seq_at(self.opts.path, view, self.opts.ending))
+
     def initialOffset(self) -> dict:
-        if self.opts.starting == "latest":
-            return advance(self._view(), START).to_dict()
-        return START.to_dict()
+        view = self._view()
+        return Offset(seq_at(self.opts.path, view, self.opts.starting)).to_dict()
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_rows is None:
@@ -213,9 +312,14 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(self.opts.max_rows)
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        view = self._view()
+        s = Offset.from_dict(start, view)
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        return advance(self._view(), Offset.from_dict(start), max_rows,
-                       self._target).to_dict()
+        targets = [t for t in (self._target, self._end(view)) if t is not None]
+        end = advance(view, s, max_rows, min(targets) if targets else None)
+        lost = _check_loss(gaps(view, s.seq, end.seq), self.opts.fail_on_data_loss,
+                           "streaming query: ")
+        return Offset(end.seq, s.lost + lost).to_dict()
 
     def reportLatestOffset(self) -> dict:
         return advance(self._view(), START).to_dict()
@@ -225,15 +329,16 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
         view = self._view()
-        s, e = Offset.from_dict(start), Offset.from_dict(end)
-        if view and s.segment and s.segment < view[0][0]:
-            log.warning("journal segments before %d were removed (retention) before they "
-                        "were read: rows lost", view[0][0])
+        s, e = Offset.from_dict(start, view), Offset.from_dict(end, view)
+        missing = gaps(view, s.seq, e.seq)
+        if sum(hi - lo for lo, hi in missing) > e.lost - s.lost:  # gone since it was planned
+            _check_loss(missing, self.opts.fail_on_data_loss, "micro-batch replayed: ")
         return [RangePartition(p)
-                for p in partitions(view, s, e, split_size(view, self.opts, s, e))]
+                for p in partitions(view, s.seq, e.seq, split_size(view, self.opts, s.seq,
+                                                                    e.seq))]
 
     def read(self, partition: InputPartition) -> Iterator:
-        return _read(self.opts, partition, self.columns)
+        return _read(self.opts, self.rows, partition, self.columns)
 
     def commit(self, end: dict) -> None:
         pass

@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..client import SbusError, default_address
-from ..defaults import size_arg
+from ..defaults import default_address, size_arg
+from ..errors import SbusError
+from ..extras import missing_extra_message
 from .model import SortBy, ViewOptions
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "run", "main", "build_parser"]
 
 _SORTS = {s.name.lower().replace("_", "-"): s for s in SortBy}
 
@@ -86,17 +87,32 @@ def run(args: argparse.Namespace) -> int:
     return run_live(settings)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The ``sbus-top`` console script: the same as ``sbus top``."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sbus-top`` command's parser (also read by the man page and completion)."""
+    from ..version import version
+
     parser = argparse.ArgumentParser(prog="sbus-top", description="live traffic monitor")
+    parser.add_argument("-V", "--version", action="version", version=f"sbus-top {version()}",
+                        help="print the version and exit")
     parser.add_argument("--address", default=None, metavar="PATH",
                         help=f"broker socket (default $SBUS_ADDRESS, else {default_address()})")
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``sbus-top`` console script: the same as ``sbus top``."""
+    args = build_parser().parse_args(argv)
     try:
         return run(args) or 0
     except SbusError as exc:
         print(f"sbus-top: {exc}", file=sys.stderr)
+        return 1
+    except ImportError as exc:
+        message = missing_extra_message("sbus-top", exc)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

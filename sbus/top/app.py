@@ -16,7 +16,8 @@ import trio
 from rich.console import Console
 from rich.live import Live
 
-from ..client import SbusError, default_address
+from ..defaults import default_address
+from ..errors import SbusError
 from .controls import Action, Controls
 from .model import Snapshot, TrafficModel, ViewOptions, preview
 from .reader import Reader, tick_forever
@@ -65,8 +66,12 @@ class _Screen:
         fit = layout(height)
         snap = self.model.snapshot(time.monotonic(), self.controls.options,
                                    limit=fit.rows, recent=fit.recent)
+        # scrolling past the end stops at the last page: Up then moves from there
+        self.controls.options.scroll = snap.options.scroll
+        self.controls.page = fit.rows
         self.live.update(render(snap, width, height, paused=self.controls.paused,
-                                editing=self.controls.editing), refresh=True)
+                                editing=self.controls.editing, helping=self.controls.helping),
+                         refresh=True)
 
     async def run(self) -> None:
         while True:
@@ -126,13 +131,15 @@ async def _live(settings: Settings) -> int:
     model = _model(settings)
     controls = Controls(settings.options)
     reader = Reader(model, settings.address, settings.patterns, retry=settings.retry)
+    bus = await reader.connect()  # no broker at the start: say why and exit, not retry
     console = Console()
     fd = sys.stdin.fileno()
     with cbreak(fd), Live(console=console, screen=True, auto_refresh=False,
                           redirect_stdout=False, redirect_stderr=False) as live:
         screen = _Screen(live, console, model, controls, settings.interval)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(reader.run)
+            nursery.start_soon(reader.run, bus)
+            nursery.start_soon(reader.ask_status_forever)
             nursery.start_soon(tick_forever, model)
             nursery.start_soon(screen.run)
             nursery.start_soon(_keyboard, fd, controls, model, screen, nursery.cancel_scope)

@@ -10,22 +10,23 @@ filtering) happens in `TrafficModel.tick` once a second or in
 from __future__ import annotations
 
 import heapq
+import json
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..protocol import Control, ProtocolError, Publish, encode, parse
+from ..protocol import DROPPED, Control, ProtocolError, Publish, encode, parse
 from ..routing import matches
 
 __all__ = [
     "KeyStats", "Row", "Message", "Snapshot", "SortBy", "ViewOptions", "TrafficModel",
-    "group_key", "compile_filter", "preview",
+    "group_key", "compile_filter", "preview", "CLIENT_SORT", "client_value", "KEYS_PANE",
+    "CLIENTS_PANE",
 ]
 
 SEP = b"/"
 #: The broker's report that it dropped messages meant for us (payload: a decimal count).
-DROPPED_KEY = b"blocking/dropped"
 
 
 class SortBy(Enum):
@@ -40,6 +41,21 @@ class SortBy(Enum):
     def next(self) -> SortBy:
         members = list(SortBy)
         return members[(members.index(self) + 1) % len(members)]
+
+
+#: `ViewOptions.pane` values.
+KEYS_PANE, CLIENTS_PANE = "keys", "clients"
+#: The clients pane's columns sort as the keys table's do (id for the name).
+CLIENT_SORT = {"RATE": "queued_bytes", "BYTE_RATE": "queued_bytes", "TOTAL": "dropped",
+               "LAST": "subscriptions", "KEY": "id"}
+
+
+def client_value(client: dict, name: str) -> object:
+    """A field of the broker's answer about one client; ``dropped`` is the total if the
+    broker gives one, else what it has not reported yet (``dropped_unreported``)."""
+    if name == "dropped" and "dropped" not in client:
+        name = "dropped_unreported"
+    return client.get(name)
 
 
 #: Payload bytes kept per key and per recent message for previews (a preview shows less).
@@ -94,6 +110,9 @@ class ViewOptions:
     sort: SortBy = SortBy.RATE
     filter: str = ""
     depth: int = 0  # 0: one row per key; N: one row per prefix of N segments
+    reverse: bool = False  # smallest first (names: Z to A)
+    scroll: int = 0  # rows skipped at the top of the table (clamped by `snapshot`)
+    pane: str = KEYS_PANE  # or CLIENTS_PANE
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +135,12 @@ class Snapshot:
     row_count: int  # rows before `limit` cut them
     recent: list[Message]
     options: ViewOptions = field(default_factory=ViewOptions)
+    #: the clients pane: the rows shown (the broker's words, see sbus/introspect.py),
+    #: how many there are, and a note when there are none to show (why)
+    clients: list[dict] = field(default_factory=list)
+    client_count: int = 0
+    clients_note: str = ""
+    problem: str = ""
 
 
 def group_key(key: bytes, depth: int) -> bytes:
@@ -186,6 +211,9 @@ class TrafficModel:
         self.started = now
         self.address = address
         self.state = "connecting"
+        self.problem = ""  # why the reader is not connected (shown while it retries)
+        self.clients: list[dict] = []
+        self.clients_note = "asking the broker…"
         self._history_len = history
         self._recent_len = recent
         self.clear(now)
@@ -273,9 +301,26 @@ class TrafficModel:
         """`feed_packets` for events (tests, callers that already parsed)."""
         return self.feed_packets([encode(ev) for ev in events], now)
 
+    def take_status(self, payload: bytes | None) -> None:
+        """The broker's answer to ``CMSG broker/status``: keep its clients (what a page of
+        the answer holds; only dicts, so a strange answer cannot break the screen)."""
+        try:
+            answer = json.loads(payload or b"{}")
+            clients = [c for c in answer.get("clients", []) if isinstance(c, dict)]
+        except (ValueError, AttributeError, TypeError, RecursionError):
+            self.clients, self.clients_note = [], "the broker's status answer was not JSON"
+            return
+        self.clients = clients
+        you = answer.get("broker", {}).get("you") if isinstance(answer.get("broker"), dict) \
+            else None
+        for c in clients:
+            c["you"] = c.get("id") == you
+        more = " (the first page of the broker's answer)" if answer.get("more") else ""
+        self.clients_note = ("no clients visible to you" if not clients else "") + more
+
     def _control(self, ev: Control) -> bool:
         """Take in a drop report (True), or say this control message is not one."""
-        if ev.key != DROPPED_KEY:
+        if ev.key != DROPPED:
             return False
         try:
             self.dropped += int(ev.payload or b"0")
@@ -328,25 +373,45 @@ class TrafficModel:
 
     def rows(self, now: float, options: ViewOptions,
              limit: int | None = None) -> tuple[list[Row], int]:
-        """The first *limit* rows in *options*' order, and how many rows there are in all.
+        """*limit* rows in *options*' order from row ``options.scroll`` on (moved back so
+        that a full page shows), and how many rows there are in all.
 
         Only the rows shown are built: with 10 000 keys a redraw ranks 10 000 entries
         but makes ~20 `Row` objects."""
         entries = self._entries(options)
+        start = _first_row(options.scroll, limit, len(entries))
         rank = _RANKS[options.sort]
-        if limit is not None and limit < len(entries):
-            chosen = heapq.nsmallest(limit, entries, key=rank)
+        if limit is not None and start + limit < len(entries):
+            pick = heapq.nlargest if options.reverse else heapq.nsmallest
+            chosen = pick(start + limit, entries, key=rank)[start:]
         else:
-            chosen = sorted(entries, key=rank)
+            chosen = sorted(entries, key=rank, reverse=options.reverse)[start:]
         rows = [Row(name, st.rate, st.byte_rate, st.count, now - st.last_seen,
                     st.last_payload, getattr(st, "keys", 1)) for name, st in chosen]
         return rows, len(entries)
+
+    def client_rows(self, options: ViewOptions, limit: int | None) -> list[dict]:
+        """The clients pane's rows: sorted like the keys (queue bytes, drops,
+        subscriptions, or id), scrolled."""
+        field_ = CLIENT_SORT[options.sort.name]
+
+        def rank(c: dict):
+            value = client_value(c, field_)
+            return value if isinstance(value, int | float) else 0
+
+        ordered = sorted(self.clients, key=rank, reverse=(field_ != "id") != options.reverse)
+        start = _first_row(options.scroll, limit, len(ordered))
+        return ordered[start:] if limit is None else ordered[start:start + limit]
 
     def snapshot(self, now: float, options: ViewOptions | None = None,
                  limit: int | None = None, recent: int | None = None) -> Snapshot:
         """What to show now: the first *limit* rows in *options*' order, *recent* messages."""
         options = options or ViewOptions()
-        rows, row_count = self.rows(now, options, limit)
+        clients = options.pane == CLIENTS_PANE
+        count = len(self.clients) if clients else None
+        rows, row_count = ([], len(self._entries(options))) if clients else \
+            self.rows(now, options, limit)
+        scroll = _first_row(options.scroll, limit, count if clients else row_count)
         keep = compile_filter(options.filter)
         messages = [m for m in self.recent if keep(m.key)]
         if recent is not None:
@@ -357,8 +422,19 @@ class TrafficModel:
             total_bytes=self.total_bytes, keys=len(self.keys), evicted=self.evicted,
             dropped=self.dropped, history=list(self.history), rows=rows,
             row_count=row_count, recent=messages,
-            options=ViewOptions(options.sort, options.filter, options.depth),
+            options=ViewOptions(options.sort, options.filter, options.depth, options.reverse,
+                                scroll, options.pane),
+            clients=self.client_rows(options, limit) if clients else [],
+            client_count=len(self.clients), clients_note=self.clients_note,
+            problem=self.problem,
         )
+
+
+def _first_row(scroll: int, limit: int | None, count: int) -> int:
+    """The first row shown: *scroll*, but never past the last full page."""
+    if limit is None:
+        return 0
+    return max(0, min(scroll, count - limit))
 
 
 class _Group:

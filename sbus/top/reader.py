@@ -13,8 +13,12 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from ..client import AsyncClient, SbusError
-from ..protocol import WHOAMI
+from .. import protocol
+from ..client import AsyncClient
+from ..defaults import default_address
+from ..errors import ConnectError, ConnectionLost
+from ..protocol import REFUSED, STATUS
+from ..session import Backoff
 from .model import TrafficModel
 
 __all__ = ["Reader", "tick_forever", "CONNECTED", "RETRYING"]
@@ -22,13 +26,15 @@ __all__ = ["Reader", "tick_forever", "CONNECTED", "RETRYING"]
 CONNECTED = "connected"
 RETRYING = "disconnected — retrying"
 BATCH = 4096
+_ASK_STATUS = protocol.encode(protocol.Control(STATUS))
 
 
 class Reader:
     """Subscribes *patterns* at *address* and counts everything into *model*.
 
     `run` never returns: when the broker goes away the model's state says so and the
-    reader tries again every *retry* seconds, subscribing afresh once it is back."""
+    client reconnects (the session's `Backoff`, at most *retry* seconds apart) and
+    subscribes afresh once it is back."""
 
     def __init__(self, model: TrafficModel, address: str | None, patterns: Sequence[bytes],
                  *, retry: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
@@ -38,57 +44,78 @@ class Reader:
         self.retry = retry
         self.clock = clock
         self.connects = 0
+        self.bus: AsyncClient | None = None  # while connected
+
+    def _backoff(self) -> Backoff:
+        return Backoff(first=min(0.05, self.retry), maximum=self.retry)
+
+    def _connection(self, up: bool, line: str) -> None:
+        if up:
+            self.connects += 1
+            self.model.state, self.model.problem = CONNECTED, ""
+        else:
+            self.model.state = RETRYING
+            self.model.problem = _reason(line.split("; ")[0], self.address)
 
     async def connect(self) -> AsyncClient:
-        """One attempt: connect, subscribe, and ask whoami, whose answer (seen by the
-        pump) says the subscriptions are in place.  Raises `SbusError`."""
-        bus = await AsyncClient.connect(self.address)
+        """One attempt: connect and subscribe; the subscriptions are in force on return
+        (a refused one raises `Refused`).  Raises `SbusError`."""
+        bus = AsyncClient(self.address, reconnect=True, on_connection=self._connection,
+                          backoff=self._backoff())
+        await bus.open()
         try:
             for pattern in self.patterns:
-                await bus.subscribe(pattern)
-            await bus.control(WHOAMI)
+                await bus.subscribe(pattern, wait=False)
+            await bus.sync()
         except BaseException:
             await bus.aclose()
             raise
-        self.connects += 1
-        self.model.state = CONNECTED
+        self._connection(True, "connected")
         return bus
 
     async def run(self, bus: AsyncClient | None = None, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Read forever, starting with *bus* if given (a `connect` result).  Reports
         started (``nursery.start``) once the first subscriptions are in place."""
-        started = False
-        while True:
-            if bus is None:
-                try:
-                    bus = await self.connect()
-                except SbusError:  # includes ConnectError
-                    self.model.state = RETRYING
-                    await trio.sleep(self.retry)
-                    continue
-            def subscribed() -> None:
-                nonlocal started
-                if not started:
-                    started = True
-                    task_status.started()
-
+        backoff = self._backoff()
+        while bus is None:
             try:
-                await self._pump(bus, subscribed)
-            except SbusError:
+                bus = await self.connect()
+            except (ConnectError, ConnectionLost, TimeoutError) as exc:  # refusals raise
                 self.model.state = RETRYING
-            finally:
-                await bus.aclose()
-                bus = None
+                self.model.problem = _reason(str(exc), self.address)
+                await trio.sleep(backoff.next())
+        task_status.started()
+        self.bus = bus
+        try:
+            feed, clock, model = self.model.feed_packets, self.clock, self.model
+            while True:  # reconnects inside receive_packets
+                for ev in feed(await bus.receive_packets(BATCH), clock()):
+                    if ev.key == STATUS:
+                        model.take_status(ev.payload)
+                    elif ev.key == REFUSED + b"/cmsg" and STATUS in (ev.payload or b""):
+                        model.clients_note = "this broker does not answer broker/status"
+        finally:
+            self.bus = None
+            await bus.aclose()
 
-    async def _pump(self, bus: AsyncClient, subscribed: Callable[[], None]) -> None:
-        """Drain the socket in batches into the model; calls *subscribed* when the broker
-        answers whoami."""
-        feed, clock = self.model.feed_packets, self.clock
+    async def ask_status_forever(self, interval: float = 1.0) -> None:
+        """Ask the broker about its clients every *interval* seconds while connected (the
+        answer comes back through `run`, in order with the traffic).  A plain send that
+        never waits: a lost connection is the reading task's to notice and restore."""
         while True:
-            for ev in feed(await bus.receive_packets(BATCH), clock()):
-                if ev.key == WHOAMI:
-                    subscribed()
+            bus = self.bus
+            if bus is not None and bus.sock is not None:
+                try:
+                    bus.sock.send(_ASK_STATUS)
+                except OSError:
+                    pass
+            await trio.sleep(interval)
+
+
+def _reason(text: str, address: str | None) -> str:
+    """The first sentence of an error, without the address (the screen shows it)."""
+    return text.split(". ")[0].replace(f" at {address or default_address()}", "")
 
 
 async def tick_forever(model: TrafficModel, interval: float = 1.0,

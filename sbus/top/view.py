@@ -17,8 +17,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ..display import printable
-from .controls import FOOTER_KEYS
-from .model import Row, Snapshot, SortBy, preview
+from .controls import FOOTER_KEYS, HELP
+from .model import CLIENT_SORT, CLIENTS_PANE, Row, Snapshot, SortBy, client_value, preview
 
 __all__ = ["Layout", "layout", "render", "fmt_rate", "fmt_bytes", "fmt_count", "fmt_age",
            "sparkline", "MIN_WIDTH", "MIN_HEIGHT"]
@@ -145,6 +145,8 @@ def _header(snap: Snapshot, paused: bool) -> list[Text]:
 
 
 def _spark(snap: Snapshot, width: int) -> Text:
+    if snap.problem and snap.state.startswith("disconnected"):
+        return Text.assemble(("why: ", "bold red"), printable(snap.problem))
     peak = max(snap.history, default=0.0)
     label = "msg/s, last minute "
     right = f" peak {fmt_rate(peak)}/s"
@@ -169,8 +171,7 @@ def _table(snap: Snapshot, width: int, nrows: int) -> Table:
     key_w, payload_w = _columns(width, max(longest, len(key_title) + 1))
 
     def head(title: str, col: SortBy) -> Text:
-        return Text(title + ("▼" if col is sort else ""),
-                    style="bold reverse" if col is sort else "bold")
+        return _head(title, col is sort, snap.options.reverse)
 
     table = Table(box=None, padding=(0, 0, 0, 1), pad_edge=False, show_edge=False,
                   header_style="bold", expand=False, collapse_padding=True)
@@ -188,6 +189,79 @@ def _table(snap: Snapshot, width: int, nrows: int) -> Table:
     for _ in range(nrows - min(nrows, len(snap.rows))):
         table.add_row("")
     return table
+
+
+def _head(title: str, sorted_by: bool, reverse: bool) -> Text:
+    """A column title; the sorted column is marked ▼ (▲ reversed)."""
+    if not sorted_by:
+        return Text(title, style="bold")
+    return Text(title + ("▲" if reverse else "▼"), style="bold reverse")
+
+
+#: The clients pane: (title, field, width); the payload-like last column takes the rest.
+_CLIENT_COLUMNS = [("id", "id", 6), ("pid", "pid", 8), ("uid", "uid", 6),
+                   ("subs", "subscriptions", 5), ("queued", "queued", 7),
+                   ("bytes", "queued_bytes", 9), ("drops", "dropped", 7),
+                   ("paused", "publishers_paused", 7), ("flood", None, 14)]
+
+
+def _number(value: object) -> str:
+    return fmt_count(value, 8) if isinstance(value, int) else "?"
+
+
+def _plain(value: object) -> str:
+    """An id: digits as they are, no separators."""
+    return str(value) if isinstance(value, int) else "?"
+
+
+def _client_cells(c: dict) -> list[Text | str]:
+    dropped = client_value(c, "dropped")
+    flood = "/".join(printable(str(c.get(k, "?")), 10) for k in ("soft", "hard"))
+    if c.get("nowait"):
+        flood += " nowait"
+    patterns = c.get("patterns") if isinstance(c.get("patterns"), list) else []
+    shown = ", ".join(printable(str(p), 60) or "''" for p in patterns[:8])
+    more = (c.get("subscriptions") or 0) - min(len(patterns), 8)
+    if isinstance(more, int) and more > 0:
+        shown += f" (+{more})"
+    me = "*" if c.get("you") else ""
+    return [Text(_plain(c.get("id")) + me, style="cyan"), _plain(c.get("pid")),
+            _plain(c.get("uid")), _number(c.get("subscriptions")), _number(c.get("queued")),
+            fmt_bytes(c["queued_bytes"]) if isinstance(c.get("queued_bytes"), int) else "?",
+            Text(_number(dropped), style="bold red" if _number(dropped) not in ("0", "?") else ""),
+            _number(c.get("publishers_paused")), flood,
+            Text(shown)]
+
+
+def _clients_table(snap: Snapshot, width: int, nrows: int) -> Table:
+    sorted_field = CLIENT_SORT[snap.options.sort.name]
+    table = Table(box=None, padding=(0, 0, 0, 1), pad_edge=False, show_edge=False,
+                  header_style="bold", expand=False, collapse_padding=True)
+    rest = width
+    for title, name, w in _CLIENT_COLUMNS:
+        table.add_column(_head(title, name == sorted_field, snap.options.reverse), width=w,
+                         justify="left" if name is None else "right", no_wrap=True,
+                         overflow="ellipsis")
+        rest -= w + 1
+    table.add_column(Text("patterns", style="bold"), width=max(10, rest), no_wrap=True,
+                     overflow="ellipsis")
+    rows = snap.clients[:nrows]
+    for c in rows:
+        table.add_row(*_client_cells(c))
+    if not rows and snap.clients_note:
+        table.add_row(*[""] * len(_CLIENT_COLUMNS), Text(snap.clients_note, style="dim"))
+        rows = [{}]
+    for _ in range(nrows - len(rows)):
+        table.add_row("")
+    return table
+
+
+def _help(nrows: int, width: int) -> list[Text]:
+    lines = [Text("keys (any key closes this help)", style="bold")]
+    for key, what in HELP:
+        lines.append(Text.assemble((f" {key:<10}", "bold"), " ", what))
+    lines = lines[:nrows + 1]
+    return lines + [Text("")] * (nrows + 1 - len(lines))
 
 
 def _name(row: Row, grouped: bool) -> str:
@@ -230,28 +304,37 @@ def _footer(snap: Snapshot, editing: bool, width: int) -> Text:
     if editing:
         return Text.assemble((" filter: ", "bold reverse"), opts.filter, ("█", "blink"),
                              ("  Enter keep · Esc cancel · * or trailing / = pattern", "dim"))
-    info = {"s": f"sort:{opts.sort.value}",
+    info = {"s": f"sort:{opts.sort.value}" + (" rev" if opts.reverse else ""),
             "/": f"filter:{opts.filter}" if opts.filter else "filter",
             "g": f"group:{opts.depth}" if opts.depth else "group"}
     out = Text()
     for key, what in FOOTER_KEYS:
         out.append(key, style="bold reverse")
         out.append(f" {info.get(key, what)} ")
-    if snap.row_count > len(snap.rows):
-        out.append(f" {len(snap.rows)}/{snap.row_count} rows", style="dim")
+    shown, count = ((len(snap.clients), snap.client_count) if opts.pane == CLIENTS_PANE
+                    else (len(snap.rows), snap.row_count))
+    if count > shown:
+        where = f"{opts.scroll + 1}-{opts.scroll + shown}" if opts.scroll else f"{shown}"
+        out.append(f" {where}/{count}", style="dim")
     out.truncate(width, overflow="ellipsis")
     return out
 
 
 def render(snap: Snapshot, width: int, height: int, *, paused: bool = False,
-           editing: bool = False, wall: float | None = None) -> RenderableType:
+           editing: bool = False, helping: bool = False,
+           wall: float | None = None) -> RenderableType:
     """The whole screen for a *width*×*height* terminal (snap should hold `layout(height)`
     rows and recent messages; extra ones are cut, missing ones leave blank lines)."""
     width = max(width, MIN_WIDTH)
     fit = layout(height)
     wall = time.time() if wall is None else wall
-    parts: list[RenderableType] = [*_header(snap, paused), _spark(snap, width),
-                                   _table(snap, width, fit.rows)]
+    parts: list[RenderableType] = [*_header(snap, paused), _spark(snap, width)]
+    if helping:
+        parts.extend(_help(fit.rows, width))
+    elif snap.options.pane == CLIENTS_PANE:
+        parts.append(_clients_table(snap, width, fit.rows))
+    else:
+        parts.append(_table(snap, width, fit.rows))
     if fit.recent:
         parts.append(Rule("recent messages", style="dim", align="left"))
         parts.extend(_recent(snap, width, fit.recent, wall))

@@ -1,0 +1,38 @@
+"""sbus request KEY [PAYLOAD]: publish a request, print the reply (sbus/request.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..client import Client, SbusError
+from ..defaults import duration_arg
+from ..display import printable
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("key", help="routing key the replier listens on")
+    p.add_argument("payload", nargs="?", help="request body (default: standard input)")
+    p.add_argument("--timeout", type=duration_arg, default=5.0, metavar="SECONDS",
+                   help="how long to wait for the reply (default 5); none: exit status 1")
+    p.add_argument("--raw", action="store_true",
+                   help="print the reply's bytes as they are also on a terminal (elsewhere "
+                        "they always are); by default a terminal gets control bytes and "
+                        "invalid UTF-8 escaped, so a reply cannot drive it")
+
+
+def run(args: argparse.Namespace) -> int:
+    body = sys.stdin.buffer.read() if args.payload is None else os.fsencode(args.payload)
+    with Client(args.address) as bus:
+        try:
+            reply = bus.request(os.fsencode(args.key), body, args.timeout)
+        except TimeoutError as exc:
+            raise SbusError(str(exc)) from None
+    if sys.stdout.isatty() and not args.raw:
+        # line by line: a multi-line answer reads as lines, each escaped
+        print("\n".join(printable(line) for line in reply.rstrip(b"\n").split(b"\n")))
+    else:
+        sys.stdout.buffer.write(reply)
+        sys.stdout.flush()
+    return 0

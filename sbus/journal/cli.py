@@ -1,0 +1,162 @@
+"""``sbus journal cat|tail|export DIR``: a recorded journal without Spark.
+
+``cat`` prints records (``--pattern``, ``--since``), ``tail`` the last ones and, with
+``-f``, those recorded from then on, ``export`` writes sealed segments as Parquet
+(`sbus.journal.export`).  Lines escape control bytes (`sbus.display`), as ``sbus sub``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+from ..defaults import parse_duration
+from ..display import json_bytes, printable
+from ..errors import SbusError
+from ..routing import matches
+from .store import JournalError, list_segments, read_seq_range, segment_blocks
+
+Record = tuple[int, int, bytes, bytes]  # seq, ts_ns, key, payload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True,
+                           help="cat, tail or export")
+    for name, helptext in (("cat", "print recorded messages"),
+                           ("tail", "print the last messages, and with -f new ones"),
+                           ("export", "write sealed segments as zstd Parquet")):
+        a = sub.add_parser(name, help=helptext, description=helptext)
+        a.add_argument("dir", metavar="DIR", help="journal directory (from sbus record)")
+        if name == "export":
+            a.add_argument("--out", "-o", required=True, metavar="DIR",
+                           help="directory for <first_seq>.parquet, one per sealed segment")
+            a.add_argument("--force", action="store_true",
+                           help="export segments again even if their file exists")
+            continue
+        a.add_argument("--pattern", default=None,
+                       help="only keys matching this routing pattern")
+        a.add_argument("--since", default=None, metavar="TIME",
+                       help="only messages received since TIME: a duration ago (10m, 2h) "
+                            "or an ISO 8601 time (UTC unless it says otherwise)")
+        a.add_argument("--format", choices=["lines", "raw", "json"], default="lines",
+                       help="lines: 'TIME SEQ KEY PAYLOAD', escaped; raw: payload bytes; "
+                            "json: one object per line (non-UTF-8 as *_base64)")
+        if name == "tail":
+            a.add_argument("-n", "--lines", type=int, default=10, metavar="N",
+                           help="how many of the last messages (default 10)")
+            a.add_argument("-f", "--follow", action="store_true",
+                           help="keep printing messages as they are recorded")
+
+
+def since_ns(text: str | None, now: float | None = None) -> int | None:
+    """``--since``: a duration before *now*, or an ISO 8601 time."""
+    if text is None:
+        return None
+    try:
+        return int(((time.time() if now is None else now) - parse_duration(text)) * 1e9)
+    except ValueError:
+        pass
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        raise SbusError(f"--since: {text!r} is neither a duration (10m, 2h) nor an ISO 8601 "
+                        "time (2026-05-01T12:00:00)") from None
+    return int((t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp() * 1e9)
+
+
+def records_from(directory: str, seq: int, pattern: bytes | None = None,
+                 since: int | None = None) -> Iterator[Record]:
+    """Records with sequence number >= *seq*, in order, as the journal is now."""
+    for seg in list_segments(directory):
+        blocks = [b for b in segment_blocks(seg) if b.next_seq > seq and
+                  (since is None or b.max_ts >= since)]
+        if not blocks:
+            continue
+        try:
+            for block in read_seq_range(directory, seg.first_seq, blocks[0].pos,
+                                        blocks[-1].end, seq, blocks[-1].next_seq):
+                for rec in block.records():
+                    if rec[0] >= seq and (since is None or rec[1] >= since) and \
+                            (pattern is None or matches(pattern, rec[2])):
+                        yield rec
+        except FileNotFoundError:
+            continue  # removed by retention while we read: its rows are gone
+
+
+def format_record(rec: Record, fmt: str) -> bytes:
+    seq, ts, key, payload = rec
+    if fmt == "raw":
+        return payload
+    when = datetime.fromtimestamp(ts / 1e9, UTC).isoformat(timespec="microseconds")[:-6] + "Z"
+    if fmt == "lines":
+        text = printable(payload.rstrip(b"\n"))
+        return f"{when} {seq} {printable(key)} {text}\n".encode()
+    obj: dict = {"seq": seq, "ts": when}
+    json_bytes(obj, "key", key)
+    json_bytes(obj, "payload", payload)
+    return json.dumps(obj).encode() + b"\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "export":
+            return _export(args)
+        pattern = None if args.pattern is None else os.fsencode(args.pattern)
+        since = since_ns(args.since)
+        out = sys.stdout.buffer
+        if args.action == "cat":
+            for rec in records_from(args.dir, 0, pattern, since):
+                out.write(format_record(rec, args.format))
+            return 0
+        if args.lines < 0:
+            raise SbusError("-n must be 0 or more")
+        last: deque[Record] = deque(maxlen=args.lines)
+        nxt = 0
+        if pattern is None and since is None:  # the last N are the last N sequence numbers
+            nxt = max(0, _next_seq(args.dir) - args.lines)
+        for rec in records_from(args.dir, nxt, pattern, since):
+            last.append(rec)
+            nxt = rec[0] + 1
+        for rec in last:
+            out.write(format_record(rec, args.format))
+        out.flush()
+        while args.follow:
+            time.sleep(0.2)
+            for rec in records_from(args.dir, nxt, pattern, since):
+                out.write(format_record(rec, args.format))
+                nxt = rec[0] + 1
+            out.flush()
+        return 0
+    except JournalError as exc:
+        raise SbusError(str(exc)) from None
+
+
+def _next_seq(directory: str) -> int:
+    for seg in reversed(list_segments(directory)):
+        blocks = segment_blocks(seg)
+        if blocks:
+            return blocks[-1].next_seq
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    try:
+        from .export import export_journal
+    except ImportError as exc:
+        raise SbusError(f"export needs pyarrow ({exc}): pip install 'sbus[spark]'") from None
+
+    def progress(e) -> None:
+        print(f"{e.segment}.parquet: {e.rows:,} rows, {e.journal_bytes:,} -> "
+              f"{e.parquet_bytes:,} bytes", file=sys.stderr, flush=True)
+
+    done = export_journal(args.dir, args.out, force=args.force, progress=progress)
+    rows = sum(e.rows for e in done)
+    print(f"sbus journal export: {len(done)} segment(s), {rows:,} rows into {args.out}",
+          file=sys.stderr)
+    return 0

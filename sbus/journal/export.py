@@ -1,0 +1,67 @@
+"""Sealed journal segments as Parquet files, for every tool that reads Parquet (DuckDB,
+pandas, Polars, Spark without this package).
+
+One file per sealed segment, ``<first_seq:020d>.parquet``, with the columns of the Spark
+source (``seq, ts, key, key_bytes, payload``; ``ts`` in microseconds UTC, ``key_bytes``
+only for keys that are not UTF-8), zstd-compressed, row groups of `ROW_GROUP` rows with
+min/max statistics, so a reader skips row groups by ``seq`` or ``ts`` as it would blocks.
+A file is written under a temporary name and renamed, so a file that exists is complete.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .store import Segment, list_segments, read_blocks, segment_blocks
+
+__all__ = ["COLUMNS", "ROW_GROUP", "Exported", "export_segment", "export_journal"]
+
+COLUMNS = ["seq", "ts", "key", "key_bytes", "payload"]
+ROW_GROUP = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    segment: str
+    rows: int
+    journal_bytes: int
+    parquet_bytes: int
+
+
+def export_segment(directory: str | os.PathLike, seg: Segment, out: Path) -> Exported:
+    """Write *seg* (sealed) as ``out/<name>.parquet``."""
+    from ..spark.arrow import arrow_schema, block_batch  # pyarrow only, no Spark
+
+    schema = arrow_schema(COLUMNS, {"seq", "ts", "key", "payload"})
+    blocks = segment_blocks(seg)
+    batches = [block_batch(b, schema) for b in
+               (read_blocks(directory, seg.first_seq, blocks[0].pos, blocks[-1].end)
+                if blocks else ())]
+    table = pa.Table.from_batches([b for b in batches if b is not None], schema)
+    target = out / f"{seg.name}.parquet"
+    tmp = out / f".{seg.name}.parquet.tmp"
+    pq.write_table(table, tmp, compression="zstd", row_group_size=ROW_GROUP,
+                   write_statistics=True)
+    os.replace(tmp, target)
+    return Exported(seg.name, table.num_rows, seg.path.stat().st_size, target.stat().st_size)
+
+
+def export_journal(directory: str | os.PathLike, out: str | os.PathLike, *,
+                   force: bool = False, progress=None) -> list[Exported]:
+    """Export every sealed segment not exported yet (all with *force*); the open segment
+    is left to the ``sbus`` source (read it from the seq after the last exported one)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = []
+    for seg in list_segments(directory):
+        if not seg.sealed or (not force and (out / f"{seg.name}.parquet").exists()):
+            continue
+        done.append(export_segment(directory, seg, out))
+        if progress is not None:
+            progress(done[-1])
+    return done

@@ -1,0 +1,289 @@
+"""Man pages, one per command, written from the argparse definitions (so they never
+disagree with ``--help``): sbus(1), sbus-COMMAND(1) for each subcommand, sbus-top(1).
+
+``python -m sbus.manpages DIR`` (or `write_manpages`) writes them; the Debian package
+installs them.  What a page says beyond the options is in `MANUAL`, written for users.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import UTC, date, datetime
+from pathlib import Path
+
+__all__ = ["write_manpages", "manpage", "escape"]
+
+_EXIT = [("0", "success"),
+         ("1", "an error, said in one line on standard error (no broker, refused, timed out)"),
+         ("2", "a wrong command line (argparse's usage message)"),
+         ("130", "interrupted with Ctrl-C")]
+
+
+def escape(text: str) -> str:
+    """Text for a roff line: backslashes and hyphens escaped, no line starting with a
+    control character (``.`` or ``'``)."""
+    text = text.replace("\\", "\\e").replace("-", "\\-")
+    lines = [("\\&" + line if line.startswith((".", "'")) else line)
+             for line in text.splitlines()]
+    return "\n".join(lines)
+
+
+def _built() -> date:
+    """The date on the pages: $SOURCE_DATE_EPOCH when a package build sets it
+    (reproducible builds), else today."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "")
+    if epoch.isdigit():
+        return datetime.fromtimestamp(int(epoch), UTC).date()
+    return date.today()
+
+
+def _flags(action: argparse.Action) -> str:
+    value = ""
+    if action.nargs != 0:
+        metavar = action.metavar or action.dest.upper()
+        if action.choices and not action.metavar:
+            metavar = "{" + ",".join(str(c) for c in action.choices) + "}"
+        value = " \\fI" + escape(str(metavar)) + "\\fR"
+    if not action.option_strings:
+        return "\\fI" + escape(str(action.metavar or action.dest)) + "\\fR"
+    return ", ".join("\\fB" + escape(f) + "\\fR" + value for f in action.option_strings)
+
+
+def _help(action: argparse.Action, parser: argparse.ArgumentParser) -> str:
+    text = action.help or ""
+    if "%" in text:
+        fmt = parser._get_formatter()
+        text = fmt._expand_help(action)
+    return text
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    """The usage lines as ``--help`` shows them, wrapped at 78 columns whatever the
+    terminal of the build."""
+    fmt = argparse.HelpFormatter(parser.prog, width=78)
+    fmt.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, prefix="")
+    return fmt.format_help().strip("\n")
+
+
+def manpage(name: str, parser: argparse.ArgumentParser, summary: str,
+            description: str = "", see_also: list[str] | None = None,
+            commands: list[tuple[str, str]] | None = None,
+            examples: list[tuple[str, str]] | None = None, doc: str = "") -> str:
+    """One man page in roff (man macros) for *parser*, named *name* (``sbus-sub``)."""
+    from .version import version
+
+    out = [f'.TH {escape(name.upper())} 1 "{_built():%B %Y}" '
+           f'"sbus {escape(version())}" "sbus manual"',
+           ".SH NAME", f"{escape(name)} \\- {escape(summary)}",
+           ".SH SYNOPSIS", ".nf", escape(_usage(parser)), ".fi"]
+    if description:
+        out += [".SH DESCRIPTION", *(escape(p) + "\n.PP" for p in description.split("\n\n"))]
+        out[-1] = out[-1].removesuffix("\n.PP")
+    if commands:
+        out.append(".SH COMMANDS")
+        for cmd, what in commands:
+            out += [".TP", f"\\fB{escape(cmd)}\\fR", escape(what)
+                    + f" (see \\fBsbus\\-{escape(cmd)}\\fR(1))"]
+    positionals = [a for a in parser._actions
+                   if not a.option_strings and not isinstance(a, argparse._SubParsersAction)]
+    if positionals:
+        out.append(".SH ARGUMENTS")
+        for a in positionals:
+            out += [".TP", _flags(a), escape(_help(a, parser))]
+    options = [a for a in parser._actions if a.option_strings]
+    if options:
+        out.append(".SH OPTIONS")
+        for a in options:
+            out += [".TP", _flags(a), escape(_help(a, parser))]
+    if examples:
+        out.append(".SH EXAMPLES")
+        for line, what in examples:
+            out += [".TP", f"\\fB{escape(line)}\\fR", escape(what)]
+    out += [".SH ENVIRONMENT", ".TP", "\\fBSBUS_ADDRESS\\fR",
+            "the broker's socket when \\fB\\-\\-address\\fR is not given "
+            "(else /run/sbus.socket)", ".SH EXIT STATUS"]
+    for code, what in _EXIT:
+        out += [".TP", code, escape(what)]
+    if see_also:
+        out += [".SH SEE ALSO", ", ".join(f"\\fB{escape(s)}\\fR(1)" for s in see_also)
+                + (f"; docs/{escape(doc)} in the sbus sources" if doc else "")]
+    return "\n".join(out) + "\n"
+
+
+#: What each page says beyond the option list: for a user, not about the code.
+#: (description paragraphs, examples as (command line, what it does), the docs/ page)
+MANUAL: dict[str, tuple[str, list[tuple[str, str]], str]] = {
+    "serve": ("Runs the broker: on the socket systemd passes (socket activation), else on "
+              "the socket file --address names, which it creates. Logs go to standard "
+              "error (the journal under systemd). SIGTERM under systemd hands every client "
+              "over to the next broker; SIGUSR2 restarts it in place the same way.",
+              [("sbus serve --address /tmp/bus.sock", "a broker for this session"),
+               ("sbus serve --max-message 1m --soft discard", "bigger messages; slow "
+                "subscribers lose messages rather than queue them")], "systemd.md"),
+    "pub": ("Publishes one message on KEY: PAYLOAD, or standard input when it is left out. "
+            "--lines makes each line of standard input its own message. With --count, "
+            "{n} and {time} in the payload are replaced per message.",
+            [("sbus pub greetings/world hello", "one message"),
+             ("journalctl -f | sbus pub --lines logs/journal", "a message per line"),
+             ("sbus pub -c 10 -i 1 ticks 'tick {n} at {time}'", "ten messages, a second "
+              "apart")], "cli.md"),
+    "sub": ("Subscribes to every PATTERN and prints the messages as they come, until "
+            "interrupted, --count messages, or --timeout seconds without one. Keys and "
+            "payloads are other people's bytes: unless --format raw or %r asks for them as "
+            "they are, control bytes and invalid UTF-8 are shown escaped. Patterns: * is "
+            "one segment, a trailing / everything below, '' everything that is not secret.",
+            [("sbus sub 'sensors/*/temp' logs/", "two patterns, KEY PAYLOAD per line"),
+             ("sbus sub -n 1 --timeout 5 jobs/done", "wait at most 5 s for one message"),
+             ("sbus sub -F '%t %k %x' ''", "time, key and hex payload of everything")],
+            "cli.md"),
+    "whoami": ("Prints the credentials path the broker sees for this connection, "
+               "!/cred/GID/UID/PID: the prefix of the secret keys only this process may "
+               "subscribe to.",
+               [("sbus whoami", "prints e.g. !/cred/1000/1000/4242 (a new process, so a "
+                 "new PID, each time)"),
+                ("sbus whoami --address /run/user/1000/sbus.socket", "who the user bus "
+                 "sees")], "protocol.md"),
+    "status": ("Asks the broker about itself: totals, and the clients you may see (your own "
+               "user's; every client for root) with their subscriptions, queues, drops and "
+               "flood policy. --json prints the whole answer.",
+               [("sbus status --json | jq '.clients[].patterns'", "every pattern you hold")],
+               "protocol.md"),
+    "ping": ("Measures round trips to the broker, like ping(8): each is a whoami question "
+             "and its answer.", [("sbus ping -c 10 -i 0", "ten round trips at once")],
+             "cli.md"),
+    "bench": ("Measures publish/subscribe throughput and one-way latency against the running "
+              "broker, like nats bench: publisher and subscriber processes on one key, a "
+              "progress line on the terminal, and a table at the end. Subscribers use the "
+              "block policy, so nothing is lost unless --lossy; drops and reordering are "
+              "counted and make the exit status 1.",
+              [("sbus bench --pub 2 --sub 4 --msgs 200000 --size 256", "six processes")],
+              "performance.md"),
+    "install-units": ("Writes the systemd units (sbus.socket, sbus.service) for this "
+                      "installation of sbus, for the system or, with --user, for your user "
+                      "manager, and reloads systemd.",
+                      [("sbus install-units --user && systemctl --user start sbus.socket",
+                        "a broker for your user")], "systemd.md"),
+    "mount": ("Shows the bus as files under MOUNTPOINT: reading a key's file waits for its "
+              "messages, writing publishes. Runs until interrupted or fusermount3 -u; "
+              "--daemon returns once the mount is usable.",
+              [("sbus mount --daemon /mnt/bus && cat /mnt/bus/sensors/kitchen/temp",
+                "read a key as a file")], "fuse.md"),
+    "record": ("Records the messages matching every PATTERN into a journal directory: "
+               "segments of column blocks, sealed by size and age, old ones deleted by "
+               "--keep and --keep-bytes. sbus analyze and the Spark data source read it.",
+               [("sbus record --dir /var/lib/sbus/journal ''", "record everything")],
+               "spark.md"),
+    "journal": ("Reads a journal that sbus record wrote, without Spark: cat prints its "
+                "messages (escaped lines, raw payloads or JSON), tail the last ones and, with "
+                "-f, those recorded from then on; --pattern and --since narrow both. export "
+                "writes each sealed segment as a zstd Parquet file that pyarrow, DuckDB, "
+                "pandas, Polars and Spark read.",
+                [("sbus journal tail -f --pattern 'sensors/*/temp' /var/lib/sbus/journal",
+                  "follow one kind of key"),
+                 ("sbus journal export /var/lib/sbus/journal --out /srv/parquet",
+                  "Parquet for every tool")], "spark.md"),
+    "analyze": ("Analyses a journal with Spark: per-key and per-prefix statistics and "
+                "traffic per time window as Parquet, a report and a plot; or, with --stream, "
+                "per-window rollups published back onto the bus.",
+                [("sbus analyze /var/lib/sbus/journal --out report/", "a batch report")],
+                "spark.md"),
+    "gateway": ("Lets remote clients publish and subscribe over TCP or TLS (and publish over "
+                "HTTPS) through one connection to the local broker. Publishers authenticate "
+                "with the secret in --auth-key-file. It logs 'listening on HOST:PORT' with "
+                "the real port, also for port 0.",
+                [("sbus gateway --listen 0.0.0.0:7777 --auth-key-file /etc/sbus/key "
+                  "--tls-cert cert.pem --tls-key key.pem", "a TLS gateway")], "gateway.md"),
+    "request": ("Publishes a request on KEY and prints the first reply, which comes back on "
+                "a private inbox (a secret key only this process can read). On a terminal "
+                "the reply is shown escaped; into a pipe it goes as it is.",
+                [("sbus request svc/upper hello", "prints HELLO if sbus reply serves it")],
+                "protocol.md"),
+    "reply": ("Answers the requests on PATTERN: runs COMMAND once per request with the "
+              "request's body on its standard input and its key in $SBUS_KEY, and replies "
+              "with what it prints. One request at a time.",
+              [("sbus reply svc/upper -- tr a-z A-Z", "an upper-casing service")],
+              "protocol.md"),
+    "completion": ("Prints the completion script for bash or zsh: commands, options, "
+                   "choices, files and directories.",
+                   [("source <(sbus completion bash)", "in ~/.bashrc"),
+                    ("sbus completion zsh > /usr/share/zsh/vendor-completions/_sbus",
+                     "for every zsh user")], "cli.md"),
+    "bridge": ("Joins the local bus to an MQTT broker (MQTT 5, paho-mqtt): messages on "
+               "the --export patterns go out as MQTT topics, topics covered by the --import "
+               "patterns come in as keys, each side under its own prefix (--export-map, "
+               "--import-map). Keys MQTT cannot carry (+, #, invalid UTF-8, control "
+               "characters) and secret keys are refused, never escaped; its own messages "
+               "never come back (No Local and a user property). Local publishers never wait "
+               "for MQTT. Both sides reconnect with backoff; under systemd, STATUS= shows "
+               "the exported, imported, dropped, refused, looped and filtered counts.",
+               [("sbus bridge --mqtt mqtt://broker:1883 --export sensors/ --export-map "
+                 "sensors/=site/robot7/sensors/", "this host's sensors under its name"),
+                ("sbus bridge --mqtt mqtts://broker:8883 --cafile ca.pem --import "
+                 "'fleet/*/sensors/' --import-map fleet/=site/", "every host's sensors, "
+                 "over TLS")], "bridge.md"),
+    "top": ("sbus-top connects as an ordinary client, subscribes to the patterns given "
+            "(everything that is not secret by default) and shows what flows: rates per "
+            "key, payloads, recent messages, and the clients the broker lets you see (Tab). "
+            "It is the same as sbus top. Without a broker at the start it says why and "
+            "exits 1; a broker that goes away later is retried.\n\nKeys: q quit, p "
+            "pause, s next sort column, r reverse the sort, / filter, g group by prefix, "
+            "+ and - group depth, c clear, Tab the keys or the clients, arrows, PgUp/PgDn "
+            "and Home/End scroll, ? help.",
+            [("sbus-top 'sensors/*/temp' orders/", "watch two patterns"),
+             ("sbus-top --json --seconds 5", "count for 5 s, print JSON")], "top.md"),
+}
+
+
+def pages() -> dict[str, str]:
+    """File name -> man page text, for every command."""
+    from .cli import COMMANDS, build_parser
+    from .top import build_parser as top_parser
+
+    parser, _ = build_parser([], everything=True)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    names = [f"sbus-{name}" for name in COMMANDS]
+    out = {"sbus.1": manpage(
+        "sbus", parser, "a small, fast publish/subscribe message bus",
+        "sbus is a publish/subscribe message bus for Linux: a broker on a unix-domain "
+        "SOCK_SEQPACKET socket, and clients that subscribe to routing-key patterns and "
+        "publish messages the broker forwards, in order, to every matching subscriber. "
+        "Each command has its own page.",
+        see_also=[*names, "sbus-top"], commands=[(n, h) for n, (_, h) in COMMANDS.items()])}
+    for name, (_, helptext) in COMMANDS.items():
+        text, examples, doc = MANUAL.get(name, ("", [], ""))
+        if name == "top":
+            page, summary = top_parser(), "live traffic monitor for the bus"
+        else:
+            page, summary = sub.choices[name], helptext
+            page.prog = f"sbus {name}"
+        out[f"sbus-{name}.1"] = manpage(f"sbus-{name}", page, summary, text, ["sbus"],
+                                        examples=examples, doc=doc)
+    return out
+
+
+def write_manpages(directory: str | Path) -> list[Path]:
+    """Write every page into *directory* (created if missing); returns the files."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for filename, text in pages().items():
+        path = directory / filename
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: python -m sbus.manpages DIRECTORY", file=sys.stderr)
+        return 2
+    for path in write_manpages(argv[0]):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""The client side of the sbus protocol, sans-IO: intents in, packets out; packets in,
+events out.
+
+One `Session` per logical client, across as many connections as reconnects make.  It
+holds what a client must remember because the broker keeps nothing for it (patterns
+to subscribe again, its flood policy), checks every request with the broker's own
+rules before it becomes bytes (`InvalidRequest`, nothing sent), and turns each packet
+from the broker into one event:
+
+=============  ==============================================================
+`Publish`      a message (``.key``, ``.payload``)
+`Dropped`      ``CMSG blocking/dropped``: the broker lost ``.count`` messages for us
+`Whoami`       the answer to ``CMSG !/cred/whoami``: this connection's credentials
+`Refusal`      ``CMSG refused/VERB``: the broker refused one of our packets
+`Control`      any other control message from the broker
+=============  ==============================================================
+
+The whoami question doubles as a barrier: the broker answers packets in order, so
+when the answer to a question comes, every packet sent before the question has been
+acted on, and any refusal of them has arrived.  `asked` counts the questions in
+flight; the I/O shells (`sbus.client`, the fast readers) wait on it.
+
+`Backoff` is the one reconnect policy every component uses.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import protocol
+from .defaults import MAX_MESSAGE
+from .display import brief
+from .errors import InvalidRequest, Refused
+from .keys import Credentials, KeyRules
+from .protocol import DROPPED, REFUSED, WHOAMI, Control, Publish, Subscribe
+
+__all__ = ["Session", "Backoff", "Dropped", "Whoami", "Refusal", "Event", "Publish",
+           "Control", "FLOOD_VALUES"]
+
+#: What each flood setting accepts (docs/protocol.md, sbus/flood.py).
+FLOOD_VALUES: dict[str, tuple[str, ...]] = {
+    "soft": ("queue", "discard", "block", "error"),
+    "hard": ("discard", "block", "error"),
+    "order": ("queue", "stack", "random"),
+}
+_FLOOD_KEYS = {"soft": protocol.SOFT, "hard": protocol.HARD, "order": protocol.ORDER}
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """The broker dropped *count* messages for this client (between the message before
+    this report and the one after)."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Whoami:
+    """The broker's answer to whoami: ``!/cred/GID/UID/PID`` (or nested)."""
+
+    path: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """The broker refused one of our packets; *verb* is ``sub``, ``unsub``, ``msg``,
+    ``cmsg`` or ``packet``, *reason* one line."""
+
+    verb: str
+    reason: str
+
+    def error(self) -> Refused:
+        return Refused(self.verb, self.reason)
+
+
+Event = Publish | Dropped | Whoami | Refusal | Control
+
+
+def _b(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _encode(event: protocol.Event) -> bytes:
+    try:
+        return protocol.encode(event)
+    except protocol.ProtocolError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def _flood(name: str, value: bytes) -> bytes:
+    return _encode(Control(_FLOOD_KEYS[name] + b"/" + value))
+
+
+class Session:
+    """One client's protocol state; see the module docstring.  Every method that returns
+    bytes has already updated the state as if they were sent."""
+
+    def __init__(self, *, sep: bytes = b"/", max_message: int = MAX_MESSAGE) -> None:
+        self.rules = KeyRules(sep)
+        self.max_message = max_message
+        #: Patterns in force, with multiplicity (two SUB x need two UNSUB x).
+        self.patterns: Counter[bytes] = Counter()
+        #: Flood settings asked for ("soft"/"hard"/"order" -> value), re-sent on reconnect.
+        self.flood: dict[str, bytes] = {}
+        self.nowait = False
+        #: Whoami questions sent and not yet answered (the barrier).
+        self.asked = 0
+        #: The last whoami answer, and its parse when it is a credentials path.
+        self.whoami: bytes | None = None
+        self.cred: Credentials | None = None
+        #: Messages the broker reported dropping for us, in total.
+        self.dropped = 0
+        #: Connections made (1 after the first `connected`).
+        self.connections = 0
+
+    # -- intents -> packets ------------------------------------------------------
+
+    def connected(self) -> list[bytes]:
+        """A new connection is up: what to send first.  On a reconnect that is the flood
+        policy and every pattern again, then a whoami question (the barrier after which
+        the subscriptions are in force again); on the first connection, nothing."""
+        self.connections += 1
+        if self.connections == 1:
+            return []
+        return self.opening()
+
+    def opening(self) -> list[bytes]:
+        """Everything this session asked for, as the first packets of a fresh connection:
+        the flood policy, every pattern, and a whoami question (the barrier)."""
+        self.asked = 0  # questions on an old connection will never be answered
+        out = self._policy()
+        out += [_encode(Subscribe(p)) for p, n in self.patterns.items() for _ in range(n)]
+        out.append(self.ask())
+        return out
+
+    def _policy(self) -> list[bytes]:
+        out = [_flood(name, value) for name, value in self.flood.items()]
+        if self.nowait:
+            out.append(_encode(Control(protocol.PUBLISHER_NOWAIT)))
+        return out
+
+    def subscribe(self, pattern: bytes | str) -> bytes:
+        pattern = _b(pattern)
+        packet = _encode(Subscribe(pattern))
+        self.rules.check_pattern(pattern, self.cred)
+        self.patterns[pattern] += 1
+        return packet
+
+    def unsubscribe(self, pattern: bytes | str) -> bytes:
+        pattern = _b(pattern)
+        if self.patterns[pattern] <= 0:
+            del self.patterns[pattern]
+            raise InvalidRequest(f"not subscribed to {brief(pattern)}")
+        self.patterns[pattern] -= 1
+        if not self.patterns[pattern]:
+            del self.patterns[pattern]
+        return _encode(protocol.Unsubscribe(pattern))
+
+    def publish(self, key: bytes | str, payload: bytes | str = b"") -> bytes:
+        key = _b(key)
+        packet = _encode(Publish(key, _b(payload)))
+        self.rules.check_key(key)
+        if len(packet) > self.max_message:
+            raise InvalidRequest(
+                f"the message to {brief(key)} is {len(packet)} bytes with its header, over "
+                f"the broker's limit of {self.max_message} (sbus serve --max-message)")
+        return packet
+
+    def set_flood(self, soft: str | None = None, hard: str | None = None,
+                  order: str | None = None) -> list[bytes]:
+        """The packets that ask for a flood policy (docs/protocol.md); each setting is
+        remembered and asked for again after a reconnect."""
+        asked = {"soft": soft, "hard": hard, "order": order}
+        for name, value in asked.items():
+            if value is not None and value not in FLOOD_VALUES[name]:
+                raise InvalidRequest(f"{name} flood setting {value!r} is not one of "
+                                     + ", ".join(FLOOD_VALUES[name]))
+        out = []
+        for name, value in asked.items():
+            if value is not None:
+                self.flood[name] = value.encode()
+                out.append(_flood(name, value.encode()))
+        return out
+
+    def publisher_nowait(self) -> bytes:
+        """Ask never to be paused as a publisher (a connection publishing for many)."""
+        self.nowait = True
+        return _encode(Control(protocol.PUBLISHER_NOWAIT))
+
+    def ask(self) -> bytes:
+        """A whoami question: its answer is also the barrier for everything before it."""
+        self.asked += 1
+        return _encode(Control(WHOAMI))
+
+    def control(self, key: bytes | str, payload: bytes | str | None = None) -> bytes:
+        """Any other control message (e.g. ``broker/status``), as it is."""
+        key = _b(key)
+        if key == WHOAMI:
+            return self.ask()
+        return _encode(Control(key, None if payload is None else _b(payload)))
+
+    # -- packets -> events -------------------------------------------------------
+
+    def receive(self, packet: bytes) -> Event:
+        """The event one packet from the broker carries.  Raises `protocol.ProtocolError`
+        for a packet no broker sends (malformed, or a client-only verb)."""
+        event = protocol.parse(packet)
+        if type(event) is Publish:
+            return event
+        if type(event) is not Control:
+            raise protocol.ProtocolError(f"a client-only packet from the broker: "
+                                         f"{brief(packet, 24)}")
+        return self.control_event(event.key, event.payload or b"")
+
+    def control_event(self, key: bytes, payload: bytes) -> Event:
+        """`receive` for a control message already split (for readers with their own
+        fast path for messages)."""
+        if key == DROPPED:
+            count = int(payload) if payload.isdigit() else 0
+            self.dropped += count
+            return Dropped(count)
+        if key == WHOAMI:
+            if self.asked:
+                self.asked -= 1
+            self.whoami = payload
+            try:
+                self.cred = Credentials.parse(payload, payload[1:2] or b"/")
+            except ValueError:
+                self.cred = None
+            if payload[:1] == b"!" and len(payload) > 1 and payload[1:2] != self.rules.sep:
+                self.rules = KeyRules(payload[1:2])  # a broker of another dialect
+            return Whoami(payload)
+        if key.startswith(REFUSED + b"/"):
+            return Refusal(key[len(REFUSED) + 1:].decode("utf-8", "replace"),
+                           payload.decode("utf-8", "replace"))
+        return Control(key, payload)
+
+
+class Backoff:
+    """Delays between reconnect attempts: *first* seconds doubling up to *maximum*, each
+    between half and all of that ("equal jitter", so many clients of one restarted
+    broker do not all come back in the same instant).  `reset` once connected."""
+
+    def __init__(self, first: float = 0.05, maximum: float = 2.0,
+                 rand: Callable[[float, float], float] = random.uniform) -> None:
+        self.first = first
+        self.maximum = maximum
+        self.failures = 0
+        self._rand = rand
+
+    def next(self) -> float:
+        base = min(self.maximum, self.first * 2.0 ** min(self.failures, 60))
+        self.failures += 1
+        return base / 2 + self._rand(0, base / 2)
+
+    def reset(self) -> None:
+        self.failures = 0

@@ -1,0 +1,74 @@
+"""``sbus analyze`` as a user runs it: interrupted with Ctrl-C, and without the spark
+extra; the pure parts of the report (window sizing, partial windows)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+
+from conftest import SBUS
+
+from sbus.journal.store import JournalWriter
+from sbus.spark.analyze import pick_window, silent_periods, window_series, window_text
+
+
+def test_windows_sized_to_the_span_and_partial_edges_rated_over_what_was_recorded():
+    assert [window_text(pick_window(s)) for s in (30, 600, 3 * 3600, 7 * 86400)] == \
+        ["1 second", "10 seconds", "5 minutes", "3 hours"]
+    base = datetime(2026, 1, 1, 0, 0, 0)
+    traffic = [dict(window_start=base.replace(second=s), prefix=p, messages=m)
+               for s, p, m in ((0, "a", 5), (10, "a", 100), (10, "b", 100), (40, "a", 10))]
+    first = int(datetime(2026, 1, 1, 0, 0, 5).timestamp() * 1e9)
+    last = int(datetime(2026, 1, 1, 0, 0, 45).timestamp() * 1e9)
+    s = window_series(traffic, 10, (first, last))
+    assert s["partial"] == [True, False, False, False, True]
+    assert s["total"] == [1.0, 20.0, 0.0, 0.0, 2.0]  # 5 in 5 s, 200 in 10 s, 10 in 5 s
+    assert s["prefixes"]["b"] == [0.0, 10.0, 0.0, 0.0, 0.0]
+    assert silent_periods(s["total"], s["starts"], 10) == \
+        [(base.replace(second=20), base.replace(second=40), 2)]
+
+
+def journal(directory, rows: int = 400_000) -> None:
+    with JournalWriter(directory, fsync=False) as w:
+        for i in range(0, rows, 2000):
+            w.append(10**18 + i * 10**6, [b"k/%d" % (i % 7)] * 2000, [b"x" * 50] * 2000)
+
+
+def test_ctrl_c_is_one_line_and_leaves_no_half_report(tmp_path):
+    jdir, out = tmp_path / "j", tmp_path / "report"
+    journal(jdir)
+    proc = subprocess.Popen([*SBUS, "analyze", str(jdir), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(line)
+        if "per-key statistics" in line or not line:
+            break
+    assert "per-key statistics" in lines[-1], "".join(lines)
+    time.sleep(1)  # inside the Spark job
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    rest = proc.stderr.read()
+    assert proc.wait(60) == 130, rest
+    assert rest.strip().splitlines() == ["sbus analyze: interrupted; no report written"], rest
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["j"]  # no temporary report left
+
+
+def test_without_the_spark_extra_one_friendly_line(tmp_path):
+    journal(tmp_path / "j", 10)
+    code = ("import sys; sys.modules['pyspark'] = None; from sbus.cli import main; "
+            f"sys.exit(main(['analyze', {str(tmp_path / 'j')!r}, '--out', "
+            f"{str(tmp_path / 'out')!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "sbus analyze: needs the spark extra (pyspark is not installed): pip install "
+        "'sbus[spark]', and a Java 17 runtime"]

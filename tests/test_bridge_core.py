@@ -1,0 +1,227 @@
+"""The bridge's pure parts: key/pattern translation (topics.py) and what crosses, marked and
+counted (core.py).  The I/O is in test_bridge.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from paho.mqtt.client import topic_matches_sub
+
+from sbus.bridge.core import Backoff, BridgeCore
+from sbus.bridge.topics import ConfigError, Mapping, to_filter, topic_problem
+from sbus.routing import matches
+
+IDENT = Mapping()
+
+
+@pytest.mark.parametrize(("pattern", "mqtt", "exact"), [
+    (b"", "#", True),
+    (b"a/*/c", "a/+/c", True),
+    (b"*", "+", True),
+    (b"a/*", "a/+", True),
+    (b"a//b", "a//b", True),
+    (b"a/", "a/#", False),        # MQTT's a/# also matches a
+    (b"a/*/", "a/+/#", False),
+    (b"a/foo*/c", "a/+/c", False),  # foo* is checked locally
+    (b"caf\xc3\xa9/*", "caf\u00e9/+", True),
+])
+def test_pattern_to_filter(pattern: bytes, mqtt: str, exact: bool) -> None:
+    f = to_filter(pattern, IDENT)
+    assert (f.mqtt, f.exact) == (mqtt, exact)
+
+
+def test_filter_under_a_prefix_mapping() -> None:
+    m = Mapping.parse("remote/=site/")
+    assert to_filter(b"remote/*/sensors/", m).mqtt == "site/+/sensors/#"
+    assert to_filter(b"remote/", m).mqtt == "site/#"
+    assert m.to_local(b"site/b/sensors/t") == b"remote/b/sensors/t"
+    assert m.to_local(b"other/x") is None
+
+
+@pytest.mark.parametrize(("pattern", "why"), [
+    (b"a*b/c", "never match"),
+    (b"a/x+y", "'+' or '#'"),
+    (b"a/#", "'+' or '#'"),
+    (b"a/\xff", "UTF-8"),
+    (b"!/cred////", "secret"),
+    (b"a/!/b", "reserved"),
+    (b"other/x", "not under the local prefix"),
+])
+def test_import_patterns_refused(pattern: bytes, why: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        to_filter(pattern, Mapping.parse("=") if why != "not under the local prefix"
+                  else Mapping.parse("mine/=site/"))
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("sensors=site/", "must be empty or end with '/'"),
+    ("a/=b", "must be empty or end with '/'"),
+    ("a/*/=b/", "cannot hold"),
+    ("=a+/", "'+'"),
+    ("!/cred/1/2/3/=x/", "secret"),
+    ("nothing", "LOCAL=REMOTE"),
+])
+def test_mappings_refused(text: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        Mapping.parse(text)
+
+
+@pytest.mark.parametrize(("topic", "why"), [
+    (b"", "empty"),
+    (b"a/+/b", "'+'"),
+    (b"a/#", "'#'"),
+    (b"a/\xff\xfe", "UTF-8"),
+    (b"a/\x1b[2J", "'\\x1b'"),
+    (b"a\x7f", "'\\x7f'"),
+    (b"a\xc2\x85", "'\\x85'"),           # C1 control (NEL)
+    ("a\ufffe".encode(), "'\\ufffe'"),   # non-character
+    ("a\U0001ffff".encode(), "cannot be sent"),
+    (b"$SYS/x", "reserved"),
+    (b"x" * 65536, "65536 bytes"),
+])
+def test_topics_mqtt_cannot_carry(topic: bytes, why: str) -> None:
+    problem = topic_problem(topic)
+    assert problem is not None and why in problem
+
+
+@pytest.mark.parametrize("topic", [b"a", b"/", b"a//b/", "caf\u00e9/\u263a".encode(),
+                                   b"x" * 65535, b"a$b", b"!important"])
+def test_topics_mqtt_carries(topic: bytes) -> None:
+    assert topic_problem(topic) is None
+
+
+_seg = st.sampled_from(["", "a", "b", "ab", "foo", "foobar"])
+_pat_seg = st.sampled_from(["", "a", "b", "ab", "foo", "*", "foo*", "a*"])
+
+
+@given(st.lists(_pat_seg, min_size=1, max_size=4), st.booleans(),
+       st.lists(_seg, min_size=1, max_size=5))
+def test_filter_covers_pattern_and_exact_means_equal(segs, tail, keysegs) -> None:
+    """Every key the sbus pattern matches is a topic the MQTT filter matches (so nothing
+    is missed); where the translation says exact, the two agree on every key."""
+    pattern = "/".join(segs).encode() + (b"/" if tail else b"")
+    key = "/".join(keysegs).encode()
+    f = to_filter(pattern, IDENT)
+    sbus_match = matches(pattern, key)
+    mqtt_match = topic_matches_sub(f.mqtt, key.decode())
+    if sbus_match:
+        assert mqtt_match, (pattern, key, f)
+    if f.exact:
+        assert sbus_match == mqtt_match, (pattern, key, f)
+
+
+# -- the core ----------------------------------------------------------------------------
+
+def core(**kw) -> BridgeCore:
+    kw.setdefault("client_id", "me")
+    return BridgeCore(kw.pop("exports", [b""]), kw.pop("imports", [b""]), **kw)
+
+
+def test_export_maps_and_refuses_what_mqtt_cannot_carry() -> None:
+    c = core(exports=[b"sensors/"], export_map=Mapping.parse("sensors/=site/a/sensors/"))
+    assert c.from_bus(b"sensors/t1", b"20") == "site/a/sensors/t1"
+    assert c.from_bus(b"sensors/a+b", b"x") is None
+    assert c.from_bus(b"sensors/\xff", b"x") is None
+    assert c.from_bus(b"!/cred/1/2/3/x", b"s") is None     # never, even if it got here
+    assert c.from_bus(b"elsewhere/x", b"x") is None        # not under the prefix
+    assert c.counters.refused == 4 and c.counters.exported == 0
+    assert len(c.refusals) == 4 and "'sensors/a+b'" in c.refusals[0]
+    assert "secret" in c.refusals[2]
+
+
+@pytest.mark.parametrize("pattern", [b"!/cred////", b"!/cred/1/2/3/x"])
+def test_secret_export_patterns_refused(pattern: bytes) -> None:
+    with pytest.raises(ConfigError, match="never leave the host"):
+        core(exports=[pattern])
+
+
+def test_export_pattern_must_be_under_its_prefix() -> None:
+    with pytest.raises(ConfigError, match="not under the local prefix"):
+        core(exports=[b"other/"], export_map=Mapping.parse("sensors/=x/"))
+
+
+def test_import_maps_filters_and_refuses() -> None:
+    c = core(exports=[b"local/"], imports=[b"remote/*/sensors/foo*"],
+             import_map=Mapping.parse("remote/=site/"))
+    assert c.mqtt_filters() == ["site/+/sensors/+"]
+    assert c.from_mqtt(b"site/b/sensors/foo1", b"v", None) == b"remote/b/sensors/foo1"
+    assert c.from_mqtt(b"site/b/sensors/bar", b"v", None) is None   # foo* locally
+    assert c.from_mqtt(b"elsewhere/x", b"v", None) is None          # a stale subscription
+    assert c.counters.filtered == 2
+    c2 = core(imports=[b""])
+    assert c2.from_mqtt(b"!/cred/1/2/3/x", b"v", None) is None  # "" never matches secrets
+    assert c2.from_mqtt(b"a/!/b", b"v", None) is None
+    assert (c2.counters.filtered, c2.counters.refused) == (1, 1)
+
+
+def test_own_marker_is_a_loop() -> None:
+    c = core()
+    assert c.from_mqtt(b"x", b"v", "me") is None
+    assert c.from_mqtt(b"x", b"v", "another-bridge") == b"x"
+    assert c.counters.looped == 1
+
+
+def test_imports_do_not_echo_back_out() -> None:
+    c = core(exports=[b""], imports=[b""])
+    assert c.from_mqtt(b"k", b"one", "peer") == b"k"
+    assert c.from_mqtt(b"k", b"two", "peer") == b"k"
+    # a local publisher's message with the same key but other bytes still goes out
+    assert c.from_bus(b"k", b"local") == "k"
+    assert c.from_bus(b"k", b"one") is None
+    assert c.from_bus(b"k", b"two") is None
+    assert c.from_bus(b"k", b"one") == "k"   # the echo was taken once: this one is new
+    assert c.counters.looped == 2
+
+
+def test_echoes_the_broker_dropped_are_forgotten_when_a_later_one_returns() -> None:
+    c = core(exports=[b""], imports=[b""])
+    for i in range(5):
+        c.from_mqtt(b"k%d" % i, b"v", "peer")
+    assert c.from_bus(b"k3", b"v") is None      # k0..k2 were dropped by the broker
+    assert c.from_bus(b"k0", b"v") == "k0"      # so this is a new local message
+    assert c.from_bus(b"k4", b"v") is None
+
+
+def test_full_echo_memory_drops_rather_than_risk_a_loop() -> None:
+    c = core(exports=[b"x/"], imports=[b""], echo_limit=3)
+    for i in range(3):
+        assert c.from_mqtt(b"x/%d" % i, b"v", "peer") is not None
+    assert c.from_mqtt(b"x/9", b"v", "peer") is None
+    assert c.from_mqtt(b"y/9", b"v", "peer") == b"y/9"   # not exported: needs no entry
+    assert c.counters.dropped == 1
+    c.bus_reset()
+    assert c.from_mqtt(b"x/9", b"v", "peer") == b"x/9"
+
+
+def test_echo_memory_is_bounded_in_bytes_too() -> None:
+    c = core(exports=[b"x/"], imports=[b""], echo_bytes=100)
+    assert c.from_mqtt(b"x/" + b"a" * 60, b"v", "peer") is not None
+    assert c.from_mqtt(b"x/" + b"b" * 60, b"v", "peer") is None     # 124 bytes > 100
+    assert c.from_bus(b"x/" + b"a" * 60, b"v") is None               # its echo frees room
+    assert c.from_mqtt(b"x/" + b"b" * 60, b"v", "peer") is not None
+    assert c.counters.dropped == 1
+
+
+def test_status_line_counts() -> None:
+    c = core()
+    c.exported()
+    c.imported()
+    c.dropped(5)
+    c.refused_by_broker()
+    assert c.status() == ("exported 1, imported 1, dropped 5, refused 1, looped 0, "
+                          "filtered 0")
+
+
+def test_backoff_doubles_caps_and_starts_over_after_a_stable_connection() -> None:
+    b = Backoff(1.0, 8.0, stable=10.0)
+    delays = [b.failed(0.0) for _ in range(6)]
+    for d, base in zip(delays, [1, 2, 4, 8, 8, 8], strict=True):
+        assert base / 2 <= d <= base
+    b.up(100.0)
+    assert b.failed(105.0) >= 4.0      # up only 5 s: keeps growing
+    b.up(200.0)
+    assert b.failed(215.0) <= 1.0      # up 15 s: starts over
+    assert b.next_at >= 215.0

@@ -1,0 +1,319 @@
+"""Failures, drops, reconnects and readiness, as a user meets them: the CLI as typed, the
+library in a program, against real brokers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import select
+import subprocess
+import time
+
+import pytest
+import trio
+from conftest import SBUS
+
+import sbus
+from sbus import AsyncClient, Client, InvalidRequest, Publish, Refused
+
+
+def run(*args: str, input: bytes | None = None, timeout: float = 20, **kw):
+    return subprocess.run([*SBUS, *args], input=input, capture_output=True, timeout=timeout,
+                          **kw)
+
+
+def one_line(err: bytes) -> str:
+    lines = err.decode().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+# -- failures a user can see ------------------------------------------------------------
+
+def test_pub_to_a_misused_bang_exits_1_with_one_line(broker):
+    p = run("pub", "--address", broker.address, "a/!/b", "x")
+    assert p.returncode == 1
+    assert one_line(p.stderr) == ("sbus pub: '!' is reserved and cannot stand as a segment "
+                                  "of 'a/!/b'")
+
+
+def test_pub_over_the_size_limit_exits_1(broker):
+    p = run("pub", "--address", broker.address, "big", input=b"x" * 300_000)
+    assert p.returncode == 1
+    assert "300008 bytes with its header, over the broker's limit of 262144" in one_line(
+        p.stderr)
+
+
+def test_pub_refused_by_the_broker_exits_1(make_broker):
+    """Only the broker knows its --max-message: its refusal reaches the publisher."""
+    b = make_broker("--max-message", "1k")
+    p = run("pub", "--address", b.address, "k", "x" * 2000)
+    assert p.returncode == 1
+    assert one_line(p.stderr).startswith("sbus pub: the broker refused the PACKET: ")
+    ok = run("pub", "--address", b.address, "k", "x" * 500)
+    assert ok.returncode == 0 and ok.stderr == b""
+
+
+def test_sub_of_someone_elses_secrets_is_refused_by_the_broker(broker):
+    p = run("sub", "--address", broker.address, "!/cred/0/0/1/")
+    assert p.returncode == 1
+    line = one_line(p.stderr)
+    assert line.startswith("sbus sub: the broker refused the SUB: ")
+    assert "names PID 1" in line
+
+
+def test_sub_of_a_malformed_pattern_is_refused_before_sending(broker):
+    p = run("sub", "--address", broker.address, "!/cred/a/0/1/")
+    assert p.returncode == 1
+    assert one_line(p.stderr) == ("sbus sub: GID field of secret pattern '!/cred/a/0/1/' is "
+                                  "not decimal")
+    assert "refused" not in broker.log()  # never reached the broker
+
+
+@pytest.mark.parametrize("command", [["record", "--dir", "journal"], ["top", "--once",
+                                                                     "--seconds", "1"]])
+def test_recorder_and_top_say_a_refused_pattern_and_exit_1(broker, short_tmp, command):
+    p = run(command[0], "--address", broker.address, "!/cred/0/0/1/", *command[1:],
+            cwd=short_tmp)
+    assert p.returncode == 1
+    assert one_line(p.stderr).startswith(f"sbus {command[0]}: the broker refused the SUB: ")
+
+
+def test_library_raises_for_each_failure(broker):
+    with Client(broker.address) as bus:
+        with pytest.raises(InvalidRequest, match="'bogus' is not one of"):
+            bus.set_flood(soft="bogus")
+        with pytest.raises(Refused, match="names PID 1"):
+            bus.subscribe(b"!/cred/0/0/1/x")
+        bus.subscribe(b"ok")  # the connection goes on
+        bus.publish(b"ok", b"still here")
+        assert bus.receive(timeout=5) == Publish(b"ok", b"still here")
+        bus.publish(b"k", b"")
+        bus.send_packet(b"HELLO")  # a raw packet the broker refuses: raised on receive
+        with pytest.raises(Refused, match="the broker refused the PACKET"):
+            bus.receive(timeout=5)
+
+
+# -- drops ----------------------------------------------------------------------------
+
+def _drain(proc: subprocess.Popen, until: bytes, timeout: float = 20) -> list[bytes]:
+    lines = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith(until):
+            return lines
+    raise AssertionError(f"no {until!r} line in {len(lines)} lines")
+
+
+def _flood(address: str, count: int, payload: bytes) -> None:
+    with Client(address) as pub:
+        for i in range(count):
+            pub.publish(b"flood/x", b"%d " % i + payload)
+        pub.sync(30)
+
+
+def test_sub_says_how_many_messages_were_dropped(make_broker):
+    """A reader that falls behind loses messages once the broker's queue for it is full;
+    stderr says how many, and received + dropped is exactly what was published."""
+    b = make_broker("--queue-limit", "64k")
+    sub = subprocess.Popen([*SBUS, "sub", "--address", b.address, "flood/", "--ready-fd", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert sub.stdout.readline() == b"ready\n"
+        _flood(b.address, 20000, b"y" * 1000)  # nobody reads the pipe meanwhile
+        lines = []
+        # the report follows once the queue has drained: read until it comes
+        while not select.select([sub.stderr], [], [], 0)[0]:
+            assert select.select([sub.stdout, sub.stderr], [], [], 10)[0], "no drop report"
+            if select.select([sub.stdout], [], [], 0)[0]:
+                lines.append(sub.stdout.readline())
+        report = sub.stderr.readline()
+        with Client(b.address) as pub:
+            pub.publish(b"flood/end", b"")
+        lines += _drain(sub, b"flood/end")
+    finally:
+        sub.terminate()
+    _, err = sub.communicate(timeout=10)
+    dropped = [int(n) for n in re.findall(rb"^sbus sub: dropped (\d+) messages$",
+                                          report + err, re.M)]
+    assert dropped and sum(dropped) > 0, report + err
+    assert len(lines) - 1 + sum(dropped) == 20000
+
+
+def test_sub_block_loses_nothing(make_broker, short_tmp):
+    b = make_broker("--queue-limit", "64k")
+    sub = subprocess.Popen([*SBUS, "sub", "--address", b.address, "flood/", "--block",
+                            "--ready-fd", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert sub.stdout.readline() == b"ready\n"
+        data = short_tmp / "lines"
+        data.write_bytes(b"".join(b"%d %s\n" % (i, b"y" * 500) for i in range(3000)))
+        with open(data, "rb") as stdin:
+            pub = subprocess.Popen([*SBUS, "pub", "--address", b.address, "--lines",
+                                    "flood/x"], stdin=stdin)
+        time.sleep(1)  # nobody reads: the publisher is paused meanwhile, not dropping
+        lines = [sub.stdout.readline() for _ in range(3000)]
+        assert pub.wait(20) == 0
+    finally:
+        sub.terminate()
+    _, err = sub.communicate(timeout=10)
+    assert [int(line.split()[1]) for line in lines] == list(range(3000))
+    assert b"dropped" not in err
+
+
+def test_library_counts_drops_and_calls_back(make_broker):
+    b = make_broker("--queue-limit", "16k")
+    reports = []
+    with Client(b.address, on_drop=reports.append) as sub:
+        sub.set_flood(soft="discard")
+        sub.subscribe(b"flood/")
+        _flood(b.address, 2000, b"z" * 200)  # this reader reads nothing meanwhile
+        got = 0
+        while not isinstance(event := sub.receive(timeout=10), sbus.Dropped):
+            got += 1  # what fitted in the socket, then the report
+        with Client(b.address) as pub:
+            pub.publish(b"flood/end")
+        for msg in sub:  # drop reports are skipped by iteration, but counted
+            if msg.key == b"flood/end":
+                break
+            got += 1
+    assert event.count == reports[0] and sum(reports) == sub.dropped > 0
+    assert got + sub.dropped == 2000
+
+
+# -- reconnect ------------------------------------------------------------------------
+
+def test_sub_reconnects_after_a_broker_restart_and_says_so(broker):
+    sub = subprocess.Popen([*SBUS, "sub", "--address", broker.address, "r/", "-n", "2",
+                            "--ready-fd", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert sub.stderr.readline() == b"ready\n"
+    run("pub", "--address", broker.address, "r/1", "before")
+    assert sub.stdout.readline() == b"r/1 before\n"
+    broker.stop()
+    assert sub.stderr.readline() == (f"sbus sub: the broker at {broker.address} closed the "
+                                     "connection; reconnecting\n").encode()
+    broker.start()
+    assert sub.stderr.readline() == f"sbus sub: reconnected to the broker at " \
+                                    f"{broker.address}\n".encode()
+    run("pub", "--address", broker.address, "r/2", "after")  # subscribed again by now
+    out, _ = sub.communicate(timeout=10)
+    assert sub.returncode == 0
+    assert out.startswith(b"r/2 after\n")
+
+
+def test_sub_no_reconnect_exits_1(broker):
+    sub = subprocess.Popen([*SBUS, "sub", "--address", broker.address, "r/", "--no-reconnect",
+                            "--ready-fd", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert sub.stdout.readline() == b"ready\n"
+    broker.stop()
+    _, err = sub.communicate(timeout=10)
+    assert sub.returncode == 1
+    assert one_line(err) == (f"sbus sub: the broker at {broker.address} closed the "
+                             "connection")
+
+
+def test_client_reconnect_restores_subscriptions_and_policy(broker):
+    lines = []
+    with Client(broker.address, reconnect=True,
+                on_connection=lambda up, line: lines.append((up, line))) as bus:
+        bus.set_flood(hard="block")
+        bus.subscribe(b"a/")
+        broker.stop()
+        broker.start()
+        bus.sync()  # reconnects: the subscription is in force again after this
+        assert [up for up, _ in lines] == [False, True]
+        with Client(broker.address) as other:
+            other.publish(b"a/x", b"after the restart")
+        assert bus.receive(timeout=5) == Publish(b"a/x", b"after the restart")
+        bus.control(b"broker/status")
+        st = bus.receive(timeout=5)
+        assert b'"hard": "block"' in st.payload and b'"patterns": ["a/"]' in st.payload
+
+
+async def _async_reconnect(broker) -> list[Publish]:
+    async with AsyncClient(broker.address, reconnect=True) as bus:
+        await bus.subscribe(b"a/")
+        broker.stop()
+        broker.start()
+        await bus.sync()
+        async with AsyncClient(broker.address) as pub:
+            await pub.publish(b"a/1", b"one")
+        got = []
+        async for msg in bus:
+            got.append(msg)
+            break
+        return got
+
+
+def test_async_client_reconnects_under_trio(broker):
+    assert trio.run(_async_reconnect, broker) == [Publish(b"a/1", b"one")]
+
+
+def test_async_client_reconnects_under_asyncio(broker):
+    assert asyncio.run(_async_reconnect(broker)) == [Publish(b"a/1", b"one")]
+
+
+def test_async_client_raises_refusals(broker):
+    async def main():
+        async with AsyncClient(broker.address) as bus:
+            with pytest.raises(Refused, match="names PID 1"):
+                await bus.subscribe(b"!/cred/0/0/1/")
+            with pytest.raises(InvalidRequest):
+                await bus.subscribe(b"a/!/b")
+    trio.run(main)
+    asyncio.run(main())
+
+
+# -- readiness and the README ---------------------------------------------------------
+
+def test_ready_fd_lets_a_script_publish_without_a_race(broker, short_tmp):
+    script = f"""
+        set -e
+        mkfifo ready
+        {' '.join(SBUS)} sub 'x' -n1 --ready-fd 3 3>ready > out &
+        read line < ready
+        {' '.join(SBUS)} pub x hi
+        wait
+        echo "$line"
+    """
+    for _ in range(5):  # a race would show at once on a busy machine
+        os.unlink(short_tmp / "ready") if (short_tmp / "ready").exists() else None
+        p = subprocess.run(["bash", "-c", script], cwd=short_tmp, capture_output=True,
+                           timeout=20, env={**os.environ, "SBUS_ADDRESS": broker.address})
+        assert p.returncode == 0, p.stderr
+        assert p.stdout == b"ready\n"
+        assert (short_tmp / "out").read_bytes() == b"x hi\n"
+
+
+def _readme_blocks(lang: str) -> list[str]:
+    readme = open(os.path.join(os.path.dirname(sbus.__file__), "..", "README.md")).read()
+    return re.findall(rf"^```{lang}\n(.*?)^```", readme, re.S | re.M)
+
+
+def test_readme_shell_example_runs_as_written(broker, short_tmp):
+    (block,) = _readme_blocks("sh")
+    env = {**os.environ, "SBUS_ADDRESS": broker.address,
+           "PATH": f"{short_tmp}:{os.environ['PATH']}"}
+    (short_tmp / "sbus").write_text(f"#!/bin/sh\nexec {' '.join(SBUS)} \"$@\"\n")
+    (short_tmp / "sbus").chmod(0o755)
+    p = subprocess.run(["bash", "-e", "-c", block], cwd=short_tmp, capture_output=True,
+                       timeout=30, env=env)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == b"greetings/world hello\n"
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_readme_python_examples_run_as_written(broker, short_tmp, index):
+    blocks = _readme_blocks("python")
+    assert len(blocks) == 2
+    script = short_tmp / "example.py"
+    script.write_text(blocks[index] + "\nprint(repr(msg))\n")
+    p = subprocess.run([SBUS[0], str(script)], capture_output=True, timeout=30,
+                       env={**os.environ, "SBUS_ADDRESS": broker.address})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == b"Publish(key=b'sensors/kitchen/temp', payload=b'21.5')\n"

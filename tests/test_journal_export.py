@@ -1,0 +1,138 @@
+"""``sbus journal cat|tail|export`` as a user types them: a journal read without Spark,
+and its Parquet export read back by pyarrow and DuckDB row for row."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+from conftest import SBUS
+
+from sbus.journal.export import ROW_GROUP
+from sbus.journal.store import JournalWriter, list_segments, records
+
+T0 = 10**18  # 2001-09-09T01:46:40Z
+
+
+def journal(directory: Path, rows: int, **kw) -> list[tuple[int, int, bytes, bytes]]:
+    keys = [b"sensors/a", b"logs/x", b"\xff\xfe/bin", b"sensors/b"]
+    with JournalWriter(directory, fsync=False, **kw) as w:
+        for i in range(rows):
+            w.append(T0 + i * 10**6, [keys[i % 4]], [b"\0\x1b[2J%d\n" % i])
+            if i % 500 == 499:
+                w.flush()
+    return list(records(directory))
+
+
+def sbus(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*SBUS, *args], capture_output=True, timeout=60, **kw)
+
+
+def test_export_is_read_back_exactly_by_pyarrow_and_duckdb(tmp_path):
+    jdir, out = tmp_path / "j", tmp_path / "pq"
+    rows = journal(jdir, 150_000, segment_bytes=3 << 20)
+    sealed = [s for s in list_segments(jdir) if s.sealed]
+    assert len(sealed) >= 2
+    done = sbus("journal", "export", str(jdir), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert f"{len(sealed)} segment(s), {len(rows):,} rows" in done.stderr.decode()
+    files = sorted(out.glob("*.parquet"))
+    assert [f.stem for f in files] == [s.name for s in sealed]
+    meta = pq.ParquetFile(files[0]).metadata
+    assert meta.num_row_groups > 1 and meta.row_group(0).num_rows == ROW_GROUP
+    col = meta.row_group(0).column(0)
+    assert col.path_in_schema == "seq" and col.compression == "ZSTD"
+    assert col.statistics.min == 1 and col.statistics.max == ROW_GROUP
+
+    table = pq.read_table(out).sort_by("seq")
+    got = [(r["seq"], r["key_bytes"] or r["key"].encode(), r["payload"])
+           for r in table.to_pylist()]
+    assert got == [(s, k, p) for s, _, k, p in rows]
+    micros = table.column("ts").cast("int64").to_pylist()
+    assert micros == [ts // 1000 for _, ts, _, _ in rows]
+
+    db = duckdb.connect()
+    glob = str(out / "*.parquet")
+    n, first, last = db.execute(f"select count(*), min(seq), max(seq) from '{glob}'").fetchone()
+    assert (n, first, last) == (len(rows), 1, len(rows))
+    per_key = dict(db.execute(
+        f"select coalesce(key_bytes, encode(key)), count(*) from '{glob}' group by 1").fetchall())
+    assert per_key == {k: sum(1 for r in rows if r[2] == k) for k in {r[2] for r in rows}}
+    assert db.execute(f"select payload from '{glob}' where seq = 7").fetchone()[0] == rows[6][3]
+
+    again = sbus("journal", "export", str(jdir), "--out", str(out))
+    assert "0 segment(s)" in again.stderr.decode()  # nothing new: nothing rewritten
+
+
+def test_cat_and_tail_print_escaped_lines_and_json(tmp_path):
+    rows = journal(tmp_path, 40)
+    cat = sbus("journal", "cat", str(tmp_path), "--pattern", "sensors/")
+    lines = cat.stdout.decode().splitlines()
+    assert cat.returncode == 0 and len(lines) == 20
+    assert lines[0] == "2001-09-09T01:46:40.000000Z 1 sensors/a \\x00\\x1b[2J0"
+    since = sbus("journal", "cat", str(tmp_path), "--since", "2001-09-09T01:46:40.030",
+                 "--format", "json")
+    docs = [json.loads(x) for x in since.stdout.decode().splitlines()]
+    assert [d["seq"] for d in docs] == list(range(31, 41))
+    assert docs[0]["key_base64"] == "//4vYmlu" and docs[1]["payload"] == "\0\x1b[2J31\n"
+    tail = sbus("journal", "tail", str(tmp_path), "-n", "2", "--format", "raw")
+    assert tail.stdout == rows[-2][3] + rows[-1][3]
+    bad = sbus("journal", "cat", str(tmp_path), "--since", "yesterday-ish")
+    assert bad.returncode == 1 and bad.stderr.decode().count("\n") == 1
+    assert b"neither a duration" in bad.stderr
+    gone = sbus("journal", "tail", str(tmp_path / "missing"))
+    assert gone.returncode == 1 and b"no journal directory" in gone.stderr
+
+
+def test_tail_follow_prints_what_is_recorded_after_it_started(tmp_path):
+    journal(tmp_path, 5)
+    proc = subprocess.Popen([*SBUS, "journal", "tail", "-f", "-n", "1", str(tmp_path)],
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().split()[1] == b"5"
+        with JournalWriter(tmp_path, fsync=False) as w:
+            w.append(time.time_ns(), [b"new/1", b"new/2"], [b"a", b"b"])
+            w.flush()
+            assert [proc.stdout.readline().split()[1:3] for _ in range(2)] == \
+                [[b"6", b"new/1"], [b"7", b"new/2"]]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("argv", [["journal"], ["journal", "cat"]])
+def test_journal_usage_errors(argv):
+    assert sbus(*argv).returncode == 2
+
+
+def test_the_recorder_exports_each_sealed_segment_itself(broker, tmp_path):
+    """``sbus record --export DIR``: every segment it seals is also a Parquet file, written
+    off the recording path, with exactly that segment's rows."""
+    from conftest import raw, sync
+
+    jdir, out = tmp_path / "j", tmp_path / "pq"
+    rec = subprocess.Popen([*SBUS, "record", "e/", "--dir", str(jdir), "--address",
+                            broker.address, "--segment-size", "20k", "--export", str(out)],
+                           stderr=subprocess.PIPE, text=True)
+    assert "recording into" in rec.stderr.readline()
+    pub = raw(broker.address)
+    for chunk in range(6):  # in chunks: a block each, so several segments are sealed
+        for i in range(chunk * 500, chunk * 500 + 500):
+            pub.send(b"MSG e/%d\0payload %d" % (i % 9, i))
+        sync(pub)
+        deadline = time.monotonic() + 20
+        while len(list(records(jdir))) < chunk * 500 + 500 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    pub.close()
+    rec.terminate()
+    assert rec.wait(20) == 0
+    sealed = [s.name for s in list_segments(jdir)]
+    assert len(sealed) > 2 and sorted(p.stem for p in out.glob("*.parquet")) == sealed
+    table = pq.read_table(out).sort_by("seq")
+    assert table.column("seq").to_pylist() == list(range(1, 3001))
+    assert table.column("payload").to_pylist()[1234] == b"payload 1234"
