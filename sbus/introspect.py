@@ -11,7 +11,6 @@ what it holds plus one pass over the asker's own clients.
 from __future__ import annotations
 
 import json
-import time
 
 from . import protocol
 
@@ -55,7 +54,7 @@ def answer(broker, asker, payload: bytes | None) -> bytes:
     totals = {
         "clients": len(broker.connections), "subscriptions": broker.subscription_count,
         "published": broker.published, "delivered": broker.delivered,
-        "dropped": broker.dropped, "uptime": round(time.monotonic() - broker.started, 3),
+        "dropped": broker.dropped, "uptime": round(broker.now - broker.started, 3),
         "you": asker.id, "visible": "all" if uid == 0 else f"uid {uid}",
     }
     clients, size, more = [], 0, False

@@ -5,7 +5,7 @@ process (kernel-verified) rather than to connections, which any user can open
 in numbers.  Pure bookkeeping; the broker asks before it grants.
 
 What one UID can make the broker hold, at most (docs/security.md has the figures):
-its connections (``connections_per_user`` x about 12 KB each), its subscriptions
+its connections (``connections_per_user`` x about 1.5 KB each), its subscriptions
 (``subscription_bytes_per_user``, charged by `routing.pattern_cost`), the packets
 queued for its clients plus what its paused publishers had already sent
 (``queued_bytes_per_user``, each packet with its overhead) and its share of the

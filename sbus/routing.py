@@ -112,11 +112,14 @@ class _Node(Generic[C]):
         self.literal: dict[bytes, _Node[C]] | None = None
         self.prefix: dict[bytes, _Node[C]] | None = None
         self.lengths: list[int] | None = None  # distinct lengths of `prefix` keys, ascending
-        self.end: Counter[C] | None = None  # patterns that end here: the key must end too
-        self.tail: Counter[C] | None = None  # patterns ending here with a trailing separator
+        # subscribers of the patterns that end here (the key must end too) and of those
+        # that end here with a trailing separator: None, the one subscriber (the usual
+        # case, and the cheapest), or a dict of subscriber -> count (`_plus`, `_minus`)
+        self.end: C | dict[C, int] | None = None
+        self.tail: C | dict[C, int] | None = None
 
     def empty(self) -> bool:
-        return not (self.literal or self.prefix or self.end or self.tail)
+        return not (self.literal or self.prefix) and self.end is None and self.tail is None
 
     def add_literal(self, text: bytes) -> _Node[C]:
         if self.literal is None:
@@ -271,7 +274,11 @@ class RoutingIndex(Generic[C]):
         self._secret = _Node[C]()
         self._everything: Counter[C] = Counter()  # the empty pattern
         self._never: Counter[tuple[C, bytes]] = Counter()
-        self._by_client: dict[C, Counter[bytes]] = {}
+        # patterns without a wildcard or a trailing separator match only the key equal to
+        # them: one probe of this dict finds them all.  A value is the one subscriber
+        # (most patterns have one) or a dict of subscriber -> count (`_add`, `_take`)
+        self._exact: dict[bytes, C | dict[C, int]] = {}
+        self._by_client: dict[C, dict[bytes, int]] = {}  # client -> pattern -> count
         self._depth = 1  # most segments of any pattern ever held: keys are split no further
         self.cache: RouteCache[C] = cache if cache is not None else RouteCache(sep)
 
@@ -282,17 +289,28 @@ class RoutingIndex(Generic[C]):
         self.cache.invalidate(pattern, compiled)
         if compiled is not None:
             self._depth = max(self._depth, len(compiled[0]))
-        self._by_client.setdefault(client, Counter())[pattern] += 1
-        bucket = self._bucket(pattern, create=True)
-        if bucket is None:
+        mine = self._by_client.get(client)
+        if mine is None:
+            mine = self._by_client[client] = {}
+        mine[pattern] = mine.get(pattern, 0) + 1
+        if _exact(compiled):
+            _add(self._exact, pattern, client)
+            return
+        if not pattern:
+            self._everything[client] += 1
+        elif compiled is None:
             self._never[client, pattern] += 1
         else:
-            bucket[client] += 1
+            node = self._node(pattern, compiled)
+            if compiled[1]:
+                node.tail = _plus(node.tail, client)
+            else:
+                node.end = _plus(node.end, client)
 
     def unsubscribe(self, client: C, pattern: bytes) -> bool:
         """Remove one subscription; False (and no change) if the client did not have it."""
         mine = self._by_client.get(client)
-        if not mine or not mine[pattern]:
+        if not mine or not mine.get(pattern):
             return False
         self.cache.invalidate(pattern, compile_pattern(pattern, self.sep) if pattern else None)
         self._remove(client, pattern, 1)
@@ -341,12 +359,19 @@ class RoutingIndex(Generic[C]):
         if compiled is None:
             _decrement(self._never, (client, pattern), count)
             return
+        if _exact(compiled):
+            _take(self._exact, pattern, client, count)
+            return
         segments, tail = compiled
         root = self._secret if pattern.startswith(self._secret_prefix) else self._public
         path = [root]
         for kind, text in segments:
             path.append((path[-1].literal if kind == LITERAL else path[-1].prefix)[text])
-        _decrement(path[-1].tail if tail else path[-1].end, client, count)
+        node = path[-1]
+        if tail:
+            node.tail = _minus(node.tail, client, count)
+        else:
+            node.end = _minus(node.end, client, count)
         # prune empty nodes bottom-up so the trie does not keep dead branches
         for depth in range(len(segments), 0, -1):
             node = path[depth]
@@ -359,13 +384,9 @@ class RoutingIndex(Generic[C]):
             else:
                 parent.remove_prefix(text)
 
-    def _bucket(self, pattern: bytes, create: bool) -> Counter[C] | None:
-        if not pattern:
-            return self._everything
-        compiled = compile_pattern(pattern, self.sep)
-        if compiled is None:
-            return None
-        segments, tail = compiled
+    def _node(self, pattern: bytes, compiled) -> _Node[C]:
+        """The node where *pattern* ends, made as needed."""
+        segments, _ = compiled
         node = self._secret if pattern.startswith(self._secret_prefix) else self._public
         for kind, text in segments:
             if kind == LITERAL:
@@ -377,13 +398,7 @@ class RoutingIndex(Generic[C]):
                 if child is None:
                     child = node.add_prefix(text)
             node = child
-        if tail:
-            if node.tail is None:
-                node.tail = Counter()
-            return node.tail
-        if node.end is None:
-            node.end = Counter()
-        return node.end
+        return node
 
     # -- lookups -----------------------------------------------------------
 
@@ -400,6 +415,9 @@ class RoutingIndex(Generic[C]):
     def lookup(self, key: bytes) -> tuple[C, ...]:
         """`match` without the cache."""
         found: set[C] = set()
+        exact = self._exact.get(key)
+        if exact is not None:
+            _gather(found, exact)
         # no pattern has more than `_depth` segments: the rest of a longer key stays whole
         segs = key.split(self.sep, self._depth)
         if key.startswith(self._secret_prefix):
@@ -416,11 +434,11 @@ class RoutingIndex(Generic[C]):
         while stack:
             node, i = stack.pop()
             if i == n:
-                if node.end:
-                    found.update(node.end)
+                if node.end is not None:
+                    _gather(found, node.end)
                 continue
-            if node.tail:
-                found.update(node.tail)
+            if node.tail is not None:
+                _gather(found, node.tail)
             seg = segs[i]
             literal = node.literal
             if literal is not None:
@@ -449,6 +467,60 @@ class RoutingIndex(Generic[C]):
     def __len__(self) -> int:
         """Number of subscriptions (duplicates counted)."""
         return sum(sum(c.values()) for c in self._by_client.values())
+
+
+def _exact(compiled) -> bool:
+    """Whether a compiled pattern matches only the key equal to it."""
+    return compiled is not None and not compiled[1] and \
+        all(kind == LITERAL for kind, _ in compiled[0])
+
+
+def _plus(held, client):
+    """Subscribers with one more subscription of *client* (see `_Node.end`)."""
+    if held is None:
+        return client
+    if type(held) is dict:
+        held[client] = held.get(client, 0) + 1
+        return held
+    return {held: 2} if held == client else {held: 1, client: 1}
+
+
+def _minus(held, client, count: int):
+    """Subscribers with *count* fewer subscriptions of *client*; None once empty."""
+    if type(held) is not dict:
+        return None
+    left = held[client] - count
+    if left > 0:
+        held[client] = left
+        return held
+    del held[client]
+    if not held:
+        return None
+    if len(held) == 1:
+        (only, n), = held.items()
+        if n == 1:
+            return only
+    return held
+
+
+def _gather(found: set, held) -> None:
+    """Add the subscribers *held* (one, or a dict of them) to *found*."""
+    if type(held) is dict:
+        found.update(held)
+    else:
+        found.add(held)
+
+
+def _add(table: dict, pattern: bytes, client) -> None:
+    table[pattern] = _plus(table.get(pattern), client)
+
+
+def _take(table: dict, pattern: bytes, client, count: int) -> None:
+    held = _minus(table[pattern], client, count)
+    if held is None:
+        del table[pattern]
+    else:
+        table[pattern] = held
 
 
 def _decrement(counter: Counter, item: object, count: int) -> None:

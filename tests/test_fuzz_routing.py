@@ -104,7 +104,7 @@ def make_machine(sep: bytes):
             if len(self.model) == 0:
                 ix = self.index
                 assert ix._public.empty() and ix._secret.empty(), "trie keeps dead branches"
-                assert not ix._everything and not ix._never
+                assert not ix._everything and not ix._never and not ix._exact
 
     RoutingMachine.TestCase.settings = fuzz_settings(stateful_step_count=60)
     return RoutingMachine

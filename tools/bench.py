@@ -86,13 +86,15 @@ def wait_socket(path: str, timeout: float = 10) -> None:
 class Broker:
     #: the checkout the ``before`` broker runs from (``--before``)
     before_tree: Path | None = None
+    #: extra arguments of the C broker (``-m`` with ``--batched``)
+    cbroker_args: list[str] = []
 
     def __init__(self, kind: str, tmp: Path, cbroker: Path, sbus_args: list[str]) -> None:
         self.kind = kind
         self.path = str(tmp / ("b.mqtt" if kind == "mosquitto" else "b.sock"))
         self.proto = "mqtt" if kind == "mosquitto" else "sbus"
         if kind == "cbroker":
-            cmd = [str(cbroker), self.path]
+            cmd = [str(cbroker), self.path, *self.cbroker_args]
         elif kind in ("sbus", "before"):
             cmd = [sys.executable, "-m", "sbus.cli", "serve", "--address", self.path, *sbus_args]
         else:
@@ -186,7 +188,11 @@ def main() -> int:
                     help="run sbus with its default flood policy (hard discard: a lagging "
                          "subscriber loses messages) instead of hard block, which like the C "
                          "broker holds publishers back and loses nothing")
+    ap.add_argument("--batched", action="store_true",
+                    help="run the C broker batched (cbroker -m: recvmmsg/sendmmsg)")
     args = ap.parse_args()
+    if args.batched:
+        Broker.cbroker_args = ["-m"]
     sbus_args = [] if args.lossy else ["--hard", "block"]
     brokers = [b for b in args.brokers.split(",") if b != "mosquitto" or shutil.which("mosquitto")]
     if args.before:

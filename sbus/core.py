@@ -1,0 +1,732 @@
+"""The broker's logic as a pure object: events in, decisions out, no sockets, no clock.
+
+`BrokerCore` is fed what the I/O shell (sbus/broker.py) sees: a client connected
+(`connect`, with its kernel-verified credentials), packets arrived from a client
+(`receive`, a batch view), a client became writable (`writable`), a client is gone
+(`hangup`), time passed (`advance`).  It owns routing, flood control, per-user
+accounting and limits, refusals, introspection answers and the hand-over snapshot.
+What the shell must do in turn it reads from plain state:
+
+* `Client.wants_read` / `Client.wants_write` for every client in `dirty`: pause or
+  resume reading it, watch it for writability;
+* `gone`: clients to disconnect (their sockets to close), in order;
+* `logs`: ``(level, line)`` pairs to write, already rationed per UID.
+
+Writing is the one thing the core does not hand back as data: which packets stay
+queued under a client's flood policy depends on how many the kernel took *now*, and
+the fast path hands a run of packets to each target straight from the receive buffer
+(one ``sendmmsg``) before the next receive overwrites it.  So the core is given the
+two non-blocking primitives it needs, ``write(link, packet)`` (``os.write`` in the
+shell) and the batch's own ``send(link, start, count)``; a client's ``link`` is
+opaque to the core (the shell's fd).  Tests pass fakes for both that model a kernel
+buffer of a chosen size, so every policy is exercised without a socket or a sleep.
+
+No client can hold the shell's loop through the core: every packet's work is bounded
+(patterns are limited in shape, lookups probe once per prefix length, cache
+invalidation is amortised, order changes re-sort a few hundred packets at most), a
+client whose batches overran `TURN_SECONDS` is read fewer packets at once
+(`turn_taken`), a departed client's subscriptions are dropped `REMOVALS_PER_TURN` at a
+time (`tidy`), and everything a client makes the broker keep is charged to its UID
+(sbus/limits.py).  A refused packet is answered with ``CMSG refused/VERB\\0reason``
+and logged within the UID's allowance.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from . import handover, introspect, protocol
+from .defaults import MAX_MESSAGE, QUEUE_LIMIT
+from .display import brief
+from .flood import PACKET_OVERHEAD, Hard, Order, OutQueue, Soft, Verdict, parse_control
+from .keys import Credentials, KeyRefused, KeyRules
+from .limits import Limits, LogAllowance, UserAccounts
+from .routing import RouteCache, RoutingIndex, pattern_cost
+
+__all__ = ["BrokerCore", "Client", "TURN_SECONDS", "FIRST_SLOTS", "REMOVALS_PER_TURN",
+           "WRITES_PER_TURN"]
+
+#: A client whose batch took longer than this is read fewer packets at once.
+TURN_SECONDS = 0.002
+#: Packets a writer sends from a queue per `writable` event.
+WRITES_PER_TURN = 1024
+#: Subscriptions of a departed client dropped per `tidy` call.
+REMOVALS_PER_TURN = 512
+#: Packets read at once from a new client; it earns more (up to the batch) by packets
+#: that prove cheap, and a batch that overran its turn makes it read fewer: a client
+#: whose packets are expensive (a fan-out to thousands, a lookup through a wide trie)
+#: is served one packet per turn.
+FIRST_SLOTS = 4
+#: Packets for one target from which one `sendmmsg` beats a `write` each.
+SEND_BATCH_MIN = 3
+
+DROPPED = b"CMSG " + protocol.DROPPED + b"\0"
+REFUSED = b"CMSG " + protocol.REFUSED + b"/"
+
+
+class Client:
+    """One client as the core sees it: identity, queue, flood state, who it pauses."""
+
+    __slots__ = ("id", "link", "cred", "out", "closed", "subscriptions",
+                 "subscription_bytes", "nowait", "may_pause_others", "held", "slots",
+                 "waiting_on", "paused", "own_full", "mask", "__weakref__")
+
+    def __init__(self, cid: int, link: object, cred: Credentials, queue_limit: int):
+        self.id = cid
+        self.link = link  # the shell's handle (an fd); -1 once closed
+        self.cred = cred
+        self.out = OutQueue(queue_limit)
+        self.closed = False
+        self.subscriptions = 0
+        self.subscription_bytes = 0
+        self.nowait = False  # asked never to be paused as a publisher (a shared connection)
+        self.may_pause_others = False  # its `block` may pause other users' publishers
+        self.held = 0  # bytes it sent beyond full queues while paused, charged to its user
+        self.slots = FIRST_SLOTS  # packets read at once: fewer while its packets cost much
+        self.waiting_on: list[Client] | None = None  # as a publisher: the targets it awaits
+        self.paused: list[Client] = []  # publishers this client holds back
+        self.own_full = False  # not read until its own queue has drained
+        self.mask = 0  # the shell's: what it currently watches the link for
+
+    @property
+    def wants_read(self) -> bool:
+        return not (self.closed or self.waiting_on or self.own_full)
+
+    @property
+    def wants_write(self) -> bool:
+        out = self.out
+        return not self.closed and bool(out.items or out.dropped)
+
+    def __repr__(self) -> str:
+        c = self.cred
+        return f"client {self.id} (pid {c.pid} uid {c.uid} gid {c.gid})"
+
+
+Write = Callable[[object, bytes], object]
+
+
+class BrokerCore:
+    """Everything the broker decides, for a shell that only moves bytes."""
+
+    def __init__(
+        self,
+        write: Write,
+        at_eof: Callable[[object], bool],
+        *,
+        sep: bytes = b"/",
+        max_message: int = MAX_MESSAGE,
+        queue_limit: int = QUEUE_LIMIT,
+        limits: Limits | None = None,
+        defaults: tuple[Soft, Hard, Order] = (Soft.QUEUE, Hard.DISCARD, Order.QUEUE),
+        batch_slots: int = 32,
+        user_name: Callable[[int], str | None] = lambda uid: None,
+        now: float = 0.0,
+    ) -> None:
+        self._write = write  # non-blocking: BlockingIOError when the kernel is full
+        self._at_eof = at_eof  # after an empty packet: did the peer hang up?
+        self._user_name = user_name
+        self.sep = sep
+        self.defaults = defaults
+        self.rules = KeyRules(sep)
+        limits = limits or Limits()
+        self.index: RoutingIndex[Client] = RoutingIndex(
+            sep, RouteCache(sep, limits.cache_bytes, limits.cache_bytes_per_user))
+        self._whoami = protocol.WHOAMI.replace(b"/", sep)  # either spelling is answered
+        self.max_message = max_message
+        self.queue_limit = queue_limit
+        self.batch_slots = batch_slots
+        self._head_slices: dict[int, list[slice]] = {}  # for `_same_head`, by head length
+        self.now = now
+        self.accounts = UserAccounts(limits)
+        self.allowance = LogAllowance(clock=lambda: self.now)
+        self.connections: dict[int, Client] = {}  # id -> client, oldest first
+        self._by_uid: dict[int, dict[int, Client]] = {}  # uid -> id -> client
+        self.subscription_count = 0
+        self.empty_since: float | None = now  # no client since (None: some)
+        self._next_id = 1
+        # what the shell acts on
+        self.dirty: set[Client] = set()
+        self.gone: list[Client] = []
+        self.logs: list[tuple[int, str]] = []
+        self.debug = False  # whether debug lines are wanted at all
+        self._departing: deque[Client] = deque()
+        # counters (read by STATUS= and monitoring)
+        self.published = 0
+        self.delivered = 0
+        self.dropped = 0
+        self.disconnects = 0
+        self.started = now
+
+    # -- events ---------------------------------------------------------------
+
+    def advance(self, now: float) -> None:
+        """Time passed: *now* is the shell's monotonic clock."""
+        self.now = now
+
+    def connect(self, cred: Credentials, link: object, cid: int | None = None) -> Client | None:
+        """A client connected; None (and a log line) if its user may not hold another."""
+        if cid is None:
+            cid = self._next_id
+        self._next_id = max(self._next_id, cid + 1)
+        conn = Client(cid, link, cred, self.queue_limit)
+        for setting in self.defaults:
+            conn.out.apply(setting)
+        refusal = self.accounts.connect(conn)
+        if refusal:
+            self._log(conn, f"connection refused: {refusal}")
+            return None
+        conn.out.budget = self.accounts.budget(conn)
+        conn.may_pause_others = self._trusted(cred.uid)
+        self.connections[cid] = conn
+        self.empty_since = None
+        self._by_uid.setdefault(cred.uid, {})[cid] = conn
+        self.dirty.add(conn)
+        if self.debug:
+            self.logs.append((logging.DEBUG, f"{conn!r} connected"))
+        return conn
+
+    def hangup(self, conn: Client, why: str | None = None) -> None:
+        """The client is gone (end of file, a failed read): forget it."""
+        if why is not None and not conn.closed:
+            self.logs.append((logging.INFO, f"{conn!r}: {why}"))
+        self._depart(conn)
+
+    def receive(self, conn: Client, batch, n: int) -> None:
+        """Act on the *n* packets *conn* sent that are in *batch* (a `PacketBatch` or any
+        object with its ``buffer``, ``offsets``, ``lengths``, ``copy`` and ``send``).
+
+        Consecutive publishes with the same targets form a run, delivered together
+        (`_deliver`): the targets then take a run of packets back to back, with one
+        system call each.  Any other packet first flushes the runs before it, so
+        replies and subscriptions keep their place in the client's order.  Afterwards
+        the publisher may be paused (`Client.waiting_on`, `Client.own_full`) or gone.
+        """
+        buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
+        max_message = self.max_message
+        cache = self.index.cache.entries
+        owner = conn.cred.uid
+        blocked: list[Client] | None = None
+        published = 0
+        runs: list[tuple[int, int, tuple[Client, ...]]] = []  # (start, end, targets)
+        run_start, run_targets = 0, ()  # the open run: [run_start, i), same targets
+        head, head_len = None, 0  # b"MSG key\0" of the open run, to spot the same key
+        misses = 0  # packets in a row whose head was not the open run's
+        for i in range(n):
+            size = lengths[i]
+            at = offsets[i]
+            if head_len:
+                if head_len <= size <= max_message and buf[at:at + head_len] == head:
+                    published += 1
+                    misses = 0
+                    continue
+                misses += 1
+            targets = ()  # None below: a publish refused
+            nul = buf.find(b"\0", at, at + size) if 4 < size <= max_message else -1
+            if nul > 0:
+                head = buf[at:nul + 1]
+                if head[:4] == b"MSG ":
+                    key = head[4:-1]
+                    targets = cache.get(key)
+                    if targets is None and not (b"!" in key and
+                                                not self._key_allowed(conn, key)):
+                        targets = self.index.match(key, owner)
+                    if targets is not None:
+                        published += 1
+                        if targets is not run_targets:
+                            if run_targets:
+                                runs.append((run_start, i, run_targets))
+                            run_start, run_targets = i, targets
+                        # keys that change at every packet (many keys in turn): stop
+                        # comparing heads for the rest of the batch
+                        head_len = len(head) if misses < 2 else 0
+                        if published == 1 and self._same_head(batch, head, i + 1, n):
+                            published += n - i - 1  # the usual batch: one key throughout
+                            break
+                        continue
+            # not a publish (or a refused one): deliver what came before, then act on it
+            if run_targets:
+                runs.append((run_start, i, run_targets))
+            if runs:
+                blocked = self._deliver(conn, batch, runs, blocked)
+                runs = []
+            run_start, run_targets, head, head_len = i + 1, (), None, 0
+            if targets is None:
+                continue  # refused, and said why
+            if size == 0:
+                if self._at_eof(conn.link):
+                    self._depart(conn)
+                    break
+                self.refuse(conn, b"packet", "empty packet")
+            elif size > max_message:
+                self.refuse(conn, b"packet", f"over the {max_message}-byte limit")
+            else:
+                self.packet(conn, batch.copy(i))
+                if conn.closed:
+                    break
+        if run_targets:  # still open: it runs to the end of the batch
+            runs.append((run_start, n, run_targets))
+        if runs:
+            blocked = self._deliver(conn, batch, runs, blocked)
+        # what was read was published, even if the publisher is gone now
+        self.published += published
+        if conn.closed:
+            return
+        if blocked:
+            self._pause(conn, blocked)
+        out = conn.out
+        if out.nbytes > out.limit or out.budget is not None and \
+                out.budget.queued > out.budget.limit:
+            # replies it does not read: it is not read from until it does
+            conn.own_full = True
+            self._recheck_own(conn)
+
+    def turn_taken(self, conn: Client, n: int, spent: float) -> None:
+        """A batch of *n* packets from *conn* took *spent* seconds: an expensive client is
+        read fewer packets at once, a cheap one earns more (up to the batch)."""
+        if spent > TURN_SECONDS:
+            conn.slots = max(1, int(n * TURN_SECONDS / spent))
+        elif n == conn.slots and conn.slots < self.batch_slots and spent * 4 < TURN_SECONDS:
+            conn.slots = min(self.batch_slots, conn.slots * 2)
+
+    def writable(self, conn: Client) -> None:
+        """The client's kernel buffer has room: send what waits for it, report drops."""
+        out = conn.out
+        write = self._write
+        link = conn.link
+        try:
+            turn = WRITES_PER_TURN
+            while out.items and turn:
+                try:
+                    write(link, out.peek())
+                except BlockingIOError:
+                    break
+                out.pop()
+                self.delivered += 1
+                turn -= 1
+            if not out.items and out.dropped:
+                write(link, DROPPED + b"%d" % out.dropped)
+                out.take_dropped()
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            self._send_failed(conn, exc)
+            if conn.closed:
+                return
+        self.dirty.add(conn)
+        if conn.paused:
+            self._recheck_paused(conn)
+        if conn.own_full:
+            self._recheck_own(conn)
+
+    def tidy(self, n: int = REMOVALS_PER_TURN) -> bool:
+        """Drop up to *n* subscriptions of departed clients (a client with many leaves a
+        few hundred at a time); whether more work is left."""
+        while self._departing and n > 0:
+            conn = self._departing[0]
+            removed, left = self.index.remove_some(conn, n)
+            self.subscription_count -= removed
+            n -= max(removed, 1)
+            if left:
+                return True
+            self._departing.popleft()
+            self._forget(conn)
+        return bool(self._departing)
+
+    # -- one packet (the slow path) ---------------------------------------------------
+
+    def packet(self, conn: Client, packet: bytes) -> None:
+        """Every packet but a well-formed MSG: the slow path."""
+        try:
+            event = protocol.parse(packet)
+        except protocol.ProtocolError as exc:
+            self.refuse(conn, b"packet", str(exc))
+            return
+        if isinstance(event, protocol.Subscribe):
+            self.subscribe(conn, event.pattern)
+        elif isinstance(event, protocol.Unsubscribe):
+            self.unsubscribe(conn, event.pattern)
+        elif isinstance(event, protocol.Control):
+            self.control(conn, event.key, event.payload)
+
+    def _checked(self, conn: Client, verb: bytes, pattern: bytes) -> bytes | None:
+        """*pattern* as the rules complete it for *conn*, or None (refused, and said why)."""
+        try:
+            return self.rules.check_pattern(pattern, conn.cred)
+        except KeyRefused as exc:
+            self.refuse(conn, verb, str(exc))
+            return None
+
+    def subscribe(self, conn: Client, pattern: bytes) -> None:
+        pattern = self._checked(conn, b"sub", pattern)
+        if pattern is None:
+            return
+        refusal = self.accounts.subscribe(conn, pattern_cost(pattern, self.sep))
+        if refusal:
+            self.refuse(conn, b"sub", f"{brief(pattern)}: {refusal}")
+            return
+        self.index.subscribe(conn, pattern)
+        self.subscription_count += 1
+
+    def unsubscribe(self, conn: Client, pattern: bytes) -> None:
+        pattern = self._checked(conn, b"unsub", pattern)
+        if pattern is None:
+            return
+        if self.index.unsubscribe(conn, pattern):
+            self.accounts.unsubscribe(conn, pattern_cost(pattern, self.sep))
+            self.subscription_count -= 1
+        else:
+            self.refuse(conn, b"unsub", f"not subscribed to {brief(pattern)}")
+
+    def control(self, conn: Client, key: bytes, payload: bytes | None) -> None:
+        if key == protocol.WHOAMI or key == self._whoami:
+            self.reply(conn, b"CMSG " + key + b"\0" + conn.cred.path(self.sep))
+            return
+        plain = key.replace(self.sep, b"/")
+        if plain == protocol.PUBLISHER_NOWAIT:
+            conn.nowait = True
+            return
+        if plain == protocol.STATUS:
+            self.reply(conn, introspect.answer(self, conn, payload))
+            return
+        setting = parse_control(plain)
+        if setting is not None:
+            conn.out.apply(setting)
+            if conn.paused:
+                self._recheck_paused(conn)  # paused publishers re-check under the new policy
+            if self.debug:
+                self.logs.append((logging.DEBUG, f"{conn!r}: flood control {setting}"))
+            return
+        self.refuse(conn, b"cmsg", f"control message {brief(key)} not understood")
+
+    def refuse(self, conn: Client, verb: bytes, why: str) -> None:
+        """Tell *conn* that its packet was refused, and log it within its allowance."""
+        self._log(conn, f"{verb.decode()} refused: {why}")
+        self.reply(conn, REFUSED + verb + b"\0" + why.encode("utf-8", "backslashreplace"))
+
+    def reply(self, conn: Client, packet: bytes) -> None:
+        """Send the broker's own packet to *conn*, whatever its flood policy."""
+        if not conn.out.items:
+            try:
+                self._write(conn.link, packet)
+                return
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                self._send_failed(conn, exc)
+                return
+        conn.out.force(packet)
+        self.dirty.add(conn)
+
+    # -- delivering -------------------------------------------------------------------
+
+    def _same_head(self, batch, head: bytes, start: int, end: int) -> bool:
+        """Whether batch packets ``start .. end-1`` are all publishes that begin with *head*.
+
+        Checked with a few calls that loop in C, rather than packet by packet.
+        """
+        if end - start < 2:
+            return False
+        buf, size = batch.buffer, len(head)
+        at = batch.offsets[end - 1]
+        if buf[at:at + size] != head:
+            return False
+        lengths = batch.lengths[start:end]
+        if min(lengths) < size or max(lengths) > self.max_message:
+            return False
+        slices = self._head_slices.get(size)
+        if slices is None:
+            if len(self._head_slices) > 256:
+                self._head_slices.clear()
+            slices = self._head_slices[size] = [slice(at, at + size) for at in batch.offsets]
+        return list(map(buf.__getitem__, slices[start:end])).count(head) == end - start
+
+    def _key_allowed(self, conn: Client, key: bytes) -> bool:
+        try:
+            self.rules.check_key(key)
+        except KeyRefused as exc:
+            self.refuse(conn, b"msg", str(exc))
+            return False
+        return True
+
+    def _deliver(self, publisher: Client, batch, runs, blocked):
+        """Hand each run's batch packets ``start .. end-1`` to each of its targets.
+
+        What a target's kernel buffer does not take goes to its queue under its flood
+        policy.  Returns *blocked* plus the targets that now ask the publisher to wait:
+        the publisher is paused after the whole batch, so a blocking queue can be over
+        its limit by at most one batch; what it holds beyond the limit is charged to the
+        publisher's user (`Client.held`), and once that user's budget is spent the
+        target loses the packet instead (counted, reported).  Only a target of the
+        publisher's own UID, or a trusted one, may pause it (`Limits.trusted`), and never
+        a publisher that asked not to be paused (`protocol.PUBLISHER_NOWAIT`).
+        """
+        pub_uid = publisher.cred.uid
+        pub_budget = publisher.out.budget
+        pausable = not publisher.nowait
+        buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
+        copies: dict[int, bytes] = {}
+        sent = 0
+        write = self._write
+        dirty = self.dirty
+        for start, end, targets in runs:
+            if end - start == 1 and len(targets) == 1:  # many keys: one packet, one target
+                t = targets[0]
+                if not t.out.items and not t.closed:
+                    at = offsets[start]
+                    try:
+                        write(t.link, buf[at:at + lengths[start]])
+                        sent += 1
+                        continue
+                    except BlockingIOError:
+                        pass  # it waits in the queue: below
+                    except OSError as exc:
+                        self._send_failed(t, exc)
+                        continue
+            for t in targets:
+                if t.closed:
+                    continue
+                i = start
+                if not t.out.items:
+                    while i < end:
+                        try:
+                            if end - i >= SEND_BATCH_MIN:
+                                i += batch.send(t.link, i, end - i)
+                                if i < end:
+                                    break  # the kernel took what it could
+                            else:
+                                packet = copies.get(i)
+                                if packet is None:
+                                    packet = copies[i] = batch.copy(i)
+                                write(t.link, packet)
+                                i += 1
+                        except BlockingIOError:
+                            break
+                        except OSError as exc:
+                            self._send_failed(t, exc)
+                            if t.closed:
+                                break
+                            i += 1  # that packet could not be delivered (and is counted)
+                            sent -= 1
+                    sent += i - start
+                    if i == end or t.closed:
+                        continue
+                out = t.out
+                may_block = pausable and (t.cred.uid == pub_uid or t.may_pause_others)
+                for j in range(i, end):
+                    packet = copies.get(j)
+                    if packet is None:
+                        packet = copies[j] = batch.copy(j)
+                    over = may_block and out.nbytes >= out.limit
+                    if over and pub_budget is not None and \
+                            pub_budget.queued + len(packet) > pub_budget.limit:
+                        over = may_block = False  # its user cannot hold more: drop
+                    verdict = out.offer(packet, may_block)
+                    if verdict is Verdict.DROPPED:
+                        self.dropped += 1
+                    elif verdict is Verdict.BLOCK:
+                        if over:
+                            size = len(packet) + PACKET_OVERHEAD
+                            publisher.held += size
+                            if pub_budget is not None:
+                                pub_budget.queued += size
+                        if blocked is None:
+                            blocked = [t]
+                        elif t not in blocked:
+                            blocked.append(t)
+                    elif verdict is Verdict.ERROR:
+                        self._drop(t, "its flood policy is 'error' and it could not take "
+                                      "a message")
+                        break
+                dirty.add(t)
+        self.delivered += sent
+        return blocked
+
+    def _send_failed(self, conn: Client, exc: OSError) -> None:
+        if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):  # it hung up: normal
+            self._drop(conn, "it hung up", logging.DEBUG)
+        elif exc.errno == errno.EMSGSIZE:
+            self._log(conn, f"a {exc.strerror} message could not be delivered: dropped")
+            conn.out.dropped += 1
+            self.dropped += 1
+            self.dirty.add(conn)
+        else:
+            self._drop(conn, f"send failed: {exc}")
+
+    # -- pausing ---------------------------------------------------------------------
+
+    def _pause(self, publisher: Client, blocked: list[Client]) -> None:
+        """Stop reading *publisher* until every target in *blocked* lets it go on."""
+        waiting = []
+        for t in blocked:
+            if not t.closed and not t.out.publisher_may_continue():
+                waiting.append(t)
+                t.paused.append(publisher)
+        if waiting:
+            publisher.waiting_on = waiting
+            self.dirty.add(publisher)
+        else:
+            self._release_held(publisher)
+
+    def _recheck_paused(self, target: Client) -> None:
+        """The publishers *target* holds back go on once it lets them (or is gone)."""
+        if not (target.closed or target.out.publisher_may_continue()):
+            return
+        publishers, target.paused = target.paused, []
+        for p in publishers:
+            waiting = p.waiting_on
+            if waiting is None:
+                continue
+            if target in waiting:
+                waiting.remove(target)
+            if not waiting:
+                p.waiting_on = None
+                self._release_held(p)
+                self.dirty.add(p)
+
+    def _recheck_own(self, conn: Client) -> None:
+        """A client over its own queue's limit is read again once its queue is back to
+        half its limit, or empty."""
+        out = conn.out
+        budget = out.budget
+        if out.items and (out.nbytes > out.limit // 2
+                          or budget is not None and budget.queued > budget.limit):
+            return
+        conn.own_full = False
+        self.dirty.add(conn)
+
+    def _release_held(self, conn: Client) -> None:
+        if conn.held:
+            if conn.out.budget is not None:
+                conn.out.budget.queued -= conn.held
+            conn.held = 0
+
+    # -- leaving -----------------------------------------------------------------------
+
+    def _drop(self, conn: Client, why: str, level: int = logging.WARNING) -> None:
+        """Disconnect *conn* and say why."""
+        if not conn.closed:
+            if level > logging.DEBUG or self.debug:
+                self.logs.append((level, f"disconnecting {conn!r}: {why}"))
+            self._depart(conn)
+
+    def _depart(self, conn: Client) -> None:
+        """Nothing is delivered to *conn* from now on; the shell closes its link, and its
+        subscriptions go a few hundred at a time (`tidy`)."""
+        if conn.closed:
+            return
+        conn.closed = True
+        self.gone.append(conn)
+        self.dirty.discard(conn)
+        if conn.waiting_on:  # it no longer waits for anyone
+            for t in conn.waiting_on:
+                if conn in t.paused:
+                    t.paused.remove(conn)
+            conn.waiting_on = None
+        self._release_held(conn)
+        self._recheck_paused(conn)  # whoever it held back goes on
+        self._departing.append(conn)
+
+    def _forget(self, conn: Client) -> None:
+        self.subscription_count -= self.index.remove_client(conn)
+        self.accounts.disconnect(conn)
+        self.connections.pop(conn.id, None)
+        if not self.connections:
+            self.empty_since = self.now
+        mine = self._by_uid.get(conn.cred.uid)
+        if mine is not None:
+            mine.pop(conn.id, None)
+            if not mine:
+                del self._by_uid[conn.cred.uid]
+        conn.out.clear()
+        self.disconnects += 1
+        if self.debug:
+            self.logs.append((logging.DEBUG, f"{conn!r} disconnected"))
+
+    # -- policy helpers ------------------------------------------------------------------
+
+    def _trusted(self, uid: int) -> bool:
+        """Whether subscribers of *uid* may pause other users' publishers."""
+        limits = self.accounts.limits
+        if limits.may_pause_others(uid):
+            return True
+        names = {t for t in limits.trusted if isinstance(t, str)}
+        return bool(names) and self._user_name(uid) in names
+
+    def _log(self, conn: Client, what: str) -> None:
+        """A warning about *conn*, within its UID's allowance (see `LogAllowance`).
+
+        *what* must quote client input only through `display.brief`."""
+        held = self.allowance.take(conn.cred.uid)
+        if held is None:
+            return
+        more = f" ({held} more lines about uid {conn.cred.uid} were not logged)" if held else ""
+        self.logs.append((logging.WARNING, f"{conn!r}: {what}{more}"))
+
+    # -- handing over to a successor (sbus/handover.py) ------------------------------------
+
+    def snapshot(self) -> handover.State:
+        """Every connected client's state (the shell hands their links over separately)."""
+        clients = []
+        for conn in self.connections.values():
+            if conn.closed:
+                continue
+            out = conn.out
+            if isinstance(out.items, list):  # largest first: a heap of (-size, seq, packet)
+                queued = [p for _, _, p in sorted(out.items, key=lambda item: item[1])]
+            else:
+                queued = list(out.items)
+            clients.append(handover.ClientState(
+                conn.id, sorted(self.index.patterns(conn).items()), out.soft.value,
+                out.hard.value, out.order.value, conn.nowait, queued, out.dropped))
+        counters = {"published": self.published, "delivered": self.delivered,
+                    "dropped": self.dropped, "disconnects": self.disconnects}
+        return handover.State(self.sep, counters, clients)
+
+    def restore(self, state: handover.State,
+                peers: dict[int, tuple[Credentials, object]]) -> list[Client]:
+        """Take over a predecessor's clients: *peers* maps a client id to its credentials
+        (asked of the kernel again) and link.  Returns the clients taken; a client the
+        limits now refuse, or missing from *peers*, is not (the shell closes its link)."""
+        if state.sep != self.sep:
+            raise handover.HandoverError(f"the predecessor used the separator {state.sep!r}")
+        for name in ("published", "delivered", "dropped", "disconnects"):
+            setattr(self, name, state.counters.get(name, 0))
+        taken = []
+        for c in state.clients:
+            peer = peers.get(c.id)
+            if peer is None:
+                continue
+            conn = self.connect(peer[0], peer[1], c.id)
+            if conn is None:
+                continue
+            out = conn.out
+            out.apply(Soft(c.soft))
+            out.apply(Hard(c.hard))
+            out.apply(Order(c.order))
+            conn.nowait = c.nowait
+            for pattern, count in c.patterns:
+                for _ in range(count):
+                    self.subscribe(conn, pattern)
+            for packet in c.queued:
+                out.force(packet)
+            out.dropped = c.dropped
+            taken.append(conn)
+        self._next_id = max([self._next_id, *(c.id + 1 for c in state.clients)])
+        return taken
+
+    # -- reporting ---------------------------------------------------------------------
+
+    def connections_of(self, uid: int | None) -> list[Client]:
+        """The connections of *uid* (of everyone for None), oldest first."""
+        if uid is not None:
+            return list(self._by_uid.get(uid, {}).values())
+        return list(self.connections.values())
+
+    def status(self) -> str:
+        paused = sum(len(c.paused) for c in self.connections.values())
+        return (f"{len(self.connections)} clients, {self.subscription_count} subscriptions, "
+                f"{self.published} published, {self.delivered} delivered, "
+                f"{self.dropped} dropped, {paused} publishers paused")
