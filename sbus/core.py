@@ -71,7 +71,7 @@ class Client:
     """One client as the core sees it: identity, queue, flood state, who it pauses."""
 
     __slots__ = ("id", "link", "cred", "out", "closed", "subscriptions",
-                 "subscription_bytes", "nowait", "may_pause_others", "held", "slots",
+                 "subscription_bytes", "status", "nowait", "may_pause_others", "held", "slots",
                  "waiting_on", "paused", "own_full", "mask", "__weakref__")
 
     def __init__(self, cid: int, link: object, cred: Credentials, queue_limit: int):
@@ -82,6 +82,7 @@ class Client:
         self.closed = False
         self.subscriptions = 0
         self.subscription_bytes = 0
+        self.status = b""  # its own one-line status (protocol.CLIENT_STATUS), bounded
         self.nowait = False  # asked never to be paused as a publisher (a shared connection)
         self.may_pause_others = False  # its `block` may pause other users' publishers
         self.held = 0  # bytes it sent beyond full queues while paused, charged to its user
@@ -390,6 +391,9 @@ class BrokerCore:
             return
         if plain == protocol.STATUS:
             self.reply(conn, introspect.answer(self, conn, payload))
+            return
+        if plain == protocol.CLIENT_STATUS:
+            conn.status = bytes((payload or b"")[:protocol.CLIENT_STATUS_BYTES])
             return
         setting = parse_control(plain)
         if setting is not None:

@@ -52,6 +52,11 @@ PUBLISHER_NOWAIT = b"blocking/publisher/nowait"
 #: client -> broker: "tell me about yourself" (payload optional: ``{"after": ID}``);
 #: broker -> client: a JSON object (sbus/introspect.py, docs/protocol.md).
 STATUS = b"broker/status"
+#: client -> broker: the payload is this client's own one-line status (a bridge's
+#: counters, say), shown beside it by ``broker/status`` to whoever may see the client;
+#: cut to `CLIENT_STATUS_BYTES`, an empty payload clears it.
+CLIENT_STATUS = b"client/status"
+CLIENT_STATUS_BYTES = 200
 #: client -> broker, flood control: ``SOFT/queue|discard|block|error``,
 #: ``HARD/discard|block|error``, ``ORDER/queue|stack|random`` (sbus/flood.py).
 SOFT = b"blocking/soft"

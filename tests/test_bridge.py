@@ -101,6 +101,15 @@ def test_export_import_refusals_and_status(hosts: Hosts) -> None:
     assert collect(local, want=1) == [(b"cmd/go", b"now")]
     c = br.wait_counters(lambda c: c["imported"] >= 1)
     assert c["imported"] == 1
+    # the same counters beside the bridge's connection in `sbus status` (and sbus-top)
+    deadline = time.monotonic() + 10
+    while True:
+        shown = subprocess.run([*SBUS, "status", "--address", bus], capture_output=True,
+                               text=True, timeout=30).stdout
+        if "status: bus up, mqtt up;" in shown and "imported 1" in shown:
+            break
+        assert time.monotonic() < deadline, shown
+        time.sleep(0.1)
     log = br.stop()
     assert "refused 'sensors/a+b'" in log and "'+' cannot be sent" in log
     assert "not valid UTF-8" in log

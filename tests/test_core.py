@@ -331,6 +331,24 @@ def test_status_answer_shows_own_users_clients_only():
     assert answer["clients"][0]["patterns"] == ["a/"]
 
 
+def test_a_clients_own_status_line_is_shown_bounded_to_who_may_see_it():
+    bus = Bus()
+    bridge, other, root = bus.connect(uid=1000), bus.connect(uid=1001), bus.connect(uid=0)
+    bus.send(bridge, b"CMSG client/status\0exported=5 imported=2", b"CMSG client/status\0" +
+             b"\x1b[2J" + b"x" * 5000)  # the later one counts, cut to its bound
+    bus.send(other, b"CMSG broker/status")
+    assert json.loads(bus.read(other)[0].split(b"\0", 1)[1])["clients"][0]["status"] == ""
+    bus.send(root, b"CMSG broker/status")
+    seen = {c["id"]: c["status"] for c in
+            json.loads(bus.read(root)[0].split(b"\0", 1)[1])["clients"]}
+    assert seen[bridge.id] == "\x1b[2J" + "x" * 196  # JSON keeps ESC escaped; 200 bytes
+    bus.send(bridge, b"CMSG client/status")  # no payload: cleared
+    bus.send(root, b"CMSG broker/status")
+    seen = {c["id"]: c["status"] for c in
+            json.loads(bus.read(root)[0].split(b"\0", 1)[1])["clients"]}
+    assert seen[bridge.id] == ""
+
+
 def test_a_failed_send_disconnects_the_target_only():
     bus = Bus()
     gone, ok, pub = bus.connect(), bus.connect(), bus.connect()

@@ -219,6 +219,7 @@ def test_scrolling_reverse_sort_help_and_the_clients_pane(broker, tmux):
             bus.publish(b"k/%02d" % i, b"v%d" % i)
     watcher = Client(broker.address)
     watcher.subscribe(b"watch/\x1b[2J")  # someone else's client, with a hostile pattern
+    watcher.control(b"client/status", b"exported 3\x1b[31m")  # and a hostile status line
     watcher.whoami()
     tmux.type_line(f"{sys.executable} -m sbus.top --address {broker.address} --sort key "
                    "--interval 0.1")
@@ -259,6 +260,8 @@ def test_scrolling_reverse_sort_help_and_the_clients_pane(broker, tmux):
     tmux.send("x")
     tmux.wait(lambda s: "key▲" in s and "any key closes" not in s, "the table back")
 
+    subprocess.run([*tmux.base, "resize-window", "-t", "top", "-x", "160", "-y", "30"],
+                   check=True)  # room for the watcher's status line after its pattern
     tmux.send("Tab")
     screen = tmux.wait(lambda s: "patterns" in s and "watch/" in s, "the clients pane")
     lines = screen.splitlines()
@@ -267,7 +270,9 @@ def test_scrolling_reverse_sort_help_and_the_clients_pane(broker, tmux):
     assert len(rows) == 2  # sbus-top's connection and the watcher (the root user sees all)
     mine = next(r for r in rows if "*" in r.split()[0])
     other = next(r for r in rows if r is not mine)
-    assert other.split()[1] == str(os.getpid()) and other.endswith("watch/\\x1b[2J")
+    assert other.split()[1] == str(os.getpid())
+    # its pattern, then its own status line: both escaped
+    assert other.rstrip().endswith("watch/\\x1b[2J  [exported 3\\x1b[31m]")
     assert mine.rstrip().endswith("''")  # sbus-top's own pattern: everything
     assert "\x1b" not in screen
     tmux.send("Tab")

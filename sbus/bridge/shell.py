@@ -230,6 +230,7 @@ class BridgeShell:
             return
         self.bus = bus
         self.core.bus_reset()
+        self._tell_bus(self.status())
         self.bus_backoff.up(now)
         log.info("connected to the bus at %s", bus.address)
 
@@ -300,6 +301,19 @@ class BridgeShell:
                       "subscribing")
         return f"bus {'up' if self.bus else 'down'}, mqtt {mqtt_state}; {self.core.status()}"
 
+    def _tell_bus(self, line: str) -> None:
+        """Put the counters beside this connection in `sbus status` and sbus-top's clients
+        pane (protocol.CLIENT_STATUS); skipped, not waited for, while the bus is backed up
+        (the next change sends it again)."""
+        if self.bus is None:
+            return
+        try:
+            self.bus.control(protocol.CLIENT_STATUS, line, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        except SbusError as exc:
+            self._bus_lost(exc)
+
     def _notify(self, state: str) -> None:
         try:
             sdnotify.notify(state)
@@ -335,6 +349,7 @@ class BridgeShell:
                 if now >= next_status and self.status() != last:
                     last = self.status()
                     self._notify(f"STATUS={last}")
+                    self._tell_bus(last)
                     next_status = now + STATUS_EVERY
         finally:
             signal.set_wakeup_fd(old_wakeup)

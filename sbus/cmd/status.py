@@ -70,4 +70,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{c['id']:>5}{me} {c['pid']:>7} {c['uid']:>6} {c['subscriptions']:>5} "
               f"{c['queued']:>8} {c['queued_bytes']:>10} {drops:>7} "
               f"{c.get('publishers_paused', 0):>6} {flood:<22} {patterns}")
+        if c.get("status"):  # the client's own words: escaped, on a line of their own
+            print(f"{'':>7} status: {printable(c['status'], 200)}")
     return 0

@@ -224,6 +224,8 @@ def _client_cells(c: dict) -> list[Text | str]:
     more = (c.get("subscriptions") or 0) - min(len(patterns), 8)
     if isinstance(more, int) and more > 0:
         shown += f" (+{more})"
+    if c.get("status"):  # the client's own status line (a bridge's counters), escaped
+        shown += f"  [{printable(str(c['status']), 120)}]"
     me = "*" if c.get("you") else ""
     return [Text(_plain(c.get("id")) + me, style="cyan"), _plain(c.get("pid")),
             _plain(c.get("uid")), _number(c.get("subscriptions")), _number(c.get("queued")),
