@@ -24,19 +24,14 @@ import trio
 
 from . import handover, sdnotify
 from .broker import Broker
+from .defaults import default_address
 from .limits import Limits
 
 log = logging.getLogger("sbus.server")
 
-DEFAULT_ADDRESS = "/run/sbus.socket"
-
 
 class ServeError(Exception):
     """A reason the broker cannot start, worded for the person starting it."""
-
-
-def default_address() -> str:
-    return os.environ.get("SBUS_ADDRESS") or DEFAULT_ADDRESS
 
 
 def _is_listening_seqpacket(fd: int) -> bool:
