@@ -24,7 +24,7 @@ import trio
 
 from . import handover, sdnotify
 from .broker import Broker
-from .defaults import default_address
+from .defaults import MAX_MESSAGE, default_address
 from .limits import Limits
 
 log = logging.getLogger("sbus.server")
@@ -314,7 +314,7 @@ async def run(
     *,
     mode: int | None = 0o666,
     sep: bytes = b"/",
-    max_message: int = 256 * 1024,
+    max_message: int = MAX_MESSAGE,
     queue_limit: int = 4 * 1024 * 1024,
     limits: Limits | None = None,
     defaults: tuple | None = None,

@@ -31,6 +31,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from .. import protocol, sdnotify
 from ..client import Client, SbusError
+from ..defaults import MAX_MESSAGE
 from ..display import printable
 from ..limits import LogAllowance
 from ..protocol import Publish
@@ -71,7 +72,7 @@ class MqttSettings:
     session_expiry: int = 3600  # seconds the broker keeps our session (QoS 1 imports)
     max_queued: int = 10000  # QoS 1 exports held until acknowledged (the broker away)
     max_queued_bytes: int = 64 << 20  # and their bytes at most
-    max_message: int = 256 * 1024  # largest packet the broker may send us
+    max_message: int = MAX_MESSAGE  # largest packet the broker may send us
 
 
 class _PackedOnce(Properties):
