@@ -299,6 +299,54 @@ def test_mkdir_learned_directories_and_unknown_names(mnt, bus):
         end(proc)
 
 
+def test_creating_a_file_makes_its_directories_on_a_fresh_bus(space):
+    """The design card: ``echo hi > MNT/a/b/c`` publishes with no mkdir on a fresh bus
+    (the mount reads the creating call from /proc), while reads invent nothing."""
+    b = BrokerProcess(os.path.join(space, "fresh.sock")).start()
+    m = Mount(b.address, os.path.join(space, "fresh"))
+    try:
+        m.start()
+        keys = [b"a/b/c", b"sh/b/c", b"rel/x/y", b"py/thon/w", b"at/fd/z/z"]
+        sub = subscriber(b.address, *keys)
+        subprocess.run(["bash", "-c", f"echo hi > {m / 'a/b/c'}"], check=True)
+        subprocess.run(["sh", "-c", f"echo hi > {m / 'sh/b/c'}"], check=True)
+        subprocess.run(["sh", "-c", "echo hi > rel/x/y"], check=True, cwd=m.path)
+        with open(m / "py/thon/w", "w") as f:
+            f.write("hi\n")
+        root = os.open(m.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # openat with a descriptor of the mount's root
+            fd = os.open("at/fd/z/z", os.O_WRONLY | os.O_CREAT, dir_fd=root)
+            os.write(fd, b"hi\n")
+            os.close(fd)
+        finally:
+            os.close(root)
+        for key in keys:
+            assert sub.recv(1000) == b"MSG " + key + b"\0hi\n"
+        assert os.path.isdir(m / "a/b") and os.path.isfile(m / "a/b/c")  # learned
+
+        r = subprocess.run(["cat", m / "x/y/z"], capture_output=True)
+        assert r.returncode != 0 and b"No such file or directory" in r.stderr
+        r = subprocess.run(["ls", m / "nonexistent"], capture_output=True)
+        assert r.returncode != 0 and b"No such file or directory" in r.stderr
+        with pytest.raises(FileNotFoundError):
+            open(m / "read/only/path")
+        # a create that fails leaves no directory behind: the implicit ones are
+        # neither remembered nor cached by the kernel
+        with pytest.raises(PermissionError):  # '**' is a pattern: not writable
+            open(m / "gone/sub/**", "w")
+        with pytest.raises(FileNotFoundError):
+            os.stat(m / "gone")
+        # the secret tree keeps its rules
+        with pytest.raises(FileNotFoundError):
+            open(m / "!/other/x/y", "w")
+        with pytest.raises(PermissionError):
+            open(m / "!/cred/1/2/3/x/y", "w")
+        assert not select.select([sub], [], [], 0.2)[0]  # the refused ones published nothing
+    finally:
+        m.stop()
+        b.stop()
+
+
 def test_long_message_continues_in_the_next_read(mnt, bus):
     payload = bytes(range(256)) * 40  # 10240 bytes
     fd = os.open(touch(mnt, "big"), os.O_RDONLY)
@@ -458,10 +506,15 @@ def test_nobody_cannot_borrow_the_mounts_secrets(bus, space):
                            timeout=10)
         assert r.returncode != 0 and b"Permission denied" in r.stderr
         sub = subscriber(bus.address, b"pub/by/nobody")
+        sub2 = subscriber(bus.address, b"pub/new/nobody")
         os.makedirs(m / "pub/by", exist_ok=True)
         subprocess.run([*as_nobody, "sh", "-c", f"echo hello > {m / 'pub/by/nobody'}"],
                        check=True, timeout=10)
         assert sub.recv(1000) == b"MSG pub/by/nobody\0hello\n"
+        # a root mount may read another user's creating call: no mkdir needed either
+        subprocess.run([*as_nobody, "sh", "-c", f"echo hello > {m / 'pub/new/nobody'}"],
+                       check=True, timeout=10)
+        assert sub2.recv(1000) == b"MSG pub/new/nobody\0hello\n"
     finally:
         m.stop()
 

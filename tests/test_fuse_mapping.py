@@ -6,6 +6,8 @@ import errno
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -319,3 +321,134 @@ def test_remembered_keys_are_bounded_in_bytes_and_cost_what_they_are_charged():
         tracemalloc.stop()
     assert tree.held <= 2 << 20 and len(tree) < 3000
     assert used <= tree.held
+
+
+# -- implicit directories: is the caller creating a file below a name? --------------
+
+from sbus.fuse import intent  # noqa: E402
+from sbus.fuse.intent import Call, absolute, continues_below, parse_syscall  # noqa: E402
+
+MNT = (b"/tmp/m",)
+
+
+@pytest.mark.parametrize("line, call", [
+    # open("…", O_WRONLY|O_CREAT|O_TRUNC, 0666)
+    ("2 0x7ffd10 0x241 0x1b6 0x0 0x0 0x0 0x7ffd00 0x7f0000", Call(0x7ffd10, None, 0x241)),
+    # openat(AT_FDCWD, …): glibc's -100, with or without sign extension
+    ("257 0xffffff9c 0x5581 0x241 0x1b6 0x0 0x0 0x7ffd 0x7f", Call(0x5581, None, 0x241)),
+    ("257 0xffffffffffffff9c 0x5581 0x41 0x1b6 0x0 0x0 0x7ffd 0x7f", Call(0x5581, None, 0x41)),
+    # openat(3, …): relative to descriptor 3
+    ("257 0x3 0x5581 0x241 0x1b6 0x0 0x0 0x7ffd 0x7f", Call(0x5581, 3, 0x241)),
+    # creat(path, mode): O_CREAT|O_WRONLY|O_TRUNC implied
+    ("85 0x5581 0x1b6 0x0 0x0 0x0 0x0 0x7ffd 0x7f",
+     Call(0x5581, None, os.O_CREAT | os.O_WRONLY | os.O_TRUNC)),
+    # openat2(AT_FDCWD, path, &how, 24): flags are read from how
+    ("437 0xffffff9c 0x5581 0x7ffd20 0x18 0x0 0x0 0x7ffd 0x7f", Call(0x5581, None, None, 0x7ffd20)),
+    ("0 0x3 0x5581 0x1000 0x0 0x0 0x0 0x7ffd 0x7f", None),  # read(2)
+    ("4 0x5581 0x7ffd20 0x0 0x0 0x0 0x0 0x7ffd 0x7f", None),  # stat(2)
+    ("-1 0x7ffd 0x7f", None),  # not in a system call
+    ("running", None),
+    ("", None),
+    ("257 0xzz 0x5581", None),
+])
+def test_parse_syscall_line(line, call):
+    assert parse_syscall(line, "x86_64") == call
+
+
+def test_parse_syscall_knows_only_its_machines_numbers():
+    assert parse_syscall("56 0xffffff9c 0x55 0x241 0x1b6 0x0 0x0 0x7f 0x7f", "aarch64") == \
+        Call(0x55, None, 0x241)
+    assert parse_syscall("2 0x55 0x241 0x1b6 0x0 0x0 0x0 0x7f 0x7f", "aarch64") is None
+    assert parse_syscall("257 0xffffff9c 0x55 0x241 0x1b6 0x0 0x0 0x7f 0x7f", "mips") is None
+
+
+@pytest.mark.parametrize("path, base, root, full", [
+    (b"a/b/c", b"/tmp/m", b"/", b"/tmp/m/a/b/c"),  # relative: below the cwd or dirfd
+    (b"./a//b/c", b"/tmp/m/", b"/", b"/tmp/m/./a//b/c"),
+    (b"/tmp/m/a/c", b"/ignored", b"/", b"/tmp/m/a/c"),  # absolute: below the root
+    (b"/m/a/c", b"/ignored", b"/srv/jail", b"/srv/jail/m/a/c"),  # a chrooted caller
+])
+def test_absolute_paths(path, base, root, full):
+    assert absolute(path, base, root) == full
+
+
+@pytest.mark.parametrize("path, parent, name, below", [
+    (b"/tmp/m/a/b/c", "", "a", True),
+    (b"/tmp/m/a/b/c", "a", "b", True),
+    (b"/tmp/m/a/b/c", "a/b", "c", False),  # the last name: the file being created
+    (b"/tmp/m/./a//b/c", "a", "b", True),
+    (b"/tmp/m/a/b/c", "x", "b", False),  # another path
+    (b"/tmp/m/a/b/c", "", "b", False),
+    (b"/tmp/other/a/b/c", "", "a", False),  # not on this mount
+    (b"/tmp/mm/a/b/c", "", "a", False),
+    (b"/tmp/m/x/../a/b/c", "", "a", False),  # '..' could climb out of a symlink
+    (b"/tmp/m/a/b/../c", "", "a", False),
+    (b"/tmp/m", "", "tmp", False),
+])
+def test_continues_below(path, parent, name, below):
+    assert continues_below(path, MNT, p(parent), name.encode()) is below
+
+
+def test_continues_below_the_mount_point_as_given_or_resolved():
+    both = (b"/var/run/m", b"/run/m")
+    assert continues_below(b"/run/m/a/b", both, (), b"a")
+    assert continues_below(b"/var/run/m/a/b", both, (), b"a")
+    assert not continues_below(b"/run/m/a/b", (), (), b"a")  # mount point unknown
+
+
+def _blocked_in_open(tmp_path, code: str) -> subprocess.Popen:
+    """A real process blocked inside an open call: opening a FIFO for writing waits
+    for a reader, so its /proc entries show the call as a FUSE lookup would."""
+    os.mkfifo(tmp_path / "d" / "fifo")
+    proc = subprocess.Popen([sys.executable, "-c", "import os, ctypes, sys\n"
+                             "sys.stdout.write('go\\n'); sys.stdout.flush()\n" + code],
+                            cwd=tmp_path, stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"go\n"
+    deadline = time.monotonic() + 10
+    seen = ""
+    while True:  # the same open call, sleeping, twice in a row
+        with open(f"/proc/{proc.pid}/syscall") as f:
+            now = f.read()
+        with open(f"/proc/{proc.pid}/stat") as f:
+            sleeping = f.read().rsplit(")", 1)[1].split()[0] == "S"
+        if sleeping and now == seen and now.split()[0] in ("2", "257", "437", "56"):
+            return proc
+        seen = now if sleeping else ""
+        assert time.monotonic() < deadline, f"the child never blocked in open: {now}"
+        time.sleep(0.05)
+
+
+def _release(tmp_path, proc: subprocess.Popen) -> None:
+    fd = os.open(tmp_path / "d" / "fifo", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert proc.wait(10) == 0
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("code, created", [
+    ("os.open('d/fifo', os.O_WRONLY | os.O_CREAT)", "d/fifo"),  # relative to the cwd
+    ("d = os.open('d', os.O_RDONLY)\nos.open('fifo', os.O_WRONLY | os.O_CREAT, dir_fd=d)",
+     "d/fifo"),  # openat with a descriptor: below /proc/PID/fd/N
+    ("os.open(os.path.abspath('d/fifo'), os.O_WRONLY | os.O_CREAT)", "d/fifo"),
+    ("os.open('d/fifo', os.O_WRONLY)", None),  # no O_CREAT: not creating anything
+    # openat2(AT_FDCWD, "d/fifo", {flags: O_WRONLY|O_CREAT}, 24)
+    ("libc = ctypes.CDLL(None, use_errno=True)\n"
+     "how = (ctypes.c_uint64 * 3)(os.O_WRONLY | os.O_CREAT, 0o600, 0)\n"
+     "assert libc.syscall(437, -100, b'd/fifo', ctypes.byref(how), 24) >= 0", "d/fifo"),
+])
+def test_creating_reads_the_blocked_call_from_proc(tmp_path, code, created):
+    (tmp_path / "d").mkdir()
+    proc = _blocked_in_open(tmp_path, code)
+    try:
+        got = intent.creating(proc.pid)
+    finally:
+        _release(tmp_path, proc)
+    want = None if created is None else os.fsencode(os.path.realpath(tmp_path / created))
+    assert got == want
+
+
+def test_creating_is_none_for_unknown_or_idle_threads():
+    assert intent.creating(0) is None  # the kernel itself
+    assert intent.creating(os.getpid()) is None  # running, reading its own syscall
+    assert intent.creating(2**22 + 12345) is None  # no such thread

@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     Client(address, timeout=5).close()  # a clear error before anything is mounted
     fs = BusFS(address, fmt=args.format, remember=args.remember,
                remember_bytes=args.remember_bytes,
-               max_message=args.max_message, reconnect_timeout=args.reconnect_timeout)
+               max_message=args.max_message, reconnect_timeout=args.reconnect_timeout,
+               mountpoint=mountpoint)
     options = set(pyfuse3.default_options) | {"fsname=sbus", "subtype=sbus"}
     if args.allow_other:
         options.add("allow_other")

@@ -14,7 +14,9 @@ knowing what comes after it.  The rules (documented for users in docs/fuse.md):
 * Other names are directories when the tree knows them as prefixes (``mkdir`` or live
   traffic), files when the tree knows them as keys, and absent (ENOENT) otherwise, so
   ``echo … > name`` creates and publishes.  Below a wildcard directory, unknown names
-  are files: a pattern never needs creating.
+  are files: a pattern never needs creating.  (An unknown name on the way to a file
+  being created is answered as a directory by `sbus.fuse.operations`, which asks
+  the caller's open call in ``/proc``: `sbus.fuse.intent`.)
 * ``!/cred/GID/UID/PID/…`` is reachable only for the mount's own credentials and only
   by callers allowed to see them (EACCES otherwise): the broker checks the mount's
   credentials, not the caller's, so the mount must not lend its own to others.

@@ -27,7 +27,7 @@ from pyfuse3 import FUSEError
 from ..defaults import MAX_MESSAGE
 from ..display import brief
 from ..keys import KeyRefused, KeyRules
-from . import mapping
+from . import intent, mapping
 from .bus import OUTBOX_LOW, MountBus, Reader
 from .mapping import Kind, Path, Refused
 from .signals import interrupted, thread_group
@@ -42,6 +42,10 @@ Attrs = pyfuse3.EntryAttributes
 SIGNAL_POLL = 0.05
 #: Seconds the kernel may cache a name's lookup (and attributes).
 ENTRY_TIMEOUT = 1.0
+#: How long a lookup miss may spend asking /proc whether its caller creates below it.
+INTENT_TIMEOUT = 0.5
+#: At most this many of those questions at once (a stuck one holds its thread).
+INTENT_THREADS = 4
 
 
 async def guarded(pid: int, fn: Callable[[], Awaitable[T]], tgid: int | None = None) -> T:
@@ -114,8 +118,14 @@ class BusFS(pyfuse3.Operations):
 
     def __init__(self, address: str, *, fmt: str = "lines", remember: int = 10000,
                  remember_bytes: int = 16 << 20, max_message: int = MAX_MESSAGE,
-                 reconnect_timeout: float = 30.0) -> None:
+                 reconnect_timeout: float = 30.0, mountpoint: str | None = None) -> None:
         super().__init__()
+        # the mount point as given and resolved (found before mounting: afterwards
+        # resolving it would ask this very filesystem); None: no implicit directories
+        self.mountpoints = tuple(dict.fromkeys(
+            os.fsencode(f(mountpoint)) for f in (os.path.abspath, os.path.realpath)
+        )) if mountpoint else ()
+        self._intent_threads = trio.CapacityLimiter(INTENT_THREADS)
         self.address = address
         self.fmt = fmt
         self.tree = mapping.KnownTree(remember, remember_bytes)
@@ -201,26 +211,53 @@ class BusFS(pyfuse3.Operations):
     def _caller_may_read_own(self, ctx: Ctx) -> bool:
         return ctx.uid in (self.uid, 0)
 
-    def _decide(self, parent: Path, name: bytes, ctx: Ctx) -> Kind:
+    async def _decide(self, parent: Path, name: bytes, ctx: Ctx) -> tuple[Kind, bool]:
+        """The name's kind, and whether it is only an implicit directory: unknown, but
+        the caller is creating a file below it (`sbus.fuse.intent`)."""
         try:
             return mapping.lookup(self.tree, parent, name, self.own,
-                                  self._caller_may_read_own(ctx))
+                                  self._caller_may_read_own(ctx)), False
         except Refused as exc:
+            if exc.errno == errno.ENOENT and await self._creating_below(parent, name, ctx):
+                return Kind.DIR, True
             raise FUSEError(exc.errno) from None
+
+    async def _creating_below(self, parent: Path, name: bytes, ctx: Ctx) -> bool:
+        if not self.mountpoints:
+            return False
+        try:
+            mapping.creatable(parent, name)  # what mkdir may not make, this may not either
+        except Refused:
+            return False
+        path = None
+        with trio.move_on_after(INTENT_TIMEOUT):
+            path = await trio.to_thread.run_sync(intent.creating, ctx.pid,
+                                                 abandon_on_cancel=True,
+                                                 limiter=self._intent_threads)
+        return path is not None and intent.continues_below(path, self.mountpoints,
+                                                           parent, name)
 
     @answering
     async def lookup(self, parent_inode: int, name: bytes, ctx: Ctx) -> Attrs:
         parent, kind = self._node(parent_inode)
         if kind is not Kind.DIR:
             raise FUSEError(errno.ENOTDIR)
+        implicit = False
         if name == b".":
             ino = parent_inode
         elif name == b"..":
             ino = self._inode(parent[:-1], Kind.DIR)
         else:
-            ino = self._inode(parent + (name,), self._decide(parent, name, ctx))
+            kind, implicit = await self._decide(parent, name, ctx)
+            ino = self._inode(parent + (name,), kind)
         self._lookups[ino] += 1
-        return self._attrs(ino)
+        attrs = self._attrs(ino)
+        if implicit:
+            # held by nobody: not cached by the kernel nor remembered here, so it lasts
+            # for this one call; the created key (learned, and charged, in `create`)
+            # is what shows the directory afterwards
+            attrs.entry_timeout = attrs.attr_timeout = 0
+        return attrs
 
     @answering
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:

@@ -1,0 +1,157 @@
+"""Is an unknown name the parent directory of a file being created?  Asked of ``/proc``.
+
+The kernel looks a path up one component at a time without saying whether the name is
+the last one, and the answer fixes its type.  To let ``echo hi > MNT/a/b/c`` publish on
+a fresh bus, a lookup miss asks the caller itself: while the kernel waits for the
+answer, the calling thread (the request's pid is its thread id) sits in its system
+call, so ``/proc/TID/syscall`` names the call and its arguments and ``/proc/TID/mem``
+holds the path.  If the call is an open with ``O_CREAT`` (``creat``, ``open``,
+``openat``, ``openat2``) whose path continues below the name, the name is a directory
+being walked through to the file being created: an implicit ``mkdir -p``.
+
+Everything else (another call, no ``O_CREAT``, ``..`` in the path, a path outside the
+mount as we see it, an unreadable ``/proc`` entry: reading another process's syscall
+and memory needs ptrace rights) answers "no", which leaves the name unknown (ENOENT).
+
+The parsing and the decision are pure (`parse_syscall`, `absolute`, `continues_below`);
+`creating` is the thin I/O shell, reading at most ``PATH_MAX`` bytes of memory once.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass
+
+__all__ = ["Call", "SYSCALLS", "parse_syscall", "absolute", "components", "continues_below",
+           "creating", "PATH_MAX"]
+
+PATH_MAX = 4096
+AT_FDCWD = -100
+#: System call numbers of the calls that can create a file, per machine.
+SYSCALLS: dict[str, dict[int, str]] = {
+    "x86_64": {2: "open", 85: "creat", 257: "openat", 437: "openat2"},
+    "aarch64": {56: "openat", 437: "openat2"},
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    """An open call in progress.  *flags* is None for ``openat2`` (they live in its
+    ``struct open_how`` at *how*); *dirfd* is None for the current directory."""
+
+    path: int  # address of the path string in the caller's memory
+    dirfd: int | None
+    flags: int | None
+    how: int = 0
+
+
+def _signed32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value & 0x80000000 else value
+
+
+def parse_syscall(line: str, machine: str | None = None) -> Call | None:
+    """The open call in a ``/proc/TID/syscall`` line, or None if it is not one.
+
+    The line is ``NR ARG1 … ARG6 SP PC`` (arguments in hex) while the thread is in a
+    call, ``-1 SP PC`` outside one, or ``running``."""
+    fields = line.split()
+    names = SYSCALLS.get(machine or platform.machine(), {})
+    try:
+        name = names.get(int(fields[0]))
+        if name is None or len(fields) < 7:
+            return None
+        args = [int(a, 16) for a in fields[1:7]]
+    except (ValueError, IndexError):
+        return None
+    if name == "creat":
+        return Call(args[0], None, os.O_CREAT | os.O_WRONLY | os.O_TRUNC)
+    if name == "open":
+        return Call(args[0], None, args[1])
+    dirfd = _signed32(args[0])
+    dirfd_or_cwd = None if dirfd == AT_FDCWD else dirfd
+    if name == "openat":
+        return Call(args[1], dirfd_or_cwd, args[2])
+    return Call(args[1], dirfd_or_cwd, None, how=args[2])  # openat2
+
+
+def absolute(path: bytes, base: bytes, root: bytes = b"/") -> bytes:
+    """*path* as seen from here: relative ones below *base* (the caller's current or
+    ``dirfd`` directory), absolute ones below the caller's *root*."""
+    if path.startswith(b"/"):
+        return root.rstrip(b"/") + path
+    return base.rstrip(b"/") + b"/" + path
+
+
+def components(path: bytes) -> tuple[bytes, ...] | None:
+    """The names of an absolute path, or None if ``..`` makes it ambiguous (it may
+    climb out of a symlink)."""
+    names = tuple(n for n in path.split(b"/") if n not in (b"", b"."))
+    return None if b".." in names else names
+
+
+def continues_below(path: bytes, mountpoints: tuple[bytes, ...], parent: tuple[bytes, ...],
+                    name: bytes) -> bool:
+    """True if the absolute *path* leads through ``parent/name`` of the mount (at one of
+    its *mountpoints*, as given and resolved) to something below it."""
+    names = components(path)
+    if names is None:
+        return False
+    here = parent + (name,)
+    for mp in mountpoints:
+        mount = components(mp)
+        if mount is None or names[:len(mount)] != mount:
+            continue
+        rel = names[len(mount):]
+        if len(rel) > len(here) and rel[:len(here)] == here:
+            return True
+    return False
+
+
+def _read(path: str, size: int = 512) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.read(size)
+
+
+def _read_mem(tid: int, address: int, size: int) -> bytes:
+    fd = os.open(f"/proc/{tid}/mem", os.O_RDONLY)
+    try:
+        return os.pread(fd, size, address)
+    finally:
+        os.close(fd)
+
+
+def creating(tid: int) -> bytes | None:
+    """The absolute path (as seen here) of the file thread *tid* is creating right now
+    with an open call blocked on us, or None: not such a call, or unreadable.
+
+    Blocking: reading another process's memory takes its memory-map lock, which a
+    sibling thread could hold while waiting on this very mount; call this from a
+    worker thread with a time limit."""
+    if tid <= 0:
+        return None  # the kernel itself, or a caller outside our pid namespace
+    try:
+        call = parse_syscall(_read(f"/proc/{tid}/syscall").decode("ascii", "replace"))
+        if call is None:
+            return None
+        flags = call.flags
+        if flags is None:  # openat2: struct open_how begins with u64 flags
+            raw = _read_mem(tid, call.how, 8)
+            if len(raw) < 8:
+                return None
+            flags = int.from_bytes(raw, sys.byteorder)
+        if not flags & os.O_CREAT:
+            return None
+        raw = _read_mem(tid, call.path, PATH_MAX)
+        end = raw.find(b"\0")
+        if end <= 0:
+            return None  # empty or longer than PATH_MAX
+        path = raw[:end]
+        if path.startswith(b"/"):
+            return absolute(path, b"", os.fsencode(os.readlink(f"/proc/{tid}/root")))
+        where = "cwd" if call.dirfd is None else f"fd/{call.dirfd}"
+        return absolute(path, os.fsencode(os.readlink(f"/proc/{tid}/{where}")))
+    except (OSError, ValueError, OverflowError):
+        return None
