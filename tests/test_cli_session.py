@@ -12,7 +12,7 @@ import time
 
 import pytest
 import trio
-from conftest import SBUS
+from conftest import SBUS, stop_process
 
 import sbus
 from sbus import AsyncClient, Client, InvalidRequest, Publish, Refused
@@ -191,30 +191,36 @@ def test_library_counts_drops_and_calls_back(make_broker):
 def test_sub_reconnects_after_a_broker_restart_and_says_so(broker):
     sub = subprocess.Popen([*SBUS, "sub", "--address", broker.address, "r/", "-n", "2",
                             "--ready-fd", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert sub.stderr.readline() == b"ready\n"
-    run("pub", "--address", broker.address, "r/1", "before")
-    assert sub.stdout.readline() == b"r/1 before\n"
-    broker.stop()
-    assert sub.stderr.readline() == (f"sbus sub: the broker at {broker.address} closed the "
-                                     "connection; reconnecting\n").encode()
-    broker.start()
-    assert sub.stderr.readline() == f"sbus sub: reconnected to the broker at " \
-                                    f"{broker.address}\n".encode()
-    run("pub", "--address", broker.address, "r/2", "after")  # subscribed again by now
-    out, _ = sub.communicate(timeout=10)
-    assert sub.returncode == 0
-    assert out.startswith(b"r/2 after\n")
+    try:
+        assert sub.stderr.readline() == b"ready\n"
+        run("pub", "--address", broker.address, "r/1", "before")
+        assert sub.stdout.readline() == b"r/1 before\n"
+        broker.stop()
+        assert sub.stderr.readline() == (f"sbus sub: the broker at {broker.address} closed the "
+                                         "connection; reconnecting\n").encode()
+        broker.start()
+        assert sub.stderr.readline() == f"sbus sub: reconnected to the broker at " \
+                                        f"{broker.address}\n".encode()
+        run("pub", "--address", broker.address, "r/2", "after")  # subscribed again by now
+        out, _ = sub.communicate(timeout=10)
+        assert sub.returncode == 0
+        assert out.startswith(b"r/2 after\n")
+    finally:
+        stop_process(sub)  # never left running when an assertion fails
 
 
 def test_sub_no_reconnect_exits_1(broker):
     sub = subprocess.Popen([*SBUS, "sub", "--address", broker.address, "r/", "--no-reconnect",
                             "--ready-fd", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert sub.stdout.readline() == b"ready\n"
-    broker.stop()
-    _, err = sub.communicate(timeout=10)
-    assert sub.returncode == 1
-    assert one_line(err) == (f"sbus sub: the broker at {broker.address} closed the "
-                             "connection")
+    try:
+        assert sub.stdout.readline() == b"ready\n"
+        broker.stop()
+        _, err = sub.communicate(timeout=10)
+        assert sub.returncode == 1
+        assert one_line(err) == (f"sbus sub: the broker at {broker.address} closed the "
+                                 "connection")
+    finally:
+        stop_process(sub)  # never left running when an assertion fails
 
 
 def test_client_reconnect_restores_subscriptions_and_policy(broker):
