@@ -622,5 +622,10 @@ def records(directory: str | os.PathLike) -> Iterator[tuple[int, int, bytes, byt
     for seg in list_segments(directory):
         blocks = segment_blocks(seg)
         if blocks:
-            for block in read_blocks(directory, seg.first_seq, blocks[0].pos, blocks[-1].end):
-                yield from block.records()
+            # by sequence number: the segment may be sealed and re-blocked meanwhile
+            try:
+                for block in read_seq_range(directory, seg.first_seq, blocks[0].pos,
+                                            blocks[-1].end, 0, 1 << 63):
+                    yield from block.records()
+            except FileNotFoundError:  # deleted by retention since it was listed
+                continue
