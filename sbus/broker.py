@@ -2,12 +2,13 @@
 
 All decisions are in `sbus.core.BrokerCore`; this module only waits, reads, writes
 and closes.  One ``epoll`` set holds the listener and every client that wants
-something (to be read, or to be written to once its kernel buffer has room); the
-loop is a single trio task that waits for that epoll descriptor to become readable
-and then serves each ready client a turn.  Trio stays because `sbus serve` needs its
-signals, timers (STATUS=, the watchdog, exit-on-idle) and cancellation; a task per
-client does not: two tasks per client were most of an idle client's 10 KB, and the
-loop's cost per round is one ``epoll_wait`` whatever the number of clients.
+something (to be read, or to be written to once its kernel buffer has room), and the
+signal wake-up descriptor; the loop waits in ``epoll_wait`` (its timeout is the next
+timer: STATUS=, the watchdog, exit-on-idle) and then serves each ready client a turn.
+No task per client (two trio tasks each were most of an idle client's 10 KB) and no
+event-loop library: the loop's cost per round is one ``epoll_wait`` whatever the number
+of clients, and a restarting broker's successor serves ~90 ms sooner without importing
+trio (docs/performance.md, "Restart under load").
 
 Speed comes from doing as little as possible per packet: a readable client's packets
 are received up to 32 per system call (`PacketBatch`, ``recvmmsg``), and the core
@@ -31,9 +32,7 @@ import select
 import socket
 import struct
 import time
-
-import trio
-from trio.lowlevel import checkpoint, wait_readable
+from collections.abc import Callable
 
 from . import handover
 from .core import BrokerCore, Client
@@ -59,9 +58,6 @@ TURN_SECONDS = 0.002
 ACCEPTS_PER_TURN = 16
 #: Seconds the backlog waits after the kernel had no memory for an accept.
 ACCEPT_PAUSE = 0.1
-#: The loop lets trio's other tasks (signals, STATUS=, exit-on-idle) run at least this
-#: often while clients keep it busy; an idle loop waits in trio anyway.
-YIELD_SECONDS = 0.005
 #: Targets sent their queue right after a client's turn, at most (`_drain_early`).
 EARLY_DRAINS = 64
 #: Readiness events taken per round.
@@ -155,8 +151,13 @@ class Broker:
 
     # -- the loop ----------------------------------------------------------------
 
-    async def serve(self, listener: socket.socket, *, task_status=trio.TASK_STATUS_IGNORED):
-        """Serve clients and accept new ones on *listener* until cancelled.
+    def serve(self, listener: socket.socket, *, wakeup: int = -1,
+              tick: Callable[[], bool] | None = None, every: float = 1.0) -> None:
+        """Serve clients and accept new ones on *listener* until the descriptor *wakeup*
+        (the signal wake-up fd, `signal.set_wakeup_fd`) becomes readable or *tick*,
+        called every *every* seconds (reports, the watchdog, exit-on-idle), returns true.
+        It returns between two rounds, with every client's state whole: the caller may
+        then hand them over, or `close_all`.
 
         Out of file descriptors, the broker keeps serving its clients and refuses new
         ones at once: it frees a spare descriptor kept for this, accepts, closes (the
@@ -167,38 +168,44 @@ class Broker:
         lfd = listener.fileno()
         ep, core, clients = self._epoll, self.core, self._clients
         ep.register(lfd, _IN)
+        if wakeup >= 0:
+            ep.register(wakeup, _IN)
         self._spare = _spare_fd()
         self._exhausted, self._refused = False, 0
         self._accept_again = 0.0  # when to accept again after ENOBUFS (0: accepting)
         clock = time.monotonic
-        yield_at = 0.0
+        next_tick = clock() + every
         try:
             self._flush()
-            task_status.started()
-            epfd = ep.fileno()
             while True:
                 busy = core.tidy()
                 self._flush()
-                events = ep.poll(0, EVENTS_PER_ROUND)
+                now = clock()
+                if now >= next_tick:
+                    if tick is not None and tick():
+                        return
+                    next_tick = now + every
+                if busy:
+                    timeout = 0.0
+                elif self._accept_again:
+                    timeout = max(0.0, min(next_tick, self._accept_again) - now)
+                else:
+                    timeout = next_tick - now
+                events = ep.poll(timeout, EVENTS_PER_ROUND)
                 if self._accept_again and clock() >= self._accept_again:
                     self._accept_again = 0.0
                     ep.register(lfd, _IN)
                 if not events:
-                    if busy:
-                        await checkpoint()
-                    elif self._accept_again:
-                        with trio.move_on_after(max(0.0, self._accept_again - clock())):
-                            await wait_readable(epfd)
-                    else:
-                        await wait_readable(epfd)
                     continue
                 core.advance(clock())
+                stop = False
                 for fd, ev in events:
                     if fd == lfd:
                         self._accept(listener)
                         continue
                     c = clients.get(fd)
                     if c is None:
+                        stop = stop or fd == wakeup
                         continue
                     if ev & _OUT or (ev & _EITHER and c.wants_write):
                         core.writable(c)
@@ -208,17 +215,21 @@ class Broker:
                             self._drain_early(c)
                     if core.gone or core.logs:
                         self._flush()
-                if clock() >= yield_at:  # signals, timers, cancellation
-                    await checkpoint()
-                    yield_at = clock() + YIELD_SECONDS
+                if stop:
+                    return
         finally:
             if not self._accept_again:
                 ep.unregister(lfd)
+            if wakeup >= 0:
+                ep.unregister(wakeup)
             if self._spare >= 0:
                 os.close(self._spare)
-            if not self.handing_over:  # handing over, they go to the successor
-                for c in list(clients.values()):
-                    self._close(c)
+                self._spare = -1
+
+    def close_all(self) -> None:
+        """Disconnect every client (shutting down without a successor)."""
+        for c in list(self._clients.values()):
+            self._close(c)
 
     def _read(self, c: Client) -> None:
         """One turn of *c*: up to `READS_PER_WAKE` batches or `TURN_SECONDS`."""

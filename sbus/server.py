@@ -20,8 +20,6 @@ import stat
 import sys
 import time
 
-import trio
-
 from . import handover, sdnotify
 from .broker import Broker
 from .defaults import MAX_MESSAGE, default_address
@@ -268,48 +266,56 @@ def _watchdog_interval() -> float | None:
     return int(usec) / 2e6
 
 
-async def _report(broker: Broker) -> None:
-    """Keep systemd's STATUS= current and feed its watchdog, if any."""
-    interval = _watchdog_interval()
-    period = min(interval, 2.0) if interval else 2.0
-    last, last_t = broker.published, time.monotonic()
-    trimmed_at = 0
-    while True:
-        await trio.sleep(period)
-        if broker.disconnects - trimmed_at >= TRIM_AFTER_DISCONNECTS:
-            trimmed_at = broker.disconnects
+class _Timers:
+    """What the broker's loop does every `every` seconds besides serving: keep systemd's
+    STATUS= current, feed its watchdog (if any), give memory back after many departures,
+    and end the broker once no client has been connected for *idle* seconds."""
+
+    def __init__(self, broker: Broker, idle: float | None) -> None:
+        self.broker, self.idle = broker, idle
+        interval = _watchdog_interval()
+        self.watchdog = bool(interval)
+        self.period = min(interval, 2.0) if interval else 2.0
+        # exit-on-idle is checked at least once a second (it was armed with the idle time)
+        self.every = min(self.period, 1.0, idle) if idle is not None else self.period
+        self.last, self.last_t = broker.published, time.monotonic()
+        self.report_at = self.last_t + self.period
+        self.trimmed_at = 0
+
+    def __call__(self) -> bool:
+        """True once the broker should end."""
+        broker, now = self.broker, time.monotonic()
+        if now >= self.report_at:
+            self.report_at = now + self.period
+            self._report(now)
+        empty_since = broker.empty_since
+        if self.idle is not None and empty_since is not None \
+                and now - empty_since >= self.idle:
+            log.info("no client for %s s: exiting (the socket stays with whoever listens)",
+                     f"{self.idle:g}")
+            sdnotify.notify("STOPPING=1")
+            return True
+        return False
+
+    def _report(self, now: float) -> None:
+        broker = self.broker
+        if broker.disconnects - self.trimmed_at >= TRIM_AFTER_DISCONNECTS:
+            self.trimmed_at = broker.disconnects
             _give_back_memory(broker)
-        now = time.monotonic()
-        rate = (broker.published - last) / (now - last_t)
-        last, last_t = broker.published, now
+        rate = (broker.published - self.last) / max(now - self.last_t, 1e-9)
+        self.last, self.last_t = broker.published, now
         try:
             sdnotify.notify(f"STATUS={broker.status()}, {rate:.0f} msg/s"
-                          + ("\nWATCHDOG=1" if interval else ""))
+                            + ("\nWATCHDOG=1" if self.watchdog else ""))
         except OSError as exc:  # e.g. out of descriptors: reporting must not stop the bus
             log.warning("cannot notify systemd: %s", exc)
 
 
-async def _exit_when_idle(broker: Broker, idle: float, done: trio.CancelScope) -> None:
-    """End the broker once no client has been connected for *idle* seconds.  Under socket
-    activation systemd keeps the listening socket, and the next client's connect starts
-    the broker again (a client arriving while it exits waits in the backlog meanwhile)."""
-    while True:
-        empty_since = broker.empty_since
-        if empty_since is None:
-            await trio.sleep(min(idle, 1.0))
-            continue
-        left = empty_since + idle - time.monotonic()
-        if left > 0:
-            await trio.sleep(min(left, 1.0))
-            continue
-        log.info("no client for %s s: exiting (the socket stays with whoever listens)",
-                 f"{idle:g}")
-        sdnotify.notify("STOPPING=1")
-        done.cancel()
-        return
+#: The signals that end (SIGTERM, SIGINT) or re-execute (SIGUSR2) the broker.
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 
 
-async def run(
+def run(
     address: str | None = None,
     *,
     mode: int | None = 0o666,
@@ -319,9 +325,9 @@ async def run(
     limits: Limits | None = None,
     defaults: tuple | None = None,
     exit_idle: float | None = None,
-    task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until SIGTERM/SIGINT; remove the socket file if we created it.
+    """Serve until SIGTERM/SIGINT; remove the socket file if we created it.  Call it from
+    the main thread (it takes the signals).
 
     Handing over (docs/systemd.md): under systemd, SIGTERM puts every client and a
     snapshot into the fd store, so after ``systemctl restart`` the next broker serves the
@@ -342,34 +348,46 @@ async def run(
     broker = Broker(sep=sep, max_message=max_message, queue_limit=queue_limit, limits=limits,
                     **({"defaults": defaults} if defaults else {}))
     take_over(broker, named)
-    successor = False
+    # A signal only writes its number to this socket (`signal.set_wakeup_fd`), which the
+    # broker's loop watches beside its clients: it is acted on between two rounds.
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    previous = {s: signal.signal(s, _noted) for s in SIGNALS}
+    old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
     try:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT,
-                                       signal.SIGUSR2) as signals:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(broker.serve, listener)
-                nursery.start_soon(_report, broker)
-                if exit_idle is not None:
-                    nursery.start_soon(_exit_when_idle, broker, exit_idle, nursery.cancel_scope)
-                log.info("sbus broker listening on %s (pid %d)", where, os.getpid())
-                # the modules and objects of start-up live as long as the broker: keep
-                # them out of the collector's full passes (a pause of ~10 ms otherwise)
-                gc.freeze()
-                sdnotify.notify(f"READY=1\nSTATUS=listening, {broker.status()}")
-                task_status.started(broker)
-                async for signum in signals:
-                    successor = signum == signal.SIGUSR2
-                    under_systemd = bool(os.environ.get("NOTIFY_SOCKET"))
-                    log.info("%s: %s", signal.Signals(signum).name,
-                             "handing over to a new broker" if successor else "shutting down")
-                    if not successor:
-                        sdnotify.notify("STOPPING=1")
-                    if successor or (signum == signal.SIGTERM and under_systemd):
-                        _hand_over_now(broker, listener, successor, address, created)
-                    nursery.cancel_scope.cancel()
-                    break
+        timers = _Timers(broker, exit_idle)
+        log.info("sbus broker listening on %s (pid %d)", where, os.getpid())
+        # the modules and objects of start-up live as long as the broker: keep them out
+        # of the collector's full passes (a pause of ~10 ms otherwise)
+        gc.freeze()
+        sdnotify.notify(f"READY=1\nSTATUS=listening, {broker.status()}")
+        broker.serve(listener, wakeup=wake_r.fileno(), tick=timers, every=timers.every)
+        try:
+            signum = wake_r.recv(1)[0]
+        except BlockingIOError:
+            broker.close_all()  # ended by exit-on-idle
+            return
+        successor = signum == signal.SIGUSR2
+        under_systemd = bool(os.environ.get("NOTIFY_SOCKET"))
+        log.info("%s: %s", signal.Signals(signum).name,
+                 "handing over to a new broker" if successor else "shutting down")
+        if not successor:
+            sdnotify.notify("STOPPING=1")
+        if successor or (signum == signal.SIGTERM and under_systemd):
+            _hand_over_now(broker, listener, successor, address, created)
+        broker.close_all()
     finally:
+        signal.set_wakeup_fd(old_wakeup)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        wake_r.close()
+        wake_w.close()
         _release(listener, address, created)
+
+
+def _noted(signum: int, frame: object) -> None:
+    """Nothing: the signal's number reaches the loop through the wake-up descriptor."""
 
 
 def _hand_over_now(broker: Broker, listener: socket.socket, successor: bool, address: str,
@@ -377,11 +395,9 @@ def _hand_over_now(broker: Broker, listener: socket.socket, successor: bool, add
     """Hand the clients over and end this process: by re-executing it (*successor*) or,
     with everything in systemd's fd store, by exiting.
 
-    At once, from the signal: every task waits at an await and a batch of packets is
-    handled without one, so the state is whole; nothing runs again in this process, so
-    the tasks (two per client) need not be unwound first (with 11,000 clients that took
-    5 s).  The exit skips the interpreter's teardown of the heap too, as systemd starts
-    the successor only once we are gone (250 ms of 500 with 100,000 patterns held)."""
+    The broker's loop returned between two rounds, so the state is whole.  The exit
+    skips the interpreter's teardown of the heap, as systemd starts the successor only
+    once we are gone (250 ms of 500 with 100,000 patterns held)."""
     broker.handing_over = True  # clients keep sockets and state
     passed = hand_over(broker)
     if successor:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import trio
-
 from .. import server
 from ..defaults import MAX_MESSAGE, QUEUE_LIMIT, duration_arg, size_arg
 from ..flood import Hard, Order, Soft
@@ -85,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
                     cache_bytes_per_user=args.max_cache_bytes_per_user,
                     trusted=frozenset(args.trusted_user))
     try:
-        trio.run(lambda: server.run(args.address, mode=args.mode, sep=args.separator.encode(),
-                             max_message=args.max_message, queue_limit=args.queue_limit,
-                             limits=limits, exit_idle=args.exit_idle_time,
-                             defaults=(Soft(args.soft.encode()), Hard(args.hard.encode()),
-                                       Order(args.order.encode()))))
+        server.run(args.address, mode=args.mode, sep=args.separator.encode(),
+                   max_message=args.max_message, queue_limit=args.queue_limit,
+                   limits=limits, exit_idle=args.exit_idle_time,
+                   defaults=(Soft(args.soft.encode()), Hard(args.hard.encode()),
+                             Order(args.order.encode())))
     except server.ServeError as exc:
         print(f"sbus serve: {exc}", file=sys.stderr)
         return 1
