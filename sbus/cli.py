@@ -46,7 +46,8 @@ class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         from .version import version
 
-        parser.exit(message=f"sbus {version()}\n")
+        print(f"sbus {version()}")
+        parser.exit()
 
 
 def build_parser(argv: list[str], *, everything: bool = False
