@@ -537,8 +537,20 @@ def test_retention_race_fails_or_skips_as_failOnDataLoss_says(spark, tmp_path):
     with pytest.raises(Exception, match=lost):
         q.awaitTermination(120)
     q = start(tmp_path / "ck", [], {})  # the restart replays batch 1: still lost
-    with pytest.raises(Exception, match=f"micro-batch replayed: .*{lost}"):
+    with pytest.raises(Exception, match=f"planned micro-batch: .*{lost}"):
         q.awaitTermination(120)
+    # Restarted with failOnDataLoss=false: the replayed batch 1 finds its rows gone when
+    # its partitions are planned, skips them, and the next end offset counts them.
+    seen: list[int] = []
+    q = start(tmp_path / "ck", seen, {}, failOnDataLoss="false")
+    q.awaitTermination(120)
+    assert q.exception() is None
+    rest = next(first for first, _ in view if first > lo)  # batch 2 finds the rest gone
+    assert sorted(seen) == [s for s in range(101, 601) if not lo <= s < rest]
+    ends = [json.loads(p.sources[0].endOffset) for p in q.recentProgress]
+    assert ends[0] == {"seq": 201}  # the replayed batch: its end offset was logged before
+    assert ends[1:] == [{"seq": s, "lost": rest - lo, "lostAfterPlanning": hi - lo}
+                        for s in (*range(rest + 100, 601, 100), 601)]  # 100 rows each
 
     # failOnDataLoss=false: batch 1 loses what is deleted under it and goes on; batch 2 is
     # planned after a segment it would read was deleted, and its end offset counts those.
