@@ -198,7 +198,7 @@ class BatchReader(DataSourceReader):
         """Take ``seq`` and ``ts`` comparisons and ``key`` =, IN and LIKE 'prefix%'; give
         back the rest.  Each taken filter is applied exactly by the reader.  Without the
         ``pushdown`` option every filter is given back and the reader stays as it was, so
-        a plan Spark reuses for another query on the same DataFrame is still right."""
+        the read PySpark 4.3 shares between all scans of a DataFrame is right for each."""
         if not self.opts.pushdown:
             yield from filters
             return
