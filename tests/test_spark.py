@@ -540,12 +540,18 @@ def test_pyspark_still_shares_a_pushed_read_so_pushdown_stays_opt_in(spark, tmp_
     pushing scans in one query both read the last one planned.  When this test fails, the
     installed Spark scopes pushed reads to their scan: make pushdown the default."""
     small_journal(tmp_path, 3000, segment_bytes=20_000)
-    df = spark.read.format("sbus").option("pushdown", "true").load(str(tmp_path))
-    got = reuse_sequence(df)
+
+    def load():
+        return spark.read.format("sbus").option("pushdown", "true").load(str(tmp_path))
+
+    got = reuse_sequence(load())
     assert got[0] == 9 and got[2] == 600  # each pushing query on its own is right
     assert got[1] == 9, "the unfiltered count read the filtered query's planned read"
     assert got[4] == 22 and got[5] == 25, "both scans read the last pushed read"
     assert got != RIGHT
+    # A new DataFrame per query (the documented use of the option) is right.
+    assert [load().where("seq < 10").count(), load().count(),
+            load().where("key = 'a/1'").count()] == RIGHT[:3]
 
 
 def test_pushdown_prunes_blocks_by_the_index(spark, tmp_path):
