@@ -194,3 +194,41 @@ def test_rows_removed_under_a_planned_read_are_reported_exactly(tmp_path):
     # Planned afresh, the gap shows from a start before it, never from the beginning.
     now = journal_view(str(tmp_path))
     assert gaps(now, 1, end) == [gone] and gaps(now, START.seq, end) == []
+
+
+def test_rows_gone_under_a_planned_micro_batch_count_in_the_next_offset(tmp_path):
+    """The driver's side of the retention race, failOnDataLoss=false: a micro-batch's
+    offsets are planned, retention deletes a segment it reads before its partitions are
+    planned (or before it is replayed after a restart).  The rows are skipped and the next
+    end offset counts them, in a batch of no rows when there is nothing more to read."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    from sbus.spark.arrow import arrow_schema
+    from sbus.spark.options import ReadOptions
+    from sbus.spark.source import StreamReader
+
+    with JournalWriter(tmp_path, segment_bytes=2000, fsync=False) as w:
+        for i in range(200):
+            w.append(10**18 + i, [b"k"], [b"x" * 20])
+            w.flush()
+
+    def reader(fail: str) -> StreamReader:
+        opts = ReadOptions({"path": str(tmp_path), "failOnDataLoss": fail}, True)
+        return StreamReader(opts, arrow_schema(["seq"]))
+
+    r = reader("false")
+    start = r.initialOffset()
+    end = r.latestOffset(start, ReadAllAvailable())
+    assert (start, end) == ({"seq": 1}, {"seq": 201})
+    first = list_segments(tmp_path)[0]
+    first.path.unlink()  # retention, after the batch was planned
+    gone = list_segments(tmp_path)[0].first_seq - 1
+    got = [s for p in r.partitions(start, end) for b in r.read(p)
+           for s in b.column("seq").to_pylist()]
+    assert got == list(range(gone + 1, 201))
+    with pytest.raises(DataLoss, match=f"planned micro-batch: {gone} rows lost: seq 1..{gone} "):
+        reader("true").partitions(start, end)  # the same batch replayed by a failing query
+    nxt = r.latestOffset(end, ReadAllAvailable())
+    assert nxt == {"seq": 201, "lost": gone, "lostAfterPlanning": gone}
+    assert r.partitions(end, nxt) == []
+    assert r.latestOffset(nxt, ReadAllAvailable()) == nxt  # counted once: no more batches

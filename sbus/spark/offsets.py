@@ -25,18 +25,34 @@ View = list[tuple[int, list[BlockInfo]]]
 @dataclass(frozen=True, order=True, slots=True)
 class Offset:
     """The next sequence number to read; ``lost`` counts rows the query found gone and
-    skipped (``failOnDataLoss=false``) before it, carried along so it shows in progress."""
+    skipped (``failOnDataLoss=false``) before it, carried along so it shows in progress;
+    ``after_planning`` is the part of ``lost`` that was still there when the micro-batch
+    that should read it was planned (the retention race), which the next end offset counts."""
 
     seq: int
     lost: int = field(default=0, compare=False)
+    after_planning: int = field(default=0, compare=False)
 
     def to_dict(self) -> dict:
-        return {"seq": self.seq, "lost": self.lost} if self.lost else {"seq": self.seq}
+        d = {"seq": self.seq}
+        if self.lost:
+            d["lost"] = self.lost
+        if self.after_planning:
+            d["lostAfterPlanning"] = self.after_planning
+        return d
+
+    def key(self) -> tuple[int, int, int]:
+        """All of the offset (its order and equality look at ``seq`` only)."""
+        return self.seq, self.lost, self.after_planning
+
+    def moved(self, seq: int, lost: int = 0, after_planning: int = 0) -> Offset:
+        """This offset at *seq*, with *lost* more rows lost (*after_planning* of them late)."""
+        return Offset(seq, self.lost + lost, self.after_planning + after_planning)
 
     @classmethod
     def from_dict(cls, d: dict, view: View | None = None) -> Offset:
         if "seq" in d:
-            return cls(int(d["seq"]), int(d.get("lost", 0)))
+            return cls(int(d["seq"]), int(d.get("lost", 0)), int(d.get("lostAfterPlanning", 0)))
         if "segment" in d and view is not None:  # a checkpoint of the byte-position offsets
             return cls(from_legacy(view, int(d["segment"]), int(d["position"]),
                                    int(d.get("row", 0))))
@@ -79,14 +95,13 @@ def advance(view: View, start: Offset, max_rows: int | None = None,
             lo = max(b.first_seq, start.seq)
             hi = b.next_seq if limit is None else min(b.next_seq, limit)
             if hi <= lo:
-                return Offset(pos, start.lost)
+                return start.moved(pos)
             if budget is not None and hi - lo >= budget:
-                return Offset(lo + budget, start.lost) if budget > 0 else \
-                    Offset(pos, start.lost)
+                return start.moved(lo + budget if budget > 0 else pos)
             if budget is not None:
                 budget -= hi - lo
             pos = hi
-    return Offset(pos, start.lost)
+    return start.moved(pos)
 
 
 def gaps(view: View, start: int, end: int) -> list[tuple[int, int]]:

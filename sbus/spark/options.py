@@ -112,9 +112,10 @@ class ReadOptions:
         verify = options.get("verify")
         self.verify = None if verify is None else _bool("verify", verify, True)
         self.fail_on_data_loss = _bool("failOnDataLoss", options.get("failOnDataLoss"), True)
-        # Off by default: PySpark <= 4.3 keeps the read planned for a query with pushed filters
-        # on the DataFrame and reuses it for a later query on it that pushes none, which
-        # would then get the first query's rows (see docs/spark.md, "Filter pushdown").
+        # Off by default: PySpark <= 4.3 keeps the read planned with pushed filters on the
+        # DataFrame's data source object, and every other scan of that DataFrame that pushes
+        # nothing (a later query, or a sibling in a union or self-join) reads it, getting
+        # the pushing query's rows; no source can tell (docs/spark.md, "Filter pushdown").
         self.pushdown = _bool("pushdown", options.get("pushdown"), False)
         rows = [n for n in ("maxRowsPerTrigger", "maxOffsetsPerTrigger") if n in options]
         if len(rows) > 1:

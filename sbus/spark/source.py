@@ -47,7 +47,7 @@ from .arrow import (
     lost_message,
     read_range,
 )
-from .offsets import START, Offset, View, advance, gaps, partitions
+from .offsets import START, Offset, View, advance, first_seq, gaps, partitions
 from .options import Position, ReadOptions
 
 try:  # Trigger.AvailableNow for Python sources arrived in Spark 4.2
@@ -198,7 +198,7 @@ class BatchReader(DataSourceReader):
         """Take ``seq`` and ``ts`` comparisons and ``key`` =, IN and LIKE 'prefix%'; give
         back the rest.  Each taken filter is applied exactly by the reader.  Without the
         ``pushdown`` option every filter is given back and the reader stays as it was, so
-        a plan Spark reuses for another query on the same DataFrame is still right."""
+        the read PySpark 4.3 shares between all scans of a DataFrame is right for each."""
         if not self.opts.pushdown:
             yield from filters
             return
@@ -282,7 +282,12 @@ def _check_loss(missing: list[tuple[int, int]], fail: bool, context: str) -> int
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches over the journal; offsets are sequence numbers (`sbus.spark.offsets`).
     Rows found gone are counted in the end offset's ``lost`` field with
-    ``failOnDataLoss=false`` (so they show in the query's progress), else fail the query."""
+    ``failOnDataLoss=false`` (so they show in the query's progress), else fail the query:
+    gaps when a batch is planned, in its own end offset; rows of a planned batch found
+    gone when its partitions are planned (also when it is replayed after a restart), in
+    the next one (a batch of no rows if there is no next, so the count is never only in
+    a log).  Rows that vanish after that, while a task reads them, can only be logged by
+    that task: PySpark 4.3 gives a Python source's tasks no way to report to the query."""
 
     def __init__(self, opts: ReadOptions, columns: pa.Schema) -> None:
         self.opts = opts
@@ -290,6 +295,9 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.rows = RowFilter(pattern=opts.pattern)
         self._cache: dict = {}
         self._target: Offset | None = None
+        # Rows found gone when a planned batch's partitions were planned, by that batch's
+        # end offset (`Offset.key`): the batch that starts there counts them.
+        self._late: dict[tuple[int, int, int], int] = {}
 
     def _view(self) -> View:
         try:
@@ -304,7 +312,10 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def initialOffset(self) -> dict:
         view = self._view()
-        return Offset(seq_at(self.opts.path, view, self.opts.starting)).to_dict()
+        seq = seq_at(self.opts.path, view, self.opts.starting)
+        if seq == START.seq:  # earliest: the first row there is, so that rows of the first
+            seq = first_seq(view) or START.seq  # batch removed under it count as lost
+        return Offset(seq).to_dict()
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_rows is None:
@@ -319,7 +330,10 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         end = advance(view, s, max_rows, min(targets) if targets else None)
         lost = _check_loss(gaps(view, s.seq, end.seq), self.opts.fail_on_data_loss,
                            "streaming query: ")
-        return Offset(end.seq, s.lost + lost).to_dict()
+        for key in [k for k in self._late if k[0] < s.seq]:  # counted by an earlier batch
+            del self._late[key]
+        late = self._late.get(s.key(), 0)
+        return s.moved(end.seq, lost + late, late).to_dict()
 
     def reportLatestOffset(self) -> dict:
         return advance(self._view(), START).to_dict()
@@ -331,8 +345,12 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         view = self._view()
         s, e = Offset.from_dict(start, view), Offset.from_dict(end, view)
         missing = gaps(view, s.seq, e.seq)
-        if sum(hi - lo for lo, hi in missing) > e.lost - s.lost:  # gone since it was planned
-            _check_loss(missing, self.opts.fail_on_data_loss, "micro-batch replayed: ")
+        # What the end offset counts as lost besides rows of the batch before it: gaps in
+        # this batch's range when it was planned.
+        planned_gone = (e.lost - e.after_planning) - (s.lost - s.after_planning)
+        if sum(hi - lo for lo, hi in missing) > planned_gone:  # gone since it was planned
+            now = _check_loss(missing, self.opts.fail_on_data_loss, "planned micro-batch: ")
+            self._late[e.key()] = now - planned_gone
         return [RangePartition(p)
                 for p in partitions(view, s.seq, e.seq, split_size(view, self.opts, s.seq,
                                                                     e.seq))]
