@@ -291,3 +291,43 @@ def test_a_departing_client_can_leave_a_part_at_a_time():
     assert index.remove_some("big", 400) == (0, False)
     assert index.match(b"p/5") == ("other",) and index.match(b"p/6") == ()
     assert len(index) == 1
+
+
+def test_a_lone_shape_is_one_leaf_split_where_shapes_part_and_folded_back():
+    """Below the first segment no other pattern shares, a pattern's literal rest is one
+    leaf; a second shape splits it only as far as they share, and leaving folds it."""
+    from sbus.routing import _Leaf, _Node
+
+    index = RoutingIndex()
+    index.subscribe("a", b"s/x*/y/z/")
+    star = index._public.literal[b"s"]
+    assert type(star) is _Node and star.prefix[b"x"].rest == b"y/z/"
+    index.subscribe("b", b"s/x*/y/w")
+    index.subscribe("c", b"s/x*/y/w")
+    y = star.prefix[b"x"].literal[b"y"]
+    assert type(y) is _Node and y.literal[b"z"] == "a"  # a bare tail leaf
+    assert y.literal[b"w"].rest is None and y.literal[b"w"].subs == {"b": 1, "c": 1}
+    assert index.lookup(b"s/xx/y/z/q") == ("a",) and index.lookup(b"s/x/y/z") == ()
+    assert set(index.lookup(b"s/x1/y/w")) == {"b", "c"} and index.lookup(b"s/x/y/w/") == ()
+    index.unsubscribe("b", b"s/x*/y/w")
+    index.remove_client("c")
+    leaf = star.prefix[b"x"]
+    assert type(leaf) is _Leaf and (leaf.rest, leaf.subs) == (b"y/z/", "a")
+    assert index.lookup(b"s/x/y/z/") == ("a",)
+    index.unsubscribe("a", b"s/x*/y/z/")
+    assert index._public.empty()
+
+
+@pytest.mark.parametrize("pattern, key, expected", [
+    (b"p*/a/b", b"p/a/b", True), (b"p*/a/b", b"p/a/bc", False),
+    (b"p*/a/b", b"p/a/b/", False), (b"p*/a/b", b"p/a", False), (b"p*/a/b", b"p", False),
+    (b"p*/a/", b"p/a/", True), (b"p*/a/", b"p/a", False), (b"p*/a/", b"p/ab/", False),
+    (b"p*//", b"p//x", True), (b"p*//", b"p/", False), (b"p*/", b"p/", True),
+    (b"p*", b"p", True), (b"p*", b"p/", False),
+])
+def test_leaf_edges(pattern, key, expected):
+    assert matches(pattern, key) is expected
+    index = RoutingIndex()
+    index.subscribe("c", pattern)
+    index.subscribe("d", b"p*/zz/")  # so that "c" sits in a leaf below a shared node
+    assert ("c" in index.lookup(key)) is expected
