@@ -527,6 +527,8 @@ class RoutingIndex(Generic[C]):
 
     def _walk(self, root: _Node[C], key: bytes, segs: list[bytes], found: set[C]) -> None:
         n = len(segs)
+        sep = self.sep
+        width = len(sep)
         starts = None  # where each segment starts in *key*, once a leaf needs it
         stack: list[tuple[_Child, int]] = [(root, 0)]
         while stack:
@@ -540,17 +542,18 @@ class RoutingIndex(Generic[C]):
                 if rest is None:
                     if i == n:
                         _gather(found, node.subs)
-                    continue
-                if i == n:
-                    continue
-                if starts is None:
-                    width = len(self.sep)
-                    starts = list(itertools.accumulate((len(s) + width for s in segs),
-                                                       initial=0))
-                at = starts[i]
-                if key.startswith(rest, at) and (
-                        not rest or rest.endswith(self.sep) or len(key) - at == len(rest)):
-                    _gather(found, node.subs)
+                elif i + 1 == n:
+                    # segs[i] is the key's last segment, whole: the leaf's pattern has a
+                    # segment there, so the key was split at least that far
+                    if segs[i] == rest:
+                        _gather(found, node.subs)
+                elif i < n:
+                    if starts is None:
+                        starts = list(itertools.accumulate(map(len, segs), initial=0))
+                    at = starts[i] + i * width
+                    if key.startswith(rest, at) and (
+                            rest.endswith(sep) or len(key) - at == len(rest)):
+                        _gather(found, node.subs)
                 continue
             if i == n:
                 if node.end is not None:

@@ -324,6 +324,8 @@ def test_a_lone_shape_is_one_leaf_split_where_shapes_part_and_folded_back():
     (b"p*/a/", b"p/a/", True), (b"p*/a/", b"p/a", False), (b"p*/a/", b"p/ab/", False),
     (b"p*//", b"p//x", True), (b"p*//", b"p/", False), (b"p*/", b"p/", True),
     (b"p*", b"p", True), (b"p*", b"p/", False),
+    (b"p*/a/b/", b"p/a/b/c/d/e", True), (b"p*/a/b", b"p/a/b/c/d", False),
+    (b"p*/a/b/", b"p/a/bb/c", False), (b"p*/a/b", b"p/a/", False),
 ])
 def test_leaf_edges(pattern, key, expected):
     assert matches(pattern, key) is expected
