@@ -184,17 +184,28 @@ def _leaf(rest: bytes | None, subs):
     return subs if rest == b"" else _Leaf(rest, subs)
 
 
-def _explode(child, sep: bytes) -> _Node:
-    """A leaf as a node, holding the same subscribers one segment further down."""
-    node = _Node()
-    if type(child) is not _Leaf:
-        node.tail = child
-    elif child.rest is None:
-        node.end = child.subs
+def _split(child, ahead: list[tuple[int, bytes]], sep: bytes) -> _Node:
+    """A leaf as a node, and as further nodes for as long as the segments *ahead* (of a
+    pattern being added below it) share its rest; then a leaf of what is left.  Its bytes
+    are split and joined once, however long the shared stretch."""
+    subs, rest = (child.subs, child.rest) if type(child) is _Leaf else (child, b"")
+    top = node = _Node()
+    if rest is None:
+        node.end = subs
+        return top
+    parts = rest.split(sep)  # the last part is b"" if the pattern ends with the separator
+    m = 0
+    while m < len(parts) - 1 and m < len(ahead) and ahead[m] == (LITERAL, parts[m]):
+        node.literal = {parts[m]: _Node()}
+        node = node.literal[parts[m]]
+        m += 1
+    if m < len(parts) - 1:
+        node.literal = {parts[m]: _leaf(sep.join(parts[m + 1:]), subs)}
+    elif parts[m]:
+        node.literal = {parts[m]: _Leaf(None, subs)}
     else:
-        head, found, more = child.rest.partition(sep)
-        node.literal = {head: _leaf(more if found else None, child.subs)}
-    return node
+        node.tail = subs
+    return top
 
 
 def _compact(node: _Node, sep: bytes):
@@ -450,17 +461,26 @@ class RoutingIndex(Generic[C]):
                 node.tail = _minus(node.tail, client, count)
             else:
                 node.end = _minus(node.end, client, count)
-        # bottom-up: drop empty nodes, fold those left with one shape back into a leaf
-        while path:
+        # bottom-up: drop empty nodes; then fold the node left with one pattern shape, and
+        # the nodes above it that lead only to it, back into one leaf (joined once)
+        while path and node.empty():
             parent, kind, text = path.pop()
-            if node.empty():
-                parent.remove(kind, text)
-            else:
-                leaf = _compact(node, self.sep)
-                if leaf is None:
-                    break
-                (parent.literal if kind == LITERAL else parent.prefix)[text] = leaf
+            parent.remove(kind, text)
             node = parent
+        leaf = _compact(node, self.sep) if path else None
+        if leaf is None:
+            return
+        texts = []
+        parent, kind, text = path.pop()
+        while kind == LITERAL and path and parent.prefix is None and parent.end is None \
+                and parent.tail is None and len(parent.literal) == 1:
+            texts.append(text)
+            parent, kind, text = path.pop()
+        if texts:
+            texts.reverse()
+            subs, rest = (leaf.subs, leaf.rest) if type(leaf) is _Leaf else (leaf, b"")
+            leaf = _Leaf(self.sep.join(texts if rest is None else texts + [rest]), subs)
+        (parent.literal if kind == LITERAL else parent.prefix)[text] = leaf
 
     def _place(self, pattern: bytes, compiled, client: C) -> None:
         """Add a subscriber of *pattern* to the trie: as a leaf at the first segment no
@@ -470,13 +490,14 @@ class RoutingIndex(Generic[C]):
         width = len(sep)
         raw = (pattern[:-width] if tail else pattern).split(sep)
         stop = -width  # where the segment at hand ends in *pattern*
+        last_star = pattern.rfind(b"*")
         node = self._secret if pattern.startswith(self._secret_prefix) else self._public
-        for (kind, text), seg in zip(segments, raw, strict=True):
+        for j, ((kind, text), seg) in enumerate(zip(segments, raw, strict=True)):
             stop += width + len(seg)
             children = node.literal if kind == LITERAL else node.prefix
             child = children.get(text) if children else None
             if child is None:
-                if pattern.find(b"*", stop) < 0:
+                if last_star < stop:
                     node.add(kind, text, _leaf(
                         None if stop == len(pattern) else pattern[stop + width:], client))
                     return
@@ -491,7 +512,7 @@ class RoutingIndex(Generic[C]):
                     else:
                         children[text] = _plus(child, client)
                     return
-                child = children[text] = _explode(child, sep)
+                child = children[text] = _split(child, segments[j + 1:], sep)
             node = child
         if tail:
             node.tail = _plus(node.tail, client)

@@ -318,6 +318,24 @@ def test_a_lone_shape_is_one_leaf_split_where_shapes_part_and_folded_back():
     assert index._public.empty()
 
 
+def test_a_long_shared_stretch_is_split_and_folded_back_whole():
+    """A second shape sharing 200 segments with a leaf gets nodes down to where they part
+    (the leaf's bytes split once); when it leaves, the stretch is one leaf again."""
+    from sbus.routing import _Leaf
+
+    index = RoutingIndex()
+    deep = b"/".join(b"s%d" % i for i in range(200))
+    index.subscribe("a", b"x*/" + deep + b"/a")
+    index.subscribe("b", b"x*/" + deep + b"/b/")
+    assert index.lookup(b"x1/" + deep + b"/a") == ("a",)
+    assert index.lookup(b"x1/" + deep + b"/b/c") == ("b",)
+    assert index.lookup(b"x1/" + deep + b"/b") == ()
+    index.unsubscribe("b", b"x*/" + deep + b"/b/")
+    leaf = index._public.prefix[b"x"]
+    assert type(leaf) is _Leaf and (leaf.rest, leaf.subs) == (deep + b"/a", "a")
+    assert index.lookup(b"x/" + deep + b"/a") == ("a",)
+
+
 @pytest.mark.parametrize("pattern, key, expected", [
     (b"p*/a/b", b"p/a/b", True), (b"p*/a/b", b"p/a/bc", False),
     (b"p*/a/b", b"p/a/b/", False), (b"p*/a/b", b"p/a", False), (b"p*/a/b", b"p", False),
