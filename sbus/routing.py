@@ -40,7 +40,6 @@ inserting the dropped entries cost, so churn cannot be made expensive.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections import Counter
 from collections.abc import Hashable, Iterator
@@ -123,7 +122,9 @@ class _Node(Generic[C]):
     def __init__(self) -> None:
         self.literal: dict[bytes, _Child] | None = None
         self.prefix: dict[bytes, _Child] | None = None
-        self.lengths: list[int] | None = None  # distinct lengths of `prefix` keys, ascending
+        # length -> how many `prefix` keys have it, in ascending order of length: the
+        # lookup probes each length once, and a removal updates its count, not a scan
+        self.lengths: dict[int, int] | None = None
         # subscribers of the patterns that end here (the key must end too) and of those
         # that end here with a trailing separator: None, the one subscriber (the usual
         # case, and the cheapest), or a dict of subscriber -> count (`_plus`, `_minus`)
@@ -140,11 +141,14 @@ class _Node(Generic[C]):
             self.literal[text] = child
             return
         if self.prefix is None:
-            self.prefix, self.lengths = {}, []
+            self.prefix, self.lengths = {}, {}
         self.prefix[text] = child
-        i = bisect.bisect_left(self.lengths, len(text))
-        if i == len(self.lengths) or self.lengths[i] != len(text):
-            self.lengths.insert(i, len(text))
+        size = len(text)
+        if size in self.lengths:
+            self.lengths[size] += 1
+        else:  # a new length (at most `keys.MAX_WILDCARD_PREFIX` + 1 of them): re-sort
+            self.lengths[size] = 1
+            self.lengths = dict(sorted(self.lengths.items()))
 
     def remove(self, kind: int, text: bytes) -> None:
         if kind == LITERAL:
@@ -157,8 +161,9 @@ class _Node(Generic[C]):
             self.prefix = self.lengths = None
             return
         size = len(text)
-        if not any(len(p) == size for p in self.prefix):
-            self.lengths.remove(size)
+        self.lengths[size] -= 1
+        if not self.lengths[size]:
+            del self.lengths[size]
 
 
 class _Leaf(Generic[C]):

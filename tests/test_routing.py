@@ -216,9 +216,13 @@ def test_many_prefix_siblings_cost_one_probe_per_length():
     for i in range(10_000):
         index.subscribe("attacker", b"a%d*" % i)
     node = index._public
-    assert node.lengths == [2, 3, 4, 5]
+    assert list(node.lengths) == [2, 3, 4, 5]
     assert index.lookup(b"a42x") == ("attacker",)
     assert index.lookup(b"b1") == ()
+    for i in range(10):  # the last patterns of one length: it is probed no more
+        assert index.unsubscribe("attacker", b"a%d*" % i)
+    assert list(node.lengths) == [3, 4, 5] and node.lengths[5] == 9000
+    assert index.lookup(b"a42x") == ("attacker",) and index.lookup(b"a1") == ()
 
 
 def test_keys_are_split_no_deeper_than_the_deepest_pattern():
