@@ -180,8 +180,9 @@ class _Leaf(Generic[C]):
         self.subs = subs
 
 
-#: A value of `_Node.literal` or `_Node.prefix`.
-_Child = _Node | _Leaf | object
+#: A value of `_Node.literal` or `_Node.prefix`: a `_Node`, a `_Leaf`, or the bare
+#: subscribers (one, or a dict of them) of a pattern ending with a separator right there.
+_Child = object
 
 
 def _leaf(rest: bytes | None, subs):

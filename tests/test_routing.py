@@ -257,7 +257,9 @@ def _traced(build) -> int:
     [b"a%d*" % i for i in range(3000)],                                      # siblings
     [b"x/%d/" % i for i in range(3000)],                                     # tails
     [b"p/" + b"*/" * 200 + b"q%d" % i for i in range(100)],                  # wild
-], ids=["deep", "short", "prefix-siblings", "tails", "wildcards"])
+    [b"w*/" + b"/".join(b"s%d_%d" % (i, j) for j in range(200)) + b"/"       # long leaves
+     for i in range(100)],
+], ids=["deep", "short", "prefix-siblings", "tails", "wildcards", "leaves"])
 def test_what_a_subscription_is_charged_covers_its_memory(patterns):
     """The subscription budget bounds broker memory only if `pattern_cost` is no less than
     what the index really allocates, for the shapes an attacker would pick."""
