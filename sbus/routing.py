@@ -17,10 +17,18 @@ it; the empty pattern matches every key that is not secret.  Secret keys
 (``!/…``) are looked up in a second trie that only holds secret patterns, so no
 other pattern can ever match them.
 
+Patterns without a wildcard or a trailing separator sit in one dict, pattern ->
+subscribers, outside the trie.  In the trie, a node exists only where patterns part
+ways: below the first segment that no other pattern shares, the literal rest of a
+pattern is one leaf (its bytes, compared in one go) rather than a node per segment.
+A subscription thus costs about a dict entry and a small object, not a node and its
+dicts per segment (docs/performance.md, issue 14).
+
 A lookup costs at most one step per pattern segment (patterns have at most
 `keys.MAX_SEGMENTS`) and, at a node with ``prefix*`` children, one dict probe per
 distinct prefix *length* (at most `keys.MAX_WILDCARD_PREFIX` + 1), never one per
-sibling: ten thousand ``a1*``…``a9999*`` siblings cost four probes.
+sibling: ten thousand ``a1*``…``a9999*`` siblings cost four probes.  A leaf reached
+costs one comparison of at most its own bytes, less than the nodes it stands for.
 
 Lookups are cached per key in a `RouteCache`, bounded in bytes overall and per owner
 (the broker's owner is the publisher's UID).  A subscribe or unsubscribe drops only the
@@ -32,7 +40,6 @@ inserting the dropped entries cost, so churn cannot be made expensive.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections import Counter
 from collections.abc import Hashable, Iterator
@@ -102,16 +109,22 @@ def pattern_cost(pattern: bytes, sep: bytes = b"/") -> int:
 
 
 class _Node(Generic[C]):
-    """One segment of the trie.  Every container is made when first needed: most nodes
-    of a long pattern have one literal child and nothing else, and a node is cheap to
-    build only if it holds nothing it does not use."""
+    """One segment of the trie, where patterns part ways.  Every container is made when
+    first needed: a node is cheap to build only if it holds nothing it does not use.
+
+    A child (a value of `literal` or `prefix`) is a `_Node`, or, where only one pattern
+    shape continues below it, a leaf: a `_Leaf`, or bare subscribers for the commonest
+    leaf of all, a pattern that ends right after the child with the separator (``a/b/``).
+    """
 
     __slots__ = ("literal", "prefix", "lengths", "end", "tail")
 
     def __init__(self) -> None:
-        self.literal: dict[bytes, _Node[C]] | None = None
-        self.prefix: dict[bytes, _Node[C]] | None = None
-        self.lengths: list[int] | None = None  # distinct lengths of `prefix` keys, ascending
+        self.literal: dict[bytes, _Child] | None = None
+        self.prefix: dict[bytes, _Child] | None = None
+        # length -> how many `prefix` keys have it, in ascending order of length: the
+        # lookup probes each length once, and a removal updates its count, not a scan
+        self.lengths: dict[int, int] | None = None
         # subscribers of the patterns that end here (the key must end too) and of those
         # that end here with a trailing separator: None, the one subscriber (the usual
         # case, and the cheapest), or a dict of subscriber -> count (`_plus`, `_minus`)
@@ -121,34 +134,102 @@ class _Node(Generic[C]):
     def empty(self) -> bool:
         return not (self.literal or self.prefix) and self.end is None and self.tail is None
 
-    def add_literal(self, text: bytes) -> _Node[C]:
-        if self.literal is None:
-            self.literal = {}
-        child = self.literal[text] = _Node()
-        return child
-
-    def remove_literal(self, text: bytes) -> None:
-        del self.literal[text]
-        if not self.literal:
-            self.literal = None
-
-    def add_prefix(self, text: bytes) -> _Node[C]:
+    def add(self, kind: int, text: bytes, child: _Child) -> None:
+        if kind == LITERAL:
+            if self.literal is None:
+                self.literal = {}
+            self.literal[text] = child
+            return
         if self.prefix is None:
-            self.prefix, self.lengths = {}, []
-        child = self.prefix[text] = _Node()
-        i = bisect.bisect_left(self.lengths, len(text))
-        if i == len(self.lengths) or self.lengths[i] != len(text):
-            self.lengths.insert(i, len(text))
-        return child
+            self.prefix, self.lengths = {}, {}
+        self.prefix[text] = child
+        size = len(text)
+        if size in self.lengths:
+            self.lengths[size] += 1
+        else:  # a new length (at most `keys.MAX_WILDCARD_PREFIX` + 1 of them): re-sort
+            self.lengths[size] = 1
+            self.lengths = dict(sorted(self.lengths.items()))
 
-    def remove_prefix(self, text: bytes) -> None:
+    def remove(self, kind: int, text: bytes) -> None:
+        if kind == LITERAL:
+            del self.literal[text]
+            if not self.literal:
+                self.literal = None
+            return
         del self.prefix[text]
         if not self.prefix:
             self.prefix = self.lengths = None
             return
         size = len(text)
-        if not any(len(p) == size for p in self.prefix):
-            self.lengths.remove(size)
+        self.lengths[size] -= 1
+        if not self.lengths[size]:
+            del self.lengths[size]
+
+
+class _Leaf(Generic[C]):
+    """The rest of one pattern shape below a child, all literal: one small object instead
+    of a node per segment.  `rest` is None if the key must end with the child's segment;
+    otherwise the key must go on with the separator and then `rest`, exactly, or (if
+    `rest` ends with the separator) followed by anything.  A pattern that ends with the
+    separator right after the child is not a `_Leaf` but its bare subscribers."""
+
+    __slots__ = ("rest", "subs")
+
+    def __init__(self, rest: bytes | None, subs: C | dict[C, int]) -> None:
+        self.rest = rest
+        self.subs = subs
+
+
+#: A value of `_Node.literal` or `_Node.prefix`: a `_Node`, a `_Leaf`, or the bare
+#: subscribers (one, or a dict of them) of a pattern ending with a separator right there.
+_Child = object
+
+
+def _leaf(rest: bytes | None, subs):
+    """The leaf for the rest of a pattern after a child (see `_Leaf`)."""
+    return subs if rest == b"" else _Leaf(rest, subs)
+
+
+def _split(child, ahead: list[tuple[int, bytes]], sep: bytes) -> _Node:
+    """A leaf as a node, and as further nodes for as long as the segments *ahead* (of a
+    pattern being added below it) share its rest; then a leaf of what is left.  Its bytes
+    are split and joined once, however long the shared stretch."""
+    subs, rest = (child.subs, child.rest) if type(child) is _Leaf else (child, b"")
+    top = node = _Node()
+    if rest is None:
+        node.end = subs
+        return top
+    parts = rest.split(sep)  # the last part is b"" if the pattern ends with the separator
+    m = 0
+    while m < len(parts) - 1 and m < len(ahead) and ahead[m] == (LITERAL, parts[m]):
+        node.literal = {parts[m]: _Node()}
+        node = node.literal[parts[m]]
+        m += 1
+    if m < len(parts) - 1:
+        node.literal = {parts[m]: _leaf(sep.join(parts[m + 1:]), subs)}
+    elif parts[m]:
+        node.literal = {parts[m]: _Leaf(None, subs)}
+    else:
+        node.tail = subs
+    return top
+
+
+def _compact(node: _Node, sep: bytes):
+    """*node* as a leaf if only one pattern shape is left in it, all literal; else None."""
+    if node.prefix:
+        return None
+    if node.literal is None:
+        if node.end is None:
+            return node.tail
+        return _Leaf(None, node.end) if node.tail is None else None
+    if node.end is not None or node.tail is not None or len(node.literal) != 1:
+        return None
+    (text, child), = node.literal.items()
+    if type(child) is _Node:
+        return None
+    if type(child) is not _Leaf:
+        return _Leaf(text + sep, child)
+    return _Leaf(text if child.rest is None else text + sep + child.rest, child.subs)
 
 
 class RouteCache(Generic[C]):
@@ -301,11 +382,7 @@ class RoutingIndex(Generic[C]):
         elif compiled is None:
             self._never[client, pattern] += 1
         else:
-            node = self._node(pattern, compiled)
-            if compiled[1]:
-                node.tail = _plus(node.tail, client)
-            else:
-                node.end = _plus(node.end, client)
+            self._place(pattern, compiled, client)
 
     def unsubscribe(self, client: C, pattern: bytes) -> bool:
         """Remove one subscription; False (and no change) if the client did not have it."""
@@ -363,42 +440,90 @@ class RoutingIndex(Generic[C]):
             _take(self._exact, pattern, client, count)
             return
         segments, tail = compiled
-        root = self._secret if pattern.startswith(self._secret_prefix) else self._public
-        path = [root]
-        for kind, text in segments:
-            path.append((path[-1].literal if kind == LITERAL else path[-1].prefix)[text])
-        node = path[-1]
-        if tail:
-            node.tail = _minus(node.tail, client, count)
-        else:
-            node.end = _minus(node.end, client, count)
-        # prune empty nodes bottom-up so the trie does not keep dead branches
-        for depth in range(len(segments), 0, -1):
-            node = path[depth]
-            if not node.empty():
-                break
-            kind, text = segments[depth - 1]
-            parent = path[depth - 1]
-            if kind == LITERAL:
-                parent.remove_literal(text)
-            else:
-                parent.remove_prefix(text)
-
-    def _node(self, pattern: bytes, compiled) -> _Node[C]:
-        """The node where *pattern* ends, made as needed."""
-        segments, _ = compiled
         node = self._secret if pattern.startswith(self._secret_prefix) else self._public
+        path: list[tuple[_Node[C], int, bytes]] = []  # each node passed, and the way on
         for kind, text in segments:
-            if kind == LITERAL:
-                child = node.literal.get(text) if node.literal else None
-                if child is None:
-                    child = node.add_literal(text)
+            children = node.literal if kind == LITERAL else node.prefix
+            child = children[text]
+            path.append((node, kind, text))
+            if type(child) is _Node:
+                node = child
+                continue
+            # the leaf that holds this pattern's shape
+            if type(child) is _Leaf:
+                child.subs = _minus(child.subs, client, count)
+                if child.subs is not None:
+                    return
             else:
-                child = node.prefix.get(text) if node.prefix else None
-                if child is None:
-                    child = node.add_prefix(text)
+                held = _minus(child, client, count)
+                if held is not None:
+                    children[text] = held
+                    return
+            node.remove(kind, text)
+            path.pop()
+            break
+        else:
+            if tail:
+                node.tail = _minus(node.tail, client, count)
+            else:
+                node.end = _minus(node.end, client, count)
+        # bottom-up: drop empty nodes; then fold the node left with one pattern shape, and
+        # the nodes above it that lead only to it, back into one leaf (joined once)
+        while path and node.empty():
+            parent, kind, text = path.pop()
+            parent.remove(kind, text)
+            node = parent
+        leaf = _compact(node, self.sep) if path else None
+        if leaf is None:
+            return
+        texts = []
+        parent, kind, text = path.pop()
+        while kind == LITERAL and path and parent.prefix is None and parent.end is None \
+                and parent.tail is None and len(parent.literal) == 1:
+            texts.append(text)
+            parent, kind, text = path.pop()
+        if texts:
+            texts.reverse()
+            subs, rest = (leaf.subs, leaf.rest) if type(leaf) is _Leaf else (leaf, b"")
+            leaf = _Leaf(self.sep.join(texts if rest is None else texts + [rest]), subs)
+        (parent.literal if kind == LITERAL else parent.prefix)[text] = leaf
+
+    def _place(self, pattern: bytes, compiled, client: C) -> None:
+        """Add a subscriber of *pattern* to the trie: as a leaf at the first segment no
+        other pattern shares (if the rest is literal), or at the node where it ends."""
+        segments, tail = compiled
+        sep = self.sep
+        width = len(sep)
+        raw = (pattern[:-width] if tail else pattern).split(sep)
+        stop = -width  # where the segment at hand ends in *pattern*
+        last_star = pattern.rfind(b"*")
+        node = self._secret if pattern.startswith(self._secret_prefix) else self._public
+        for j, ((kind, text), seg) in enumerate(zip(segments, raw, strict=True)):
+            stop += width + len(seg)
+            children = node.literal if kind == LITERAL else node.prefix
+            child = children.get(text) if children else None
+            if child is None:
+                if last_star < stop:
+                    node.add(kind, text, _leaf(
+                        None if stop == len(pattern) else pattern[stop + width:], client))
+                    return
+                child = _Node()
+                node.add(kind, text, child)
+            elif type(child) is not _Node:
+                rest = child.rest if type(child) is _Leaf else b""
+                if rest is None and stop == len(pattern) or rest is not None and \
+                        len(pattern) - stop - width == len(rest) and pattern.endswith(rest):
+                    if type(child) is _Leaf:  # the same shape: one more subscriber
+                        child.subs = _plus(child.subs, client)
+                    else:
+                        children[text] = _plus(child, client)
+                    return
+                child = children[text] = _split(child, segments[j + 1:], sep)
             node = child
-        return node
+        if tail:
+            node.tail = _plus(node.tail, client)
+        else:
+            node.end = _plus(node.end, client)
 
     # -- lookups -----------------------------------------------------------
 
@@ -421,18 +546,42 @@ class RoutingIndex(Generic[C]):
         # no pattern has more than `_depth` segments: the rest of a longer key stays whole
         segs = key.split(self.sep, self._depth)
         if key.startswith(self._secret_prefix):
-            self._walk(self._secret, segs, found)
+            self._walk(self._secret, key, segs, found)
         else:
             found.update(self._everything)
-            self._walk(self._public, segs, found)
+            self._walk(self._public, key, segs, found)
         return tuple(found)
 
-    @staticmethod
-    def _walk(root: _Node[C], segs: list[bytes], found: set[C]) -> None:
+    def _walk(self, root: _Node[C], key: bytes, segs: list[bytes], found: set[C]) -> None:
         n = len(segs)
-        stack = [(root, 0)]
+        sep = self.sep
+        width = len(sep)
+        starts = None  # where each segment starts in *key*, once a leaf needs it
+        stack: list[tuple[_Child, int]] = [(root, 0)]
         while stack:
             node, i = stack.pop()
+            if type(node) is not _Node:  # a leaf: the rest of one pattern shape
+                if type(node) is not _Leaf:
+                    if i < n:
+                        _gather(found, node)
+                    continue
+                rest = node.rest
+                if rest is None:
+                    if i == n:
+                        _gather(found, node.subs)
+                elif i + 1 == n:
+                    # segs[i] is the key's last segment, whole: the leaf's pattern has a
+                    # segment there, so the key was split at least that far
+                    if segs[i] == rest:
+                        _gather(found, node.subs)
+                elif i < n:
+                    if starts is None:
+                        starts = list(itertools.accumulate(map(len, segs), initial=0))
+                    at = starts[i] + i * width
+                    if key.startswith(rest, at) and (
+                            rest.endswith(sep) or len(key) - at == len(rest)):
+                        _gather(found, node.subs)
+                continue
             if i == n:
                 if node.end is not None:
                     _gather(found, node.end)

@@ -216,9 +216,13 @@ def test_many_prefix_siblings_cost_one_probe_per_length():
     for i in range(10_000):
         index.subscribe("attacker", b"a%d*" % i)
     node = index._public
-    assert node.lengths == [2, 3, 4, 5]
+    assert list(node.lengths) == [2, 3, 4, 5]
     assert index.lookup(b"a42x") == ("attacker",)
     assert index.lookup(b"b1") == ()
+    for i in range(10):  # the last patterns of one length: it is probed no more
+        assert index.unsubscribe("attacker", b"a%d*" % i)
+    assert list(node.lengths) == [3, 4, 5] and node.lengths[5] == 9000
+    assert index.lookup(b"a42x") == ("attacker",) and index.lookup(b"a1") == ()
 
 
 def test_keys_are_split_no_deeper_than_the_deepest_pattern():
@@ -253,7 +257,9 @@ def _traced(build) -> int:
     [b"a%d*" % i for i in range(3000)],                                      # siblings
     [b"x/%d/" % i for i in range(3000)],                                     # tails
     [b"p/" + b"*/" * 200 + b"q%d" % i for i in range(100)],                  # wild
-], ids=["deep", "short", "prefix-siblings", "tails", "wildcards"])
+    [b"w*/" + b"/".join(b"s%d_%d" % (i, j) for j in range(200)) + b"/"       # long leaves
+     for i in range(100)],
+], ids=["deep", "short", "prefix-siblings", "tails", "wildcards", "leaves"])
 def test_what_a_subscription_is_charged_covers_its_memory(patterns):
     """The subscription budget bounds broker memory only if `pattern_cost` is no less than
     what the index really allocates, for the shapes an attacker would pick."""
@@ -291,3 +297,63 @@ def test_a_departing_client_can_leave_a_part_at_a_time():
     assert index.remove_some("big", 400) == (0, False)
     assert index.match(b"p/5") == ("other",) and index.match(b"p/6") == ()
     assert len(index) == 1
+
+
+def test_a_lone_shape_is_one_leaf_split_where_shapes_part_and_folded_back():
+    """Below the first segment no other pattern shares, a pattern's literal rest is one
+    leaf; a second shape splits it only as far as they share, and leaving folds it."""
+    from sbus.routing import _Leaf, _Node
+
+    index = RoutingIndex()
+    index.subscribe("a", b"s/x*/y/z/")
+    star = index._public.literal[b"s"]
+    assert type(star) is _Node and star.prefix[b"x"].rest == b"y/z/"
+    index.subscribe("b", b"s/x*/y/w")
+    index.subscribe("c", b"s/x*/y/w")
+    y = star.prefix[b"x"].literal[b"y"]
+    assert type(y) is _Node and y.literal[b"z"] == "a"  # a bare tail leaf
+    assert y.literal[b"w"].rest is None and y.literal[b"w"].subs == {"b": 1, "c": 1}
+    assert index.lookup(b"s/xx/y/z/q") == ("a",) and index.lookup(b"s/x/y/z") == ()
+    assert set(index.lookup(b"s/x1/y/w")) == {"b", "c"} and index.lookup(b"s/x/y/w/") == ()
+    index.unsubscribe("b", b"s/x*/y/w")
+    index.remove_client("c")
+    leaf = star.prefix[b"x"]
+    assert type(leaf) is _Leaf and (leaf.rest, leaf.subs) == (b"y/z/", "a")
+    assert index.lookup(b"s/x/y/z/") == ("a",)
+    index.unsubscribe("a", b"s/x*/y/z/")
+    assert index._public.empty()
+
+
+def test_a_long_shared_stretch_is_split_and_folded_back_whole():
+    """A second shape sharing 200 segments with a leaf gets nodes down to where they part
+    (the leaf's bytes split once); when it leaves, the stretch is one leaf again."""
+    from sbus.routing import _Leaf
+
+    index = RoutingIndex()
+    deep = b"/".join(b"s%d" % i for i in range(200))
+    index.subscribe("a", b"x*/" + deep + b"/a")
+    index.subscribe("b", b"x*/" + deep + b"/b/")
+    assert index.lookup(b"x1/" + deep + b"/a") == ("a",)
+    assert index.lookup(b"x1/" + deep + b"/b/c") == ("b",)
+    assert index.lookup(b"x1/" + deep + b"/b") == ()
+    index.unsubscribe("b", b"x*/" + deep + b"/b/")
+    leaf = index._public.prefix[b"x"]
+    assert type(leaf) is _Leaf and (leaf.rest, leaf.subs) == (deep + b"/a", "a")
+    assert index.lookup(b"x/" + deep + b"/a") == ("a",)
+
+
+@pytest.mark.parametrize("pattern, key, expected", [
+    (b"p*/a/b", b"p/a/b", True), (b"p*/a/b", b"p/a/bc", False),
+    (b"p*/a/b", b"p/a/b/", False), (b"p*/a/b", b"p/a", False), (b"p*/a/b", b"p", False),
+    (b"p*/a/", b"p/a/", True), (b"p*/a/", b"p/a", False), (b"p*/a/", b"p/ab/", False),
+    (b"p*//", b"p//x", True), (b"p*//", b"p/", False), (b"p*/", b"p/", True),
+    (b"p*", b"p", True), (b"p*", b"p/", False),
+    (b"p*/a/b/", b"p/a/b/c/d/e", True), (b"p*/a/b", b"p/a/b/c/d", False),
+    (b"p*/a/b/", b"p/a/bb/c", False), (b"p*/a/b", b"p/a/", False),
+])
+def test_leaf_edges(pattern, key, expected):
+    assert matches(pattern, key) is expected
+    index = RoutingIndex()
+    index.subscribe("c", pattern)
+    index.subscribe("d", b"p*/zz/")  # so that "c" sits in a leaf below a shared node
+    assert ("c" in index.lookup(key)) is expected
