@@ -35,7 +35,7 @@ from itertools import accumulate
 __all__ = [
     "FILE_HEAD", "BLOCK_HEAD", "TRAILER", "INDEX_ENTRY", "FormatError", "Block", "BlockInfo",
     "encode_header", "decode_header", "encode_block", "block_parts", "decode_block_head",
-    "decode_block",
+    "decode_block", "check_offsets",
     "encode_index", "decode_trailer", "decode_index", "block_size",
 ]
 
@@ -191,12 +191,12 @@ def decode_block(data, pos: int = 0, verify: bool = True) -> tuple[Block, int]:
     c = b + 4 * (count + 1)
     d = c + klen
     block = Block(first_seq, count, body[:a], body[a:b], body[b:c], body[c:d], body[d:d + plen])
-    _check_offsets(block.key_offsets, klen, "key")
-    _check_offsets(block.payload_offsets, plen, "payload")
+    check_offsets(block.key_offsets, klen, "key")
+    check_offsets(block.payload_offsets, plen, "payload")
     return block, end
 
 
-def _check_offsets(offsets: memoryview, length: int, what: str) -> None:
+def check_offsets(offsets: memoryview, length: int, what: str) -> None:
     """Offsets must start at 0, never fall, and end at the column's length: otherwise an
     Arrow array built on them reads outside the block."""
     import numpy as np  # the journal's readers and writer use it anyway
