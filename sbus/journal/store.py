@@ -14,7 +14,6 @@ import fcntl
 import logging
 import os
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,7 +297,7 @@ def _merged_from(fd: int, path: Path, start: int, end: int, verify: bool, rows: 
                 if verify:
                     c = 0
                     for part in parts:
-                        c = zlib.crc32(part, c)
+                        c = fmt.crc32(part, c)
                     if c != crc:
                         raise FormatError("block checksum mismatch")
                 fmt.check_offsets(parts[1], bk, "key")
