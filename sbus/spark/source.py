@@ -120,22 +120,15 @@ def journal_view(directory: str, cache: dict | None = None) -> View:
     return view
 
 
-#: The smallest share `split_size` cuts: reading 16 MiB costs a task about as much as
-#: starting one does, so a small read (a narrow ``ts`` range) is one task.
-MIN_SPLIT_BYTES = 16 << 20
-
-
 def split_size(view: View, opts: ReadOptions, start: int, end: int,
                rows: RowFilter | None = None) -> int:
-    """Bytes per partition: the range's share of minPartitions but at least
-    `MIN_SPLIT_BYTES`, and at most maxPartitionBytes (Python tasks have a fixed start-up
-    cost, so fewer, larger partitions are faster, but every core should get one, and
-    equal ones, so that none waits for a straggler)."""
+    """Bytes per partition: the range's share of minPartitions, at most maxPartitionBytes
+    (Python tasks have a fixed start-up cost, so fewer, larger partitions are faster, but
+    every core should get one, and equal ones, so that none waits for a straggler)."""
     total = sum(b.size for _, blocks in view for b in blocks
                 if b.next_seq > start and b.first_seq < end
                 and (rows is None or rows.keeps_block(b.min_ts, b.max_ts)))
-    share = max(-(-total // opts.min_partitions), MIN_SPLIT_BYTES)
-    return max(1, min(opts.max_bytes, share))
+    return max(1, min(opts.max_bytes, -(-total // opts.min_partitions)))
 
 
 def seq_at(directory: str, view: View, pos: Position) -> int:
