@@ -221,13 +221,8 @@ def _blocks_from(fd: int, path: Path, start: int, end: int, verify: bool) -> Ite
     file_end = os.fstat(fd).st_size
     pos = start
     while pos < end:
+        size = _block_head(fd, path, pos, file_end)[5]  # checked before the allocation
         try:
-            count, _, klen, plen, _ = fmt.decode_block_head(
-                os.pread(fd, fmt.BLOCK_HEAD.size, pos))
-            size = fmt.block_size(count, klen, plen)
-            if pos + size > file_end:  # checked before the buffer is allocated
-                raise FormatError(f"block claims {size} bytes, the file has "
-                                  f"{file_end - pos} left")
             # One copy, straight into the buffer the block's Arrow arrays will wrap.
             data = bytearray(size)
             if os.preadv(fd, [data], pos) != size:
