@@ -112,6 +112,29 @@ def test_offsets_pointing_outside_the_block_are_refused_without_a_crc(tmp_path):
                          verify=False))
 
 
+def test_a_damaged_block_inside_a_merged_read_is_named(tmp_path):
+    """Blocks read merged (`read_seq_range` with *merge*, the Spark reader's way) are each
+    still checked: a flipped payload bit fails the CRC of the middle block, offsets beyond
+    the block fail even without the CRC, and the error names the block's position."""
+    from sbus.journal.store import read_seq_range, segment_blocks
+
+    path = sealed_journal(tmp_path)
+    clean = path.read_bytes()
+    (seg,) = list_segments(tmp_path)
+    middle = segment_blocks(seg)[1].pos
+    data = bytearray(clean)
+    data[middle + 100] ^= 0x01
+    path.write_bytes(data)
+    with pytest.raises(JournalError, match=f"{path}: block at byte {middle}: .*checksum"):
+        list(read_seq_range(tmp_path, seg.first_seq, 0, 0, 1, 10**6, merge=(1000, 1 << 20)))
+    data = bytearray(clean)
+    struct.pack_into("<i", data, middle + fmt.BLOCK_HEAD.size + 8 * 20 + 4 * 5, 10**6)
+    path.write_bytes(data)
+    with pytest.raises(JournalError, match=f"block at byte {middle}: corrupt key offsets"):
+        list(read_seq_range(tmp_path, seg.first_seq, 0, 0, 1, 10**6, verify=False,
+                            merge=(1000, 1 << 20)))
+
+
 def test_the_recorder_moves_a_damaged_segment_aside_and_records_on(broker, tmp_path):
     journal = tmp_path / "journal"
     path = sealed_journal(journal)

@@ -232,3 +232,32 @@ def test_rows_gone_under_a_planned_micro_batch_count_in_the_next_offset(tmp_path
     assert nxt == {"seq": 201, "lost": gone, "lostAfterPlanning": gone}
     assert r.partitions(end, nxt) == []
     assert r.latestOffset(nxt, ReadAllAvailable()) == nxt  # counted once: no more batches
+
+
+def test_merged_reads_give_the_blocks_rows_in_large_blocks(tmp_path):
+    """Consecutive blocks come merged (one copy each, offsets shifted, CRC checked per
+    block): the same rows as block by block, in blocks of at least the asked rows or bytes,
+    never across a gap in the sequence numbers."""
+    from sbus.journal.store import read_blocks, read_seq_range, segment_blocks
+
+    with JournalWriter(tmp_path, fsync=False, reblock_bytes=0) as w:
+        for i in range(120):
+            w.append(10**18 + i, [b"k/%d" % (i % 5)] * 3, [b"p" * (i % 17)] * 3)
+            w.flush()
+    (seg,) = list_segments(tmp_path)
+    blocks = segment_blocks(seg)
+
+    def rows(bs):
+        return [r for b in bs for r in b.records()]
+
+    every = rows(read_blocks(tmp_path, seg.first_seq, blocks[0].pos, blocks[-1].end))
+    for merge in ((10, 1 << 20), (1000, 1 << 20), (1 << 20, 50)):
+        got = list(read_seq_range(tmp_path, seg.first_seq, 0, 0, 1, 361, merge=merge))
+        assert rows(got) == every
+        assert all(b.count >= merge[0] or len(b.keys) + len(b.payloads) >= merge[1]
+                   for b in got[:-1])
+    assert len(list(read_seq_range(tmp_path, seg.first_seq, 0, 0, 1, 361,
+                                   merge=(1000, 1 << 20)))) == 1
+    # only the blocks holding rows 100..199 are read, from the index of the sealed segment
+    got = list(read_seq_range(tmp_path, seg.first_seq, 0, 0, 100, 200, merge=(10**6, 10**9)))
+    assert got[0].first_seq == 100 - 100 % 3 + 1 and got[0].count == 102

@@ -170,9 +170,12 @@ def read_blocks(directory: str | os.PathLike, first_seq: int, start: int, end: i
 
 
 def read_seq_range(directory: str | os.PathLike, first_seq: int, start: int, end: int,
-                   lo: int, hi: int, verify: bool | None = None) -> Iterator[Block]:
+                   lo: int, hi: int, verify: bool | None = None,
+                   merge: tuple[int, int] | None = None) -> Iterator[Block]:
     """Decoded blocks holding rows ``lo <= seq < hi`` of the segment starting at
-    *first_seq*, planned as the blocks at byte positions ``[start, end)``.
+    *first_seq*, planned as the blocks at byte positions ``[start, end)``.  With *merge*
+    ``(rows, nbytes)``, consecutive blocks come merged into one `Block` of at least *rows*
+    rows or *nbytes* of keys and payloads (`_merged_from`).
 
     Positions are a plan made while the segment may still have been open; sealing may
     have re-blocked it since.  So a segment that is sealed now is read by sequence number
@@ -181,17 +184,20 @@ def read_seq_range(directory: str | os.PathLike, first_seq: int, start: int, end
     seg, fd = _open(directory, first_seq)
     try:
         verify = verify is not False
-        if not seg.sealed:
+        if seg.sealed:
+            with open(fd, "rb", closefd=False) as f:
+                try:
+                    index = _sealed_blocks(f, seg.path)
+                except FormatError as exc:
+                    raise JournalError(f"sealed segment {seg.path} is corrupt: {exc}") from None
+            wanted = [b for b in index if b.next_seq > lo and b.first_seq < hi]  # a run
+            if not wanted:
+                return
+            start, end = wanted[0].pos, wanted[-1].end
+        if merge is None:
             yield from _blocks_from(fd, seg.path, start, end, verify)
-            return
-        with open(fd, "rb", closefd=False) as f:
-            try:
-                index = _sealed_blocks(f, seg.path)
-            except FormatError as exc:
-                raise JournalError(f"sealed segment {seg.path} is corrupt: {exc}") from None
-        for b in index:
-            if b.next_seq > lo and b.first_seq < hi:
-                yield from _blocks_from(fd, seg.path, b.pos, b.end, verify)
+        else:
+            yield from _merged_from(fd, seg.path, start, end, verify, *merge)
     finally:
         os.close(fd)
 
@@ -215,13 +221,8 @@ def _blocks_from(fd: int, path: Path, start: int, end: int, verify: bool) -> Ite
     file_end = os.fstat(fd).st_size
     pos = start
     while pos < end:
+        size = _block_head(fd, path, pos, file_end)[5]  # checked before the allocation
         try:
-            count, _, klen, plen, _ = fmt.decode_block_head(
-                os.pread(fd, fmt.BLOCK_HEAD.size, pos))
-            size = fmt.block_size(count, klen, plen)
-            if pos + size > file_end:  # checked before the buffer is allocated
-                raise FormatError(f"block claims {size} bytes, the file has "
-                                  f"{file_end - pos} left")
             # One copy, straight into the buffer the block's Arrow arrays will wrap.
             data = bytearray(size)
             if os.preadv(fd, [data], pos) != size:
@@ -232,6 +233,79 @@ def _blocks_from(fd: int, path: Path, start: int, end: int, verify: bool) -> Ite
                                f"{pos}: {exc}") from None
         yield block
         pos += size
+
+
+def _block_head(fd: int, path: Path, pos: int, file_end: int) -> tuple[int, int, int, int,
+                                                                      int, int]:
+    """``(count, first_seq, klen, plen, crc, size)`` of the block at *pos*, checked to fit."""
+    try:
+        count, first_seq, klen, plen, crc = fmt.decode_block_head(
+            os.pread(fd, fmt.BLOCK_HEAD.size, pos))
+        size = fmt.block_size(count, klen, plen)
+        if pos + size > file_end:
+            raise FormatError(f"block claims {size} bytes, the file has {file_end - pos} left")
+    except FormatError as exc:
+        raise JournalError(f"damaged journal segment {path}: block at byte {pos}: "
+                           f"{exc}") from None
+    return count, first_seq, klen, plen, crc, size
+
+
+def _merged_from(fd: int, path: Path, start: int, end: int, verify: bool, rows: int,
+                 nbytes: int) -> Iterator[Block]:
+    """The blocks in ``[start, end)`` merged into Blocks of at least *rows* rows or *nbytes*
+    of keys and payloads (the last may be smaller; a gap in the sequence numbers ends one
+    early), so a reader gets large batches without concatenating: each block's columns
+    are read (``preadv``) straight into their place in the merged columns, its CRC chained
+    over those parts, and its offsets checked and then shifted by what precedes it.  The
+    merged columns stay below 2 GiB each, as Arrow's int32 offsets need."""
+    file_end = os.fstat(fd).st_size
+    pos = start
+    while pos < end:
+        heads = []
+        n = klen = plen = 0
+        at = pos
+        while at < end and n < rows and klen + plen < nbytes:
+            head = _block_head(fd, path, at, file_end)
+            if heads and (head[1] != heads[0][2] + n or
+                          max(klen + head[2], plen + head[3]) > fmt.MAX_COLUMN_BYTES):
+                break
+            heads.append((at, *head))
+            n, klen, plen = n + head[0], klen + head[2], plen + head[3]
+            at += head[5]
+        ts = np.empty(8 * n, np.uint8)
+        koff = np.empty(n + 1, "<i4")
+        poff = np.empty(n + 1, "<i4")
+        keys = np.empty(klen, np.uint8)
+        payloads = np.empty(plen, np.uint8)
+        row = kat = pat = 0
+        for bpos, count, _, bk, bp, crc, size in heads:
+            body = 16 * count + 8 + bk + bp
+            parts = [memoryview(ts[8 * row:8 * (row + count)]),
+                     memoryview(koff[row:row + count + 1]).cast("B"),
+                     memoryview(poff[row:row + count + 1]).cast("B"),
+                     memoryview(keys[kat:kat + bk]), memoryview(payloads[pat:pat + bp]),
+                     bytearray(size - fmt.BLOCK_HEAD.size - body)]
+            try:
+                if os.preadv(fd, parts, bpos + fmt.BLOCK_HEAD.size) != \
+                        size - fmt.BLOCK_HEAD.size:
+                    raise FormatError("truncated block")
+                if verify:
+                    c = 0
+                    for part in parts:
+                        c = fmt.crc32(part, c)
+                    if c != crc:
+                        raise FormatError("block checksum mismatch")
+                fmt.check_offsets(parts[1], bk, "key")
+                fmt.check_offsets(parts[2], bp, "payload")
+            except FormatError as exc:
+                raise JournalError(f"damaged journal segment {path}: block at byte "
+                                   f"{bpos}: {exc}") from None
+            koff[row:row + count + 1] += kat
+            poff[row:row + count + 1] += pat
+            row, kat, pat = row + count, kat + bk, pat + bp
+        yield Block(heads[0][2], n, memoryview(ts), memoryview(koff).cast("B"),
+                    memoryview(poff).cast("B"), memoryview(keys), memoryview(payloads))
+        pos = at
 
 
 class JournalWriter:

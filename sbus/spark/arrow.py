@@ -64,9 +64,12 @@ class Range:
     hi: int
 
 
-#: Record batches handed to Spark have at least this many rows (unless the read ends):
-#: Spark's per-batch cost is fixed, and blocks of a modest recording are a few hundred rows.
+#: Record batches handed to Spark have at least this many rows or `BATCH_BYTES` (unless
+#: the read ends): Spark's per-batch cost is fixed, and blocks of a
+#: modest recording are a few hundred rows.  Blocks are merged as they are read
+#: (`sbus.journal.store.read_seq_range`), so that costs no copy.
 BATCH_ROWS = 1 << 16
+BATCH_BYTES = 32 << 20
 
 
 @dataclass
@@ -185,19 +188,19 @@ class DataLoss(Exception):
 def read_range(directory: str, rng: Range, columns: list[str] | pa.Schema,
                rows: RowFilter | None = None, verify: bool | None = None,
                on_loss=None) -> Iterator[pa.RecordBatch]:
-    """Record batches (of `BATCH_ROWS` or more, but the last) for the rows of *rng*, with
-    *columns* as in `block_batch`.  Rows of the range that are no longer in the journal
+    """Record batches (of `BATCH_ROWS` rows or `BATCH_BYTES`, but the last) for the rows of
+    *rng*, with *columns* as in `block_batch`.  Rows of the range that are no longer in the journal
     (retention deleted the segment after the read was planned) go to
     ``on_loss(lo, hi, reason)`` for each missing ``[lo, hi)``; without *on_loss* they
     raise `DataLoss`."""
     schema = columns if isinstance(columns, pa.Schema) else arrow_schema(columns)
     pending: list[pa.RecordBatch] = []
-    count = 0
+    count = size = 0
     at = rng.lo
     reason = "a gap in the journal"
     try:
         for block in read_seq_range(directory, rng.segment, rng.start, rng.end, rng.lo,
-                                    rng.hi, verify):
+                                    rng.hi, verify, (BATCH_ROWS, BATCH_BYTES)):
             lo = max(rng.lo - block.first_seq, 0)
             hi = min(rng.hi - block.first_seq, block.count)
             if hi <= lo:
@@ -208,11 +211,12 @@ def read_range(directory: str, rng: Range, columns: list[str] | pa.Schema,
             batch = block_batch(block, schema, rows, lo, hi)
             if batch is None:
                 continue
-            pending.append(batch)
+            pending.append(batch)  # filtered batches can be small: join them
             count += batch.num_rows
-            if count >= BATCH_ROWS:
+            size += batch.nbytes
+            if count >= BATCH_ROWS or size >= BATCH_BYTES:
                 yield _concat(pending)
-                pending, count = [], 0
+                pending, count, size = [], 0, 0
     except FileNotFoundError:
         reason = f"segment {rng.segment:020d} was removed (retention) after the read was planned"
     if at < rng.hi:
