@@ -36,7 +36,7 @@ import trio
 from trio.lowlevel import checkpoint, wait_readable
 
 from . import handover
-from .core import BrokerCore, Client
+from .core import TURN_SECONDS, BrokerCore, Client
 from .defaults import MAX_MESSAGE, QUEUE_LIMIT
 from .flood import Hard, Order, Soft
 from .keys import Credentials
@@ -51,8 +51,6 @@ BATCH_SLOTS = 32
 BATCH_MEMORY = 8 * 1024 * 1024
 #: Batches read from one client in one turn.
 READS_PER_WAKE = 4
-#: A client's turn ends once it has run this long.
-TURN_SECONDS = 0.002
 #: Clients accepted per round: a storm of connections waits in the backlog (and is
 #: refused by the kernel when that is full) instead of crowding out the clients
 #: already served.
