@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 
 from . import handover
-from .core import BrokerCore, Client
+from .core import TURN_SECONDS, BrokerCore, Client
 from .defaults import MAX_MESSAGE, QUEUE_LIMIT
 from .flood import Hard, Order, Soft
 from .keys import Credentials
@@ -46,12 +46,12 @@ log = logging.getLogger("sbus.broker")
 
 #: Packets received with one system call (fewer when they are large: see `batch_slots`).
 BATCH_SLOTS = 32
-#: Memory for one batch of packets at most (it is reserved, and used as packets need it).
-BATCH_MEMORY = 8 * 1024 * 1024
+#: Memory for one batch of packets at most (it is reserved, and used as packets need it):
+#: all `BATCH_SLOTS` at the default largest packet (a slot is one byte more than that;
+#: at 8 MiB flat it held 31, and a publisher's bursts of 32 came in two reads).
+BATCH_MEMORY = BATCH_SLOTS * (MAX_MESSAGE + 1)
 #: Batches read from one client in one turn.
 READS_PER_WAKE = 4
-#: A client's turn ends once it has run this long.
-TURN_SECONDS = 0.002
 #: Clients accepted per round: a storm of connections waits in the backlog (and is
 #: refused by the kernel when that is full) instead of crowding out the clients
 #: already served.

@@ -489,6 +489,25 @@ class BrokerCore:
                     except OSError as exc:
                         self._send_failed(t, exc)
                         continue
+            elif end - start == 1:  # a fan-out read one packet at a time: one copy for all
+                at = offsets[start]
+                packet = copies[start] = buf[at:at + lengths[start]]
+                waiting = []  # targets that queue it
+                for t in targets:
+                    if t.out.items or t.closed:
+                        if not t.closed:
+                            waiting.append(t)
+                        continue
+                    try:
+                        write(t.link, packet)
+                        sent += 1
+                    except BlockingIOError:
+                        waiting.append(t)
+                    except OSError as exc:
+                        self._send_failed(t, exc)
+                if not waiting:
+                    continue
+                targets = waiting  # below: each is queued it, under its policy
             for t in targets:
                 if t.closed:
                     continue

@@ -129,6 +129,25 @@ def test_publish_reaches_subscribers_in_order_with_one_send_per_run():
     assert bus.read(a) == [] and bus.core.published == 11
 
 
+def test_a_one_packet_fan_out_writes_once_per_target_and_queues_for_the_full_ones():
+    bus = Bus()
+    free = [bus.connect() for _ in range(5)]
+    full, gone = bus.connect(room=0), bus.connect()
+    for c in [*free, full, gone]:
+        bus.send(c, b"SUB fan")
+    bus.kernel.hung_up.add(gone.link)
+    pub = bus.connect()
+    bus.kernel.syscalls = 0
+    bus.send(pub, b"MSG fan\0one")  # a batch of one packet: the turn of a costly fan-out
+    assert all(bus.read(c) == [b"MSG fan\0one"] for c in free)
+    assert bus.kernel.syscalls == 8  # one write each, and one more for the full one
+    assert full.wants_write and bus.read(full) == [] and gone.closed
+    bus.send(pub, b"MSG fan\0two")  # behind what waits, not before it
+    bus.kernel.room[full.link] = 10
+    assert msgs(bus.drain(full)) == [b"MSG fan\0one", b"MSG fan\0two"]
+    assert bus.core.delivered == 2 * 5 + 2 and bus.core.dropped == 0
+
+
 def test_refusals_answer_the_client_and_are_logged():
     bus = Bus(max_message=1000)
     c = bus.connect()

@@ -356,6 +356,7 @@ def plot(results: dict[str, list[dict]], out: Path) -> list[Path]:
             ax.set_xscale("log")
         elif 0 in xs:
             ax.set_xscale("symlog", linthresh=100)
+            ax.set_xlim(0, max(xs) * 1.5)  # no negative half, room for the last point
         ax.set_xlabel(xlabel)
         ax.set_title(f"sbus broker: cost against {part}")
         ax.grid(alpha=0.3)
