@@ -266,6 +266,10 @@ def _watchdog_interval() -> float | None:
     return int(usec) / 2e6
 
 
+#: The shortest period of the broker's timers (seconds).
+MIN_TICK = 0.05
+
+
 class _Timers:
     """What the broker's loop does every `every` seconds besides serving: keep systemd's
     STATUS= current, feed its watchdog (if any), give memory back after many departures,
@@ -276,8 +280,10 @@ class _Timers:
         interval = _watchdog_interval()
         self.watchdog = bool(interval)
         self.period = min(interval, 2.0) if interval else 2.0
-        # exit-on-idle is checked at least once a second (it was armed with the idle time)
-        self.every = min(self.period, 1.0, idle) if idle is not None else self.period
+        # exit-on-idle is checked at least once a second, and at most every `MIN_TICK`:
+        # `--exit-idle-time 0` must not make the loop spin while clients stay connected
+        self.every = max(min(self.period, 1.0, idle), MIN_TICK) if idle is not None \
+            else self.period
         self.last, self.last_t = broker.published, time.monotonic()
         self.report_at = self.last_t + self.period
         self.trimmed_at = 0

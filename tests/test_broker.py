@@ -439,6 +439,26 @@ def test_stale_socket_replaced_live_broker_kept(short_tmp):
     assert not os.path.exists(path)  # removed the socket file it created
 
 
+def test_exit_idle_time_zero_waits_without_spinning(make_broker):
+    """`--exit-idle-time 0`: the broker ends as soon as nobody is connected, and while a
+    client is, it waits in epoll like any broker (its timers tick at most every 50 ms)
+    instead of running flat out."""
+    b = make_broker("--exit-idle-time", "0")
+    with raw(b.address) as s:
+        sync(s)
+        clk = os.sysconf("SC_CLK_TCK")
+
+        def cpu() -> float:
+            fields = open(f"/proc/{b.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / clk
+
+        before = cpu()
+        time.sleep(1.0)
+        assert cpu() - before < 0.3, "the broker spun while a client was connected"
+        sync(s)  # still served
+    assert b.proc.wait(timeout=10) == 0  # and gone once the client left
+
+
 def test_sigterm_clean_exit(broker):
     c = raw(broker.address)
     sync(c)
