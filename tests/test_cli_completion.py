@@ -140,6 +140,10 @@ def test_zsh_completion_typed_into_zsh(short_tmp):
              "Enter")
         wait(lambda s: "\nload-ok" in s, "the script loaded")
         send("clear", "Enter")
+        # Typed ahead of the cleared prompt, the keys are echoed by the tty and then
+        # redrawn: wait until the screen holds the bare prompt alone.
+        wait(lambda s: "load-ok" not in s and len([ln for ln in s.splitlines() if ln.strip()]) == 1,
+             "the cleared prompt")
         send("sbus se", "Tab")
         wait(lambda s: ends(s, "sbus serve"), "'serve' completed")
         send("--sep", literal=True)
