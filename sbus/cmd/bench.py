@@ -57,11 +57,11 @@ def _publisher(address, key, index, count, size, start, sent) -> None:
         for seq in range(count):
             send(head + _HEAD.pack(index, seq, time.monotonic_ns()) + pad)
             if seq & 1023 == 1023:
-                sent.value += 1024
-        sent.value += count & 1023
+                sent[index] = seq + 1
+        sent[index] = count
 
 
-def _subscriber(address, key, lossy, expected, ready, got, results) -> None:
+def _subscriber(address, key, index, lossy, expected, ready, got, results) -> None:
     with Client(address) as bus:
         if not lossy:
             bus.set_flood(soft="queue", hard="block")
@@ -88,8 +88,8 @@ def _subscriber(address, key, lossy, expected, ready, got, results) -> None:
                 if len(samples) >= SAMPLES:
                     samples, step = samples[::2], step * 2
             if received & 1023 == 0:
-                got.value += 1024
-        got.value += received & 1023
+                got[index] = received
+        got[index] = received
         results.put((received, dropped, disorder, samples))
 
 
@@ -102,12 +102,14 @@ def run(args: argparse.Namespace) -> int:
     Client(args.address).close()  # no broker: say so once, before any process starts
     ctx = multiprocessing.get_context("fork")
     ready, start = ctx.Semaphore(0), ctx.Event()
-    sent, got = ctx.Value("q", 0, lock=False), ctx.Value("q", 0, lock=False)
+    # a counter per process, each written by its process alone: `+=` on one shared
+    # counter from several processes loses updates
+    sent, got = ctx.Array("q", args.pub, lock=False), ctx.Array("q", args.sub, lock=False)
     results = ctx.Queue()
     per_pub = [args.msgs // args.pub + (i < args.msgs % args.pub) for i in range(args.pub)]
     subs = [ctx.Process(target=_quietly, daemon=True, args=(
-                _subscriber, args.address, key, args.lossy, args.msgs, ready, got, results))
-            for _ in range(args.sub)]
+                _subscriber, args.address, key, i, args.lossy, args.msgs, ready, got, results))
+            for i in range(args.sub)]
     pubs = [ctx.Process(target=_quietly, daemon=True,
                         args=(_publisher, args.address, key, i, n, args.size, start, sent))
             for i, n in enumerate(per_pub)]
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     done_pub = done_sub = None
     outcome: list[tuple] = []
     while time.monotonic() < deadline:
-        _progress(sent.value, args.msgs, got.value, total, time.monotonic() - began)
+        _progress(sum(sent), args.msgs, sum(got), total, time.monotonic() - began)
         if done_pub is None and all(not p.is_alive() for p in pubs):
             done_pub = time.monotonic()
         try:  # read results as they come: a child cannot exit with unread results
@@ -136,11 +138,11 @@ def run(args: argparse.Namespace) -> int:
         if len(outcome) == len(subs):
             done_sub = time.monotonic()
             break
-    _progress(sent.value, args.msgs, got.value, total, time.monotonic() - began, end=True)
+    _progress(sum(sent), args.msgs, sum(got), total, time.monotonic() - began, end=True)
     if done_sub is None:
         for p in subs + pubs:
             p.kill()
-        raise SbusError(f"not done after {args.timeout:.0f} s: {got.value:,} of {total:,} "
+        raise SbusError(f"not done after {args.timeout:.0f} s: {sum(got):,} of {total:,} "
                         "messages received")
     _summary(args, outcome, (done_pub or done_sub) - began, done_sub - began)
     return 0 if all(d == 0 and o == 0 for _, d, o, _ in outcome) or args.lossy else 1
