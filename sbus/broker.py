@@ -62,6 +62,9 @@ ACCEPT_PAUSE = 0.1
 EARLY_DRAINS = 64
 #: Readiness events taken per round.
 EVENTS_PER_ROUND = 1024
+#: Receive buffers held by fan-outs in progress at most (`core.Fanout`); beyond them a
+#: costly batch is delivered at once, and its publisher read fewer packets at a time.
+HELD_BATCHES = 8
 
 _ucred = struct.Struct("3i")
 _HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
@@ -131,6 +134,8 @@ class Broker:
         # one buffer for all clients: a batch is handled before the next is read
         slot = max_message + 1  # one more, to see an oversized packet (the kernel truncates)
         self._batch = PacketBatch(max(1, min(BATCH_SLOTS, BATCH_MEMORY // slot)), slot)
+        self._spare_batches: list[PacketBatch] = []  # for while fan-outs hold others
+        self._held = 0  # batches the core holds (`core.Fanout`)
         self.core = BrokerCore(os.write, _at_eof, sep=sep, max_message=max_message,
                                queue_limit=queue_limit, limits=limits, defaults=defaults,
                                batch_slots=self._batch.slots, user_name=_user_name,
@@ -178,7 +183,9 @@ class Broker:
         try:
             self._flush()
             while True:
-                busy = core.tidy()
+                if core.fanouts:
+                    self._fan_out()
+                busy = core.tidy() or bool(core.fanouts)
                 self._flush()
                 now = clock()
                 if now >= next_tick:
@@ -227,7 +234,9 @@ class Broker:
                 self._spare = -1
 
     def close_all(self) -> None:
-        """Disconnect every client (shutting down without a successor)."""
+        """Disconnect every client (shutting down without a successor), once what they
+        published has been delivered or queued."""
+        self.core.finish_fanouts()
         for c in list(self._clients.values()):
             self._close(c)
 
@@ -245,10 +254,26 @@ class Broker:
             except OSError as exc:
                 core.hangup(c, f"read failed: {exc}")
                 break
-            core.receive(c, batch, n)
+            job = core.receive(c, batch, n, hold=self._held < HELD_BATCHES)
             core.turn_taken(c, n, clock() - started)
+            if job is not None:  # the core keeps the batch: read into another
+                self._held += 1
+                self._batch = self._spare_batches.pop() if self._spare_batches else \
+                    PacketBatch(batch.slots, batch.slot_size)
+                while clock() < turn_ends and not core.step(job):
+                    pass
+                break
             if not c.wants_read or n < c.slots or clock() > turn_ends:
                 break  # paused or gone, drained, or its turn is over
+
+    def _fan_out(self) -> None:
+        """A turn for each fan-out in progress (`core.Fanout`), oldest first."""
+        core = self.core
+        clock = time.perf_counter
+        for job in list(core.fanouts):
+            turn_ends = clock() + TURN_SECONDS
+            while not core.step(job) and clock() < turn_ends:
+                pass
 
     def _drain_early(self, reader: Client) -> None:
         """After *reader*'s turn, try at once to send what it queued for its targets.
@@ -268,6 +293,10 @@ class Broker:
     def _flush(self) -> None:
         """Do what the core decided: log, close the departed, watch what clients want."""
         core = self.core
+        if core.freed:
+            self._held -= len(core.freed)
+            self._spare_batches += core.freed
+            core.freed.clear()
         if core.logs:
             for level, line in core.logs:
                 log.log(level, "%s", line)
@@ -373,6 +402,8 @@ class Broker:
     def snapshot(self) -> tuple[handover.State, dict[int, socket.socket]]:
         """Every connected client's state and socket (the loop waits at an await then,
         and a batch is handled without one: the state is whole)."""
+        self.core.finish_fanouts()
+        self._flush()
         state = self.core.snapshot()
         links = {c.id: self.core.connections[c.id].link for c in state.clients}
         return state, {cid: socket.socket(fileno=fd) for cid, fd in links.items()}
@@ -404,5 +435,7 @@ class Broker:
 
     def release_buffers(self) -> None:
         """Return the pages large packets left in the batch buffer (called between
-        batches: the buffer holds nothing then)."""
+        batches: the buffer holds nothing then; a spare holds nothing either)."""
         self._batch.release()
+        for spare in self._spare_batches:
+            spare.release()

@@ -46,8 +46,8 @@ from .keys import Credentials, KeyRefused, KeyRules
 from .limits import Limits, LogAllowance, UserAccounts
 from .routing import RouteCache, RoutingIndex, pattern_cost
 
-__all__ = ["BrokerCore", "Client", "TURN_SECONDS", "FIRST_SLOTS", "REMOVALS_PER_TURN",
-           "WRITES_PER_TURN"]
+__all__ = ["BrokerCore", "Client", "Fanout", "TURN_SECONDS", "FIRST_SLOTS",
+           "REMOVALS_PER_TURN", "WRITES_PER_TURN"]
 
 #: A client whose batch took longer than this is read fewer packets at once.
 TURN_SECONDS = 0.002
@@ -62,6 +62,14 @@ REMOVALS_PER_TURN = 512
 FIRST_SLOTS = 4
 #: Packets for one target from which one `sendmmsg` beats a `write` each.
 SEND_BATCH_MIN = 3
+#: Deliveries (packets times targets) of one batch from which it is fanned out in steps
+#: (`BrokerCore.step`) when the shell can spare its buffer, rather than all at once.
+HOLD_FROM = 1024
+#: Bytes of packets in a batch held for a fan-out in steps, at most (larger batches are
+#: delivered at once, and their publisher read fewer packets at a time).
+HOLD_BYTES = 1 << 20
+#: Deliveries per `BrokerCore.step` (the shell takes steps until its turn is over).
+STEP_DELIVERIES = 512
 
 DROPPED = b"CMSG " + protocol.DROPPED + b"\0"
 REFUSED = b"CMSG " + protocol.REFUSED + b"/"
@@ -72,7 +80,7 @@ class Client:
 
     __slots__ = ("id", "link", "cred", "out", "closed", "subscriptions",
                  "subscription_bytes", "status", "nowait", "may_pause_others", "held", "slots",
-                 "waiting_on", "paused", "own_full", "mask", "__weakref__")
+                 "waiting_on", "paused", "own_full", "fanout", "mask", "__weakref__")
 
     def __init__(self, cid: int, link: object, cred: Credentials, queue_limit: int):
         self.id = cid
@@ -90,11 +98,12 @@ class Client:
         self.waiting_on: list[Client] | None = None  # as a publisher: the targets it awaits
         self.paused: list[Client] = []  # publishers this client holds back
         self.own_full = False  # not read until its own queue has drained
+        self.fanout: Fanout | None = None  # its batch still being delivered: not read
         self.mask = 0  # the shell's: what it currently watches the link for
 
     @property
     def wants_read(self) -> bool:
-        return not (self.closed or self.waiting_on or self.own_full)
+        return not (self.closed or self.waiting_on or self.own_full or self.fanout)
 
     @property
     def wants_write(self) -> bool:
@@ -104,6 +113,33 @@ class Client:
     def __repr__(self) -> str:
         c = self.cred
         return f"client {self.id} (pid {c.pid} uid {c.uid} gid {c.gid})"
+
+
+class Fanout:
+    """A publisher's batch whose delivery goes on over several turns (`BrokerCore.step`).
+
+    One packet to a thousand targets is a thousand system calls; a batch of them,
+    delivered at once, would hold the loop for tens of milliseconds, and delivered one
+    packet per turn it costs a system call per delivery.  Held, the batch goes to each
+    target as one run (one ``sendmmsg``) and to a slice of the targets per step, so the
+    fan-out is as cheap per delivery as the batch is long and no turn is longer for it.
+    """
+
+    __slots__ = ("publisher", "batch", "n", "runs", "run", "next", "blocked", "resume",
+                 "copies", "charged")
+
+    def __init__(self, publisher: Client, batch, n: int, runs, blocked, resume: int,
+                 charged: int) -> None:
+        self.publisher = publisher
+        self.batch = batch
+        self.n = n
+        self.runs: list[tuple[int, int, tuple[Client, ...]]] = runs
+        self.run = 0  # the run being delivered
+        self.next = 0  # its next target
+        self.blocked: list[Client] | None = blocked
+        self.resume = resume  # where the batch goes on once the runs are delivered
+        self.copies: dict[int, bytes] = {}  # packets copied out for queues, shared
+        self.charged = charged  # bytes charged to the publisher's user meanwhile
 
 
 Write = Callable[[object, bytes], object]
@@ -153,6 +189,8 @@ class BrokerCore:
         self.gone: list[Client] = []
         self.logs: list[tuple[int, str]] = []
         self.debug = False  # whether debug lines are wanted at all
+        self.fanouts: list[Fanout] = []  # deliveries going on, oldest first (`step`)
+        self.freed: list[object] = []  # batches held for them and done with: the shell's again
         self._departing: deque[Client] = deque()
         # counters (read by STATUS= and monitoring)
         self.published = 0
@@ -195,7 +233,8 @@ class BrokerCore:
             self.logs.append((logging.INFO, f"{conn!r}: {why}"))
         self._depart(conn)
 
-    def receive(self, conn: Client, batch, n: int) -> None:
+    def receive(self, conn: Client, batch, n: int, *, hold: bool = False, start: int = 0,
+                blocked: list[Client] | None = None) -> Fanout | None:
         """Act on the *n* packets *conn* sent that are in *batch* (a `PacketBatch` or any
         object with its ``buffer``, ``offsets``, ``lengths``, ``copy`` and ``send``).
 
@@ -204,18 +243,22 @@ class BrokerCore:
         system call each.  Any other packet first flushes the runs before it, so
         replies and subscriptions keep their place in the client's order.  Afterwards
         the publisher may be paused (`Client.waiting_on`, `Client.own_full`) or gone.
+
+        With *hold*, the core may keep *batch* (the shell reads into another buffer
+        meanwhile): a delivery of more than `HOLD_FROM` packets is not made at once but
+        returned as a `Fanout`, served `step` by step in later turns; the publisher is
+        not read until it is done (*start* and *blocked* are its continuation's).
         """
         buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
         max_message = self.max_message
         cache = self.index.cache.entries
         owner = conn.cred.uid
-        blocked: list[Client] | None = None
         published = 0
         runs: list[tuple[int, int, tuple[Client, ...]]] = []  # (start, end, targets)
-        run_start, run_targets = 0, ()  # the open run: [run_start, i), same targets
+        run_start, run_targets = start, ()  # the open run: [run_start, i), same targets
         head, head_len = None, 0  # b"MSG key\0" of the open run, to spot the same key
         misses = 0  # packets in a row whose head was not the open run's
-        for i in range(n):
+        for i in range(start, n):
             size = lengths[i]
             at = offsets[i]
             if head_len:
@@ -251,6 +294,9 @@ class BrokerCore:
             if run_targets:
                 runs.append((run_start, i, run_targets))
             if runs:
+                if hold and self._costly(runs, batch, n):
+                    self.published += published  # packet i is acted on when it is done
+                    return self._hold(conn, batch, n, runs, blocked, i + (targets is None))
                 blocked = self._deliver(conn, batch, runs, blocked)
                 runs = []
             run_start, run_targets, head, head_len = i + 1, (), None, 0
@@ -269,12 +315,14 @@ class BrokerCore:
                     break
         if run_targets:  # still open: it runs to the end of the batch
             runs.append((run_start, n, run_targets))
-        if runs:
-            blocked = self._deliver(conn, batch, runs, blocked)
         # what was read was published, even if the publisher is gone now
         self.published += published
+        if runs:
+            if hold and self._costly(runs, batch, n):
+                return self._hold(conn, batch, n, runs, blocked, n)
+            blocked = self._deliver(conn, batch, runs, blocked)
         if conn.closed:
-            return
+            return None
         if blocked:
             self._pause(conn, blocked)
         out = conn.out
@@ -283,6 +331,7 @@ class BrokerCore:
             # replies it does not read: it is not read from until it does
             conn.own_full = True
             self._recheck_own(conn)
+        return None
 
     def turn_taken(self, conn: Client, n: int, spent: float) -> None:
         """A batch of *n* packets from *conn* took *spent* seconds: an expensive client is
@@ -455,7 +504,63 @@ class BrokerCore:
             return False
         return True
 
-    def _deliver(self, publisher: Client, batch, runs, blocked):
+    def _costly(self, runs, batch, n: int) -> bool:
+        """Whether *runs* are worth holding *batch* for (`Fanout`)."""
+        deliveries = 0
+        for start, end, targets in runs:
+            deliveries += (end - start) * len(targets)
+        return deliveries > HOLD_FROM and sum(batch.lengths[:n]) <= HOLD_BYTES
+
+    def _hold(self, conn: Client, batch, n: int, runs, blocked, resume: int) -> Fanout:
+        """Keep *batch* to deliver *runs* in steps; the batch's bytes are charged to
+        *conn*'s user meanwhile."""
+        charged = sum(batch.lengths[:n]) + n * PACKET_OVERHEAD
+        budget = conn.out.budget
+        if budget is not None:
+            budget.queued += charged
+        job = conn.fanout = Fanout(conn, batch, n, runs, blocked, resume, charged)
+        self.fanouts.append(job)
+        self.dirty.add(conn)
+        return job
+
+    def step(self, job: Fanout, deliveries: int = STEP_DELIVERIES) -> bool:
+        """Deliver about *deliveries* more packets of *job*; whether it is done.
+
+        Once it is, the publisher's batch goes on where it stopped (which may hold it
+        again, as a new `Fanout`), and the batch is in `freed` once nothing holds it."""
+        runs = job.runs
+        while job.run < len(runs):
+            if deliveries <= 0:
+                return False
+            start, end, targets = runs[job.run]
+            first = job.next
+            last = first + max(1, deliveries // (end - start))
+            job.blocked = self._deliver(job.publisher, job.batch,
+                                        [(start, end, targets[first:last])], job.blocked,
+                                        job.copies)
+            deliveries -= (min(last, len(targets)) - first) * (end - start)
+            if last < len(targets):
+                job.next = last
+            else:
+                job.run, job.next = job.run + 1, 0
+        conn = job.publisher
+        self.fanouts.remove(job)
+        conn.fanout = None
+        budget = conn.out.budget
+        if budget is not None:
+            budget.queued -= job.charged
+        self.dirty.add(conn)
+        if conn.closed or self.receive(conn, job.batch, job.n, hold=True, start=job.resume,
+                                       blocked=job.blocked) is None:
+            self.freed.append(job.batch)
+        return True
+
+    def finish_fanouts(self) -> None:
+        """Deliver every held batch to the end (before a hand-over or a shutdown)."""
+        while self.fanouts:
+            self.step(self.fanouts[0], 1 << 30)
+
+    def _deliver(self, publisher: Client, batch, runs, blocked, copies=None):
         """Hand each run's batch packets ``start .. end-1`` to each of its targets.
 
         What a target's kernel buffer does not take goes to its queue under its flood
@@ -471,7 +576,8 @@ class BrokerCore:
         pub_budget = publisher.out.budget
         pausable = not publisher.nowait
         buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
-        copies: dict[int, bytes] = {}
+        if copies is None:
+            copies = {}
         sent = 0
         write = self._write
         dirty = self.dirty
@@ -490,8 +596,10 @@ class BrokerCore:
                         self._send_failed(t, exc)
                         continue
             elif end - start == 1:  # a fan-out read one packet at a time: one copy for all
-                at = offsets[start]
-                packet = copies[start] = buf[at:at + lengths[start]]
+                packet = copies.get(start)
+                if packet is None:
+                    at = offsets[start]
+                    packet = copies[start] = buf[at:at + lengths[start]]
                 waiting = []  # targets that queue it
                 for t in targets:
                     if t.out.items or t.closed:

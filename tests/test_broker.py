@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import resource
+import selectors
 import signal
 import socket
 import subprocess
@@ -317,6 +318,43 @@ def test_block_delivers_everything(make_broker, policy, short_tmp):
     assert pub_proc.poll() is None
     got = recv_all(slow, n)
     assert _seq(got) == list(range(n))
+    assert pub_proc.wait(10) == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_fan_out_held_over_turns_to_blocking_readers_loses_nothing(many_fds, make_broker,
+                                                                      short_tmp):
+    """1,000 readers on ``block`` take 300 messages each from a publisher that sends
+    batches of them (delivered a slice of the readers per turn, `core.Fanout`) faster
+    than they read: the publisher is held back, and every reader gets all, in order."""
+    broker = make_broker("--queue-limit", "16k", "--max-message", "16k")
+    readers = [raw(broker.address) for _ in range(1000)]
+    for r in readers:
+        r.send(b"SUB f")
+        r.send(b"CMSG blocking/hard/block")
+    for r in readers:
+        sync(r)
+    n = 300
+    lines = short_tmp / "lines"
+    lines.write_bytes(b"".join((b"%08d" % i).ljust(1000, b".") + b"\n" for i in range(n)))
+    with open(lines, "rb") as stdin:
+        pub_proc = subprocess.Popen([*SBUS, "pub", "--address", broker.address, "--lines", "f"],
+                                    stdin=stdin)
+    time.sleep(1)  # 300 kB for each reader: the publisher is now held back by the broker
+    assert pub_proc.poll() is None
+    got: dict[socket.socket, list[bytes]] = {r: [] for r in readers}
+    with selectors.DefaultSelector() as sel:
+        for r in readers:
+            r.setblocking(False)
+            sel.register(r, selectors.EVENT_READ)
+        deadline = time.monotonic() + 60
+        while sel.get_map() and time.monotonic() < deadline:
+            for key, _ in sel.select(1):
+                r = key.fileobj
+                got[r].append(r.recv(1 << 20))
+                if len(got[r]) == n:
+                    sel.unregister(r)
+    assert all(_seq(packets) == list(range(n)) for packets in got.values())
     assert pub_proc.wait(10) == 0
 
 

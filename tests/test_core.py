@@ -148,6 +148,85 @@ def test_a_one_packet_fan_out_writes_once_per_target_and_queues_for_the_full_one
     assert bus.core.delivered == 2 * 5 + 2 and bus.core.dropped == 0
 
 
+def fan_out(bus: Bus, targets: int, pattern: bytes = b"SUB fan", **room) -> list[Client]:
+    subs = [bus.connect(**room) for _ in range(targets)]
+    for c in subs:
+        bus.send(c, pattern)
+    return subs
+
+
+def test_a_costly_fan_out_is_held_and_served_in_bounded_steps_in_order():
+    bus = Bus(limits=Limits(queued_bytes_per_user=1 << 30))
+    subs = fan_out(bus, 100)
+    pub = bus.connect(uid=2000)
+    packets = [b"MSG fan\0%d" % i for i in range(32)]  # 3,200 deliveries
+    batch = Batch(bus.kernel, packets)
+    bus.kernel.syscalls = 0
+    job = bus.core.receive(pub, batch, len(packets), hold=True)
+    assert job is not None and bus.kernel.syscalls == 0 and bus.core.fanouts == [job]
+    assert not pub.wants_read and pub in bus.core.dirty  # not read until it is done
+    assert pub.out.budget.queued >= sum(map(len, packets))  # the held batch is charged
+    assert bus.core.published == 32
+    steps = 0
+    while not bus.core.step(job, deliveries=512):
+        steps += 1
+        served = sum(len(bus.kernel.buffers[c.link]) for c in subs)
+        assert served == steps * 512  # 16 targets of 32 packets per step, no more
+    assert all(bus.read(c) == packets for c in subs)  # each a run, in order
+    assert bus.kernel.syscalls == 100  # one sendmmsg per target for the whole batch
+    assert bus.core.fanouts == [] and bus.core.freed == [batch]
+    assert pub.wants_read and pub.fanout is None and pub.out.budget.queued == 0
+    assert bus.core.delivered == 3200
+
+
+def test_a_held_fan_out_goes_on_with_the_rest_of_the_batch_only_when_done():
+    bus = Bus()
+    subs = fan_out(bus, 50)
+    other = bus.connect()
+    bus.send(other, b"SUB fan")
+    pub = bus.connect()
+    first = [b"MSG fan\0%d" % i for i in range(30)]
+    rest = [b"UNSUB fan", b"MSG fan\0late", b"MSG !/cred/uid/0/x\0no", b"CMSG what"]
+    batch = Batch(bus.kernel, [*first, b"SUB fan", *rest])
+    job = bus.core.receive(pub, batch, batch.slots, hold=True)
+    assert job is not None and bus.core.index.patterns(pub) == {}  # SUB waits its turn
+    while not bus.core.step(job, deliveries=300):
+        assert bus.read(pub) == []  # nothing after the fan-out happens before it ends
+    assert all(bus.read(c) == [*first, b"MSG fan\0late"] for c in [*subs, other])
+    got = bus.read(pub)  # its own SUB, UNSUB in order: the late one is not for it
+    assert [p.split(b"\0")[0] for p in got] == [b"CMSG refused/msg", b"CMSG refused/cmsg"]
+    assert bus.core.freed == [batch] and pub.wants_read
+
+
+def test_a_held_fan_out_skips_the_departed_and_queues_for_the_full():
+    bus = Bus()
+    subs = fan_out(bus, 40)
+    full = fan_out(bus, 1, room=3)[0]
+    pub = bus.connect()
+    packets = [b"MSG fan\0%d" % i for i in range(32)]
+    job = bus.core.receive(pub, Batch(bus.kernel, packets), 32, hold=True)
+    bus.core.step(job, deliveries=64)  # the first two targets
+    bus.kernel.hung_up.add(subs[-1].link)
+    bus.core.hangup(subs[-1])
+    bus.core.finish_fanouts()
+    assert all(bus.read(c) == packets for c in subs[:-1]) and bus.read(subs[-1]) == []
+    assert bus.read(full) == packets[:3] and msgs(bus.drain(full)) == packets[3:]
+    assert bus.core.fanouts == [] and bus.core.dropped == 0
+
+
+def test_small_or_large_batches_are_not_held():
+    bus = Bus(max_message=1 << 21)
+    fan_out(bus, 10)
+    pub = bus.connect()
+    few = [b"MSG fan\0x"] * 32  # 320 deliveries: at once
+    assert bus.core.receive(pub, Batch(bus.kernel, few), 32, hold=True) is None
+    fan_out(bus, 100)
+    big = [b"MSG fan\0" + b"x" * (1 << 20)] * 2  # past HOLD_BYTES: at once
+    assert bus.core.receive(pub, Batch(bus.kernel, big), 2, hold=True) is None
+    assert bus.core.receive(pub, Batch(bus.kernel, few), 32) is None  # not allowed to hold
+    assert bus.core.fanouts == [] and bus.core.published == 66
+
+
 def test_refusals_answer_the_client_and_are_logged():
     bus = Bus(max_message=1000)
     c = bus.connect()
