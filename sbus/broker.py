@@ -256,12 +256,10 @@ class Broker:
                 break
             job = core.receive(c, batch, n, hold=self._held < HELD_BATCHES)
             core.turn_taken(c, n, clock() - started)
-            if job is not None:  # the core keeps the batch: read into another
+            if job is not None:  # the core keeps the batch (served in `_fan_out`)
                 self._held += 1
                 self._batch = self._spare_batches.pop() if self._spare_batches else \
                     PacketBatch(batch.slots, batch.slot_size)
-                while clock() < turn_ends and not core.step(job):
-                    pass
                 break
             if not c.wants_read or n < c.slots or clock() > turn_ends:
                 break  # paused or gone, drained, or its turn is over
