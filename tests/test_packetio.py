@@ -42,6 +42,20 @@ def test_receive_copy_and_send_runs(pairs):
     assert [d.recv(200) for _ in range(2)] == packets[8:]
 
 
+
+def test_heads_read_the_start_of_each_packet_in_one_call(pairs):
+    """`heads` (the broker's check that a batch is one key throughout) reads the slots'
+    first bytes; a second layout (another size or count) is cached beside the first."""
+    (a, b), _ = pairs
+    batch = PacketBatch(8, 101)
+    packets = [b"MSG k.%d\0" % (i % 3) + b"x" * i for i in range(6)]
+    for p in packets:
+        a.send(p)
+    assert batch.receive(b.fileno()) == 6
+    assert batch.heads(1, 6, 7) == tuple(p[:7] for p in packets[1:6])
+    assert batch.heads(0, 2, 4) == (b"MSG ", b"MSG ")
+    assert batch.heads(3, 5, 7) == (b"MSG k.0", b"MSG k.1")
+
 def test_oversized_packet_is_cut_to_the_slot(pairs):
     (a, b), _ = pairs
     batch = PacketBatch(2, 101)
