@@ -438,7 +438,11 @@ class BrokerCore:
         if batch.buffer[at:at + size] != head:
             return False
         lengths = batch.lengths[start:end]
-        if min(lengths) < size or max(lengths) > self.max_message:
+        first = lengths[0]
+        if lengths.count(first) == end - start:  # one size throughout: count beats min+max
+            if not size <= first <= self.max_message:
+                return False
+        elif min(lengths) < size or max(lengths) > self.max_message:
             return False
         return batch.heads(start, end, size).count(head) == end - start
 

@@ -105,6 +105,7 @@ class PacketBatch:
         at = _IOVec.iov_len.offset // sizes.itemsize
         self._iov_lens = sizes[at:at + step * slots:step]
         self._sendable = 0  # packets whose send length is set, since the last receive
+        self._iov_set: list[int] = []  # the lengths the send iovecs were last given
         self._heads: dict[tuple[int, int], struct.Struct] = {}  # (size, count) -> layout
 
     def receive(self, fd: int, wait: bool = False, limit: int | None = None) -> int:
@@ -159,9 +160,12 @@ class PacketBatch:
         """
         end = start + count
         if self._sendable < end:
-            # the iovec lengths of every packet received, in one copy in C
+            # the iovec lengths of every packet received, in one copy in C, unless they
+            # are those of the batch before (a publisher's records are often one size)
             lengths = self.lengths
-            self._iov_lens[:len(lengths)] = array(_SIZE_T, lengths)
+            if lengths != self._iov_set:
+                self._iov_lens[:len(lengths)] = array(_SIZE_T, lengths)
+                self._iov_set = lengths
             self._sendable = len(lengths)
         n = _sendmmsg(fd, self._smsgs_at[start], count, _SEND_FLAGS)
         if n < 0:
