@@ -73,6 +73,7 @@ def test_the_one_key_check_does_not_read_what_a_slot_held_before(pairs):
     d.setblocking(False)
     for packets in ([b"MSG k\0%d" % i for i in range(4)],
                     [b"MSG k\0a", b"MSG ", b"MSG k\0b", b"MSG k\0c"],  # slot 1 held "k\01"
+                    [b"MSG k\0d", b"MSG k", b"MSG k", b"MSG k"],  # one size, each short of "\0"
                     [b"MSG k\0" + b"x" * 95, b"MSG k\0y"]):  # sizes differ: min and max
         for p in packets:
             pub.send(p)
@@ -83,9 +84,10 @@ def test_the_one_key_check_does_not_read_what_a_slot_held_before(pairs):
                 got.append(d.recv(200))
             except BlockingIOError:
                 break
-        assert got == [p for p in packets if p != b"MSG "]
-    assert core.published == 9
-    assert answers.recv(200).startswith(b"CMSG refused/packet\0")  # the 4-byte "MSG "
+        assert got == [p for p in packets if p not in (b"MSG ", b"MSG k")]
+    assert core.published == 10
+    for _ in range(4):  # the 4-byte "MSG ", and three "MSG k" without the key's end
+        assert answers.recv(200).startswith(b"CMSG refused/packet\0")
     replies.close()
     answers.close()
 
