@@ -175,7 +175,6 @@ class BrokerCore:
         self.max_message = max_message
         self.queue_limit = queue_limit
         self.batch_slots = batch_slots
-        self._head_slices: dict[int, list[slice]] = {}  # for `_same_head`, by head length
         self.now = now
         self.accounts = UserAccounts(limits)
         self.allowance = LogAllowance(clock=lambda: self.now)
@@ -236,7 +235,7 @@ class BrokerCore:
     def receive(self, conn: Client, batch, n: int, *, hold: bool = False, start: int = 0,
                 blocked: list[Client] | None = None) -> Fanout | None:
         """Act on the *n* packets *conn* sent that are in *batch* (a `PacketBatch` or any
-        object with its ``buffer``, ``offsets``, ``lengths``, ``copy`` and ``send``).
+        object with its ``buffer``, ``offsets``, ``lengths``, ``copy``, ``heads`` and ``send``).
 
         Consecutive publishes with the same targets form a run, delivered together
         (`_deliver`): the targets then take a run of packets back to back, with one
@@ -478,23 +477,23 @@ class BrokerCore:
     def _same_head(self, batch, head: bytes, start: int, end: int) -> bool:
         """Whether batch packets ``start .. end-1`` are all publishes that begin with *head*.
 
-        Checked with a few calls that loop in C, rather than packet by packet.
+        Checked with a few calls that loop in C (`PacketBatch.heads`), rather than packet
+        by packet.
         """
         if end - start < 2:
             return False
-        buf, size = batch.buffer, len(head)
+        size = len(head)
         at = batch.offsets[end - 1]
-        if buf[at:at + size] != head:
+        if batch.buffer[at:at + size] != head:
             return False
         lengths = batch.lengths[start:end]
-        if min(lengths) < size or max(lengths) > self.max_message:
+        first = lengths[0]
+        if lengths.count(first) == end - start:  # one size throughout: count beats min+max
+            if not size <= first <= self.max_message:
+                return False
+        elif min(lengths) < size or max(lengths) > self.max_message:
             return False
-        slices = self._head_slices.get(size)
-        if slices is None:
-            if len(self._head_slices) > 256:
-                self._head_slices.clear()
-            slices = self._head_slices[size] = [slice(at, at + size) for at in batch.offsets]
-        return list(map(buf.__getitem__, slices[start:end])).count(head) == end - start
+        return batch.heads(start, end, size).count(head) == end - start
 
     def _key_allowed(self, conn: Client, key: bytes) -> bool:
         try:

@@ -60,6 +60,9 @@ class Batch:
     def copy(self, i: int) -> bytes:
         return self.buffer[self.offsets[i]:self.offsets[i] + self.lengths[i]]
 
+    def heads(self, start: int, end: int, size: int) -> tuple[bytes, ...]:
+        return tuple(self.buffer[at:at + size] for at in self.offsets[start:end])
+
     def send(self, link: int, start: int, count: int) -> int:
         self.kernel.syscalls += 1
         if link in self.kernel.hung_up:

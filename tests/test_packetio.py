@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import struct
@@ -10,6 +11,8 @@ import time
 
 import pytest
 
+from sbus.core import BrokerCore
+from sbus.keys import Credentials
 from sbus.packetio import PacketBatch
 
 
@@ -41,6 +44,52 @@ def test_receive_copy_and_send_runs(pairs):
     assert batch.send(c.fileno(), 0, 2) == 2  # lengths are the new packets' lengths
     assert [d.recv(200) for _ in range(2)] == packets[8:]
 
+
+
+def test_heads_read_the_start_of_each_packet_in_one_call(pairs):
+    """`heads` (the broker's check that a batch is one key throughout) reads the slots'
+    first bytes; a second layout (another size or count) is cached beside the first."""
+    (a, b), _ = pairs
+    batch = PacketBatch(8, 101)
+    packets = [b"MSG k.%d\0" % (i % 3) + b"x" * i for i in range(6)]
+    for p in packets:
+        a.send(p)
+    assert batch.receive(b.fileno()) == 6
+    assert batch.heads(1, 6, 7) == tuple(p[:7] for p in packets[1:6])
+    assert batch.heads(0, 2, 4) == (b"MSG ", b"MSG ")
+    assert batch.heads(3, 5, 7) == (b"MSG k.0", b"MSG k.1")
+
+
+def test_the_one_key_check_does_not_read_what_a_slot_held_before(pairs):
+    """A packet shorter than the batch's head leaves the end of the previous head in its
+    slot: the core's one-key check must look at lengths, not only at the slots' bytes."""
+    (pub, b), (sub, d) = pairs
+    core = BrokerCore(os.write, lambda link: False)
+    batch = PacketBatch(4, 101)
+    replies, answers = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    publisher = core.connect(Credentials(gid=1, uid=1, pid=1), replies.fileno())
+    target = core.connect(Credentials(gid=1, uid=1, pid=2), sub.fileno())
+    core.subscribe(target, b"k")
+    d.setblocking(False)
+    for packets in ([b"MSG k\0%d" % i for i in range(4)],
+                    [b"MSG k\0a", b"MSG ", b"MSG k\0b", b"MSG k\0c"],  # slot 1 held "k\01"
+                    [b"MSG k\0d", b"MSG k", b"MSG k", b"MSG k"],  # one size, each short of "\0"
+                    [b"MSG k\0" + b"x" * 95, b"MSG k\0y"]):  # sizes differ: min and max
+        for p in packets:
+            pub.send(p)
+        core.receive(publisher, batch, batch.receive(b.fileno()))
+        got = []
+        while True:
+            try:
+                got.append(d.recv(200))
+            except BlockingIOError:
+                break
+        assert got == [p for p in packets if p not in (b"MSG ", b"MSG k")]
+    assert core.published == 10
+    for _ in range(4):  # the 4-byte "MSG ", and three "MSG k" without the key's end
+        assert answers.recv(200).startswith(b"CMSG refused/packet\0")
+    replies.close()
+    answers.close()
 
 def test_oversized_packet_is_cut_to_the_slot(pairs):
     (a, b), _ = pairs
