@@ -11,7 +11,7 @@ of clients, and a restarting broker's successor serves ~90 ms sooner without imp
 trio (docs/performance.md, "Restart under load").
 
 Speed comes from doing as little as possible per packet: a readable client's packets
-are received up to 32 per system call (`PacketBatch`, ``recvmmsg``), and the core
+are received up to 64 per system call (`PacketBatch`, ``recvmmsg``), and the core
 hands each run of packets with the same targets to each target's kernel with one
 non-blocking ``sendmmsg`` straight from the receive buffer (docs/performance.md).
 
@@ -45,10 +45,12 @@ from .packetio import PacketBatch
 log = logging.getLogger("sbus.broker")
 
 #: Packets received with one system call (fewer when they are large: see `batch_slots`).
-BATCH_SLOTS = 32
+#: As many as `cbroker -m`'s: 64 took 5-10 % less CPU per delivery than 32 in S1, S3
+#: and S5, in two runs (docs/performance.md).
+BATCH_SLOTS = 64
 #: Memory for one batch of packets at most (it is reserved, and used as packets need it):
 #: all `BATCH_SLOTS` at the default largest packet (a slot is one byte more than that;
-#: at 8 MiB flat it held 31, and a publisher's bursts of 32 came in two reads).
+#: at a flat power of two it held one fewer, and a publisher's bursts came in two reads).
 BATCH_MEMORY = BATCH_SLOTS * (MAX_MESSAGE + 1)
 #: Batches read from one client in one turn.
 READS_PER_WAKE = 4
@@ -257,6 +259,7 @@ class Broker:
             job = core.receive(c, batch, n, hold=self._held < HELD_BATCHES)
             core.turn_taken(c, n, clock() - started)
             if job is not None:  # the core keeps the batch (served in `_fan_out`)
+                batch.trim(n)  # it holds its packets' pages only, as charged
                 self._held += 1
                 self._batch = self._spare_batches.pop() if self._spare_batches else \
                     PacketBatch(batch.slots, batch.slot_size)

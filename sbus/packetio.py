@@ -134,6 +134,17 @@ class PacketBatch:
         large packets once touched stays resident otherwise."""
         self.buffer.madvise(mmap.MADV_DONTNEED)
 
+    def trim(self, n: int) -> None:
+        """Hand back the pages the first *n* packets do not use (before the batch is
+        kept aside: what earlier, larger packets touched would stay resident with it)."""
+        page = mmap.PAGESIZE
+        lengths, offsets = self.lengths, self.offsets
+        for i in range(n):
+            start = -(-(offsets[i] + lengths[i]) // page) * page
+            end = offsets[i + 1] // page * page if i + 1 < n else len(self.buffer)
+            if end > start:
+                self.buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def copy(self, i: int) -> bytes:
         """Packet *i* as bytes, to keep beyond this batch."""
         at = self.offsets[i]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import socket
@@ -132,6 +133,25 @@ def test_release_hands_the_pages_back(pairs):
     assert batch.copy(0) == b"z" * 100_000
     batch.release()
     assert batch.buffer[:100_000] == bytes(100_000)  # fresh zero pages: nothing kept
+
+
+def test_trim_keeps_the_packets_and_hands_back_the_rest(pairs):
+    """A batch kept aside for a fan-out holds its packets' pages only, not what larger
+    packets received into it before left resident."""
+    (a, b), _ = pairs
+    batch = PacketBatch(3, 100_001)
+    for _ in range(3):
+        a.send(b"z" * 100_000)
+    batch.receive(b.fileno())
+    for i in range(2):
+        a.send(b"small %d" % i)
+    assert batch.receive(b.fileno()) == 2
+    batch.trim(2)
+    assert [batch.copy(0), batch.copy(1)] == [b"small 0", b"small 1"]
+    for at in (0, 100_001):
+        # its own page and the one it shares with the next slot, at most
+        assert batch.buffer[at + 7:at + 100_000].count(b"z") < 2 * mmap.PAGESIZE
+    assert batch.buffer[200_002:300_003] == bytes(100_001)  # an unused slot: all back
 
 
 def test_waiting_receive_times_out_takes_a_batch_and_yields_to_signals(pairs):
