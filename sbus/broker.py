@@ -49,8 +49,8 @@ log = logging.getLogger("sbus.broker")
 #: and S5, in two runs (docs/performance.md).
 BATCH_SLOTS = 64
 #: Memory for one batch of packets at most (it is reserved, and used as packets need it):
-#: all `BATCH_SLOTS` at the default largest packet (a slot is one byte more than that;
-#: at a flat power of two it held one fewer, and a publisher's bursts came in two reads).
+#: all `BATCH_SLOTS` at the default largest packet (a slot is one byte more than that:
+#: a bound of a flat power of two held one packet fewer, and bursts came in two reads).
 BATCH_MEMORY = BATCH_SLOTS * (MAX_MESSAGE + 1)
 #: Batches read from one client in one turn.
 READS_PER_WAKE = 4
@@ -401,8 +401,8 @@ class Broker:
     # -- handing over to a successor (sbus/handover.py) ------------------------------------
 
     def snapshot(self) -> tuple[handover.State, dict[int, socket.socket]]:
-        """Every connected client's state and socket (the loop waits at an await then,
-        and a batch is handled without one: the state is whole)."""
+        """Every connected client's state and socket, taken between two rounds of the loop
+        once the fan-outs in progress are delivered: the state is whole."""
         self.core.finish_fanouts()
         self._flush()
         state = self.core.snapshot()

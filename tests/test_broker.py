@@ -300,6 +300,19 @@ def test_soft_discard(broker):
     assert got[-1] == b"CMSG blocking/dropped\0%d" % (5000 - len(seqs))
 
 
+def _held_back_publisher(broker, short_tmp, n: int, size: int) -> subprocess.Popen:
+    """`sbus pub --lines f` of *n* numbered lines of *size* bytes, which must still be
+    running after a second: held back by the broker for its blocking readers."""
+    lines = short_tmp / "lines"
+    lines.write_bytes(b"".join((b"%08d" % i).ljust(size, b".") + b"\n" for i in range(n)))
+    with open(lines, "rb") as stdin:
+        pub_proc = subprocess.Popen([*SBUS, "pub", "--address", broker.address, "--lines", "f"],
+                                    stdin=stdin)
+    time.sleep(1)
+    assert pub_proc.poll() is None
+    return pub_proc
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", [b"blocking/soft/block", b"blocking/hard/block"])
 def test_block_delivers_everything(make_broker, policy, short_tmp):
@@ -309,13 +322,7 @@ def test_block_delivers_everything(make_broker, policy, short_tmp):
     slow.send(b"CMSG " + policy)
     sync(slow)
     n = 20000
-    lines = short_tmp / "lines"
-    lines.write_bytes(b"".join((b"%08d" % i).ljust(100, b".") + b"\n" for i in range(n)))
-    with open(lines, "rb") as stdin:
-        pub_proc = subprocess.Popen([*SBUS, "pub", "--address", broker.address, "--lines", "f"],
-                                    stdin=stdin)
-    time.sleep(1)  # the publisher is now held back by the broker
-    assert pub_proc.poll() is None
+    pub_proc = _held_back_publisher(broker, short_tmp, n, 100)
     got = recv_all(slow, n)
     assert _seq(got) == list(range(n))
     assert pub_proc.wait(10) == 0
@@ -335,13 +342,7 @@ def test_a_fan_out_held_over_turns_to_blocking_readers_loses_nothing(many_fds, m
     for r in readers:
         sync(r)
     n = 300
-    lines = short_tmp / "lines"
-    lines.write_bytes(b"".join((b"%08d" % i).ljust(1000, b".") + b"\n" for i in range(n)))
-    with open(lines, "rb") as stdin:
-        pub_proc = subprocess.Popen([*SBUS, "pub", "--address", broker.address, "--lines", "f"],
-                                    stdin=stdin)
-    time.sleep(1)  # 300 kB for each reader: the publisher is now held back by the broker
-    assert pub_proc.poll() is None
+    pub_proc = _held_back_publisher(broker, short_tmp, n, 1000)  # 300 kB for each reader
     got: dict[socket.socket, list[bytes]] = {r: [] for r in readers}
     with selectors.DefaultSelector() as sel:
         for r in readers:
