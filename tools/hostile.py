@@ -252,6 +252,36 @@ def paused_attack(pipe, address: str, params: dict) -> None:
     pipe.send(("done", {"publishers": len(pubs), "sent": sent}))
 
 
+def held_attack(pipe, address: str, params: dict) -> None:
+    """Fan-outs the broker holds over several turns (`core.Fanout`), each read into a
+    buffer that large packets touched just before: "touchers" publish 240 KB packets
+    nobody subscribed to, "fanners" bursts of small packets to many own never-reading
+    subscribers (pages a held buffer keeps beyond its packets)."""
+    clock = Clock(pipe, params)
+    subs = []
+    for _ in range(params.get("subscribers", 40)):
+        s = connect(address)
+        s.send(b"CMSG blocking/soft/discard")
+        s.send(b"SUB held/")
+        subs.append(s)
+    roundtrip(subs[-1])
+    count = params.get("publishers", 16)
+    pubs = [connect(address, BIG_SNDBUF, timeout=0.2) for _ in range(count)]
+    touch = b"MSG nobody/%d\0" % os.getpid() + b"t" * 240_000
+    fan = b"MSG held/x\0" + b"f" * 100
+    bursts = 0
+    while not clock.over():
+        for i, p in enumerate(pubs):
+            packet, burst = (touch, 16) if i % 2 else (fan, 64)
+            for _ in range(burst):
+                if not _send(p, packet):
+                    break
+            bursts += 1
+    for s in [*pubs, *subs]:
+        s.close()
+    pipe.send(("done", {"bursts": bursts}))
+
+
 def tiny_attack(pipe, address: str, params: dict) -> None:
     """Tiny packets queued for a subscriber that never reads (per-packet overhead)."""
     clock = Clock(pipe, params)
@@ -719,7 +749,8 @@ def throughput_publisher(pipe, address: str, params: dict) -> None:
 
 
 ROLES = {f.__name__: f for f in (
-    cache_attack, trie_attack, reply_attack, paused_attack, tiny_attack, sub_batch_attack,
+    cache_attack, trie_attack, reply_attack, paused_attack, held_attack, tiny_attack,
+    sub_batch_attack,
     order_attack, prefix_attack, churn_attack, fanout_attack, walk_attack, accept_storm,
     blocker, log_attack, storm, prober, reliable_pair, cross_reader, sequenced_publisher,
     secret_user, refusal_probe, throughput_publisher)}
