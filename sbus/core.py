@@ -293,9 +293,10 @@ class BrokerCore:
             if run_targets:
                 runs.append((run_start, i, run_targets))
             if runs:
-                if hold and self._costly(runs, batch, n):
+                if hold and (nbytes := self._holdable(runs, batch, n)):
                     self.published += published  # packet i is acted on when it is done
-                    return self._hold(conn, batch, n, runs, blocked, i + (targets is None))
+                    return self._hold(conn, batch, n, nbytes, runs, blocked,
+                                      i + (targets is None))
                 blocked = self._deliver(conn, batch, runs, blocked)
                 runs = []
             run_start, run_targets, head, head_len = i + 1, (), None, 0
@@ -317,8 +318,8 @@ class BrokerCore:
         # what was read was published, even if the publisher is gone now
         self.published += published
         if runs:
-            if hold and self._costly(runs, batch, n):
-                return self._hold(conn, batch, n, runs, blocked, n)
+            if hold and (nbytes := self._holdable(runs, batch, n)):
+                return self._hold(conn, batch, n, nbytes, runs, blocked, n)
             blocked = self._deliver(conn, batch, runs, blocked)
         if conn.closed:
             return None
@@ -503,17 +504,22 @@ class BrokerCore:
             return False
         return True
 
-    def _costly(self, runs, batch, n: int) -> bool:
-        """Whether *runs* are worth holding *batch* for (`Fanout`)."""
+    def _holdable(self, runs, batch, n: int) -> int:
+        """The bytes of *batch*'s packets if *runs* are worth holding it for (`Fanout`),
+        else 0."""
         deliveries = 0
         for start, end, targets in runs:
             deliveries += (end - start) * len(targets)
-        return deliveries > HOLD_FROM and sum(batch.lengths[:n]) <= HOLD_BYTES
+        if deliveries <= HOLD_FROM:
+            return 0
+        nbytes = sum(batch.lengths[:n])
+        return nbytes if nbytes <= HOLD_BYTES else 0
 
-    def _hold(self, conn: Client, batch, n: int, runs, blocked, resume: int) -> Fanout:
-        """Keep *batch* to deliver *runs* in steps; the batch's bytes are charged to
-        *conn*'s user meanwhile."""
-        charged = sum(batch.lengths[:n]) + n * PACKET_OVERHEAD
+    def _hold(self, conn: Client, batch, n: int, nbytes: int, runs, blocked,
+              resume: int) -> Fanout:
+        """Keep *batch* to deliver *runs* in steps; its *nbytes* are charged to *conn*'s
+        user meanwhile."""
+        charged = nbytes + n * PACKET_OVERHEAD
         budget = conn.out.budget
         if budget is not None:
             budget.queued += charged
