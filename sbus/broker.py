@@ -146,6 +146,8 @@ class Broker:
         self._epoll = select.epoll()
         self._clients: dict[int, Client] = {}  # fd -> client
         self.handing_over = False  # clients keep their sockets and state for a successor
+        self.faults = 0  # internal errors caught (`_fault`): each cost one client
+        self._fault_kinds: set[tuple[str, str, int]] = set()
 
     # the figures server.py reports
     empty_since = property(lambda self: self.core.empty_since)
@@ -216,12 +218,15 @@ class Broker:
                     if c is None:
                         stop = stop or fd == wakeup
                         continue
-                    if ev & _OUT or (ev & _EITHER and c.wants_write):
-                        core.writable(c)
-                    if ev & _EITHER and c.wants_read:
-                        self._read(c)
-                        if core.dirty:
-                            self._drain_early(c)
+                    try:
+                        if ev & _OUT or (ev & _EITHER and c.wants_write):
+                            core.writable(c)
+                        if ev & _EITHER and c.wants_read:
+                            self._read(c)
+                            if core.dirty:
+                                self._drain_early(c)
+                    except Exception as exc:  # noqa: BLE001 - see _fault
+                        self._fault(c, exc)
                     if core.gone or core.logs:
                         self._flush()
                 if stop:
@@ -234,6 +239,31 @@ class Broker:
             if self._spare >= 0:
                 os.close(self._spare)
                 self._spare = -1
+
+    def _fault(self, c: Client, exc: Exception) -> None:
+        """A bug that one client's bytes reached: that client goes, everyone else is
+        served on.  The first fault of each kind is logged with its traceback, later ones
+        as a count (a client reconnecting to repeat it must not flood the log)."""
+        where = exc.__traceback__
+        while where is not None and where.tb_next is not None:
+            where = where.tb_next
+        kind = (type(exc).__name__, where.tb_frame.f_code.co_filename if where else "",
+                where.tb_lineno if where else 0)
+        self.faults += 1
+        if kind not in self._fault_kinds and len(self._fault_kinds) < 64:
+            self._fault_kinds.add(kind)
+            log.error("internal error while serving %r; dropping that client",
+                      c, exc_info=exc)
+        else:
+            log.error("internal error %s while serving %r (%d so far); dropping that client",
+                      type(exc).__name__, c, self.faults)
+        try:
+            if not c.closed:
+                self.core.hangup(c, None)
+            self._flush()
+        except Exception:  # noqa: BLE001 - the core's state of c is broken: close it here
+            log.exception("could not forget %r after an internal error", c)
+            self._close(c)
 
     def close_all(self) -> None:
         """Disconnect every client (shutting down without a successor), once what they

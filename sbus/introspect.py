@@ -20,17 +20,40 @@ __all__ = ["answer", "ANSWER_BYTES", "PATTERNS_SHOWN"]
 ANSWER_BYTES = 60 * 1024
 #: Patterns listed per client at most (the count is always given).
 PATTERNS_SHOWN = 50
+#: Bytes of one pattern or status shown at most: every entry then has a size bounded
+#: before it is encoded (50 x 4 x 200 bytes of JSON < ANSWER_BYTES), so one client's long
+#: or invalid patterns cannot make an answer costly, nor end the paging early.
+ENTRY_BYTES = 200
+#: Bytes of a request's payload (``{"after": ID}``) read at most; a longer one is ignored.
+REQUEST_BYTES = 64
 
 
 def _text(data: bytes) -> str:
-    """Bytes for JSON, losslessly where they are UTF-8 (JSON escapes control bytes)."""
-    return data.decode("utf-8", "backslashreplace")
+    """At most `ENTRY_BYTES` of client bytes for JSON: UTF-8 as it is (JSON escapes
+    control bytes), anything else escaped; a cut entry says how much it left out."""
+    cut = data[:ENTRY_BYTES]
+    text = cut.decode("utf-8", "backslashreplace")
+    if len(data) > ENTRY_BYTES:
+        text += f"…(+{len(data) - ENTRY_BYTES} bytes)"
+    return text
+
+
+def _after(payload: bytes | None) -> int:
+    """The client id a request asks to go on after (0: from the start).  Anything but a
+    small JSON object with an integer ``after`` means 0: no payload can raise here."""
+    if not payload or len(payload) > REQUEST_BYTES:
+        return 0
+    try:
+        doc = json.loads(payload)
+    except (ValueError, RecursionError):
+        return 0
+    after = doc.get("after", 0) if isinstance(doc, dict) else 0
+    return after if type(after) is int else 0
 
 
 def _client(conn, index) -> dict:
     out = conn.out
-    patterns = index.patterns(conn)
-    shown = [_text(p) for p in list(patterns)[:PATTERNS_SHOWN]]
+    shown = [_text(p) for p in index.first_patterns(conn, PATTERNS_SHOWN)]
     return {
         "id": conn.id, "pid": conn.cred.pid, "uid": conn.cred.uid, "gid": conn.cred.gid,
         "subscriptions": conn.subscriptions, "patterns": shown,
@@ -43,12 +66,7 @@ def _client(conn, index) -> dict:
 
 def answer(broker, asker, payload: bytes | None) -> bytes:
     """The ``CMSG broker/status`` packet that answers *asker*'s request."""
-    after = 0
-    if payload:
-        try:
-            after = int(json.loads(payload).get("after", 0))
-        except (ValueError, AttributeError, TypeError):
-            after = 0
+    after = _after(payload)
     uid = asker.cred.uid
     mine = broker.connections_of(None if uid == 0 else uid)
     totals = {

@@ -610,6 +610,10 @@ class RoutingIndex(Generic[C]):
         """A copy of the client's patterns with their counts."""
         return Counter(self._by_client.get(client, ()))
 
+    def first_patterns(self, client: C, n: int) -> list[bytes]:
+        """Up to *n* of the client's patterns, without copying the rest (introspection)."""
+        return list(itertools.islice(self._by_client.get(client, ()), n))
+
     def clients(self) -> Iterator[C]:
         return iter(self._by_client)
 
