@@ -10,7 +10,7 @@ import logging
 import sys
 
 from .defaults import default_address
-from .errors import SbusError
+from .errors import SbusError, UsageError
 from .extras import missing_extra, missing_extra_message
 
 #: subcommand -> (module, one-line help)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return modules[args.command].run(args) or 0
     except SbusError as exc:
         print(f"sbus {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, UsageError) else 1
     except ImportError as exc:  # a part imported only once needed (e.g. pyfuse3)
         message = missing_extra_message(f"sbus {args.command}", exc)
         if message is None:

@@ -8,7 +8,9 @@ bytes into text with every control byte and invalid UTF-8 escaped (``\\x1b``, ``
 
 from __future__ import annotations
 
-__all__ = ["printable", "brief", "LOG_QUOTE"]
+from datetime import UTC, datetime
+
+__all__ = ["printable", "brief", "LOG_QUOTE", "timestamp"]
 
 #: Bytes of client input quoted in a log line or error message at most.
 LOG_QUOTE = 100
@@ -77,3 +79,12 @@ def json_bytes(obj: dict, name: str, value: bytes) -> None:
         obj[name] = value.decode()
     except UnicodeDecodeError:
         obj[name + "_base64"] = base64.b64encode(value).decode()
+
+
+def timestamp(at: float, *, local: bool = False) -> str:
+    """*at* (seconds since 1970) as every command shows a time: RFC 3339 with
+    microseconds, in UTC (``2026-11-25T23:22:31.123456Z``) or, with *local*, in the local
+    time zone with its offset (``2026-11-26T00:22:31.123456+01:00``)."""
+    if local:
+        return datetime.fromtimestamp(at).astimezone().isoformat(timespec="microseconds")
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

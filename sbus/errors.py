@@ -7,7 +7,8 @@ connection, fix a refused pattern).
 
 from __future__ import annotations
 
-__all__ = ["SbusError", "ConnectError", "ConnectionLost", "InvalidRequest", "Refused"]
+__all__ = ["SbusError", "ConnectError", "ConnectionLost", "InvalidRequest", "Refused",
+           "ServeError", "UsageError"]
 
 
 class SbusError(Exception):
@@ -35,3 +36,12 @@ class Refused(SbusError):
         super().__init__(f"the broker refused the {verb.upper()}: {reason}")
         self.verb = verb
         self.reason = reason
+
+
+class UsageError(SbusError):
+    """A command line that argparse accepts but that does not make sense (options that do
+    not go together, another tool's spelling): the commands exit 2, as for a wrong option."""
+
+
+class ServeError(SbusError):
+    """A reason the broker cannot start, worded for the person starting it."""

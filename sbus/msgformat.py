@@ -11,9 +11,8 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
-from datetime import datetime
 
-from .display import brief, printable
+from .display import brief, printable, timestamp
 from .protocol import Publish
 
 __all__ = ["FORMATS", "DIRECTIVES", "compile_format", "format_message", "wildcard_hint"]
@@ -24,10 +23,6 @@ FORMATS = ("lines", "raw", "json")
 Part = Callable[[Publish, float], bytes]
 
 
-def _iso(at: float) -> str:
-    return datetime.fromtimestamp(at).astimezone().isoformat(timespec="milliseconds")
-
-
 def _json_text(data: bytes) -> bytes:
     """A JSON string literal; invalid UTF-8 bytes as ``\\xNN`` text (JSON has no bytes)."""
     return json.dumps(data.decode("utf-8", "backslashreplace")).encode()
@@ -35,8 +30,8 @@ def _json_text(data: bytes) -> bytes:
 
 #: ``-F`` directive -> (what it shows, how).
 DIRECTIVES: dict[str, tuple[str, Part]] = {
-    "t": ("receive time, ISO 8601 local time with milliseconds",
-          lambda m, at: _iso(at).encode()),
+    "t": ("receive time, RFC 3339 with microseconds, UTC (--local-time: local)",
+          lambda m, at: timestamp(at).encode()),
     "T": ("receive time, seconds since 1970 (microseconds)",
           lambda m, at: f"{at:.6f}".encode()),
     "k": ("key, control bytes and invalid UTF-8 escaped", lambda m, at: printable(m.key).encode()),
@@ -51,9 +46,10 @@ DIRECTIVES: dict[str, tuple[str, Part]] = {
 }
 
 
-def compile_format(text: str) -> list[bytes | Part]:
+def compile_format(text: str, *, local: bool = False) -> list[bytes | Part]:
     """``'%t %k %p'`` -> parts; `ValueError` names an unknown or dangling directive.
-    ``\\n`` and ``\\t`` in *text* stand for newline and tab; a newline ends each message."""
+    ``\\n`` and ``\\t`` in *text* stand for newline and tab; a newline ends each message.
+    *local*: ``%t`` in local time rather than UTC."""
     text = text.replace("\\n", "\n").replace("\\t", "\t")
     parts: list[bytes | Part] = []
     literal, i = [], 0
@@ -72,7 +68,7 @@ def compile_format(text: str) -> list[bytes | Part]:
         if literal:
             parts.append("".join(literal).encode())
             literal = []
-        parts.append(DIRECTIVES[d][1])
+        parts.append(_local_time if d == "t" and local else DIRECTIVES[d][1])
         i += 2
     parts.append(("".join(literal) + "\n").encode())
     return parts
@@ -93,20 +89,25 @@ def _pretty_json(payload: bytes) -> str | None:
     return "\n".join("  " + line for line in text.splitlines())
 
 
+def _local_time(m: Publish, at: float) -> bytes:
+    return timestamp(at, local=True).encode()
+
+
 def format_message(msg: Publish, fmt: str | list, at: float, *, timestamps: bool = False,
-                   pretty: bool = False) -> bytes:
-    """One message as *fmt* (a `FORMATS` name or a `compile_format` result) shows it."""
+                   pretty: bool = False, local: bool = False) -> bytes:
+    """One message as *fmt* (a `FORMATS` name or a `compile_format` result) shows it;
+    *timestamps* with the receive time (`sbus.display.timestamp`, *local* or UTC)."""
     if not isinstance(fmt, str):
         return b"".join(p if isinstance(p, bytes) else p(msg, at) for p in fmt)
     if fmt == "raw":
         return msg.payload
     if fmt == "lines":
-        head = (_iso(at) + " " if timestamps else "") + printable(msg.key)
+        head = (timestamp(at, local=local) + " " if timestamps else "") + printable(msg.key)
         body = _pretty_json(msg.payload) if pretty else None
         if body is not None:
             return (head + "\n" + body + "\n").encode()
         return (head + " " + printable(msg.payload.rstrip(b"\n")) + "\n").encode()
-    obj: dict[str, str] = {"time": _iso(at)} if timestamps else {}
+    obj: dict[str, str] = {"time": timestamp(at, local=local)} if timestamps else {}
     for name, value in (("key", msg.key), ("payload", msg.payload)):
         try:
             obj[name] = value.decode()

@@ -23,13 +23,10 @@ import time
 from . import handover, sdnotify
 from .broker import Broker
 from .defaults import MAX_MESSAGE, default_address
+from .errors import ServeError
 from .limits import Limits
 
 log = logging.getLogger("sbus.server")
-
-
-class ServeError(Exception):
-    """A reason the broker cannot start, worded for the person starting it."""
 
 
 def _is_listening_seqpacket(fd: int) -> bool:

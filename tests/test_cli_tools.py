@@ -137,7 +137,7 @@ def test_sub_format_string_with_time_hex_json_and_length(broker):
     out, err = sub.communicate(timeout=10)
     assert sub.returncode == 0, err
     iso, unix, key, payload, hexed, js, jskey, length, rest = out.decode().split("|")
-    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d", iso)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", iso)  # RFC 3339, UTC
     assert before <= float(unix) <= time.time()
     assert key == "f/\\x1b" and payload == 'a\\nb\\xff"'
     assert bytes.fromhex(hexed) == b"a\nb\xff\""
@@ -145,7 +145,7 @@ def test_sub_format_string_with_time_hex_json_and_length(broker):
     assert length == "5" and rest == "%\tend\n"
     bad = sbus("sub", "-F", "%k %z", "x")
     assert bad.returncode == 2 and b"unknown directive %z" in bad.stderr
-    for args in (["-F", "%k", "-t"], ["--format", "raw", "--pretty"]):
+    for args in (["-F", "%k", "--timestamps"], ["--format", "raw", "--pretty"]):
         bad = sbus("sub", "--address", broker.address, *args, "x")
         assert bad.returncode == 1 and bad.stderr.startswith(b"sbus sub: --timestamps and "
                                                              b"--pretty do not go with")
@@ -173,7 +173,7 @@ def test_sub_timeout_is_reset_by_each_message(broker):
 
 
 def test_sub_exclude_timestamps_and_pretty_json(broker):
-    sub = start("sub", "--address", broker.address, "-n", "2", "-t", "--pretty",
+    sub = start("sub", "--address", broker.address, "-n", "2", "--timestamps", "--pretty",
                 "--exclude", "e/noise/", "-T", "e/*/x", "e/")
     wait_subscribed(broker.address, "e/")
     with Client(broker.address) as bus:
@@ -188,7 +188,8 @@ def test_sub_exclude_timestamps_and_pretty_json(broker):
     assert lines[1:6] == ['  {', '    "a": [', '      1,', '      "\\u202e\\u001b"', '    ]']
     assert lines[6] == "  }" and re.fullmatch(r"\S+T\S+ e/text plain", lines[7])
     assert json.loads("\n".join(lines[1:7])) == {"a": [1, "\u202e\x1b"]}
-    js = start("sub", "--address", broker.address, "-n", "1", "--format", "json", "-t", "j")
+    js = start("sub", "--address", broker.address, "-n", "1", "--format", "json",
+               "--timestamps", "j")
     wait_subscribed(broker.address, "j")
     with Client(broker.address) as bus:
         bus.publish(b"j", b"x")
@@ -299,7 +300,7 @@ def test_request_escapes_a_reply_for_a_terminal_not_for_a_pipe(broker):
     hostile = b"\x1b[2J\x1b]0;owned\x07two\nlines\xff"
     assert sbus("request", "--address", broker.address, "evil", "x").stdout == hostile
     for args, expected in (([], b"\\x1b[2J\\x1b]0;owned\\x07two\r\nlines\\xff\r\n"),
-                           (["--raw"], hostile.replace(b"\n", b"\r\n"))):
+                           (["--raw"], hostile.replace(b"\n", b"\r\n") + b"\r\n")):
         leader, follower = pty.openpty()
         proc = subprocess.Popen([*SBUS, "request", "--address", broker.address, *args,
                                  "evil", "x"], stdout=follower, stdin=subprocess.DEVNULL)

@@ -182,21 +182,31 @@ def test_every_extra_named_to_users_is_declared():
 
 
 def test_without_the_systemd_extra_a_backgrounded_mount_logs_to_syslog(monkeypatch, tmp_path):
-    """python-systemd (the 'systemd' extra) gives the journal handler; without it the
-    mount logs to syslog's socket (which journald reads), or nowhere if there is none."""
+    """python-systemd (the 'systemd' extra) gives the journal handler when journald runs;
+    without it the mount logs to syslog's socket (which journald reads), or, with neither,
+    to a file it names (tests/test_cli_habits.py runs that through the command)."""
     from sbus.fuse.cli import _system_log_handler
 
+    no_journal = str(tmp_path / "no-journal")
     try:
         from systemd.journal import JournalHandler
     except ImportError:
         pass
     else:
-        assert isinstance(_system_log_handler(), JournalHandler)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as journald:
+            journald.bind(str(tmp_path / "journal"))
+            handler = _system_log_handler(journal=str(tmp_path / "journal"))
+            assert isinstance(handler, JournalHandler)
+            handler.close()
     monkeypatch.setitem(sys.modules, "systemd.journal", None)  # as if not installed
-    assert isinstance(_system_log_handler(str(tmp_path / "none")), logging.NullHandler)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    handler = _system_log_handler(str(tmp_path / "none"), no_journal)
+    assert isinstance(handler, logging.FileHandler)
+    assert handler.baseFilename == str(tmp_path / "state" / "sbus" / "mount.log")
+    handler.close()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as syslog:
         syslog.bind(str(tmp_path / "log"))
-        handler = _system_log_handler(str(tmp_path / "log"))
+        handler = _system_log_handler(str(tmp_path / "log"), no_journal)
         try:
             handler.handle(logging.makeLogRecord({"msg": "mounted", "levelno": logging.INFO,
                                                   "levelname": "INFO"}))

@@ -19,7 +19,8 @@ def round_trip(bus: Client, timeout: float) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--count", type=count_arg, default=4, metavar="N",
-                   help="round trips to make (default 4)")
+                   help="round trips to make (default 4; Ctrl-C stops early and still "
+                        "prints the summary)")
     p.add_argument("-i", "--interval", type=duration_arg, default=0.5, metavar="SECONDS",
                    help="pause between round trips (default 0.5)")
     p.add_argument("--timeout", type=duration_arg, default=5.0, metavar="SECONDS",
@@ -27,13 +28,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    times = []
+    """Like ping(8): the summary also after Ctrl-C, exit 0 once a round trip came back."""
+    times: list[float] = []
     with Client(args.address) as bus:
-        for n in range(args.count):
-            if n:
-                time.sleep(args.interval)
-            times.append(round_trip(bus, args.timeout) * 1e6)
-            print(f"round trip {n + 1}: {times[-1]:.0f} µs", flush=True)
+        try:
+            for n in range(args.count):
+                if n:
+                    time.sleep(args.interval)
+                times.append(round_trip(bus, args.timeout) * 1e6)
+                print(f"round trip {n + 1}: {times[-1]:.0f} µs", flush=True)
+        except KeyboardInterrupt:
+            if not times:
+                raise
     print(f"{len(times)} round trips: min {min(times):.0f} µs, "
           f"median {statistics.median(times):.0f} µs, max {max(times):.0f} µs")
     return 0

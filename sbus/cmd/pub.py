@@ -1,5 +1,5 @@
 """sbus pub KEY [PAYLOAD]: publish one message (stdin when PAYLOAD is absent), or --count N
-of them from a template.
+of them from a template.  mosquitto_pub's ``-t KEY -m PAYLOAD`` mean the same.
 
 The key and size are checked before sending, and a round trip at the end makes the
 broker's refusal, if any, an error (exit 1) rather than a line in its log."""
@@ -13,12 +13,18 @@ import time
 
 from ..client import Client, SbusError
 from ..defaults import MAX_MESSAGE, count_arg, duration_arg, size_arg
+from ..errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("key", help="routing key")
-    p.add_argument("payload", nargs="?", help="payload (default: standard input)")
-    p.add_argument("--lines", action="store_true",
+    p.add_argument("key", nargs="?", metavar="KEY", help="routing key")
+    p.add_argument("payload", nargs="?", metavar="PAYLOAD",
+                   help="payload (default: standard input)")
+    p.add_argument("-t", "--topic", metavar="KEY",
+                   help="the KEY, as mosquitto_pub -t takes it")
+    p.add_argument("-m", "--message", metavar="PAYLOAD",
+                   help="the PAYLOAD, as mosquitto_pub -m takes it")
+    p.add_argument("-l", "--lines", action="store_true",
                    help="publish each line of standard input as its own message "
                         "(without the newline)")
     p.add_argument("--max-message", type=size_arg, default=MAX_MESSAGE, metavar="SIZE",
@@ -38,19 +44,46 @@ def expand(template: bytes, n: int, now: float) -> bytes:
     return template.replace(b"{n}", b"%d" % n).replace(b"{time}", b"%.6f" % now)
 
 
+def key_and_payload(args: argparse.Namespace) -> tuple[str, str | None]:
+    """KEY and PAYLOAD from the positional words or mosquitto's ``-t``/``-m`` (None:
+    the payload comes from standard input)."""
+    words = [w for w in (args.key, args.payload) if w is not None]
+    key = args.topic if args.topic is not None else words.pop(0) if words else None
+    if key is None:
+        raise UsageError("which key? e.g. sbus pub greetings/world hello")
+    if args.message is not None:
+        words.append(args.message)
+    if len(words) > 1:
+        raise UsageError(f"one payload at most, not {len(words)} (-m is the PAYLOAD): "
+                         "e.g. sbus pub greetings/world hello")
+    return key, words[0] if words else None
+
+
+def _say_what_stdin_is_for(lines: bool) -> None:
+    """A person at a terminal learns why nothing happens (mosquitto_pub would refuse)."""
+    what = "one message per line" if lines else "the payload"
+    print(f"sbus pub: reading {what} from the terminal until Ctrl-D (or give it: "
+          "sbus pub KEY PAYLOAD)", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
-    key = os.fsencode(args.key)
+    text_key, text_payload = key_and_payload(args)
+    key = os.fsencode(text_key)
     if args.count is not None and args.lines:
         raise SbusError("--count and --lines do not go together")
     if args.interval and args.count is None:
         raise SbusError("--interval goes with --count")
+    if args.lines and text_payload is not None:
+        raise UsageError("--lines reads standard input: no PAYLOAD with it")
+    if (args.lines or text_payload is None) and sys.stdin.isatty():
+        _say_what_stdin_is_for(args.lines)
     with Client(args.address, max_message=args.max_message) as bus:
         if args.lines:
             for line in sys.stdin.buffer:
                 bus.publish(key, line.rstrip(b"\n"))
         else:
-            payload = (sys.stdin.buffer.read() if args.payload is None
-                       else os.fsencode(args.payload))
+            payload = (sys.stdin.buffer.read() if text_payload is None
+                       else os.fsencode(text_payload))
             start = time.monotonic()
             for n in range(1, (1 if args.count is None else args.count) + 1):
                 if n > 1 and args.interval:

@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long to wait for the reply (default 5); none: exit status 1")
     p.add_argument("--raw", action="store_true",
                    help="print the reply's bytes as they are also on a terminal (elsewhere "
-                        "they always are); by default a terminal gets control bytes and "
+                        "they always are; a terminal gets a newline after them if they end "
+                        "without one); by default a terminal gets control bytes and "
                         "invalid UTF-8 escaped, so a reply cannot drive it")
 
 
@@ -34,5 +35,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(printable(line) for line in reply.rstrip(b"\n").split(b"\n")))
     else:
         sys.stdout.buffer.write(reply)
+        if sys.stdout.isatty() and not reply.endswith(b"\n"):
+            sys.stdout.buffer.write(b"\n")  # the shell's prompt starts on a line of its own
         sys.stdout.flush()
     return 0

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import os
 
 from .. import server
 from ..defaults import MAX_MESSAGE, QUEUE_LIMIT, duration_arg, size_arg
+from ..errors import ServeError
 from ..flood import Hard, Order, Soft
 from ..limits import Limits
+
+#: Said when a user may not create the socket (the default is the system bus's place).
+PLACE_HINT = ("a bus of your own goes where you may write: sbus serve --address "
+              "$XDG_RUNTIME_DIR/sbus.socket, and export SBUS_ADDRESS=$XDG_RUNTIME_DIR/"
+              "sbus.socket for the other sbus commands")
 
 
 def _user(text: str) -> int | str:
@@ -88,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
                    limits=limits, exit_idle=args.exit_idle_time,
                    defaults=(Soft(args.soft.encode()), Hard(args.hard.encode()),
                              Order(args.order.encode())))
-    except server.ServeError as exc:
-        print(f"sbus serve: {exc}", file=sys.stderr)
-        return 1
+    except ServeError as exc:
+        if isinstance(exc.__cause__, PermissionError) and os.geteuid() != 0:
+            raise ServeError(f"{exc} ({PLACE_HINT})") from None
+        raise
     return 0
 

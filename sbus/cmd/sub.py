@@ -15,22 +15,28 @@ import time
 
 from ..client import Client, Publish, SbusError
 from ..defaults import duration_arg
+from ..errors import UsageError
 from ..msgformat import DIRECTIVES, FORMATS, compile_format, format_message, wildcard_hint
 from ..routing import matches
 from ..session import FLOOD_VALUES
 
 
-def _format_string(text: str) -> list:
+def _format_string(text: str) -> str:
+    """``-F``, checked at parsing; compiled in `run` (``--local-time`` changes ``%t``)."""
     try:
-        return compile_format(text)
+        compile_format(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("patterns", nargs="+", metavar="PATTERN",
+    p.add_argument("patterns", nargs="*", metavar="PATTERN",
                    help="routing key pattern ('' for everything not secret)")
-    p.add_argument("--count", "-n", type=int, default=None, metavar="N",
+    p.add_argument("-t", "--topic", dest="topics", action="append", default=[],
+                   metavar="PATTERN", help="a PATTERN given as mosquitto_sub -t takes it "
+                                           "(repeatable)")
+    p.add_argument("--count", "-n", "-C", type=int, default=None, metavar="N",
                    help="exit after N messages")
     p.add_argument("--timeout", type=duration_arg, default=None, metavar="SECONDS",
                    help="exit once nothing arrived for this long (e.g. 5, 500ms); with --count, "
@@ -45,8 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     how.add_argument("-F", "--format-string", type=_format_string, metavar="FORMAT",
                      help=f"print each message as FORMAT, e.g. '%t %k %p' (\\n, \\t "
                           f"allowed): {directives}".replace("%", "%%"))
-    p.add_argument("-t", "--timestamps", action="store_true",
-                   help="lines: start each line with the time it arrived; json: add 'time'")
+    p.add_argument("--timestamps", action="store_true",
+                   help="lines: start each line with the time it arrived; json: add 'time' "
+                        "(RFC 3339 with microseconds, UTC)")
+    p.add_argument("--local-time", action="store_true",
+                   help="times (--timestamps, %%t) in the local time zone instead of UTC")
     p.add_argument("--exclude", "-T", action="append", default=[], metavar="PATTERN",
                    help="skip messages whose key matches PATTERN (repeatable)")
     p.add_argument("--pretty", action="store_true",
@@ -86,8 +95,13 @@ def run(args: argparse.Namespace) -> int:
         raise SbusError("--timestamps and --pretty do not go with -F (%t is the time)")
     if (args.timestamps or args.pretty) and args.format == "raw":
         raise SbusError("--timestamps and --pretty do not go with --format raw")
-    fmt = args.format_string if args.format_string is not None else args.format
-    for pattern in args.patterns:
+    patterns = [*args.patterns, *args.topics]
+    if not patterns:
+        raise UsageError("which keys? e.g. sbus sub 'greetings/*' ('' for everything "
+                         "that is not secret)")
+    fmt = (args.format if args.format_string is None
+           else compile_format(args.format_string, local=args.local_time))
+    for pattern in patterns:
         hint = wildcard_hint(os.fsencode(pattern))
         if hint:
             print(f"sbus sub: note: {hint}", file=sys.stderr)
@@ -99,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                 on_connection=lambda up, line: _say(line),
                 on_drop=lambda n: _say(f"dropped {n} messages")) as bus:
         bus.set_flood(soft=args.soft, hard=hard, order=args.order)
-        for pattern in args.patterns:
+        for pattern in patterns:
             bus.subscribe(os.fsencode(pattern), wait=False)
         bus.sync()  # every subscription in force, or the broker's refusal raised
         if args.ready_fd is not None:
@@ -117,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             if any(matches(x, msg.key) for x in excluded):
                 continue
             out.write(format_message(msg, fmt, time.time(), timestamps=args.timestamps,
-                                     pretty=args.pretty))
+                                     pretty=args.pretty, local=args.local_time))
             out.flush()
             seen += 1
     return 0

@@ -12,6 +12,7 @@ import logging
 import logging.handlers
 import os
 import signal
+import stat
 import sys
 
 import trio
@@ -27,7 +28,8 @@ log = logging.getLogger("sbus.fuse")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing, empty directory")
     p.add_argument("--daemon", action="store_true",
-                   help="detach once mounted (logs go to the journal)")
+                   help="detach once mounted (logs go to the journal, else syslog, else "
+                        "$XDG_STATE_HOME/sbus/mount.log, as it says)")
     p.add_argument("--format", choices=FORMATS, default="lines",
                    help="what reading a file gives: payloads each ending in a newline "
                         "(lines, default), payloads verbatim one per read (raw), or one "
@@ -51,24 +53,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1000)")
 
 
-def _system_log_handler(syslog: str = "/dev/log") -> logging.Handler:
-    """Where a backgrounded mount logs: the journal with structured fields when the
-    'systemd' extra (python-systemd) is installed, else syslog's socket, which journald
-    also reads on a systemd machine; stderr is /dev/null by then."""
+def _is_socket(path: str) -> bool:
     try:
-        from systemd.journal import JournalHandler
-    except ImportError:
-        pass
-    else:
-        return JournalHandler(SYSLOG_IDENTIFIER="sbus-mount")
-    if os.path.exists(syslog):
-        handler = logging.handlers.SysLogHandler(syslog)
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _system_log_handler(syslog: str = "/dev/log",
+                        journal: str = "/run/systemd/journal/socket") -> logging.Handler:
+    """Where a backgrounded mount logs: the journal with structured fields when journald
+    runs and the 'systemd' extra (python-systemd) is installed, else syslog's socket
+    (which journald also reads), else a file, said on stderr before it is /dev/null."""
+    if _is_socket(journal):
+        try:
+            from systemd.journal import JournalHandler
+        except ImportError:
+            pass
+        else:
+            return JournalHandler(SYSLOG_IDENTIFIER="sbus-mount")
+    if _is_socket(syslog):
+        handler: logging.Handler = logging.handlers.SysLogHandler(syslog)
         handler.setFormatter(logging.Formatter("sbus-mount[%(process)d]: %(message)s"))
         return handler
-    return logging.NullHandler()
+    state = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    path = os.path.join(state, "sbus", "mount.log")
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        handler = logging.FileHandler(path)
+    except OSError as exc:
+        raise SbusError(f"--daemon: neither journald nor {syslog} here, and cannot log to "
+                        f"{path}: {exc.strerror}") from None
+    handler.setFormatter(logging.Formatter("%(asctime)s sbus-mount[%(process)d]: %(message)s"))
+    print(f"sbus mount: neither journald nor {syslog} here: logging to {path}",
+          file=sys.stderr, flush=True)
+    return handler
 
 
-def _daemonize() -> None:
+def _daemonize(handler: logging.Handler) -> None:
     """Detach from the terminal; the parent returns once the mount exists."""
     pid = os.fork()
     if pid:
@@ -84,7 +106,7 @@ def _daemonize() -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    root.addHandler(_system_log_handler())
+    root.addHandler(handler)
     if root.level > logging.INFO:
         root.setLevel(logging.INFO)
 
@@ -154,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
                remember_bytes=args.remember_bytes,
                max_message=args.max_message, reconnect_timeout=args.reconnect_timeout,
                mountpoint=mountpoint)
+    log_handler = _system_log_handler() if args.daemon else None  # said before mounting
     options = set(pyfuse3.default_options) | {"fsname=sbus", "subtype=sbus"}
     if args.allow_other:
         options.add("allow_other")
@@ -162,10 +185,10 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         raise SbusError(f"cannot mount on {mountpoint}: {exc} (is /dev/fuse usable? "
                         "is fusermount3 installed?)") from None
-    if args.daemon:
+    if log_handler is not None:
         sys.stdout.flush()
         sys.stderr.flush()
-        _daemonize()
+        _daemonize(log_handler)
     try:
         trio.run(_serve, fs, args.max_tasks)
     finally:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 
 from ..defaults import parse_duration
-from ..display import json_bytes, printable
+from ..display import json_bytes, printable, timestamp
 from ..errors import SbusError
 from ..routing import matches
 from .store import JournalError, list_segments, read_seq_range, segment_blocks
@@ -93,7 +93,7 @@ def format_record(rec: Record, fmt: str) -> bytes:
     seq, ts, key, payload = rec
     if fmt == "raw":
         return payload
-    when = datetime.fromtimestamp(ts / 1e9, UTC).isoformat(timespec="microseconds")[:-6] + "Z"
+    when = timestamp(ts / 1e9)
     if fmt == "lines":
         text = printable(payload.rstrip(b"\n"))
         return f"{when} {seq} {printable(key)} {text}\n".encode()
