@@ -12,6 +12,7 @@ from datetime import datetime
 
 from conftest import SBUS
 
+from sbus.extras import install_command
 from sbus.journal.store import JournalWriter
 from sbus.spark.analyze import pick_window, silent_periods, window_series, window_text
 
@@ -70,5 +71,5 @@ def test_without_the_spark_extra_one_friendly_line(tmp_path):
                           timeout=60)
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
-        "sbus analyze: needs the spark extra (pyspark is not installed): pip install "
-        "'sbus[spark]', and a Java 17 runtime"]
+        "sbus analyze: needs the spark extra (pyspark is not installed): "
+        f"{install_command('spark')}, and a Java 17 runtime"]

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from conftest import SBUS
@@ -248,3 +249,32 @@ def test_mount_daemon_without_journald_or_syslog_says_where_it_logs(broker, shor
     while "unmounted" not in logfile.read_text():
         assert time.monotonic() < deadline + 10, logfile.read_text()
         time.sleep(0.05)
+
+
+# -- install hints ---------------------------------------------------------------------------
+
+def test_a_missing_extra_names_the_install_of_this_sbus(short_tmp):
+    """`sbus top` without 'rich': the command installs the extra from this source tree,
+    not 'sbus[top]' (on the package index, another project)."""
+    (short_tmp / "rich.py").write_text(
+        'raise ModuleNotFoundError("No module named \'rich\'", name="rich")\n')
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(short_tmp), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([*SBUS, "top", "--once"], capture_output=True, text=True, timeout=30,
+                       env=env, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and r.stdout == ""
+    hint = r.stderr.split(": pip install ")[1]
+    assert r.stderr == ("sbus top: needs the 'top' extra, which is not installed: pip install "
+                        f"{hint}")
+    assert hint in (f"'{repo}[top]' (no module named 'rich')\n",
+                    f"-e '{repo}[top]' (no module named 'rich')\n")
+
+
+def test_the_docs_spell_every_install_of_an_extra_one_way():
+    repo = Path(__file__).resolve().parent.parent
+    texts = [repo / "README.md", *sorted((repo / "docs").glob("*.md")),
+             *sorted((repo / "sbus").rglob("*.py"))]
+    for path in texts:
+        for line in path.read_text().splitlines():
+            assert not re.search(r"pip install[^\n]*'sbus\[|-e '\.\[", line), f"{path}: {line}"

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from ..defaults import parse_duration
 from ..display import json_bytes, printable, timestamp
 from ..errors import SbusError
+from ..extras import install_command
 from ..routing import matches
 from .store import JournalError, list_segments, read_seq_range, segment_blocks
 
@@ -149,7 +150,7 @@ def _export(args: argparse.Namespace) -> int:
     try:
         from .export import export_journal
     except ImportError as exc:
-        raise SbusError(f"export needs pyarrow ({exc}): pip install 'sbus[spark]'") from None
+        raise SbusError(f"export needs pyarrow ({exc}): {install_command('spark')}") from None
 
     def progress(e) -> None:
         print(f"{e.segment}.parquet: {e.rows:,} rows, {e.journal_bytes:,} -> "

@@ -29,6 +29,7 @@ from .. import protocol
 from ..client import Client
 from ..defaults import RECV_BUFFER, parse_duration, parse_size
 from ..errors import ConnectError, ConnectionLost, SbusError
+from ..extras import install_command
 from ..packetio import PacketBatch
 from ..protocol import Publish
 from ..session import Backoff, Dropped, Refusal
@@ -70,7 +71,7 @@ def _options(args: argparse.Namespace) -> dict:
         try:
             import pyarrow  # noqa: F401
         except ImportError:
-            raise SbusError("--export needs pyarrow: pip install 'sbus[spark]'") from None
+            raise SbusError(f"--export needs pyarrow: {install_command('spark')}") from None
     try:
         return dict(
             segment_bytes=parse_size(args.segment_size),

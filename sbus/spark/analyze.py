@@ -23,6 +23,7 @@ from pathlib import Path
 
 from sbus.client import SbusError  # absolute: spark-submit runs this file as a script
 from sbus.display import printable
+from sbus.extras import install_command
 
 STATS_PREFIX = "stats/"
 
@@ -478,7 +479,7 @@ def run(args: argparse.Namespace) -> int:
         import pyspark  # noqa: F401
     except ImportError as exc:
         raise SbusError(f"needs the spark extra ({exc.name} is not installed): "
-                        "pip install 'sbus[spark]', and a Java 17 runtime") from None
+                        f"{install_command('spark')}, and a Java 17 runtime") from None
     import logging
     import warnings
 
