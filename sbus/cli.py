@@ -8,6 +8,7 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Callable
 
 from .defaults import default_address
 from .errors import SbusError, UsageError
@@ -22,9 +23,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("sbus.cmd.status", "show the broker's state and the clients you may see"),
     "ping": ("sbus.cmd.ping", "measure round trips to the broker"),
     "bench": ("sbus.cmd.bench", "measure publish/subscribe throughput and latency"),
-    "install-units": ("sbus.units", "install the systemd units for this installation"),
+    "install-units": ("sbus.cmd.install_units", "install the systemd units for this installation"),
     "mount": ("sbus.fuse.cli", "mount the bus as a filesystem (FUSE)"),
-    "top": ("sbus.top", "live traffic monitor"),
+    "top": ("sbus.cmd.top", "live traffic monitor"),
     "record": ("sbus.journal.record", "record traffic into a journal"),
     "journal": ("sbus.journal.cli", "read a recorded journal (cat, tail) or export it as Parquet"),
     "analyze": ("sbus.spark.analyze", "analyse a journal with Spark"),
@@ -96,13 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "serve" and args.verbose == 0:
         logging.getLogger().setLevel(logging.INFO)
+    return run_command(f"sbus {args.command}", modules[args.command].run, args)
+
+
+def run_command(name: str, run: Callable[[argparse.Namespace], int | None],
+                args: argparse.Namespace) -> int:
+    """Run one command as every sbus command ends: an `SbusError` is one line on stderr
+    (exit 1; 2 for a `UsageError`), a missing extra says what to install, Ctrl-C is 130,
+    a closed pipe (``| head``) is no error.  *name* starts each line ("sbus sub")."""
     try:
-        return modules[args.command].run(args) or 0
+        return run(args) or 0
     except SbusError as exc:
-        print(f"sbus {args.command}: {exc}", file=sys.stderr)
+        print(f"{name}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
     except ImportError as exc:  # a part imported only once needed (e.g. pyfuse3)
-        message = missing_extra_message(f"sbus {args.command}", exc)
+        message = missing_extra_message(name, exc)
         if message is None:
             raise
         print(message, file=sys.stderr)
@@ -111,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

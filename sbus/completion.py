@@ -67,7 +67,7 @@ def _options(parser: argparse.ArgumentParser) -> tuple[Option, ...]:
 def commands() -> tuple[tuple[Option, ...], list[Command], tuple[Option, ...]]:
     """(sbus's own options, its commands, sbus-top's options)."""
     from .cli import COMMANDS, build_parser
-    from .top import build_parser as top_parser
+    from .cmd.top import build_parser as top_parser
 
     parser, _ = build_parser([], everything=True)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

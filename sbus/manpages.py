@@ -239,7 +239,7 @@ MANUAL: dict[str, tuple[str, list[tuple[str, str]], str]] = {
 def pages() -> dict[str, str]:
     """File name -> man page text, for every command."""
     from .cli import COMMANDS, build_parser
-    from .top import build_parser as top_parser
+    from .cmd.top import build_parser as top_parser
 
     parser, _ = build_parser([], everything=True)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

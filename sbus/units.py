@@ -1,11 +1,11 @@
-"""`sbus install-units`: write the systemd units for *this* installation of sbus.
+"""The systemd units for *this* installation of sbus: rendered from one template and
+written (the command line is sbus/cmd/install_units.py).
 
-The unit text is rendered here rather than copied from ``units/`` because the
-``ExecStart=`` path and two sandboxing choices depend on where sbus is installed:
-a broker in a virtualenv under ``/root`` or ``/home`` cannot run as a
-``DynamicUser=`` (it could not read its own code) nor behind ``ProtectHome=yes``.
-``units/`` in the source tree holds the same units rendered for ``/usr/bin/sbus``
-(a test keeps the two identical).
+This is the only source of the unit files (the Debian build renders them with
+``--exec /usr/bin/sbus``): the ``ExecStart=`` path and two sandboxing choices depend on
+where sbus is installed: a broker in a virtualenv under ``/root`` or ``/home`` cannot
+run as a ``DynamicUser=`` (it could not read its own code) nor behind
+``ProtectHome=yes``.
 
 The user units deliberately avoid every option that needs a mount namespace
 (``ProtectSystem=``, ``PrivateTmp=``, ...): an unprivileged user manager can only
@@ -15,7 +15,6 @@ provide those through ``PrivateUsers=``, which remaps the UIDs that
 
 from __future__ import annotations
 
-import argparse
 import os
 import stat
 import subprocess
@@ -266,10 +265,7 @@ def _record_unit(inst: Installation, user: bool) -> str:
 
 def _bridge_unit(inst: Installation, user: bool) -> str:
     env = f"Environment=SBUS_ADDRESS={USER_SOCKET}\n" if user else ""
-    # the sandbox of the other units, with the network the bridge exists for
-    sandbox = (_USER_SANDBOX if user else _system_sandbox(inst)).replace(
-        "PrivateNetwork=yes\n", "").replace(
-        "RestrictAddressFamilies=AF_UNIX\n", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6\n")
+    sandbox = _networked(_USER_SANDBOX if user else _system_sandbox(inst))
     return (
         "[Unit]\n"
         "Description=sbus bridge %i: the bus joined to an MQTT broker\n"
@@ -297,15 +293,65 @@ def _bridge_unit(inst: Installation, user: bool) -> str:
     )
 
 
+def _networked(sandbox: str) -> str:
+    """The sandbox of the local units, with the network a gateway or bridge exists for."""
+    return sandbox.replace("PrivateNetwork=yes\n", "").replace(
+        "RestrictAddressFamilies=AF_UNIX\n", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6\n")
+
+
+#: Where sbus-gateway.service takes its certificate, key and secret from.
+GATEWAY_SECRETS = "/etc/sbus/gateway"
+
+
+def _gateway_unit(inst: Installation) -> str:
+    return (
+        "[Unit]\n"
+        "Description=sbus gateway: remote publish/subscribe over TLS\n"
+        "Requires=sbus.socket\n"
+        "After=sbus.socket network-online.target\n"
+        "Wants=network-online.target\n"
+        "\n"
+        "[Service]\n"
+        "# Reports READY=1 once listening and a live STATUS= (clients, patterns,\n"
+        "# published, delivered, discarded, bus up/down).\n"
+        "Type=notify\n"
+        "NotifyAccess=main\n"
+        "# The certificate, key and shared secret stay root-only files under\n"
+        f"# {GATEWAY_SECRETS}; systemd hands copies to the unprivileged service.\n"
+        f"LoadCredential=cert.pem:{GATEWAY_SECRETS}/cert.pem\n"
+        f"LoadCredential=key.pem:{GATEWAY_SECRETS}/key.pem\n"
+        f"LoadCredential=auth-key:{GATEWAY_SECRETS}/auth-key\n"
+        "# Change the port or add --https-listen with 'systemctl edit sbus-gateway'.\n"
+        f"ExecStart={_escaped(inst.exec_start)} gateway --listen [::]:7443 \\\n"
+        "    --tls-cert ${CREDENTIALS_DIRECTORY}/cert.pem \\\n"
+        "    --tls-key ${CREDENTIALS_DIRECTORY}/key.pem \\\n"
+        "    --auth-key-file ${CREDENTIALS_DIRECTORY}/auth-key\n"
+        "Restart=on-failure\n"
+        "RestartSec=1s\n"
+        "# Every remote client is a file descriptor (10,000 idle clients fit in < 1 GB).\n"
+        "LimitNOFILE=65536\n"
+        "# One bus connection, charged to this user; the broker needs no privileges\n"
+        "# from it: remote clients can never reach !/ secret keys anyway.\n"
+        + _networked(_system_sandbox(inst))
+        + "\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
 def render(inst: Installation, *, user: bool) -> dict[str, str]:
-    """Unit file name -> text, for the system manager or (``user=True``) a user manager."""
-    return {
+    """Unit file name -> text, for the system manager or (``user=True``) a user manager
+    (which gets no gateway: its secrets are root's files)."""
+    rendered = {
         "sbus.socket": _socket_unit(user),
         "sbus.service": _service_unit(inst, user),
         "sbus-mount.service": _mount_unit(inst, user),
         "sbus-record.service": _record_unit(inst, user),
         "sbus-bridge@.service": _bridge_unit(inst, user),
     }
+    if not user:
+        rendered["sbus-gateway.service"] = _gateway_unit(inst)
+    return rendered
 
 
 # -- installing (I/O) ----------------------------------------------------------------------
@@ -351,48 +397,19 @@ def write_units(directory: Path, units: dict[str, str]) -> list[tuple[Path, bool
     return [(target, changed) for _, target, changed in staged]
 
 
-def _manager_running(user: bool) -> bool:
+def manager_running(user: bool) -> bool:
+    """Whether the system manager (or this user's) runs here, to be told of new units."""
     if not user:
         return os.path.isdir("/run/systemd/system")
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     return bool(runtime) and os.path.exists(os.path.join(runtime, "systemd", "private"))
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--user", action="store_true",
-                   help="units for your user manager (systemctl --user) instead of the system")
-    p.add_argument("--root", metavar="DIR", type=Path,
-                   help="install below DIR, as if it were / (building an image)")
-    p.add_argument("--unit-dir", metavar="DIR", type=Path,
-                   help="write the units into exactly DIR (default /etc/systemd/system, "
-                        "or $XDG_CONFIG_HOME/systemd/user with --user)")
-    p.add_argument("--exec", dest="exec_path", metavar="PATH",
-                   help="the sbus executable for ExecStart= (default: this installation's)")
-    p.add_argument("--no-reload", action="store_true",
-                   help="do not run 'systemctl daemon-reload' afterwards")
+def systemctl(user: bool) -> list[str]:
+    return ["systemctl", "--user"] if user else ["systemctl"]
 
 
-def run(args: argparse.Namespace) -> int:
-    inst = this_installation(args.exec_path)
-    directory = args.unit_dir or default_unit_dir(args.user)
-    if args.root is not None:
-        directory = args.root / directory.relative_to(directory.anchor)
-    results = write_units(directory, render(inst, user=args.user))
-    for path, changed in results:
-        print(f"{'wrote' if changed else 'unchanged'} {path}")
-    if not inst.world_readable and not args.user:
-        print("note: this installation is not readable by other users, so sbus.service "
-              "runs as root instead of DynamicUser=yes")
-    systemctl = ["systemctl", "--user"] if args.user else ["systemctl"]
-    default_place = args.root is None and args.unit_dir is None
-    if default_place and not args.no_reload and _manager_running(args.user):
-        done = subprocess.run([*systemctl, "daemon-reload"], capture_output=True, text=True)
-        if done.returncode == 0:
-            print(f"ran {' '.join(systemctl)} daemon-reload")
-        else:
-            print(f"warning: {' '.join(systemctl)} daemon-reload failed: "
-                  f"{done.stderr.strip()}", file=sys.stderr)
-    print(f"start the bus with: {' '.join(systemctl)} enable --now sbus.socket")
-    if args.user:
-        print("clients find it with: export SBUS_ADDRESS=$XDG_RUNTIME_DIR/sbus.socket")
-    return 0
+def daemon_reload(user: bool) -> str | None:
+    """``systemctl daemon-reload``; None when it worked, else what it said."""
+    done = subprocess.run([*systemctl(user), "daemon-reload"], capture_output=True, text=True)
+    return None if done.returncode == 0 else done.stderr.strip()

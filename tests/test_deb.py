@@ -109,6 +109,7 @@ def test_the_package_is_named_for_version_and_arch(deb: Path) -> None:
                  "./lib/systemd/system/sbus.service", "./usr/lib/sbus/sbus/cli.py",
                  "./usr/lib/sbus/anyio/__init__.py", "./usr/lib/sbus/paho/__init__.py",
                  "./lib/systemd/system/sbus-bridge@.service", "./usr/share/man/man1/sbus.1.gz",
+                 "./lib/systemd/system/sbus-gateway.service",
                  "./usr/share/man/man1/sbus-top.1.gz",
                  "./usr/share/bash-completion/completions/sbus",
                  "./usr/share/zsh/vendor-completions/_sbus"):

@@ -88,7 +88,7 @@ def test_wheel_and_sdist_pass_twine_check(dist: Path):
     assert out.count("PASSED") == 2, out
     with tarfile.open(dist / f"sbus-{version}.tar.gz") as sdist:
         names = set(sdist.getnames())
-    for name in ("sbus/cli.py", "docs/systemd.md", "units/system/sbus.service", "README.md"):
+    for name in ("sbus/cli.py", "docs/systemd.md", "sbus/units.py", "README.md"):
         assert f"sbus-{version}/{name}" in names, name
 
 

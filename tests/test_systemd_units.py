@@ -25,14 +25,11 @@ def install(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           text=True, env={**os.environ, **(env or {})}, timeout=60)
 
 
-@pytest.mark.parametrize("scope", ["system", "user"])
-def test_units_dir_is_the_rendering_for_usr_bin(scope: str) -> None:
-    """units/ must not drift from what install-units writes (regenerate it if this fails:
-    sbus install-units [--user] --exec /usr/bin/sbus --unit-dir units/<scope>)."""
-    packaged = Installation("/usr/bin/sbus", world_readable=True, under_home=False)
-    rendered = units.render(packaged, user=scope == "user")
-    on_disk = {p.name: p.read_text() for p in (REPO / "units" / scope).iterdir()}
-    assert on_disk == rendered
+def test_the_units_have_one_source():
+    """sbus/units.py is the template; no rendered copy is kept in the tree to drift (the
+    Debian build writes them: debian/rules runs install-units --exec /usr/bin/sbus)."""
+    assert not (REPO / "units").exists()
+    assert "install-units --exec /usr/bin/sbus" in (REPO / "debian" / "rules").read_text()
 
 
 @pytest.mark.parametrize("scope", ["system", "user"])
@@ -48,7 +45,8 @@ def test_installed_units_verify_clean(short_tmp: Path, scope: str) -> None:
     assert f"ExecStart={SBUS_EXE} serve{idle}\n" in service
     runtime = short_tmp / "xdg"
     runtime.mkdir(mode=0o700)
-    verify = subprocess.run([ANALYZE, *flags, "verify", *(str(unit_dir / n) for n in NAMES)],
+    names = NAMES + ([] if flags else ["sbus-gateway.service"])
+    verify = subprocess.run([ANALYZE, *flags, "verify", *(str(unit_dir / n) for n in names)],
                             capture_output=True, text=True, cwd=unit_dir, timeout=60,
                             env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
     assert (verify.returncode, verify.stderr, verify.stdout) == (0, "", "")
@@ -85,6 +83,12 @@ def test_unit_contents() -> None:
         assert "\nStateDirectory=sbus\n" in record and "\nAfter=sbus.socket\n" in record
     assert "Environment=SBUS_ADDRESS=%t/sbus.socket\n" in user["sbus-record.service"]
     assert "\nDynamicUser=yes\n" in system["sbus-record.service"]
+    gateway = system["sbus-gateway.service"]
+    assert "\nExecStart=/opt/sbus/bin/sbus gateway --listen [::]:7443 \\\n" in gateway
+    assert "\nLoadCredential=auth-key:/etc/sbus/gateway/auth-key\n" in gateway
+    assert "\nRestrictAddressFamilies=AF_UNIX AF_INET AF_INET6\n" in gateway
+    assert "\nPrivateNetwork=" not in gateway and "\nDynamicUser=yes\n" in gateway
+    assert "sbus-gateway.service" not in user  # its secrets are root's files
     # '%' in a path is not taken for a systemd specifier
     odd = units.render(Installation("/opt/50%/bin/sbus", True, False), user=False)
     assert "\nExecStart=/opt/50%%/bin/sbus serve\n" in odd["sbus.service"]
@@ -113,7 +117,8 @@ def test_root_option_installs_below_a_tree(short_tmp: Path) -> None:
     done = install("--root", str(short_tmp / "img"), "--exec", "/usr/bin/sbus")
     assert done.returncode == 0, done.stderr
     target = short_tmp / "img" / "etc" / "systemd" / "system"
-    assert sorted(p.name for p in target.iterdir()) == sorted([*NAMES, "sbus-bridge@.service"])
+    assert sorted(p.name for p in target.iterdir()) == sorted([*NAMES, "sbus-bridge@.service",
+                                                              "sbus-gateway.service"])
     assert "ExecStart=/usr/bin/sbus serve\n" in (target / "sbus.service").read_text()
     for p in target.iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o644

@@ -100,7 +100,7 @@ def test_bad_arguments_are_refused(broker):
         assert out.returncode == 2 and "sbus-top: error:" in out.stderr, args
     out = subprocess.run([*TOP, "--address", broker.address, "--json", "--group", "-1"],
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 1 and "--group must be 0 or more" in out.stderr
+    assert out.returncode == 2 and "--group must be 0 or more" in out.stderr
 
 
 def test_idle_ends_a_snapshot_after_a_burst_with_an_exact_count(broker):

@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from ..cmd.top import main
 
 sys.exit(main())
