@@ -30,12 +30,15 @@ class InvalidRequest(SbusError, ValueError):
 
 
 class Refused(SbusError):
-    """The broker refused a packet and said why (``CMSG refused/VERB\\0reason``)."""
+    """A request refused, with why.  By the broker: *verb* names what it refused
+    (``CMSG refused/VERB\\0reason``).  By a component for its own clients: a remote
+    client's frame (gateway), a file name (FUSE: *errno* is the kernel's answer)."""
 
-    def __init__(self, verb: str, reason: str) -> None:
-        super().__init__(f"the broker refused the {verb.upper()}: {reason}")
+    def __init__(self, reason: str, *, verb: str = "", errno: int | None = None) -> None:
+        super().__init__(f"the broker refused the {verb.upper()}: {reason}" if verb else reason)
         self.verb = verb
         self.reason = reason
+        self.errno = errno
 
 
 class UsageError(SbusError):

@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from enum import Enum
 
+from ..errors import Refused  # a name that cannot be used; .errno answers the kernel
+
 __all__ = ["SEP", "SELF", "TRAILING", "Kind", "Refused", "KnownTree", "pattern_of",
            "is_pattern", "lookup", "creatable", "secret_owner", "key_segments"]
 
@@ -44,14 +46,6 @@ Path = tuple[bytes, ...]
 class Kind(Enum):
     DIR = "dir"
     FILE = "file"
-
-
-class Refused(Exception):
-    """A name that cannot be used; ``errno`` is the answer for the kernel."""
-
-    def __init__(self, code: int, why: str) -> None:
-        super().__init__(why)
-        self.errno = code
 
 
 def is_wild(segment: bytes) -> bool:
@@ -265,16 +259,16 @@ def lookup(tree: KnownTree, parent: Path, name: bytes, own: Path | None,
         if depth == 1:
             if name == CRED:
                 return Kind.DIR
-            raise Refused(errno.ENOENT, "only 'cred' lives in '!'")
+            raise Refused("only 'cred' lives in '!'", errno=errno.ENOENT)
         if depth < 5:
             if not name.isdigit():
-                raise Refused(errno.ENOENT, "credentials are decimal GID/UID/PID")
+                raise Refused("credentials are decimal GID/UID/PID", errno=errno.ENOENT)
             if depth == 4:
                 _check_owner(parent[2:4] + (name,), own, caller_may_read_own)
             return Kind.DIR
         _check_owner(parent[2:5], own, caller_may_read_own)
         if depth == 5 and name == SELF:
-            raise Refused(errno.ENOENT, "a secret key needs a name after its credentials")
+            raise Refused("a secret key needs a name after its credentials", errno=errno.ENOENT)
     if name in (TRAILING, SELF):
         return Kind.FILE
     if is_wild(name):
@@ -284,21 +278,21 @@ def lookup(tree: KnownTree, parent: Path, name: bytes, own: Path | None,
         return Kind.DIR
     if tree.is_key(path) or any(is_wild(s) for s in parent):
         return Kind.FILE
-    raise Refused(errno.ENOENT, "not a known key or directory")
+    raise Refused("not a known key or directory", errno=errno.ENOENT)
 
 
 def _check_owner(cred: Path, own: Path | None, caller_may_read_own: bool) -> None:
     if own is None or cred != own:
-        raise Refused(errno.EACCES, "another process's secret keys")
+        raise Refused("another process's secret keys", errno=errno.EACCES)
     if not caller_may_read_own:
-        raise Refused(errno.EACCES, "the mount's secret keys belong to its owner")
+        raise Refused("the mount's secret keys belong to its owner", errno=errno.EACCES)
 
 
 def creatable(parent: Path, name: bytes) -> None:
     """Raise `Refused` unless ``parent/name`` may be created as a key file or directory."""
     if name in (b".", b"..", SELF, TRAILING) or is_wild(name) or (not parent and name == SECRET):
-        raise Refused(errno.EEXIST, "a reserved name always exists")
+        raise Refused("a reserved name always exists", errno=errno.EEXIST)
     if any(is_wild(s) for s in parent):
-        raise Refused(errno.EACCES, "nothing can be created inside a pattern")
+        raise Refused("nothing can be created inside a pattern", errno=errno.EACCES)
     if parent[:1] == (SECRET,) and len(parent) < 5:
-        raise Refused(errno.EACCES, "secret keys live below !/cred/GID/UID/PID")
+        raise Refused("secret keys live below !/cred/GID/UID/PID", errno=errno.EACCES)

@@ -40,7 +40,7 @@ from trio.lowlevel import ParkingLot
 
 from ..defaults import size_arg
 from ..display import brief
-from ..errors import SbusError
+from ..errors import Refused, SbusError  # Refused: a frame refused, the connection stays
 from ..keys import Credentials, KeyRefused, KeyRules
 from ..limits import LogAllowance
 from ..routing import pattern_cost
@@ -81,10 +81,6 @@ ROUTE_CACHE = 4 * 1024 * 1024
 REFUSAL_DELAY = 5.0
 
 _NOBODY = Credentials(0, 0, 0)  # check_pattern needs some; secret patterns never get there
-
-
-class Refused(Exception):
-    """A frame refused; the connection stays (the message says why, quoting briefly)."""
 
 
 class Disconnect(Exception):
