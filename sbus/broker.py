@@ -36,8 +36,8 @@ from collections.abc import Callable
 
 from . import handover
 from .core import TURN_SECONDS, BrokerCore, Client
-from .defaults import MAX_MESSAGE, QUEUE_LIMIT
-from .flood import Hard, Order, Soft
+from .defaults import MAX_MESSAGE, QUEUE_LIMIT, SEPARATOR
+from .flood import DEFAULT_POLICY, Hard, Order, Soft
 from .keys import Credentials
 from .limits import Limits
 from .packetio import PacketBatch
@@ -126,11 +126,11 @@ class Broker:
     def __init__(
         self,
         *,
-        sep: bytes = b"/",
+        sep: bytes = SEPARATOR,
         max_message: int = MAX_MESSAGE,
         queue_limit: int = QUEUE_LIMIT,
         limits: Limits | None = None,
-        defaults: tuple[Soft, Hard, Order] = (Soft.QUEUE, Hard.DISCARD, Order.QUEUE),
+        defaults: tuple[Soft, Hard, Order] = DEFAULT_POLICY,
     ) -> None:
         self.max_message = max_message
         # one buffer for all clients: a batch is handled before the next is read

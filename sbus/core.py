@@ -38,8 +38,8 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from . import handover, introspect, protocol
-from .defaults import MAX_MESSAGE, QUEUE_LIMIT
+from . import flood, handover, introspect, protocol
+from .defaults import MAX_MESSAGE, QUEUE_LIMIT, SEPARATOR
 from .display import brief
 from .flood import PACKET_OVERHEAD, Hard, Order, OutQueue, Soft, Verdict, parse_control
 from .keys import Credentials, KeyRefused, KeyRules
@@ -153,11 +153,11 @@ class BrokerCore:
         write: Write,
         at_eof: Callable[[object], bool],
         *,
-        sep: bytes = b"/",
+        sep: bytes = SEPARATOR,
         max_message: int = MAX_MESSAGE,
         queue_limit: int = QUEUE_LIMIT,
         limits: Limits | None = None,
-        defaults: tuple[Soft, Hard, Order] = (Soft.QUEUE, Hard.DISCARD, Order.QUEUE),
+        defaults: tuple[Soft, Hard, Order] = flood.DEFAULT_POLICY,
         batch_slots: int = 32,
         user_name: Callable[[int], str | None] = lambda uid: None,
         now: float = 0.0,

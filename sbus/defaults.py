@@ -12,10 +12,22 @@ import re
 
 __all__ = ["MAX_MESSAGE", "QUEUE_LIMIT", "parse_size", "size_arg", "parse_duration",
            "duration_arg", "DEFAULT_ADDRESS", "default_address", "RECV_BUFFER", "SEND_BUFFER",
-           "count_arg"]
+           "count_arg", "SEPARATOR", "SOCKET_MODE", "DEFAULT_SOFT", "DEFAULT_HARD",
+           "DEFAULT_ORDER"]
 
 #: Where the broker listens unless told otherwise (``$SBUS_ADDRESS`` overrides it).
 DEFAULT_ADDRESS = "/run/sbus.socket"
+
+#: Permissions of the socket file ``sbus serve`` creates (and ``sbus.socket``'s
+#: ``SocketMode=``): a multi-user bus; secret keys are guarded by credentials.
+SOCKET_MODE = 0o666
+#: The routing key separator (``sbus serve --separator``).
+SEPARATOR = b"/"
+#: The flood policy of a client that sets none (``sbus serve --soft/--hard/--order``), in
+#: the protocol's words (sbus/flood.py: `DEFAULT_POLICY` gives them their types).
+DEFAULT_SOFT = b"queue"
+DEFAULT_HARD = b"discard"
+DEFAULT_ORDER = b"queue"
 
 #: Largest packet the broker accepts and forwards (``--max-message``).
 MAX_MESSAGE = 256 * 1024

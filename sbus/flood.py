@@ -38,6 +38,7 @@ import itertools
 from collections import deque
 from enum import Enum
 
+from .defaults import DEFAULT_HARD, DEFAULT_ORDER, DEFAULT_SOFT
 from .protocol import HARD, ORDER, SOFT
 
 __all__ = ["Soft", "Hard", "Order", "Verdict", "OutQueue", "Budget", "parse_control",
@@ -79,6 +80,11 @@ class Order(Enum):
     QUEUE = b"queue"
     STACK = b"stack"
     RANDOM = b"random"
+
+
+#: A new client's policy, unless ``sbus serve`` was told otherwise.
+DEFAULT_POLICY: tuple[Soft, Hard, Order] = (Soft(DEFAULT_SOFT), Hard(DEFAULT_HARD),
+                                            Order(DEFAULT_ORDER))
 
 
 class Verdict(Enum):

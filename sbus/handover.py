@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from .defaults import DEFAULT_HARD, DEFAULT_ORDER, DEFAULT_SOFT
+
 __all__ = ["FORMAT", "SNAPSHOT_NAME", "CLIENTS_NAME", "ClientState", "State",
            "HandoverError", "encode", "decode", "is_handover_name"]
 
@@ -41,9 +43,9 @@ class HandoverError(ValueError):
 class ClientState:
     id: int
     patterns: list[tuple[bytes, int]] = field(default_factory=list)
-    soft: bytes = b"queue"
-    hard: bytes = b"discard"
-    order: bytes = b"queue"
+    soft: bytes = DEFAULT_SOFT
+    hard: bytes = DEFAULT_HARD
+    order: bytes = DEFAULT_ORDER
     nowait: bool = False
     queued: list[bytes] = field(default_factory=list)  # oldest first
     dropped: int = 0  # not yet reported with blocking/dropped

@@ -40,6 +40,12 @@ class KeyRefused(InvalidRequest):
     """A key or pattern that misuses the reserved ``!`` or names someone else's secrets."""
 
 
+def secret_prefix(sep: bytes = b"/") -> bytes:
+    """``!/``: how every secret key starts, and every pattern that may match one (the
+    one place it is spelled; `sbus.routing` keeps secrets apart by it)."""
+    return b"!" + sep
+
+
 @dataclass(frozen=True, slots=True)
 class Credentials:
     """A peer's kernel-verified identity (from ``SO_PEERCRED`` at connect time)."""
@@ -68,7 +74,7 @@ class KeyRules:
         if len(sep) != 1 or sep in b"*!\0":
             raise ValueError(f"separator must be one byte other than * ! NUL: {sep!r}")
         self.sep = sep
-        self.secret_prefix = b"!" + sep
+        self.secret_prefix = secret_prefix(sep)
         s = re.escape(sep)
         self._cred_key = re.compile(rb"!%scred%s([0-9]*)%s([0-9]*)%s([0-9]*)%s" % (s, s, s, s, s))
         self._cred_pattern = re.compile(rb"!%scred%s([^%s]*)%s([^%s]*)%s([^%s]*)%s" % (

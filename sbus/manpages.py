@@ -13,6 +13,8 @@ import sys
 from datetime import UTC, date, datetime
 from pathlib import Path
 
+from .defaults import DEFAULT_ADDRESS
+
 __all__ = ["write_manpages", "manpage", "escape"]
 
 _EXIT = [("0", "success"),
@@ -103,7 +105,7 @@ def manpage(name: str, parser: argparse.ArgumentParser, summary: str,
             out += [".TP", f"\\fB{escape(line)}\\fR", escape(what)]
     out += [".SH ENVIRONMENT", ".TP", "\\fBSBUS_ADDRESS\\fR",
             "the broker's socket when \\fB\\-\\-address\\fR is not given "
-            "(else /run/sbus.socket)", ".SH EXIT STATUS"]
+            f"(else {DEFAULT_ADDRESS})", ".SH EXIT STATUS"]
     for code, what in _EXIT:
         out += [".TP", code, escape(what)]
     if see_also:

@@ -45,6 +45,8 @@ from collections import Counter
 from collections.abc import Hashable, Iterator
 from typing import Generic, TypeVar
 
+from .keys import secret_prefix
+
 __all__ = ["RoutingIndex", "RouteCache", "compile_pattern", "matches", "pattern_cost"]
 
 C = TypeVar("C", bound=Hashable)
@@ -82,7 +84,7 @@ def compile_pattern(
 
 def matches(pattern: bytes, key: bytes, sep: bytes = b"/") -> bool:
     """Does *pattern* match *key*?  The same rules as `RoutingIndex`, for one pattern."""
-    secret = b"!" + sep
+    secret = secret_prefix(sep)
     if key.startswith(secret) and not pattern.startswith(secret):
         return False
     if not pattern:
@@ -251,7 +253,7 @@ class RouteCache(Generic[C]):
         self._owned: dict[object, dict[bytes, None]] = {}  # owner -> its keys, oldest first
         self._owner_bytes: Counter[object] = Counter()
         self._groups: dict[bytes, dict[bytes, None]] = {}  # group -> its keys
-        self._secret = b"!" + sep
+        self._secret = secret_prefix(sep)
 
     def group(self, key: bytes) -> bytes:
         """A key's group: its first segment; for a secret key its ``!/cred/G/U/P``."""
@@ -350,7 +352,7 @@ class RoutingIndex(Generic[C]):
 
     def __init__(self, sep: bytes = b"/", cache: RouteCache[C] | None = None) -> None:
         self.sep = sep
-        self._secret_prefix = b"!" + sep
+        self._secret_prefix = secret_prefix(sep)
         self._public = _Node[C]()
         self._secret = _Node[C]()
         self._everything: Counter[C] = Counter()  # the empty pattern

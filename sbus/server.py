@@ -22,7 +22,7 @@ import time
 
 from . import handover, sdnotify
 from .broker import Broker
-from .defaults import MAX_MESSAGE, default_address
+from .defaults import MAX_MESSAGE, QUEUE_LIMIT, SEPARATOR, SOCKET_MODE, default_address
 from .errors import ServeError
 from .limits import Limits
 
@@ -321,10 +321,10 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 def run(
     address: str | None = None,
     *,
-    mode: int | None = 0o666,
-    sep: bytes = b"/",
+    mode: int | None = SOCKET_MODE,
+    sep: bytes = SEPARATOR,
     max_message: int = MAX_MESSAGE,
-    queue_limit: int = 4 * 1024 * 1024,
+    queue_limit: int = QUEUE_LIMIT,
     limits: Limits | None = None,
     defaults: tuple | None = None,
     exit_idle: float | None = None,

@@ -23,10 +23,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .defaults import DEFAULT_ADDRESS, SOCKET_MODE
 from .errors import SbusError
 
-SYSTEM_SOCKET = "/run/sbus.socket"
-USER_SOCKET = "%t/sbus.socket"
+SYSTEM_SOCKET = DEFAULT_ADDRESS
+USER_SOCKET = f"%t/{os.path.basename(DEFAULT_ADDRESS)}"
 SYSTEM_MOUNT_POINT = "/mnt/sbus"
 USER_MOUNT_POINT = "%t/sbus-fs"
 HOME_TREES = ("/home", "/root", "/run/user")
@@ -118,7 +119,8 @@ def _socket_unit(user: bool) -> str:
     where = USER_SOCKET if user else SYSTEM_SOCKET
     mode = ("# Only this user may connect to a per-user bus.\nSocketMode=0600\n" if user else
             "# A multi-user bus: anyone may connect; the broker guards secret keys\n"
-            "# with the credentials the kernel reports (SO_PEERCRED).\nSocketMode=0666\n")
+            "# with the credentials the kernel reports (SO_PEERCRED).\n"
+            f"SocketMode={SOCKET_MODE:04o}\n")
     return (
         "[Unit]\n"
         "Description=sbus message bus socket\n"

@@ -6,7 +6,17 @@ import argparse
 import os
 
 from .. import server
-from ..defaults import MAX_MESSAGE, QUEUE_LIMIT, duration_arg, size_arg
+from ..defaults import (
+    DEFAULT_HARD,
+    DEFAULT_ORDER,
+    DEFAULT_SOFT,
+    MAX_MESSAGE,
+    QUEUE_LIMIT,
+    SEPARATOR,
+    SOCKET_MODE,
+    duration_arg,
+    size_arg,
+)
 from ..errors import ServeError
 from ..flood import Hard, Order, Soft
 from ..limits import Limits
@@ -35,22 +45,26 @@ def _octal_mode(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", type=_octal_mode, default=0o666, metavar="MODE",
-                   help="permissions of the socket file it creates (octal, default 0666: "
-                        "a multi-user bus; secrets are guarded by credentials)")
-    p.add_argument("--separator", default="/", choices=["/", "."],
+    p.add_argument("--mode", type=_octal_mode, default=SOCKET_MODE, metavar="MODE",
+                   help="permissions of the socket file it creates (octal, default "
+                        f"{SOCKET_MODE:04o}: a multi-user bus; secrets are guarded by "
+                        "credentials)")
+    p.add_argument("--separator", default=SEPARATOR.decode(), choices=["/", "."],
                    help="routing key separator ('.' serves the early-draft dialect)")
     p.add_argument("--max-message", type=size_arg, default=MAX_MESSAGE, metavar="BYTES",
                    help="largest packet accepted and forwarded (default 256k)")
     p.add_argument("--queue-limit", type=size_arg, default=QUEUE_LIMIT, metavar="BYTES",
                    help="bytes queued per slow client before its hard policy applies "
                         "(default 4m)")
-    p.add_argument("--soft", choices=[s.value.decode() for s in Soft], default="queue",
-                   help="flood policy of new clients when a message would block (default queue)")
-    p.add_argument("--hard", choices=[h.value.decode() for h in Hard], default="discard",
-                   help="flood policy of new clients whose queue is full (default discard)")
-    p.add_argument("--order", choices=[o.value.decode() for o in Order], default="queue",
-                   help="order in which queued messages leave (default queue)")
+    p.add_argument("--soft", choices=[s.value.decode() for s in Soft],
+                   default=DEFAULT_SOFT.decode(), help="flood policy of new clients when a "
+                   f"message would block (default {DEFAULT_SOFT.decode()})")
+    p.add_argument("--hard", choices=[h.value.decode() for h in Hard],
+                   default=DEFAULT_HARD.decode(), help="flood policy of new clients whose "
+                   f"queue is full (default {DEFAULT_HARD.decode()})")
+    p.add_argument("--order", choices=[o.value.decode() for o in Order],
+                   default=DEFAULT_ORDER.decode(), help="order in which queued messages "
+                   f"leave (default {DEFAULT_ORDER.decode()})")
     p.add_argument("--max-connections-per-user", type=int, default=Limits.connections_per_user,
                    metavar="N", help="connections one user may hold at once "
                                      f"(default {Limits.connections_per_user}; root is exempt)")
