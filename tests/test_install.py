@@ -26,7 +26,7 @@ from conftest import stop_process, wait_for_socket
 from sbus.extras import MODULE_EXTRA
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = ("sbus", "pyproject.toml", "README.md", "MANIFEST.in", "docs", "units")
+SOURCES = ("sbus", "pyproject.toml", "README.md", "MANIFEST.in", "docs")
 COMPILERS = ("cc", "gcc", "c++", "g++", "clang", "pkg-config")
 
 
