@@ -121,5 +121,6 @@ def run_command(name: str, run: Callable[[argparse.Namespace], int | None],
     except BrokenPipeError:
         return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -74,6 +74,7 @@ def test_mosquitto_pub_and_sub_spellings_work(broker):
                                 "e.g. sbus pub greetings/world hello"),
     (["-t", "k", "a", "b"], "sbus pub: one payload at most, not 2 (-m is the PAYLOAD): "
                             "e.g. sbus pub greetings/world hello"),
+    (["--lines", "k", "p"], "sbus pub: --lines reads standard input: no PAYLOAD with it"),
 ])
 def test_pub_without_a_key_or_with_two_payloads_says_the_sbus_spelling(broker, args, line):
     r = sbus("pub", "--address", broker.address, *args)
