@@ -113,6 +113,29 @@ def test_pub_at_a_terminal_says_what_it_waits_for(broker):
     assert r.returncode == 0 and r.stderr == b""
 
 
+@pytest.mark.parametrize("argv,said", [
+    (["pub", "--lines", "typed"], b"sbus pub: reading one message per line from the "
+                                  b"terminal until Ctrl-D"),
+    (["request", "--timeout", "0.1", "typed"], b"sbus request: reading the request body "
+                                               b"from the terminal until Ctrl-D (or give "
+                                               b"it: sbus request KEY PAYLOAD)"),
+])
+def test_lines_and_request_at_a_terminal_say_what_they_wait_for(broker, argv, said):
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([*SBUS, argv[0], "--address", broker.address, *argv[1:]],
+                            stdin=follower, stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    try:
+        assert said in read_until(leader, said[-12:])
+        os.write(leader, b"\x04")
+        proc.wait(10)
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # -- one time format -----------------------------------------------------------------------
 
 def test_one_time_format_for_sub_and_journal(broker, short_tmp):

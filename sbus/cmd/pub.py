@@ -14,6 +14,7 @@ import time
 from ..client import Client, SbusError
 from ..defaults import MAX_MESSAGE, count_arg, duration_arg, size_arg
 from ..errors import UsageError
+from . import read_stdin
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,13 +60,6 @@ def key_and_payload(args: argparse.Namespace) -> tuple[str, str | None]:
     return key, words[0] if words else None
 
 
-def _say_what_stdin_is_for(lines: bool) -> None:
-    """A person at a terminal learns why nothing happens (mosquitto_pub would refuse)."""
-    what = "one message per line" if lines else "the payload"
-    print(f"sbus pub: reading {what} from the terminal until Ctrl-D (or give it: "
-          "sbus pub KEY PAYLOAD)", file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
     text_key, text_payload = key_and_payload(args)
     key = os.fsencode(text_key)
@@ -75,14 +69,16 @@ def run(args: argparse.Namespace) -> int:
         raise SbusError("--interval goes with --count")
     if args.lines and text_payload is not None:
         raise UsageError("--lines reads standard input: no PAYLOAD with it")
-    if (args.lines or text_payload is None) and sys.stdin.isatty():
-        _say_what_stdin_is_for(args.lines)
+    if args.lines and sys.stdin.isatty():
+        print("sbus pub: reading one message per line from the terminal until Ctrl-D",
+              file=sys.stderr, flush=True)
     with Client(args.address, max_message=args.max_message) as bus:
         if args.lines:
             for line in sys.stdin.buffer:
                 bus.publish(key, line.rstrip(b"\n"))
         else:
-            payload = (sys.stdin.buffer.read() if text_payload is None
+            payload = (read_stdin("sbus pub", "the payload", "sbus pub KEY PAYLOAD")
+                       if text_payload is None
                        else os.fsencode(text_payload))
             start = time.monotonic()
             for n in range(1, (1 if args.count is None else args.count) + 1):

@@ -9,6 +9,7 @@ import sys
 from ..client import Client, SbusError
 from ..defaults import duration_arg
 from ..display import printable
+from . import read_stdin
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    body = sys.stdin.buffer.read() if args.payload is None else os.fsencode(args.payload)
+    body = (read_stdin("sbus request", "the request body", "sbus request KEY PAYLOAD")
+            if args.payload is None else os.fsencode(args.payload))
     with Client(args.address) as bus:
         try:
             reply = bus.request(os.fsencode(args.key), body, args.timeout)
