@@ -30,11 +30,15 @@ class InvalidRequest(SbusError, ValueError):
 
 
 class Refused(SbusError):
-    """A request refused, with why.  By the broker: *verb* names what it refused
-    (``CMSG refused/VERB\\0reason``).  By a component for its own clients: a remote
-    client's frame (gateway), a file name (FUSE: *errno* is the kernel's answer)."""
+    """A request refused, with why.  ``Refused(verb, reason)``: by the broker, *verb*
+    naming what it refused (``CMSG refused/VERB\\0reason``).  ``Refused(reason)``: by a
+    component for its own client: a remote client's frame (gateway), a file name (FUSE:
+    *errno* is the kernel's answer)."""
 
-    def __init__(self, reason: str, *, verb: str = "", errno: int | None = None) -> None:
+    def __init__(self, verb: str, reason: str | None = None, *,
+                 errno: int | None = None) -> None:
+        if reason is None:
+            verb, reason = "", verb
         super().__init__(f"the broker refused the {verb.upper()}: {reason}" if verb else reason)
         self.verb = verb
         self.reason = reason

@@ -73,7 +73,7 @@ class Refusal:
     reason: str
 
     def error(self) -> Refused:
-        return Refused(self.reason, verb=self.verb)
+        return Refused(self.verb, self.reason)
 
 
 Event = Publish | Dropped | Whoami | Refusal | Control

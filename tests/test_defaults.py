@@ -99,7 +99,8 @@ def test_one_refused_and_every_error_in_the_sbus_error_tree():
     assert defined == ["sbus/errors.py"]
     assert issubclass(Refused, SbusError) and issubclass(ServeError, SbusError)
     assert issubclass(UsageError, SbusError)
-    assert str(Refused("no", verb="sub")) == "the broker refused the SUB: no"
+    assert str(Refused("sub", "no")) == "the broker refused the SUB: no"
+    assert str(Refused("a frame refused")) == "a frame refused"
     assert Refused("not a key", errno=2).errno == 2
 
 
