@@ -195,8 +195,8 @@ def _starts_process(obj: object) -> bool:
         module = sys.modules.get(getattr(obj, "__module__", ""), None)
         scope = vars(module) if module is not None else {}
         verdict = any(_starts_process(scope[n]) for n in names
-                      if n in scope and (inspect.isfunction(scope[n])
-                                         or inspect.isclass(scope[n])))
+                      if n in scope and (inspect.isfunction(scope[n]) or inspect.isclass(
+                          scope[n]) or inspect.ismodule(scope[n])))
     _verdicts[obj] = verdict
     return verdict
 
