@@ -16,7 +16,7 @@ import pytest
 
 TUTORIAL = Path(__file__).resolve().parent.parent / "docs" / "tutorial.md"
 SKIP = "<!-- tutorial-test: skip"
-NEEDS = ["fusermount3", "mountpoint", "mosquitto", "java"]
+NEEDS = ["fusermount3", "mountpoint", "mosquitto"]
 
 
 def shell_blocks(text: str) -> list[str]:
