@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -149,3 +151,77 @@ def publish_to_recorder(address: str, journal: Path, sent: list[tuple[bytes, byt
 def _sbus_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent)
                        + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+# --- The fast lane: `pytest -m "not slow"` runs the pure tests (no process of any kind) ---
+# A test is marked slow when it, a fixture it uses, or a function or class of tests/ that
+# either names (transitively) mentions a way of starting a process. In the fast lane a test
+# that starts a process anyway fails, so a wrong guess is loud, never silent.
+_TESTS_DIR = Path(__file__).resolve().parent
+_STARTS_PROCESS = re.compile(
+    r"\b(subprocess|Popen|os\.fork|os\.system|posix_spawn|multiprocessing|BrokerProcess"
+    r"|SBUS|pyspark|SparkSession|faultkit)\b")
+_verdicts: dict[object, bool] = {}
+
+
+def _code_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _code_names(const)
+    return names
+
+
+def _starts_process(obj: object) -> bool:
+    """Whether *obj*, defined under tests/, or what it names there, starts a process."""
+    obj = inspect.unwrap(obj) if callable(obj) else obj
+    try:
+        in_tests = Path(inspect.getfile(obj)).resolve().is_relative_to(_TESTS_DIR)
+    except TypeError:  # built-in
+        return False
+    if not in_tests:
+        return False
+    if obj in _verdicts:
+        return _verdicts[obj]
+    _verdicts[obj] = False  # a recursion through itself adds nothing
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError):
+        source = ""
+    verdict = bool(_STARTS_PROCESS.search(source))
+    if not verdict:
+        code = getattr(obj, "__code__", None)
+        names = _code_names(code) if code is not None else set(re.findall(r"\w+", source))
+        module = sys.modules.get(getattr(obj, "__module__", ""), None)
+        scope = vars(module) if module is not None else {}
+        verdict = any(_starts_process(scope[n]) for n in names
+                      if n in scope and (inspect.isfunction(scope[n]) or inspect.isclass(
+                          scope[n]) or inspect.ismodule(scope[n])))
+    _verdicts[obj] = verdict
+    return verdict
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow"):
+            continue
+        fixtures = getattr(item, "_fixtureinfo", None)
+        funcs = [getattr(item, "function", None)] + [
+            d.func
+            for name, defs in (fixtures.name2fixturedefs.items() if fixtures else ())
+            if name != "_fast_lane_guard" for d in defs]
+        if any(f is not None and _starts_process(f) for f in funcs):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the fast lane, starting a process fails the test: it belongs in the slow lane."""
+    if "not slow" not in (request.config.option.markexpr or ""):
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it slow")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(os, "fork", refuse)

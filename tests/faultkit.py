@@ -9,6 +9,7 @@ in the backlog instead of being refused, and the next broker serves it.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import resource
@@ -186,3 +187,22 @@ def served(sock: socket.socket, timeout: float = 3.0, sep: bytes = b"/") -> bool
         return None
     finally:
         sock.settimeout(old)
+
+
+def wait_subscribed(address: str, pattern: bytes, timeout: float = 10.0) -> None:
+    """Until the broker's status lists a client holding *pattern*: the way to know that
+    another process's subscription is in force (instead of sleeping and hoping)."""
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(timeout)
+        s.connect(address)
+        while True:
+            s.send(b"CMSG broker/status")
+            while not (p := s.recv(1 << 17)).startswith(b"CMSG broker/status\0"):
+                if not p:
+                    raise ConnectionError("the broker closed the connection")
+            clients = json.loads(p.split(b"\0", 1)[1])["clients"]
+            if any(pattern.decode() in c["patterns"] for c in clients):
+                return
+            assert time.monotonic() < deadline, f"nobody subscribed {pattern!r} in {timeout} s"
+            time.sleep(0.02)

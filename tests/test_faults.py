@@ -53,6 +53,13 @@ class Reconnecting:
         self.sock = self._connect()
 
 
+def until(condition, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.01)
+
+
 def test_kill_9_under_load_with_socket_activation(short_tmp) -> None:
     """Three kill -9s while a publisher floods: clients reconnect, never refused, and the
     next broker (started on the same held socket) serves them, including clients that
@@ -103,14 +110,16 @@ def test_kill_9_under_load_with_socket_activation(short_tmp) -> None:
     kills = 3
     try:
         for n in range(kills):
-            time.sleep(0.6)
+            # the load flows through this broker: its generation reached the subscriber
+            until(lambda n=n: any(g >= n for g in generations_seen), f"generation {n} delivered")
             assert held.proc.poll() is None
             held.kill()
             # while no broker runs, a new client connects: it waits in the backlog
             waiting = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             waiting.connect(held.address)  # would raise ConnectionRefusedError without the hold
             waiting.send(b"CMSG !/cred/whoami")
-            time.sleep(0.2)
+            # and the flooding clients have found the broker gone and connected again
+            until(lambda n=n: min(pub.reconnects, sub.reconnects) > n, "clients reconnecting")
             held.start()
             assert served(waiting, timeout=5), f"restart {n + 1}: queued client not served"
             waiting.close()
@@ -256,7 +265,12 @@ def _at_the_limit_existing_clients_are_served(held: HeldSocket) -> None:
     ok, not_ok = _fill(held.address, NOFILE + 10)
     assert 10 < len(ok) < NOFILE and not_ok, (len(ok), len(not_ok))
     assert open_fds(held.proc.pid) >= NOFILE - 2, "the broker should be at its fd limit"
-    time.sleep(2.5)  # stay at the limit past a STATUS= report (every 2 s)
+    if held.use_notify:  # stay at the limit past a STATUS= report (every 2 s), which
+        # cannot get a descriptor for its datagram here
+        deadline = time.monotonic() + 5
+        while "cannot notify systemd" not in held.log_text():
+            assert time.monotonic() < deadline, "no STATUS= report tried at the limit"
+            time.sleep(0.05)
     assert held.proc.poll() is None, f"broker died at the fd limit: {held.log_text()[-1500:]}"
     # existing clients keep being served at the limit: subscribe, publish, fan out
     for s in ok:
@@ -269,8 +283,7 @@ def _at_the_limit_existing_clients_are_served(held: HeldSocket) -> None:
     # once clients leave, new ones are served again
     for s in not_ok + ok[:5]:
         s.close()
-    time.sleep(0.5)
-    fresh = raw(held.address)
+    fresh = raw(held.address)  # waits in the backlog until the broker has a descriptor
     assert served(fresh, timeout=5), "no recovery after clients left"
     ok[5].send(b"MSG fd/y\0after")
     for s in ok[5:]:

@@ -21,7 +21,7 @@ def _load():
 
 
 def test_fuzz_tool_runs_briefly_and_counts_inputs(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, str(FUZZ), "--seconds", "2", "--workdir",
+    proc = subprocess.run([sys.executable, str(FUZZ), "--seconds", "1", "--workdir",
                            str(tmp_path), "parser", "keys"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
