@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import array
 import os
+import select
 import socket
 from collections.abc import Sequence
 
-__all__ = ["notify", "listen_fds", "LISTEN_FDS_START"]
+__all__ = ["notify", "barrier", "listen_fds", "LISTEN_FDS_START"]
 
 LISTEN_FDS_START = 3
 
@@ -30,6 +31,24 @@ def notify(state: str, fds: Sequence[int] = ()) -> bool:
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
         s.sendmsg([state.encode()], rights if fds else [])
     return True
+
+
+def barrier(timeout: float = 5.0) -> bool:
+    """Wait until the manager has processed every message sent before (``BARRIER=1``: it
+    closes the pipe end we send once it got there); False when not run by one, or when
+    it did not answer in *timeout* seconds."""
+    r, w = os.pipe()
+    try:
+        sent = notify("BARRIER=1", [w])
+        os.close(w)
+        w = -1
+        if not sent:
+            return False
+        return bool(select.select([r], [], [], timeout)[0])
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
 
 
 def listen_fds(unset: bool = True) -> list[tuple[int, str]]:

@@ -20,7 +20,7 @@ import stat
 import sys
 import time
 
-from . import handover, sdnotify
+from . import handover, sdnotify, successor
 from .broker import Broker
 from .defaults import MAX_MESSAGE, QUEUE_LIMIT, SEPARATOR, SOCKET_MODE, default_address
 from .errors import ServeError
@@ -55,7 +55,7 @@ def passed_descriptors() -> tuple[socket.socket | None, dict[str, int]]:
     return listener, named
 
 
-def take_over(broker: Broker, named: dict[str, int]) -> None:
+def take_over(broker: Broker, named: dict[str, int], from_store: bool = True) -> None:
     """Adopt the clients a predecessor handed over; one log line either way.  A snapshot
     of another format is refused and its clients let go (they see end-of-file and
     reconnect, as after an ordinary restart)."""
@@ -99,7 +99,7 @@ def take_over(broker: Broker, named: dict[str, int]) -> None:
             sock.close()
         # The store's copies are ours now, taken or let go: the next handover stores
         # afresh.  (A client let go but left in the store would never see end-of-file.)
-        for name in stored:
+        for name in stored if from_store else ():
             sdnotify.notify(f"FDSTOREREMOVE=1\nFDNAME={name}")
 
 
@@ -314,8 +314,10 @@ class _Timers:
             log.warning("cannot notify systemd: %s", exc)
 
 
-#: The signals that end (SIGTERM, SIGINT) or re-execute (SIGUSR2) the broker.
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+#: The signals that end (SIGTERM, SIGINT) or re-execute (SIGUSR2) the broker, start a
+#: make-before-break reload (SIGHUP), or say that the reload's successor is ready.
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP,
+           successor.READY_SIGNAL)
 
 
 def run(
@@ -337,7 +339,8 @@ def run(
     same connections (and this process then ends at once, without the interpreter's
     teardown); SIGUSR2 re-executes this broker in place with the same hand-over (with
     or without systemd)."""
-    listener, named = passed_descriptors()
+    inherited = successor.inherited_listener()  # a reload's successor (sbus/successor.py)
+    listener, named = (inherited, {}) if inherited else passed_descriptors()
     created = None
     address = address or default_address()
     if listener is None:
@@ -350,7 +353,9 @@ def run(
             created, where = os.stat(address).st_ino, address
     broker = Broker(sep=sep, max_message=max_message, queue_limit=queue_limit, limits=limits,
                     **({"defaults": defaults} if defaults else {}))
-    take_over(broker, named)
+    if inherited is not None:
+        named = successor.await_hand_over()  # built and imported: only now say ready
+    take_over(broker, named, from_store=inherited is None)
     # A signal only writes its number to this socket (`signal.set_wakeup_fd`), which the
     # broker's loop watches beside its clients: it is acted on between two rounds.
     wake_r, wake_w = socket.socketpair()
@@ -365,20 +370,36 @@ def run(
         # of the collector's full passes (a pause of ~10 ms otherwise)
         gc.freeze()
         sdnotify.notify(f"READY=1\nSTATUS=listening, {broker.status()}")
-        broker.serve(listener, wakeup=wake_r.fileno(), tick=timers, every=timers.every)
-        try:
-            signum = wake_r.recv(1)[0]
-        except BlockingIOError:
-            broker.close_all()  # ended by exit-on-idle
-            return
-        successor = signum == signal.SIGUSR2
+        next_broker: successor.Successor | None = None
+        while True:
+            broker.serve(listener, wakeup=wake_r.fileno(), tick=timers, every=timers.every)
+            try:
+                signum = wake_r.recv(1)[0]
+            except BlockingIOError:
+                broker.close_all()  # ended by exit-on-idle
+                return
+            if signum == signal.SIGHUP:  # reload: make the next broker, serve meanwhile
+                if next_broker is None:
+                    env = {"SBUS_CREATED_SOCKET": address} if created is not None else {}
+                    next_broker = successor.Successor(listener, env)
+                continue
+            if signum == successor.READY_SIGNAL:
+                if next_broker is not None and next_broker.ready():
+                    _hand_over_to(broker, listener, next_broker)  # does not return
+                elif next_broker is not None and next_broker.pair.fileno() < 0:
+                    next_broker = None  # it failed: said; a later reload starts another
+                continue
+            break
+        if next_broker is not None:
+            next_broker.abandon()
+        again = signum == signal.SIGUSR2
         under_systemd = bool(os.environ.get("NOTIFY_SOCKET"))
         log.info("%s: %s", signal.Signals(signum).name,
-                 "handing over to a new broker" if successor else "shutting down")
-        if not successor:
+                 "handing over to a new broker" if again else "shutting down")
+        if not again:
             sdnotify.notify("STOPPING=1")
-        if successor or (signum == signal.SIGTERM and under_systemd):
-            _hand_over_now(broker, listener, successor, address, created)
+        if again or (signum == signal.SIGTERM and under_systemd):
+            _hand_over_now(broker, listener, again, address, created)
         broker.close_all()
     finally:
         signal.set_wakeup_fd(old_wakeup)
@@ -393,9 +414,9 @@ def _noted(signum: int, frame: object) -> None:
     """Nothing: the signal's number reaches the loop through the wake-up descriptor."""
 
 
-def _hand_over_now(broker: Broker, listener: socket.socket, successor: bool, address: str,
+def _hand_over_now(broker: Broker, listener: socket.socket, again: bool, address: str,
                    created: int | None) -> None:
-    """Hand the clients over and end this process: by re-executing it (*successor*) or,
+    """Hand the clients over and end this process: by re-executing it (*again*) or,
     with everything in systemd's fd store, by exiting.
 
     The broker's loop returned between two rounds, so the state is whole.  The exit
@@ -403,12 +424,28 @@ def _hand_over_now(broker: Broker, listener: socket.socket, successor: bool, add
     once we are gone (250 ms of 500 with 100,000 patterns held)."""
     broker.handing_over = True  # clients keep sockets and state
     passed = hand_over(broker)
-    if successor:
+    if again:
         if created is not None:
             os.environ["SBUS_CREATED_SOCKET"] = address
         exec_successor(listener, passed)  # does not return
     store_for_restart(passed)
     _release(listener, address, created)
+    logging.shutdown()
+    os._exit(0)
+
+
+def _hand_over_to(broker: Broker, listener: socket.socket,
+                  next_broker: successor.Successor) -> None:
+    """The end of a reload: the successor is ready, so stop here between two rounds,
+    hand it the clients and the snapshot, and exit (the socket file is its now)."""
+    under_systemd = bool(os.environ.get("NOTIFY_SOCKET"))
+    if under_systemd:
+        next_broker.name_main_process()
+    broker.handing_over = True
+    next_broker.hand_over(hand_over(broker))
+    listener.close()
+    if under_systemd:
+        next_broker.confirm()
     logging.shutdown()
     os._exit(0)
 

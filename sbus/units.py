@@ -198,7 +198,10 @@ def _service_unit(inst: Installation, user: bool) -> str:
         + (_USER_IDLE if user else _SYSTEM_IDLE)
         + f"ExecStart={_escaped(inst.exec_start)} serve"
         + (f" --exit-idle-time {USER_EXIT_IDLE}\n" if user else "\n")
-        + "Restart=on-failure\n"
+        + "# 'systemctl reload': the next broker starts and gets ready while this one\n"
+        "# serves, then takes the clients over and becomes the main process (MAINPID=).\n"
+        "ExecReload=kill -HUP $MAINPID\n"
+        "Restart=on-failure\n"
         "WatchdogSec=30s\n"
         "# On stop the broker puts its clients' sockets (all inside one socket) and its\n"
         "# state into the fd store: after 'systemctl restart' the next broker serves the\n"

@@ -43,6 +43,9 @@ class UserManager:
             "XDG_RUNTIME_DIR": str(self.runtime),
             "XDG_CONFIG_HOME": str(self.config),
             "XDG_STATE_HOME": str(self.state),
+            # a worktree's sbus, where the venv's editable install points elsewhere
+            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ
+               else {}),
         }
         self.cgroup: PrivateCgroup | None = None
         self.proc: subprocess.Popen | None = None

@@ -11,12 +11,14 @@ tests/test_systemd_user.py and tests/test_systemd_container.py.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import raw, sync
@@ -125,6 +127,55 @@ def test_sigusr2_hands_every_client_over_under_load(make_broker):
     log = broker.stop()
     assert "handing over 4 clients" in log and "took over 4 clients" in log
     assert not os.path.exists(broker.address)  # the successor still cleans up the socket
+
+
+def _alive(pid: int) -> bool:
+    """Whether *pid* runs (a zombie left to whoever adopted it does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_sighup_reload_starts_the_next_broker_before_handing_over(make_broker):
+    """Make-before-break (sbus/successor.py): on SIGHUP the old broker serves on while its
+    successor imports; the pause is only the hand-over itself.  Every message arrives in
+    order, no client sees end-of-file, and the successor is another process."""
+    broker = make_broker()
+    reader, pub = (raw(broker.address, timeout=30) for _ in range(2))
+    reader.send(b"CMSG blocking/hard/block")
+    reader.send(b"SUB seq/")
+    sync(reader)
+    count = 20_000
+    sent = [b"MSG seq/%d\0" % (i % 10) + b"%d" % i for i in range(count)]
+    times: list[float] = []
+    box: dict = {}
+    reading = threading.Thread(target=lambda: box.update(r=drain(reader, count, times)))
+    reading.start()
+    for i, packet in enumerate(sent):
+        pub.send(packet)
+        if i == count // 4:
+            broker.proc.send_signal(signal.SIGHUP)
+        if i % 500 == 0:
+            time.sleep(0.005)
+    sync(pub)
+    reading.join(60)
+    assert box["r"] == sent
+    gap = max(b - a for a, b in zip(times, times[1:], strict=False))
+    print(f"longest gap between two deliveries across the reload: {gap * 1000:.1f} ms")
+    assert broker.proc.wait(10) == 0  # the old broker exited once it had handed over
+    pub.send(b"CMSG !/cred/whoami")  # the successor serves the same connection
+    assert pub.recv(4096).startswith(b"CMSG !/cred/whoami\0")
+    newcomer = raw(broker.address, timeout=10)  # and the listener
+    sync(newcomer)
+    log = Path(broker.logfile.name).read_text(errors="replace")
+    assert "took over 2 clients" in log, log
+    pid = int(re.search(r"reload: started the next broker \(pid (\d+)\)", log)[1])
+    os.kill(pid, signal.SIGTERM)  # the successor is not our child: end it by its pid
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not os.path.exists(broker.address)  # the socket file went with its new owner
 
 
 def test_a_snapshot_of_another_format_is_refused_with_one_line(short_tmp):

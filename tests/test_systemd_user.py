@@ -368,6 +368,35 @@ def test_restart_hands_every_client_over_under_load(manager: UserManager, bus: s
         audience.close()
 
 
+def test_reload_makes_the_next_broker_before_breaking(manager: UserManager, bus: str,
+                                                     broker_log: Path) -> None:
+    """`systemctl reload sbus.service` (ExecReload= sends SIGHUP): the next broker starts
+    while the old one serves, takes every client over and becomes the service's main
+    process (MAINPID=); no client notices, the service never leaves "active", and the
+    manager counts no restart."""
+    audience = Audience(bus)
+    try:
+        first = manager.show("sbus.service", "MainPID", "NRestarts")
+        mark = broker_log.stat().st_size
+        report = audience.across(lambda: manager.systemctl("reload", "sbus.service"))
+        print("systemctl reload under load:", report)
+        log = broker_log.read_text()[mark:]
+        assert "reload: started the next broker" in log and "took over 4 clients" in log, log
+        deadline = time.monotonic() + 10
+        while manager.show("sbus.service", "MainPID")["MainPID"] == first["MainPID"]:
+            assert time.monotonic() < deadline, "the successor never became the main process"
+            time.sleep(0.05)
+        now = manager.show("sbus.service", "MainPID", "NRestarts", "ActiveState")
+        assert now["MainPID"] != "0" and now["ActiveState"] == "active"
+        assert now["NRestarts"] == first["NRestarts"]
+        with Client(bus, timeout=10) as c:  # the new main process serves newcomers too
+            c.whoami()
+        manager.systemctl("stop", "sbus.service")  # and stops as the service's own
+        audience.all_see_eof()
+    finally:
+        audience.close()
+
+
 def test_restart_refuses_a_snapshot_of_another_version(manager: UserManager, bus: str,
                                                        broker_log: Path) -> None:
     """A broker of another snapshot format stored its clients; its successor refuses the

@@ -110,7 +110,38 @@ class SystemdBroker:
         return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
 
 
-MODES = {"usr2": Usr2Broker, "systemd": SystemdBroker}
+class HupBroker(Usr2Broker):
+    """`sbus serve` started by us; a restart is SIGHUP (make-before-break reload)."""
+
+    name = "hup"
+
+    def restart(self) -> None:
+        self.proc.send_signal(signal.SIGHUP)
+
+    def pid(self) -> int:  # the successor is our child's child: find the listener's owner
+        out = subprocess.run(["pgrep", "-f", f"serve --address {self.address}"],
+                             capture_output=True, text=True).stdout.split()
+        return max(int(p) for p in out) if out else self.proc.pid
+
+    def stop(self) -> str:
+        subprocess.run(["pkill", "-f", f"serve --address {self.address}"], check=False)
+        self.proc.wait(20)
+        self.log.close()
+        return Path(self.log.name).read_text(errors="replace")
+
+
+class SystemdReloadBroker(SystemdBroker):
+    """The user units under a real ``systemd --user``; a restart is
+    ``systemctl --user reload sbus.service`` (make-before-break)."""
+
+    name = "reload"
+
+    def restart(self) -> None:
+        self.manager.systemctl("reload", "sbus.service")
+
+
+MODES = {"usr2": Usr2Broker, "systemd": SystemdBroker, "hup": HupBroker,
+         "reload": SystemdReloadBroker}
 
 
 def startup_ms(runs: int = 3) -> float:
