@@ -663,7 +663,7 @@ def test_retention_race_fails_or_skips_as_failOnDataLoss_says(spark, tmp_path):
     assert ends[0] == {"seq": 201, "from": 101}  # the replayed batch: logged before
     assert ends[1:] == [{"seq": s, "from": f, "lost": rest - lo, "lostAfterPlanning": hi - lo}
                         for f, s in zip((201, *range(rest + 100, 601, 100)),
-                                        (*range(rest + 100, 601, 100), 601))]  # 100 rows each
+                                        (*range(rest + 100, 601, 100), 601), strict=True)]
 
     # failOnDataLoss=false: batch 1 loses what is deleted under it and goes on; batch 2 is
     # planned after a segment it would read was deleted, and its end offset counts those.

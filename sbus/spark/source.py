@@ -342,9 +342,10 @@ class BatchReader(DataSourceReader):
         else:
             last = seq_at(self.opts.path, view, ending)
         if ending.kind == "seq" and last > now_end:
-            raise ValueError(f"the read's end (seq {last}) is past the journal's end: seq {now_end}.."
-                             f"{last - 1} have not been recorded (yet), so a batch read "
-                             f"cannot read them; give an end of at most {now_end}, or "
+            raise ValueError(f"the read's end (seq {last}) is past the journal's end: "
+                             f"seq {now_end}..{last - 1} have not been recorded (yet), "
+                             f"so a batch read cannot read them; give an end of at most "
+                             f"{now_end}, or "
                              "none for everything recorded")
         start = max(first, self.seq_lo)
         end = min(last, self.seq_hi, now_end)
