@@ -373,6 +373,32 @@ def test_analyze_end_to_end(spark, recorded, tmp_path, capsys):
     assert (out / "traffic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_analyze_reports_and_marks_a_10_s_outage(spark, tmp_path):
+    """A journal of 9 prefixes with a real 10 s total outage (written with the receive
+    times a recorder would have stamped, not by sleeping): the report gives the longest
+    pause, exactly, with its times, though no whole window is silent, and the plot is made."""
+    from sbus.spark import analyze
+
+    jdir = tmp_path / "j"
+    base = 10**18  # 2001-09-09T01:46:40Z
+    with JournalWriter(jdir, fsync=False, segment_bytes=20_000) as w:
+        for tick in range(600):  # every 0.1 s for 60 s, nothing from 25.0 s to 35.0 s
+            at = tick * 10**8
+            if 25 * 10**9 < at < 35 * 10**9:
+                continue
+            w.append(base + at, [b"p%d/k" % p for p in range(9)], [b"x" * (tick % 40)] * 9)
+            if tick % 25 == 0:
+                w.flush()
+    assert len(list_segments(jdir)) > 2
+    summary = analyze.analyze(spark, str(jdir), tmp_path / "out", window="20 seconds")
+    assert summary["longest_gap_s"] == 10.0
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "Longest pause between two consecutive messages: **10.0 s**, from " \
+           "2001-09-09 01:47:05.000000 to 2001-09-09 01:47:15.000000 UTC" in report
+    assert "No silent window" not in report
+    assert (tmp_path / "out" / "traffic.png").stat().st_size > 10_000
+
+
 def test_streaming_rollups_published_under_stats(spark, bus, tmp_path):
     """Four minutes of synthetic traffic: each complete minute is published once as
     ``stats/<prefix>``; a restart publishes no window twice."""
