@@ -564,6 +564,45 @@ def test_one_dataframe_is_one_snapshot_and_options_fail_at_load(spark, tmp_path)
             spark.read.format("sbus").option(name, value).load(str(tmp_path))  # no action
 
 
+def test_lag_explain_and_schema_errors_say_what_they_are(spark, tmp_path, capsys):
+    """Lag: each progress report gives the rows behind the journal's end (as Kafka's
+    offsetsBehindLatest), and ``sbus journal lag`` gives it for a checkpoint; EXPLAIN
+    names the filters the source took; a schema with a wrong type names what the source
+    offers."""
+    jdir = tmp_path / "j"
+    small_journal(jdir, 600, segment_bytes=20_000)
+    ck = str(tmp_path / "ck")
+    q = (spark.readStream.format("sbus").option("maxRowsPerTrigger", "100").load(str(jdir))
+         .writeStream.foreachBatch(lambda df, _: None).option("checkpointLocation", ck)
+         .trigger(availableNow=True).start())
+    q.awaitTermination(120)
+    latest = [json.loads(p.sources[0].latestOffset) for p in q.recentProgress]
+    assert [x["rowsBehindLatest"] for x in latest] == [500, 400, 300, 200, 100, 0]
+    assert {x["seq"] for x in latest} == {601}
+
+    def lag(*more):
+        done = subprocess.run([*SBUS, "journal", "lag", str(jdir), "--checkpoint", ck, *more],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert json.loads(lag("--json")) == {"journal_end": 601, "committed_batch": 5,
+                                         "committed_seq": 601, "lost": 0, "behind": 0}
+    with JournalWriter(jdir, fsync=False) as w:
+        w.append(2 * 10**18, [b"a/1"] * 250, [b"x"] * 250)
+    assert lag().strip().endswith("batch 5 committed up to seq 600; the journal ends at "
+                                  "seq 850: 250 rows behind")
+
+    df = (spark.read.format("sbus").option("pushdown", "true").load(str(jdir))
+          .where("seq < 10 and key = 'a/1'"))
+    df.explain(mode="formatted")
+    plan = capsys.readouterr().out
+    assert re.search(r"PushedFilters: \[.*seq.*\]", plan), plan
+    with pytest.raises(Exception, match="seq is bigint, the schema says string.* it offers "
+                                        "key string, payload binary"):
+        spark.read.format("sbus").schema("seq string, key string").load(str(jdir)).collect()
+
+
 def reuse_sequence(df) -> list[int]:
     """Counts of queries on ONE DataFrame that PySpark 4.3 plans with one shared read:
     filtered, unfiltered, filtered differently, a filter Spark cannot push, a union and a

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 
 from ..defaults import parse_duration
 from ..display import json_bytes, printable
@@ -30,9 +31,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            help="cat, tail or export")
     for name, helptext in (("cat", "print recorded messages"),
                            ("tail", "print the last messages, and with -f new ones"),
-                           ("export", "write sealed segments as zstd Parquet")):
+                           ("export", "write sealed segments as zstd Parquet"),
+                           ("lag", "how far a Spark streaming query is behind the journal")):
         a = sub.add_parser(name, help=helptext, description=helptext)
         a.add_argument("dir", metavar="DIR", help="journal directory (from sbus record)")
+        if name == "lag":
+            a.add_argument("--checkpoint", "-c", required=True, metavar="DIR",
+                           help="the query's checkpointLocation")
+            a.add_argument("--json", action="store_true", help="one JSON object")
+            continue
         if name == "export":
             a.add_argument("--out", "-o", required=True, metavar="DIR",
                            help="directory for <first_seq>.parquet, one per sealed segment")
@@ -103,10 +110,88 @@ def format_record(rec: Record, fmt: str) -> bytes:
     return json.dumps(obj).encode() + b"\n"
 
 
+def _batches(directory: Path) -> list[int]:
+    try:
+        return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    except FileNotFoundError:
+        return []
+
+
+def _source_offsets(path: Path) -> list[dict]:
+    """The ``sbus`` source offsets in one file of a checkpoint's offset log (``v1``, the
+    batch's metadata, then one line per source of the query)."""
+    found = []
+    for line in path.read_text().splitlines()[2:]:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("seq"), int):
+            found.append(doc)
+    return found
+
+
+def checkpoint_lag(directory: str, checkpoint: str) -> dict:
+    """Where a streaming query with checkpoint *checkpoint* stands against the journal in
+    *directory*: the last committed batch and its end offset, the batch planned after it
+    if any, the journal's end, the rows recorded after the committed offset that the
+    journal still holds (``behind``), and the rows the query counted lost."""
+    ck = Path(checkpoint)
+    planned = _batches(ck / "offsets")
+    if not planned:
+        raise SbusError(f"{checkpoint} holds no offsets of a streaming query (yet)")
+    committed = [b for b in _batches(ck / "commits") if b in planned]
+    end = _next_seq(directory)
+    out: dict = {"journal_end": end}
+    at = None
+    if committed:
+        offsets = _source_offsets(ck / "offsets" / str(committed[-1]))
+        if len(offsets) != 1:
+            raise SbusError(f"{checkpoint}: batch {committed[-1]} has {len(offsets)} sbus "
+                            "source offsets; lag is shown for queries of one sbus source")
+        at = offsets[0]["seq"]
+        out |= {"committed_batch": committed[-1], "committed_seq": at,
+                "lost": offsets[0].get("lost", 0)}
+    if planned[-1] != (committed[-1] if committed else None):
+        offsets = _source_offsets(ck / "offsets" / str(planned[-1]))
+        if offsets:
+            out |= {"planned_batch": planned[-1], "planned_seq": offsets[0]["seq"]}
+    held = 0
+    for seg in list_segments(directory):
+        for b in segment_blocks(seg):
+            lo = b.first_seq if at is None else max(b.first_seq, at)
+            held += max(0, b.next_seq - lo)
+    out["behind"] = held
+    return out
+
+
+def _lag(args: argparse.Namespace) -> int:
+    lag = checkpoint_lag(args.dir, args.checkpoint)
+    if args.json:
+        print(json.dumps(lag))
+        return 0
+    if "committed_seq" in lag:
+        text = (f"batch {lag['committed_batch']} committed up to seq "
+                f"{lag['committed_seq'] - 1}")
+    else:
+        text = "no batch committed yet"
+    if "planned_batch" in lag:
+        text += (f"; batch {lag['planned_batch']} planned up to seq "
+                 f"{lag['planned_seq'] - 1}, not committed")
+    text += (f"; the journal ends at seq {lag['journal_end'] - 1}: {lag['behind']:,} rows "
+             "behind")
+    if lag.get("lost"):
+        text += f"; {lag['lost']:,} rows counted lost"
+    print(f"{printable(args.checkpoint)}: {text}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "export":
             return _export(args)
+        if args.action == "lag":
+            return _lag(args)
         pattern = None if args.pattern is None else os.fsencode(args.pattern)
         since = since_ns(args.since)
         out = sys.stdout.buffer

@@ -33,7 +33,14 @@ from pyspark.sql.datasource import (
     StringStartsWith,
 )
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
-from pyspark.sql.types import StructType, TimestampType
+from pyspark.sql.types import (
+    BinaryType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
 from ..journal.format import FILE_HEAD, BlockInfo
 from ..journal.store import JournalError, list_segments, read_seq_range, segment_blocks
@@ -127,6 +134,17 @@ def _columns(schema: StructType) -> pa.Schema:
     unknown = [n for n in names if n not in COLUMNS]
     if unknown:
         raise ValueError(f"the sbus source has no column(s) {unknown}; it has {list(COLUMNS)}")
+    offered = StructType([StructField("key", StringType()), StructField("payload", BinaryType()),
+                          StructField("ts", TimestampType()), StructField("seq", LongType()),
+                          StructField("key_bytes", BinaryType())])  # DEFAULT_SCHEMA
+    wrong = [(f, offered[f.name].dataType) for f in schema.fields
+             if f.dataType != offered[f.name].dataType]
+    if wrong:
+        said = ", ".join(f"{f.name} is {t.simpleString()}, the schema says "
+                         f"{f.dataType.simpleString()}" for f, t in wrong)
+        offers = ", ".join(f"{f.name} {f.dataType.simpleString()}" for f in offered.fields)
+        raise ValueError(f"the sbus source cannot give the schema asked for: {said}; it "
+                         f"offers {offers} (any subset, in any order; cast afterwards)")
     not_null = {f.name for f in schema.fields if not f.nullable}
     if not_null & NULLABLE:
         raise ValueError(f"column(s) {sorted(not_null & NULLABLE)} have nulls: they cannot be "
