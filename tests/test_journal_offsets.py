@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sbus.journal.arrow import DataLoss, RowFilter, read_range  # noqa: E402
 from sbus.journal.store import JournalWriter, list_segments  # noqa: E402
-from sbus.spark.arrow import DataLoss, RowFilter, read_range  # noqa: E402
 from sbus.spark.offsets import START, Offset, advance, gaps, partitions, plan  # noqa: E402
 from sbus.spark.source import journal_view  # noqa: E402
 
@@ -203,7 +203,7 @@ def test_rows_gone_under_a_planned_micro_batch_count_in_the_next_offset(tmp_path
     end offset counts them, in a batch of no rows when there is nothing more to read."""
     from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-    from sbus.spark.arrow import arrow_schema
+    from sbus.journal.arrow import arrow_schema
     from sbus.spark.options import ReadOptions
     from sbus.spark.source import StreamReader
 
@@ -235,7 +235,7 @@ def test_rows_gone_under_a_planned_micro_batch_count_in_the_next_offset(tmp_path
 
 
 def _reader(path, fail: str, **more):
-    from sbus.spark.arrow import arrow_schema
+    from sbus.journal.arrow import arrow_schema
     from sbus.spark.options import ReadOptions
     from sbus.spark.source import StreamReader
 

@@ -105,18 +105,22 @@ def held(fd: int, start: int, end: int) -> int:
     can claim a 1 GiB block.  A file system without hole support is taken at its size."""
     want = (end - start + 1) // 2
     total, at = 0, start
-    while at < end and total < want:
-        try:
-            data = os.lseek(fd, at, os.SEEK_DATA)
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:  # nothing but a hole from here to the file's end
+    here = os.lseek(fd, 0, os.SEEK_CUR)  # put back after: a buffered file reads on from it
+    try:
+        while at < end and total < want:
+            try:
+                data = os.lseek(fd, at, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # nothing but a hole up to the file's end
+                    break
+                return end - start  # no SEEK_DATA here
+            if data >= end:
                 break
-            return end - start  # no SEEK_DATA here
-        if data >= end:
-            break
-        hole = os.lseek(fd, data, os.SEEK_HOLE)
-        total += min(hole, end) - data
-        at = hole
+            hole = os.lseek(fd, data, os.SEEK_HOLE)
+            total += min(hole, end) - data
+            at = hole
+    finally:
+        os.lseek(fd, here, os.SEEK_SET)
     return total
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..journal.arrow import Range
 from ..journal.format import BlockInfo
-from .arrow import Range
 
 __all__ = ["Offset", "START", "View", "advance", "gaps", "plan", "partitions", "from_legacy"]
 

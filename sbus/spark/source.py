@@ -42,9 +42,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from ..journal.format import FILE_HEAD, BlockInfo
-from ..journal.store import JournalError, list_segments, read_seq_range, segment_blocks
-from .arrow import (
+from ..journal.arrow import (
     COLUMNS,
     DEFAULT_SCHEMA,
     NULLABLE,
@@ -55,6 +53,8 @@ from .arrow import (
     lost_message,
     read_range,
 )
+from ..journal.format import FILE_HEAD, BlockInfo
+from ..journal.store import JournalError, list_segments, read_seq_range, segment_blocks
 from .offsets import START, Offset, View, advance, first_seq, gaps, partitions
 from .options import Position, ReadOptions
 
