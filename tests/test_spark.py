@@ -344,7 +344,7 @@ def test_batch_write_and_bad_sink_input(spark, bus):
 def test_analyze_end_to_end(spark, recorded, tmp_path, capsys):
     from pyspark.sql import functions as F
 
-    from sbus.spark import analyze
+    from sbus.cmd import analyze
 
     out = tmp_path / "report"
     args = Namespace(journal=str(recorded[0]), out=str(out), pattern=None, window="1 minute",

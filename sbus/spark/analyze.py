@@ -27,32 +27,6 @@ from sbus.display import printable
 STATS_PREFIX = "stats/"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("journal", metavar="DIR", help="journal directory (from sbus record)")
-    p.add_argument("--out", "-o", metavar="DIR", help="output directory (batch mode)")
-    p.add_argument("--pattern", default=None, help="only keys matching this routing pattern")
-    p.add_argument("--window", default=None,
-                   help="time window for traffic over time (default: sized to the journal's "
-                        "span, about 60 windows) and for streaming rollups (default "
-                        "'1 minute'); e.g. 10s, 5min, '1 hour'")
-    p.add_argument("--prefix-depth", type=int, default=1, metavar="N",
-                   help="a key's prefix is its first N '/'-separated segments (default 1)")
-    p.add_argument("--master", default=None,
-                   help="Spark master (default: local[*], or what spark-submit set)")
-    p.add_argument("--stream", action="store_true",
-                   help="streaming: publish rollups onto the bus under stats/ (needs "
-                        "--checkpoint)")
-    p.add_argument("--checkpoint", metavar="DIR", help="streaming checkpoint directory")
-    p.add_argument("--late", default="10 seconds",
-                   help="streaming: how long to wait for late records before a window is "
-                        "published (default '10 seconds')")
-    p.add_argument("--trigger", default="10 seconds",
-                   help="streaming: micro-batch interval, or 'available-now' to process what "
-                        "is recorded and stop")
-    p.add_argument("--max-rows", type=int, default=None, metavar="N",
-                   help="streaming: at most N journal rows per micro-batch")
-
-
 # -- transformations (pure DataFrame -> DataFrame) -----------------------------------------
 
 
@@ -557,18 +531,24 @@ def start_stream(spark, journal: str, checkpoint: str, address: str | None, *,
     return writer.start()
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.prefix_depth < 1:
+def run(journal: str, *, out: str | None = None, pattern: str | None = None,
+        window: str | None = None, depth: int = 1, master: str | None = None,
+        stream: bool = False, checkpoint: str | None = None, address: str | None = None,
+        late: str = "10 seconds", trigger: str = "10 seconds", max_rows: int | None = None,
+        verbose: int = 0) -> int:
+    """``sbus analyze`` (`sbus.cmd.analyze` parses its options): the batch report into
+    *out*, or with *stream* the rollups onto the bus; the exit status."""
+    if depth < 1:
         raise SbusError("--prefix-depth must be at least 1")
-    if not Path(args.journal).is_dir():
-        raise SbusError(f"no journal directory at {args.journal}")
-    if args.stream:
-        if not args.checkpoint:
+    if not Path(journal).is_dir():
+        raise SbusError(f"no journal directory at {journal}")
+    if stream:
+        if not checkpoint:
             raise SbusError("--stream needs --checkpoint DIR")
-    elif not args.out:
+    elif not out:
         raise SbusError("batch analysis needs --out DIR (or use --stream)")
-    if args.window is not None:
-        _window_seconds(args.window)  # a bad --window fails before Spark starts
+    if window is not None:
+        _window_seconds(window)  # a bad --window fails before Spark starts
     try:
         import pyarrow  # noqa: F401
         import pyspark  # noqa: F401
@@ -580,7 +560,6 @@ def run(args: argparse.Namespace) -> int:
 
     from sbus.spark.session import get_session
 
-    verbose = getattr(args, "verbose", 0)
     if not verbose:  # py4j logs every broken connection of an interrupted job, on root
         if not logging.getLogger().handlers:
             logging.basicConfig(format="%(name)s: %(message)s")
@@ -592,32 +571,29 @@ def run(args: argparse.Namespace) -> int:
     spark = None
     try:
         progress("starting Spark")
-        spark = get_session(args.master, "sbus analyze", quiet=not verbose)
-        if args.stream:
-            window = args.window or "1 minute"
-            if args.window is not None:
-                window = f"{_window_seconds(window)} seconds"
-            query = start_stream(spark, args.journal, args.checkpoint, args.address,
-                                 window=window, late=args.late, depth=args.prefix_depth,
-                                 trigger=args.trigger, max_rows=args.max_rows,
-                                 pattern=args.pattern)
+        spark = get_session(master, "sbus analyze", quiet=not verbose)
+        if stream:
+            every = "1 minute" if window is None else f"{_window_seconds(window)} seconds"
+            query = start_stream(spark, journal, checkpoint, address, window=every,
+                                 late=late, depth=depth, trigger=trigger, max_rows=max_rows,
+                                 pattern=pattern)
             progress("streaming rollups onto the bus (Ctrl-C stops)")
             try:
                 query.awaitTermination()
             finally:
                 query.stop()
             return 0
-        summary = analyze(spark, args.journal, args.out, pattern=args.pattern,
-                          window=args.window, depth=args.prefix_depth, progress=progress)
+        summary = analyze(spark, journal, out, pattern=pattern, window=window, depth=depth,
+                          progress=progress)
         progress(f"done: {summary['messages']:,} messages, {summary['keys']:,} keys; "
-                 f"report in {Path(args.out) / 'report.md'}")
+                 f"report in {Path(out) / 'report.md'}")
         print(json.dumps({**summary, "first": str(summary["first"]),
                           "last": str(summary["last"]),
                           "seconds": round(time.monotonic() - progress.started, 1)}))
         return 0
     except KeyboardInterrupt:
         _quiet_stop(spark)
-        print("sbus analyze: interrupted; no report written" if not args.stream else
+        print("sbus analyze: interrupted; no report written" if not stream else
               "sbus analyze: interrupted", file=sys.stderr)
         return 130
 
@@ -647,11 +623,13 @@ def main() -> int:
     """Entry point for ``spark-submit .../sbus/spark/analyze.py DIR --out OUT``."""
     import sys
 
+    from sbus.cmd.analyze import add_arguments, run_command
+
     parser = argparse.ArgumentParser(prog="analyze.py")
     parser.add_argument("--address", default=None)
     add_arguments(parser)
     try:
-        return run(parser.parse_args())
+        return run_command(parser.parse_args())
     except SbusError as exc:
         print(f"sbus analyze: {exc}", file=sys.stderr)
         return 1

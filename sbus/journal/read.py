@@ -1,15 +1,13 @@
-"""``sbus journal cat|tail|export DIR``: a recorded journal without Spark.
-
-``cat`` prints records (``--pattern``, ``--since``), ``tail`` the last ones and, with
-``-f``, those recorded from then on, ``export`` writes sealed segments as Parquet
-(`sbus.journal.export`).  Lines escape control bytes (`sbus.display`), as ``sbus sub``.
+"""A recorded journal without Spark, as ``sbus journal`` (`sbus.cmd.journal`) shows it:
+`cat` prints records, `tail` the last ones and, with *follow*, those recorded from then
+on, `export` writes sealed segments as Parquet (`sbus.journal.export`), `lag` tells where
+a streaming query's checkpoint stands.  Lines escape control bytes (`sbus.display`), as
+``sbus sub``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 from collections import deque
@@ -21,44 +19,9 @@ from ..defaults import parse_duration
 from ..display import json_bytes, printable
 from ..errors import SbusError
 from ..routing import matches
-from .store import JournalError, list_segments, read_seq_range, segment_blocks
+from .store import list_segments, read_seq_range, segment_blocks
 
 Record = tuple[int, int, bytes, bytes]  # seq, ts_ns, key, payload
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True,
-                           help="cat, tail or export")
-    for name, helptext in (("cat", "print recorded messages"),
-                           ("tail", "print the last messages, and with -f new ones"),
-                           ("export", "write sealed segments as zstd Parquet"),
-                           ("lag", "how far a Spark streaming query is behind the journal")):
-        a = sub.add_parser(name, help=helptext, description=helptext)
-        a.add_argument("dir", metavar="DIR", help="journal directory (from sbus record)")
-        if name == "lag":
-            a.add_argument("--checkpoint", "-c", required=True, metavar="DIR",
-                           help="the query's checkpointLocation")
-            a.add_argument("--json", action="store_true", help="one JSON object")
-            continue
-        if name == "export":
-            a.add_argument("--out", "-o", required=True, metavar="DIR",
-                           help="directory for <first_seq>.parquet, one per sealed segment")
-            a.add_argument("--force", action="store_true",
-                           help="export segments again even if their file exists")
-            continue
-        a.add_argument("--pattern", default=None,
-                       help="only keys matching this routing pattern")
-        a.add_argument("--since", default=None, metavar="TIME",
-                       help="only messages received since TIME: a duration ago (10m, 2h) "
-                            "or an ISO 8601 time (UTC unless it says otherwise)")
-        a.add_argument("--format", choices=["lines", "raw", "json"], default="lines",
-                       help="lines: 'TIME SEQ KEY PAYLOAD', escaped; raw: payload bytes; "
-                            "json: one object per line (non-UTF-8 as *_base64)")
-        if name == "tail":
-            a.add_argument("-n", "--lines", type=int, default=10, metavar="N",
-                           help="how many of the last messages (default 10)")
-            a.add_argument("-f", "--follow", action="store_true",
-                           help="keep printing messages as they are recorded")
 
 
 def since_ns(text: str | None, now: float | None = None) -> int | None:
@@ -165,11 +128,12 @@ def checkpoint_lag(directory: str, checkpoint: str) -> dict:
     return out
 
 
-def _lag(args: argparse.Namespace) -> int:
-    lag = checkpoint_lag(args.dir, args.checkpoint)
-    if args.json:
+def lag(directory: str, checkpoint: str, as_json: bool = False) -> None:
+    """One line (or JSON object) on stdout: where the query stands (`checkpoint_lag`)."""
+    lag = checkpoint_lag(directory, checkpoint)
+    if as_json:
         print(json.dumps(lag))
-        return 0
+        return
     if "committed_seq" in lag:
         text = (f"batch {lag['committed_batch']} committed up to seq "
                 f"{lag['committed_seq'] - 1}")
@@ -182,44 +146,37 @@ def _lag(args: argparse.Namespace) -> int:
              "behind")
     if lag.get("lost"):
         text += f"; {lag['lost']:,} rows counted lost"
-    print(f"{printable(args.checkpoint)}: {text}")
-    return 0
+    print(f"{printable(checkpoint)}: {text}")
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        if args.action == "export":
-            return _export(args)
-        if args.action == "lag":
-            return _lag(args)
-        pattern = None if args.pattern is None else os.fsencode(args.pattern)
-        since = since_ns(args.since)
-        out = sys.stdout.buffer
-        if args.action == "cat":
-            for rec in records_from(args.dir, 0, pattern, since):
-                out.write(format_record(rec, args.format))
-            return 0
-        if args.lines < 0:
-            raise SbusError("-n must be 0 or more")
-        last: deque[Record] = deque(maxlen=args.lines)
-        nxt = 0
-        if pattern is None and since is None:  # the last N are the last N sequence numbers
-            nxt = max(0, _next_seq(args.dir) - args.lines)
-        for rec in records_from(args.dir, nxt, pattern, since):
-            last.append(rec)
+def cat(directory: str, pattern: bytes | None, since: int | None, fmt: str, out) -> None:
+    """Every record (matching *pattern*, received since *since* ns) to *out* (binary)."""
+    for rec in records_from(directory, 0, pattern, since):
+        out.write(format_record(rec, fmt))
+    out.flush()
+
+
+def tail(directory: str, lines: int, follow: bool, pattern: bytes | None,
+         since: int | None, fmt: str, out, poll: float = 0.2) -> None:
+    """The last *lines* records, then (*follow*) every new one until interrupted."""
+    if lines < 0:
+        raise SbusError("-n must be 0 or more")
+    last: deque[Record] = deque(maxlen=lines)
+    nxt = 0
+    if pattern is None and since is None:  # the last N are the last N sequence numbers
+        nxt = max(0, _next_seq(directory) - lines)
+    for rec in records_from(directory, nxt, pattern, since):
+        last.append(rec)
+        nxt = rec[0] + 1
+    for rec in last:
+        out.write(format_record(rec, fmt))
+    out.flush()
+    while follow:
+        time.sleep(poll)
+        for rec in records_from(directory, nxt, pattern, since):
+            out.write(format_record(rec, fmt))
             nxt = rec[0] + 1
-        for rec in last:
-            out.write(format_record(rec, args.format))
         out.flush()
-        while args.follow:
-            time.sleep(0.2)
-            for rec in records_from(args.dir, nxt, pattern, since):
-                out.write(format_record(rec, args.format))
-                nxt = rec[0] + 1
-            out.flush()
-        return 0
-    except JournalError as exc:
-        raise SbusError(str(exc)) from None
 
 
 def _next_seq(directory: str) -> int:
@@ -230,7 +187,8 @@ def _next_seq(directory: str) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace) -> int:
+def export(directory: str, out: str, force: bool) -> None:
+    """Export the sealed segments not exported yet (all with *force*), a line each."""
     try:
         from .export import export_journal
     except ImportError as exc:
@@ -240,8 +198,7 @@ def _export(args: argparse.Namespace) -> int:
         print(f"{e.segment}.parquet: {e.rows:,} rows, {e.journal_bytes:,} -> "
               f"{e.parquet_bytes:,} bytes", file=sys.stderr, flush=True)
 
-    done = export_journal(args.dir, args.out, force=args.force, progress=progress)
+    done = export_journal(directory, out, force=force, progress=progress)
     rows = sum(e.rows for e in done)
-    print(f"sbus journal export: {len(done)} segment(s), {rows:,} rows into {args.out}",
+    print(f"sbus journal export: {len(done)} segment(s), {rows:,} rows into {out}",
           file=sys.stderr)
-    return 0
