@@ -238,6 +238,10 @@ def _pushed_value(f: Filter):
     return f.value if isinstance(f.value, str) else None
 
 
+#: Options only a write has: the same data source object serves reads and writes.
+_SINK_ONLY = frozenset({"address", "state", "checkpointlocation"})
+
+
 class SbusDataSource(DataSource):
     """``spark.read.format("sbus").load(DIR)`` / ``readStream`` / ``writeStream``."""
 
@@ -248,8 +252,11 @@ class SbusDataSource(DataSource):
         # object (pickled) for every query on the DataFrame, and each query that pushes
         # filters plans its read again: without a pin, successive queries on one
         # DataFrame would count different snapshots of a live journal.
-        opts = ReadOptions(options, True)
         self.pinned: tuple[int, int] | None = None  # (first row, next seq) at load()
+        names = {k.lower() for k in options}
+        if "path" not in names or names & _SINK_ONLY:
+            return  # a write (the sink's options are checked by the sink)
+        opts = ReadOptions(options, True)
         try:
             view = journal_view(opts.path)
         except JournalError:
