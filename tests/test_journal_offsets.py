@@ -232,6 +232,7 @@ def test_rows_gone_under_a_planned_micro_batch_count_in_the_next_offset(tmp_path
     assert nxt == {"seq": 201, "from": 201, "lost": gone, "lostAfterPlanning": gone}
     assert r.partitions(end, nxt) == []
     assert r.latestOffset(nxt, ReadAllAvailable()) == nxt  # counted once: no more batches
+    r.stop()
 
 
 def _reader(path, fail: str, **more):
@@ -274,6 +275,7 @@ def test_batch_0_replayed_after_retention_reads_from_where_it_was_planned(tmp_pa
     assert got == list(range(gone + 1, 201))
     assert skip.latestOffset(end, ReadAllAvailable()) == \
         {"seq": 201, "from": 201, "lost": gone, "lostAfterPlanning": gone}
+    skip.stop()
 
 
 def test_rows_a_task_finds_gone_count_in_the_next_offset(tmp_path):

@@ -90,9 +90,14 @@ class LossReports:
     reach it and only log the loss (docs/spark.md, "Lost rows")."""
 
     def __init__(self) -> None:
-        import tempfile
+        self._dir: str | None = None  # made when the first batch is planned: PySpark also
+        # makes stream readers that only serve to ship `read` to the tasks
 
-        self.dir = tempfile.mkdtemp(prefix="sbus-lost-")
+    @property
+    def dir(self) -> str:
+        if self._dir is None:
+            self._dir = _reports_dir()
+        return self._dir
 
     @staticmethod
     def leave(directory: str, lo: int, hi: int) -> bool:
@@ -108,12 +113,14 @@ class LossReports:
 
     def take(self) -> int:
         """Rows reported since the last call (each row once)."""
+        if self._dir is None:
+            return 0
         spans = []
-        for name in os.listdir(self.dir):
+        for name in os.listdir(self._dir):
             lo, _, hi = name.partition("-")
             if lo.isdigit() and hi.isdigit():
                 spans.append((int(lo), int(hi)))
-            os.unlink(os.path.join(self.dir, name))
+            os.unlink(os.path.join(self._dir, name))
         count, at = 0, -1
         for lo, hi in sorted(spans):
             lo = max(lo, at)
@@ -123,9 +130,11 @@ class LossReports:
         return count
 
     def close(self) -> None:
-        import shutil
+        if self._dir is not None:
+            import shutil
 
-        shutil.rmtree(self.dir, ignore_errors=True)
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
 
 def _columns(schema: StructType) -> pa.Schema:
@@ -150,6 +159,41 @@ def _columns(schema: StructType) -> pa.Schema:
         raise ValueError(f"column(s) {sorted(not_null & NULLABLE)} have nulls: they cannot be "
                          "NOT NULL")
     return arrow_schema(names, not_null)
+
+
+def _reports_dir() -> str:
+    """A fresh directory for one stream reader's `LossReports`, named by its process, in
+    this user's own ``sbus-lost-UID`` under the temporary directory; directories of
+    processes that are gone (PySpark may end the reader's process without `stop`) are
+    removed first.  If that parent is not this user's private directory, a private one of
+    its own (nobody else may plant reports)."""
+    import shutil
+    import stat
+    import tempfile
+
+    base = os.path.join(tempfile.gettempdir(), f"sbus-lost-{os.getuid()}")
+    try:
+        os.mkdir(base, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return tempfile.mkdtemp(prefix="sbus-lost-")
+    for name in os.listdir(base):
+        pid = name.partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _read(opts: ReadOptions, rows: RowFilter, partition: InputPartition,
