@@ -10,11 +10,18 @@ import sys
 import time
 from datetime import datetime
 
+import matplotlib.dates as mdates
 from conftest import SBUS
 
 from sbus.extras import install_command
 from sbus.journal.store import JournalWriter
-from sbus.spark.analyze import pick_window, silent_periods, window_series, window_text
+from sbus.spark.analyze import (
+    pick_window,
+    silent_periods,
+    traffic_figure,
+    window_series,
+    window_text,
+)
 
 
 def test_windows_sized_to_the_span_and_partial_edges_rated_over_what_was_recorded():
@@ -31,6 +38,37 @@ def test_windows_sized_to_the_span_and_partial_edges_rated_over_what_was_recorde
     assert s["prefixes"]["b"] == [0.0, 10.0, 0.0, 0.0, 0.0]
     assert silent_periods(s["total"], s["starts"], 10) == \
         [(base.replace(second=20), base.replace(second=40), 2)]
+
+
+def test_the_plot_draws_every_prefix_bytes_and_the_pause_and_covers_no_peak():
+    """Nine prefixes give nine panels (the ninth was not drawn), there is a bytes/s panel,
+    the longest pause is shaded on the top panel, and the top legend sits above the
+    panel, so it cannot cover the peak (it sat in the upper right corner, over the data)."""
+    base = datetime(2026, 1, 1, 0, 0, 0)
+    traffic = [dict(window_start=base.replace(second=10 * w), prefix=f"p{p}",
+                    messages=(100 if w == 5 else 10) * (p + 1), bytes=7 * (p + 1))
+               for w in range(6) for p in range(9)]
+    first = int(base.timestamp() * 1e9)
+    s = window_series(traffic, 10, (first, first + 60 * 10**9 - 1))
+    assert s["bytes"][0] == sum(7 * (p + 1) for p in range(9)) / 10
+    gap = (10.0, int(base.timestamp() * 1e6) + 12 * 10**6, int(base.timestamp() * 1e6) + 22 * 10**6)
+    fig = traffic_figure(s, "10 seconds", gap)
+    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    assert all(any(f"prefix p{p}:" in t for t in titles) for p in range(9)), titles
+    assert any("bytes per second" in t for t in titles)
+    top = fig.axes[0]
+    fig.canvas.draw()
+    legend = top.get_legend()
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert any("longest pause: 10.0 s" in t for t in texts), texts
+    box = legend.get_window_extent()
+    area = top.get_window_extent()
+    assert box.y0 >= area.y1 - 1, (box, area)  # above the data area, not over it
+    peak = top.transData.transform((mdates.date2num(s["starts"][5]), max(s["total"])))
+    assert not box.contains(*peak)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
 
 
 def journal(directory, rows: int = 400_000) -> None:

@@ -136,3 +136,32 @@ def test_the_recorder_exports_each_sealed_segment_itself(broker, tmp_path):
     table = pq.read_table(out).sort_by("seq")
     assert table.column("seq").to_pylist() == list(range(1, 3001))
     assert table.column("payload").to_pylist()[1234] == b"payload 1234"
+
+
+def test_journal_lag_reads_a_checkpoint_and_refuses_what_is_not_one(tmp_path):
+    """``sbus journal lag``: the committed batch, a batch planned and not committed, the
+    rows behind and lost, from a checkpoint's offset log; one line for a directory that
+    is not a checkpoint."""
+    jdir = tmp_path / "j"
+    journal(jdir, 1000)
+    ck = tmp_path / "ck"
+    (ck / "offsets").mkdir(parents=True)
+    (ck / "commits").mkdir()
+    meta = '{"batchWatermarkMs":0,"batchTimestampMs":1}'
+    for batch, off in ((0, '{"seq":401,"from":1}'),
+                       (1, '{"seq":801,"from":401,"lost":7,"lostAfterPlanning":7}')):
+        (ck / "offsets" / str(batch)).write_text(f"v1\n{meta}\n{off}")
+    (ck / "commits" / "0").write_text('v1\n{"nextBatchWatermarkMs":0}')
+    done = sbus("journal", "lag", str(jdir), "--checkpoint", str(ck), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"journal_end": 1001, "committed_batch": 0,
+                                       "committed_seq": 401, "lost": 0, "planned_batch": 1,
+                                       "planned_seq": 801, "behind": 600}
+    (ck / "commits" / "1").write_text('v1\n{"nextBatchWatermarkMs":0}')
+    done = sbus("journal", "lag", str(jdir), "--checkpoint", str(ck), text=True)
+    assert done.stdout.strip() == (f"{ck}: batch 1 committed up to seq 800; the journal ends "
+                                   "at seq 1000: 200 rows behind; 7 rows counted lost")
+    done = sbus("journal", "lag", str(jdir), "--checkpoint", str(tmp_path / "nothing"),
+                text=True)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "holds no offsets of a streaming query" in done.stderr

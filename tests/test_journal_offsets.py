@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sbus.journal.arrow import DataLoss, RowFilter, read_range  # noqa: E402
 from sbus.journal.store import JournalWriter, list_segments  # noqa: E402
-from sbus.spark.arrow import DataLoss, RowFilter, read_range  # noqa: E402
 from sbus.spark.offsets import START, Offset, advance, gaps, partitions, plan  # noqa: E402
 from sbus.spark.source import journal_view  # noqa: E402
 
@@ -203,7 +203,7 @@ def test_rows_gone_under_a_planned_micro_batch_count_in_the_next_offset(tmp_path
     end offset counts them, in a batch of no rows when there is nothing more to read."""
     from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-    from sbus.spark.arrow import arrow_schema
+    from sbus.journal.arrow import arrow_schema
     from sbus.spark.options import ReadOptions
     from sbus.spark.source import StreamReader
 
@@ -219,7 +219,7 @@ def test_rows_gone_under_a_planned_micro_batch_count_in_the_next_offset(tmp_path
     r = reader("false")
     start = r.initialOffset()
     end = r.latestOffset(start, ReadAllAvailable())
-    assert (start, end) == ({"seq": 1}, {"seq": 201})
+    assert (start, end) == ({"seq": 1}, {"seq": 201, "from": 1})
     first = list_segments(tmp_path)[0]
     first.path.unlink()  # retention, after the batch was planned
     gone = list_segments(tmp_path)[0].first_seq - 1
@@ -229,9 +229,77 @@ def test_rows_gone_under_a_planned_micro_batch_count_in_the_next_offset(tmp_path
     with pytest.raises(DataLoss, match=f"planned micro-batch: {gone} rows lost: seq 1..{gone} "):
         reader("true").partitions(start, end)  # the same batch replayed by a failing query
     nxt = r.latestOffset(end, ReadAllAvailable())
-    assert nxt == {"seq": 201, "lost": gone, "lostAfterPlanning": gone}
+    assert nxt == {"seq": 201, "from": 201, "lost": gone, "lostAfterPlanning": gone}
     assert r.partitions(end, nxt) == []
     assert r.latestOffset(nxt, ReadAllAvailable()) == nxt  # counted once: no more batches
+    r.stop()
+
+
+def _reader(path, fail: str, **more):
+    from sbus.journal.arrow import arrow_schema
+    from sbus.spark.options import ReadOptions
+    from sbus.spark.source import StreamReader
+
+    opts = ReadOptions({"path": str(path), "failOnDataLoss": fail, **more}, True)
+    return StreamReader(opts, arrow_schema(["seq"]))
+
+
+def _journal_of_segments(path) -> None:
+    with JournalWriter(path, segment_bytes=2000, fsync=False) as w:
+        for i in range(200):
+            w.append(10**18 + i, [b"k"], [b"x" * 20])
+            w.flush()
+
+
+def test_batch_0_replayed_after_retention_reads_from_where_it_was_planned(tmp_path):
+    """Spark logs batch 0's end offset, not its start, and asks the initial offset again
+    when it replays batch 0 after a restart: by then retention may have moved the
+    journal's first row.  The end offset names where the batch started ("from"), so the
+    rows removed are an error or counted, never silently skipped."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    _journal_of_segments(tmp_path)
+    r = _reader(tmp_path, "true")
+    start = r.initialOffset()
+    end = r.latestOffset(start, ReadAllAvailable())  # logged by Spark; then kill -9
+    assert end == {"seq": 201, "from": 1}
+    list_segments(tmp_path)[0].path.unlink()  # retention while the query is down
+    gone = list_segments(tmp_path)[0].first_seq - 1
+    again = _reader(tmp_path, "true")  # the restarted query
+    assert again.initialOffset() == {"seq": gone + 1}  # where the journal begins now
+    with pytest.raises(DataLoss, match=f"planned micro-batch: {gone} rows lost: seq 1..{gone} "):
+        again.partitions(again.initialOffset(), end)
+    skip = _reader(tmp_path, "false")
+    parts = skip.partitions(skip.initialOffset(), end)
+    got = [s for p in parts for b in skip.read(p) for s in b.column("seq").to_pylist()]
+    assert got == list(range(gone + 1, 201))
+    assert skip.latestOffset(end, ReadAllAvailable()) == \
+        {"seq": 201, "from": 201, "lost": gone, "lostAfterPlanning": gone}
+    skip.stop()
+
+
+def test_rows_a_task_finds_gone_count_in_the_next_offset(tmp_path):
+    """Retention deletes a segment after the batch's partitions were planned and before
+    its task opens it: the task reports the range, the next end offset counts it."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+    _journal_of_segments(tmp_path)
+    r = _reader(tmp_path, "false")
+    start = r.initialOffset()
+    end = r.latestOffset(start, ReadMaxRows(100))
+    parts = r.partitions(start, end)
+    first = list_segments(tmp_path)[0]
+    gone = list_segments(tmp_path)[1].first_seq - 1
+    first.path.unlink()  # after planning, before reading
+    got = [s for p in parts for b in r.read(p) for s in b.column("seq").to_pylist()]
+    assert got == list(range(gone + 1, 101))
+    nxt = r.latestOffset(end, ReadAllAvailable())
+    assert nxt == {"seq": 201, "from": 101, "lost": gone, "lostAfterPlanning": gone}
+    parts = r.partitions(end, nxt)
+    assert [s for p in parts for b in r.read(p) for s in b.column("seq").to_pylist()] == \
+        list(range(101, 201))
+    assert r.latestOffset(nxt, ReadAllAvailable()) == nxt  # each row counted once
+    r.stop()
 
 
 def test_merged_reads_give_the_blocks_rows_in_large_blocks(tmp_path):

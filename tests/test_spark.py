@@ -187,7 +187,7 @@ import sys, time
 from pyspark.sql import SparkSession
 import sbus.spark
 
-jdir, out, ck, flag = sys.argv[1:]
+jdir, out, ck, flag, stop_at = sys.argv[1:]
 spark = (SparkSession.builder.master("local[1]").appName("sbus-killed-driver")
          .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "1")
          .getOrCreate())
@@ -195,7 +195,7 @@ sbus.spark.register(spark)
 
 def sink(df, batch_id):
     df.write.mode("overwrite").parquet(f"{out}/batch={batch_id}")
-    if batch_id == 1:  # written, not committed: the kill comes now
+    if batch_id == int(stop_at):  # written, not committed: the kill comes now
         open(flag, "w").close()
         time.sleep(600)
 
@@ -205,17 +205,15 @@ def sink(df, batch_id):
 """
 
 
-def test_stream_exactly_once_after_kill9_of_the_driver(spark, recorded, tmp_path):
-    """The driver process (Python and its JVM) is killed with SIGKILL in the middle of a
-    micro-batch; another driver restarted from the same checkpoint ends with each row
-    exactly once in an idempotent sink."""
-    jdir, out, ck = str(recorded[0]), tmp_path / "out", str(tmp_path / "ck")
-    flag = tmp_path / "in-batch-1"
+def kill_driver_in_batch(tmp_path, jdir: str, out, ck: str, batch: int) -> None:
+    """Run STREAM_DRIVER in a process of its own and SIGKILL it (Python and JVM) inside
+    micro-batch *batch*, after its sink wrote and before the batch committed."""
+    flag = tmp_path / f"in-batch-{batch}"
     script = tmp_path / "driver.py"
     script.write_text(STREAM_DRIVER)
-    driver = subprocess.Popen([sys.executable, str(script), jdir, str(out), ck, str(flag)],
-                              start_new_session=True, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE)
+    driver = subprocess.Popen([sys.executable, str(script), jdir, str(out), ck, str(flag),
+                               str(batch)], start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240
         while not flag.exists() and driver.poll() is None and time.monotonic() < deadline:
@@ -224,6 +222,15 @@ def test_stream_exactly_once_after_kill9_of_the_driver(spark, recorded, tmp_path
     finally:
         os.killpg(driver.pid, signal.SIGKILL)  # the JVM too: nothing gets to clean up
         driver.wait()
+        driver.stderr.close()
+
+
+def test_stream_exactly_once_after_kill9_of_the_driver(spark, recorded, tmp_path):
+    """The driver process (Python and its JVM) is killed with SIGKILL in the middle of a
+    micro-batch; another driver restarted from the same checkpoint ends with each row
+    exactly once in an idempotent sink."""
+    jdir, out, ck = str(recorded[0]), tmp_path / "out", str(tmp_path / "ck")
+    kill_driver_in_batch(tmp_path, jdir, out, ck, 1)
     assert sorted(p.name for p in out.iterdir()) == ["batch=0", "batch=1"]
     # Batch 1 was planned (its offsets logged) but never committed: the restart replays it.
     assert os.path.exists(f"{ck}/offsets/1") and not os.path.exists(f"{ck}/commits/1")
@@ -337,7 +344,7 @@ def test_batch_write_and_bad_sink_input(spark, bus):
 def test_analyze_end_to_end(spark, recorded, tmp_path, capsys):
     from pyspark.sql import functions as F
 
-    from sbus.spark import analyze
+    from sbus.cmd import analyze
 
     out = tmp_path / "report"
     args = Namespace(journal=str(recorded[0]), out=str(out), pattern=None, window="1 minute",
@@ -364,6 +371,32 @@ def test_analyze_end_to_end(spark, recorded, tmp_path, capsys):
     assert "## Stale keys" in report and "No sequence gaps" in report
     assert summary["window"] == "1 minute"
     assert (out / "traffic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_analyze_reports_and_marks_a_10_s_outage(spark, tmp_path):
+    """A journal of 9 prefixes with a real 10 s total outage (written with the receive
+    times a recorder would have stamped, not by sleeping): the report gives the longest
+    pause, exactly, with its times, though no whole window is silent, and the plot is made."""
+    from sbus.spark import analyze
+
+    jdir = tmp_path / "j"
+    base = 10**18  # 2001-09-09T01:46:40Z
+    with JournalWriter(jdir, fsync=False, segment_bytes=20_000) as w:
+        for tick in range(600):  # every 0.1 s for 60 s, nothing from 25.0 s to 35.0 s
+            at = tick * 10**8
+            if 25 * 10**9 < at < 35 * 10**9:
+                continue
+            w.append(base + at, [b"p%d/k" % p for p in range(9)], [b"x" * (tick % 40)] * 9)
+            if tick % 25 == 0:
+                w.flush()
+    assert len(list_segments(jdir)) > 2
+    summary = analyze.analyze(spark, str(jdir), tmp_path / "out", window="20 seconds")
+    assert summary["longest_gap_s"] == 10.0
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "Longest pause between two consecutive messages: **10.0 s**, from " \
+           "2001-09-09 01:47:05.000000 to 2001-09-09 01:47:15.000000 UTC" in report
+    assert "No silent window" not in report
+    assert (tmp_path / "out" / "traffic.png").stat().st_size > 10_000
 
 
 def test_streaming_rollups_published_under_stats(spark, bus, tmp_path):
@@ -504,6 +537,72 @@ def test_pushdown_and_kafka_like_options(spark, tmp_path):
     assert read(startingSeq=1, failOnDataLoss="false")[0] > 1
 
 
+def test_one_dataframe_is_one_snapshot_and_options_fail_at_load(spark, tmp_path):
+    """A DataFrame loaded from a live journal answers every query from the journal as it
+    was at load(), also queries that push filters (each of which plans its read again);
+    an end past the journal's end is named as rows not recorded, not as a loss; a wrong
+    option fails load() itself."""
+    small_journal(tmp_path, 1000, segment_bytes=20_000)
+    df = spark.read.format("sbus").load(str(tmp_path))
+    pushing = spark.read.format("sbus").option("pushdown", "true").load(str(tmp_path))
+    with JournalWriter(tmp_path, fsync=False) as w:  # the recorder goes on
+        for i in range(500):
+            w.append(2 * 10**18, [b"a/%d" % (i % 5)], [b"late"])
+        w.flush()
+        assert [df.count(), df.where("seq > 990").count()] == [1000, 10]
+        assert [pushing.where("seq > 990").count(), pushing.where("key = 'a/1'").count(),
+                pushing.where("seq > 0").count()] == [10, 200, 1000]
+    fresh = spark.read.format("sbus").load(str(tmp_path))
+    assert fresh.count() == 1500
+    with pytest.raises(Exception, match=r"seq 1501\.\.1999 have not been recorded") as err:
+        spark.read.format("sbus").option("endingSeq", 2000).load(str(tmp_path)).count()
+    assert "lost" not in str(err.value)
+    for name, value, says in (("maxRowsPerTriger", "5", "did you mean maxRowsPerTrigger"),
+                              ("minPartitions", "0", "minPartitions must be positive"),
+                              ("startingSeq", "x", "must be a sequence number")):
+        with pytest.raises(Exception, match=says):
+            spark.read.format("sbus").option(name, value).load(str(tmp_path))  # no action
+
+
+def test_lag_explain_and_schema_errors_say_what_they_are(spark, tmp_path, capsys):
+    """Lag: each progress report gives the rows behind the journal's end (as Kafka's
+    offsetsBehindLatest), and ``sbus journal lag`` gives it for a checkpoint; EXPLAIN
+    names the filters the source took; a schema with a wrong type names what the source
+    offers."""
+    jdir = tmp_path / "j"
+    small_journal(jdir, 600, segment_bytes=20_000)
+    ck = str(tmp_path / "ck")
+    q = (spark.readStream.format("sbus").option("maxRowsPerTrigger", "100").load(str(jdir))
+         .writeStream.foreachBatch(lambda df, _: None).option("checkpointLocation", ck)
+         .trigger(availableNow=True).start())
+    q.awaitTermination(120)
+    latest = [json.loads(p.sources[0].latestOffset) for p in q.recentProgress]
+    assert [x["rowsBehindLatest"] for x in latest] == [500, 400, 300, 200, 100, 0]
+    assert {x["seq"] for x in latest} == {601}
+
+    def lag(*more):
+        done = subprocess.run([*SBUS, "journal", "lag", str(jdir), "--checkpoint", ck, *more],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert json.loads(lag("--json")) == {"journal_end": 601, "committed_batch": 5,
+                                         "committed_seq": 601, "lost": 0, "behind": 0}
+    with JournalWriter(jdir, fsync=False) as w:
+        w.append(2 * 10**18, [b"a/1"] * 250, [b"x"] * 250)
+    assert lag().strip().endswith("batch 5 committed up to seq 600; the journal ends at "
+                                  "seq 850: 250 rows behind")
+
+    df = (spark.read.format("sbus").option("pushdown", "true").load(str(jdir))
+          .where("seq < 10 and key = 'a/1'"))
+    df.explain(mode="formatted")
+    plan = capsys.readouterr().out
+    assert re.search(r"PushedFilters: \[.*seq.*\]", plan), plan
+    with pytest.raises(Exception, match="seq is bigint, the schema says string.* it offers "
+                                        "key string, payload binary"):
+        spark.read.format("sbus").schema("seq string, key string").load(str(jdir)).collect()
+
+
 def reuse_sequence(df) -> list[int]:
     """Counts of queries on ONE DataFrame that PySpark 4.3 plans with one shared read:
     filtered, unfiltered, filtered differently, a filter Spark cannot push, a union and a
@@ -626,9 +725,10 @@ def test_retention_race_fails_or_skips_as_failOnDataLoss_says(spark, tmp_path):
     rest = next(first for first, _ in view if first > lo)  # batch 2 finds the rest gone
     assert sorted(seen) == [s for s in range(101, 601) if not lo <= s < rest]
     ends = [json.loads(p.sources[0].endOffset) for p in q.recentProgress]
-    assert ends[0] == {"seq": 201}  # the replayed batch: its end offset was logged before
-    assert ends[1:] == [{"seq": s, "lost": rest - lo, "lostAfterPlanning": hi - lo}
-                        for s in (*range(rest + 100, 601, 100), 601)]  # 100 rows each
+    assert ends[0] == {"seq": 201, "from": 101}  # the replayed batch: logged before
+    assert ends[1:] == [{"seq": s, "from": f, "lost": rest - lo, "lostAfterPlanning": hi - lo}
+                        for f, s in zip((201, *range(rest + 100, 601, 100)),
+                                        (*range(rest + 100, 601, 100), 601), strict=True)]
 
     # failOnDataLoss=false: batch 1 loses what is deleted under it and goes on; batch 2 is
     # planned after a segment it would read was deleted, and its end offset counts those.
@@ -645,11 +745,58 @@ def test_retention_race_fails_or_skips_as_failOnDataLoss_says(spark, tmp_path):
     assert q.exception() is None
     assert sorted(seen) == sorted(set(range(1, 601)) - gone)
     offsets = [json.loads(p.sources[0].endOffset) for p in q.recentProgress]
-    assert offsets[-1] == {"seq": 601, "lost": len([s for s in gone if s > 200])}
-    # Rows that vanish while the batch's task reads them are not in the offsets (a Python
-    # source's task cannot report to the query): the batch's row count is short by them.
+    # Rows that vanish after batch 1's partitions were planned, before its task opened
+    # their segment, are reported by the task and counted in the next end offset
+    # (lostAfterPlanning); those gone before batches 2 and 3 were planned, in their own.
+    during = len([s for s in gone if 101 <= s <= 200])
+    assert offsets[-1]["seq"] == 601
+    assert offsets[-1]["lost"] == len([s for s in gone if s > 100])
+    assert offsets[-1]["lostAfterPlanning"] == during
     batch1 = next(p for p in q.recentProgress if p.batchId == 1)
-    assert batch1.numInputRows == 100 - len([s for s in gone if 101 <= s <= 200])
+    assert batch1.numInputRows == 100 - during
+
+
+def test_batch_0_killed_then_retention_is_an_error_or_the_exact_count(spark, tmp_path):
+    """The issue's case, through real processes: a query is killed with SIGKILL inside
+    micro-batch 0 (its end offset logged, its start not), retention then removes the
+    oldest segment, and the query restarts from its checkpoint.  Spark asks the source's
+    initial offset again for the replay; the batch's own end offset says where it began,
+    so with failOnDataLoss=true the restart fails naming the rows, and with false it
+    skips exactly them, counts them in its progress and delivers every other row once."""
+    jdir = tmp_path / "j"
+    small_journal(jdir, 600, segment_bytes=2500)
+    segs = list_segments(jdir)
+    oldest, second = segs[0], segs[1]
+    removed = second.first_seq - oldest.first_seq
+    out, ck = tmp_path / "out", str(tmp_path / "ck")
+    kill_driver_in_batch(tmp_path, str(jdir), out, ck, 0)
+    assert os.path.exists(f"{ck}/offsets/0") and not os.path.exists(f"{ck}/commits/0")
+    total = sum(s.path.stat().st_size for s in segs)
+    JournalWriter(jdir, fsync=False, keep_bytes=total - oldest.path.stat().st_size).close()
+    assert list_segments(jdir)[0].first_seq == second.first_seq  # the recorder's retention
+
+    def start(**opts):
+        def sink(df, batch_id):
+            df.write.mode("overwrite").parquet(str(out / f"batch={batch_id}"))
+
+        reader = spark.readStream.format("sbus").option("maxRowsPerTrigger", "1100")
+        for k, v in opts.items():
+            reader = reader.option(k, v)
+        return (reader.load(str(jdir)).writeStream.foreachBatch(sink)
+                .option("checkpointLocation", ck).trigger(availableNow=True).start())
+
+    q = start()
+    with pytest.raises(Exception, match=f"{removed} rows lost: seq 1..{removed} "):
+        q.awaitTermination(120)
+    q = start(failOnDataLoss="false")
+    q.awaitTermination(120)
+    assert q.exception() is None
+    ends = [json.loads(p.sources[0].endOffset) for p in q.recentProgress]
+    assert ends[0]["seq"] == 601 and "lost" not in ends[0]  # the replayed batch 0
+    assert ends[-1]["lost"] == removed and ends[-1]["lostAfterPlanning"] == removed
+    seqs = Counter(r.seq for r in spark.read.parquet(str(out)).select("seq").collect())
+    assert sorted(seqs) == list(range(removed + 1, 601))  # none lost but the counted ones
+    assert set(seqs.values()) == {1}  # none twice
 
 
 def test_exported_parquet_and_the_open_tail_read_as_one(spark, tmp_path):

@@ -1,6 +1,7 @@
 """The recorder's journal: rotating, sealed segment files of bus messages.
 
 `format` is the pure on-disk codec, `store` the directory (writer, recovery, readers),
+`arrow` blocks as Arrow record batches, `read` the readers behind ``sbus journal``,
 `retention` the pure deletion policy, `record` the ``sbus record`` command.
 """
 

@@ -35,7 +35,7 @@ class Exported:
 
 def export_segment(directory: str | os.PathLike, seg: Segment, out: Path) -> Exported:
     """Write *seg* (sealed) as ``out/<name>.parquet``."""
-    from ..spark.arrow import arrow_schema, block_batch  # pyarrow only, no Spark
+    from .arrow import arrow_schema, block_batch
 
     schema = arrow_schema(COLUMNS, {"seq", "ts", "key", "payload"})
     blocks = segment_blocks(seg)

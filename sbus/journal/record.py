@@ -1,4 +1,5 @@
-"""``sbus record PATTERN... --dir DIR``: the recorder, a thin I/O shell around `JournalWriter`.
+"""The recorder behind ``sbus record`` (`sbus.cmd.record`): a thin I/O shell around
+`JournalWriter`.
 
 It must never be the slow reader: the socket is drained up to 256 packets per system
 call, each such batch split into columns by array operations (`columns.split`) and
@@ -14,9 +15,7 @@ was written readable.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import signal
 import socket
 import struct
@@ -27,9 +26,8 @@ import numpy as np
 
 from .. import protocol
 from ..client import Client
-from ..defaults import RECV_BUFFER, parse_duration, parse_size
+from ..defaults import RECV_BUFFER
 from ..errors import ConnectError, ConnectionLost, SbusError
-from ..extras import install_command
 from ..packetio import PacketBatch
 from ..protocol import Publish
 from ..session import Backoff, Dropped, Refusal
@@ -39,50 +37,6 @@ from .store import JournalError, JournalWriter
 log = logging.getLogger("sbus.record")
 
 RECV_SLOTS = 256  # packets per system call: `split` costs less per packet in larger batches
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("patterns", nargs="+", metavar="PATTERN",
-                   help="routing key pattern to record ('' for everything not secret)")
-    p.add_argument("--dir", "-d", required=True, help="journal directory (created if missing)")
-    p.add_argument("--segment-size", default="64M", metavar="SIZE",
-                   help="seal a segment once it is this big (default 64M)")
-    p.add_argument("--segment-time", default="1h", metavar="DURATION",
-                   help="seal a segment once it is this old (default 1h)")
-    p.add_argument("--flush", type=float, default=0.1, metavar="SECONDS",
-                   help="write buffered records at least this often (default 0.1): the most "
-                        "a kill -9 can lose")
-    p.add_argument("--keep", default=None, metavar="DURATION",
-                   help="delete sealed segments older than this (e.g. 7d)")
-    p.add_argument("--keep-bytes", default=None, metavar="SIZE",
-                   help="delete the oldest sealed segments beyond this total size (e.g. 10G)")
-    p.add_argument("--block", action="store_true",
-                   help="when the broker's queue for the recorder is full, pause the "
-                        "publishers (hard 'block' policy) instead of dropping messages for it")
-    p.add_argument("--export", default=None, metavar="DIR",
-                   help="also write each sealed segment as zstd Parquet into DIR (in a "
-                        "thread of its own; as 'sbus journal export')")
-    p.add_argument("--no-fsync", action="store_true",
-                   help="do not fsync sealed segments (faster, not crash-safe against power loss)")
-
-
-def _options(args: argparse.Namespace) -> dict:
-    if args.export is not None:
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError:
-            raise SbusError(f"--export needs pyarrow: {install_command('spark')}") from None
-    try:
-        return dict(
-            segment_bytes=parse_size(args.segment_size),
-            segment_seconds=parse_duration(args.segment_time),
-            keep_seconds=None if args.keep is None else parse_duration(args.keep),
-            keep_bytes=None if args.keep_bytes is None else parse_size(args.keep_bytes),
-            fsync=not args.no_fsync,
-            export_dir=args.export,
-        )
-    except ValueError as exc:
-        raise SbusError(str(exc)) from None
 
 
 class _Stopper:
@@ -95,12 +49,12 @@ class _Stopper:
         self.stop = True
 
 
-def _connect(args: argparse.Namespace) -> Client:
-    bus = Client(args.address)
+def _connect(address: str | None, patterns: list[bytes], block: bool) -> Client:
+    bus = Client(address)
     try:
-        bus.set_flood(soft="queue", hard="block" if args.block else None)
-        for pattern in args.patterns:
-            bus.subscribe(os.fsencode(pattern), wait=False)
+        bus.set_flood(soft="queue", hard="block" if block else None)
+        for pattern in patterns:
+            bus.subscribe(pattern, wait=False)
         bus.sync()  # the subscriptions are in place from here on (or refused: raised)
     except BaseException:
         bus.close()
@@ -108,8 +62,8 @@ def _connect(args: argparse.Namespace) -> Client:
     return bus
 
 
-def _reconnect(args: argparse.Namespace, writer: JournalWriter, stopper: _Stopper,
-               reason: str) -> Client | None:
+def _reconnect(address: str | None, patterns: list[bytes], block: bool,
+               writer: JournalWriter, stopper: _Stopper, reason: str) -> Client | None:
     """After the broker went away: flush, then retry (the session's `Backoff`) until it is
     back or we are told to stop.  Messages published meanwhile are not recorded (the bus keeps
     nothing); the sequence numbers simply continue."""
@@ -119,7 +73,7 @@ def _reconnect(args: argparse.Namespace, writer: JournalWriter, stopper: _Stoppe
     backoff = Backoff()
     while not stopper.stop:
         try:
-            bus = _connect(args)
+            bus = _connect(address, patterns, block)
         except (ConnectionLost, ConnectError, TimeoutError):
             time.sleep(backoff.next())
             writer.tick()
@@ -129,12 +83,14 @@ def _reconnect(args: argparse.Namespace, writer: JournalWriter, stopper: _Stoppe
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    options = _options(args)
-    if args.flush <= 0:
+def record(address: str | None, patterns: list[bytes], directory: str, *, flush: float,
+           block: bool = False, **writer_options) -> int:
+    """Record what *patterns* match into the journal in *directory* (a `JournalWriter`
+    with *writer_options*) until SIGTERM/SIGINT; the exit status."""
+    if flush <= 0:
         raise SbusError("--flush must be positive")
     try:
-        writer = JournalWriter(args.dir, **options)
+        writer = JournalWriter(directory, **writer_options)
     except JournalError as exc:
         raise SbusError(str(exc)) from None
     dropped = 0
@@ -144,17 +100,17 @@ def run(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, stopper) for s in (signal.SIGTERM, signal.SIGINT)}
     failure: OSError | None = None
     try:
-        bus: Client | None = _connect(args)  # the first connection must work: fail fast
-        print(f"sbus record: recording into {args.dir} from seq {first_seq}",
+        bus: Client | None = _connect(address, patterns, block)  # the first must work
+        print(f"sbus record: recording into {directory} from seq {first_seq}",
               file=sys.stderr, flush=True)
         while bus is not None:
             try:
-                dropped += _loop(bus, writer, args.flush, stopper)
+                dropped += _loop(bus, writer, flush, stopper)
                 bus.close()
                 bus = None
             except ConnectionLost as exc:  # the broker went away (EOF, reset): come back
                 bus.close()
-                bus = _reconnect(args, writer, stopper, str(exc))
+                bus = _reconnect(address, patterns, block, writer, stopper, str(exc))
     except OSError as exc:  # the journal's disk: full, read-only, gone
         failure = exc
     finally:
@@ -165,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             failure = failure or exc
     if failure is not None:
-        raise SbusError(f"writing the journal in {args.dir} failed: "
+        raise SbusError(f"writing the journal in {directory} failed: "
                         f"{failure.strerror or failure}; the records written before are intact "
                         "(a restarted sbus record seals them)") from None
     took = time.monotonic() - started

@@ -10,6 +10,7 @@ sealed, so offsets taken while it was open stay valid.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -93,6 +94,45 @@ def resolve(directory: str | os.PathLike, first_seq: int) -> Segment | None:
     return Segment(first_seq, sealed, True) if sealed.exists() else None  # sealed meanwhile
 
 
+#: A block or index up to this size is read without asking whether the file holds it.
+SPARSE_CHECK = 1 << 20
+
+
+def held(fd: int, start: int, end: int) -> int:
+    """Bytes of ``[start, end)`` the file holds as data, not holes (``SEEK_DATA`` /
+    ``SEEK_HOLE``), counted up to half the range: a sparse file's size (``st_size``) says
+    nothing of what is in it, and reading a hole yields zeros for free, so a 4 KB file
+    can claim a 1 GiB block.  A file system without hole support is taken at its size."""
+    want = (end - start + 1) // 2
+    total, at = 0, start
+    here = os.lseek(fd, 0, os.SEEK_CUR)  # put back after: a buffered file reads on from it
+    try:
+        while at < end and total < want:
+            try:
+                data = os.lseek(fd, at, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # nothing but a hole up to the file's end
+                    break
+                return end - start  # no SEEK_DATA here
+            if data >= end:
+                break
+            hole = os.lseek(fd, data, os.SEEK_HOLE)
+            total += min(hole, end) - data
+            at = hole
+    finally:
+        os.lseek(fd, here, os.SEEK_SET)
+    return total
+
+
+def check_held(fd: int, pos: int, size: int, what: str) -> None:
+    """FormatError unless the file holds at least half of the *size* bytes at *pos* as
+    data (always true of what the writer wrote; zero runs a file system stores as holes
+    stay well inside the half), so a reader allocates at most twice what it can read."""
+    if size > SPARSE_CHECK and held(fd, pos, pos + size) * 2 < size:
+        raise FormatError(f"{what} claims {size} bytes at byte {pos}, but the file holds "
+                          "less than half of them (a sparse file)")
+
+
 def _sealed_blocks(f, path: Path) -> list[BlockInfo]:
     size = os.fstat(f.fileno()).st_size
     if size < fmt.FILE_HEAD.size + fmt.TRAILER.size:
@@ -102,6 +142,7 @@ def _sealed_blocks(f, path: Path) -> list[BlockInfo]:
     if not fmt.FILE_HEAD.size <= index_pos <= size - fmt.TRAILER.size or \
             index_pos + nblocks * fmt.INDEX_ENTRY.size != size - fmt.TRAILER.size:
         raise FormatError("trailer points outside the segment")
+    check_held(f.fileno(), index_pos, nblocks * fmt.INDEX_ENTRY.size, "the index")
     f.seek(index_pos)
     return fmt.decode_index(f.read(nblocks * fmt.INDEX_ENTRY.size), nblocks, crc, index_pos)
 
@@ -122,9 +163,16 @@ def scan_blocks(f, start: int = fmt.FILE_HEAD.size, verify: bool = True) -> list
         size = fmt.block_size(count, klen, plen)
         if pos + size > file_size:  # torn, or a head claiming more than there is
             break
-        rest = f.read(size - fmt.BLOCK_HEAD.size)
         try:
-            block, _ = fmt.decode_block(head + rest, 0, verify)
+            check_held(f.fileno(), pos, size, "a block")
+        except FormatError:
+            break
+        data = bytearray(size)  # one copy: the head, then the rest read into place
+        data[:fmt.BLOCK_HEAD.size] = head
+        if f.readinto(memoryview(data)[fmt.BLOCK_HEAD.size:]) != size - fmt.BLOCK_HEAD.size:
+            break
+        try:
+            block, _ = fmt.decode_block(data, 0, verify)
         except FormatError:
             break
         ts = block.ts.cast("q")
@@ -143,7 +191,11 @@ def segment_blocks(segment: Segment, start: int = fmt.FILE_HEAD.size) -> list[Bl
                     return [b for b in _sealed_blocks(f, segment.path) if b.pos >= start]
                 except FormatError as exc:
                     raise JournalError(f"sealed segment {segment.path} is corrupt: {exc}") from None
-            fmt.decode_header(f.read(fmt.FILE_HEAD.size))
+            try:
+                fmt.decode_header(f.read(fmt.FILE_HEAD.size))
+            except FormatError as exc:
+                raise JournalError(f"unsealed segment {segment.path} is damaged: "
+                                   f"{exc}") from None
             return scan_blocks(f, max(start, fmt.FILE_HEAD.size))
     except FileNotFoundError:
         if not segment.sealed:  # sealed since it was listed: read its index instead
@@ -244,6 +296,7 @@ def _block_head(fd: int, path: Path, pos: int, file_end: int) -> tuple[int, int,
         size = fmt.block_size(count, klen, plen)
         if pos + size > file_end:
             raise FormatError(f"block claims {size} bytes, the file has {file_end - pos} left")
+        check_held(fd, pos, size, "the block")
     except FormatError as exc:
         raise JournalError(f"damaged journal segment {path}: block at byte {pos}: "
                            f"{exc}") from None

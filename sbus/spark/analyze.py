@@ -28,32 +28,6 @@ from sbus.extras import install_command
 STATS_PREFIX = "stats/"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("journal", metavar="DIR", help="journal directory (from sbus record)")
-    p.add_argument("--out", "-o", metavar="DIR", help="output directory (batch mode)")
-    p.add_argument("--pattern", default=None, help="only keys matching this routing pattern")
-    p.add_argument("--window", default=None,
-                   help="time window for traffic over time (default: sized to the journal's "
-                        "span, about 60 windows) and for streaming rollups (default "
-                        "'1 minute'); e.g. 10s, 5min, '1 hour'")
-    p.add_argument("--prefix-depth", type=int, default=1, metavar="N",
-                   help="a key's prefix is its first N '/'-separated segments (default 1)")
-    p.add_argument("--master", default=None,
-                   help="Spark master (default: local[*], or what spark-submit set)")
-    p.add_argument("--stream", action="store_true",
-                   help="streaming: publish rollups onto the bus under stats/ (needs "
-                        "--checkpoint)")
-    p.add_argument("--checkpoint", metavar="DIR", help="streaming checkpoint directory")
-    p.add_argument("--late", default="10 seconds",
-                   help="streaming: how long to wait for late records before a window is "
-                        "published (default '10 seconds')")
-    p.add_argument("--trigger", default="10 seconds",
-                   help="streaming: micro-batch interval, or 'available-now' to process what "
-                        "is recorded and stop")
-    p.add_argument("--max-rows", type=int, default=None, metavar="N",
-                   help="streaming: at most N journal rows per micro-batch")
-
-
 # -- transformations (pure DataFrame -> DataFrame) -----------------------------------------
 
 
@@ -162,6 +136,49 @@ def journal_facts(journal: str) -> dict:
             "rows": sum(b.count for b in blocks), "gaps": gaps(view, START.seq, end)}
 
 
+def _partition_gaps(batches):
+    """mapInArrow: per Spark partition, its first and last row and the longest pause
+    between consecutive rows inside it (rows of a partition in ``seq`` order)."""
+    import numpy as np
+    import pyarrow as pa
+
+    seqs, times = [], []
+    for b in batches:
+        seqs.append(b.column("seq").to_numpy(zero_copy_only=False))
+        times.append(b.column("ts").cast(pa.int64()).to_numpy(zero_copy_only=False))
+    if not seqs or not sum(map(len, seqs)):
+        return
+    seq = np.concatenate(seqs)
+    ts = np.concatenate(times)
+    order = np.argsort(seq, kind="stable")
+    seq, ts = seq[order], ts[order]
+    gap, at = 0, 0
+    if len(ts) > 1:
+        d = np.diff(ts)
+        at = int(np.argmax(d))
+        gap = int(d[at])
+    yield pa.RecordBatch.from_pydict({
+        "first_seq": [int(seq[0])], "first_us": [int(ts[0])], "last_seq": [int(seq[-1])],
+        "last_us": [int(ts[-1])], "gap_us": [gap], "gap_from_us": [int(ts[at])],
+        "gap_to_us": [int(ts[at + 1]) if len(ts) > 1 else int(ts[0])]})
+
+
+def longest_gap(df) -> tuple[float, int, int] | None:
+    """The longest pause between consecutive messages of *df* (by sequence number):
+    ``(seconds, from_us, to_us)``, exact, in one pass over the partitions (each gives its
+    own longest pause and its first and last row; the driver joins their edges).  None
+    for fewer than two messages."""
+    parts = sorted(df.select("seq", "ts").mapInArrow(
+        _partition_gaps, "first_seq long, first_us long, last_seq long, last_us long, "
+        "gap_us long, gap_from_us long, gap_to_us long").collect(), key=lambda r: r.first_seq)
+    if not parts or (len(parts) == 1 and parts[0].first_seq == parts[0].last_seq):
+        return None
+    best = max((r.gap_us, r.gap_from_us, r.gap_to_us) for r in parts)
+    for a, b in zip(parts, parts[1:], strict=False):
+        best = max(best, (b.first_us - a.last_us, a.last_us, b.first_us))
+    return best[0] / 1e6, best[1], best[2]
+
+
 def analyze(spark, journal: str, out: str | os.PathLike, *, pattern: str | None = None,
             window: str | None = None, depth: int = 1, progress: Progress | None = None) -> dict:
     """Run the batch analysis into *out*; returns a summary (also written into the report).
@@ -191,6 +208,8 @@ def analyze(spark, journal: str, out: str | os.PathLike, *, pattern: str | None 
             group_stats(df, "prefix").write.parquet(str(work / "prefixes.parquet"))
             say(f"traffic per {wtext}")
             window_stats(df, f"{seconds} seconds").write.parquet(str(work / "windows.parquet"))
+            say("the longest pause between messages")
+            gap = longest_gap(df)
         finally:
             df.unpersist()
         say("writing the report")
@@ -216,14 +235,15 @@ def analyze(spark, journal: str, out: str | os.PathLike, *, pattern: str | None 
             "first": totals[3],
             "last": last,
             "window": wtext,
+            "longest_gap_s": None if gap is None else round(gap[0], 6),
         }
         first_last = (facts["first_ns"], facts["last_ns"])
         series = window_series(traffic, seconds, first_last)
-        plot = plot_traffic(series, work / "traffic.png", wtext)
+        plot = plot_traffic(series, work / "traffic.png", wtext, gap)
         silent = silent_periods(series["total"], series["starts"], seconds)
         (work / "report.md").write_text(render_report(
             summary, top_keys, top_prefixes, wtext, plot, stale=stale,
-            stale_after=stale_after, gaps=facts["gaps"], silent=silent))
+            stale_after=stale_after, gaps=facts["gaps"], silent=silent, longest=gap))
         for name in OUTPUTS:  # into place; the previous report's files go only now
             target = out / name
             if (work / name).exists():
@@ -261,7 +281,7 @@ def window_series(traffic: list, seconds: int, first_last: tuple) -> dict:
     from datetime import datetime
 
     if not traffic or first_last[0] is None:
-        return {"starts": [], "total": [], "prefixes": {}, "partial": []}
+        return {"starts": [], "total": [], "bytes": [], "prefixes": {}, "partial": []}
     step = seconds
     t0 = min(r["window_start"] for r in traffic)
     t1 = max(r["window_start"] for r in traffic)
@@ -276,13 +296,20 @@ def window_series(traffic: list, seconds: int, first_last: tuple) -> dict:
         inside = (min(e, last) - max(s, first)).total_seconds()
         covered.append(max(inside, 1e-3) if s < first or e > last else float(step))
     counts: dict[str, list[float]] = {}
+    nbytes = [0.0] * n
     for r in traffic:
         i = int((r["window_start"] - t0).total_seconds() // step)
         counts.setdefault(r["prefix"], [0.0] * n)[i] += r["messages"]
+        try:
+            nbytes[i] += r["bytes"] or 0
+        except (KeyError, ValueError):  # a traffic row without bytes
+            pass
     rates = {p: [c / covered[i] for i, c in enumerate(v)] for p, v in counts.items()}
     total = [sum(v[i] for v in counts.values()) / covered[i] for i in range(n)]
     partial = [c < step for c in covered]
-    return {"starts": starts, "total": total, "prefixes": rates, "partial": partial}
+    return {"starts": starts, "total": total, "bytes": [b / c for b, c in zip(nbytes, covered,
+                                                                               strict=True)],
+            "prefixes": rates, "partial": partial}
 
 
 def _td(seconds: float):
@@ -304,14 +331,21 @@ def silent_periods(total: list[float], starts: list, seconds: int) -> list[tuple
     return out
 
 
-def plot_traffic(series: dict, path: Path, window: str) -> str | None:
-    """Total msg/s over time on top, then the busiest prefixes as small multiples (each its
-    own scale, so a quiet prefix is not flattened by a loud one); the PNG's name."""
-    if not series["starts"]:
-        return None
+#: Prefixes drawn as small multiples, busiest first; beyond them one panel of the rest.
+PANELS = 12
+
+
+def traffic_figure(series: dict, window: str, gap: tuple | None = None):
+    """The plot as a matplotlib figure: messages and payload bytes per second over time
+    for all keys on top (the longest pause between messages shaded), then the busiest
+    prefixes as small multiples, each its own scale, so a quiet prefix is not flattened
+    by a loud one (`PANELS`; more prefixes than that: the rest summed in the last).
+    Legends sit above their panels, never over the data."""
     import matplotlib
 
     matplotlib.use("Agg")
+    from datetime import datetime
+
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
@@ -319,11 +353,16 @@ def plot_traffic(series: dict, path: Path, window: str) -> str | None:
     starts, partial = series["starts"], series["partial"]
     step = (starts[1] - starts[0]) if len(starts) > 1 else _td(1)
     xs = [*starts, starts[-1] + step]  # each window drawn as a step across its width
-    busiest = sorted(series["prefixes"], key=lambda p: -sum(series["prefixes"][p]))[:8]
-    cols = 2
-    rows = -(-len(busiest) // cols)
-    fig = plt.figure(figsize=(11, 3.2 + 1.9 * rows))
-    grid = fig.add_gridspec(1 + rows, cols, height_ratios=[1.6] + [1] * rows)
+    by_size = sorted(series["prefixes"], key=lambda p: -sum(series["prefixes"][p]))
+    panels = [(f"prefix {_label(p)}: msg/s", series["prefixes"][p]) for p in by_size]
+    if len(panels) > PANELS:
+        rest = by_size[PANELS - 1:]
+        summed = [sum(series["prefixes"][p][i] for p in rest) for i in range(len(starts))]
+        panels = [*panels[:PANELS - 1], (f"the other {len(rest):,} prefixes: msg/s", summed)]
+    cols = 3 if len(panels) > 8 else 2
+    rows = -(-len(panels) // cols)
+    fig = plt.figure(figsize=(11 if cols == 2 else 14, 6.0 + 1.9 * rows))
+    grid = fig.add_gridspec(2 + rows, cols, height_ratios=[1.6, 1.2] + [1] * rows)
     thousands = FuncFormatter(lambda v, _: "0" if v == 0 else
                               f"{v:,.0f}" if v >= 10 else f"{v:,.1f}")
 
@@ -344,15 +383,36 @@ def plot_traffic(series: dict, path: Path, window: str) -> str | None:
     top = fig.add_subplot(grid[0, :])
     draw(top, series["total"], f"all keys: messages per second (windows of {window})",
          "black")
-    top.legend(loc="upper right", fontsize="small")
-    for i, p in enumerate(busiest):
-        ax = fig.add_subplot(grid[1 + i // cols, i % cols], sharex=top)
-        draw(ax, series["prefixes"][p], f"prefix {_label(p)}: msg/s", f"C{i}")
+    if gap is not None and gap[0] > 0:  # local naive times, as the series' starts
+        top.axvspan(datetime.fromtimestamp(gap[1] / 1e6), datetime.fromtimestamp(gap[2] / 1e6),
+                    color="red", alpha=0.25, label=f"longest pause: {_seconds(gap[0])}")
+    # Above the panel, right of its title: a legend inside the axes covers a peak.
+    top.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize="small", ncol=2,
+               frameon=False, borderaxespad=0.2)
+    volume = fig.add_subplot(grid[1, :], sharex=top)
+    draw(volume, series["bytes"], "all keys: payload bytes per second", "C7")
+    for i, (title, ys) in enumerate(panels):
+        ax = fig.add_subplot(grid[2 + i // cols, i % cols], sharex=top)
+        draw(ax, ys, title, f"C{i % 10}")
     fig.suptitle(f"sbus traffic ({time.strftime('%Z')})", fontsize="large")
     fig.tight_layout()
+    return fig
+
+
+def plot_traffic(series: dict, path: Path, window: str, gap: tuple | None = None) -> str | None:
+    """`traffic_figure` as a PNG at *path*; its name (None: nothing to draw)."""
+    if not series["starts"]:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig = traffic_figure(series, window, gap)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path.name
+
+
+def _seconds(value: float) -> str:
+    return f"{value:,.3f} s" if value < 10 else f"{value:,.1f} s"
 
 
 def _row(cols: list) -> str:
@@ -385,7 +445,7 @@ def _rate(value: float) -> str:
 
 def render_report(summary: dict, keys: list, prefixes: list, window: str,
                   plot: str | None, *, stale: list = (), stale_after: float = 0,
-                  gaps: list = (), silent: list = ()) -> str:
+                  gaps: list = (), silent: list = (), longest: tuple | None = None) -> str:
     lines = [
         "# sbus traffic report", "",
         f"Journal: {_code(str(summary['journal']), 300)}  ",
@@ -424,11 +484,21 @@ def render_report(summary: dict, keys: list, prefixes: list, window: str,
     else:
         lines += ["No sequence gaps: every message from the first to the last recorded one "
                   "is in the journal.", ""]
+    if longest is not None:
+        from datetime import UTC, datetime
+
+        def when(us: int) -> str:
+            return datetime.fromtimestamp(us / 1e6, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+        lines += [f"Longest pause between two consecutive messages: **{_seconds(longest[0])}**, "
+                  f"from {when(longest[1])} to {when(longest[2])} UTC (shaded red in the "
+                  "plot).", ""]
     if silent:
         lines += [f"Silent periods (whole windows of {window} with no message at all):", ""]
         lines += [f"* {a} to {b} UTC ({_n(n)} windows)" for a, b, n in silent[:20]]
     else:
-        lines += ["No silent window between the first and the last message."]
+        lines += [f"No whole window of {window} without a message (a shorter pause shows "
+                  "above, as the longest pause)."]
     lines += ["", "Messages the broker dropped for the recorder are not in the journal; "
               "`sbus record` logs them and prints their total when it ends.", "",
               "Full tables: `keys.parquet`, `prefixes.parquet`, `windows.parquet`.", ""]
@@ -462,18 +532,24 @@ def start_stream(spark, journal: str, checkpoint: str, address: str | None, *,
     return writer.start()
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.prefix_depth < 1:
+def run(journal: str, *, out: str | None = None, pattern: str | None = None,
+        window: str | None = None, depth: int = 1, master: str | None = None,
+        stream: bool = False, checkpoint: str | None = None, address: str | None = None,
+        late: str = "10 seconds", trigger: str = "10 seconds", max_rows: int | None = None,
+        verbose: int = 0) -> int:
+    """``sbus analyze`` (`sbus.cmd.analyze` parses its options): the batch report into
+    *out*, or with *stream* the rollups onto the bus; the exit status."""
+    if depth < 1:
         raise SbusError("--prefix-depth must be at least 1")
-    if not Path(args.journal).is_dir():
-        raise SbusError(f"no journal directory at {args.journal}")
-    if args.stream:
-        if not args.checkpoint:
+    if not Path(journal).is_dir():
+        raise SbusError(f"no journal directory at {journal}")
+    if stream:
+        if not checkpoint:
             raise SbusError("--stream needs --checkpoint DIR")
-    elif not args.out:
+    elif not out:
         raise SbusError("batch analysis needs --out DIR (or use --stream)")
-    if args.window is not None:
-        _window_seconds(args.window)  # a bad --window fails before Spark starts
+    if window is not None:
+        _window_seconds(window)  # a bad --window fails before Spark starts
     try:
         import pyarrow  # noqa: F401
         import pyspark  # noqa: F401
@@ -485,7 +561,6 @@ def run(args: argparse.Namespace) -> int:
 
     from sbus.spark.session import get_session
 
-    verbose = getattr(args, "verbose", 0)
     if not verbose:  # py4j logs every broken connection of an interrupted job, on root
         if not logging.getLogger().handlers:
             logging.basicConfig(format="%(name)s: %(message)s")
@@ -497,32 +572,29 @@ def run(args: argparse.Namespace) -> int:
     spark = None
     try:
         progress("starting Spark")
-        spark = get_session(args.master, "sbus analyze", quiet=not verbose)
-        if args.stream:
-            window = args.window or "1 minute"
-            if args.window is not None:
-                window = f"{_window_seconds(window)} seconds"
-            query = start_stream(spark, args.journal, args.checkpoint, args.address,
-                                 window=window, late=args.late, depth=args.prefix_depth,
-                                 trigger=args.trigger, max_rows=args.max_rows,
-                                 pattern=args.pattern)
+        spark = get_session(master, "sbus analyze", quiet=not verbose)
+        if stream:
+            every = "1 minute" if window is None else f"{_window_seconds(window)} seconds"
+            query = start_stream(spark, journal, checkpoint, address, window=every,
+                                 late=late, depth=depth, trigger=trigger, max_rows=max_rows,
+                                 pattern=pattern)
             progress("streaming rollups onto the bus (Ctrl-C stops)")
             try:
                 query.awaitTermination()
             finally:
                 query.stop()
             return 0
-        summary = analyze(spark, args.journal, args.out, pattern=args.pattern,
-                          window=args.window, depth=args.prefix_depth, progress=progress)
+        summary = analyze(spark, journal, out, pattern=pattern, window=window, depth=depth,
+                          progress=progress)
         progress(f"done: {summary['messages']:,} messages, {summary['keys']:,} keys; "
-                 f"report in {Path(args.out) / 'report.md'}")
+                 f"report in {Path(out) / 'report.md'}")
         print(json.dumps({**summary, "first": str(summary["first"]),
                           "last": str(summary["last"]),
                           "seconds": round(time.monotonic() - progress.started, 1)}))
         return 0
     except KeyboardInterrupt:
         _quiet_stop(spark)
-        print("sbus analyze: interrupted; no report written" if not args.stream else
+        print("sbus analyze: interrupted; no report written" if not stream else
               "sbus analyze: interrupted", file=sys.stderr)
         return 130
 
@@ -552,11 +624,13 @@ def main() -> int:
     """Entry point for ``spark-submit .../sbus/spark/analyze.py DIR --out OUT``."""
     import sys
 
+    from sbus.cmd.analyze import add_arguments, run_command
+
     parser = argparse.ArgumentParser(prog="analyze.py")
     parser.add_argument("--address", default=None)
     add_arguments(parser)
     try:
-        return run(parser.parse_args())
+        return run_command(parser.parse_args())
     except SbusError as exc:
         print(f"sbus analyze: {exc}", file=sys.stderr)
         return 1

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..journal.arrow import Range
 from ..journal.format import BlockInfo
-from .arrow import Range
 
 __all__ = ["Offset", "START", "View", "advance", "gaps", "plan", "partitions", "from_legacy"]
 
@@ -27,14 +27,22 @@ class Offset:
     """The next sequence number to read; ``lost`` counts rows the query found gone and
     skipped (``failOnDataLoss=false``) before it, carried along so it shows in progress;
     ``after_planning`` is the part of ``lost`` that was still there when the micro-batch
-    that should read it was planned (the retention race), which the next end offset counts."""
+    that should read it was planned (the retention race), which the next end offset counts.
+    An end offset also names the first row its micro-batch was planned to read
+    (``origin``, ``"from"``): Spark does not log the start of batch 0 but asks the source's
+    initial offset again when it replays that batch after a restart, and retention may
+    have moved the journal's first row since; the batch's start is carried in the offset
+    Spark does log, as Kafka's source writes its initial offsets into the checkpoint."""
 
     seq: int
     lost: int = field(default=0, compare=False)
     after_planning: int = field(default=0, compare=False)
+    origin: int | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict:
         d = {"seq": self.seq}
+        if self.origin is not None:
+            d["from"] = self.origin
         if self.lost:
             d["lost"] = self.lost
         if self.after_planning:
@@ -52,7 +60,9 @@ class Offset:
     @classmethod
     def from_dict(cls, d: dict, view: View | None = None) -> Offset:
         if "seq" in d:
-            return cls(int(d["seq"]), int(d.get("lost", 0)), int(d.get("lostAfterPlanning", 0)))
+            origin = d.get("from")
+            return cls(int(d["seq"]), int(d.get("lost", 0)), int(d.get("lostAfterPlanning", 0)),
+                       None if origin is None else int(origin))
         if "segment" in d and view is not None:  # a checkpoint of the byte-position offsets
             return cls(from_legacy(view, int(d["segment"]), int(d["position"]),
                                    int(d.get("row", 0))))

@@ -10,7 +10,7 @@ import os
 from datetime import UTC, datetime
 
 from ..defaults import parse_size
-from .arrow import pattern_bytes
+from ..journal.arrow import pattern_bytes
 
 __all__ = ["ReadOptions", "OPTIONS", "Position"]
 

@@ -11,6 +11,7 @@ Sink options: see `sbus.spark.sink`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Iterator
 from datetime import datetime
 
@@ -32,11 +33,16 @@ from pyspark.sql.datasource import (
     StringStartsWith,
 )
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
-from pyspark.sql.types import StructType, TimestampType
+from pyspark.sql.types import (
+    BinaryType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
-from ..journal.format import FILE_HEAD, BlockInfo
-from ..journal.store import JournalError, list_segments, read_seq_range, segment_blocks
-from .arrow import (
+from ..journal.arrow import (
     COLUMNS,
     DEFAULT_SCHEMA,
     NULLABLE,
@@ -47,6 +53,8 @@ from .arrow import (
     lost_message,
     read_range,
 )
+from ..journal.format import FILE_HEAD, BlockInfo
+from ..journal.store import JournalError, list_segments, read_seq_range, segment_blocks
 from .offsets import START, Offset, View, advance, first_seq, gaps, partitions
 from .options import Position, ReadOptions
 
@@ -61,11 +69,72 @@ log = logging.getLogger("sbus.spark")
 
 
 class RangePartition(InputPartition):
-    """One Spark task's share: byte ranges of consecutive segments."""
+    """One Spark task's share: byte ranges of consecutive segments; *report* is the
+    directory where a streaming query's task leaves the ranges it found gone
+    (`LossReports`), so that they reach the query's offsets."""
 
-    def __init__(self, ranges: list[Range]) -> None:
+    def __init__(self, ranges: list[Range], report: str | None = None) -> None:
         super().__init__(ranges)
         self.ranges = tuple(ranges)
+        self.report = report
+
+
+class LossReports:
+    """Rows a streaming query's tasks found gone while reading (retention deleted their
+    segment between the planning of the batch's partitions and the task opening it), from
+    the tasks to the driver: a task leaves an empty file named ``LO-HI`` per missing range
+    in a directory the stream reader made, the reader counts them when it plans the next
+    micro-batch (after the batch that found them has completed) and puts the count in that
+    batch's end offset.  A range is named by its rows, so a retried task counts once.
+    The directory is on the driver's machine: tasks on other machines (a cluster) cannot
+    reach it and only log the loss (docs/spark.md, "Lost rows")."""
+
+    def __init__(self) -> None:
+        self._dir: str | None = None  # made when the first batch is planned: PySpark also
+        # makes stream readers that only serve to ship `read` to the tasks
+
+    @property
+    def dir(self) -> str:
+        if self._dir is None:
+            self._dir = _reports_dir()
+        return self._dir
+
+    @staticmethod
+    def leave(directory: str, lo: int, hi: int) -> bool:
+        """In a task: report rows ``[lo, hi)`` gone; False if the driver cannot hear it."""
+        try:
+            with open(os.path.join(directory, f"{lo}-{hi}"), "x"):
+                pass
+        except FileExistsError:
+            pass
+        except OSError:
+            return False
+        return True
+
+    def take(self) -> int:
+        """Rows reported since the last call (each row once)."""
+        if self._dir is None:
+            return 0
+        spans = []
+        for name in os.listdir(self._dir):
+            lo, _, hi = name.partition("-")
+            if lo.isdigit() and hi.isdigit():
+                spans.append((int(lo), int(hi)))
+            os.unlink(os.path.join(self._dir, name))
+        count, at = 0, -1
+        for lo, hi in sorted(spans):
+            lo = max(lo, at)
+            if hi > lo:
+                count += hi - lo
+                at = hi
+        return count
+
+    def close(self) -> None:
+        if self._dir is not None:
+            import shutil
+
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
 
 def _columns(schema: StructType) -> pa.Schema:
@@ -74,6 +143,17 @@ def _columns(schema: StructType) -> pa.Schema:
     unknown = [n for n in names if n not in COLUMNS]
     if unknown:
         raise ValueError(f"the sbus source has no column(s) {unknown}; it has {list(COLUMNS)}")
+    offered = StructType([StructField("key", StringType()), StructField("payload", BinaryType()),
+                          StructField("ts", TimestampType()), StructField("seq", LongType()),
+                          StructField("key_bytes", BinaryType())])  # DEFAULT_SCHEMA
+    wrong = [(f, offered[f.name].dataType) for f in schema.fields
+             if f.dataType != offered[f.name].dataType]
+    if wrong:
+        said = ", ".join(f"{f.name} is {t.simpleString()}, the schema says "
+                         f"{f.dataType.simpleString()}" for f, t in wrong)
+        offers = ", ".join(f"{f.name} {f.dataType.simpleString()}" for f in offered.fields)
+        raise ValueError(f"the sbus source cannot give the schema asked for: {said}; it "
+                         f"offers {offers} (any subset, in any order; cast afterwards)")
     not_null = {f.name for f in schema.fields if not f.nullable}
     if not_null & NULLABLE:
         raise ValueError(f"column(s) {sorted(not_null & NULLABLE)} have nulls: they cannot be "
@@ -81,12 +161,54 @@ def _columns(schema: StructType) -> pa.Schema:
     return arrow_schema(names, not_null)
 
 
+def _reports_dir() -> str:
+    """A fresh directory for one stream reader's `LossReports`, named by its process, in
+    this user's own ``sbus-lost-UID`` under the temporary directory; directories of
+    processes that are gone (PySpark may end the reader's process without `stop`) are
+    removed first.  If that parent is not this user's private directory, a private one of
+    its own (nobody else may plant reports)."""
+    import shutil
+    import stat
+    import tempfile
+
+    base = os.path.join(tempfile.gettempdir(), f"sbus-lost-{os.getuid()}")
+    try:
+        os.mkdir(base, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return tempfile.mkdtemp(prefix="sbus-lost-")
+    for name in os.listdir(base):
+        pid = name.partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _read(opts: ReadOptions, rows: RowFilter, partition: InputPartition,
           columns: pa.Schema) -> Iterator:
+    report = getattr(partition, "report", None)
+
     def lost(lo: int, hi: int, reason: str) -> None:
         if opts.fail_on_data_loss:
             raise DataLoss(lost_message(lo, hi, reason) + _HINT)
-        log.warning("%s; skipped (failOnDataLoss=false)", lost_message(lo, hi, reason))
+        if report is not None and LossReports.leave(report, lo, hi):
+            log.warning("%s; skipped (failOnDataLoss=false), counted in the query's next "
+                        "end offset", lost_message(lo, hi, reason))
+        else:
+            log.warning("%s; skipped (failOnDataLoss=false); this task cannot report it to "
+                        "the query", lost_message(lo, hi, reason))
 
     for rng in getattr(partition, "ranges", ()):  # none: Spark's stand-in for no partitions
         yield from read_range(opts.path, rng, columns, rows, opts.verify, lost)
@@ -160,8 +282,31 @@ def _pushed_value(f: Filter):
     return f.value if isinstance(f.value, str) else None
 
 
+#: Options only a write has: the same data source object serves reads and writes.
+_SINK_ONLY = frozenset({"address", "state", "checkpointlocation"})
+
+
 class SbusDataSource(DataSource):
     """``spark.read.format("sbus").load(DIR)`` / ``readStream`` / ``writeStream``."""
+
+    def __init__(self, options) -> None:
+        super().__init__(options)
+        # At load(): options are checked here, so a wrong one fails load() itself, not the
+        # first action; and the journal's extent is pinned, because PySpark keeps this
+        # object (pickled) for every query on the DataFrame, and each query that pushes
+        # filters plans its read again: without a pin, successive queries on one
+        # DataFrame would count different snapshots of a live journal.
+        self.pinned: tuple[int, int] | None = None  # (first row, next seq) at load()
+        names = {k.lower() for k in options}
+        if "path" not in names or names & _SINK_ONLY:
+            return  # a write (the sink's options are checked by the sink)
+        opts = ReadOptions(options, True)
+        try:
+            view = journal_view(opts.path)
+        except JournalError:
+            return  # no journal (yet): a batch read says so when planned
+        end = advance(view, START).seq
+        self.pinned = (first_seq(view) or end, end)
 
     @classmethod
     def name(cls) -> str:
@@ -171,7 +316,8 @@ class SbusDataSource(DataSource):
         return DEFAULT_SCHEMA
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return BatchReader(ReadOptions(self.options, False), _columns(schema))
+        return BatchReader(ReadOptions(self.options, False), _columns(schema),
+                           getattr(self, "pinned", None))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return StreamReader(ReadOptions(self.options, True), _columns(schema))
@@ -188,8 +334,15 @@ class SbusDataSource(DataSource):
 
 
 class BatchReader(DataSourceReader):
-    def __init__(self, opts: ReadOptions, columns: pa.Schema) -> None:
+    """A batch read of the journal as it was when the DataFrame was loaded (*pinned*:
+    its first row and next sequence number then), whatever is recorded or removed since:
+    rows of that extent removed since are lost (`failOnDataLoss`), rows recorded since
+    are not read (``load()`` again to see them)."""
+
+    def __init__(self, opts: ReadOptions, columns: pa.Schema,
+                 pinned: tuple[int, int] | None = None) -> None:
         self.opts = opts
+        self.pinned = pinned
         self.columns = columns
         self.rows = RowFilter(pattern=opts.pattern)
         self.seq_lo, self.seq_hi = 0, 2**63 - 1  # from pushed seq filters: lo <= seq < hi
@@ -246,9 +399,25 @@ class BatchReader(DataSourceReader):
             view = journal_view(self.opts.path)
         except JournalError as exc:
             raise ValueError(str(exc)) from None
-        first = seq_at(self.opts.path, view, self.opts.starting)
+        now_end = advance(view, START).seq
+        starting, ending = self.opts.starting, self.opts.ending
+        pin_first, pin_end = self.pinned or (None, None)
+        if starting.kind == "earliest" and pin_first is not None:
+            first = pin_first
+        else:
+            first = seq_at(self.opts.path, view, starting)
+        if ending.kind == "latest" and pin_end is not None:
+            last = pin_end
+        else:
+            last = seq_at(self.opts.path, view, ending)
+        if ending.kind == "seq" and last > now_end:
+            raise ValueError(f"the read's end (seq {last}) is past the journal's end: "
+                             f"seq {now_end}..{last - 1} have not been recorded (yet), "
+                             f"so a batch read cannot read them; give an end of at most "
+                             f"{now_end}, or "
+                             "none for everything recorded")
         start = max(first, self.seq_lo)
-        end = min(seq_at(self.opts.path, view, self.opts.ending), self.seq_hi)
+        end = min(last, self.seq_hi, now_end)
         if start >= end:
             return []
         # Rows missing from where the read starts are lost; a seq filter only selects.
@@ -281,13 +450,13 @@ def _check_loss(missing: list[tuple[int, int]], fail: bool, context: str) -> int
 
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches over the journal; offsets are sequence numbers (`sbus.spark.offsets`).
-    Rows found gone are counted in the end offset's ``lost`` field with
-    ``failOnDataLoss=false`` (so they show in the query's progress), else fail the query:
-    gaps when a batch is planned, in its own end offset; rows of a planned batch found
-    gone when its partitions are planned (also when it is replayed after a restart), in
-    the next one (a batch of no rows if there is no next, so the count is never only in
-    a log).  Rows that vanish after that, while a task reads them, can only be logged by
-    that task: PySpark 4.3 gives a Python source's tasks no way to report to the query."""
+    Every row a micro-batch was planned to read and did not is either an error
+    (``failOnDataLoss=true``) or counted in an end offset's ``lost`` field, shown in the
+    query's progress: gaps when a batch is planned, in its own end offset; rows of a
+    planned batch found gone when its partitions are planned (also when it is replayed
+    after a restart, batch 0 included: its end offset names where it started), or by its
+    tasks while they read (`LossReports`), in the next one (a batch of no rows if there
+    is no next, so the count is never only in a log)."""
 
     def __init__(self, opts: ReadOptions, columns: pa.Schema) -> None:
         self.opts = opts
@@ -295,9 +464,11 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.rows = RowFilter(pattern=opts.pattern)
         self._cache: dict = {}
         self._target: Offset | None = None
-        # Rows found gone when a planned batch's partitions were planned, by that batch's
-        # end offset (`Offset.key`): the batch that starts there counts them.
+        # Rows found gone after a batch was planned, by that batch's end offset
+        # (`Offset.key`): the batch that starts there counts them.
         self._late: dict[tuple[int, int, int], int] = {}
+        self._reports = LossReports() if not opts.fail_on_data_loss else None
+        self._consumed: int | None = None  # the last end offset planned (for the lag)
 
     def _view(self) -> View:
         try:
@@ -325,6 +496,10 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         view = self._view()
         s = Offset.from_dict(start, view)
+        if self._reports is not None:  # rows the last batch's tasks found gone
+            found = self._reports.take()
+            if found:
+                self._late[s.key()] = self._late.get(s.key(), 0) + found
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         targets = [t for t in (self._target, self._end(view)) if t is not None]
         end = advance(view, s, max_rows, min(targets) if targets else None)
@@ -333,10 +508,26 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for key in [k for k in self._late if k[0] < s.seq]:  # counted by an earlier batch
             del self._late[key]
         late = self._late.get(s.key(), 0)
-        return s.moved(end.seq, lost + late, late).to_dict()
+        self._consumed = end.seq
+        if end.seq == s.seq and not lost and not late:
+            return start  # nothing new: the same offset, so Spark plans no batch
+        origin = s.seq if s.seq != START.seq else (first_seq(view) or s.seq)
+        moved = s.moved(end.seq, lost + late, late)
+        return Offset(moved.seq, moved.lost, moved.after_planning, origin).to_dict()
 
     def reportLatestOffset(self) -> dict:
-        return advance(self._view(), START).to_dict()
+        """The journal's end, shown as the source's ``latestOffset`` in the query's
+        progress, with how many rows the query is behind it (``rowsBehindLatest``: rows
+        between the end offset of the batch just planned and the journal's end; Kafka's
+        source reports the same as ``avgOffsetsBehindLatest``/``maxOffsetsBehindLatest``,
+        but PySpark gives a Python source no metrics of its own)."""
+        view = self._view()
+        latest = advance(view, START)
+        d = latest.to_dict()
+        if self._consumed is not None:
+            d["rowsBehindLatest"] = max(0, latest.seq - max(self._consumed,
+                                                             first_seq(view) or 0))
+        return d
 
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = advance(self._view(), START)
@@ -344,6 +535,10 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
         view = self._view()
         s, e = Offset.from_dict(start, view), Offset.from_dict(end, view)
+        if e.origin is not None and e.origin != s.seq:
+            # Batch 0 replayed after a restart: Spark asked the initial offset again, which
+            # is where the journal begins *now*; the batch was planned from e.origin.
+            s = Offset(e.origin, s.lost, s.after_planning)
         missing = gaps(view, s.seq, e.seq)
         # What the end offset counts as lost besides rows of the batch before it: gaps in
         # this batch's range when it was planned.
@@ -351,7 +546,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if sum(hi - lo for lo, hi in missing) > planned_gone:  # gone since it was planned
             now = _check_loss(missing, self.opts.fail_on_data_loss, "planned micro-batch: ")
             self._late[e.key()] = now - planned_gone
-        return [RangePartition(p)
+        report = self._reports.dir if self._reports is not None else None
+        return [RangePartition(p, report)
                 for p in partitions(view, s.seq, e.seq, split_size(view, self.opts, s.seq,
                                                                     e.seq))]
 
@@ -360,3 +556,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def commit(self, end: dict) -> None:
         pass
+
+    def stop(self) -> None:
+        if self._reports is not None:
+            self._reports.close()

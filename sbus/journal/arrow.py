@@ -1,4 +1,6 @@
-"""Journal blocks to Arrow record batches, and the byte ranges a Spark task reads.
+"""Journal blocks to Arrow record batches (pyarrow only, no Spark), and the byte ranges a
+reader reads: used by the Parquet export here and by the Spark source (`sbus.spark`),
+which depends on the journal, never the other way round.
 
 A block is stored column-wise with Arrow's ``binary`` layout (int32 offsets + data), so
 the key and payload arrays are built on the bytes read, without a copy or a Python
@@ -17,9 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..journal.format import Block
-from ..journal.store import read_seq_range
 from ..routing import matches
+from .format import Block
+from .store import read_seq_range
 
 __all__ = ["COLUMNS", "DEFAULT_SCHEMA", "ARROW_TYPES", "NULLABLE", "Range", "RowFilter",
            "DataLoss", "arrow_schema", "block_batch", "read_range", "pattern_bytes",
@@ -75,7 +77,8 @@ BATCH_BYTES = 32 << 20
 @dataclass
 class RowFilter:
     """What a read keeps, applied inside the reader: the routing ``pattern`` option, and
-    the filters Spark pushed (`sbus.spark.pushdown`): ``key`` in each of *key_sets*,
+    the filters Spark pushed (`sbus.spark.source.BatchReader.pushFilters`): ``key`` in
+    each of *key_sets*,
     ``key`` starting with each of *key_prefixes*, ``ts`` (microseconds) within
     ``[ts_min, ts_max]``.  A key's verdict is computed once per distinct key and cached."""
 

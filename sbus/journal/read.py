@@ -1,0 +1,205 @@
+"""A recorded journal without Spark, as ``sbus journal`` (`sbus.cmd.journal`) shows it:
+`cat` prints records, `tail` the last ones and, with *follow*, those recorded from then
+on, `export` writes sealed segments as Parquet (`sbus.journal.export`), `lag` tells where
+a streaming query's checkpoint stands.  Lines escape control bytes (`sbus.display`), as
+``sbus sub``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ..defaults import parse_duration
+from ..display import json_bytes, printable, timestamp
+from ..errors import SbusError
+from ..extras import install_command
+from ..routing import matches
+from .store import list_segments, read_seq_range, segment_blocks
+
+Record = tuple[int, int, bytes, bytes]  # seq, ts_ns, key, payload
+
+
+def since_ns(text: str | None, now: float | None = None) -> int | None:
+    """``--since``: a duration before *now*, or an ISO 8601 time."""
+    if text is None:
+        return None
+    try:
+        return int(((time.time() if now is None else now) - parse_duration(text)) * 1e9)
+    except ValueError:
+        pass
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        raise SbusError(f"--since: {text!r} is neither a duration (10m, 2h) nor an ISO 8601 "
+                        "time (2026-05-01T12:00:00)") from None
+    return int((t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp() * 1e9)
+
+
+def records_from(directory: str, seq: int, pattern: bytes | None = None,
+                 since: int | None = None) -> Iterator[Record]:
+    """Records with sequence number >= *seq*, in order, as the journal is now."""
+    for seg in list_segments(directory):
+        blocks = [b for b in segment_blocks(seg) if b.next_seq > seq and
+                  (since is None or b.max_ts >= since)]
+        if not blocks:
+            continue
+        try:
+            for block in read_seq_range(directory, seg.first_seq, blocks[0].pos,
+                                        blocks[-1].end, seq, blocks[-1].next_seq):
+                for rec in block.records():
+                    if rec[0] >= seq and (since is None or rec[1] >= since) and \
+                            (pattern is None or matches(pattern, rec[2])):
+                        yield rec
+        except FileNotFoundError:
+            continue  # removed by retention while we read: its rows are gone
+
+
+def format_record(rec: Record, fmt: str) -> bytes:
+    seq, ts, key, payload = rec
+    if fmt == "raw":
+        return payload
+    when = timestamp(ts / 1e9)
+    if fmt == "lines":
+        text = printable(payload.rstrip(b"\n"))
+        return f"{when} {seq} {printable(key)} {text}\n".encode()
+    obj: dict = {"seq": seq, "ts": when}
+    json_bytes(obj, "key", key)
+    json_bytes(obj, "payload", payload)
+    return json.dumps(obj).encode() + b"\n"
+
+
+def _batches(directory: Path) -> list[int]:
+    try:
+        return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    except FileNotFoundError:
+        return []
+
+
+def _source_offsets(path: Path) -> list[dict]:
+    """The ``sbus`` source offsets in one file of a checkpoint's offset log (``v1``, the
+    batch's metadata, then one line per source of the query)."""
+    found = []
+    for line in path.read_text().splitlines()[2:]:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("seq"), int):
+            found.append(doc)
+    return found
+
+
+def checkpoint_lag(directory: str, checkpoint: str) -> dict:
+    """Where a streaming query with checkpoint *checkpoint* stands against the journal in
+    *directory*: the last committed batch and its end offset, the batch planned after it
+    if any, the journal's end, the rows recorded after the committed offset that the
+    journal still holds (``behind``), and the rows the query counted lost."""
+    ck = Path(checkpoint)
+    planned = _batches(ck / "offsets")
+    if not planned:
+        raise SbusError(f"{checkpoint} holds no offsets of a streaming query (yet)")
+    committed = [b for b in _batches(ck / "commits") if b in planned]
+    end = _next_seq(directory)
+    out: dict = {"journal_end": end}
+    at = None
+    if committed:
+        offsets = _source_offsets(ck / "offsets" / str(committed[-1]))
+        if len(offsets) != 1:
+            raise SbusError(f"{checkpoint}: batch {committed[-1]} has {len(offsets)} sbus "
+                            "source offsets; lag is shown for queries of one sbus source")
+        at = offsets[0]["seq"]
+        out |= {"committed_batch": committed[-1], "committed_seq": at,
+                "lost": offsets[0].get("lost", 0)}
+    if planned[-1] != (committed[-1] if committed else None):
+        offsets = _source_offsets(ck / "offsets" / str(planned[-1]))
+        if offsets:
+            out |= {"planned_batch": planned[-1], "planned_seq": offsets[0]["seq"]}
+    held = 0
+    for seg in list_segments(directory):
+        for b in segment_blocks(seg):
+            lo = b.first_seq if at is None else max(b.first_seq, at)
+            held += max(0, b.next_seq - lo)
+    out["behind"] = held
+    return out
+
+
+def lag(directory: str, checkpoint: str, as_json: bool = False) -> None:
+    """One line (or JSON object) on stdout: where the query stands (`checkpoint_lag`)."""
+    lag = checkpoint_lag(directory, checkpoint)
+    if as_json:
+        print(json.dumps(lag))
+        return
+    if "committed_seq" in lag:
+        text = (f"batch {lag['committed_batch']} committed up to seq "
+                f"{lag['committed_seq'] - 1}")
+    else:
+        text = "no batch committed yet"
+    if "planned_batch" in lag:
+        text += (f"; batch {lag['planned_batch']} planned up to seq "
+                 f"{lag['planned_seq'] - 1}, not committed")
+    text += (f"; the journal ends at seq {lag['journal_end'] - 1}: {lag['behind']:,} rows "
+             "behind")
+    if lag.get("lost"):
+        text += f"; {lag['lost']:,} rows counted lost"
+    print(f"{printable(checkpoint)}: {text}")
+
+
+def cat(directory: str, pattern: bytes | None, since: int | None, fmt: str, out) -> None:
+    """Every record (matching *pattern*, received since *since* ns) to *out* (binary)."""
+    for rec in records_from(directory, 0, pattern, since):
+        out.write(format_record(rec, fmt))
+    out.flush()
+
+
+def tail(directory: str, lines: int, follow: bool, pattern: bytes | None,
+         since: int | None, fmt: str, out, poll: float = 0.2) -> None:
+    """The last *lines* records, then (*follow*) every new one until interrupted."""
+    if lines < 0:
+        raise SbusError("-n must be 0 or more")
+    last: deque[Record] = deque(maxlen=lines)
+    nxt = 0
+    if pattern is None and since is None:  # the last N are the last N sequence numbers
+        nxt = max(0, _next_seq(directory) - lines)
+    for rec in records_from(directory, nxt, pattern, since):
+        last.append(rec)
+        nxt = rec[0] + 1
+    for rec in last:
+        out.write(format_record(rec, fmt))
+    out.flush()
+    while follow:
+        time.sleep(poll)
+        for rec in records_from(directory, nxt, pattern, since):
+            out.write(format_record(rec, fmt))
+            nxt = rec[0] + 1
+        out.flush()
+
+
+def _next_seq(directory: str) -> int:
+    for seg in reversed(list_segments(directory)):
+        blocks = segment_blocks(seg)
+        if blocks:
+            return blocks[-1].next_seq
+    return 0
+
+
+def export(directory: str, out: str, force: bool) -> None:
+    """Export the sealed segments not exported yet (all with *force*), a line each."""
+    try:
+        from .export import export_journal
+    except ImportError as exc:
+        raise SbusError(f"export needs pyarrow ({exc}): {install_command('spark')}") from None
+
+    def progress(e) -> None:
+        print(f"{e.segment}.parquet: {e.rows:,} rows, {e.journal_bytes:,} -> "
+              f"{e.parquet_bytes:,} bytes", file=sys.stderr, flush=True)
+
+    done = export_journal(directory, out, force=force, progress=progress)
+    rows = sum(e.rows for e in done)
+    print(f"sbus journal export: {len(done)} segment(s), {rows:,} rows into {out}",
+          file=sys.stderr)
