@@ -84,7 +84,7 @@ def test_mkdir_and_learned_keys() -> None:
     assert decide(tree, "made", "here") is Kind.DIR
     assert decide(tree, "live/x", "y") is Kind.FILE
     assert decide(tree, "live", "x") is Kind.DIR
-    assert tree.entries(()) == [(b"live", Kind.DIR), (b"made", Kind.DIR)]
+    assert tree.entries(()) == [(b"live", Kind.DIR), (b"made", Kind.DIR), (b"**", Kind.FILE)]
 
 
 def test_reserved_names() -> None:
@@ -104,7 +104,7 @@ def test_names_below_wildcards_are_files_unless_known_as_prefix() -> None:
     assert decide(tree, "a/*", "c") is Kind.DIR  # 'a/*/c' is a prefix of a live key
     assert decide(tree, "a/x*", "c") is Kind.DIR
     assert decide(tree, "a/y*", "c") is Kind.FILE
-    assert tree.entries(p("a/*")) == []  # wildcard directories list nothing
+    assert tree.entries(p("a/*")) == [(b"**", Kind.FILE)]  # wildcard directories: only how to read
 
 
 def test_key_that_is_also_a_prefix_is_reached_through_self_name() -> None:
@@ -113,7 +113,7 @@ def test_key_that_is_also_a_prefix_is_reached_through_self_name() -> None:
     assert decide(tree, "p", "q") is Kind.FILE
     tree.learn(p("p/q/r"))
     assert decide(tree, "p", "q") is Kind.DIR
-    assert tree.entries(p("p/q")) == [(b"!", Kind.FILE), (b"r", Kind.FILE)]
+    assert tree.entries(p("p/q")) == [(b"!", Kind.FILE), (b"r", Kind.FILE), (b"**", Kind.FILE)]
     assert pattern_of(p("p/q/!")) == b"p/q"
 
 
@@ -124,7 +124,7 @@ def test_lru_memory_is_bounded() -> None:
     tree.learn(p("k/1"))  # refresh: k/2 is now the oldest
     tree.learn(p("k/4"))
     assert len(tree) == 3
-    assert [n for n, _ in tree.entries(p("k"))] == [b"1", b"3", b"4"]
+    assert [n for n, _ in tree.entries(p("k"))] == [b"1", b"3", b"4", b"**"]
     for k in ("x/1", "x/2", "x/3"):
         tree.learn(p(k))
     assert refused(tree, "", "k") == errno.ENOENT  # pruned entirely
@@ -136,7 +136,7 @@ def test_forget_and_rmdir() -> None:
     tree.mkdir(p("a/d"))
     assert tree.forget(p("a/b")) and not tree.forget(p("a/b"))
     assert tree.rmdir(p("a/d")) and not tree.rmdir(p("a/d"))
-    assert tree.entries(()) == []
+    assert tree.entries(()) == [(b"**", Kind.FILE)]
 
 
 def test_secret_paths_only_for_own_credentials() -> None:

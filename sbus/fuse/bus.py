@@ -82,6 +82,7 @@ class Reader:
 
     def __init__(self, pattern: bytes, fmt: str) -> None:
         self.pattern = pattern
+        self.fmt = fmt
         self.session = Session(sep=mapping.SEP)
         self.out = Outbox(one_per_read=fmt == "raw")
         self.sock: socket.socket | None = None
@@ -290,7 +291,7 @@ class MountBus:
             raw = bytes(packet)
             nul = raw.find(b"\0", 4)
             if nul >= 0:
-                r.out.push(frame(self.fmt, raw[4:nul], raw[nul + 1:], time.time()))
+                r.out.push(frame(r.fmt, raw[4:nul], raw[nul + 1:], time.time()))
             return
         try:
             self._note(r, r.session.receive(bytes(packet)))
@@ -308,7 +309,7 @@ class MountBus:
     async def _pump(self, r: Reader) -> None:
         with r.scope:
             view, buf, size = self._view, self._buf, self._recv_size
-            lines = self.fmt == "lines"
+            lines = r.fmt == "lines"
             push = r.out.push
             while True:
                 if r.out.nbytes >= OUTBOX_HIGH:
