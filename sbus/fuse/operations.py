@@ -110,7 +110,7 @@ class Handle:
     of file when nothing waits, and the file's size grows by what it can read."""
 
     __slots__ = ("ino", "path", "pattern", "pid", "tgid", "uid", "reader", "writable",
-                 "pending", "too_big", "follow", "served")
+                 "pending", "too_big", "follow", "served", "recent")
 
     def __init__(self, ino: int, path: Path, pattern: bytes, ctx: Ctx,
                  reader: Reader | None, writable: bool, append: bool,
@@ -126,7 +126,8 @@ class Handle:
         self.pending: bytearray | None = bytearray() if writable and not append else None
         self.too_big = False
         self.follow = follow
-        self.served = 0  # bytes read so far
+        self.served = 0  # the file offset just past the last bytes read
+        self.recent = b""  # those bytes, for a reader that seeks back over them
 
 
 class BusFS(pyfuse3.Operations):
@@ -498,6 +499,11 @@ class BusFS(pyfuse3.Operations):
         if h is None or h.reader is None:
             raise FUSEError(errno.EBADF)
         r = h.reader
+        if off < h.served and off >= h.served - len(h.recent):
+            # a seek back over bytes read but not used (bash's `read` builtin does
+            # this after each line): read them again
+            start = off - (h.served - len(h.recent))
+            return h.recent[start:start + size]
         if not r.out and not r.failed and not self.closing and not h.follow:
             async with self._slot(h.uid):
                 while not (r.out or r.failed or self.closing):
@@ -510,7 +516,8 @@ class BusFS(pyfuse3.Operations):
             if r.space is not None and r.out.nbytes < OUTBOX_LOW:
                 r.space.set()
                 r.space = None
-            h.served += len(data)
+            h.served = off + len(data)
+            h.recent = data
             return data
         if r.failed and not self.closing:
             raise FUSEError(errno.EIO)
