@@ -249,14 +249,15 @@ def test_one_users_blocked_reads_do_not_stop_another_users_writes(bus, space):
     try:
         os.makedirs(m / "hog", exist_ok=True)
         paths = [m / f"hog/k{i}" for i in range(30)]
+        for p in paths:  # known keys, so that the test shows the same before the fix
+            open(p, "wb").close()
         hog = subprocess.Popen([*AS_NOBODY, "python3", "-c", BLOCKERS, *paths],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        lines = []
         while True:
             line = hog.stdout.readline()
             assert line, "the blocking process ended"
-            lines.append(line)
             if line.startswith("opened"):
+                assert line == "opened 30\n"
                 break
         time.sleep(0.5)  # its reads reach the mount and wait
         sub = subscriber(bus.address, b"free/k")
