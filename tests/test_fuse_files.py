@@ -271,3 +271,13 @@ def test_one_users_blocked_reads_do_not_stop_another_users_writes(bus, space):
         if hog is not None:
             end(hog)
         m.stop()
+
+
+def test_help_tells_pip_users_what_the_man_page_does():
+    """pip installs no man pages: `sbus mount --help` carries the page's text, and the
+    fallback address it names is the real one even when $SBUS_ADDRESS is set."""
+    r = subprocess.run([*SBUS, "mount", "--help"], capture_output=True, text=True, check=True,
+                       env={**ENV, "SBUS_ADDRESS": "/tmp/elsewhere.sock"}, timeout=30)
+    text = " ".join(r.stdout.split())
+    assert "else /run/sbus.socket" in text and "/tmp/elsewhere.sock" not in text
+    assert "cat 'MNT/a/*/**' for a/*/" in text and "examples:" in text
