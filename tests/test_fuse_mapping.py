@@ -452,3 +452,39 @@ def test_creating_is_none_for_unknown_or_idle_threads():
     assert intent.creating(0) is None  # the kernel itself
     assert intent.creating(os.getpid()) is None  # running, reading its own syscall
     assert intent.creating(2**22 + 12345) is None  # no such thread
+
+
+def test_the_path_is_read_without_touching_a_byte_past_it(monkeypatch):
+    """The intent check reads the caller's path a page at a time up to its NUL: the
+    page after it may never arrive (a file mapped from a dead NFS server) and would
+    pin the reading thread.  Read from this process's own memory."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    area = mmap.mmap(-1, 3 * page)
+    path = b"/mnt/a/b/c"
+    at = 2 * page - len(path) - 1  # ends, NUL included, on the last byte of page 1
+    area[at:at + len(path) + 1] = path + b"\0"
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    reads = []
+    real = os.pread
+
+    def pread(fd, size, offset):
+        reads.append((offset, size))
+        return real(fd, size, offset)
+
+    monkeypatch.setattr(os, "pread", pread)
+    try:
+        assert intent._read_string(os.getpid(), base + at) == path
+        assert all(off + size <= base + 2 * page for off, size in reads), reads
+        # a path crossing a page boundary is read on into the next page, no further
+        reads.clear()
+        at = page - 4
+        area[at:at + len(path) + 1] = path + b"\0"
+        assert intent._read_string(os.getpid(), base + at) == path
+        assert len(reads) == 2 and reads[-1][0] + reads[-1][1] <= base + 2 * page
+    finally:
+        monkeypatch.undo()
+        del base
+        area.close()
