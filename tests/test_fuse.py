@@ -570,7 +570,7 @@ def test_broker_restart_under_a_reader(space):
         assert got == [b"after%d\n" % i for i in range(len(got))]
         assert len(got) >= 100 - 1  # at most one probe line can follow the first one
         assert proc.poll() is None  # no error, still reading
-        assert "re-subscribed" in m.log()
+        assert "reconnected" in m.log()
         with open(m / "s/k", "wb") as f:  # the publisher reconnects too
             f.write(b"written after the restart")
         assert read_lines(proc, 1) == [b"written after the restart\n"]

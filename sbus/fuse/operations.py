@@ -24,9 +24,11 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
+from .. import protocol
 from ..defaults import MAX_MESSAGE
 from ..display import brief
 from ..keys import KeyRefused, KeyRules
+from ..protocol import Publish
 from . import intent, mapping, signals
 from .bus import OUTBOX_LOW, MountBus, Reader
 from .mapping import Kind, Path, Refused, split_view
@@ -155,8 +157,7 @@ class BusFS(pyfuse3.Operations):
         self.reconnect_timeout = reconnect_timeout
         self.rules = KeyRules(mapping.SEP)
         self.uid, self.gid = os.getuid(), os.getgid()
-        self.bus = MountBus(address, fmt, self.tree, max(max_message, MAX_MESSAGE),
-                            reconnect_timeout)
+        self.bus = MountBus(address, fmt, self.tree, max_message, reconnect_timeout)
         self.started = time.time_ns()
         # inodes: (path, kind) <-> number, with the kernel's lookup counts
         self._ino_of: dict[tuple[Path, Kind], int] = {((), Kind.DIR): pyfuse3.ROOT_INODE}
@@ -560,9 +561,9 @@ class BusFS(pyfuse3.Operations):
         if h is None or not h.writable:
             raise FUSEError(errno.EBADF)
         if h.pending is None:  # appending: each write is a message
-            await self._publish(h, b"MSG " + h.pattern + b"\0" + bytes(buf))
+            await self._publish(h, bytes(buf))
             return len(buf)
-        if h.too_big or len(h.pattern) + 5 + len(h.pending) + len(buf) > self.max_message:
+        if h.too_big or self._packet_size(h, len(h.pending) + len(buf)) > self.max_message:
             self._drop_pending(h, too_big=True)
             raise FUSEError(errno.EMSGSIZE)
         if self._buffered[h.uid] + len(buf) > WRITE_SHARE:
@@ -573,12 +574,19 @@ class BusFS(pyfuse3.Operations):
         self._buffered[h.uid] += len(buf)
         return len(buf)
 
-    async def _publish(self, h: Handle, packet: bytes) -> None:
-        if len(packet) > self.max_message:
+    @staticmethod
+    def _packet_size(h: Handle, payload: int) -> int:
+        return len(protocol.encode(Publish(h.pattern, b""))) + payload
+
+    async def _publish(self, h: Handle, payload: bytes) -> None:
+        if self._packet_size(h, len(payload)) > self.max_message:
             raise FUSEError(errno.EMSGSIZE)
-        if not self.bus.publish_now(packet):
+        with trio.move_on_after(SIGNAL_POLL) as quick:
+            await self.bus.publish(h.pattern, payload)
+        if quick.cancelled_caught:  # the broker pushes back or is away: wait, but
+            # answer EINTR to a signal, in a slot of the waiting requests' pool
             async with self._slot(h.uid):
-                await guarded(h.pid, lambda: self.bus.publish(packet), h.tgid)
+                await guarded(h.pid, lambda: self.bus.publish(h.pattern, payload), h.tgid)
 
     def _drop_pending(self, h: Handle, too_big: bool = False) -> bytes:
         data = bytes(h.pending or b"")
@@ -600,8 +608,7 @@ class BusFS(pyfuse3.Operations):
             h.too_big = False  # write() said so; nothing of this file is published
             return
         if h.pending:
-            data = self._drop_pending(h)
-            await self._publish(h, b"MSG " + h.pattern + b"\0" + data)
+            await self._publish(h, self._drop_pending(h))
 
     @answering
     async def release(self, fh: int) -> None:
