@@ -333,8 +333,9 @@ def main() -> int:
             for name in WRITERS:
                 res = bench_write(address, mnt, name, args.writes)
                 base = base or res["rate"]
+                unit = "msg/s" if name.startswith("raw") else "publishes/s"
                 print(f"{name:>20}: {res['count']} writes, {res['received']} received, "
-                      f"{res['rate']:>9,.0f} msg/s  ({res['rate'] / base:.2f}x raw)")
+                      f"{res['rate']:>9,.0f} {unit}  ({res['rate'] / base:.2f}x raw)")
             res = bench_cp(address, mnt, tmp, 10)  # the subscriber reads only afterwards
             print(f"{'cp 150,000 B file':>20}: {res['count']} files, {res['whole']} whole "
                   f"messages received, {res['rate']:>9,.0f} files/s")
