@@ -5,6 +5,7 @@ shares of the request pool between users (issue 28)."""
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import tempfile
 import time
@@ -184,6 +185,32 @@ def test_tail_f_follows_new_messages(mnt, bus):
             assert read_lines(tail, 1, timeout=10) == [b"m%d\n" % i]
     finally:
         end(tail)
+
+
+def test_less_follow_mode_shows_new_messages(mnt, bus):
+    """`less +F` on a terminal (script(1) gives it one): less looks at the file with
+    stat(2) first, so the key must be known (`: > key` makes it so, publishing
+    nothing); then every message shows as it arrives."""
+    os.makedirs(mnt / "lessf", exist_ok=True)
+    open(mnt / "lessf/k", "wb").close()
+    less = subprocess.Popen(["script", "-qfc", f"less +F {mnt / 'lessf/k'}", "/dev/null"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "TERM": "xterm"})
+    try:
+        deadline = time.monotonic() + 10
+        seen = b""
+        for i in range(2):
+            # publish until less shows it (its open is in another process: no fd to
+            # wait for), at most one message per 0.2 s
+            while f"shown-{i}".encode() not in seen:
+                assert time.monotonic() < deadline, seen[-200:]
+                subprocess.run(["sh", "-c", f"echo shown-{i} >> {mnt / 'lessf/k'}"],
+                               check=True)
+                t = time.monotonic() + 0.2
+                while time.monotonic() < t and select.select([less.stdout], [], [], 0.05)[0]:
+                    seen += os.read(less.stdout.fileno(), 4096)
+    finally:
+        end(less)
 
 
 def test_grep_line_buffered_and_a_while_read_loop_see_every_line(mnt, bus):

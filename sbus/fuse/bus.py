@@ -167,7 +167,12 @@ class MountBus:
         learn = self.tree.learn
         seen: dict[bytes, mapping.Path | None] = {}
         while True:
-            for event in await monitor.receive_batch(MONITOR_BATCH):
+            try:
+                events = await monitor.receive_batch(MONITOR_BATCH)
+            except SbusError as exc:  # a packet no broker sends: skip it, learn on
+                log.warning("monitor: %s", exc)
+                continue
+            for event in events:
                 if type(event) is not Publish:
                     continue
                 key = event.key
@@ -253,6 +258,10 @@ class MountBus:
                         await trio.sleep(PUMP_COALESCE)
         except (ConnectionLost, SbusError) as exc:
             log.error("reader of %s: %s", brief(r.pattern), exc)
+            r.failed = True
+            r.wake()
+        except Exception:  # one reader's bug must not end the mount for everyone
+            log.exception("reader of %s failed; its reads get EIO", brief(r.pattern))
             r.failed = True
             r.wake()
         finally:
