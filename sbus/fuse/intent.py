@@ -1,20 +1,23 @@
-"""Is an unknown name the parent directory of a file being created?  Asked of ``/proc``.
+"""Which open call is an unknown name looked up for?  Asked of ``/proc``.
 
 The kernel looks a path up one component at a time without saying whether the name is
-the last one, and the answer fixes its type.  To let ``echo hi > MNT/a/b/c`` publish on
-a fresh bus, a lookup miss asks the caller itself: while the kernel waits for the
-answer, the calling thread (the request's pid is its thread id) sits in its system
-call, so ``/proc/TID/syscall`` names the call and its arguments and ``/proc/TID/mem``
-holds the path.  If the call is an open with ``O_CREAT`` (``creat``, ``open``,
-``openat``, ``openat2``) whose path continues below the name, the name is a directory
-being walked through to the file being created: an implicit ``mkdir -p``.
+the last one, and the answer fixes its type.  To let ``echo hi > MNT/a/b/c`` publish
+and ``cat MNT/a/*/c`` subscribe on a fresh bus, a lookup miss asks the caller itself:
+while the kernel waits for the answer, the calling thread (the request's pid is its
+thread id) sits in its system call, so ``/proc/TID/syscall`` names the call and its
+arguments and ``/proc/TID/mem`` holds the path.  If the call is an open (``creat``,
+``open``, ``openat``, ``openat2``) whose path leads through the name, the caller
+(`sbus.fuse.operations`) answers: a directory when the path goes on below it (an
+implicit ``mkdir -p``), the file itself when it is the last name of an open for
+reading (a subscription).
 
-Everything else (another call, no ``O_CREAT``, ``..`` in the path, a path outside the
-mount as we see it, an unreadable ``/proc`` entry: reading another process's syscall
-and memory needs ptrace rights) answers "no", which leaves the name unknown (ENOENT).
+Everything else (another call, ``..`` in the path, a path outside the mount as we see
+it, an unreadable ``/proc`` entry: reading another process's syscall and memory needs
+ptrace rights) answers "no", which leaves the name unknown (ENOENT).
 
-The parsing and the decision are pure (`parse_syscall`, `absolute`, `continues_below`);
-`creating` is the thin I/O shell, reading at most ``PATH_MAX`` bytes of memory once.
+The parsing and the decision are pure (`parse_syscall`, `absolute`, `names_below`);
+`opening` is the thin I/O shell, reading the path a page at a time and never a byte
+past its NUL (the next page could be one that never arrives).
 """
 
 from __future__ import annotations
