@@ -149,6 +149,39 @@ def test_an_oversized_file_fails_and_publishes_nothing(mnt, bus, space):
     assert sub.recv(1 << 20) == b"MSG files/big\0" + fits  # the only one that went out
 
 
+def test_what_unfinished_files_hold_is_bounded_per_user(mnt, bus):
+    """Files are published at close, so the mount holds what was written before: at
+    most 32 MiB per user, then ENOBUFS; closing publishes what fits, and the share is
+    free again."""
+    import errno
+
+    sub = subscriber(bus.address, b"held/")
+    sub.settimeout(10)
+    chunk = b"h" * 200_000
+    fds: list[int] = []
+    try:
+        with pytest.raises(OSError) as info:
+            for i in range(200):  # 40 MB if nothing stopped it
+                fd = os.open(mnt / f"held/k{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                fds.append(fd)
+                os.write(fd, chunk)
+        assert info.value.errno == errno.ENOBUFS
+        assert 150 <= len(fds) <= 170  # 32 MiB / 200 kB = 167
+        whole = 0
+        for i, fd in enumerate(fds[:-1]):  # each close publishes what its file holds
+            os.close(fd)
+            fds[i] = -1
+            whole += sub.recv(1 << 20).endswith(b"\0" + chunk)
+        assert whole == len(fds) - 1  # (the last file's write was refused: it holds 0)
+    finally:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+    fd = os.open(mnt / "held/again", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.write(fd, chunk)  # the share is free again
+    os.close(fd)
+
+
 def test_line_streams_publish_each_line_as_written(mnt, bus):
     """`>>` (O_APPEND) publishes every write at once: a loop of `echo >>` and a
     `tail -f log >> key` stream arrive line by line while the writer goes on."""
