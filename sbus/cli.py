@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from .defaults import default_address
+from .defaults import DEFAULT_ADDRESS
 from .errors import SbusError, UsageError
 from .extras import missing_extra, missing_extra_message
 
@@ -52,6 +52,22 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+def _manual(name: str) -> str:
+    """What the man page says beyond the options, for ``sbus COMMAND --help`` (pip
+    installs no man pages)."""
+    import textwrap
+
+    from .manpages import MANUAL
+
+    text, examples, doc = MANUAL.get(name, ("", [], ""))
+    out = textwrap.fill(text, 78) if text else ""
+    if examples:
+        out += "\n\nexamples:\n" + "\n".join(f"  {line}\n      {what}" for line, what in examples)
+    if doc:
+        out += f"\n\nmore: docs/{doc} in the sbus sources"
+    return out.strip()
+
+
 def build_parser(argv: list[str], *, everything: bool = False
                  ) -> tuple[argparse.ArgumentParser, dict[str, object]]:
     """The parser, with the options of the subcommand named in *argv* (of every one for
@@ -64,10 +80,13 @@ def build_parser(argv: list[str], *, everything: bool = False
                                 help="what to do; each command has its own --help")
     modules: dict[str, object] = {}
     wanted = None if everything else next((a for a in argv if not a.startswith("-")), None)
+    asked = not everything and any(a in ("-h", "--help") for a in argv)
     for name, (modname, helptext) in COMMANDS.items():
-        p = sub.add_parser(name, help=helptext, description=helptext)
+        p = sub.add_parser(name, help=helptext, description=helptext,
+                           epilog=_manual(name) if asked and wanted == name else None,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--address", default=None, metavar="PATH",
-                       help=f"broker socket (default $SBUS_ADDRESS, else {default_address()})")
+                       help=f"broker socket (default $SBUS_ADDRESS, else {DEFAULT_ADDRESS})")
         # `sbus serve -v` as well as `sbus -v serve`: counted separately, added up in main
         p.add_argument("-v", "--verbose", dest="sub_verbose", action="count", default=0,
                        help=VERBOSE_HELP)

@@ -167,11 +167,20 @@ MANUAL: dict[str, tuple[str, list[tuple[str, str]], str]] = {
                       "manager, and reloads systemd.",
                       [("sbus install-units --user && systemctl --user start sbus.socket",
                         "a broker for your user")], "systemd.md"),
-    "mount": ("Shows the bus as files under MOUNTPOINT: reading a key's file waits for its "
-              "messages, writing publishes. Runs until interrupted or fusermount3 -u; "
+    "mount": ("Shows the bus as files under MOUNTPOINT: reading a path subscribes (even "
+              "before anything was published there), writing a file publishes it as one "
+              "message (appending with >> publishes each write). Quote patterns; a "
+              "directory cannot be read, so a pattern ending in / is spelled with the file "
+              "** that every directory lists: cat 'MNT/a/*/**' for a/*/. MNT/.keyed/... "
+              "prints each message after its key. Runs until interrupted or fusermount3 -u; "
               "--daemon returns once the mount is usable.",
-              [("sbus mount --daemon /mnt/bus && cat /mnt/bus/sensors/kitchen/temp",
-                "read a key as a file")], "fuse.md"),
+              [("sbus mount --daemon /mnt/bus && cat '/mnt/bus/sensors/*/temp'",
+                "subscribe to a pattern, before or after anyone publishes"),
+               ("echo hi > /mnt/bus/a/b/c", "publish one message on a/b/c"),
+               ("cat '/mnt/bus/.keyed/a/*/**'", "everything below a/X/, each line after "
+                "its key"),
+               ("tail -f log >> /mnt/bus/logs/web", "publish each line as it is written")],
+              "fuse.md"),
     "record": ("Records the messages matching every PATTERN into a journal directory: "
                "segments of column blocks, sealed by size and age, old ones deleted by "
                "--keep and --keep-bytes. sbus analyze and the Spark data source read it.",

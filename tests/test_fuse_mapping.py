@@ -84,7 +84,7 @@ def test_mkdir_and_learned_keys() -> None:
     assert decide(tree, "made", "here") is Kind.DIR
     assert decide(tree, "live/x", "y") is Kind.FILE
     assert decide(tree, "live", "x") is Kind.DIR
-    assert tree.entries(()) == [(b"live", Kind.DIR), (b"made", Kind.DIR)]
+    assert tree.entries(()) == [(b"live", Kind.DIR), (b"made", Kind.DIR), (b"**", Kind.FILE)]
 
 
 def test_reserved_names() -> None:
@@ -104,7 +104,7 @@ def test_names_below_wildcards_are_files_unless_known_as_prefix() -> None:
     assert decide(tree, "a/*", "c") is Kind.DIR  # 'a/*/c' is a prefix of a live key
     assert decide(tree, "a/x*", "c") is Kind.DIR
     assert decide(tree, "a/y*", "c") is Kind.FILE
-    assert tree.entries(p("a/*")) == []  # wildcard directories list nothing
+    assert tree.entries(p("a/*")) == [(b"**", Kind.FILE)]  # wildcard directories: only how to read
 
 
 def test_key_that_is_also_a_prefix_is_reached_through_self_name() -> None:
@@ -113,7 +113,7 @@ def test_key_that_is_also_a_prefix_is_reached_through_self_name() -> None:
     assert decide(tree, "p", "q") is Kind.FILE
     tree.learn(p("p/q/r"))
     assert decide(tree, "p", "q") is Kind.DIR
-    assert tree.entries(p("p/q")) == [(b"!", Kind.FILE), (b"r", Kind.FILE)]
+    assert tree.entries(p("p/q")) == [(b"!", Kind.FILE), (b"r", Kind.FILE), (b"**", Kind.FILE)]
     assert pattern_of(p("p/q/!")) == b"p/q"
 
 
@@ -124,7 +124,7 @@ def test_lru_memory_is_bounded() -> None:
     tree.learn(p("k/1"))  # refresh: k/2 is now the oldest
     tree.learn(p("k/4"))
     assert len(tree) == 3
-    assert [n for n, _ in tree.entries(p("k"))] == [b"1", b"3", b"4"]
+    assert [n for n, _ in tree.entries(p("k"))] == [b"1", b"3", b"4", b"**"]
     for k in ("x/1", "x/2", "x/3"):
         tree.learn(p(k))
     assert refused(tree, "", "k") == errno.ENOENT  # pruned entirely
@@ -136,7 +136,7 @@ def test_forget_and_rmdir() -> None:
     tree.mkdir(p("a/d"))
     assert tree.forget(p("a/b")) and not tree.forget(p("a/b"))
     assert tree.rmdir(p("a/d")) and not tree.rmdir(p("a/d"))
-    assert tree.entries(()) == []
+    assert tree.entries(()) == [(b"**", Kind.FILE)]
 
 
 def test_secret_paths_only_for_own_credentials() -> None:
@@ -452,3 +452,39 @@ def test_creating_is_none_for_unknown_or_idle_threads():
     assert intent.creating(0) is None  # the kernel itself
     assert intent.creating(os.getpid()) is None  # running, reading its own syscall
     assert intent.creating(2**22 + 12345) is None  # no such thread
+
+
+def test_the_path_is_read_without_touching_a_byte_past_it(monkeypatch):
+    """The intent check reads the caller's path a page at a time up to its NUL: the
+    page after it may never arrive (a file mapped from a dead NFS server) and would
+    pin the reading thread.  Read from this process's own memory."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    area = mmap.mmap(-1, 3 * page)
+    path = b"/mnt/a/b/c"
+    at = 2 * page - len(path) - 1  # ends, NUL included, on the last byte of page 1
+    area[at:at + len(path) + 1] = path + b"\0"
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    reads = []
+    real = os.pread
+
+    def pread(fd, size, offset):
+        reads.append((offset, size))
+        return real(fd, size, offset)
+
+    monkeypatch.setattr(os, "pread", pread)
+    try:
+        assert intent._read_string(os.getpid(), base + at) == path
+        assert all(off + size <= base + 2 * page for off, size in reads), reads
+        # a path crossing a page boundary is read on into the next page, no further
+        reads.clear()
+        at = page - 4
+        area[at:at + len(path) + 1] = path + b"\0"
+        assert intent._read_string(os.getpid(), base + at) == path
+        assert len(reads) == 2 and reads[-1][0] + reads[-1][1] <= base + 2 * page
+    finally:
+        monkeypatch.undo()
+        del base
+        area.close()

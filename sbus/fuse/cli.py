@@ -49,8 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="let other users use the mount (FUSE allow_other; non-root needs "
                         "user_allow_other in /etc/fuse.conf)")
     p.add_argument("--max-tasks", type=int, default=1000, metavar="N",
-                   help="concurrent filesystem requests, i.e. blocked readers plus one "
-                        "(default 1000)")
+                   help="concurrent filesystem requests (default 1000); with --allow-other "
+                        "each user may hold at most half of what the others leave "
+                        "free in waiting reads, opens and writes")
 
 
 def _is_socket(path: str) -> bool:
@@ -175,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     fs = BusFS(address, fmt=args.format, remember=args.remember,
                remember_bytes=args.remember_bytes,
                max_message=args.max_message, reconnect_timeout=args.reconnect_timeout,
-               mountpoint=mountpoint)
+               mountpoint=mountpoint, max_tasks=args.max_tasks,
+               allow_other=args.allow_other)
     log_handler = _system_log_handler() if args.daemon else None  # said before mounting
     options = set(pyfuse3.default_options) | {"fsname=sbus", "subtype=sbus"}
     if args.allow_other:

@@ -8,6 +8,9 @@ Formats (``sbus mount --format``):
 * ``raw``: payloads verbatim and unframed, one message per ``read(2)`` so a program
   with a large enough buffer sees message boundaries; empty payloads are skipped
   (a zero-byte read would mean end of file).
+* ``keyed``: like ``lines``, each payload preceded by its key and a space (as
+  ``sbus sub`` and ``mosquitto_sub -v`` print), so a pattern's reader sees where each
+  message came from;
 * ``jsonl``: one JSON object per line with ``key``, ``payload`` (or
   ``payload_base64`` when it is not UTF-8) and ``time`` (seconds since the epoch when
   the mount received it), for programs that need keys of pattern subscriptions.
@@ -23,7 +26,7 @@ from collections import deque
 
 __all__ = ["FORMATS", "frame", "Outbox"]
 
-FORMATS = ("lines", "raw", "jsonl")
+FORMATS = ("lines", "raw", "keyed", "jsonl")
 
 
 def frame(fmt: str, key: bytes, payload: bytes, when: float) -> bytes:
@@ -32,6 +35,8 @@ def frame(fmt: str, key: bytes, payload: bytes, when: float) -> bytes:
         return payload if payload.endswith(b"\n") else payload + b"\n"
     if fmt == "raw":
         return payload
+    if fmt == "keyed":
+        return key + b" " + (payload if payload.endswith(b"\n") else payload + b"\n")
     if fmt == "jsonl":
         record: dict[str, object] = {"key": key.decode("utf-8", "backslashreplace")}
         try:

@@ -1,20 +1,23 @@
-"""Is an unknown name the parent directory of a file being created?  Asked of ``/proc``.
+"""Which open call is an unknown name looked up for?  Asked of ``/proc``.
 
 The kernel looks a path up one component at a time without saying whether the name is
-the last one, and the answer fixes its type.  To let ``echo hi > MNT/a/b/c`` publish on
-a fresh bus, a lookup miss asks the caller itself: while the kernel waits for the
-answer, the calling thread (the request's pid is its thread id) sits in its system
-call, so ``/proc/TID/syscall`` names the call and its arguments and ``/proc/TID/mem``
-holds the path.  If the call is an open with ``O_CREAT`` (``creat``, ``open``,
-``openat``, ``openat2``) whose path continues below the name, the name is a directory
-being walked through to the file being created: an implicit ``mkdir -p``.
+the last one, and the answer fixes its type.  To let ``echo hi > MNT/a/b/c`` publish
+and ``cat MNT/a/*/c`` subscribe on a fresh bus, a lookup miss asks the caller itself:
+while the kernel waits for the answer, the calling thread (the request's pid is its
+thread id) sits in its system call, so ``/proc/TID/syscall`` names the call and its
+arguments and ``/proc/TID/mem`` holds the path.  If the call is an open (``creat``,
+``open``, ``openat``, ``openat2``) whose path leads through the name, the caller
+(`sbus.fuse.operations`) answers: a directory when the path goes on below it (an
+implicit ``mkdir -p``), the file itself when it is the last name of an open for
+reading (a subscription).
 
-Everything else (another call, no ``O_CREAT``, ``..`` in the path, a path outside the
-mount as we see it, an unreadable ``/proc`` entry: reading another process's syscall
-and memory needs ptrace rights) answers "no", which leaves the name unknown (ENOENT).
+Everything else (another call, ``..`` in the path, a path outside the mount as we see
+it, an unreadable ``/proc`` entry: reading another process's syscall and memory needs
+ptrace rights) answers "no", which leaves the name unknown (ENOENT).
 
-The parsing and the decision are pure (`parse_syscall`, `absolute`, `continues_below`);
-`creating` is the thin I/O shell, reading at most ``PATH_MAX`` bytes of memory once.
+The parsing and the decision are pure (`parse_syscall`, `absolute`, `names_below`);
+`opening` is the thin I/O shell, reading the path a page at a time and never a byte
+past its NUL (the next page could be one that never arrives).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import sys
 from dataclasses import dataclass
 
 __all__ = ["Call", "SYSCALLS", "parse_syscall", "absolute", "components", "continues_below",
-           "creating", "PATH_MAX"]
+           "creating", "opening", "Opening", "names_below", "PATH_MAX"]
 
 PATH_MAX = 4096
+PAGE = os.sysconf("SC_PAGE_SIZE")
 AT_FDCWD = -100
 #: System call numbers of the calls that can create a file, per machine.
 SYSCALLS: dict[str, dict[int, str]] = {
@@ -110,6 +114,24 @@ def continues_below(path: bytes, mountpoints: tuple[bytes, ...], parent: tuple[b
     return False
 
 
+def names_below(path: bytes, mountpoints: tuple[bytes, ...], parent: tuple[bytes, ...],
+                name: bytes) -> int | None:
+    """How many names the absolute *path* goes on with after ``parent/name`` of the
+    mount (0: the name is the last one), or None if it does not lead through it."""
+    names = components(path)
+    if names is None:
+        return None
+    here = parent + (name,)
+    for mp in mountpoints:
+        mount = components(mp)
+        if mount is None or names[:len(mount)] != mount:
+            continue
+        rel = names[len(mount):]
+        if len(rel) >= len(here) and rel[:len(here)] == here:
+            return len(rel) - len(here)
+    return None
+
+
 def _read(path: str, size: int = 512) -> bytes:
     with open(path, "rb", buffering=0) as f:
         return f.read(size)
@@ -123,9 +145,39 @@ def _read_mem(tid: int, address: int, size: int) -> bytes:
         os.close(fd)
 
 
-def creating(tid: int) -> bytes | None:
-    """The absolute path (as seen here) of the file thread *tid* is creating right now
-    with an open call blocked on us, or None: not such a call, or unreadable.
+def _read_string(tid: int, address: int, limit: int = PATH_MAX) -> bytes | None:
+    """The NUL-terminated string at *address*, read a page at a time so that not one
+    byte past its end is touched: the page after it may be one that never arrives (a
+    file mapped from a slow or dead filesystem) and would pin the reading thread."""
+    fd = os.open(f"/proc/{tid}/mem", os.O_RDONLY)
+    try:
+        got = b""
+        while len(got) < limit:
+            chunk = os.pread(fd, PAGE - (address % PAGE), address)
+            if not chunk:
+                return None
+            end = chunk.find(b"\0")
+            if end >= 0:
+                got += chunk[:end]
+                return got if 0 < len(got) <= limit else None
+            got += chunk
+            address += len(chunk)
+        return None  # longer than PATH_MAX
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Opening:
+    """An open call in progress: the absolute path (as seen here) and its flags."""
+
+    path: bytes
+    flags: int
+
+
+def opening(tid: int) -> Opening | None:
+    """The open call thread *tid* is blocked in on us right now, or None: not an open
+    call, or unreadable.
 
     Blocking: reading another process's memory takes its memory-map lock, which a
     sibling thread could hold while waiting on this very mount; call this from a
@@ -142,16 +194,21 @@ def creating(tid: int) -> bytes | None:
             if len(raw) < 8:
                 return None
             flags = int.from_bytes(raw, sys.byteorder)
-        if not flags & os.O_CREAT:
-            return None
-        raw = _read_mem(tid, call.path, PATH_MAX)
-        end = raw.find(b"\0")
-        if end <= 0:
-            return None  # empty or longer than PATH_MAX
-        path = raw[:end]
+        path = _read_string(tid, call.path)
+        if path is None:
+            return None  # empty, unreadable or longer than PATH_MAX
         if path.startswith(b"/"):
-            return absolute(path, b"", os.fsencode(os.readlink(f"/proc/{tid}/root")))
-        where = "cwd" if call.dirfd is None else f"fd/{call.dirfd}"
-        return absolute(path, os.fsencode(os.readlink(f"/proc/{tid}/{where}")))
+            full = absolute(path, b"", os.fsencode(os.readlink(f"/proc/{tid}/root")))
+        else:
+            where = "cwd" if call.dirfd is None else f"fd/{call.dirfd}"
+            full = absolute(path, os.fsencode(os.readlink(f"/proc/{tid}/{where}")))
+        return Opening(full, flags)
     except (OSError, ValueError, OverflowError):
         return None
+
+
+def creating(tid: int) -> bytes | None:
+    """The absolute path of the file thread *tid* is creating (an open call with
+    ``O_CREAT``) right now, or None."""
+    found = opening(tid)
+    return found.path if found is not None and found.flags & os.O_CREAT else None

@@ -17,6 +17,9 @@ knowing what comes after it.  The rules (documented for users in docs/fuse.md):
   are files: a pattern never needs creating.  (An unknown name on the way to a file
   being created is answered as a directory by `sbus.fuse.operations`, which asks
   the caller's open call in ``/proc``: `sbus.fuse.intent`.)
+* ``.keyed`` and ``.jsonl`` at the root are *views*: the whole tree again, read in
+  that format whatever the mount's ``--format`` (`split_view`).  A key whose first
+  segment is one of them is reachable below a view (``.keyed/.keyed/x``).
 * ``!/cred/GID/UID/PID/…`` is reachable only for the mount's own credentials and only
   by callers allowed to see them (EACCES otherwise): the broker checks the mount's
   credentials, not the caller's, so the mount must not lend its own to others.
@@ -31,8 +34,8 @@ from enum import Enum
 
 from ..errors import Refused  # a name that cannot be used; .errno answers the kernel
 
-__all__ = ["SEP", "SELF", "TRAILING", "Kind", "Refused", "KnownTree", "pattern_of",
-           "is_pattern", "lookup", "creatable", "secret_owner", "key_segments"]
+__all__ = ["VIEWS", "split_view", "SEP", "SELF", "TRAILING", "Kind", "Refused", "KnownTree",
+           "pattern_of", "is_pattern", "lookup", "creatable", "secret_owner", "key_segments"]
 
 SEP = b"/"
 SELF = b"!"
@@ -41,6 +44,16 @@ SECRET = b"!"
 CRED = b"cred"
 
 Path = tuple[bytes, ...]
+
+#: Root directories that show the tree again, read in another format.
+VIEWS = {b".keyed": "keyed", b".jsonl": "jsonl"}
+
+
+def split_view(path: Path) -> tuple[str | None, Path]:
+    """The format a path's view asks for (None: the mount's) and the path inside it."""
+    if path and path[0] in VIEWS:
+        return VIEWS[path[0]], path[1:]
+    return None, path
 
 
 class Kind(Enum):
@@ -228,20 +241,22 @@ class KnownTree:
         return any(n.key for n in self._matching(path))
 
     def entries(self, path: Path) -> list[tuple[bytes, Kind]]:
-        """What ``ls`` shows in a directory: nothing in wildcard directories (so shell
-        globs pass through unchanged), else the known names sorted; a key that is
-        also a prefix appears as a directory holding ``!``."""
+        """What ``ls`` shows in a directory: the known names sorted (a key that is also
+        a prefix appears as a directory holding ``!``), then ``**``, the file that
+        subscribes to everything below, so ``ls`` shows how to read a directory.
+        Wildcard directories hold only ``**`` (so shell globs pass through)."""
+        hint = [] if path[:1] == (SECRET,) and len(path) < 5 else [(TRAILING, Kind.FILE)]
         if any(is_wild(s) for s in path):
-            return []
+            return hint
         node = self._find(path)
         if node is None:
-            return []
+            return hint
         out = [(name, Kind.DIR if child.is_dir() else Kind.FILE)
                for name, child in node.children.items()]
         if path and node.key and node.is_dir() and path != (SECRET,):
             out.append((SELF, Kind.FILE))
         out.sort()
-        return out
+        return out + hint
 
 
 def lookup(tree: KnownTree, parent: Path, name: bytes, own: Path | None,

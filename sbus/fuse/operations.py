@@ -24,12 +24,15 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
+from .. import protocol
 from ..defaults import MAX_MESSAGE
 from ..display import brief
 from ..keys import KeyRefused, KeyRules
-from . import intent, mapping
+from ..protocol import Publish
+from . import intent, mapping, signals
 from .bus import OUTBOX_LOW, MountBus, Reader
-from .mapping import Kind, Path, Refused
+from .mapping import Kind, Path, Refused, split_view
+from .shares import Shares
 from .signals import interrupted, thread_group
 
 log = logging.getLogger("sbus.fuse")
@@ -44,8 +47,11 @@ SIGNAL_POLL = 0.05
 ENTRY_TIMEOUT = 1.0
 #: How long a lookup miss may spend asking /proc whether its caller creates below it.
 INTENT_TIMEOUT = 0.5
-#: At most this many of those questions at once (a stuck one holds its thread).
-INTENT_THREADS = 4
+#: At most this many of those questions at once per user (a stuck one holds its
+#: thread, so one user's stuck callers cannot hold up another user's lookups).
+INTENT_THREADS = 2
+#: Bytes that writers of one user may hold in not yet published files.
+WRITE_SHARE = 32 << 20
 
 
 async def guarded(pid: int, fn: Callable[[], Awaitable[T]], tgid: int | None = None) -> T:
@@ -100,17 +106,30 @@ def answering(op: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 class Handle:
-    __slots__ = ("ino", "path", "pattern", "pid", "tgid", "reader", "writable")
+    """One open file.  A writer opened without ``O_APPEND`` gathers its writes in
+    *pending* and publishes them as one message when the file is closed (`flush`);
+    an appending one publishes each write.  A *follow* reader (``tail -f``) sees end
+    of file when nothing waits, and the file's size grows by what it can read."""
 
-    def __init__(self, ino: int, path: Path, pattern: bytes, pid: int,
-                 reader: Reader | None, writable: bool) -> None:
+    __slots__ = ("ino", "path", "pattern", "pid", "tgid", "uid", "reader", "writable",
+                 "pending", "too_big", "follow", "served", "recent")
+
+    def __init__(self, ino: int, path: Path, pattern: bytes, ctx: Ctx,
+                 reader: Reader | None, writable: bool, append: bool,
+                 follow: bool = False) -> None:
         self.ino = ino
         self.path = path
         self.pattern = pattern
-        self.pid = pid  # the opener: read() and write() are not told who calls them
-        self.tgid = thread_group(pid)
+        self.pid = ctx.pid  # the opener: read() and write() are not told who calls them
+        self.tgid = thread_group(ctx.pid)
+        self.uid = ctx.uid
         self.reader = reader
         self.writable = writable
+        self.pending: bytearray | None = bytearray() if writable and not append else None
+        self.too_big = False
+        self.follow = follow
+        self.served = 0  # the file offset just past the last bytes read
+        self.recent = b""  # those bytes, for a reader that seeks back over them
 
 
 class BusFS(pyfuse3.Operations):
@@ -118,14 +137,19 @@ class BusFS(pyfuse3.Operations):
 
     def __init__(self, address: str, *, fmt: str = "lines", remember: int = 10000,
                  remember_bytes: int = 16 << 20, max_message: int = MAX_MESSAGE,
-                 reconnect_timeout: float = 30.0, mountpoint: str | None = None) -> None:
+                 reconnect_timeout: float = 30.0, mountpoint: str | None = None,
+                 max_tasks: int = 1000, allow_other: bool = False) -> None:
         super().__init__()
         # the mount point as given and resolved (found before mounting: afterwards
         # resolving it would ask this very filesystem); None: no implicit directories
         self.mountpoints = tuple(dict.fromkeys(
             os.fsencode(f(mountpoint)) for f in (os.path.abspath, os.path.realpath)
         )) if mountpoint else ()
-        self._intent_threads = trio.CapacityLimiter(INTENT_THREADS)
+        self._intent_threads: dict[int, trio.CapacityLimiter] = {}
+        self.shares = Shares(max_tasks, fair=allow_other)
+        self._buffered: Counter[int] = Counter()  # bytes held for writers, per user
+        self._followers: dict[int, set[Handle]] = {}
+        self._sizes: dict[int, int] = {}  # what follow readers were shown, per inode
         self.address = address
         self.fmt = fmt
         self.tree = mapping.KnownTree(remember, remember_bytes)
@@ -133,8 +157,7 @@ class BusFS(pyfuse3.Operations):
         self.reconnect_timeout = reconnect_timeout
         self.rules = KeyRules(mapping.SEP)
         self.uid, self.gid = os.getuid(), os.getgid()
-        self.bus = MountBus(address, fmt, self.tree, max(max_message, MAX_MESSAGE),
-                            reconnect_timeout)
+        self.bus = MountBus(address, fmt, self.tree, max_message, reconnect_timeout)
         self.started = time.time_ns()
         # inodes: (path, kind) <-> number, with the kernel's lookup counts
         self._ino_of: dict[tuple[Path, Kind], int] = {((), Kind.DIR): pyfuse3.ROOT_INODE}
@@ -184,6 +207,7 @@ class BusFS(pyfuse3.Operations):
 
     def _attrs(self, ino: int) -> Attrs:
         path, kind = self._node_of[ino]
+        path = split_view(path)[1]
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
         a.generation = 0
@@ -192,7 +216,9 @@ class BusFS(pyfuse3.Operations):
         # may trust an answer for one second only; secret names are checked per
         # caller, so never cached.
         a.entry_timeout = 0 if secret else ENTRY_TIMEOUT
-        a.attr_timeout = 0 if secret else ENTRY_TIMEOUT
+        # a file's size is how far its follow readers (tail -f) may read: never cached
+        a.attr_timeout = 0 if secret or kind is Kind.FILE else ENTRY_TIMEOUT
+        a.st_size = 0
         if kind is Kind.DIR:
             a.st_mode = stat.S_IFDIR | (0o700 if secret else 0o777)
             a.st_nlink = 2
@@ -202,7 +228,8 @@ class BusFS(pyfuse3.Operations):
             a.st_mode = stat.S_IFREG | (perm & 0o700 if secret else perm)
             a.st_nlink = 1
         a.st_uid, a.st_gid = self.uid, self.gid
-        a.st_size = 0
+        if ino in self._followers:
+            a.st_size = self._follow_size(ino)
         a.st_blksize = 128 * 1024
         a.st_blocks = 0
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = self.started
@@ -211,31 +238,54 @@ class BusFS(pyfuse3.Operations):
     def _caller_may_read_own(self, ctx: Ctx) -> bool:
         return ctx.uid in (self.uid, 0)
 
-    async def _decide(self, parent: Path, name: bytes, ctx: Ctx) -> tuple[Kind, bool]:
-        """The name's kind, and whether it is only an implicit directory: unknown, but
-        the caller is creating a file below it (`sbus.fuse.intent`)."""
+    async def _decide(self, full_parent: Path, name: bytes, ctx: Ctx) -> tuple[Kind, bool]:
+        """The name's kind, and whether it is only implied: unknown, but the caller's
+        open call goes through it (`sbus.fuse.intent`)."""
+        if not full_parent and name in mapping.VIEWS:
+            return Kind.DIR, False
+        parent = split_view(full_parent)[1]
         try:
             return mapping.lookup(self.tree, parent, name, self.own,
                                   self._caller_may_read_own(ctx)), False
         except Refused as exc:
-            if exc.errno == errno.ENOENT and await self._creating_below(parent, name, ctx):
-                return Kind.DIR, True
+            if exc.errno == errno.ENOENT:
+                kind = await self._implied(full_parent, parent, name, ctx)
+                if kind is not None:
+                    return kind, True
             raise FUSEError(exc.errno) from None
 
-    async def _creating_below(self, parent: Path, name: bytes, ctx: Ctx) -> bool:
+    async def _implied(self, full_parent: Path, parent: Path, name: bytes,
+                       ctx: Ctx) -> Kind | None:
+        """An unknown name the caller is opening a path through: a directory when the
+        path goes on below it (creating, or subscribing through names nobody
+        published yet), the file itself when it is the last name of an open for
+        reading (a subscription).  None: the name stays unknown (ENOENT), so a
+        create goes on to `create`."""
         if not self.mountpoints:
-            return False
+            return None
         try:
             mapping.creatable(parent, name)  # what mkdir may not make, this may not either
         except Refused:
-            return False
-        path = None
+            return None
+        call = None
+        limiter = self._intent_threads.get(ctx.uid)
+        if limiter is None:
+            limiter = self._intent_threads[ctx.uid] = trio.CapacityLimiter(INTENT_THREADS)
         with trio.move_on_after(INTENT_TIMEOUT):
-            path = await trio.to_thread.run_sync(intent.creating, ctx.pid,
-                                                 abandon_on_cancel=True,
-                                                 limiter=self._intent_threads)
-        return path is not None and intent.continues_below(path, self.mountpoints,
-                                                           parent, name)
+            call = await trio.to_thread.run_sync(intent.opening, ctx.pid,
+                                                 abandon_on_cancel=True, limiter=limiter)
+        if limiter.borrowed_tokens == 0 and not limiter.statistics().tasks_waiting:
+            self._intent_threads.pop(ctx.uid, None)
+        if call is None:
+            return None
+        below = intent.names_below(call.path, self.mountpoints, full_parent, name)
+        if below is None:
+            return None
+        if below > 0:
+            return Kind.DIR
+        if call.flags & (os.O_CREAT | os.O_DIRECTORY):
+            return None
+        return Kind.FILE
 
     @answering
     async def lookup(self, parent_inode: int, name: bytes, ctx: Ctx) -> Attrs:
@@ -301,10 +351,13 @@ class BusFS(pyfuse3.Operations):
         path, kind = self._node(inode)
         if kind is not Kind.DIR:
             raise FUSEError(errno.ENOTDIR)
-        entries = self.tree.entries(path)
+        inner = split_view(path)[1]
+        entries = self.tree.entries(inner)
+        if not path:
+            entries = [(n, Kind.DIR) for n in mapping.VIEWS] + entries
         if not self._caller_may_read_own(ctx):  # the secrets listed are the mount's own
-            entries = [(n, k) for n, k in entries if path or n != mapping.SECRET]
-            if path[:1] == (mapping.SECRET,):
+            entries = [(n, k) for n, k in entries if inner or n != mapping.SECRET]
+            if inner[:1] == (mapping.SECRET,):
                 entries = []
         fh = self._next_fh
         self._next_fh += 1
@@ -327,9 +380,12 @@ class BusFS(pyfuse3.Operations):
 
     @answering
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Ctx) -> Attrs:
-        parent, kind = self._node(parent_inode)
+        full, kind = self._node(parent_inode)
         if kind is not Kind.DIR:
             raise FUSEError(errno.ENOTDIR)
+        if not full and name in mapping.VIEWS:
+            raise FUSEError(errno.EEXIST)
+        parent = split_view(full)[1]
         try:
             mapping.creatable(parent, name)
             mapping.lookup(self.tree, parent, name, self.own,
@@ -339,22 +395,21 @@ class BusFS(pyfuse3.Operations):
                 raise FUSEError(exc.errno) from None
         else:
             raise FUSEError(errno.EEXIST)
-        path = parent + (name,)
-        self.tree.mkdir(path)
-        ino = self._inode(path, Kind.DIR)
+        self.tree.mkdir(parent + (name,))
+        ino = self._inode(full + (name,), Kind.DIR)
         self._lookups[ino] += 1
         return self._attrs(ino)
 
     @answering
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Ctx) -> None:
-        parent, _ = self._node(parent_inode)
+        parent = split_view(self._node(parent_inode)[0])[1]
         if not self.tree.rmdir(parent + (name,)):
             raise FUSEError(errno.ENOENT)
 
     @answering
     async def unlink(self, parent_inode: int, name: bytes, ctx: Ctx) -> None:
         """Forget a remembered key (it comes back if it is published again)."""
-        parent, _ = self._node(parent_inode)
+        parent = split_view(self._node(parent_inode)[0])[1]
         path = parent + (name,)
         if name == mapping.SELF and parent:
             path = parent
@@ -366,9 +421,12 @@ class BusFS(pyfuse3.Operations):
     @answering
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Ctx) -> tuple[pyfuse3.FileInfo, Attrs]:
-        parent, kind = self._node(parent_inode)
+        full, kind = self._node(parent_inode)
         if kind is not Kind.DIR:
             raise FUSEError(errno.ENOTDIR)
+        if not full and name in mapping.VIEWS:
+            raise FUSEError(errno.EEXIST)
+        parent = split_view(full)[1]
         try:
             mapping.creatable(parent, name)
             if parent[:1] == (mapping.SECRET,):
@@ -379,7 +437,7 @@ class BusFS(pyfuse3.Operations):
         path = parent + (name,)
         self._check_key(mapping.pattern_of(path))
         self.tree.learn(path)
-        ino = self._inode(path, Kind.FILE)
+        ino = self._inode(full + (name,), Kind.FILE)
         info = await self._open(ino, flags, ctx)
         self._lookups[ino] += 1
         return info, self._attrs(ino)
@@ -397,6 +455,7 @@ class BusFS(pyfuse3.Operations):
 
     async def _open(self, ino: int, flags: int, ctx: Ctx) -> pyfuse3.FileInfo:
         path, kind = self._node(ino)
+        view, path = split_view(path)
         if kind is not Kind.FILE:
             raise FUSEError(errno.EISDIR)
         owner = mapping.secret_owner(path)
@@ -411,6 +470,7 @@ class BusFS(pyfuse3.Operations):
                 raise FUSEError(errno.EACCES)
             self._check_key(pattern)
         reader = None
+        follow = False
         if readable:
             if self.closing:
                 raise FUSEError(errno.ENOTCONN)
@@ -419,11 +479,16 @@ class BusFS(pyfuse3.Operations):
                     self.rules.check_pattern(pattern, self.bus.cred)
                 except KeyRefused:
                     raise FUSEError(errno.EACCES) from None
-            reader = Reader(pattern, self.fmt)
-            await guarded(ctx.pid, lambda: self.bus.start_reader(reader))
+            reader = Reader(pattern, view or self.fmt)
+            async with self._slot(ctx.uid):
+                await guarded(ctx.pid, lambda: self.bus.start_reader(reader))
+            follow = not writable and signals.follows(ctx.pid)
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = Handle(ino, path, pattern, ctx.pid, reader, writable)
+        h = self._handles[fh] = Handle(ino, path, pattern, ctx, reader, writable,
+                                       bool(flags & os.O_APPEND), follow)
+        if follow:
+            self._followers.setdefault(ino, set()).add(h)
         self._opened[ino] += 1
         # seekable (offsets are ignored) because head(1) and others seek back over what
         # they read but did not use, and fail loudly on a non-seekable regular file
@@ -435,23 +500,45 @@ class BusFS(pyfuse3.Operations):
         if h is None or h.reader is None:
             raise FUSEError(errno.EBADF)
         r = h.reader
-        while True:
-            if r.out:
-                data = r.out.take(size)
-                if r.space is not None and r.out.nbytes < OUTBOX_LOW:
-                    r.space.set()
-                    r.space = None
-                return data
-            if r.failed:
-                if self.closing:
-                    return b""
-                raise FUSEError(errno.EIO)
-            if self.closing:
-                return b""
-            if interrupted(h.pid, h.tgid):
-                raise FUSEError(errno.EINTR)
-            with trio.move_on_after(SIGNAL_POLL):
-                await r.lot.park()
+        if off < h.served and off >= h.served - len(h.recent):
+            # a seek back over bytes read but not used (bash's `read` builtin does
+            # this after each line): read them again
+            start = off - (h.served - len(h.recent))
+            return h.recent[start:start + size]
+        if not r.out and not r.failed and not self.closing and not h.follow:
+            async with self._slot(h.uid):
+                while not (r.out or r.failed or self.closing):
+                    if interrupted(h.pid, h.tgid):
+                        raise FUSEError(errno.EINTR)
+                    with trio.move_on_after(SIGNAL_POLL):
+                        await r.lot.park()
+        if r.out:
+            data = r.out.take(size)
+            if r.space is not None and r.out.nbytes < OUTBOX_LOW:
+                r.space.set()
+                r.space = None
+            h.served = off + len(data)
+            h.recent = data
+            return data
+        if r.failed and not self.closing:
+            raise FUSEError(errno.EIO)
+        return b""  # unmounting, or a follow reader (tail -f) has read all there is
+
+    def _slot(self, uid: int):
+        """A slot of the waiting requests' pool for *uid* (`sbus.fuse.shares`), or
+        EAGAIN at once."""
+        if not self.shares.take(uid):
+            log.info("uid %d waits in too many requests; answering EAGAIN", uid)
+            raise FUSEError(errno.EAGAIN)
+        return _Slot(self.shares, uid)
+
+    def _follow_size(self, ino: int) -> int:
+        """What follow readers of *ino* may read by now: a size that only grows."""
+        size = max((h.served + h.reader.out.nbytes for h in self._followers.get(ino, ())
+                    if h.reader is not None), default=0)
+        size = max(size, self._sizes.get(ino, 0))
+        self._sizes[ino] = size
+        return size
 
     @answering
     async def poll(self, inode: int, fh: int, poll_handle: pyfuse3.PollHandle | None,
@@ -473,28 +560,89 @@ class BusFS(pyfuse3.Operations):
         h = self._handles.get(fh)
         if h is None or not h.writable:
             raise FUSEError(errno.EBADF)
-        packet = b"MSG " + h.pattern + b"\0" + bytes(buf)
-        if len(packet) > self.max_message:
+        if h.pending is None:  # appending: each write is a message
+            await self._publish(h, bytes(buf))
+            return len(buf)
+        if h.too_big or self._packet_size(h, len(h.pending) + len(buf)) > self.max_message:
+            self._drop_pending(h, too_big=True)
             raise FUSEError(errno.EMSGSIZE)
-        if not self.bus.publish_now(packet):
-            await guarded(h.pid, lambda: self.bus.publish(packet), h.tgid)
+        if self._buffered[h.uid] + len(buf) > WRITE_SHARE:
+            log.info("uid %d holds %d bytes in unfinished files; answering ENOBUFS",
+                     h.uid, self._buffered[h.uid])
+            raise FUSEError(errno.ENOBUFS)
+        h.pending += buf
+        self._buffered[h.uid] += len(buf)
         return len(buf)
 
+    @staticmethod
+    def _packet_size(h: Handle, payload: int) -> int:
+        return len(protocol.encode(Publish(h.pattern, b""))) + payload
+
+    async def _publish(self, h: Handle, payload: bytes) -> None:
+        if self._packet_size(h, len(payload)) > self.max_message:
+            raise FUSEError(errno.EMSGSIZE)
+        with trio.move_on_after(SIGNAL_POLL) as quick:
+            await self.bus.publish(h.pattern, payload)
+        if quick.cancelled_caught:  # the broker pushes back or is away: wait, but
+            # answer EINTR to a signal, in a slot of the waiting requests' pool
+            async with self._slot(h.uid):
+                await guarded(h.pid, lambda: self.bus.publish(h.pattern, payload), h.tgid)
+
+    def _drop_pending(self, h: Handle, too_big: bool = False) -> bytes:
+        data = bytes(h.pending or b"")
+        if h.pending is not None:
+            self._buffered[h.uid] -= len(h.pending)
+            if self._buffered[h.uid] <= 0:
+                del self._buffered[h.uid]
+            h.pending = bytearray()
+        h.too_big = h.too_big or too_big
+        return data
+
+    @answering
     async def flush(self, fh: int) -> None:
-        # Nothing is buffered, so there is nothing to flush.  ENOSYS tells the kernel
-        # (which then treats close() as successful) to stop sending FLUSH at all:
-        # two of five requests per 'echo >' (bash closes the file twice).
-        raise FUSEError(errno.ENOSYS)
+        """``close()``: a file written without ``O_APPEND`` is one message now."""
+        h = self._handles.get(fh)
+        if h is None or h.pending is None:
+            return
+        if h.too_big:
+            h.too_big = False  # write() said so; nothing of this file is published
+            return
+        if h.pending:
+            await self._publish(h, self._drop_pending(h))
 
     @answering
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh, None)
         if h is None:
             return
+        if h.pending:
+            log.info("a writer of %s ended without closing; %d bytes not published",
+                     brief(h.pattern), len(h.pending))
+            self._drop_pending(h)
         if h.reader is not None:
             self.bus.close_reader(h.reader)
+        followers = self._followers.get(h.ino)
+        if followers is not None:
+            followers.discard(h)
+            if not followers:
+                del self._followers[h.ino]
+                self._sizes.pop(h.ino, None)
         self._opened[h.ino] -= 1
         if self._opened[h.ino] <= 0:
             del self._opened[h.ino]
             self._drop_inode(h.ino)
 
+
+class _Slot:
+    """Gives a `Shares` slot back however the request ends."""
+
+    __slots__ = ("shares", "uid")
+
+    def __init__(self, shares: Shares, uid: int) -> None:
+        self.shares, self.uid = shares, uid
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shares.give(self.uid)

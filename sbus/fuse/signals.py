@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["unblocked_pending", "pending_from_status", "interrupted", "thread_group"]
+__all__ = ["unblocked_pending", "pending_from_status", "interrupted", "thread_group",
+           "follows"]
 
 
 STOP_SIGNALS = sum(1 << (s - 1) for s in (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN,
@@ -70,3 +71,28 @@ def interrupted(pid: int, tgid: int | None = None) -> bool:
     if mask is None and tgid is not None and tgid != pid:
         mask = unblocked_pending(tgid)
     return bool(mask)
+
+
+def follows(pid: int) -> bool:
+    """True if process *pid* is ``tail`` following its files (``-f``, ``-F``,
+    ``--follow``): it reads to end of file, then waits for the size to grow, so
+    the mount gives it end of file instead of a read that blocks."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read(4096).split(b"\0")
+    except OSError:
+        return False
+    if not argv or argv[0].rsplit(b"/", 1)[-1] != b"tail":
+        return False
+    for arg in argv[1:]:
+        if arg == b"--":
+            break
+        if arg.startswith(b"--follow"):
+            return True
+        if arg.startswith(b"-") and not arg.startswith(b"--"):
+            for c in arg[1:]:
+                if c in b"fF":
+                    return True
+                if chr(c).isdigit():
+                    break
+    return False
