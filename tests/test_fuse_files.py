@@ -293,9 +293,9 @@ def block(fd):
         os.read(fd, 100)
     except OSError as e:
         print("read", e.errno, flush=True)
+print("opened", len(fds), flush=True)  # before the reads: their errors print in threads
 for fd in fds:
     threading.Thread(target=block, args=(fd,), daemon=True).start()
-print("opened", len(fds), flush=True)
 sys.stdin.read()
 """
 
