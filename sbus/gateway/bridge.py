@@ -28,7 +28,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Hashable
 
 import anyio
@@ -40,14 +40,20 @@ from ..client import AsyncClient
 from ..display import brief
 from ..errors import SbusError
 from ..keys import KeyRules
-from ..limits import LogAllowance
+from ..limits import Limits, LogAllowance
 from ..routing import CACHE_BYTES, RouteCache, RoutingIndex
-from ..session import Backoff, Dropped, Refusal
+from ..session import Backoff, Dropped, Refusal, Whoami
+from .admission import Pool
 
 log = logging.getLogger("sbus.gateway")
 
 __all__ = ["Bridge"]
 
+#: The share of the broker's per-UID subscription budget (`sbus.limits.Limits`) the
+#: gateway uses by default: three quarters, so the gateway's UID has room for another
+#: connection (a restart overlapping the old process) and the broker never refuses.
+BUS_SUBSCRIPTION_BYTES = Limits().subscription_bytes_per_user * 3 // 4
+BUS_PATTERNS = Limits().subscriptions_per_user * 3 // 4
 #: Reconnect backoff to the local broker (seconds): it is local, so retry briskly.
 BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX = 0.1, 5.0
 #: Seconds a SUB/UNSUB may wait for a busy broker before the connection is reset.
@@ -70,10 +76,22 @@ class Bridge:
 
     def __init__(self, address: str | None,
                  deliver: Callable[[tuple, bytes, bytes], None],
+                 on_refused: Callable[[bytes, str], None],
                  cache_bytes: int = CACHE_BYTES,
-                 on_separator: Callable[[bytes], None] | None = None) -> None:
+                 on_separator: Callable[[bytes], None] | None = None,
+                 budget: int = BUS_SUBSCRIPTION_BYTES,
+                 max_patterns: int = BUS_PATTERNS) -> None:
         self.address = address
         self.deliver = deliver
+        self.on_refused = on_refused  # (pattern, reason): the broker refused its SUB
+        #: What the bus connection's distinct patterns may cost the broker (charged to the
+        #: gateway's UID, `routing.pattern_cost`), and how many there may be.
+        self.budget = Pool(budget)
+        self.max_patterns = max_patterns
+        self._costs: dict[bytes, int] = {}
+        #: SUBs sent whose fate the broker has not told yet, oldest first.
+        self._unconfirmed: deque[list] = deque()
+        self._in_flight: Counter[bytes] = Counter()  # the same, by pattern
         self.cache_bytes = cache_bytes
         self.on_separator = on_separator  # called when a reconnected broker has another one
         self.sep = b"/"
@@ -91,6 +109,7 @@ class Bridge:
         self.lost = 0  # remote publishes discarded because the bus was down
         self.received = 0  # messages from the bus
         self.bus_dropped = 0  # messages the broker reported dropping for us
+        self.refused = 0  # distinct patterns the broker refused
 
     def _new_index(self) -> RoutingIndex[Hashable]:
         # one owner: the cache is bounded in bytes as a whole (keys come from the bus,
@@ -108,16 +127,47 @@ class Bridge:
         self.rules = KeyRules(sep)
         self.index = self._new_index()
         self.patterns.clear()
+        self._costs.clear()
+        self.budget.used = 0
         if self.on_separator is not None:
             self.on_separator(sep)
 
     # -- subscriptions ------------------------------------------------------------
 
-    async def subscribe(self, client: Hashable, pattern: bytes) -> None:
+    def fits(self, pattern: bytes, cost: int) -> bool:
+        """Whether the broker's budget for the gateway (`budget`) has room for *pattern*
+        (free if some remote client holds it already: the bus holds it once)."""
+        return pattern in self.patterns or (
+            len(self.patterns) < self.max_patterns and self.budget.fits(cost))
+
+    async def subscribe(self, client: Hashable, pattern: bytes, cost: int) -> None:
+        """Route *pattern* to *client*; the first holder also subscribes it on the bus and
+        charges `budget`.  If the broker refuses it, *on_refused* hears of it."""
         self.index.subscribe(client, pattern)
         self.patterns[pattern] += 1
         if self.patterns[pattern] == 1:
-            await self._control(protocol.encode(protocol.Subscribe(pattern)))
+            self.budget.used += cost
+            self._costs[pattern] = cost
+            await self._subscribe_on_bus(pattern)
+
+    async def _subscribe_on_bus(self, pattern: bytes) -> None:
+        """SUB and a whoami question as one step: the broker answers a refused SUB before
+        the answer to the question after it, so each refusal names its pattern."""
+        bus = self._bus
+        if bus is None:
+            return  # `run` subscribes the current patterns when it reconnects
+        self._unconfirmed.append([pattern, None])
+        self._in_flight[pattern] += 1
+        await self._control(protocol.encode(protocol.Subscribe(pattern)), bus.session.ask())
+
+    def forget(self, client: Hashable, pattern: bytes) -> None:
+        """Drop *client*'s route for a pattern the broker refused (no UNSUB: it holds none)."""
+        self.index.unsubscribe(client, pattern)
+        if self.patterns[pattern] <= 1:
+            self.patterns.pop(pattern, None)
+            self.budget.used -= self._costs.pop(pattern, 0)
+        else:
+            self.patterns[pattern] -= 1
 
     async def unsubscribe(self, client: Hashable, pattern: bytes) -> bool:
         if not self.index.unsubscribe(client, pattern):
@@ -143,9 +193,28 @@ class Bridge:
         self.patterns[pattern] -= 1
         if self.patterns[pattern] <= 0:
             del self.patterns[pattern]
+            self.budget.used -= self._costs.pop(pattern, 0)
             await self._control(protocol.encode(protocol.Unsubscribe(pattern)))
 
-    async def _control(self, packet: bytes) -> None:
+    def _settle(self) -> None:
+        """The broker answered the question after the oldest unconfirmed SUB: the SUB was
+        refused (a refusal came before, its reason noted) or is in force.  A refused
+        pattern leaves every remote client that holds it, so what the gateway routes is
+        what the bus holds (no phantom subscription)."""
+        if not self._unconfirmed:
+            return
+        pattern, refused = self._unconfirmed.popleft()
+        self._in_flight[pattern] -= 1
+        if not self._in_flight[pattern]:
+            del self._in_flight[pattern]
+        if refused is None or pattern not in self.patterns:
+            return
+        if pattern in self._in_flight:
+            return  # subscribed again since: the later SUB decides
+        self.refused += 1
+        self.on_refused(pattern, refused)  # calls `forget` for each client holding it
+
+    async def _control(self, *packets: bytes) -> None:
         """Send a SUB or UNSUB.  `patterns` is the truth: if the packet cannot be sent
         (cancelled while the broker was busy, or stuck for CONTROL_TIMEOUT), the bus
         connection is reset and `run` subscribes the current patterns afresh, so the
@@ -156,7 +225,7 @@ class Bridge:
         sent = False
         try:
             with trio.move_on_after(CONTROL_TIMEOUT):
-                sent = await self._send(packet)
+                sent = await self._send(*packets)
         finally:
             if not sent and self._bus is bus:
                 self._reset(bus, "a subscription change could not be sent; resubscribing")
@@ -171,15 +240,18 @@ class Bridge:
         self.lost += 1
         return False
 
-    async def _send(self, packet: bytes) -> bool:
-        """Send one packet in call order; waits (backpressure) while the broker is busy.
-        False if the bus is gone (or refused the packet as too large)."""
+    async def _send(self, *packets: bytes) -> bool:
+        """Send packets in call order (those of one call back to back); waits
+        (backpressure) while the broker is busy.  False if the bus is gone (or refused
+        a packet as too large)."""
         bus = self._bus
         if bus is None:
             return False
         if not self._queued:
             try:
-                bus.sock.send(packet)
+                while packets:
+                    bus.sock.send(packets[0])
+                    packets = packets[1:]
                 return True
             except BlockingIOError:
                 pass
@@ -191,7 +263,9 @@ class Bridge:
             async with self._lock:
                 while self._bus is bus:
                     try:
-                        bus.sock.send(packet)
+                        while packets:
+                            bus.sock.send(packets[0])
+                            packets = packets[1:]
                         return True
                     except BlockingIOError:
                         try:
@@ -259,6 +333,8 @@ class Bridge:
             self.connected_once = True
             backoff.reset()
             self._bus = bus
+            self._unconfirmed.clear()  # questions on an old connection: never answered
+            self._in_flight.clear()
             patterns = list(self.patterns)  # taken with no await since _bus was set
             self.connected.set()
             log.info("connected to the bus at %s (%d patterns)", bus.address, len(patterns))
@@ -267,7 +343,8 @@ class Bridge:
                 started = True
             try:
                 for pattern in patterns:
-                    await self._send(protocol.encode(protocol.Subscribe(pattern)))
+                    if pattern in self.patterns and self._bus is bus:
+                        await self._subscribe_on_bus(pattern)
                 await self._forward(bus)
             except (SbusError, trio.ClosedResourceError, anyio.ClosedResourceError) as exc:
                 if self._bus is bus:
@@ -308,7 +385,11 @@ class Bridge:
                     self.bus_dropped += event.count
                     log.warning("the broker dropped %d messages for the gateway "
                                 "(it could not keep up)", event.count)
+                elif type(event) is Whoami:
+                    self._settle()
                 elif type(event) is Refusal:
+                    if event.verb == "sub" and self._unconfirmed:
+                        self._unconfirmed[0][1] = event.reason
                     held = self._complaints.take(0)
                     if held is not None:
                         log.warning("the broker refused the gateway's %s: %s%s",

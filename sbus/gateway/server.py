@@ -46,10 +46,10 @@ from ..limits import LogAllowance
 from ..routing import pattern_cost
 from ..sdnotify import notify
 from . import codec
-from .admission import Caps, Pool, peer_group
-from .bridge import Bridge
+from .admission import Caps, Peer, Pool, peer_group
+from .bridge import BUS_SUBSCRIPTION_BYTES, Bridge
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
-from .outbox import Outbox
+from .outbox import Outbox, Shared
 
 log = logging.getLogger("sbus.gateway")
 
@@ -79,6 +79,13 @@ SUBSCRIPTION_POOL = 64 * 1024 * 1024
 BUFFER_POOL = 256 * 1024 * 1024
 ROUTE_CACHE = 4 * 1024 * 1024
 REFUSAL_DELAY = 5.0
+#: Shares of one peer address (all its connections together): of the broker's budget
+#: for the gateway (`--bus-subscription-bytes`) one address may take 1/16, all
+#: unauthenticated clients together 1/2, so 8 addresses are needed to fill the
+#: unauthenticated half and a client with the key always finds room.
+ADDRESS_SHARE, UNAUTHENTICATED_SHARE = 16, 2
+SUBSCRIPTIONS_PER_ADDRESS = 8192
+BUFFER_BYTES_PER_ADDRESS = 32 * 1024 * 1024
 
 _NOBODY = Credentials(0, 0, 0)  # check_pattern needs some; secret patterns never get there
 
@@ -94,20 +101,23 @@ class Disconnect(Exception):
 class Remote:
     """One remote client: its stream, subscriptions, outgoing buffer and idle deadline."""
 
-    __slots__ = ("stream", "host", "peer", "outbox", "lot", "scope", "authenticated", "topics",
-                 "sub_bytes", "idle", "reason", "refused", "__weakref__")
+    __slots__ = ("stream", "host", "peer", "account", "outbox", "lot", "scope",
+                 "authenticated", "topics", "sub_bytes", "unauth_bytes", "idle", "reason",
+                 "refused", "__weakref__")
 
-    def __init__(self, stream: trio.abc.Stream, host: str, peer: str, outbox: Outbox,
-                 idle: float) -> None:
+    def __init__(self, stream: trio.abc.Stream, host: str, peer: str, account: Peer,
+                 outbox: Outbox, idle: float) -> None:
         self.stream = stream
         self.host = host
         self.peer = peer
+        self.account = account  # what its address holds, all its connections together
         self.outbox = outbox
         self.lot = ParkingLot()  # the writer waits here for frames
         self.scope: trio.CancelScope | None = None
         self.authenticated = False
         self.topics: set[bytes] = set()
         self.sub_bytes = 0  # what its subscriptions are charged (routing.pattern_cost)
+        self.unauth_bytes = 0  # the part charged to the unauthenticated clients' share
         self.idle = idle
         self.reason = ""
         self.refused = 0  # frames refused on this connection
@@ -149,6 +159,10 @@ class Gateway:
         subscription_pool: int = SUBSCRIPTION_POOL,
         route_cache: int = ROUTE_CACHE,
         refusal_delay: float = REFUSAL_DELAY,
+        subscription_bytes_per_address: int | None = None,
+        subscriptions_per_address: int = SUBSCRIPTIONS_PER_ADDRESS,
+        buffer_bytes_per_address: int = BUFFER_BYTES_PER_ADDRESS,
+        bus_subscription_bytes: int = BUS_SUBSCRIPTION_BYTES,
     ) -> None:
         if not secret:
             raise ValueError("the authentication secret is empty")
@@ -159,11 +173,20 @@ class Gateway:
         self.max_frame = max_frame
         self.subscription_bytes = subscription_bytes
         self.refusal_delay = refusal_delay
-        self.caps = Caps(max_clients, max_clients_per_address)
+        self.subscription_bytes_per_address = (
+            bus_subscription_bytes // ADDRESS_SHARE if subscription_bytes_per_address is None
+            else subscription_bytes_per_address)
+        self.subscriptions_per_address = subscriptions_per_address
+        self.caps = Caps(max_clients, max_clients_per_address, buffer_bytes_per_address)
         self.buffers = Pool(buffer_pool)
-        self.subscriptions = Pool(subscription_pool)
-        self.bridge = Bridge(address, self._deliver, cache_bytes=route_cache,
-                             on_separator=self._separator_changed)
+        self.subscriptions = Pool(subscription_pool)  # the gateway's own memory
+        #: Unauthenticated clients together may take at most half of the broker's budget
+        #: for the gateway: a subscriber with the key always finds room.
+        self.unauthenticated = Pool(bus_subscription_bytes // UNAUTHENTICATED_SHARE)
+        self.bridge = Bridge(address, self._deliver, self._refused_by_broker,
+                             cache_bytes=route_cache, on_separator=self._separator_changed,
+                             budget=bus_subscription_bytes)
+        self._nursery: trio.Nursery | None = None
         self.clients: set[Remote] = set()
         #: Log lines about remote peers, rationed per address (reconnecting buys none).
         self.allowance = LogAllowance(burst=10, interval=10.0)
@@ -212,37 +235,67 @@ class Gateway:
     # -- fan-out from the bus ---------------------------------------------------------
 
     def _deliver(self, targets: tuple[Remote, ...], key: bytes, payload: bytes) -> None:
-        frame = codec.publish(key, payload)
-        size = len(frame)
+        """Offer one frame to every matching client.  The pool is charged the frame's
+        bytes once (what is really held), however many clients queue it."""
+        frame = Shared(codec.publish(key, payload))
         pool = self.buffers
         dropped = 0
-        if pool.used + size * len(targets) <= pool.limit:
-            for rc in targets:  # the hot path: the pool is charged once, below
+        if pool.used + len(frame.data) > pool.limit:  # full: discarded for everyone
+            for rc in targets:
+                rc.outbox.discard()
+            dropped = len(targets)
+        else:
+            for rc in targets:
                 queued = rc.outbox.offer(frame)
                 if queued == 1:
                     rc.lot.unpark()  # only the writer of an empty outbox waits
                 elif not queued:
                     dropped += 1
-            pool.used += size * (len(targets) - dropped)
-        else:  # the pool is nearly full: charge it frame by frame
-            for rc in targets:
-                if pool.used + size > pool.limit:
-                    rc.outbox.discard()
-                    dropped += 1
-                    continue
-                queued = rc.outbox.offer(frame)
-                if queued:
-                    pool.used += size
-                    if queued == 1:
-                        rc.lot.unpark()
-                else:
-                    dropped += 1
+            if frame.refs:
+                frame.hold(pool)
         self.delivered += len(targets) - dropped
         self.dropped += dropped
 
+    def _refused_by_broker(self, pattern: bytes, reason: str) -> None:
+        """The broker refused the SUB of *pattern*: every client holding it loses it (its
+        state matches the bus's) and, the protocol having no error frame, is disconnected
+        after the refusal delay (its library subscribes again when it reconnects)."""
+        for rc in [rc for rc in self.clients if pattern in rc.topics]:
+            self._drop_topic(rc, pattern)
+            self.bridge.forget(rc, pattern)
+            rc.refused += 1
+            self.refused += 1
+            self.say(rc.host, logging.WARNING, "the broker refused %r's subscription to %s "
+                     "(%s); disconnecting it in %g s", rc, brief(pattern), brief(
+                         reason.encode(), 200), self.refusal_delay)
+            if self._nursery is None:
+                self._close(rc, "the broker refused a subscription")
+            else:
+                self._nursery.start_soon(self._close_later, rc, "the broker refused a "
+                                         "subscription")
+
+    async def _close_later(self, rc: Remote, reason: str) -> None:
+        await trio.sleep(self.refusal_delay)
+        self._close(rc, reason)
+
+    def _drop_topic(self, rc: Remote, topic: bytes) -> None:
+        """Give back what *rc*'s subscription to *topic* was charged (not the bus's part:
+        `Bridge` charges that per distinct pattern)."""
+        rc.topics.discard(topic)
+        cost = pattern_cost(topic, self.rules.sep)
+        rc.sub_bytes -= cost
+        self.subscriptions.give(cost)
+        rc.account.sub_bytes -= cost
+        rc.account.sub_count -= 1
+        if rc.unauth_bytes:
+            part = min(cost, rc.unauth_bytes)
+            rc.unauth_bytes -= part
+            self.unauthenticated.give(part)
+
     def _separator_changed(self, sep: bytes) -> None:
         for rc in list(self.clients):
-            rc.topics.clear()  # the bridge's new index holds none of them
+            for topic in list(rc.topics):  # the bridge's new index holds none of them
+                self._drop_topic(rc, topic)
             self._close(rc, "the broker's separator changed; reconnect")
 
     # -- one remote client --------------------------------------------------------------
@@ -260,8 +313,9 @@ class Gateway:
             self.caps.release(host)
 
     async def _serve(self, stream: trio.abc.Stream, host: str, peer: str) -> None:
-        rc = Remote(stream, host, peer,
-                    Outbox(self.buffer_messages, self.buffer_bytes, self.buffers),
+        account = self.caps.peer(host)
+        rc = Remote(stream, host, peer, account,
+                    Outbox(self.buffer_messages, self.buffer_bytes, account),
                     self.idle_timeout)
         self.accepted += 1
         self.clients.add(rc)
@@ -280,7 +334,10 @@ class Gateway:
             self.clients.discard(rc)
             rc.outbox.clear()
             self.subscriptions.give(rc.sub_bytes)
-            rc.sub_bytes = 0
+            self.unauthenticated.give(rc.unauth_bytes)
+            rc.account.sub_bytes -= rc.sub_bytes
+            rc.account.sub_count -= len(rc.topics)
+            rc.sub_bytes = rc.unauth_bytes = 0
             with trio.CancelScope(shield=True):
                 await self.bridge.remove_client(rc)
                 with trio.move_on_after(CLOSE_GRACE):
@@ -384,29 +441,55 @@ class Gateway:
                 raise Refused(f"subscription to {brief(topic)} ignored: it holds "
                               f"{MAX_SUBSCRIPTIONS} already")
             cost = pattern_cost(topic, self.rules.sep)
-            if rc.sub_bytes + cost > self.subscription_bytes:
-                raise Refused(f"subscription to {brief(topic)} ignored: over its "
-                              f"{self.subscription_bytes}-byte subscription budget")
-            if not self.subscriptions.take(cost):
-                raise Refused(f"subscription to {brief(topic)} ignored: the gateway's "
-                              f"{self.subscriptions.limit}-byte subscription pool is full")
+            self._check_shares(rc, topic, cost)
+            self.subscriptions.take(cost)
+            if not rc.authenticated:
+                self.unauthenticated.take(cost)
+                rc.unauth_bytes += cost
             rc.sub_bytes += cost
+            rc.account.sub_bytes += cost
+            rc.account.sub_count += 1
             rc.topics.add(topic)
-            await self.bridge.subscribe(rc, topic)
+            await self.bridge.subscribe(rc, topic, cost)
         elif kind is codec.Unsubscribe:
             topic = frame.topic
             if topic in rc.topics:
-                rc.topics.discard(topic)
-                cost = pattern_cost(topic, self.rules.sep)
-                rc.sub_bytes -= cost
-                self.subscriptions.give(cost)
+                self._drop_topic(rc, topic)
                 await self.bridge.unsubscribe(rc, topic)
         elif kind is codec.Authenticate:
             if not hmac.compare_digest(frame.secret, self.secret):
                 raise Disconnect("wrong authentication secret")
             if not rc.authenticated:
                 rc.authenticated = True
+                self.unauthenticated.give(rc.unauth_bytes)  # trusted with the whole budget
+                rc.unauth_bytes = 0
                 log.debug("%r authenticated", rc)
+
+    def _check_shares(self, rc: Remote, topic: bytes, cost: int) -> None:
+        """Refuse a subscription over any share it draws on: the client's, its address's,
+        the unauthenticated clients', the gateway's memory and the broker's budget for
+        the gateway (so the broker never has to refuse what the gateway accepted)."""
+        what = f"subscription to {brief(topic)} ignored"
+        if rc.sub_bytes + cost > self.subscription_bytes:
+            raise Refused(f"{what}: over its {self.subscription_bytes}-byte subscription "
+                          "budget")
+        account = rc.account
+        if account.sub_bytes + cost > self.subscription_bytes_per_address \
+                or account.sub_count >= self.subscriptions_per_address:
+            raise Refused(f"{what}: its address holds {account.sub_count} subscriptions "
+                          f"costing {account.sub_bytes} bytes, its share is "
+                          f"{self.subscriptions_per_address} and "
+                          f"{self.subscription_bytes_per_address} bytes")
+        if not rc.authenticated and not self.unauthenticated.fits(cost):
+            raise Refused(f"{what}: unauthenticated clients hold their whole share "
+                          f"({self.unauthenticated.limit} bytes) of the broker's budget")
+        if not self.subscriptions.fits(cost):
+            raise Refused(f"{what}: the gateway's {self.subscriptions.limit}-byte "
+                          "subscription pool is full")
+        if not self.bridge.fits(topic, cost):
+            raise Refused(f"{what}: the gateway's share of the broker's subscription "
+                          f"budget ({self.bridge.budget.limit} bytes, "
+                          f"{self.bridge.max_patterns} patterns) is full")
 
     async def _writer(self, rc: Remote) -> None:
         out = rc.outbox
@@ -442,6 +525,7 @@ class Gateway:
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the bus bridge and accept clients on *listeners* until cancelled."""
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             await nursery.start(self.bridge.run)
             await nursery.start(trio.serve_listeners, self.handle, listeners)
             task_status.started()
@@ -540,6 +624,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default 256k; a pattern costs 400 + 2 x its length + 400 per segment)")
     p.add_argument("--subscription-pool", type=size_arg, default=SUBSCRIPTION_POOL,
                    metavar="BYTES", help="the same for all clients together (default 64m)")
+    p.add_argument("--subscription-bytes-per-address", type=size_arg,
+                   metavar="BYTES", help="what all subscriptions of one peer address may "
+                   "cost (default 1/16 of --bus-subscription-bytes)")
+    p.add_argument("--buffer-bytes-per-address", type=size_arg,
+                   default=BUFFER_BYTES_PER_ADDRESS, metavar="BYTES",
+                   help="outgoing bytes queued for one peer address's clients together "
+                        "(default 32m)")
+    p.add_argument("--bus-subscription-bytes", type=size_arg, default=BUS_SUBSCRIPTION_BYTES,
+                   metavar="BYTES", help="what the gateway's distinct patterns may cost the "
+                   "broker (default 12m: 3/4 of the broker's default per-user budget; keep "
+                   "it below the broker's budget for the gateway's user)")
     p.add_argument("--route-cache", type=size_arg, default=ROUTE_CACHE, metavar="BYTES",
                    help="bytes of the cache of routing answers (default 4m)")
     p.add_argument("--refusal-delay", type=float, default=REFUSAL_DELAY, metavar="SECONDS",
@@ -593,7 +688,11 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
                         ("--buffer-pool", args.buffer_pool),
                         ("--subscription-bytes", args.subscription_bytes),
                         ("--subscription-pool", args.subscription_pool),
-                        ("--route-cache", args.route_cache)):
+                        ("--route-cache", args.route_cache),
+                        ("--subscription-bytes-per-address",
+                         args.subscription_bytes_per_address or 1),
+                        ("--buffer-bytes-per-address", args.buffer_bytes_per_address),
+                        ("--bus-subscription-bytes", args.bus_subscription_bytes)):
         if value <= 0:
             raise SbusError(f"{name} must be positive")
     if args.refusal_delay < 0:
@@ -607,7 +706,10 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
                  max_clients_per_address=args.max_clients_per_address,
                  subscription_bytes=args.subscription_bytes,
                  subscription_pool=args.subscription_pool, route_cache=args.route_cache,
-                 refusal_delay=args.refusal_delay)
+                 refusal_delay=args.refusal_delay,
+                 subscription_bytes_per_address=args.subscription_bytes_per_address,
+                 buffer_bytes_per_address=args.buffer_bytes_per_address,
+                 bus_subscription_bytes=args.bus_subscription_bytes)
     try:
         listeners: list[trio.abc.Listener] = await trio.open_tcp_listeners(
             port, host=host or None, backlog=4096)

@@ -1,0 +1,259 @@
+"""Issue 28, "multiplexers charge the people behind them", for the gateway.
+
+The gateway carries every remote subscription on one bus connection, so the broker
+charges them all to the gateway's UID; its buffer pool is shared by every remote
+client.  Here a real broker, a real gateway running as an unprivileged user (the
+broker exempts root from its limits; the packaged unit is a ``DynamicUser=``), and
+remote clients in forked processes of other UIDs: attackers that fill what they can,
+and an honest client that counts its messages.
+"""
+
+from __future__ import annotations
+
+import encodings.idna  # noqa: F401  (imported before the fork: see UnprivilegedGateway)
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BrokerProcess, raw, sync
+from faultkit import as_user
+from test_gateway import SECRET, GatewayProcess, next_loopback, read_exactly
+
+import sbus.gateway.server  # noqa: F401
+from sbus import cli
+from sbus.gateway import codec
+from sbus.gateway.codec import FrameDecoder
+
+GATEWAY_UID = 65530
+ATTACKER_UID, HONEST_UID = 65534, 65532
+
+
+@pytest.fixture
+def sdir():
+    d = Path(tempfile.mkdtemp(prefix="sbus-gws-", dir="/tmp"))
+    os.chmod(d, 0o755)  # the gateway's user reaches the bus socket
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def connect(port: int, source: str) -> socket.socket:
+    s = socket.socket()
+    s.bind((source, 0))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(20)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def echo(s: socket.socket) -> None:
+    s.sendall(b"\x00")
+    assert read_exactly(s, 1) == b"\x00"
+
+
+def attacker(pipe, port: int, sources: list[str], conns: int, patterns: int,
+             extra: bytes | None) -> None:
+    """*conns* unauthenticated connections spread over *sources*, each subscribing to
+    *patterns* tiny distinct patterns (and *extra*), then idle and never reading."""
+    held = []
+    for i in range(conns):
+        s = connect(port, sources[i % len(sources)])
+        s.sendall(b"".join(codec.subscribe(b"x%d/%d" % (i, j)) for j in range(patterns))
+                  + (codec.subscribe(extra) if extra is not None else b""))
+        echo(s)
+        held.append(s)
+    pipe.send("ready")
+    pipe.recv()  # until told to go
+
+
+def honest(pipe, port: int, source: str, pattern: bytes, expect: int,
+           authenticate: bool) -> None:
+    """Subscribe, say so, count the messages that arrive within a few seconds."""
+    s = connect(port, source)
+    if authenticate:
+        s.sendall(codec.authenticate(SECRET))
+    s.sendall(codec.subscribe(pattern))
+    echo(s)
+    pipe.send("ready")
+    decoder = FrameDecoder()
+    got: set[bytes] = set()
+    deadline = time.monotonic() + 20
+    s.settimeout(0.5)
+    while len(got) < expect and time.monotonic() < deadline:
+        try:
+            data = s.recv(65536)
+        except TimeoutError:
+            continue
+        if not data:
+            break
+        got |= {f.body for f in decoder.feed(data) if type(f) is codec.Publish}
+    pipe.send(len(got))
+
+
+def _gateway_main(pipe, argv: list[str], logfile: str) -> None:
+    fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 2)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # the test runner's, inherited through the fork
+        root.removeHandler(handler)
+    os._exit(cli.main(argv) or 0)
+
+
+class UnprivilegedGateway(GatewayProcess):
+    """The gateway as a forked child of another UID (the interpreter under /root cannot
+    be executed by it, so no exec: the modules it needs are imported before the fork)."""
+
+    def start(self) -> UnprivilegedGateway:
+        self.logfile.touch()
+        for path in (self.keyfile, self.logfile):
+            os.chown(path, GATEWAY_UID, GATEWAY_UID)
+        argv = ["gateway", "--listen", f"127.0.0.1:{self.port}", "--auth-key-file",
+                str(self.keyfile), "--address", self.bus, *self.args]
+        self.child, _ = as_user(GATEWAY_UID, _gateway_main, argv, str(self.logfile))
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if not self.child.is_alive():
+                raise RuntimeError(f"gateway exited: {self.log()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"gateway not listening: {self.log()}")
+
+    def stop(self) -> None:
+        self.child.terminate()
+        self.child.join(10)
+        if self.child.is_alive():
+            self.child.kill()
+            self.child.join()
+
+
+def start(sdir: Path, bus: BrokerProcess, *args: str) -> GatewayProcess:
+    return UnprivilegedGateway(sdir, bus.address, *args, quick=False, verbose=False).start()
+
+
+def publish_numbered(local: socket.socket, key: bytes, n: int) -> None:
+    for i in range(n):
+        local.send(b"MSG " + key + b"\0%d" % i)
+    sync(local)
+
+
+def test_unauthenticated_subscribers_cannot_take_the_brokers_budget_for_the_gateway(sdir):
+    """80 connections with 300 tiny patterns each (from one address, and from 80) against
+    a broker whose budget for the gateway's user is 2 MiB: the honest subscriber still
+    gets all 5 messages (before the fix: 0, the broker refused its SUB and the gateway
+    believed it subscribed)."""
+    bus = BrokerProcess(str(sdir / "bus.sock"), "--max-subscription-bytes-per-user",
+                        "2m").start()
+    gw = start(sdir, bus, "--bus-subscription-bytes", "1536k")
+    procs = []
+    try:
+        local = raw(bus.address)
+        one = [next_loopback()]
+        many = [next_loopback() for _ in range(80)]
+        # one address: its share is 1 MiB; an unauthenticated honest subscriber has room.
+        # 80 addresses: together they take the unauthenticated half of the budget; one
+        # that authenticates has room (unauthenticated ones from fresh addresses are now
+        # refused by the gateway, in its log, and never given a phantom subscription)
+        for sources, authenticate, key in ((one, False, b"honest/a"),
+                                           (many, True, b"honest/b")):
+            proc, pipe = as_user(ATTACKER_UID, attacker, gw.port, sources, 80, 300, None)
+            procs.append((proc, pipe))
+            assert pipe.recv() == "ready"
+            proc, pipe = as_user(HONEST_UID, honest, gw.port, next_loopback(), key, 5,
+                                 authenticate)
+            procs.append((proc, pipe))
+            assert pipe.recv() == "ready"
+            publish_numbered(local, key, 5)
+            got = pipe.recv()
+            print(f"honest subscriber ({len(sources)} attacking addresses) got {got} of 5")
+            assert got == 5, gw.log()
+        log = gw.log()
+        assert "share" in log  # the attackers were refused by the gateway's shares
+        assert "the broker refused" not in log, log  # never by the broker
+        local.close()
+    finally:
+        for proc, _ in procs:
+            proc.kill()
+        gw.stop()
+        bus.stop()
+
+
+def test_a_subscription_the_broker_refuses_leaves_no_phantom(sdir):
+    """A gateway configured with more than the broker grants: the broker's refusal reaches
+    the gateway, which drops the pattern (its status says so) and disconnects the client
+    (the protocol has no error frame), instead of believing it subscribed."""
+    bus = BrokerProcess(str(sdir / "bus.sock"), "--max-subscription-bytes-per-user",
+                        "64k").start()
+    gw = start(sdir, bus, "--bus-subscription-bytes", "1m", "--subscription-bytes-per-address",
+               "1m", "--refusal-delay", "0.5")
+    try:
+        s = connect(gw.port, next_loopback())
+        s.sendall(codec.authenticate(SECRET)
+                  + b"".join(codec.subscribe(b"p/%d" % i) for i in range(120)))
+        echo(s)
+        gw.wait_log("the broker refused", timeout=10)
+        s.settimeout(10)
+        try:
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        # what the gateway holds is what the broker holds: the refused patterns are gone,
+        # so a new client's subscription within the budget works again
+        s2 = connect(gw.port, next_loopback())
+        s2.sendall(codec.subscribe(b"after/"))
+        echo(s2)
+        local = raw(bus.address)
+        expected = codec.publish(b"after/x", b"0")
+        local.send(b"MSG after/x\x000")
+        assert read_exactly(s2, len(expected)) == expected
+        local.close()
+    finally:
+        gw.stop()
+        bus.stop()
+
+
+def test_a_frame_shared_by_many_slow_readers_is_charged_to_the_pool_once(sdir):
+    """300 unauthenticated subscribers of "" that never read, and 10 MB of public traffic:
+    the pool (here 64 MiB) holds what the non-readers hold, about one buffer's worth of
+    distinct frames, so it never fills and an honest subscriber gets all 100 of its
+    messages (before: the pool counted each frame once per non-reader, was "full" at
+    ~2 MB really held, and the honest subscriber got 0 of 100)."""
+    bus = BrokerProcess(str(sdir / "bus.sock")).start()
+    gw = start(sdir, bus, "--buffer-pool", "64m")
+    procs = []
+    try:
+        sources = [next_loopback(), next_loopback()]  # 150 each: under the address cap
+        proc, pipe = as_user(ATTACKER_UID, attacker, gw.port, sources, 300, 0, b"")
+        procs.append((proc, pipe))
+        assert pipe.recv() == "ready"
+        local = raw(bus.address)
+        hp, hpipe = as_user(HONEST_UID, honest, gw.port, next_loopback(), b"mine/", 100,
+                            False)
+        procs.append((hp, hpipe))
+        assert hpipe.recv() == "ready"
+        body = b"p" * 10_000
+        for i in range(1000):  # 10 MB of public traffic, the honest messages among it
+            local.send(b"MSG public/x\0" + body)
+            if i % 10 == 0:
+                local.send(b"MSG mine/x\0%d" % (i // 10))
+            if i % 50 == 0:
+                sync(local)
+        sync(local)
+        got = hpipe.recv()
+        print(f"honest subscriber got {got} of 100")
+        assert got == 100
+        local.close()
+    finally:
+        for proc, _ in procs:
+            proc.kill()
+        gw.stop()
+        bus.stop()
