@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["Caps", "Peer", "Pool", "peer_group"]
+__all__ = ["Caps", "Peer", "Pool", "Tarpit", "peer_group"]
 
 
 def peer_group(host: str) -> str:
@@ -111,3 +111,37 @@ class Pool:
 
     def give(self, n: int) -> None:
         self.used -= n
+
+
+class Tarpit:
+    """Connections turned away at the caps, held open and unread for a while before they
+    are closed: clients that redial the moment they are closed (the getlantern/pubsub Go
+    client does) then make one attempt per hold, not thousands a second.  The tarpit is
+    bounded in total and per peer address, so it cannot become what an attacker
+    exhausts; past its bounds a connection is closed at once (counted in `overflow`)."""
+
+    __slots__ = ("total", "per_peer", "held", "_by_peer", "overflow")
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        self.total = total
+        self.per_peer = per_peer
+        self.held = 0
+        self._by_peer: dict[str, int] = {}
+        self.overflow = 0  # closed at once: the tarpit was full
+
+    def take(self, host: str) -> bool:
+        n = self._by_peer.get(host, 0)
+        if self.held >= self.total or n >= self.per_peer:
+            self.overflow += 1
+            return False
+        self.held += 1
+        self._by_peer[host] = n + 1
+        return True
+
+    def give(self, host: str) -> None:
+        self.held -= 1
+        n = self._by_peer[host] - 1
+        if n:
+            self._by_peer[host] = n
+        else:
+            del self._by_peer[host]

@@ -119,8 +119,8 @@ async def _respond(stream: trio.abc.Stream, conn: h11.Connection, answer: Answer
 
 async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
     admitted = gw.admit(stream)
-    if admitted is None:
-        await trio.aclose_forcefully(stream)
+    if isinstance(admitted, str):
+        await gw.turn_away(stream, admitted)
         return
     try:
         await _serve(gw, stream, admitted[0])
@@ -169,6 +169,11 @@ async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
                 gw.say(host, logging.WARNING, "HTTPS %s: wrong authentication key",
                        _peer(stream)[1])
             await _respond(stream, conn, answer)
+            if answer.status >= 400 and answer.status != 503:
+                # turned away (a wrong key too): the close waits, nothing more is read,
+                # the connection keeps its slot, so a client that retries at once
+                # makes one attempt per delay
+                await trio.sleep(gw.refusal_delay)
             if conn.our_state is h11.MUST_CLOSE or answer.status >= 400:
                 return
             conn.start_next_cycle()
@@ -180,8 +185,10 @@ async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
             except (trio.BrokenResourceError, trio.ClosedResourceError,
                     h11.LocalProtocolError):
                 pass
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
+        await trio.sleep(gw.refusal_delay)  # turned away: see above
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        if isinstance(exc.__cause__, ssl.SSLError):  # e.g. plaintext: the same delay
+            await trio.sleep(gw.refusal_delay)
     finally:
         await trio.aclose_forcefully(stream)
 

@@ -31,6 +31,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import ssl
 import stat
 import time
@@ -46,7 +47,7 @@ from ..limits import LogAllowance
 from ..routing import pattern_cost
 from ..sdnotify import notify
 from . import codec
-from .admission import Caps, Peer, Pool, peer_group
+from .admission import Caps, Peer, Pool, Tarpit, peer_group
 from .bridge import BUS_SUBSCRIPTION_BYTES, Bridge
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
 from .outbox import Outbox, Shared
@@ -79,6 +80,9 @@ SUBSCRIPTION_POOL = 64 * 1024 * 1024
 BUFFER_POOL = 256 * 1024 * 1024
 ROUTE_CACHE = 4 * 1024 * 1024
 REFUSAL_DELAY = 5.0
+#: Connections over the caps one address may have held in the tarpit, per slot of its
+#: cap (a host redialing 1,000 clients against a cap of 256 has them all held).
+TARPIT_PER_CAP = 4
 #: Shares of one peer address (all its connections together): of the broker's budget
 #: for the gateway (`--bus-subscription-bytes`) one address may take 1/16, all
 #: unauthenticated clients together 1/2, so 8 addresses are needed to fill the
@@ -131,6 +135,15 @@ class Remote:
         return f"remote {self.peer}"
 
 
+def _shrink(stream: trio.abc.Stream) -> None:
+    """Make a held connection's kernel receive buffer small: it is never read."""
+    sock_stream = getattr(stream, "transport_stream", stream)
+    try:
+        sock_stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    except (AttributeError, OSError):
+        pass
+
+
 def _peer(stream: trio.abc.Stream) -> tuple[str, str]:
     """(group, host:port) of the peer of *stream*: caps and log rations count by the
     group (`admission.peer_group`: the IPv4 address or the IPv6 /64)."""
@@ -178,6 +191,7 @@ class Gateway:
             else subscription_bytes_per_address)
         self.subscriptions_per_address = subscriptions_per_address
         self.caps = Caps(max_clients, max_clients_per_address, buffer_bytes_per_address)
+        self.tarpit = Tarpit(max_clients, TARPIT_PER_CAP * max_clients_per_address)
         self.buffers = Pool(buffer_pool)
         self.subscriptions = Pool(subscription_pool)  # the gateway's own memory
         #: Unauthenticated clients together may take at most half of the broker's budget
@@ -217,8 +231,8 @@ class Gateway:
 
     # -- admission ------------------------------------------------------------------------
 
-    def admit(self, stream: trio.abc.Stream) -> tuple[str, str] | None:
-        """(host, peer) if *stream* may be served (its slot taken), else None."""
+    def admit(self, stream: trio.abc.Stream) -> tuple[str, str] | str:
+        """(host, peer) if *stream* may be served (its slot taken), else its host."""
         host, peer = _peer(stream)
         why = self.caps.admit(host)
         if why is None:
@@ -230,7 +244,19 @@ class Gateway:
                         "(latest from %s)", self._cap_unlogged, why, host)
             self._cap_unlogged = 0
             self._cap_logged_at = now
-        return None
+        return host
+
+    async def turn_away(self, stream: trio.abc.Stream, host: str) -> None:
+        """A connection over the caps: held open and unread for the refusal delay (in the
+        bounded `Tarpit`), then closed, so a client that redials at once costs one
+        accept per delay; nothing of it is read, no TLS handshake is made."""
+        if self.tarpit.take(host):
+            try:
+                _shrink(stream)
+                await trio.sleep(self.refusal_delay)
+            finally:
+                self.tarpit.give(host)
+        await trio.aclose_forcefully(stream)
 
     # -- fan-out from the bus ---------------------------------------------------------
 
@@ -303,8 +329,8 @@ class Gateway:
     async def handle(self, stream: trio.abc.Stream) -> None:
         """Serve one remote client until it leaves, misbehaves or idles out."""
         admitted = self.admit(stream)
-        if admitted is None:
-            await trio.aclose_forcefully(stream)
+        if isinstance(admitted, str):
+            await self.turn_away(stream, admitted)
             return
         host, peer = admitted
         try:
@@ -518,7 +544,8 @@ class Gateway:
                 f"{b.published} published, {self.delivered} delivered, "
                 f"{self.dropped} discarded (buffers full), {b.lost} lost (bus down), "
                 f"{self.refused} frames refused, {self.closed} closed (wrong key, junk), "
-                f"{self.caps.refused} connections refused at the caps, "
+                f"{self.caps.refused} connections refused at the caps "
+                f"({self.tarpit.held} held, {self.tarpit.overflow} closed at once), "
                 f"bus {'up' if b.up else 'DOWN'}")
 
     async def serve(self, listeners: list[trio.abc.Listener], *,
