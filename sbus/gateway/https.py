@@ -124,42 +124,74 @@ async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
         return
     try:
         await _serve(gw, stream, admitted[0])
+    except Exception as exc:  # the one top-level guard: see `Gateway.crashed`
+        gw.crashed(admitted[1], exc)
     finally:
         gw.caps.release(admitted[0])
 
 
+class Reading:
+    """One request being read (sans-IO): what `advance` has seen of it so far."""
+
+    __slots__ = ("request", "chunks", "size")
+
+    def __init__(self) -> None:
+        self.request: h11.Request | None = None
+        self.chunks: list[bytes] = []
+        self.size = 0
+
+
+#: What `advance` returns when it needs more bytes, or when the peer is gone.
+NEED_DATA, CLOSED = "need data", "closed"
+
+
+def advance(conn: h11.Connection, reading: Reading, secret: bytes, max_frame: int,
+            rules: KeyRules | None = None) -> Answer | str:
+    """Take the events h11 has parsed until the request has its answer (pure): an
+    `Answer`, `NEED_DATA` or `CLOSED`.  Raises only `h11.RemoteProtocolError`."""
+    limit = _max_content(max_frame)
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            return NEED_DATA
+        if isinstance(event, h11.Request):
+            reading.request = event
+            length = _header(event.headers, b"content-length")
+            answer = decide_head(event.method, event.headers, secret)
+            if answer is not None:
+                return answer
+            if length is not None and int(length) > limit:  # h11 checked: digits only
+                return Answer(413, f"request body over {limit} bytes")
+        elif isinstance(event, h11.Data):
+            reading.size += len(event.data)
+            if reading.size > limit:
+                return Answer(413, f"request body over {limit} bytes")
+            reading.chunks.append(event.data)
+        elif isinstance(event, h11.EndOfMessage):
+            request = reading.request
+            if request is None:
+                return CLOSED
+            return decide(request.method, request.headers, b"".join(reading.chunks),
+                          secret, max_frame, rules)
+        elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+            return CLOSED
+
+
 async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER)
-    limit = _max_content(gw.max_frame)
     try:
         while True:
-            request: h11.Request | None = None
-            chunks: list[bytes] = []
-            size = 0
-            answer: Answer | None = None
+            reading = Reading()
+            answer: Answer | str | None = None
             with trio.move_on_after(gw.idle_timeout):
-                while answer is None:
-                    event = conn.next_event()
-                    if event is h11.NEED_DATA:
-                        conn.receive_data(await stream.receive_some(65536))
-                    elif isinstance(event, h11.Request):
-                        request = event
-                        length = _header(event.headers, b"content-length")
-                        answer = decide_head(event.method, event.headers, gw.secret)
-                        if answer is None and length is not None and int(length) > limit:
-                            answer = Answer(413, f"request body over {limit} bytes")
-                    elif isinstance(event, h11.Data):
-                        size += len(event.data)
-                        if size > limit:
-                            answer = Answer(413, f"request body over {limit} bytes")
-                        chunks.append(event.data)
-                    elif isinstance(event, h11.EndOfMessage):
-                        assert request is not None
-                        answer = decide(request.method, request.headers, b"".join(chunks),
-                                        gw.secret, gw.max_frame, gw.rules)
-                    elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
-                        return
-            if answer is None:
+                while True:
+                    answer = advance(conn, reading, gw.secret, gw.max_frame, gw.rules)
+                    if answer is not NEED_DATA:
+                        break
+                    conn.receive_data(await stream.receive_some(65536))
+            if answer is CLOSED:
+                return
+            if not isinstance(answer, Answer):
                 return  # idle
             if answer.status == 201:
                 assert answer.topic is not None and answer.body is not None

@@ -212,6 +212,8 @@ class Gateway:
         self.dropped = 0  # frames discarded because a client's buffer was full
         self.refused = 0  # frames refused (connection kept)
         self.closed = 0  # connections closed for a wrong key or malformed input
+        self.crashes = 0  # clients dropped because their handling raised (a bug)
+        self._crash_places: set[tuple[str, str, int]] = set()
 
     @property
     def rules(self) -> KeyRules:
@@ -335,8 +337,28 @@ class Gateway:
         host, peer = admitted
         try:
             await self._serve(stream, host, peer)
+        except Exception as exc:  # the one top-level guard: see `crashed`
+            self.crashed(peer, exc)
         finally:
             self.caps.release(host)
+
+    def crashed(self, peer: str, exc: Exception) -> None:
+        """What escaped one client's handling (a bug: every error the gateway can name is
+        handled where it arises): that client is dropped (its handler has cleaned up
+        and closed it) and the others are served.  Logged with its traceback once per
+        place it was raised, counted in `STATUS=` always."""
+        self.crashes += 1
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = (type(exc).__name__, tb.tb_frame.f_code.co_filename if tb else "",
+                 tb.tb_lineno if tb else 0)
+        if where in self._crash_places or len(self._crash_places) >= 100:
+            log.debug("%s: handling raised %s again", peer, where[0])
+            return
+        self._crash_places.add(where)
+        log.error("the handling of %s raised; that client is dropped, the others are "
+                  "served (logged once per place)", peer, exc_info=exc)
 
     async def _serve(self, stream: trio.abc.Stream, host: str, peer: str) -> None:
         account = self.caps.peer(host)
@@ -544,6 +566,7 @@ class Gateway:
                 f"{b.published} published, {self.delivered} delivered, "
                 f"{self.dropped} discarded (buffers full), {b.lost} lost (bus down), "
                 f"{self.refused} frames refused, {self.closed} closed (wrong key, junk), "
+                f"{self.crashes} dropped on an internal error, "
                 f"{self.caps.refused} connections refused at the caps "
                 f"({self.tarpit.held} held, {self.tarpit.overflow} closed at once), "
                 f"bus {'up' if b.up else 'DOWN'}")
