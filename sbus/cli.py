@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "record": ("sbus.journal.record", "record traffic into a journal"),
     "journal": ("sbus.journal.cli", "read a recorded journal (cat, tail) or export it as Parquet"),
     "analyze": ("sbus.spark.analyze", "analyse a journal with Spark"),
-    "gateway": ("sbus.gateway.server", "TCP/TLS gateway for remote clients"),
+    "gateway": ("sbus.cmd.gateway", "TCP/TLS gateway for remote clients"),
     "request": ("sbus.cmd.request", "send a request and print the reply"),
     "reply": ("sbus.cmd.reply", "answer requests by running a command for each"),
     "completion": ("sbus.cmd.completion", "print a shell completion script (bash or zsh)"),

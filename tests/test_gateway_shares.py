@@ -25,7 +25,7 @@ from conftest import BrokerProcess, raw, sync
 from faultkit import as_user
 from test_gateway import SECRET, GatewayProcess, next_loopback, read_exactly
 
-import sbus.gateway.server  # noqa: F401
+import sbus.cmd.gateway  # noqa: F401
 from sbus import cli
 from sbus.gateway import codec
 from sbus.gateway.codec import FrameDecoder

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["Caps", "Peer", "Pool", "Tarpit", "peer_group"]
+__all__ = ["Caps", "Peer", "Pool", "Tarpit", "peer_group", "peer_of"]
 
 
 def peer_group(host: str) -> str:
@@ -29,6 +29,17 @@ def peer_group(host: str) -> str:
             return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return host
+
+
+def peer_of(stream: object) -> tuple[str, str]:
+    """(group, host:port) of the peer of *stream*: caps and log rations count by the
+    group (`admission.peer_group`: the IPv4 address or the IPv6 /64)."""
+    sock_stream = getattr(stream, "transport_stream", stream)
+    try:
+        host, port = sock_stream.socket.getpeername()[:2]
+    except (AttributeError, OSError):
+        return "?", "?"
+    return peer_group(host), (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
 
 class Peer:

@@ -23,12 +23,18 @@ import logging
 import ssl
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import h11
 import trio
 
+from ..errors import SbusError
 from ..keys import KeyRules
-from .server import Gateway, Refused, check_key
+from .admission import peer_of
+from .checks import FrameRefused, check_key
+
+if TYPE_CHECKING:  # the gateway serves this endpoint; this module does not import it
+    from .server import Gateway
 
 log = logging.getLogger("sbus.gateway.https")
 
@@ -95,7 +101,7 @@ def decide(method: bytes, headers: list[tuple[bytes, bytes]], content: bytes,
         return Answer(413, f"topic and body exceed {max_frame} bytes")
     try:
         check_key(rules or KeyRules(b"/"), topic)
-    except Refused as exc:
+    except FrameRefused as exc:
         return Answer(400, str(exc))
     return Answer(201, "published", topic, body)
 
@@ -199,7 +205,7 @@ async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
                     answer = Answer(503, "the bus is not available; try again")
             elif answer.status == 401 and "wrong" in answer.text:
                 gw.say(host, logging.WARNING, "HTTPS %s: wrong authentication key",
-                       _peer(stream)[1])
+                       peer_of(stream)[1])
             await _respond(stream, conn, answer)
             if answer.status >= 400 and answer.status != 503:
                 # turned away (a wrong key too): the close waits, nothing more is read,
@@ -225,20 +231,12 @@ async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
         await trio.aclose_forcefully(stream)
 
 
-def _peer(stream: trio.abc.Stream) -> tuple[str, str]:
-    from .server import _peer as peer
-
-    return peer(stream)
-
-
 async def serve_https(gw: Gateway, host: str, port: int, ctx: ssl.SSLContext, *,
                       task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept HTTPS publishes on *host*:*port* until cancelled."""
     try:
         listeners = await trio.open_tcp_listeners(port, host=host or None)
     except OSError as exc:
-        from ..errors import SbusError
-
         raise SbusError(f"cannot listen on {host}:{port} for HTTPS: "
                         f"{exc.strerror or exc}") from None
     tls = [trio.SSLListener(lst, ctx, https_compatible=True) for lst in listeners]

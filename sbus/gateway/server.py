@@ -1,10 +1,12 @@
-"""`sbus gateway`: remote clients publish and subscribe on the bus over TCP or TLS.
+"""The network gateway: remote clients publish and subscribe on the bus over TCP or TLS.
 
-A thin trio shell: `codec` turns bytes into frames, `Outbox` bounds what waits
-for each client, `admission` caps connections and shared byte pools, `Bridge` holds
-the one shared bus connection and the routing index of remote subscriptions.  Each
-remote client is a reader and a writer task in a cancel scope whose deadline is the
-idle timeout, pushed forward by every read and write; anything abnormal cancels
+The component behind `sbus gateway` (its launcher, `sbus.cmd.gateway`, owns the
+command line, secret file, listeners, limits and signals).  A thin trio shell:
+`codec` turns bytes into frames, `Outbox` bounds what waits for each client,
+`admission` caps connections and shared byte pools, `Bridge` holds the one shared
+bus connection and the routing index of remote subscriptions.  Each remote client
+is a reader and a writer task in a cancel scope whose deadline is the idle timeout,
+pushed forward by every read and write; anything abnormal cancels
 that scope and nothing else.
 
 Decisions where the design leaves room (see docs/gateway.md, "Refusals"):
@@ -25,37 +27,29 @@ Decisions where the design leaves room (see docs/gateway.md, "Refusals"):
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import logging
-import os
-import resource
-import signal
 import socket
 import ssl
-import stat
 import time
 
 import trio
 from trio.lowlevel import ParkingLot
 
-from ..defaults import size_arg
 from ..display import brief
-from ..errors import SbusError
-from ..keys import Credentials, KeyRefused, KeyRules
+from ..keys import KeyRules
 from ..limits import LogAllowance
 from ..routing import pattern_cost
-from ..sdnotify import notify
 from . import codec
-from .admission import Caps, Peer, Pool, Tarpit, peer_group
+from .admission import Caps, Peer, Pool, Tarpit, peer_of
 from .bridge import BUS_SUBSCRIPTION_BYTES, Bridge
+from .checks import FrameRefused, check_key, check_pattern
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
 from .outbox import Outbox, Shared
 
 log = logging.getLogger("sbus.gateway")
 
-__all__ = ["Gateway", "add_arguments", "run", "parse_hostport", "read_secret", "Refused",
-           "check_key", "check_pattern"]
+__all__ = ["Gateway"]
 
 #: Bytes read from a client at once (also the codec's chunk size).
 READ_SIZE = 65536
@@ -90,13 +84,6 @@ TARPIT_PER_CAP = 4
 ADDRESS_SHARE, UNAUTHENTICATED_SHARE = 16, 2
 SUBSCRIPTIONS_PER_ADDRESS = 8192
 BUFFER_BYTES_PER_ADDRESS = 32 * 1024 * 1024
-
-_NOBODY = Credentials(0, 0, 0)  # check_pattern needs some; secret patterns never get there
-
-
-class Refused(Exception):
-    """A frame refused; the connection stays (the message says why, quoting briefly)."""
-
 
 class Disconnect(Exception):
     """Something abnormal: the connection is closed after the refusal delay."""
@@ -142,17 +129,6 @@ def _shrink(stream: trio.abc.Stream) -> None:
         sock_stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     except (AttributeError, OSError):
         pass
-
-
-def _peer(stream: trio.abc.Stream) -> tuple[str, str]:
-    """(group, host:port) of the peer of *stream*: caps and log rations count by the
-    group (`admission.peer_group`: the IPv4 address or the IPv6 /64)."""
-    sock_stream = getattr(stream, "transport_stream", stream)
-    try:
-        host, port = sock_stream.socket.getpeername()[:2]
-    except (AttributeError, OSError):
-        return "?", "?"
-    return peer_group(host), (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
 
 class Gateway:
@@ -235,7 +211,7 @@ class Gateway:
 
     def admit(self, stream: trio.abc.Stream) -> tuple[str, str] | str:
         """(host, peer) if *stream* may be served (its slot taken), else its host."""
-        host, peer = _peer(stream)
+        host, peer = peer_of(stream)
         why = self.caps.admit(host)
         if why is None:
             return host, peer
@@ -454,7 +430,7 @@ class Gateway:
                 for frame in decoder.feed(piece):
                     try:
                         await self._frame(rc, frame)
-                    except Refused as exc:
+                    except FrameRefused as exc:
                         rc.refused += 1
                         self.refused += 1
                         self.say(rc.host, logging.WARNING, "%r: %s", rc, exc)
@@ -473,7 +449,7 @@ class Gateway:
         kind = type(frame)
         if kind is codec.Publish:
             if not rc.authenticated:
-                raise Refused(f"publish to {brief(frame.topic)} before authenticating "
+                raise FrameRefused(f"publish to {brief(frame.topic)} before authenticating "
                               "dropped")
             self.check_key(frame.topic)
             await self.bridge.publish(frame.topic, frame.body)
@@ -486,7 +462,7 @@ class Gateway:
                 return
             self.check_pattern(topic)
             if len(rc.topics) >= MAX_SUBSCRIPTIONS:
-                raise Refused(f"subscription to {brief(topic)} ignored: it holds "
+                raise FrameRefused(f"subscription to {brief(topic)} ignored: it holds "
                               f"{MAX_SUBSCRIPTIONS} already")
             cost = pattern_cost(topic, self.rules.sep)
             self._check_shares(rc, topic, cost)
@@ -519,23 +495,23 @@ class Gateway:
         the gateway (so the broker never has to refuse what the gateway accepted)."""
         what = f"subscription to {brief(topic)} ignored"
         if rc.sub_bytes + cost > self.subscription_bytes:
-            raise Refused(f"{what}: over its {self.subscription_bytes}-byte subscription "
+            raise FrameRefused(f"{what}: over its {self.subscription_bytes}-byte subscription "
                           "budget")
         account = rc.account
         if account.sub_bytes + cost > self.subscription_bytes_per_address \
                 or account.sub_count >= self.subscriptions_per_address:
-            raise Refused(f"{what}: its address holds {account.sub_count} subscriptions "
+            raise FrameRefused(f"{what}: its address holds {account.sub_count} subscriptions "
                           f"costing {account.sub_bytes} bytes, its share is "
                           f"{self.subscriptions_per_address} and "
                           f"{self.subscription_bytes_per_address} bytes")
         if not rc.authenticated and not self.unauthenticated.fits(cost):
-            raise Refused(f"{what}: unauthenticated clients hold their whole share "
+            raise FrameRefused(f"{what}: unauthenticated clients hold their whole share "
                           f"({self.unauthenticated.limit} bytes) of the broker's budget")
         if not self.subscriptions.fits(cost):
-            raise Refused(f"{what}: the gateway's {self.subscriptions.limit}-byte "
+            raise FrameRefused(f"{what}: the gateway's {self.subscriptions.limit}-byte "
                           "subscription pool is full")
         if not self.bridge.fits(topic, cost):
-            raise Refused(f"{what}: the gateway's share of the broker's subscription "
+            raise FrameRefused(f"{what}: the gateway's share of the broker's subscription "
                           f"budget ({self.bridge.budget.limit} bytes, "
                           f"{self.bridge.max_patterns} patterns) is full")
 
@@ -579,238 +555,3 @@ class Gateway:
             await nursery.start(self.bridge.run)
             await nursery.start(trio.serve_listeners, self.handle, listeners)
             task_status.started()
-
-
-# -- key checks (with the broker's separator) --------------------------------------------
-
-def _check_common(rules: KeyRules, topic: bytes, what: str) -> None:
-    if b"\0" in topic:
-        raise Refused(f"{what} {brief(topic)} refused: it contains NUL, which sbus keys "
-                      "cannot")
-    if rules.is_secret(topic):
-        raise Refused(f"{what} {brief(topic)} refused: it is a secret "
-                      f"({rules.secret_prefix.decode('latin-1')}) key, which remote "
-                      "clients may not use")
-
-
-def check_pattern(rules: KeyRules, topic: bytes) -> None:
-    """Raise `Refused` unless remote clients may subscribe to *topic*."""
-    _check_common(rules, topic, "subscription to")
-    try:
-        rules.check_pattern(topic, _NOBODY)
-    except KeyRefused as exc:
-        raise Refused(f"subscription refused: {exc}") from None
-
-
-def check_key(rules: KeyRules, topic: bytes) -> None:
-    """Raise `Refused` unless remote clients may publish to *topic*."""
-    _check_common(rules, topic, "publish to")
-    try:
-        rules.check_key(topic)
-    except KeyRefused as exc:
-        raise Refused(f"publish refused: {exc}") from None
-
-
-# -- command line -----------------------------------------------------------------------------
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6]:PORT``."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise SbusError(f"expected HOST:PORT, got {text!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if int(port) > 65535:
-        raise SbusError(f"port {port} is out of range")
-    return host, int(port)
-
-
-def read_secret(path: str) -> bytes:
-    """The shared secret: the file's bytes without a trailing newline."""
-    try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            secret = f.read(65536)
-    except OSError as exc:
-        raise SbusError(f"cannot read the auth key file {path}: {exc.strerror}") from None
-    secret = secret.rstrip(b"\r\n")
-    if not secret:
-        raise SbusError(f"the auth key file {path} is empty")
-    if st.st_mode & stat.S_IROTH:
-        log.warning("the auth key file %s is readable by everyone; chmod 600 it", path)
-    return secret
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", required=True, metavar="HOST:PORT",
-                   help="where remote clients connect ([::]:PORT for IPv6)")
-    p.add_argument("--tls-cert", metavar="FILE", help="certificate chain (PEM): serve TLS")
-    p.add_argument("--tls-key", metavar="FILE", help="private key (PEM) for --tls-cert")
-    p.add_argument("--auth-key-file", required=True, metavar="FILE",
-                   help="file holding the secret publishers authenticate with")
-    p.add_argument("--idle-timeout", type=float, default=70.0, metavar="SECONDS",
-                   help="disconnect clients that neither read nor write for this long "
-                        "(default 70)")
-    p.add_argument("--buffer-messages", type=int, default=100, metavar="N",
-                   help="outgoing messages buffered per client before new ones are "
-                        "discarded (default 100)")
-    p.add_argument("--buffer-bytes", type=size_arg, default=1 << 20, metavar="BYTES",
-                   help="outgoing bytes buffered per client (default 1m)")
-    p.add_argument("--max-frame", type=size_arg, default=DEFAULT_MAX_FRAME, metavar="BYTES",
-                   help=f"largest topic+body accepted (default {DEFAULT_MAX_FRAME}); "
-                        "larger frames disconnect")
-    p.add_argument("--https-listen", metavar="HOST:PORT",
-                   help="also accept HTTPS POST publishes here (needs --tls-cert)")
-    p.add_argument("--max-clients", type=int, default=MAX_CLIENTS, metavar="N",
-                   help=f"connections served at once, HTTPS included (default {MAX_CLIENTS}); "
-                        "more are closed at once")
-    p.add_argument("--max-clients-per-address", type=int, default=MAX_CLIENTS_PER_ADDRESS,
-                   metavar="N", help="connections from one peer address at once "
-                   f"(default {MAX_CLIENTS_PER_ADDRESS})")
-    p.add_argument("--buffer-pool", type=size_arg, default=BUFFER_POOL, metavar="BYTES",
-                   help="outgoing bytes buffered for all clients together (default 256m)")
-    p.add_argument("--subscription-bytes", type=size_arg, default=SUBSCRIPTION_BYTES,
-                   metavar="BYTES", help="what one client's subscriptions may cost "
-                   "(default 256k; a pattern costs 400 + 2 x its length + 400 per segment)")
-    p.add_argument("--subscription-pool", type=size_arg, default=SUBSCRIPTION_POOL,
-                   metavar="BYTES", help="the same for all clients together (default 64m)")
-    p.add_argument("--subscription-bytes-per-address", type=size_arg,
-                   metavar="BYTES", help="what all subscriptions of one peer address may "
-                   "cost (default 1/16 of --bus-subscription-bytes)")
-    p.add_argument("--buffer-bytes-per-address", type=size_arg,
-                   default=BUFFER_BYTES_PER_ADDRESS, metavar="BYTES",
-                   help="outgoing bytes queued for one peer address's clients together "
-                        "(default 32m)")
-    p.add_argument("--bus-subscription-bytes", type=size_arg, default=BUS_SUBSCRIPTION_BYTES,
-                   metavar="BYTES", help="what the gateway's distinct patterns may cost the "
-                   "broker (default 12m: 3/4 of the broker's default per-user budget; keep "
-                   "it below the broker's budget for the gateway's user)")
-    p.add_argument("--route-cache", type=size_arg, default=ROUTE_CACHE, metavar="BYTES",
-                   help="bytes of the cache of routing answers (default 4m)")
-    p.add_argument("--refusal-delay", type=float, default=REFUSAL_DELAY, metavar="SECONDS",
-                   help="after a wrong key or malformed input, wait this long before "
-                        f"closing (default {REFUSAL_DELAY:g})")
-
-
-def _tls_context(cert: str, key: str) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        ctx.load_cert_chain(cert, key)
-    except (OSError, ssl.SSLError) as exc:
-        raise SbusError(f"cannot load the TLS certificate {cert} / key {key}: {exc}") from None
-    return ctx
-
-
-def _bound(listener: trio.abc.Listener) -> str:
-    """The address a listener really has (the port chosen for port 0, too)."""
-    inner = getattr(listener, "transport_listener", listener)
-    host, port = inner.socket.getsockname()[:2]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _raise_nofile() -> None:
-    """Every client is a file descriptor: use all the kernel lets us."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-async def _report(gw: Gateway) -> None:
-    while True:
-        await trio.sleep(5)
-        notify(f"STATUS={gw.status()}")
-
-
-async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise SbusError("--tls-cert and --tls-key go together")
-    ctx = _tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
-    if args.https_listen and ctx is None:
-        raise SbusError("--https-listen needs --tls-cert and --tls-key "
-                        "(the authentication key must not travel in clear)")
-    secret = read_secret(args.auth_key_file)
-    host, port = parse_hostport(args.listen)
-    for name, value in (("--buffer-messages", args.buffer_messages),
-                        ("--buffer-bytes", args.buffer_bytes),
-                        ("--idle-timeout", args.idle_timeout), ("--max-frame", args.max_frame),
-                        ("--max-clients", args.max_clients),
-                        ("--max-clients-per-address", args.max_clients_per_address),
-                        ("--buffer-pool", args.buffer_pool),
-                        ("--subscription-bytes", args.subscription_bytes),
-                        ("--subscription-pool", args.subscription_pool),
-                        ("--route-cache", args.route_cache),
-                        ("--subscription-bytes-per-address",
-                         args.subscription_bytes_per_address or 1),
-                        ("--buffer-bytes-per-address", args.buffer_bytes_per_address),
-                        ("--bus-subscription-bytes", args.bus_subscription_bytes)):
-        if value <= 0:
-            raise SbusError(f"{name} must be positive")
-    if args.refusal_delay < 0:
-        raise SbusError("--refusal-delay must not be negative")
-    if args.https_listen:  # needs the 'gateway' extra (h11): say so before serving anyone
-        from .https import serve_https
-    gw = Gateway(secret, address=args.address, idle_timeout=args.idle_timeout,
-                 buffer_messages=args.buffer_messages, buffer_bytes=args.buffer_bytes,
-                 buffer_pool=args.buffer_pool, max_frame=args.max_frame,
-                 max_clients=args.max_clients,
-                 max_clients_per_address=args.max_clients_per_address,
-                 subscription_bytes=args.subscription_bytes,
-                 subscription_pool=args.subscription_pool, route_cache=args.route_cache,
-                 refusal_delay=args.refusal_delay,
-                 subscription_bytes_per_address=args.subscription_bytes_per_address,
-                 buffer_bytes_per_address=args.buffer_bytes_per_address,
-                 bus_subscription_bytes=args.bus_subscription_bytes)
-    try:
-        listeners: list[trio.abc.Listener] = await trio.open_tcp_listeners(
-            port, host=host or None, backlog=4096)
-    except OSError as exc:
-        raise SbusError(f"cannot listen on {args.listen}: {exc.strerror or exc}") from None
-    if ctx is not None:
-        listeners = [trio.SSLListener(lst, ctx, https_compatible=False) for lst in listeners]
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(gw.serve, listeners)
-            where = [", ".join(_bound(lst) for lst in listeners)
-                     + (" (TLS)" if ctx else " (plain TCP)")]
-            if args.https_listen:
-                https_host, https_port = parse_hostport(args.https_listen)
-                https = await nursery.start(serve_https, gw, https_host, https_port, ctx)
-                where.append("HTTPS " + ", ".join(_bound(lst) for lst in https))
-            nursery.start_soon(_report, gw)
-            log.info("sbus gateway listening on %s, bus %s", ", ".join(where),
-                     gw.bridge.address or "default")
-            notify(f"READY=1\nSTATUS=listening, {gw.status()}")
-            task_status.started(gw)
-            async for signum in signals:
-                log.info("%s: shutting down (%s)", signal.Signals(signum).name, gw.status())
-                notify("STOPPING=1")
-                nursery.cancel_scope.cancel()
-                break
-
-
-def _first(group: BaseExceptionGroup, kind: type[BaseException]) -> BaseException | None:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            found = _first(exc, kind)
-            if found is not None:
-                return found
-        elif isinstance(exc, kind):
-            return exc
-    return None
-
-
-def run(args: argparse.Namespace) -> int:
-    if not args.verbose:
-        # a service: where it listens (the real port, also for port 0), refusals and
-        # bus changes are worth a line; per-peer lines are rationed (Gateway.say)
-        log.setLevel(logging.INFO)
-    _raise_nofile()
-    try:
-        trio.run(serve, args)
-    except BaseExceptionGroup as group:
-        # a startup failure inside the nursery (e.g. no broker): one line, not a traceback
-        error = _first(group, SbusError)
-        if error is None:
-            raise
-        raise error from None
-    return 0
