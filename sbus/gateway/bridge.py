@@ -346,6 +346,7 @@ class Bridge:
         try:
             await self._forward()
         finally:
+            self._up = False  # senders stop here, not at a closed client
             with trio.CancelScope(shield=True):
                 await bus.aclose()
 
