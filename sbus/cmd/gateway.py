@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also accept HTTPS POST publishes here (needs --tls-cert)")
     p.add_argument("--max-clients", type=int, default=MAX_CLIENTS, metavar="N",
                    help=f"connections served at once, HTTPS included (default {MAX_CLIENTS}); "
-                        "more are closed at once")
+                        "more are held unread for --refusal-delay, then closed")
     p.add_argument("--max-clients-per-address", type=int, default=MAX_CLIENTS_PER_ADDRESS,
                    metavar="N", help="connections from one peer address at once "
                    f"(default {MAX_CLIENTS_PER_ADDRESS})")
@@ -115,7 +115,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--route-cache", type=size_arg, default=ROUTE_CACHE, metavar="BYTES",
                    help="bytes of the cache of routing answers (default 4m)")
     p.add_argument("--refusal-delay", type=float, default=REFUSAL_DELAY, metavar="SECONDS",
-                   help="after a wrong key or malformed input, wait this long before "
+                   help="a connection turned away (wrong key, malformed input, TLS failure, "
+                        "over the caps, HTTPS 4xx) is held unread this long before "
                         f"closing (default {REFUSAL_DELAY:g})")
 
 
