@@ -663,3 +663,47 @@ def test_https_bodies_of_unauthenticated_requests_are_never_held(https_gw):
     for s in conns:
         s.close()
     assert growth_mib < 10, f"RSS grew by {growth_mib:.1f} MiB"
+
+
+def test_a_broker_restart_under_remote_publishing_is_survived(hdir):
+    """Remote publishers keep sending while the broker restarts: whichever task of the
+    gateway notices first reconnects (one at a time, under the bridge's lock), the
+    publishes meanwhile are counted as lost, and the bus is served again afterwards."""
+    address = str(hdir / "restart.sock")
+    broker = BrokerProcess(address).start()
+    gw = start(hdir, broker, "--refusal-delay", "0.3")
+    stop = threading.Event()
+
+    def publisher() -> None:
+        s = gw.connect()
+        s.sendall(codec.authenticate(SECRET))
+        frame = codec.publish(b"load/x", b"y" * 100)
+        while not stop.is_set():
+            try:
+                s.sendall(frame * 50)
+            except OSError:
+                return
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=publisher, daemon=True) for _ in range(3)]
+    sub = gw.connect()
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        broker.stop()
+        time.sleep(0.3)
+        broker = BrokerProcess(address).start()
+        gw.wait_log("connected to the bus at", timeout=30, times=2)
+        local = raw(address)
+        subscribe_bridged(sub, b"after/", local, b"after/probe")  # forwarding again
+        local.close()
+        assert gw.proc.poll() is None
+        assert "Traceback" not in gw.log(), gw.log()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        sub.close()
+        gw.stop()
+        broker.stop()

@@ -355,6 +355,9 @@ class Bridge:
         deliver = self.deliver
         clock = time.perf_counter
         while True:
+            if not self._up:  # a sender is reconnecting (under the lock): the socket
+                async with self._lock:  # it replaces is closed; wait until it is done
+                    continue
             generation = self._generation
             with trio.CancelScope() as self._waiting:
                 await trio.lowlevel.wait_readable(bus.fileno())
