@@ -257,3 +257,52 @@ def test_a_frame_shared_by_many_slow_readers_is_charged_to_the_pool_once(sdir):
             proc.kill()
         gw.stop()
         bus.stop()
+
+
+def test_a_subscriber_refused_for_a_full_share_is_told_and_served_once_there_is_room(sdir):
+    """Unauthenticated attackers from 10 addresses hold the unauthenticated half of a
+    256 KiB budget: an honest unauthenticated subscriber's SUB is refused, and it is
+    told the only way the protocol has, a disconnect after the refusal delay (before:
+    dropped silently, the connection kept, the client believing it subscribed).  When
+    the attackers are gone, the same client reconnecting is served."""
+    bus = BrokerProcess(str(sdir / "bus.sock")).start()
+    gw = start(sdir, bus, "--bus-subscription-bytes", "256k", "--refusal-delay", "0.5")
+    proc, pipe = as_user(ATTACKER_UID, attacker, gw.port,
+                         [next_loopback() for _ in range(10)], 10, 20, None)
+    try:
+        assert pipe.recv() == "ready"
+        source = next_loopback()
+        s = connect(gw.port, source)
+        s.sendall(codec.subscribe(b"honest/"))
+        echo(s)
+        gw.wait_log("disconnecting it in 0.5 s")
+        s.settimeout(5)
+        try:
+            while s.recv(1024):
+                pass
+        except ConnectionResetError:
+            pass
+        s.close()
+        proc.kill()
+        proc.join()
+        deadline = time.monotonic() + 10
+        local = raw(bus.address)
+        expected = codec.publish(b"honest/x", b"0")
+        while True:  # the attackers' connections close as the gateway notices
+            s = connect(gw.port, source)
+            s.sendall(codec.subscribe(b"honest/"))
+            echo(s)
+            local.send(b"MSG honest/x\x000")
+            sync(local)
+            s.settimeout(0.5)
+            try:
+                assert read_exactly(s, len(expected)) == expected
+                break
+            except (TimeoutError, EOFError, ConnectionResetError):
+                s.close()
+                assert time.monotonic() < deadline, gw.log()
+        local.close()
+    finally:
+        proc.kill()
+        gw.stop()
+        bus.stop()

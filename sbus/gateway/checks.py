@@ -7,7 +7,7 @@ from ..display import brief
 from ..errors import InvalidRequest
 from ..keys import Credentials, KeyRefused, KeyRules
 
-__all__ = ["FrameRefused", "check_key", "check_pattern"]
+__all__ = ["FrameRefused", "SharesFull", "check_key", "check_pattern"]
 
 _NOBODY = Credentials(0, 0, 0)  # check_pattern needs some; secret patterns never get there
 
@@ -15,6 +15,13 @@ _NOBODY = Credentials(0, 0, 0)  # check_pattern needs some; secret patterns neve
 class FrameRefused(InvalidRequest):
     """A remote client's frame refused; the connection stays (the message says why,
     quoting briefly)."""
+
+
+class SharesFull(FrameRefused):
+    """A subscription refused because a share that other clients draw on is full (its
+    address's, the unauthenticated clients', the gateway's): a state that changes, so
+    the client is told the only way the protocol has, a disconnect after the refusal
+    delay, and its library subscribes again when it reconnects."""
 
 
 def _check_common(rules: KeyRules, topic: bytes, what: str) -> None:

@@ -43,7 +43,7 @@ from ..routing import pattern_cost
 from . import codec
 from .admission import Caps, Peer, Pool, Tarpit, peer_of
 from .bridge import BUS_SUBSCRIPTION_BYTES, Bridge
-from .checks import FrameRefused, check_key, check_pattern
+from .checks import FrameRefused, SharesFull, check_key, check_pattern
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
 from .outbox import Outbox, Shared
 
@@ -94,7 +94,7 @@ class Remote:
 
     __slots__ = ("stream", "host", "peer", "account", "outbox", "lot", "scope",
                  "authenticated", "topics", "sub_bytes", "unauth_bytes", "idle", "reason",
-                 "refused", "__weakref__")
+                 "refused", "doomed", "__weakref__")
 
     def __init__(self, stream: trio.abc.Stream, host: str, peer: str, account: Peer,
                  outbox: Outbox, idle: float) -> None:
@@ -112,6 +112,7 @@ class Remote:
         self.idle = idle
         self.reason = ""
         self.refused = 0  # frames refused on this connection
+        self.doomed = False  # to be closed after the refusal delay (`Gateway._doom`)
 
     def touch(self) -> None:
         """Any read or write resets the idle timeout."""
@@ -272,11 +273,18 @@ class Gateway:
             self.say(rc.host, logging.WARNING, "the broker refused %r's subscription to %s "
                      "(%s); disconnecting it in %g s", rc, brief(pattern), brief(
                          reason.encode(), 200), self.refusal_delay)
-            if self._nursery is None:
-                self._close(rc, "the broker refused a subscription")
-            else:
-                self._nursery.start_soon(self._close_later, rc, "the broker refused a "
-                                         "subscription")
+            self._doom(rc, "the broker refused a subscription")
+
+    def _doom(self, rc: Remote, reason: str) -> None:
+        """Close *rc* after the refusal delay (once), serving it meanwhile: the protocol
+        has no error frame, and a client that redials at once must wait that long."""
+        if rc.doomed:
+            return
+        rc.doomed = True
+        if self._nursery is None:
+            self._close(rc, reason)
+        else:
+            self._nursery.start_soon(self._close_later, rc, reason)
 
     async def _close_later(self, rc: Remote, reason: str) -> None:
         await trio.sleep(self.refusal_delay)
@@ -433,7 +441,12 @@ class Gateway:
                     except FrameRefused as exc:
                         rc.refused += 1
                         self.refused += 1
-                        self.say(rc.host, logging.WARNING, "%r: %s", rc, exc)
+                        full = isinstance(exc, SharesFull) and not rc.doomed
+                        self.say(rc.host, logging.WARNING, "%r: %s%s", rc, exc,
+                                 f"; disconnecting it in {self.refusal_delay:g} s (it may "
+                                 "subscribe again then)" if full else "")
+                        if full:
+                            self._doom(rc, "a subscription over a full share")
                     if clock() - start > TURN:
                         await trio.lowlevel.checkpoint()  # others get a turn
                         start = clock()
@@ -490,9 +503,11 @@ class Gateway:
                 log.debug("%r authenticated", rc)
 
     def _check_shares(self, rc: Remote, topic: bytes, cost: int) -> None:
-        """Refuse a subscription over any share it draws on: the client's, its address's,
-        the unauthenticated clients', the gateway's memory and the broker's budget for
-        the gateway (so the broker never has to refuse what the gateway accepted)."""
+        """Refuse a subscription over any share it draws on: the client's (`FrameRefused`:
+        its own doing, the connection stays), its address's, the unauthenticated
+        clients', the gateway's memory and the broker's budget for the gateway
+        (`SharesFull`: the client is disconnected after the delay, and retries), so the
+        broker never has to refuse what the gateway accepted."""
         what = f"subscription to {brief(topic)} ignored"
         if rc.sub_bytes + cost > self.subscription_bytes:
             raise FrameRefused(f"{what}: over its {self.subscription_bytes}-byte subscription "
@@ -500,18 +515,18 @@ class Gateway:
         account = rc.account
         if account.sub_bytes + cost > self.subscription_bytes_per_address \
                 or account.sub_count >= self.subscriptions_per_address:
-            raise FrameRefused(f"{what}: its address holds {account.sub_count} subscriptions "
+            raise SharesFull(f"{what}: its address holds {account.sub_count} subscriptions "
                           f"costing {account.sub_bytes} bytes, its share is "
                           f"{self.subscriptions_per_address} and "
                           f"{self.subscription_bytes_per_address} bytes")
         if not rc.authenticated and not self.unauthenticated.fits(cost):
-            raise FrameRefused(f"{what}: unauthenticated clients hold their whole share "
+            raise SharesFull(f"{what}: unauthenticated clients hold their whole share "
                           f"({self.unauthenticated.limit} bytes) of the broker's budget")
         if not self.subscriptions.fits(cost):
-            raise FrameRefused(f"{what}: the gateway's {self.subscriptions.limit}-byte "
+            raise SharesFull(f"{what}: the gateway's {self.subscriptions.limit}-byte "
                           "subscription pool is full")
         if not self.bridge.fits(topic, cost):
-            raise FrameRefused(f"{what}: the gateway's share of the broker's subscription "
+            raise SharesFull(f"{what}: the gateway's share of the broker's subscription "
                           f"budget ({self.bridge.budget.limit} bytes, "
                           f"{self.bridge.max_patterns} patterns) is full")
 
