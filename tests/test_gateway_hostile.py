@@ -396,6 +396,20 @@ def _read_all(s: ssl.SSLSocket) -> bytes:
     return out
 
 
+def _read_answer(s: ssl.SSLSocket) -> bytes:
+    """One complete HTTP answer (head and Content-Length body), without waiting for the
+    close (which a turned-away request gets only after the refusal delay)."""
+    out = b""
+    s.settimeout(5)
+    while b"\r\n\r\n" not in out:
+        out += s.recv(65536)
+    head, _, body = out.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
 def test_https_closes_after_401_and_reads_no_pipelined_guess(https_gw):
     body = b'{"topic": "YQ=="}'
     s = https_gw.https()
@@ -409,12 +423,12 @@ def test_https_closes_after_401_and_reads_no_pipelined_guess(https_gw):
 def test_https_deeply_nested_json_is_refused_and_the_gateway_lives(https_gw):
     s = https_gw.https()
     s.sendall(_request(SECRET, b"[" * 100_000 + b"]" * 100_000))
-    answer = _read_all(s)
+    answer = _read_answer(s)
     assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
     assert https_gw.proc.poll() is None
     s = https_gw.https()  # still serving
     s.sendall(_request(b"wrong", b"{}"))
-    assert _read_all(s).startswith(b"HTTP/1.1 401")
+    assert _read_answer(s).startswith(b"HTTP/1.1 401")
 
 
 # -- class 1: the shared route cache and the outgoing buffers are bounded in bytes ----------
@@ -573,7 +587,7 @@ def test_many_clients_of_one_host_over_the_cap_do_not_storm(hdir, bus):
 def test_the_tarpit_is_bounded_per_address(hdir, bus):
     """The tarpit holds at most 4 x the per-address cap for one address; past that a
     connection is closed at once, so an attacker cannot fill it for others."""
-    g = start(hdir, bus, "--max-clients-per-address", "1")
+    g = start(hdir, bus, "--max-clients-per-address", "1", "--refusal-delay", "2")
     source = next_loopback()
     served = g.connect(source=source)
     roundtrip(served)
