@@ -594,7 +594,7 @@ def test_the_tarpit_is_bounded_per_address(hdir, bus):
     held = [g.connect(source=source) for _ in range(4)]
     try:
         extra = g.connect(source=source)
-        assert closed_by_gateway(extra, timeout=2)  # the tarpit is full for this address
+        assert closed_by_gateway(extra, timeout=1)  # the tarpit is full for this address
         for c in held:
             assert not closed_by_gateway(c, timeout=0.1)  # held, not closed
         other = next_loopback()
