@@ -168,7 +168,8 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
                         ("--subscription-pool", args.subscription_pool),
                         ("--route-cache", args.route_cache),
                         ("--subscription-bytes-per-address",
-                         args.subscription_bytes_per_address or 1),
+                         1 if args.subscription_bytes_per_address is None
+                         else args.subscription_bytes_per_address),
                         ("--buffer-bytes-per-address", args.buffer_bytes_per_address),
                         ("--bus-subscription-bytes", args.bus_subscription_bytes)):
         if value <= 0:
