@@ -306,3 +306,39 @@ def test_a_subscriber_refused_for_a_full_share_is_told_and_served_once_there_is_
         proc.kill()
         gw.stop()
         bus.stop()
+
+
+def test_patterns_a_restarted_broker_refuses_leave_no_phantom(sdir):
+    """The broker comes back with a smaller budget for the gateway's user: the client
+    shell subscribes every pattern again (one question for all of them), the broker
+    refuses some; the gateway cannot tell which, so it drops every remote subscription
+    and disconnects their holders after the delay, rather than believe in them."""
+    address = str(sdir / "bus.sock")
+    bus = BrokerProcess(address).start()
+    gw = start(sdir, bus, "--bus-subscription-bytes", "1m", "--subscription-bytes-per-address",
+               "1m", "--refusal-delay", "0.5")
+    try:
+        s = connect(gw.port, next_loopback())
+        s.sendall(codec.authenticate(SECRET)
+                  + b"".join(codec.subscribe(b"p/%d" % i) for i in range(120)))
+        echo(s)
+        bus.stop()
+        bus = BrokerProcess(address, "--max-subscription-bytes-per-user", "64k").start()
+        gw.wait_log("when the bus came back", timeout=30)
+        s.settimeout(10)
+        try:
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        s2 = connect(gw.port, next_loopback())  # what is left is what the broker holds
+        s2.sendall(codec.subscribe(b"after/"))
+        echo(s2)
+        local = raw(address)
+        expected = codec.publish(b"after/x", b"0")
+        local.send(b"MSG after/x\x000")
+        assert read_exactly(s2, len(expected)) == expected
+        local.close()
+    finally:
+        gw.stop()
+        bus.stop()
