@@ -362,3 +362,57 @@ def test_patterns_a_restarted_broker_refuses_leave_no_phantom(sdir):
     finally:
         gw.stop()
         bus.stop()
+
+
+# -- the accounting itself, in process (no bus is needed while the bridge is down) ---------
+
+def _remote(gw, host: str):
+    from sbus.gateway.outbox import Outbox
+    from sbus.gateway.server import Remote
+
+    assert gw.caps.admit(host) is None
+    account = gw.caps.peer(host)
+    return Remote(None, host, f"{host}:1", account, Outbox(peer=account), 70.0)
+
+
+def test_an_address_is_charged_once_per_distinct_pattern_its_clients_hold():
+    """300 clients behind one address subscribing to the same topics cost its share once
+    (the bus holds each once); a pattern stays charged while any of its clients holds it,
+    so handing patterns from connection to connection cannot launder the share; all of it
+    is given back with the last holder."""
+    import trio
+
+    from sbus.gateway.checks import SharesFull
+    from sbus.gateway.server import Gateway
+    from sbus.routing import pattern_cost
+
+    gw = Gateway(SECRET, address="/nonexistent", bus_subscription_bytes=160 * 1024,
+                 max_clients_per_address=300)
+    share = gw.subscription_bytes_per_address  # 10 KiB: about 8 one-segment patterns
+
+    async def main() -> None:
+        nat = [_remote(gw, "10.0.0.1") for _ in range(300)]
+        for rc in nat:
+            for i in range(5):
+                await gw._frame(rc, codec.Subscribe(b"news/%d" % i))
+        account = nat[0].account
+        assert len(account.patterns) == 5 and account.sub_bytes <= share
+        # laundering: x creates patterns, y takes them over, x drops them: still charged
+        x, y = nat[0], nat[1]
+        taken = 0
+        with pytest.raises(SharesFull):
+            for i in range(100):
+                await gw._frame(x, codec.Subscribe(b"own/%d" % i))
+                await gw._frame(y, codec.Subscribe(b"own/%d" % i))
+                await gw._frame(x, codec.Unsubscribe(b"own/%d" % i))
+                taken += 1
+        assert account.sub_bytes <= share and taken < 10
+        # unauthenticated clients together are charged once per distinct pattern too
+        assert gw.unauthenticated.used == sum(pattern_cost(p) for p in gw._unauth_patterns)
+        for rc in nat:
+            for topic in list(rc.topics):
+                gw._drop_topic(rc, topic)
+        assert account.sub_bytes == 0 and not account.patterns
+        assert gw.unauthenticated.used == 0 and gw.subscriptions.used == 0
+
+    trio.run(main)

@@ -12,6 +12,7 @@ plus the pools, and one host cannot take what the others need.
 from __future__ import annotations
 
 import ipaddress
+from collections import Counter
 
 __all__ = ["Caps", "Peer", "Pool", "Tarpit", "peer_group", "peer_of"]
 
@@ -44,17 +45,17 @@ def peer_of(stream: object) -> tuple[str, str]:
 
 class Peer:
     """What all connections from one peer address hold together: connections, outgoing
-    bytes queued (bounded by *queue_limit*) and subscriptions (bytes and patterns)."""
+    bytes queued (bounded by *queue_limit*) and the distinct patterns they subscribe."""
 
-    __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "sub_count")
+    __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "patterns")
 
     def __init__(self, host: str, queue_limit: int = 1 << 62) -> None:
         self.host = host
         self.conns = 0
         self.queued = 0
         self.queue_limit = queue_limit
-        self.sub_bytes = 0
-        self.sub_count = 0
+        self.sub_bytes = 0  # the cost of `patterns`, each counted once
+        self.patterns: Counter[bytes] = Counter()  # distinct patterns -> its clients holding
 
 
 class Caps:

@@ -32,6 +32,7 @@ import logging
 import socket
 import ssl
 import time
+from collections import Counter
 
 import trio
 from trio.lowlevel import ParkingLot
@@ -82,7 +83,6 @@ TARPIT_PER_CAP = 4
 #: unauthenticated clients together 1/2, so 8 addresses are needed to fill the
 #: unauthenticated half and a client with the key always finds room.
 ADDRESS_SHARE, UNAUTHENTICATED_SHARE = 16, 2
-SUBSCRIPTIONS_PER_ADDRESS = 8192
 BUFFER_BYTES_PER_ADDRESS = 32 * 1024 * 1024
 
 class Disconnect(Exception):
@@ -93,7 +93,7 @@ class Remote:
     """One remote client: its stream, subscriptions, outgoing buffer and idle deadline."""
 
     __slots__ = ("stream", "host", "peer", "account", "outbox", "lot", "scope",
-                 "authenticated", "topics", "sub_bytes", "unauth_bytes", "idle", "reason",
+                 "authenticated", "topics", "sub_bytes", "idle", "reason",
                  "refused", "doomed", "__weakref__")
 
     def __init__(self, stream: trio.abc.Stream, host: str, peer: str, account: Peer,
@@ -106,9 +106,8 @@ class Remote:
         self.lot = ParkingLot()  # the writer waits here for frames
         self.scope: trio.CancelScope | None = None
         self.authenticated = False
-        self.topics: set[bytes] = set()
+        self.topics: dict[bytes, int] = {}  # its patterns and what each was charged
         self.sub_bytes = 0  # what its subscriptions are charged (routing.pattern_cost)
-        self.unauth_bytes = 0  # the part charged to the unauthenticated clients' share
         self.idle = idle
         self.reason = ""
         self.refused = 0  # frames refused on this connection
@@ -150,7 +149,6 @@ class Gateway:
         route_cache: int = ROUTE_CACHE,
         refusal_delay: float = REFUSAL_DELAY,
         subscription_bytes_per_address: int | None = None,
-        subscriptions_per_address: int = SUBSCRIPTIONS_PER_ADDRESS,
         buffer_bytes_per_address: int = BUFFER_BYTES_PER_ADDRESS,
         bus_subscription_bytes: int = BUS_SUBSCRIPTION_BYTES,
     ) -> None:
@@ -166,7 +164,6 @@ class Gateway:
         self.subscription_bytes_per_address = (
             bus_subscription_bytes // ADDRESS_SHARE if subscription_bytes_per_address is None
             else subscription_bytes_per_address)
-        self.subscriptions_per_address = subscriptions_per_address
         self.caps = Caps(max_clients, max_clients_per_address, buffer_bytes_per_address)
         self.tarpit = Tarpit(max_clients, TARPIT_PER_CAP * max_clients_per_address)
         self.buffers = Pool(buffer_pool)
@@ -174,6 +171,7 @@ class Gateway:
         #: Unauthenticated clients together may take at most half of the broker's budget
         #: for the gateway: a subscriber with the key always finds room.
         self.unauthenticated = Pool(bus_subscription_bytes // UNAUTHENTICATED_SHARE)
+        self._unauth_patterns: Counter[bytes] = Counter()  # held by unauthenticated clients
         self.bridge = Bridge(address, self._deliver, self._refused_by_broker,
                              cache_bytes=route_cache, on_separator=self._separator_changed,
                              budget=bus_subscription_bytes)
@@ -293,16 +291,26 @@ class Gateway:
     def _drop_topic(self, rc: Remote, topic: bytes) -> None:
         """Give back what *rc*'s subscription to *topic* was charged (not the bus's part:
         `Bridge` charges that per distinct pattern)."""
-        rc.topics.discard(topic)
-        cost = pattern_cost(topic, self.rules.sep)
+        cost = rc.topics.pop(topic)  # as charged (the separator may have changed since)
         rc.sub_bytes -= cost
         self.subscriptions.give(cost)
-        rc.account.sub_bytes -= cost
-        rc.account.sub_count -= 1
-        if rc.unauth_bytes:
-            part = min(cost, rc.unauth_bytes)
-            rc.unauth_bytes -= part
-            self.unauthenticated.give(part)
+        self._release_shares(rc, topic, cost)
+
+    def _release_shares(self, rc: Remote, topic: bytes, cost: int) -> None:
+        """*rc* no longer holds *topic*: its address's share (charged once per distinct
+        pattern its clients hold) and, unauthenticated, the unauthenticated clients'
+        share (the same, over all of them) give it back with the last holder."""
+        account = rc.account
+        account.patterns[topic] -= 1
+        if not account.patterns[topic]:
+            del account.patterns[topic]
+            account.sub_bytes -= cost
+        if not rc.authenticated:
+            held = self._unauth_patterns
+            held[topic] -= 1
+            if not held[topic]:
+                del held[topic]
+                self.unauthenticated.give(cost)
 
     def _separator_changed(self, sep: bytes) -> None:
         for rc in list(self.clients):
@@ -366,10 +374,9 @@ class Gateway:
             self.clients.discard(rc)
             rc.outbox.clear()
             self.subscriptions.give(rc.sub_bytes)
-            self.unauthenticated.give(rc.unauth_bytes)
-            rc.account.sub_bytes -= rc.sub_bytes
-            rc.account.sub_count -= len(rc.topics)
-            rc.sub_bytes = rc.unauth_bytes = 0
+            rc.sub_bytes = 0
+            for topic, cost in rc.topics.items():
+                self._release_shares(rc, topic, cost)
             with trio.CancelScope(shield=True):
                 await self.bridge.remove_client(rc)
                 with trio.move_on_after(CLOSE_GRACE):
@@ -480,13 +487,16 @@ class Gateway:
             cost = pattern_cost(topic, self.rules.sep)
             self._check_shares(rc, topic, cost)
             self.subscriptions.take(cost)
+            account = rc.account
+            if not account.patterns[topic]:
+                account.sub_bytes += cost
+            account.patterns[topic] += 1
             if not rc.authenticated:
-                self.unauthenticated.take(cost)
-                rc.unauth_bytes += cost
+                if not self._unauth_patterns[topic]:
+                    self.unauthenticated.take(cost)
+                self._unauth_patterns[topic] += 1
             rc.sub_bytes += cost
-            rc.account.sub_bytes += cost
-            rc.account.sub_count += 1
-            rc.topics.add(topic)
+            rc.topics[topic] = cost
             await self.bridge.subscribe(rc, topic, cost)
         elif kind is codec.Unsubscribe:
             topic = frame.topic
@@ -497,29 +507,35 @@ class Gateway:
             if not hmac.compare_digest(frame.secret, self.secret):
                 raise Disconnect("wrong authentication secret")
             if not rc.authenticated:
+                for topic, cost in rc.topics.items():  # trusted with the whole budget now
+                    held = self._unauth_patterns
+                    held[topic] -= 1
+                    if not held[topic]:
+                        del held[topic]
+                        self.unauthenticated.give(cost)
                 rc.authenticated = True
-                self.unauthenticated.give(rc.unauth_bytes)  # trusted with the whole budget
-                rc.unauth_bytes = 0
                 log.debug("%r authenticated", rc)
 
     def _check_shares(self, rc: Remote, topic: bytes, cost: int) -> None:
         """Refuse a subscription over any share it draws on: the client's (`FrameRefused`:
-        its own doing, the connection stays), its address's, the unauthenticated
-        clients', the gateway's memory and the broker's budget for the gateway
-        (`SharesFull`: the client is disconnected after the delay, and retries), so the
-        broker never has to refuse what the gateway accepted."""
+        its own doing, the connection stays); its address's and the unauthenticated
+        clients' shares of the broker's budget for the gateway, each charged once per
+        distinct pattern held (the bus holds each once: many clients behind one address
+        subscribing to the same topics cost its share once), the gateway's memory and
+        that budget itself (`SharesFull`: the client is disconnected after the delay,
+        and retries).  So the broker never has to refuse what the gateway accepted."""
         what = f"subscription to {brief(topic)} ignored"
         if rc.sub_bytes + cost > self.subscription_bytes:
             raise FrameRefused(f"{what}: over its {self.subscription_bytes}-byte subscription "
                           "budget")
         account = rc.account
-        if account.sub_bytes + cost > self.subscription_bytes_per_address \
-                or account.sub_count >= self.subscriptions_per_address:
-            raise SharesFull(f"{what}: its address holds {account.sub_count} subscriptions "
-                          f"costing {account.sub_bytes} bytes, its share is "
-                          f"{self.subscriptions_per_address} and "
-                          f"{self.subscription_bytes_per_address} bytes")
-        if not rc.authenticated and not self.unauthenticated.fits(cost):
+        if not account.patterns[topic] \
+                and account.sub_bytes + cost > self.subscription_bytes_per_address:
+            raise SharesFull(f"{what}: its address holds {len(account.patterns)} patterns "
+                             f"costing {account.sub_bytes} bytes, its share is "
+                             f"{self.subscription_bytes_per_address} bytes")
+        if not rc.authenticated and not self._unauth_patterns[topic] \
+                and not self.unauthenticated.fits(cost):
             raise SharesFull(f"{what}: unauthenticated clients hold their whole share "
                           f"({self.unauthenticated.limit} bytes) of the broker's budget")
         if not self.subscriptions.fits(cost):
