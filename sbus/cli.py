@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "journal": ("sbus.cmd.journal",
                 "read a recorded journal (cat, tail), export it as Parquet, show a query's lag"),
     "analyze": ("sbus.cmd.analyze", "analyse a journal with Spark"),
-    "gateway": ("sbus.gateway.server", "TCP/TLS gateway for remote clients"),
+    "gateway": ("sbus.cmd.gateway", "TCP/TLS gateway for remote clients"),
     "request": ("sbus.cmd.request", "send a request and print the reply"),
     "reply": ("sbus.cmd.reply", "answer requests by running a command for each"),
     "completion": ("sbus.cmd.completion", "print a shell completion script (bash or zsh)"),

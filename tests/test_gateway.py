@@ -486,6 +486,10 @@ def test_a_slow_reader_loses_only_its_own_messages(tight, local):
      "--https-listen needs --tls-cert and --tls-key"),
     (["--listen", "127.0.0.1:0", "--buffer-messages", "0"], "--buffer-messages must be positive"),
     (["--listen", "127.0.0.1:0", "--auth-key-file", "/dev/null"], "is empty"),
+    (["--listen", "127.0.0.1:0", "--subscription-bytes-per-address", "0"],
+     "--subscription-bytes-per-address must be positive"),
+    (["--listen", "127.0.0.1:0", "--bus-subscription-bytes", "0"],
+     "--bus-subscription-bytes must be positive"),
 ])
 def test_bad_command_lines_fail_with_one_line(gwdir, bus, args, message):
     keyfile = gwdir / "cli.key"

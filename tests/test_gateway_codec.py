@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sbus.gateway import codec
-from sbus.gateway.admission import Caps, Pool, peer_group
+from sbus.gateway.admission import Caps, Peer, Pool, peer_group
 from sbus.gateway.codec import (
     Authenticate,
     FrameDecoder,
@@ -22,7 +22,7 @@ from sbus.gateway.codec import (
     Unsubscribe,
 )
 from sbus.gateway.https import decide
-from sbus.gateway.outbox import Outbox
+from sbus.gateway.outbox import Outbox, Shared
 from sbus.keys import KeyRules
 
 # -- encoding -----------------------------------------------------------------------
@@ -132,21 +132,25 @@ def test_topic_plus_body_limit_is_exact():
 # -- outbox --------------------------------------------------------------------------
 
 
+def S(data: bytes) -> Shared:
+    return Shared(data)
+
+
 def test_outbox_discards_new_messages_beyond_its_count():
     box = Outbox(max_messages=3, max_bytes=1000)
-    assert [box.offer(b"%d" % i) for i in range(5)] == [1, 2, 2, 0, 0]  # 1: was empty
+    assert [box.offer(S(b"%d" % i)) for i in range(5)] == [1, 2, 2, 0, 0]  # 1: was empty
     assert box.dropped == box.dropped_total == 2
     assert box.take() == b"012"  # the oldest are kept, the new ones discarded
     assert box.take_dropped() == 2 and box.dropped == 0 and box.dropped_total == 2
-    assert box.offer(b"x") and len(box) == 1
+    assert box.offer(S(b"x")) and len(box) == 1
 
 
 def test_outbox_bounds_bytes_but_always_takes_one():
     box = Outbox(max_messages=100, max_bytes=10)
-    assert box.offer(b"x" * 50)  # alone and too big: accepted, or it could never pass
-    assert not box.offer(b"y")
+    assert box.offer(S(b"x" * 50))  # alone and too big: accepted, or it could never pass
+    assert not box.offer(S(b"y"))
     assert box.take() == b"x" * 50 and box.size == 0
-    assert box.offer(b"a" * 6) and not box.offer(b"b" * 5) and box.offer(b"c" * 4)
+    assert box.offer(S(b"a" * 6)) and not box.offer(S(b"b" * 5)) and box.offer(S(b"c" * 4))
     assert box.force(b"\x00")  # keep-alive echoes pass a full buffer
     assert box.take(limit=6) == b"a" * 6 and box.take() == b"c" * 4 + b"\x00"
     small = Outbox(max_messages=2, max_bytes=100)
@@ -156,18 +160,32 @@ def test_outbox_bounds_bytes_but_always_takes_one():
         Outbox(0, 10)
 
 
-def test_outboxes_give_back_to_their_pool():
+def test_a_shared_frame_is_charged_to_the_pool_once_while_any_outbox_holds_it():
     pool = Pool(100)
-    a, b = Outbox(10, 1000, pool), Outbox(10, 1000, pool)
-    for box, frame in ((a, b"x" * 60), (b, b"y" * 40)):
-        assert box.offer(frame) and pool.take(len(frame))  # the caller charges the pool
-    assert pool.used == 100 and not pool.take(1)
-    b.discard()
-    assert b.dropped == 1
-    assert a.take() == b"x" * 60 and pool.used == 40
-    assert b.force(b"\x00") and pool.used == 41
+    boxes = [Outbox(10, 1000) for _ in range(300)]
+    frame = S(b"x" * 60)
+    assert all(box.offer(frame) for box in boxes)
+    frame.hold(pool)
+    assert pool.used == 60  # not 300 x 60: the bytes really held
+    for box in boxes[:-1]:
+        assert box.take() == b"x" * 60
+    assert pool.used == 60
+    boxes[-1].clear()
+    assert pool.used == 0 and frame.refs == 0
+
+
+def test_the_clients_of_one_address_share_a_queued_bytes_bound():
+    peer = Peer("10.0.0.1", queue_limit=100)
+    a, b = Outbox(10, 1000, peer), Outbox(10, 1000, peer)
+    assert a.offer(S(b"x" * 60)) and b.offer(S(b"y" * 30))
+    assert peer.queued == 90
+    assert not a.offer(S(b"z" * 20)) and not b.offer(S(b"z" * 20))  # the address is full
+    assert a.dropped == b.dropped == 1
+    other = Outbox(10, 1000, Peer("10.0.0.2", queue_limit=100))
+    assert other.offer(S(b"z" * 20))  # another address is not
+    a.take()
     b.clear()
-    assert pool.used == 0 and not b
+    assert peer.queued == 0
 
 
 def test_caps_per_address_and_in_total():

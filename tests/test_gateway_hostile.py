@@ -8,6 +8,7 @@ client's round trip, the number of log lines and reconnects a refusal causes.
 
 from __future__ import annotations
 
+import select
 import shutil
 import socket
 import ssl
@@ -141,10 +142,11 @@ def test_secret_inboxes_of_a_dot_separator_broker_stay_local(hdir):
 
 # -- class 7: refusals do not make reconnect storms ---------------------------------------
 
-def storm(gw: GatewayProcess, first: bytes, seconds: float = 3.0) -> int:
+def storm(gw: GatewayProcess, first: bytes, seconds: float = 3.0,
+          source: str | None = None) -> int:
     """A client that, like the getlantern/pubsub Go client, reconnects as soon as it is
     disconnected and sends *first* again; returns how many connections it made."""
-    source = next_loopback()
+    source = source or next_loopback()
     attempts = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -203,9 +205,9 @@ def test_one_address_gets_at_most_its_cap_of_connections(gw):
             conns.append(gw.connect(source=source))
         except OSError:
             break
-    closed = sum(closed_by_gateway(c, timeout=0.02) for c in conns)
+    served = echoing(conns)
     try:
-        assert closed >= 300 - 256, f"only {closed} of 300 connections refused"
+        assert served == 256, f"{served} of 300 connections served"
         roundtrip(conns[0])  # the first ones are served
         other = gw.connect()  # another address is still served
         roundtrip(other)
@@ -394,6 +396,20 @@ def _read_all(s: ssl.SSLSocket) -> bytes:
     return out
 
 
+def _read_answer(s: ssl.SSLSocket) -> bytes:
+    """One complete HTTP answer (head and Content-Length body), without waiting for the
+    close (which a turned-away request gets only after the refusal delay)."""
+    out = b""
+    s.settimeout(5)
+    while b"\r\n\r\n" not in out:
+        out += s.recv(65536)
+    head, _, body = out.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
 def test_https_closes_after_401_and_reads_no_pipelined_guess(https_gw):
     body = b'{"topic": "YQ=="}'
     s = https_gw.https()
@@ -407,12 +423,12 @@ def test_https_closes_after_401_and_reads_no_pipelined_guess(https_gw):
 def test_https_deeply_nested_json_is_refused_and_the_gateway_lives(https_gw):
     s = https_gw.https()
     s.sendall(_request(SECRET, b"[" * 100_000 + b"]" * 100_000))
-    answer = _read_all(s)
+    answer = _read_answer(s)
     assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
     assert https_gw.proc.poll() is None
     s = https_gw.https()  # still serving
     s.sendall(_request(b"wrong", b"{}"))
-    assert _read_all(s).startswith(b"HTTP/1.1 401")
+    assert _read_answer(s).startswith(b"HTTP/1.1 401")
 
 
 # -- class 1: the shared route cache and the outgoing buffers are bounded in bytes ----------
@@ -482,6 +498,24 @@ def test_all_outgoing_buffers_together_are_bounded(hdir, bus, local):
         g.stop()
 
 
+def echoing(conns: list[socket.socket], wait: float = 2.0) -> int:
+    """How many of *conns* echo a keep-alive within *wait* seconds (are served)."""
+    for c in conns:
+        c.sendall(b"\x00")
+    pending = set(conns)
+    served = 0
+    deadline = time.monotonic() + wait
+    while pending and time.monotonic() < deadline:
+        ready, _, _ = select.select(list(pending), [], [], 0.1)
+        for c in ready:
+            pending.discard(c)
+            try:
+                served += c.recv(1) == b"\x00"
+            except OSError:
+                pass
+    return served
+
+
 def test_total_connection_cap(hdir, bus):
     g = start(hdir, bus, "--max-clients", "10")
     conns = [g.connect() for _ in range(10)]
@@ -489,7 +523,7 @@ def test_total_connection_cap(hdir, bus):
         for c in conns:
             roundtrip(c)
         extra = g.connect()
-        assert closed_by_gateway(extra, timeout=2)
+        assert not echoing([extra])  # held unserved (then closed after the delay)
         conns.pop().close()
         time.sleep(0.2)
         roundtrip(g.connect())  # a freed slot is taken again
@@ -498,6 +532,97 @@ def test_total_connection_cap(hdir, bus):
         for c in conns:
             c.close()
         g.stop()
+
+
+# -- issue 28 item 6: no storm at any door ---------------------------------------------------
+
+def test_a_client_over_the_per_address_cap_does_not_storm(hdir, bus):
+    """Turned away at the cap, a client that redials at once (as the Go client does) made
+    383,550 connections in 31 s from 1,000 clients; now the refused connection is held
+    open and unread for the refusal delay, so it makes one per delay."""
+    g = start(hdir, bus, "--max-clients-per-address", "2")
+    source = next_loopback()
+    held = [g.connect(source=source) for _ in range(2)]
+    try:
+        for c in held:
+            roundtrip(c)
+        attempts = storm(g, codec.subscribe(b"x/"), seconds=2.0, source=source)
+        print(f"{attempts} connections in 2 s over the per-address cap")
+        assert attempts <= 20, f"{attempts} connections in 2 s"
+        roundtrip(g.connect())  # another address is served meanwhile
+        assert log_lines(g, "at the cap of 2 connections from one address") == 1
+    finally:
+        for c in held:
+            c.close()
+        g.stop()
+
+
+def test_many_clients_of_one_host_over_the_cap_do_not_storm(hdir, bus):
+    """50 clients of one host against a cap of 10, each redialing at once for 2 s: each
+    client makes at most 20 connections (the held ones 1), the tarpit holds the 40."""
+    g = start(hdir, bus, "--max-clients-per-address", "10", "--max-clients", "1000")
+    source = next_loopback()
+    counts: list[int] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        n = storm(g, codec.subscribe(b"x/"), seconds=2.0, source=source)
+        with lock:
+            counts.append(n)
+
+    threads = [threading.Thread(target=client) for _ in range(50)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        print(f"connections per client in 2 s: max {max(counts)}, total {sum(counts)}")
+        assert len(counts) == 50
+        assert max(counts) <= 20, counts
+        assert sum(counts) <= 100, counts
+    finally:
+        g.stop()
+
+
+def test_the_tarpit_is_bounded_per_address(hdir, bus):
+    """The tarpit holds at most 4 x the per-address cap for one address; past that a
+    connection is closed at once, so an attacker cannot fill it for others."""
+    g = start(hdir, bus, "--max-clients-per-address", "1", "--refusal-delay", "2")
+    source = next_loopback()
+    served = g.connect(source=source)
+    roundtrip(served)
+    held = [g.connect(source=source) for _ in range(4)]
+    try:
+        extra = g.connect(source=source)
+        assert closed_by_gateway(extra, timeout=1)  # the tarpit is full for this address
+        for c in held:
+            assert not closed_by_gateway(c, timeout=0.1)  # held, not closed
+        other = next_loopback()
+        s = g.connect(source=other)
+        roundtrip(s)  # other addresses are served
+        assert all(closed_by_gateway(c, timeout=10) for c in held)  # after the delay
+    finally:
+        served.close()
+        g.stop()
+
+
+def test_https_wrong_keys_do_not_storm(https_gw):
+    """A client that retries a wrong key at once: the 401 is answered at once, the close
+    waits for the refusal delay (the connection keeps its slot)."""
+    attempts = 0
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        s = https_gw.https()
+        attempts += 1
+        s.sendall(_request(b"wrong", b"{}"))
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            while s.recv(65536):
+                pass
+        except (OSError, TimeoutError):
+            pass
+        s.close()
+    assert attempts <= 20, f"{attempts} connections in 2 s"
 
 
 def test_plaintext_on_the_tls_port_does_not_make_a_reconnect_storm(https_gw):
@@ -552,3 +677,47 @@ def test_https_bodies_of_unauthenticated_requests_are_never_held(https_gw):
     for s in conns:
         s.close()
     assert growth_mib < 10, f"RSS grew by {growth_mib:.1f} MiB"
+
+
+def test_a_broker_restart_under_remote_publishing_is_survived(hdir):
+    """Remote publishers keep sending while the broker restarts: whichever task of the
+    gateway notices first reconnects (one at a time, under the bridge's lock), the
+    publishes meanwhile are counted as lost, and the bus is served again afterwards."""
+    address = str(hdir / "restart.sock")
+    broker = BrokerProcess(address).start()
+    gw = start(hdir, broker, "--refusal-delay", "0.3")
+    stop = threading.Event()
+
+    def publisher() -> None:
+        s = gw.connect()
+        s.sendall(codec.authenticate(SECRET))
+        frame = codec.publish(b"load/x", b"y" * 100)
+        while not stop.is_set():
+            try:
+                s.sendall(frame * 50)
+            except OSError:
+                return
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=publisher, daemon=True) for _ in range(3)]
+    sub = gw.connect()
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        broker.stop()
+        time.sleep(0.3)
+        broker = BrokerProcess(address).start()
+        gw.wait_log("connected to the bus at", timeout=30, times=2)
+        local = raw(address)
+        subscribe_bridged(sub, b"after/", local, b"after/probe")  # forwarding again
+        local.close()
+        assert gw.proc.poll() is None
+        assert "Traceback" not in gw.log(), gw.log()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        sub.close()
+        gw.stop()
+        broker.stop()

@@ -4,8 +4,9 @@ A remote peer has no UID to charge, only an address.  The gateway bounds what an
 number of peers can make it hold by a total connection cap and a cap per peer
 address (so one host cannot take every slot), and bounds the bytes shared by all
 connections (outgoing buffers, subscriptions) by pools with a fixed size.  Each
-per-connection structure is bounded on its own, so the gateway's memory is at most
-the caps times those bounds plus the pools.
+per-connection structure is bounded on its own, and each peer address (`Peer`) has a
+share of the pools, so the gateway's memory is at most the caps times those bounds
+plus the pools, and one host cannot take what the others need.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 from collections import Counter
 
-__all__ = ["Caps", "Pool", "peer_group"]
+__all__ = ["Caps", "Peer", "Pool", "Tarpit", "peer_group", "peer_of"]
 
 
 def peer_group(host: str) -> str:
@@ -31,18 +32,45 @@ def peer_group(host: str) -> str:
     return host
 
 
+def peer_of(stream: object) -> tuple[str, str]:
+    """(group, host:port) of the peer of *stream*: caps and log rations count by the
+    group (`admission.peer_group`: the IPv4 address or the IPv6 /64)."""
+    sock_stream = getattr(stream, "transport_stream", stream)
+    try:
+        host, port = sock_stream.socket.getpeername()[:2]
+    except (AttributeError, OSError):
+        return "?", "?"
+    return peer_group(host), (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+
+
+class Peer:
+    """What all connections from one peer address hold together: connections, outgoing
+    bytes queued (bounded by *queue_limit*) and the distinct patterns they subscribe."""
+
+    __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "patterns")
+
+    def __init__(self, host: str, queue_limit: int = 1 << 62) -> None:
+        self.host = host
+        self.conns = 0
+        self.queued = 0
+        self.queue_limit = queue_limit
+        self.sub_bytes = 0  # the cost of `patterns`, each counted once
+        self.patterns: Counter[bytes] = Counter()  # distinct patterns -> its clients holding
+
+
 class Caps:
-    """Open connections, in total and per peer address."""
+    """Open connections, in total and per peer address (each address a `Peer`)."""
 
-    __slots__ = ("total", "per_peer", "open", "_by_peer", "refused")
+    __slots__ = ("total", "per_peer", "open", "_by_peer", "refused", "queue_limit")
 
-    def __init__(self, total: int, per_peer: int) -> None:
+    def __init__(self, total: int, per_peer: int, queue_limit: int = 1 << 62) -> None:
         if total < 1 or per_peer < 1:
             raise ValueError("connection caps must be positive")
         self.total = total
         self.per_peer = per_peer
+        self.queue_limit = queue_limit  # outgoing bytes one address may have queued
         self.open = 0
-        self._by_peer: Counter[str] = Counter()
+        self._by_peer: dict[str, Peer] = {}
         self.refused = 0  # connections turned away, ever
 
     def admit(self, host: str) -> str | None:
@@ -50,17 +78,25 @@ class Caps:
         if self.open >= self.total:
             self.refused += 1
             return f"at the cap of {self.total} connections"
-        if self._by_peer[host] >= self.per_peer:
+        peer = self._by_peer.get(host)
+        if peer is not None and peer.conns >= self.per_peer:
             self.refused += 1
             return f"at the cap of {self.per_peer} connections from one address"
+        if peer is None:
+            peer = self._by_peer[host] = Peer(host, self.queue_limit)
         self.open += 1
-        self._by_peer[host] += 1
+        peer.conns += 1
         return None
+
+    def peer(self, host: str) -> Peer:
+        """The account of an admitted address."""
+        return self._by_peer[host]
 
     def release(self, host: str) -> None:
         self.open -= 1
-        self._by_peer[host] -= 1
-        if self._by_peer[host] <= 0:
+        peer = self._by_peer[host]
+        peer.conns -= 1
+        if peer.conns <= 0:
             del self._by_peer[host]
 
     def peers(self) -> int:
@@ -87,3 +123,37 @@ class Pool:
 
     def give(self, n: int) -> None:
         self.used -= n
+
+
+class Tarpit:
+    """Connections turned away at the caps, held open and unread for a while before they
+    are closed: clients that redial the moment they are closed (the getlantern/pubsub Go
+    client does) then make one attempt per hold, not thousands a second.  The tarpit is
+    bounded in total and per peer address, so it cannot become what an attacker
+    exhausts; past its bounds a connection is closed at once (counted in `overflow`)."""
+
+    __slots__ = ("total", "per_peer", "held", "_by_peer", "overflow")
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        self.total = total
+        self.per_peer = per_peer
+        self.held = 0
+        self._by_peer: dict[str, int] = {}
+        self.overflow = 0  # closed at once: the tarpit was full
+
+    def take(self, host: str) -> bool:
+        n = self._by_peer.get(host, 0)
+        if self.held >= self.total or n >= self.per_peer:
+            self.overflow += 1
+            return False
+        self.held += 1
+        self._by_peer[host] = n + 1
+        return True
+
+    def give(self, host: str) -> None:
+        self.held -= 1
+        n = self._by_peer[host] - 1
+        if n:
+            self._by_peer[host] = n
+        else:
+            del self._by_peer[host]

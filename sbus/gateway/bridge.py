@@ -9,48 +9,61 @@ of remote subscriptions and holds each distinct pattern once on the bus
 (reference counted), so the broker sends each matching message once and the
 gateway fans it out.
 
-The bridge asks the broker who it is on every connect: the answer
-(``!/cred/G/U/P``, or ``!.cred.G.U.P`` for a ``--separator .`` broker) tells the
-separator, so the index routes and the secret-key checks refuse keys the way this
-broker spells them.  It also sends ``CMSG blocking/publisher/nowait``: the broker then
-never pauses this one shared publishing connection because one local subscriber is
-slow (that subscriber loses the message instead), so remote publishers never stall
-each other through it.
+The connection is an `sbus.client.AsyncClient` with ``reconnect=True``: its session
+holds the distinct patterns, the flood policy (``soft=queue, hard=discard``: the broker
+drops for a lagging gateway rather than blocking local publishers, and says how many)
+and ``nowait`` as a publisher (one slow local ``block`` subscriber never stalls every
+remote publisher), and restores all of them when the broker comes back; remote
+clients stay connected meanwhile.  Messages remote clients publish while the bus is
+down are discarded and counted, in line with the pubsub design's lack of delivery
+guarantees.
 
-If the bus goes away (broker restart), remote clients stay connected: the
-bridge reconnects with backoff and subscribes every pattern again.  Messages
-published by remote clients while the bus is down are discarded and counted,
-in line with the pubsub design's lack of delivery guarantees.
+The broker's whoami answer (``!/cred/G/U/P``, or ``!.cred.G.U.P`` for a
+``--separator .`` broker) tells the separator, so the index routes and the
+secret-key checks refuse keys the way this broker spells them.
+
+Each SUB is followed by a whoami question: the broker answers a refused SUB before the
+answer to the question after it, so every refusal is matched to its pattern, and the
+remote clients holding it are told (`on_refused`): what the gateway routes is what the
+bus holds.
+
+One task (`run`) receives; any number send.  Every call into the client that can
+reconnect (a send, a receive) is made under one lock, so two tasks never reconnect at
+once; the receiver waits for the socket outside the lock, in a cancel scope that a
+reconnect by a sender cancels (a cancelled wait consumes nothing).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Hashable
 
-import anyio
 import trio
-from trio.lowlevel import wait_writable
 
-from .. import protocol
 from ..client import AsyncClient
 from ..display import brief
 from ..errors import SbusError
 from ..keys import KeyRules
-from ..limits import LogAllowance
+from ..limits import Limits, LogAllowance
+from ..protocol import ProtocolError, Publish
 from ..routing import CACHE_BYTES, RouteCache, RoutingIndex
 from ..session import Backoff, Dropped, Refusal
+from .admission import Pool
 
 log = logging.getLogger("sbus.gateway")
 
 __all__ = ["Bridge"]
 
+#: The share of the broker's per-UID subscription budget (`sbus.limits.Limits`) the
+#: gateway uses by default: three quarters, so the gateway's UID has room for another
+#: connection (a restart overlapping the old process) and the broker never refuses.
+BUS_SUBSCRIPTION_BYTES = Limits().subscription_bytes_per_user * 3 // 4
+BUS_PATTERNS = Limits().subscriptions_per_user * 3 // 4
 #: Reconnect backoff to the local broker (seconds): it is local, so retry briskly.
 BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX = 0.1, 5.0
-#: Seconds a SUB/UNSUB may wait for a busy broker before the connection is reset.
+#: Seconds the first whoami may take before the gateway gives up starting.
 CONTROL_TIMEOUT = 10.0
 #: Messages taken from the bus before the clients' writers get a turn: well under
 #: the default per-client buffer, so a burst does not overflow a client that keeps up.
@@ -58,6 +71,10 @@ FORWARD_BATCH = 32
 #: Seconds of fan-out (or of dropping a client's subscriptions) before other tasks get
 #: a turn: the loop never runs much longer than this for any one cause.
 TURN = 0.002
+#: After the client reconnected inside a receive, how long that receive may wait for
+#: the first packet while holding the lock (then it is given up and the wait resumes
+#: outside the lock).
+REOPEN_WAIT = 0.05
 
 
 class Bridge:
@@ -65,59 +82,80 @@ class Bridge:
 
     *deliver(targets, key, payload)* is called for every message from the bus that
     matches remote subscriptions, with the matching clients; the server encodes the
-    frame once and offers it to each client's outbox.
+    frame once and offers it to each client's outbox.  *on_refused(pattern, reason)*
+    is called when the broker refused a pattern; it calls `forget` for each holder.
     """
 
     def __init__(self, address: str | None,
                  deliver: Callable[[tuple, bytes, bytes], None],
+                 on_refused: Callable[[bytes, str], None],
                  cache_bytes: int = CACHE_BYTES,
-                 on_separator: Callable[[bytes], None] | None = None) -> None:
-        self.address = address
+                 on_separator: Callable[[bytes], None] | None = None,
+                 budget: int = BUS_SUBSCRIPTION_BYTES,
+                 max_patterns: int = BUS_PATTERNS) -> None:
         self.deliver = deliver
+        self.on_refused = on_refused
         self.cache_bytes = cache_bytes
         self.on_separator = on_separator  # called when a reconnected broker has another one
+        #: What the bus connection's distinct patterns may cost the broker (charged to the
+        #: gateway's UID, `routing.pattern_cost`), and how many there may be.
+        self.budget = Pool(budget)
+        self.max_patterns = max_patterns
+        self._costs: dict[bytes, int] = {}
         self.sep = b"/"
         self.rules = KeyRules(self.sep)
         self.index: RoutingIndex[Hashable] = self._new_index()
         self._complaints = LogAllowance(burst=10, interval=60.0)
-        self.connected_once = False  # a separator change after this disconnects clients
         self.patterns: Counter[bytes] = Counter()  # distinct remote patterns -> clients
-        self._bus: AsyncClient | None = None
-        self._queued = 0  # senders waiting for the bus socket to drain, in FIFO order
+        self.bus = AsyncClient(address, reconnect=True, on_drop=self._dropped,
+                               on_connection=self._connection, on_refusal=self._refusal,
+                               backoff=Backoff(BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX))
+        self.address = self.bus.address
         self._lock = trio.Lock()
-        self.connected = trio.Event()
+        self._waiting: trio.CancelScope | None = None  # the receiver's wait for the socket
+        self._receiving: trio.CancelScope | None = None  # its receive, under the lock
+        self._up = False
+        self._stale: list[bytes] = []  # patterns of another separator, to drop on the bus
+        #: SUBs sent whose fate the broker has not told yet: [pattern, question number,
+        #: refusal reason or None], oldest first; questions are numbered per connection.
+        self._unconfirmed: deque[list] = deque()
+        self._in_flight: Counter[bytes] = Counter()  # the same, by pattern
+        self._asked = 0  # questions sent on this connection
+        self._generation = 0  # connections made so far
+        self._unmapped = 0  # SUB refusals during a reconnect: their patterns are unknown
         # counters
         self.published = 0  # remote publishes handed to the bus
         self.lost = 0  # remote publishes discarded because the bus was down
         self.received = 0  # messages from the bus
         self.bus_dropped = 0  # messages the broker reported dropping for us
+        self.refused = 0  # distinct patterns the broker refused
 
     def _new_index(self) -> RoutingIndex[Hashable]:
         # one owner: the cache is bounded in bytes as a whole (keys come from the bus,
         # which does not say which remote client, if any, published them)
         return RoutingIndex(self.sep, RouteCache(self.sep, self.cache_bytes))
 
-    def _set_separator(self, sep: bytes) -> None:
-        if sep == self.sep:
-            return
-        log.log(logging.WARNING if self.connected_once else logging.INFO,
-                "the broker's separator is %r: routing and secret checks follow it%s",
-                sep.decode("latin-1"),
-                " (remote clients are disconnected)" if self.connected_once else "")
-        self.sep = sep
-        self.rules = KeyRules(sep)
-        self.index = self._new_index()
-        self.patterns.clear()
-        if self.on_separator is not None:
-            self.on_separator(sep)
+    @property
+    def up(self) -> bool:
+        return self._up
 
     # -- subscriptions ------------------------------------------------------------
 
-    async def subscribe(self, client: Hashable, pattern: bytes) -> None:
+    def fits(self, pattern: bytes, cost: int) -> bool:
+        """Whether the broker's budget for the gateway (`budget`) has room for *pattern*
+        (free if some remote client holds it already: the bus holds it once)."""
+        return pattern in self.patterns or (
+            len(self.patterns) < self.max_patterns and self.budget.fits(cost))
+
+    async def subscribe(self, client: Hashable, pattern: bytes, cost: int) -> None:
+        """Route *pattern* to *client*; the first holder also subscribes it on the bus and
+        charges `budget`.  If the broker refuses it, *on_refused* hears of it."""
         self.index.subscribe(client, pattern)
         self.patterns[pattern] += 1
         if self.patterns[pattern] == 1:
-            await self._control(protocol.encode(protocol.Subscribe(pattern)))
+            self.budget.used += cost
+            self._costs[pattern] = cost
+            await self._change(pattern, True)
 
     async def unsubscribe(self, client: Hashable, pattern: bytes) -> bool:
         if not self.index.unsubscribe(client, pattern):
@@ -139,161 +177,210 @@ class Bridge:
                 await trio.lowlevel.checkpoint()  # thousands of patterns: let others run
                 start = time.perf_counter()
 
+    def forget(self, client: Hashable, pattern: bytes) -> None:
+        """Drop *client*'s route for a pattern the broker refused (no UNSUB: it holds none)."""
+        self.index.unsubscribe(client, pattern)
+        if self.patterns[pattern] <= 1:
+            self.patterns.pop(pattern, None)
+            self.budget.used -= self._costs.pop(pattern, 0)
+        else:
+            self.patterns[pattern] -= 1
+
     async def _release(self, pattern: bytes) -> None:
         self.patterns[pattern] -= 1
         if self.patterns[pattern] <= 0:
             del self.patterns[pattern]
-            await self._control(protocol.encode(protocol.Unsubscribe(pattern)))
+            self.budget.used -= self._costs.pop(pattern, 0)
+            await self._change(pattern, False)
 
-    async def _control(self, packet: bytes) -> None:
-        """Send a SUB or UNSUB.  `patterns` is the truth: if the packet cannot be sent
-        (cancelled while the broker was busy, or stuck for CONTROL_TIMEOUT), the bus
-        connection is reset and `run` subscribes the current patterns afresh, so the
-        broker's view of them never drifts from ours."""
-        bus = self._bus
-        if bus is None:
-            return  # `run` subscribes the current patterns when it reconnects
-        sent = False
-        try:
-            with trio.move_on_after(CONTROL_TIMEOUT):
-                sent = await self._send(packet)
-        finally:
-            if not sent and self._bus is bus:
-                self._reset(bus, "a subscription change could not be sent; resubscribing")
+    async def _change(self, pattern: bytes, subscribe: bool) -> None:
+        """SUB (with its question) or UNSUB *pattern* through the session.  While the bus
+        is down only the session learns of it: reconnecting restores its patterns."""
+        def packets() -> list[bytes]:
+            session = self.bus.session
+            if not subscribe:
+                packet = session.unsubscribe(pattern)
+                return [packet] if self._up else []
+            packet = session.subscribe(pattern)
+            if not self._up:
+                return []
+            self._asked += 1
+            self._unconfirmed.append([pattern, self._asked, None])
+            self._in_flight[pattern] += 1
+            return [packet, session.ask()]
+
+        await self._send(packets)
 
     # -- publishing ---------------------------------------------------------------
 
     async def publish(self, key: bytes, payload: bytes) -> bool:
-        """Hand a remote client's message to the bus; False if the bus is down."""
-        if await self._send(b"MSG " + key + b"\0" + payload):
+        """Hand a remote client's message to the bus; False if the bus is down (or the
+        message is refused as too large)."""
+        if self._up and await self._send(
+                lambda: [self.bus.session.publish(key, payload)] if self._up else []):
             self.published += 1
             return True
         self.lost += 1
         return False
 
-    async def _send(self, packet: bytes) -> bool:
-        """Send one packet in call order; waits (backpressure) while the broker is busy.
-        False if the bus is gone (or refused the packet as too large)."""
-        bus = self._bus
-        if bus is None:
-            return False
-        if not self._queued:
-            try:
-                bus.sock.send(packet)
-                return True
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                self._send_failed(bus, exc)
-                return False
-        self._queued += 1
+    async def _send(self, build: Callable[[], list[bytes]]) -> bool:
+        """Send the packets *build* makes, back to back, in call order.  They are made
+        under the lock, so the session's state and the questions asked follow the order
+        of the wire even across a reconnect.  Waits while the broker is busy; False if
+        nothing was sent (the bus is down, or a packet was refused)."""
+        lock = self._lock
         try:
-            async with self._lock:
-                while self._bus is bus:
-                    try:
-                        bus.sock.send(packet)
-                        return True
-                    except BlockingIOError:
-                        try:
-                            await wait_writable(bus.sock)
-                        except trio.ClosedResourceError:
-                            return False  # reset meanwhile
-                    except OSError as exc:
-                        self._send_failed(bus, exc)
-                        return False
-                return False
+            lock.acquire_nowait()  # no checkpoint on the common, uncontended path
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            packets = build()
+            for packet in packets:
+                await self.bus.send_packet(packet)
+            return bool(packets)
+        except SbusError as exc:  # InvalidRequest (the gateway checked first) or lost
+            self._complain("a packet for the bus was not sent: %s", exc)
+            return False
         finally:
-            self._queued -= 1
+            lock.release()
 
-    def _send_failed(self, bus: AsyncClient, exc: OSError) -> None:
-        if exc.errno == errno.EMSGSIZE:
-            log.warning("the broker refused a packet as too large: %s", exc)
-        else:
-            self._reset(bus, f"lost the bus at {bus.address}: {exc}")
+    # -- what the client tells (called from inside its calls) -----------------------
 
-    def _reset(self, bus: AsyncClient, why: str) -> None:
-        """Give up on *bus* (from any task): `run` closes it and connects again."""
-        if self._bus is bus:
-            log.warning("%s", why)
-            self._bus = None
-            self.connected = trio.Event()
-            trio.lowlevel.notify_closing(bus.sock)  # wakes whoever waits on it
+    def _connection(self, up: bool, line: str) -> None:
+        if not up:
+            self._up = False
+            log.warning("lost the bus: %s", line)
+            self._unconfirmed.clear()  # questions on the old connection: never answered
+            self._in_flight.clear()
+            self._asked = 0
+            if self._waiting is not None:  # the receiver waits on a socket now closed
+                self._waiting.cancel()
+            return
+        self._up = True
+        self._generation += 1
+        whoami = self.bus.session.whoami or b""
+        if whoami.startswith(b"!") and len(whoami) > 1:
+            self._set_separator(whoami[1:2])
+        if self._receiving is not None:  # reconnected inside a receive: wait briefly
+            self._receiving.deadline = min(self._receiving.deadline,
+                                           trio.current_time() + REOPEN_WAIT)
+        log.info("connected to the bus at %s (%d patterns)", self.address,
+                 len(self.patterns))
+
+    def _refusal(self, event: Refusal) -> None:
+        if event.verb == "sub":
+            if not self._up:
+                self._unmapped += 1  # refused while the session restored its patterns
+            else:
+                answered = self._asked - self.bus.session.asked
+                for entry in self._unconfirmed:
+                    if entry[1] > answered:  # the first SUB whose question is unanswered
+                        entry[2] = event.reason
+                        break
+        self._complain("the broker refused the gateway's %s: %s",
+                       brief(event.verb.encode(), 16), brief(event.reason.encode(), 200))
+
+    def _dropped(self, count: int) -> None:
+        self.bus_dropped += count
+        self._complain("the broker dropped %d messages for the gateway (it could not "
+                       "keep up)", count)
+
+    def _complain(self, msg: str, *args: object) -> None:
+        held = self._complaints.take(0)
+        if held is not None:
+            log.warning(msg + (f" ({held} more not logged)" if held else ""), *args)
+
+    def _settle(self) -> None:
+        """Every SUB whose question the broker has answered is refused (a refusal came
+        before the answer) or in force.  A refused pattern leaves every remote client
+        that holds it, so what the gateway routes is what the bus holds."""
+        answered = self._asked - self.bus.session.asked
+        while self._unconfirmed and self._unconfirmed[0][1] <= answered:
+            pattern, _, refused = self._unconfirmed.popleft()
+            self._in_flight[pattern] -= 1
+            if not self._in_flight[pattern]:
+                del self._in_flight[pattern]
+            if refused is None or pattern not in self.patterns:
+                continue
+            if pattern in self._in_flight:
+                continue  # subscribed again since: the later SUB decides
+            self.bus.session.unsubscribe(pattern)  # not held by the broker: nothing sent
+            self.refused += 1
+            self.on_refused(pattern, refused)  # calls `forget` for each client holding it
+
+    def _set_separator(self, sep: bytes) -> None:
+        if sep == self.sep:
+            return
+        old = list(self.patterns)
+        log.log(logging.WARNING if old else logging.INFO,
+                "the broker's separator is %r: routing and secret checks follow it%s",
+                sep.decode("latin-1"), " (remote clients are disconnected)" if old else "")
+        self.sep = sep
+        self.rules = KeyRules(sep)
+        self.index = self._new_index()
+        self.patterns.clear()
+        self._costs.clear()
+        self.budget.used = 0
+        self._stale += old  # the session restored them: they mean something else now
+        if self.on_separator is not None:
+            self.on_separator(sep)
 
     # -- the bus connection --------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Connect, subscribe, forward messages; reconnect when the bus goes away."""
-        backoff = Backoff(BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX)
-        started = False
-        while True:
-            try:
-                bus = await AsyncClient.connect(self.address)
-            except SbusError as exc:
-                if not started:
-                    raise  # a gateway that never reached its bus is misconfigured
-                delay = backoff.next()
-                log.warning("%s; retrying in %.1f s", exc, delay)
-                await trio.sleep(delay)
-                continue
-            # never be paused as a publisher by one slow local subscriber; queue in the
-            # broker rather than block local publishers when we lag (it tells us how
-            # many it dropped); learn the separator from who the broker says we are
-            session = bus.session
-            try:
-                for packet in [session.publisher_nowait(),
-                               *session.set_flood(soft="queue", hard="discard")]:
-                    bus.sock.send(packet)
-                me = await bus.whoami(CONTROL_TIMEOUT)
-                if not me.startswith(b"!") or len(me) < 2:
-                    raise SbusError(f"the broker answered whoami with {brief(me)}")
-            except (OSError, SbusError, TimeoutError, anyio.ClosedResourceError,
-                    anyio.BrokenResourceError, anyio.EndOfStream) as exc:
-                # a broker that went away just after accepting us
-                if not started:
-                    raise SbusError(f"the bus at {bus.address} did not answer: {exc}") from None
-                log.warning("lost the bus at %s at once: %s; retrying", bus.address, exc)
+        """Connect, then forward messages until cancelled (the client reconnects)."""
+        bus = self.bus
+        await bus.open()  # a gateway that never reached its bus is misconfigured
+        try:
+            await bus.send_packet(bus.session.publisher_nowait())
+            await bus.set_flood(soft="queue", hard="discard")
+            me = await bus.whoami(CONTROL_TIMEOUT)
+        except TimeoutError:
+            raise SbusError(f"the bus at {self.address} did not answer") from None
+        if not me.startswith(b"!") or len(me) < 2:
+            raise SbusError(f"the broker answered whoami with {brief(me)}")
+        self._set_separator(me[1:2])
+        self._up = True
+        log.info("connected to the bus at %s (%d patterns)", self.address, len(self.patterns))
+        task_status.started()
+        try:
+            await self._forward()
+        finally:
+            self._up = False  # senders stop here, not at a closed client
+            with trio.CancelScope(shield=True):
                 await bus.aclose()
-                await trio.sleep(backoff.next())
-                continue
-            self._set_separator(me[1:2])
-            self.connected_once = True
-            backoff.reset()
-            self._bus = bus
-            patterns = list(self.patterns)  # taken with no await since _bus was set
-            self.connected.set()
-            log.info("connected to the bus at %s (%d patterns)", bus.address, len(patterns))
-            if not started:
-                task_status.started()
-                started = True
-            try:
-                for pattern in patterns:
-                    await self._send(protocol.encode(protocol.Subscribe(pattern)))
-                await self._forward(bus)
-            except (SbusError, trio.ClosedResourceError, anyio.ClosedResourceError) as exc:
-                if self._bus is bus:
-                    log.warning("lost the bus: %s", exc)
-            finally:
-                if self._bus is bus:
-                    self._bus = None
-                    self.connected = trio.Event()
-                trio.lowlevel.notify_closing(bus.sock)  # before closing: wakes any waiter
-                with trio.CancelScope(shield=True):
-                    await bus.aclose()
 
-    async def _forward(self, bus: AsyncClient) -> None:
-        index = self.index
+    async def _forward(self) -> None:
+        bus = self.bus
         deliver = self.deliver
-        secret = self.rules.secret_prefix
         clock = time.perf_counter
-        receive = bus.session.receive
-        while self._bus is bus:
+        while True:
+            if not self._up:  # a sender is reconnecting (under the lock): the socket
+                async with self._lock:  # it replaces is closed; wait until it is done
+                    continue
+            generation = self._generation
+            with trio.CancelScope() as self._waiting:
+                await trio.lowlevel.wait_readable(bus.fileno())
+            self._waiting = None
+            packets: list[bytes] = []
+            async with self._lock:  # a sender that is reconnecting finishes first
+                if generation == self._generation:  # still the socket found readable
+                    with trio.CancelScope() as self._receiving:
+                        packets = await bus.receive_packets(FORWARD_BATCH)
+                    self._receiving = None
+                events = [self._event(packet) for packet in packets]
+                self._settle()
+                if self._unmapped:
+                    await self._refused_unmapped()
+                for pattern in self._stale:
+                    if bus.session.patterns[pattern]:
+                        await bus.send_packet(bus.session.unsubscribe(pattern))
+                self._stale.clear()
+            secret = self.rules.secret_prefix
+            index = self.index
             start = clock()
-            for packet in await bus.receive_packets(FORWARD_BATCH):
-                try:
-                    event = receive(packet)
-                except protocol.ProtocolError as exc:
-                    raise SbusError(f"the bus sent a malformed packet: {exc}") from None
-                if type(event) is protocol.Publish:
+            for event in events:
+                if type(event) is Publish:
                     self.received += 1
                     key = event.key
                     if key.startswith(secret):
@@ -304,19 +391,33 @@ class Bridge:
                         if clock() - start > TURN:  # a wide fan-out: let the writers run
                             await trio.lowlevel.checkpoint()
                             start = clock()
-                elif type(event) is Dropped:
-                    self.bus_dropped += event.count
-                    log.warning("the broker dropped %d messages for the gateway "
-                                "(it could not keep up)", event.count)
-                elif type(event) is Refusal:
-                    held = self._complaints.take(0)
-                    if held is not None:
-                        log.warning("the broker refused the gateway's %s: %s%s",
-                                    brief(event.verb.encode(), 16),
-                                    brief(event.reason.encode(), 200),
-                                    f" ({held} more not logged)" if held else "")
             await trio.lowlevel.checkpoint()
 
-    @property
-    def up(self) -> bool:
-        return self._bus is not None
+    def _event(self, packet: bytes) -> object:
+        """What one packet from the bus means; control events are dealt with here (in
+        wire order: a refusal is noted before the answer that settles its SUB)."""
+        try:
+            event = self.bus.session.receive(packet)
+        except ProtocolError as exc:
+            self._complain("the bus sent a malformed packet: %s", exc)
+            return None
+        kind = type(event)
+        if kind is Refusal:
+            self._refusal(event)
+        elif kind is Dropped:
+            self._dropped(event.count)
+        return event
+
+    async def _refused_unmapped(self) -> None:
+        """The broker refused SUBs while the session restored the patterns after a
+        reconnect (one question for all of them, so which ones is unknown): every
+        pattern is dropped and its holders told, and they subscribe again one by one."""
+        log.warning("the broker refused %d of the gateway's patterns when the bus came "
+                    "back; every remote subscription is dropped", self._unmapped)
+        self._unmapped = 0
+        session = self.bus.session
+        for pattern in list(self.patterns):
+            if session.patterns[pattern]:  # those the broker holds go; others: harmless
+                await self.bus.send_packet(session.unsubscribe(pattern))
+            self.refused += 1
+            self.on_refused(pattern, "refused when the bus came back")

@@ -23,12 +23,18 @@ import logging
 import ssl
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import h11
 import trio
 
+from ..errors import SbusError
 from ..keys import KeyRules
-from .server import Gateway, Refused, check_key
+from .admission import peer_of
+from .checks import FrameRefused, check_key
+
+if TYPE_CHECKING:  # the gateway serves this endpoint; this module does not import it
+    from .server import Gateway
 
 log = logging.getLogger("sbus.gateway.https")
 
@@ -95,7 +101,7 @@ def decide(method: bytes, headers: list[tuple[bytes, bytes]], content: bytes,
         return Answer(413, f"topic and body exceed {max_frame} bytes")
     try:
         check_key(rules or KeyRules(b"/"), topic)
-    except Refused as exc:
+    except FrameRefused as exc:
         return Answer(400, str(exc))
     return Answer(201, "published", topic, body)
 
@@ -119,47 +125,79 @@ async def _respond(stream: trio.abc.Stream, conn: h11.Connection, answer: Answer
 
 async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
     admitted = gw.admit(stream)
-    if admitted is None:
-        await trio.aclose_forcefully(stream)
+    if isinstance(admitted, str):
+        await gw.turn_away(stream, admitted)
         return
     try:
         await _serve(gw, stream, admitted[0])
+    except Exception as exc:  # the one top-level guard: see `Gateway.crashed`
+        gw.crashed(admitted[1], exc)
     finally:
         gw.caps.release(admitted[0])
 
 
+class Reading:
+    """One request being read (sans-IO): what `advance` has seen of it so far."""
+
+    __slots__ = ("request", "chunks", "size")
+
+    def __init__(self) -> None:
+        self.request: h11.Request | None = None
+        self.chunks: list[bytes] = []
+        self.size = 0
+
+
+#: What `advance` returns when it needs more bytes, or when the peer is gone.
+NEED_DATA, CLOSED = "need data", "closed"
+
+
+def advance(conn: h11.Connection, reading: Reading, secret: bytes, max_frame: int,
+            rules: KeyRules | None = None) -> Answer | str:
+    """Take the events h11 has parsed until the request has its answer (pure): an
+    `Answer`, `NEED_DATA` or `CLOSED`.  Raises only `h11.RemoteProtocolError`."""
+    limit = _max_content(max_frame)
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            return NEED_DATA
+        if isinstance(event, h11.Request):
+            reading.request = event
+            length = _header(event.headers, b"content-length")
+            answer = decide_head(event.method, event.headers, secret)
+            if answer is not None:
+                return answer
+            if length is not None and int(length) > limit:  # h11 checked: digits only
+                return Answer(413, f"request body over {limit} bytes")
+        elif isinstance(event, h11.Data):
+            reading.size += len(event.data)
+            if reading.size > limit:
+                return Answer(413, f"request body over {limit} bytes")
+            reading.chunks.append(event.data)
+        elif isinstance(event, h11.EndOfMessage):
+            request = reading.request
+            if request is None:
+                return CLOSED
+            return decide(request.method, request.headers, b"".join(reading.chunks),
+                          secret, max_frame, rules)
+        elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+            return CLOSED
+
+
 async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER)
-    limit = _max_content(gw.max_frame)
     try:
         while True:
-            request: h11.Request | None = None
-            chunks: list[bytes] = []
-            size = 0
-            answer: Answer | None = None
+            reading = Reading()
+            answer: Answer | str | None = None
             with trio.move_on_after(gw.idle_timeout):
-                while answer is None:
-                    event = conn.next_event()
-                    if event is h11.NEED_DATA:
-                        conn.receive_data(await stream.receive_some(65536))
-                    elif isinstance(event, h11.Request):
-                        request = event
-                        length = _header(event.headers, b"content-length")
-                        answer = decide_head(event.method, event.headers, gw.secret)
-                        if answer is None and length is not None and int(length) > limit:
-                            answer = Answer(413, f"request body over {limit} bytes")
-                    elif isinstance(event, h11.Data):
-                        size += len(event.data)
-                        if size > limit:
-                            answer = Answer(413, f"request body over {limit} bytes")
-                        chunks.append(event.data)
-                    elif isinstance(event, h11.EndOfMessage):
-                        assert request is not None
-                        answer = decide(request.method, request.headers, b"".join(chunks),
-                                        gw.secret, gw.max_frame, gw.rules)
-                    elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
-                        return
-            if answer is None:
+                while True:
+                    answer = advance(conn, reading, gw.secret, gw.max_frame, gw.rules)
+                    if answer is not NEED_DATA:
+                        break
+                    conn.receive_data(await stream.receive_some(65536))
+            if answer is CLOSED:
+                return
+            if not isinstance(answer, Answer):
                 return  # idle
             if answer.status == 201:
                 assert answer.topic is not None and answer.body is not None
@@ -167,8 +205,13 @@ async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
                     answer = Answer(503, "the bus is not available; try again")
             elif answer.status == 401 and "wrong" in answer.text:
                 gw.say(host, logging.WARNING, "HTTPS %s: wrong authentication key",
-                       _peer(stream)[1])
+                       peer_of(stream)[1])
             await _respond(stream, conn, answer)
+            if answer.status >= 400 and answer.status != 503:
+                # turned away (a wrong key too): the close waits, nothing more is read,
+                # the connection keeps its slot, so a client that retries at once
+                # makes one attempt per delay
+                await trio.sleep(gw.refusal_delay)
             if conn.our_state is h11.MUST_CLOSE or answer.status >= 400:
                 return
             conn.start_next_cycle()
@@ -180,16 +223,12 @@ async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
             except (trio.BrokenResourceError, trio.ClosedResourceError,
                     h11.LocalProtocolError):
                 pass
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
+        await trio.sleep(gw.refusal_delay)  # turned away: see above
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        if isinstance(exc.__cause__, ssl.SSLError):  # e.g. plaintext: the same delay
+            await trio.sleep(gw.refusal_delay)
     finally:
         await trio.aclose_forcefully(stream)
-
-
-def _peer(stream: trio.abc.Stream) -> tuple[str, str]:
-    from .server import _peer as peer
-
-    return peer(stream)
 
 
 async def serve_https(gw: Gateway, host: str, port: int, ctx: ssl.SSLContext, *,
@@ -198,8 +237,6 @@ async def serve_https(gw: Gateway, host: str, port: int, ctx: ssl.SSLContext, *,
     try:
         listeners = await trio.open_tcp_listeners(port, host=host or None)
     except OSError as exc:
-        from ..errors import SbusError
-
         raise SbusError(f"cannot listen on {host}:{port} for HTTPS: "
                         f"{exc.strerror or exc}") from None
     tls = [trio.SSLListener(lst, ctx, https_compatible=True) for lst in listeners]

@@ -1,10 +1,12 @@
-"""`sbus gateway`: remote clients publish and subscribe on the bus over TCP or TLS.
+"""The network gateway: remote clients publish and subscribe on the bus over TCP or TLS.
 
-A thin trio shell: `codec` turns bytes into frames, `Outbox` bounds what waits
-for each client, `admission` caps connections and shared byte pools, `Bridge` holds
-the one shared bus connection and the routing index of remote subscriptions.  Each
-remote client is a reader and a writer task in a cancel scope whose deadline is the
-idle timeout, pushed forward by every read and write; anything abnormal cancels
+The component behind `sbus gateway` (its launcher, `sbus.cmd.gateway`, owns the
+command line, secret file, listeners, limits and signals).  A thin trio shell:
+`codec` turns bytes into frames, `Outbox` bounds what waits for each client,
+`admission` caps connections and shared byte pools, `Bridge` holds the one shared
+bus connection and the routing index of remote subscriptions.  Each remote client
+is a reader and a writer task in a cancel scope whose deadline is the idle timeout,
+pushed forward by every read and write; anything abnormal cancels
 that scope and nothing else.
 
 Decisions where the design leaves room (see docs/gateway.md, "Refusals"):
@@ -25,36 +27,30 @@ Decisions where the design leaves room (see docs/gateway.md, "Refusals"):
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import logging
-import os
-import resource
-import signal
+import socket
 import ssl
-import stat
 import time
+from collections import Counter
 
 import trio
 from trio.lowlevel import ParkingLot
 
-from ..defaults import size_arg
 from ..display import brief
-from ..errors import Refused, SbusError  # Refused: a frame refused, the connection stays
-from ..keys import Credentials, KeyRefused, KeyRules
+from ..keys import KeyRules
 from ..limits import LogAllowance
 from ..routing import pattern_cost
-from ..sdnotify import notify
 from . import codec
-from .admission import Caps, Pool, peer_group
-from .bridge import Bridge
+from .admission import Caps, Peer, Pool, Tarpit, peer_of
+from .bridge import BUS_SUBSCRIPTION_BYTES, Bridge
+from .checks import FrameRefused, SharesFull, check_key, check_pattern
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
-from .outbox import Outbox
+from .outbox import Outbox, Shared
 
 log = logging.getLogger("sbus.gateway")
 
-__all__ = ["Gateway", "add_arguments", "run", "parse_hostport", "read_secret", "Refused",
-           "check_key", "check_pattern"]
+__all__ = ["Gateway"]
 
 #: Bytes read from a client at once (also the codec's chunk size).
 READ_SIZE = 65536
@@ -79,9 +75,15 @@ SUBSCRIPTION_POOL = 64 * 1024 * 1024
 BUFFER_POOL = 256 * 1024 * 1024
 ROUTE_CACHE = 4 * 1024 * 1024
 REFUSAL_DELAY = 5.0
-
-_NOBODY = Credentials(0, 0, 0)  # check_pattern needs some; secret patterns never get there
-
+#: Connections over the caps one address may have held in the tarpit, per slot of its
+#: cap (a host redialing 1,000 clients against a cap of 256 has them all held).
+TARPIT_PER_CAP = 4
+#: Shares of one peer address (all its connections together): of the broker's budget
+#: for the gateway (`--bus-subscription-bytes`) one address may take 1/16, all
+#: unauthenticated clients together 1/2, so 8 addresses are needed to fill the
+#: unauthenticated half and a client with the key always finds room.
+ADDRESS_SHARE, UNAUTHENTICATED_SHARE = 16, 2
+BUFFER_BYTES_PER_ADDRESS = 32 * 1024 * 1024
 
 class Disconnect(Exception):
     """Something abnormal: the connection is closed after the refusal delay."""
@@ -90,23 +92,26 @@ class Disconnect(Exception):
 class Remote:
     """One remote client: its stream, subscriptions, outgoing buffer and idle deadline."""
 
-    __slots__ = ("stream", "host", "peer", "outbox", "lot", "scope", "authenticated", "topics",
-                 "sub_bytes", "idle", "reason", "refused", "__weakref__")
+    __slots__ = ("stream", "host", "peer", "account", "outbox", "lot", "scope",
+                 "authenticated", "topics", "sub_bytes", "idle", "reason",
+                 "refused", "doomed", "__weakref__")
 
-    def __init__(self, stream: trio.abc.Stream, host: str, peer: str, outbox: Outbox,
-                 idle: float) -> None:
+    def __init__(self, stream: trio.abc.Stream, host: str, peer: str, account: Peer,
+                 outbox: Outbox, idle: float) -> None:
         self.stream = stream
         self.host = host
         self.peer = peer
+        self.account = account  # what its address holds, all its connections together
         self.outbox = outbox
         self.lot = ParkingLot()  # the writer waits here for frames
         self.scope: trio.CancelScope | None = None
         self.authenticated = False
-        self.topics: set[bytes] = set()
+        self.topics: dict[bytes, int] = {}  # its patterns and what each was charged
         self.sub_bytes = 0  # what its subscriptions are charged (routing.pattern_cost)
         self.idle = idle
         self.reason = ""
         self.refused = 0  # frames refused on this connection
+        self.doomed = False  # to be closed after the refusal delay (`Gateway._doom`)
 
     def touch(self) -> None:
         """Any read or write resets the idle timeout."""
@@ -117,15 +122,13 @@ class Remote:
         return f"remote {self.peer}"
 
 
-def _peer(stream: trio.abc.Stream) -> tuple[str, str]:
-    """(group, host:port) of the peer of *stream*: caps and log rations count by the
-    group (`admission.peer_group`: the IPv4 address or the IPv6 /64)."""
+def _shrink(stream: trio.abc.Stream) -> None:
+    """Make a held connection's kernel receive buffer small: it is never read."""
     sock_stream = getattr(stream, "transport_stream", stream)
     try:
-        host, port = sock_stream.socket.getpeername()[:2]
+        sock_stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     except (AttributeError, OSError):
-        return "?", "?"
-    return peer_group(host), (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        pass
 
 
 class Gateway:
@@ -145,6 +148,9 @@ class Gateway:
         subscription_pool: int = SUBSCRIPTION_POOL,
         route_cache: int = ROUTE_CACHE,
         refusal_delay: float = REFUSAL_DELAY,
+        subscription_bytes_per_address: int | None = None,
+        buffer_bytes_per_address: int = BUFFER_BYTES_PER_ADDRESS,
+        bus_subscription_bytes: int = BUS_SUBSCRIPTION_BYTES,
     ) -> None:
         if not secret:
             raise ValueError("the authentication secret is empty")
@@ -155,11 +161,21 @@ class Gateway:
         self.max_frame = max_frame
         self.subscription_bytes = subscription_bytes
         self.refusal_delay = refusal_delay
-        self.caps = Caps(max_clients, max_clients_per_address)
+        self.subscription_bytes_per_address = (
+            bus_subscription_bytes // ADDRESS_SHARE if subscription_bytes_per_address is None
+            else subscription_bytes_per_address)
+        self.caps = Caps(max_clients, max_clients_per_address, buffer_bytes_per_address)
+        self.tarpit = Tarpit(max_clients, TARPIT_PER_CAP * max_clients_per_address)
         self.buffers = Pool(buffer_pool)
-        self.subscriptions = Pool(subscription_pool)
-        self.bridge = Bridge(address, self._deliver, cache_bytes=route_cache,
-                             on_separator=self._separator_changed)
+        self.subscriptions = Pool(subscription_pool)  # the gateway's own memory
+        #: Unauthenticated clients together may take at most half of the broker's budget
+        #: for the gateway: a subscriber with the key always finds room.
+        self.unauthenticated = Pool(bus_subscription_bytes // UNAUTHENTICATED_SHARE)
+        self._unauth_patterns: Counter[bytes] = Counter()  # held by unauthenticated clients
+        self.bridge = Bridge(address, self._deliver, self._refused_by_broker,
+                             cache_bytes=route_cache, on_separator=self._separator_changed,
+                             budget=bus_subscription_bytes)
+        self._nursery: trio.Nursery | None = None
         self.clients: set[Remote] = set()
         #: Log lines about remote peers, rationed per address (reconnecting buys none).
         self.allowance = LogAllowance(burst=10, interval=10.0)
@@ -171,6 +187,8 @@ class Gateway:
         self.dropped = 0  # frames discarded because a client's buffer was full
         self.refused = 0  # frames refused (connection kept)
         self.closed = 0  # connections closed for a wrong key or malformed input
+        self.crashes = 0  # clients dropped because their handling raised (a bug)
+        self._crash_places: set[tuple[str, str, int]] = set()
 
     @property
     def rules(self) -> KeyRules:
@@ -190,9 +208,9 @@ class Gateway:
 
     # -- admission ------------------------------------------------------------------------
 
-    def admit(self, stream: trio.abc.Stream) -> tuple[str, str] | None:
-        """(host, peer) if *stream* may be served (its slot taken), else None."""
-        host, peer = _peer(stream)
+    def admit(self, stream: trio.abc.Stream) -> tuple[str, str] | str:
+        """(host, peer) if *stream* may be served (its slot taken), else its host."""
+        host, peer = peer_of(stream)
         why = self.caps.admit(host)
         if why is None:
             return host, peer
@@ -203,42 +221,101 @@ class Gateway:
                         "(latest from %s)", self._cap_unlogged, why, host)
             self._cap_unlogged = 0
             self._cap_logged_at = now
-        return None
+        return host
+
+    async def turn_away(self, stream: trio.abc.Stream, host: str) -> None:
+        """A connection over the caps: held open and unread for the refusal delay (in the
+        bounded `Tarpit`), then closed, so a client that redials at once costs one
+        accept per delay; nothing of it is read, no TLS handshake is made."""
+        if self.tarpit.take(host):
+            try:
+                _shrink(stream)
+                await trio.sleep(self.refusal_delay)
+            finally:
+                self.tarpit.give(host)
+        await trio.aclose_forcefully(stream)
 
     # -- fan-out from the bus ---------------------------------------------------------
 
     def _deliver(self, targets: tuple[Remote, ...], key: bytes, payload: bytes) -> None:
-        frame = codec.publish(key, payload)
-        size = len(frame)
+        """Offer one frame to every matching client.  The pool is charged the frame's
+        bytes once (what is really held), however many clients queue it."""
+        frame = Shared(codec.publish(key, payload))
         pool = self.buffers
         dropped = 0
-        if pool.used + size * len(targets) <= pool.limit:
-            for rc in targets:  # the hot path: the pool is charged once, below
+        if pool.used + len(frame.data) > pool.limit:  # full: discarded for everyone
+            for rc in targets:
+                rc.outbox.discard()
+            dropped = len(targets)
+        else:
+            for rc in targets:
                 queued = rc.outbox.offer(frame)
                 if queued == 1:
                     rc.lot.unpark()  # only the writer of an empty outbox waits
                 elif not queued:
                     dropped += 1
-            pool.used += size * (len(targets) - dropped)
-        else:  # the pool is nearly full: charge it frame by frame
-            for rc in targets:
-                if pool.used + size > pool.limit:
-                    rc.outbox.discard()
-                    dropped += 1
-                    continue
-                queued = rc.outbox.offer(frame)
-                if queued:
-                    pool.used += size
-                    if queued == 1:
-                        rc.lot.unpark()
-                else:
-                    dropped += 1
+            if frame.refs:
+                frame.hold(pool)
         self.delivered += len(targets) - dropped
         self.dropped += dropped
 
+    def _refused_by_broker(self, pattern: bytes, reason: str) -> None:
+        """The broker refused the SUB of *pattern*: every client holding it loses it (its
+        state matches the bus's) and, the protocol having no error frame, is disconnected
+        after the refusal delay (its library subscribes again when it reconnects)."""
+        for rc in [rc for rc in self.clients if pattern in rc.topics]:
+            self._drop_topic(rc, pattern)
+            self.bridge.forget(rc, pattern)
+            rc.refused += 1
+            self.refused += 1
+            self.say(rc.host, logging.WARNING, "the broker refused %r's subscription to %s "
+                     "(%s); disconnecting it in %g s", rc, brief(pattern), brief(
+                         reason.encode(), 200), self.refusal_delay)
+            self._doom(rc, "the broker refused a subscription")
+
+    def _doom(self, rc: Remote, reason: str) -> None:
+        """Close *rc* after the refusal delay (once), serving it meanwhile: the protocol
+        has no error frame, and a client that redials at once must wait that long."""
+        if rc.doomed:
+            return
+        rc.doomed = True
+        if self._nursery is None:
+            self._close(rc, reason)
+        else:
+            self._nursery.start_soon(self._close_later, rc, reason)
+
+    async def _close_later(self, rc: Remote, reason: str) -> None:
+        await trio.sleep(self.refusal_delay)
+        self._close(rc, reason)
+
+    def _drop_topic(self, rc: Remote, topic: bytes) -> None:
+        """Give back what *rc*'s subscription to *topic* was charged (not the bus's part:
+        `Bridge` charges that per distinct pattern)."""
+        cost = rc.topics.pop(topic)  # as charged (the separator may have changed since)
+        rc.sub_bytes -= cost
+        self.subscriptions.give(cost)
+        self._release_shares(rc, topic, cost)
+
+    def _release_shares(self, rc: Remote, topic: bytes, cost: int) -> None:
+        """*rc* no longer holds *topic*: its address's share (charged once per distinct
+        pattern its clients hold) and, unauthenticated, the unauthenticated clients'
+        share (the same, over all of them) give it back with the last holder."""
+        account = rc.account
+        account.patterns[topic] -= 1
+        if not account.patterns[topic]:
+            del account.patterns[topic]
+            account.sub_bytes -= cost
+        if not rc.authenticated:
+            held = self._unauth_patterns
+            held[topic] -= 1
+            if not held[topic]:
+                del held[topic]
+                self.unauthenticated.give(cost)
+
     def _separator_changed(self, sep: bytes) -> None:
         for rc in list(self.clients):
-            rc.topics.clear()  # the bridge's new index holds none of them
+            for topic in list(rc.topics):  # the bridge's new index holds none of them
+                self._drop_topic(rc, topic)
             self._close(rc, "the broker's separator changed; reconnect")
 
     # -- one remote client --------------------------------------------------------------
@@ -246,18 +323,39 @@ class Gateway:
     async def handle(self, stream: trio.abc.Stream) -> None:
         """Serve one remote client until it leaves, misbehaves or idles out."""
         admitted = self.admit(stream)
-        if admitted is None:
-            await trio.aclose_forcefully(stream)
+        if isinstance(admitted, str):
+            await self.turn_away(stream, admitted)
             return
         host, peer = admitted
         try:
             await self._serve(stream, host, peer)
+        except Exception as exc:  # the one top-level guard: see `crashed`
+            self.crashed(peer, exc)
         finally:
             self.caps.release(host)
 
+    def crashed(self, peer: str, exc: Exception) -> None:
+        """What escaped one client's handling (a bug: every error the gateway can name is
+        handled where it arises): that client is dropped (its handler has cleaned up
+        and closed it) and the others are served.  Logged with its traceback once per
+        place it was raised, counted in `STATUS=` always."""
+        self.crashes += 1
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = (type(exc).__name__, tb.tb_frame.f_code.co_filename if tb else "",
+                 tb.tb_lineno if tb else 0)
+        if where in self._crash_places or len(self._crash_places) >= 100:
+            log.debug("%s: handling raised %s again", peer, where[0])
+            return
+        self._crash_places.add(where)
+        log.error("the handling of %s raised; that client is dropped, the others are "
+                  "served (logged once per place)", peer, exc_info=exc)
+
     async def _serve(self, stream: trio.abc.Stream, host: str, peer: str) -> None:
-        rc = Remote(stream, host, peer,
-                    Outbox(self.buffer_messages, self.buffer_bytes, self.buffers),
+        account = self.caps.peer(host)
+        rc = Remote(stream, host, peer, account,
+                    Outbox(self.buffer_messages, self.buffer_bytes, account),
                     self.idle_timeout)
         self.accepted += 1
         self.clients.add(rc)
@@ -277,6 +375,8 @@ class Gateway:
             rc.outbox.clear()
             self.subscriptions.give(rc.sub_bytes)
             rc.sub_bytes = 0
+            for topic, cost in rc.topics.items():
+                self._release_shares(rc, topic, cost)
             with trio.CancelScope(shield=True):
                 await self.bridge.remove_client(rc)
                 with trio.move_on_after(CLOSE_GRACE):
@@ -345,10 +445,15 @@ class Gateway:
                 for frame in decoder.feed(piece):
                     try:
                         await self._frame(rc, frame)
-                    except Refused as exc:
+                    except FrameRefused as exc:
                         rc.refused += 1
                         self.refused += 1
-                        self.say(rc.host, logging.WARNING, "%r: %s", rc, exc)
+                        full = isinstance(exc, SharesFull) and not rc.doomed
+                        self.say(rc.host, logging.WARNING, "%r: %s%s", rc, exc,
+                                 f"; disconnecting it in {self.refusal_delay:g} s (it may "
+                                 "subscribe again then)" if full else "")
+                        if full:
+                            self._doom(rc, "a subscription over a full share")
                     if clock() - start > TURN:
                         await trio.lowlevel.checkpoint()  # others get a turn
                         start = clock()
@@ -364,7 +469,7 @@ class Gateway:
         kind = type(frame)
         if kind is codec.Publish:
             if not rc.authenticated:
-                raise Refused(f"publish to {brief(frame.topic)} before authenticating "
+                raise FrameRefused(f"publish to {brief(frame.topic)} before authenticating "
                               "dropped")
             self.check_key(frame.topic)
             await self.bridge.publish(frame.topic, frame.body)
@@ -377,32 +482,69 @@ class Gateway:
                 return
             self.check_pattern(topic)
             if len(rc.topics) >= MAX_SUBSCRIPTIONS:
-                raise Refused(f"subscription to {brief(topic)} ignored: it holds "
+                raise FrameRefused(f"subscription to {brief(topic)} ignored: it holds "
                               f"{MAX_SUBSCRIPTIONS} already")
             cost = pattern_cost(topic, self.rules.sep)
-            if rc.sub_bytes + cost > self.subscription_bytes:
-                raise Refused(f"subscription to {brief(topic)} ignored: over its "
-                              f"{self.subscription_bytes}-byte subscription budget")
-            if not self.subscriptions.take(cost):
-                raise Refused(f"subscription to {brief(topic)} ignored: the gateway's "
-                              f"{self.subscriptions.limit}-byte subscription pool is full")
+            self._check_shares(rc, topic, cost)
+            self.subscriptions.take(cost)
+            account = rc.account
+            if not account.patterns[topic]:
+                account.sub_bytes += cost
+            account.patterns[topic] += 1
+            if not rc.authenticated:
+                if not self._unauth_patterns[topic]:
+                    self.unauthenticated.take(cost)
+                self._unauth_patterns[topic] += 1
             rc.sub_bytes += cost
-            rc.topics.add(topic)
-            await self.bridge.subscribe(rc, topic)
+            rc.topics[topic] = cost
+            await self.bridge.subscribe(rc, topic, cost)
         elif kind is codec.Unsubscribe:
             topic = frame.topic
             if topic in rc.topics:
-                rc.topics.discard(topic)
-                cost = pattern_cost(topic, self.rules.sep)
-                rc.sub_bytes -= cost
-                self.subscriptions.give(cost)
+                self._drop_topic(rc, topic)
                 await self.bridge.unsubscribe(rc, topic)
         elif kind is codec.Authenticate:
             if not hmac.compare_digest(frame.secret, self.secret):
                 raise Disconnect("wrong authentication secret")
             if not rc.authenticated:
+                for topic, cost in rc.topics.items():  # trusted with the whole budget now
+                    held = self._unauth_patterns
+                    held[topic] -= 1
+                    if not held[topic]:
+                        del held[topic]
+                        self.unauthenticated.give(cost)
                 rc.authenticated = True
                 log.debug("%r authenticated", rc)
+
+    def _check_shares(self, rc: Remote, topic: bytes, cost: int) -> None:
+        """Refuse a subscription over any share it draws on: the client's (`FrameRefused`:
+        its own doing, the connection stays); its address's and the unauthenticated
+        clients' shares of the broker's budget for the gateway, each charged once per
+        distinct pattern held (the bus holds each once: many clients behind one address
+        subscribing to the same topics cost its share once), the gateway's memory and
+        that budget itself (`SharesFull`: the client is disconnected after the delay,
+        and retries).  So the broker never has to refuse what the gateway accepted."""
+        what = f"subscription to {brief(topic)} ignored"
+        if rc.sub_bytes + cost > self.subscription_bytes:
+            raise FrameRefused(f"{what}: over its {self.subscription_bytes}-byte subscription "
+                          "budget")
+        account = rc.account
+        if not account.patterns[topic] \
+                and account.sub_bytes + cost > self.subscription_bytes_per_address:
+            raise SharesFull(f"{what}: its address holds {len(account.patterns)} patterns "
+                             f"costing {account.sub_bytes} bytes, its share is "
+                             f"{self.subscription_bytes_per_address} bytes")
+        if not rc.authenticated and not self._unauth_patterns[topic] \
+                and not self.unauthenticated.fits(cost):
+            raise SharesFull(f"{what}: unauthenticated clients hold their whole share "
+                          f"({self.unauthenticated.limit} bytes) of the broker's budget")
+        if not self.subscriptions.fits(cost):
+            raise SharesFull(f"{what}: the gateway's {self.subscriptions.limit}-byte "
+                          "subscription pool is full")
+        if not self.bridge.fits(topic, cost):
+            raise SharesFull(f"{what}: the gateway's share of the broker's subscription "
+                          f"budget ({self.bridge.budget.limit} bytes, "
+                          f"{self.bridge.max_patterns} patterns) is full")
 
     async def _writer(self, rc: Remote) -> None:
         out = rc.outbox
@@ -431,230 +573,16 @@ class Gateway:
                 f"{b.published} published, {self.delivered} delivered, "
                 f"{self.dropped} discarded (buffers full), {b.lost} lost (bus down), "
                 f"{self.refused} frames refused, {self.closed} closed (wrong key, junk), "
-                f"{self.caps.refused} connections refused at the caps, "
+                f"{self.crashes} dropped on an internal error, "
+                f"{self.caps.refused} connections refused at the caps "
+                f"({self.tarpit.held} held, {self.tarpit.overflow} closed at once), "
                 f"bus {'up' if b.up else 'DOWN'}")
 
     async def serve(self, listeners: list[trio.abc.Listener], *,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the bus bridge and accept clients on *listeners* until cancelled."""
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             await nursery.start(self.bridge.run)
             await nursery.start(trio.serve_listeners, self.handle, listeners)
             task_status.started()
-
-
-# -- key checks (with the broker's separator) --------------------------------------------
-
-def _check_common(rules: KeyRules, topic: bytes, what: str) -> None:
-    if b"\0" in topic:
-        raise Refused(f"{what} {brief(topic)} refused: it contains NUL, which sbus keys "
-                      "cannot")
-    if rules.is_secret(topic):
-        raise Refused(f"{what} {brief(topic)} refused: it is a secret "
-                      f"({rules.secret_prefix.decode('latin-1')}) key, which remote "
-                      "clients may not use")
-
-
-def check_pattern(rules: KeyRules, topic: bytes) -> None:
-    """Raise `Refused` unless remote clients may subscribe to *topic*."""
-    _check_common(rules, topic, "subscription to")
-    try:
-        rules.check_pattern(topic, _NOBODY)
-    except KeyRefused as exc:
-        raise Refused(f"subscription refused: {exc}") from None
-
-
-def check_key(rules: KeyRules, topic: bytes) -> None:
-    """Raise `Refused` unless remote clients may publish to *topic*."""
-    _check_common(rules, topic, "publish to")
-    try:
-        rules.check_key(topic)
-    except KeyRefused as exc:
-        raise Refused(f"publish refused: {exc}") from None
-
-
-# -- command line -----------------------------------------------------------------------------
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6]:PORT``."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise SbusError(f"expected HOST:PORT, got {text!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if int(port) > 65535:
-        raise SbusError(f"port {port} is out of range")
-    return host, int(port)
-
-
-def read_secret(path: str) -> bytes:
-    """The shared secret: the file's bytes without a trailing newline."""
-    try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            secret = f.read(65536)
-    except OSError as exc:
-        raise SbusError(f"cannot read the auth key file {path}: {exc.strerror}") from None
-    secret = secret.rstrip(b"\r\n")
-    if not secret:
-        raise SbusError(f"the auth key file {path} is empty")
-    if st.st_mode & stat.S_IROTH:
-        log.warning("the auth key file %s is readable by everyone; chmod 600 it", path)
-    return secret
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", required=True, metavar="HOST:PORT",
-                   help="where remote clients connect ([::]:PORT for IPv6)")
-    p.add_argument("--tls-cert", metavar="FILE", help="certificate chain (PEM): serve TLS")
-    p.add_argument("--tls-key", metavar="FILE", help="private key (PEM) for --tls-cert")
-    p.add_argument("--auth-key-file", required=True, metavar="FILE",
-                   help="file holding the secret publishers authenticate with")
-    p.add_argument("--idle-timeout", type=float, default=70.0, metavar="SECONDS",
-                   help="disconnect clients that neither read nor write for this long "
-                        "(default 70)")
-    p.add_argument("--buffer-messages", type=int, default=100, metavar="N",
-                   help="outgoing messages buffered per client before new ones are "
-                        "discarded (default 100)")
-    p.add_argument("--buffer-bytes", type=size_arg, default=1 << 20, metavar="BYTES",
-                   help="outgoing bytes buffered per client (default 1m)")
-    p.add_argument("--max-frame", type=size_arg, default=DEFAULT_MAX_FRAME, metavar="BYTES",
-                   help=f"largest topic+body accepted (default {DEFAULT_MAX_FRAME}); "
-                        "larger frames disconnect")
-    p.add_argument("--https-listen", metavar="HOST:PORT",
-                   help="also accept HTTPS POST publishes here (needs --tls-cert)")
-    p.add_argument("--max-clients", type=int, default=MAX_CLIENTS, metavar="N",
-                   help=f"connections served at once, HTTPS included (default {MAX_CLIENTS}); "
-                        "more are closed at once")
-    p.add_argument("--max-clients-per-address", type=int, default=MAX_CLIENTS_PER_ADDRESS,
-                   metavar="N", help="connections from one peer address at once "
-                   f"(default {MAX_CLIENTS_PER_ADDRESS})")
-    p.add_argument("--buffer-pool", type=size_arg, default=BUFFER_POOL, metavar="BYTES",
-                   help="outgoing bytes buffered for all clients together (default 256m)")
-    p.add_argument("--subscription-bytes", type=size_arg, default=SUBSCRIPTION_BYTES,
-                   metavar="BYTES", help="what one client's subscriptions may cost "
-                   "(default 256k; a pattern costs 400 + 2 x its length + 400 per segment)")
-    p.add_argument("--subscription-pool", type=size_arg, default=SUBSCRIPTION_POOL,
-                   metavar="BYTES", help="the same for all clients together (default 64m)")
-    p.add_argument("--route-cache", type=size_arg, default=ROUTE_CACHE, metavar="BYTES",
-                   help="bytes of the cache of routing answers (default 4m)")
-    p.add_argument("--refusal-delay", type=float, default=REFUSAL_DELAY, metavar="SECONDS",
-                   help="after a wrong key or malformed input, wait this long before "
-                        f"closing (default {REFUSAL_DELAY:g})")
-
-
-def _tls_context(cert: str, key: str) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        ctx.load_cert_chain(cert, key)
-    except (OSError, ssl.SSLError) as exc:
-        raise SbusError(f"cannot load the TLS certificate {cert} / key {key}: {exc}") from None
-    return ctx
-
-
-def _bound(listener: trio.abc.Listener) -> str:
-    """The address a listener really has (the port chosen for port 0, too)."""
-    inner = getattr(listener, "transport_listener", listener)
-    host, port = inner.socket.getsockname()[:2]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _raise_nofile() -> None:
-    """Every client is a file descriptor: use all the kernel lets us."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-async def _report(gw: Gateway) -> None:
-    while True:
-        await trio.sleep(5)
-        notify(f"STATUS={gw.status()}")
-
-
-async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise SbusError("--tls-cert and --tls-key go together")
-    ctx = _tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
-    if args.https_listen and ctx is None:
-        raise SbusError("--https-listen needs --tls-cert and --tls-key "
-                        "(the authentication key must not travel in clear)")
-    secret = read_secret(args.auth_key_file)
-    host, port = parse_hostport(args.listen)
-    for name, value in (("--buffer-messages", args.buffer_messages),
-                        ("--buffer-bytes", args.buffer_bytes),
-                        ("--idle-timeout", args.idle_timeout), ("--max-frame", args.max_frame),
-                        ("--max-clients", args.max_clients),
-                        ("--max-clients-per-address", args.max_clients_per_address),
-                        ("--buffer-pool", args.buffer_pool),
-                        ("--subscription-bytes", args.subscription_bytes),
-                        ("--subscription-pool", args.subscription_pool),
-                        ("--route-cache", args.route_cache)):
-        if value <= 0:
-            raise SbusError(f"{name} must be positive")
-    if args.refusal_delay < 0:
-        raise SbusError("--refusal-delay must not be negative")
-    if args.https_listen:  # needs the 'gateway' extra (h11): say so before serving anyone
-        from .https import serve_https
-    gw = Gateway(secret, address=args.address, idle_timeout=args.idle_timeout,
-                 buffer_messages=args.buffer_messages, buffer_bytes=args.buffer_bytes,
-                 buffer_pool=args.buffer_pool, max_frame=args.max_frame,
-                 max_clients=args.max_clients,
-                 max_clients_per_address=args.max_clients_per_address,
-                 subscription_bytes=args.subscription_bytes,
-                 subscription_pool=args.subscription_pool, route_cache=args.route_cache,
-                 refusal_delay=args.refusal_delay)
-    try:
-        listeners: list[trio.abc.Listener] = await trio.open_tcp_listeners(
-            port, host=host or None, backlog=4096)
-    except OSError as exc:
-        raise SbusError(f"cannot listen on {args.listen}: {exc.strerror or exc}") from None
-    if ctx is not None:
-        listeners = [trio.SSLListener(lst, ctx, https_compatible=False) for lst in listeners]
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(gw.serve, listeners)
-            where = [", ".join(_bound(lst) for lst in listeners)
-                     + (" (TLS)" if ctx else " (plain TCP)")]
-            if args.https_listen:
-                https_host, https_port = parse_hostport(args.https_listen)
-                https = await nursery.start(serve_https, gw, https_host, https_port, ctx)
-                where.append("HTTPS " + ", ".join(_bound(lst) for lst in https))
-            nursery.start_soon(_report, gw)
-            log.info("sbus gateway listening on %s, bus %s", ", ".join(where),
-                     gw.bridge.address or "default")
-            notify(f"READY=1\nSTATUS=listening, {gw.status()}")
-            task_status.started(gw)
-            async for signum in signals:
-                log.info("%s: shutting down (%s)", signal.Signals(signum).name, gw.status())
-                notify("STOPPING=1")
-                nursery.cancel_scope.cancel()
-                break
-
-
-def _first(group: BaseExceptionGroup, kind: type[BaseException]) -> BaseException | None:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            found = _first(exc, kind)
-            if found is not None:
-                return found
-        elif isinstance(exc, kind):
-            return exc
-    return None
-
-
-def run(args: argparse.Namespace) -> int:
-    if not args.verbose:
-        # a service: where it listens (the real port, also for port 0), refusals and
-        # bus changes are worth a line; per-peer lines are rationed (Gateway.say)
-        log.setLevel(logging.INFO)
-    _raise_nofile()
-    try:
-        trio.run(serve, args)
-    except BaseExceptionGroup as group:
-        # a startup failure inside the nursery (e.g. no broker): one line, not a traceback
-        error = _first(group, SbusError)
-        if error is None:
-            raise
-        raise error from None
-    return 0

@@ -1,0 +1,418 @@
+"""Issue 28, "multiplexers charge the people behind them", for the gateway.
+
+The gateway carries every remote subscription on one bus connection, so the broker
+charges them all to the gateway's UID; its buffer pool is shared by every remote
+client.  Here a real broker, a real gateway running as an unprivileged user (the
+broker exempts root from its limits; the packaged unit is a ``DynamicUser=``), and
+remote clients in forked processes of other UIDs: attackers that fill what they can,
+and an honest client that counts its messages.
+"""
+
+from __future__ import annotations
+
+import encodings.idna  # noqa: F401  (imported before the fork: see UnprivilegedGateway)
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BrokerProcess, raw, sync
+from faultkit import as_user
+from test_gateway import SECRET, GatewayProcess, next_loopback, read_exactly
+
+import sbus.cmd.gateway  # noqa: F401
+from sbus import cli
+from sbus.gateway import codec
+from sbus.gateway.codec import FrameDecoder
+
+GATEWAY_UID = 65530
+ATTACKER_UID, HONEST_UID = 65534, 65532
+
+
+@pytest.fixture
+def sdir():
+    d = Path(tempfile.mkdtemp(prefix="sbus-gws-", dir="/tmp"))
+    os.chmod(d, 0o755)  # the gateway's user reaches the bus socket
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def connect(port: int, source: str) -> socket.socket:
+    s = socket.socket()
+    s.bind((source, 0))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(20)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def echo(s: socket.socket) -> None:
+    s.sendall(b"\x00")
+    assert read_exactly(s, 1) == b"\x00"
+
+
+def attacker(pipe, port: int, sources: list[str], conns: int, patterns: int,
+             extra: bytes | None) -> None:
+    """*conns* unauthenticated connections spread over *sources*, each subscribing to
+    *patterns* tiny distinct patterns (and *extra*), then idle and never reading."""
+    held = []
+    for i in range(conns):
+        s = connect(port, sources[i % len(sources)])
+        s.sendall(b"".join(codec.subscribe(b"x%d/%d" % (i, j)) for j in range(patterns))
+                  + (codec.subscribe(extra) if extra is not None else b""))
+        echo(s)
+        held.append(s)
+    pipe.send("ready")
+    pipe.recv()  # until told to go
+
+
+def honest(pipe, port: int, source: str, pattern: bytes, expect: int,
+           authenticate: bool) -> None:
+    """Subscribe; say "ready" once a probe arrived (the subscription is in force on the
+    bus) or after 10 s (it is not); count the other messages that arrive."""
+    s = connect(port, source)
+    if authenticate:
+        s.sendall(codec.authenticate(SECRET))
+    s.sendall(codec.subscribe(pattern))
+    echo(s)
+    pipe.send("subscribed")
+    decoder = FrameDecoder()
+    got: set[bytes] = set()
+    probed = False
+    start = time.monotonic()
+    s.settimeout(0.2)
+    while len(got) < expect and time.monotonic() < start + 30:
+        if not probed and time.monotonic() > start + 10:
+            probed = True
+            pipe.send("ready")
+        try:
+            data = s.recv(65536)
+        except TimeoutError:
+            continue
+        if not data:
+            break
+        bodies = {f.body for f in decoder.feed(data) if type(f) is codec.Publish}
+        if b"probe" in bodies and not probed:
+            probed = True
+            pipe.send("ready")
+        got |= bodies - {b"probe"}
+    if not probed:
+        pipe.send("ready")
+    pipe.send(len(got))
+
+
+def wait_honest(pipe, local: socket.socket, key: bytes) -> None:
+    """Probe *key* until the honest client says its subscription is in force (or gives
+    up waiting): the gateway's SUB reaches the broker on another connection than ours."""
+    assert pipe.recv() == "subscribed"
+    while not pipe.poll(0.05):
+        local.send(b"MSG " + key + b"\0probe")
+    assert pipe.recv() == "ready"
+
+
+def _gateway_main(pipe, argv: list[str], logfile: str) -> None:
+    fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 2)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # the test runner's, inherited through the fork
+        root.removeHandler(handler)
+    os._exit(cli.main(argv) or 0)
+
+
+class UnprivilegedGateway(GatewayProcess):
+    """The gateway as a forked child of another UID (the interpreter under /root cannot
+    be executed by it, so no exec: the modules it needs are imported before the fork)."""
+
+    def start(self) -> UnprivilegedGateway:
+        self.logfile.touch()
+        for path in (self.keyfile, self.logfile):
+            os.chown(path, GATEWAY_UID, GATEWAY_UID)
+        argv = ["gateway", "--listen", f"127.0.0.1:{self.port}", "--auth-key-file",
+                str(self.keyfile), "--address", self.bus, *self.args]
+        self.child, _ = as_user(GATEWAY_UID, _gateway_main, argv, str(self.logfile))
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if not self.child.is_alive():
+                raise RuntimeError(f"gateway exited: {self.log()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"gateway not listening: {self.log()}")
+
+    def stop(self) -> None:
+        self.child.terminate()
+        self.child.join(10)
+        if self.child.is_alive():
+            self.child.kill()
+            self.child.join()
+
+
+def start(sdir: Path, bus: BrokerProcess, *args: str) -> GatewayProcess:
+    return UnprivilegedGateway(sdir, bus.address, *args, quick=False, verbose=False).start()
+
+
+def publish_numbered(local: socket.socket, key: bytes, n: int) -> None:
+    for i in range(n):
+        local.send(b"MSG " + key + b"\0%d" % i)
+    sync(local)
+
+
+def test_unauthenticated_subscribers_cannot_take_the_brokers_budget_for_the_gateway(sdir):
+    """80 connections with 300 tiny patterns each (from one address, and from 80) against
+    a broker whose budget for the gateway's user is 2 MiB: the honest subscriber still
+    gets all 5 messages (before the fix: 0, the broker refused its SUB and the gateway
+    believed it subscribed)."""
+    bus = BrokerProcess(str(sdir / "bus.sock"), "--max-subscription-bytes-per-user",
+                        "2m").start()
+    gw = start(sdir, bus, "--bus-subscription-bytes", "1536k")
+    procs = []
+    try:
+        local = raw(bus.address)
+        one = [next_loopback()]
+        many = [next_loopback() for _ in range(80)]
+        # one address: its share is 1 MiB; an unauthenticated honest subscriber has room.
+        # 80 addresses: together they take the unauthenticated half of the budget; one
+        # that authenticates has room (unauthenticated ones from fresh addresses are now
+        # refused by the gateway, in its log, and never given a phantom subscription)
+        for sources, authenticate, key in ((one, False, b"honest/a"),
+                                           (many, True, b"honest/b")):
+            proc, pipe = as_user(ATTACKER_UID, attacker, gw.port, sources, 80, 300, None)
+            procs.append((proc, pipe))
+            assert pipe.recv() == "ready"
+            proc, pipe = as_user(HONEST_UID, honest, gw.port, next_loopback(), key, 5,
+                                 authenticate)
+            procs.append((proc, pipe))
+            wait_honest(pipe, local, key)
+            publish_numbered(local, key, 5)
+            got = pipe.recv()
+            print(f"honest subscriber ({len(sources)} attacking addresses) got {got} of 5")
+            assert got == 5, gw.log()
+        log = gw.log()
+        assert "share" in log  # the attackers were refused by the gateway's shares
+        assert "the broker refused" not in log, log  # never by the broker
+        local.close()
+    finally:
+        for proc, _ in procs:
+            proc.kill()
+        gw.stop()
+        bus.stop()
+
+
+def test_a_subscription_the_broker_refuses_leaves_no_phantom(sdir):
+    """A gateway configured with more than the broker grants: the broker's refusal reaches
+    the gateway, which drops the pattern (its status says so) and disconnects the client
+    (the protocol has no error frame), instead of believing it subscribed."""
+    bus = BrokerProcess(str(sdir / "bus.sock"), "--max-subscription-bytes-per-user",
+                        "64k").start()
+    gw = start(sdir, bus, "--bus-subscription-bytes", "1m", "--subscription-bytes-per-address",
+               "1m", "--refusal-delay", "0.5")
+    try:
+        s = connect(gw.port, next_loopback())
+        s.sendall(codec.authenticate(SECRET)
+                  + b"".join(codec.subscribe(b"p/%d" % i) for i in range(120)))
+        echo(s)
+        gw.wait_log("the broker refused", timeout=10)
+        s.settimeout(10)
+        try:
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        # what the gateway holds is what the broker holds: the refused patterns are gone,
+        # so a new client's subscription within the budget works again
+        s2 = connect(gw.port, next_loopback())
+        s2.sendall(codec.subscribe(b"after/"))
+        echo(s2)
+        local = raw(bus.address)
+        expected = codec.publish(b"after/x", b"0")
+        local.send(b"MSG after/x\x000")
+        assert read_exactly(s2, len(expected)) == expected
+        local.close()
+    finally:
+        gw.stop()
+        bus.stop()
+
+
+def test_a_frame_shared_by_many_slow_readers_is_charged_to_the_pool_once(sdir):
+    """300 unauthenticated subscribers of "" that never read, and 10 MB of public traffic:
+    the pool (here 64 MiB) holds what the non-readers hold, about one buffer's worth of
+    distinct frames, so it never fills and an honest subscriber gets all 100 of its
+    messages (before: the pool counted each frame once per non-reader, was "full" at
+    ~2 MB really held, and the honest subscriber got 5-7 of 100)."""
+    bus = BrokerProcess(str(sdir / "bus.sock")).start()
+    gw = start(sdir, bus, "--buffer-pool", "64m")
+    procs = []
+    try:
+        sources = [next_loopback(), next_loopback()]  # 150 each: under the address cap
+        proc, pipe = as_user(ATTACKER_UID, attacker, gw.port, sources, 300, 0, b"")
+        procs.append((proc, pipe))
+        assert pipe.recv() == "ready"
+        local = raw(bus.address)
+        hp, hpipe = as_user(HONEST_UID, honest, gw.port, next_loopback(), b"mine/", 100,
+                            False)
+        procs.append((hp, hpipe))
+        wait_honest(hpipe, local, b"mine/probe")
+        body = b"p" * 10_000
+        for i in range(1000):  # 10 MB of public traffic, the honest messages among it
+            local.send(b"MSG public/x\0" + body)
+            if i % 10 == 0:
+                local.send(b"MSG mine/x\0%d" % (i // 10))
+            if i % 50 == 0:
+                sync(local)
+        sync(local)
+        got = hpipe.recv()
+        print(f"honest subscriber got {got} of 100")
+        assert got == 100
+        local.close()
+    finally:
+        for proc, _ in procs:
+            proc.kill()
+        gw.stop()
+        bus.stop()
+
+
+def test_a_subscriber_refused_for_a_full_share_is_told_and_served_once_there_is_room(sdir):
+    """Unauthenticated attackers from 10 addresses hold the unauthenticated half of a
+    256 KiB budget: an honest unauthenticated subscriber's SUB is refused, and it is
+    told the only way the protocol has, a disconnect after the refusal delay (before:
+    dropped silently, the connection kept, the client believing it subscribed).  When
+    the attackers are gone, the same client reconnecting is served."""
+    bus = BrokerProcess(str(sdir / "bus.sock")).start()
+    gw = start(sdir, bus, "--bus-subscription-bytes", "256k", "--refusal-delay", "0.5")
+    proc, pipe = as_user(ATTACKER_UID, attacker, gw.port,
+                         [next_loopback() for _ in range(10)], 10, 20, None)
+    try:
+        assert pipe.recv() == "ready"
+        source = next_loopback()
+        s = connect(gw.port, source)
+        s.sendall(codec.subscribe(b"honest/"))
+        echo(s)
+        gw.wait_log("disconnecting it in 0.5 s")
+        s.settimeout(5)
+        try:
+            while s.recv(1024):
+                pass
+        except ConnectionResetError:
+            pass
+        s.close()
+        proc.kill()
+        proc.join()
+        deadline = time.monotonic() + 10
+        local = raw(bus.address)
+        expected = codec.publish(b"honest/x", b"0")
+        while True:  # the attackers' connections close as the gateway notices
+            s = connect(gw.port, source)
+            s.sendall(codec.subscribe(b"honest/"))
+            echo(s)
+            local.send(b"MSG honest/x\x000")
+            sync(local)
+            s.settimeout(0.5)
+            try:
+                assert read_exactly(s, len(expected)) == expected
+                break
+            except (TimeoutError, EOFError, ConnectionResetError):
+                s.close()
+                assert time.monotonic() < deadline, gw.log()
+        local.close()
+    finally:
+        proc.kill()
+        gw.stop()
+        bus.stop()
+
+
+def test_patterns_a_restarted_broker_refuses_leave_no_phantom(sdir):
+    """The broker comes back with a smaller budget for the gateway's user: the client
+    shell subscribes every pattern again (one question for all of them), the broker
+    refuses some; the gateway cannot tell which, so it drops every remote subscription
+    and disconnects their holders after the delay, rather than believe in them."""
+    address = str(sdir / "bus.sock")
+    bus = BrokerProcess(address).start()
+    gw = start(sdir, bus, "--bus-subscription-bytes", "1m", "--subscription-bytes-per-address",
+               "1m", "--refusal-delay", "0.5")
+    try:
+        s = connect(gw.port, next_loopback())
+        s.sendall(codec.authenticate(SECRET)
+                  + b"".join(codec.subscribe(b"p/%d" % i) for i in range(120)))
+        echo(s)
+        bus.stop()
+        bus = BrokerProcess(address, "--max-subscription-bytes-per-user", "64k").start()
+        gw.wait_log("when the bus came back", timeout=30)
+        s.settimeout(10)
+        try:
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        s2 = connect(gw.port, next_loopback())  # what is left is what the broker holds
+        s2.sendall(codec.subscribe(b"after/"))
+        echo(s2)
+        local = raw(address)
+        expected = codec.publish(b"after/x", b"0")
+        local.send(b"MSG after/x\x000")
+        assert read_exactly(s2, len(expected)) == expected
+        local.close()
+    finally:
+        gw.stop()
+        bus.stop()
+
+
+# -- the accounting itself, in process (no bus is needed while the bridge is down) ---------
+
+def _remote(gw, host: str):
+    from sbus.gateway.outbox import Outbox
+    from sbus.gateway.server import Remote
+
+    assert gw.caps.admit(host) is None
+    account = gw.caps.peer(host)
+    return Remote(None, host, f"{host}:1", account, Outbox(peer=account), 70.0)
+
+
+def test_an_address_is_charged_once_per_distinct_pattern_its_clients_hold():
+    """300 clients behind one address subscribing to the same topics cost its share once
+    (the bus holds each once); a pattern stays charged while any of its clients holds it,
+    so handing patterns from connection to connection cannot launder the share; all of it
+    is given back with the last holder."""
+    import trio
+
+    from sbus.gateway.checks import SharesFull
+    from sbus.gateway.server import Gateway
+    from sbus.routing import pattern_cost
+
+    gw = Gateway(SECRET, address="/nonexistent", bus_subscription_bytes=160 * 1024,
+                 max_clients_per_address=300)
+    share = gw.subscription_bytes_per_address  # 10 KiB: about 8 one-segment patterns
+
+    async def main() -> None:
+        nat = [_remote(gw, "10.0.0.1") for _ in range(300)]
+        for rc in nat:
+            for i in range(5):
+                await gw._frame(rc, codec.Subscribe(b"news/%d" % i))
+        account = nat[0].account
+        assert len(account.patterns) == 5 and account.sub_bytes <= share
+        # laundering: x creates patterns, y takes them over, x drops them: still charged
+        x, y = nat[0], nat[1]
+        taken = 0
+        with pytest.raises(SharesFull):
+            for i in range(100):
+                await gw._frame(x, codec.Subscribe(b"own/%d" % i))
+                await gw._frame(y, codec.Subscribe(b"own/%d" % i))
+                await gw._frame(x, codec.Unsubscribe(b"own/%d" % i))
+                taken += 1
+        assert account.sub_bytes <= share and taken < 10
+        # unauthenticated clients together are charged once per distinct pattern too
+        assert gw.unauthenticated.used == sum(pattern_cost(p) for p in gw._unauth_patterns)
+        for rc in nat:
+            for topic in list(rc.topics):
+                gw._drop_topic(rc, topic)
+        assert account.sub_bytes == 0 and not account.patterns
+        assert gw.unauthenticated.used == 0 and gw.subscriptions.used == 0
+
+    trio.run(main)
