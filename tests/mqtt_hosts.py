@@ -10,6 +10,7 @@ The namespaces are private, so these addresses meet nothing outside the test.
 from __future__ import annotations
 
 import os
+import re
 import select
 import socket
 import subprocess
@@ -105,6 +106,7 @@ class Bridge:
                  netns: str | None = None) -> None:
         self.address, self.mqtt_url, self.args, self.netns = address, mqtt_url, args, netns
         self.notify_path = str(tmp / f"{name}.notify")
+        self.state_dir = str(tmp / f"{name}.state")
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(self.notify_path)
         self.notify.setblocking(False)
@@ -114,7 +116,7 @@ class Bridge:
 
     def start(self, wait: bool = True) -> Bridge:
         cmd = [*SBUS, "-vv", "bridge", "--address", self.address, "--mqtt", self.mqtt_url,
-               "--backoff-max", "0.5", *self.args]
+               "--backoff-max", "0.5", "--state-dir", self.state_dir, *self.args]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self.status()  # what the last process said is no news about this one
@@ -169,8 +171,13 @@ class Bridge:
 
 
 def _counters(status: str) -> dict[str, int]:
-    text = status.split("; ", 1)[1]
-    return {k: int(v) for k, v in (item.rsplit(" ", 1) for item in text.split(", "))}
+    """``exported 3 (120 B), …`` -> {"exported": 3, "exported_bytes": 120, …}."""
+    out = {}
+    for name, count, size in re.findall(r"(\w+) (\d+)(?: \((\d+) B\))?", status.split("; ", 1)[1]):
+        out[name] = int(count)
+        if size:
+            out[name + "_bytes"] = int(size)
+    return out
 
 
 class Hosts:

@@ -107,7 +107,7 @@ def test_export_import_refusals_and_status(hosts: Hosts) -> None:
     while True:
         shown = subprocess.run([*SBUS, "status", "--address", bus], capture_output=True,
                                text=True, timeout=30).stdout
-        if "status: bus up, mqtt up;" in shown and "imported 1" in shown:
+        if "status: bus up, mqtt up at 10.77.1.1:1883;" in shown and "imported 1" in shown:
             break
         assert time.monotonic() < deadline, shown
         time.sleep(0.1)
@@ -259,6 +259,8 @@ def test_bridge_unit_under_a_user_manager(short_tmp) -> None:
     manager = UserManager(base).start()
     try:
         manager.run(str(Path(sys.executable).parent / "sbus"), "install-units", "--user")
+        if os.environ.get("PYTHONPATH"):  # a checkout under test, not the installed copy
+            manager.systemctl("set-environment", f"PYTHONPATH={os.environ['PYTHONPATH']}")
         (manager.config / "sbus").mkdir()
         (manager.config / "sbus" / "bridge-t.conf").write_text(
             f"BRIDGE_ARGS=--mqtt mqtt://127.0.0.1:{port} --export unit/ --client-id u\n")
@@ -270,7 +272,8 @@ def test_bridge_unit_under_a_user_manager(short_tmp) -> None:
                                                          "StatusText")["StatusText"]):
             assert time.monotonic() < deadline, status
             time.sleep(0.1)
-        assert status.startswith("bus up, mqtt up; exported 1, imported 0, dropped 0, refused 1")
+        assert status.startswith(f"bus up, mqtt up at 127.0.0.1:{port}; exported 1 (7 B), "
+                                 "imported 0 (0 B), dropped 0, refused 1")
         assert [(t, p) for t, p, _ in peer.got] == [("unit/x", b"1")]
         peer.close()
         manager.systemctl("stop", "sbus-bridge@t.service", "sbus.socket", "sbus.service")

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from paho.mqtt.client import topic_matches_sub
 
-from sbus.bridge.core import Backoff, BridgeCore
+from sbus.bridge.core import BridgeCore, Rule, covers
+from sbus.bridge.shell import Retry
 from sbus.bridge.topics import ConfigError, Mapping, to_filter, topic_problem
 from sbus.routing import matches
 
@@ -180,9 +181,28 @@ def test_echoes_the_broker_dropped_are_forgotten_when_a_later_one_returns() -> N
     c = core(exports=[b""], imports=[b""])
     for i in range(5):
         c.from_mqtt(b"k%d" % i, b"v", "peer")
+    c.bus_dropped(3)                            # the broker reports drops: k0..k4 may be gone
+    c.from_mqtt(b"k5", b"v", "peer")            # made after the report: not forgettable
+    c.from_mqtt(b"k6", b"v", "peer")
     assert c.from_bus(b"k3", b"v") is None      # k0..k2 were dropped by the broker
     assert c.from_bus(b"k0", b"v") == "k0"      # so this is a new local message
-    assert c.from_bus(b"k4", b"v") is None
+    assert c.from_bus(b"k6", b"v") == "k6"      # k5's echo must come first: a local one
+    assert c.from_bus(b"k5", b"v") is None      # k4 may be gone (it was there at the report)
+    assert c.from_bus(b"k6", b"v") is None
+    assert c.counters.dropped == 3
+
+
+def test_a_local_message_like_a_later_import_is_no_echo() -> None:
+    """Two hosts publish the same key and payload at once (issue 25: 1,003 instead of
+    1,000): with no drop reported, only the oldest remembered import can be echoed, so a
+    local twin of a later one goes out and every real echo is still recognised."""
+    c = core(exports=[b""], imports=[b""])
+    for i in range(3):
+        assert c.from_mqtt(b"k", b"%d" % i, "peer") == b"k"
+    assert c.from_bus(b"k", b"2") == "k"        # local, published before the echoes came
+    for i in range(3):
+        assert c.from_bus(b"k", b"%d" % i) is None
+    assert c.counters.looped == 3
 
 
 def test_full_echo_memory_drops_rather_than_risk_a_loop() -> None:
@@ -211,12 +231,14 @@ def test_status_line_counts() -> None:
     c.imported()
     c.dropped(5)
     c.refused_by_broker()
-    assert c.status() == ("exported 1, imported 1, dropped 5, refused 1, looped 0, "
-                          "filtered 0")
+    assert c.status() == ("exported 1 (0 B), imported 1 (0 B), dropped 5, refused 1, "
+                          "looped 0, filtered 0, resent 0")
+    c.exported(10)
+    assert c.status().startswith("exported 2 (10 B)")
 
 
 def test_backoff_doubles_caps_and_starts_over_after_a_stable_connection() -> None:
-    b = Backoff(1.0, 8.0, stable=10.0)
+    b = Retry(1.0, 8.0, stable=10.0)
     delays = [b.failed(0.0) for _ in range(6)]
     for d, base in zip(delays, [1, 2, 4, 8, 8, 8], strict=True):
         assert base / 2 <= d <= base
@@ -225,3 +247,26 @@ def test_backoff_doubles_caps_and_starts_over_after_a_stable_connection() -> Non
     b.up(200.0)
     assert b.failed(215.0) <= 1.0      # up 15 s: starts over
     assert b.next_at >= 215.0
+
+
+def test_overlapping_filters_subscribe_once_with_the_higher_qos() -> None:
+    """The broker sends one copy per matching subscription: a covered filter is left out."""
+    c = core(exports=[], imports=[b"a/", b"a/*/c", b"b/x"],
+             import_rules=(Rule((b"b/*",), Mapping(), 0), Rule((b"a/x",), Mapping(), 1)))
+    assert c.mqtt_subscriptions() == [("a/#", 1), ("b/+", 1)]
+    assert covers("#", "a") and covers("a/#", "a") and not covers("a/+", "a/#")
+    assert not covers("a/+", "a") and covers("+/+", "a/b") and not covers("a", "a/#")
+
+
+def test_several_maps_per_direction_each_with_its_qos() -> None:
+    c = core(exports=[], imports=[],
+             export_rules=(Rule((b"s/",), Mapping.parse("s/=site/h/s/"), 1),
+                           Rule((b"log/",), Mapping.parse("log/=site/h/log/"), 0)),
+             import_rules=(Rule((b"fleet/",), Mapping.parse("fleet/=site/"), 1),
+                           Rule((b"cmd/",), Mapping.parse("cmd/=ctl/h/"), 0)))
+    assert (c.from_bus(b"s/t", b"1"), c.last_qos) == ("site/h/s/t", 1)
+    assert (c.from_bus(b"log/x", b"1"), c.last_qos) == ("site/h/log/x", 0)
+    assert c.from_mqtt(b"site/b/s/t", b"1", None) == b"fleet/b/s/t"
+    assert c.from_mqtt(b"ctl/h/go", b"1", None) == b"cmd/go"
+    assert c.from_mqtt(b"ctl/other/go", b"1", None) is None
+    assert c.mqtt_subscriptions() == [("site/#", 1), ("ctl/h/#", 0)]
