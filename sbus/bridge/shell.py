@@ -183,9 +183,12 @@ class BridgeShell:
                 raise SbusError(f"cannot use the spool in {self.state.path}: "
                                 f"{exc.strerror or exc}") from None
             # exports spooled after the last save of the counters were counted by nobody
-            missed = self.spool.next_seq - int(saved.get("spooled", self.spool.next_seq))
-            if missed > 0:
-                self.core.counters.exported += missed
+            since = saved.get("spooled", self.spool.next_seq)
+            since = since if isinstance(since, int) else self.spool.next_seq
+            if self.spool.next_seq > since:
+                self.core.counters.exported += self.spool.next_seq - since
+                self.core.counters.exported_bytes += sum(
+                    len(t) + len(p) for seq, t, p in self._left if seq >= since)
         if saved and not saved.get("clean_exit"):
             log.warning("the last bridge did not stop cleanly: counters other than exported "
                         "may miss its last %.1f s", STATUS_EVERY)
@@ -474,7 +477,7 @@ class BridgeShell:
 
     def _refused(self, refusal: Refusal) -> None:
         """The broker refused a packet of ours (the client's *on_refusal*: not raised)."""
-        if refusal.verb == "msg":
+        if refusal.verb in ("msg", "packet"):  # an import the bus would not take
             self.core.refused_by_broker()
             self._note(f"the bus refused an import: {printable(refusal.reason, 200)}")
         else:
@@ -554,9 +557,9 @@ class BridgeShell:
                 now = time.monotonic()
                 if now >= next_status and self.status() != last:
                     last = self.status()
+                    self._save_state()  # first: what STATUS= says survives a crash
                     self._notify(f"STATUS={last}")
                     self._tell_bus(last)
-                    self._save_state()
                     next_status = now + STATUS_EVERY
         finally:
             signal.set_wakeup_fd(old_wakeup)
