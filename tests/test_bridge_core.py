@@ -270,3 +270,49 @@ def test_several_maps_per_direction_each_with_its_qos() -> None:
     assert c.from_mqtt(b"ctl/h/go", b"1", None) == b"cmd/go"
     assert c.from_mqtt(b"ctl/other/go", b"1", None) is None
     assert c.mqtt_subscriptions() == [("site/#", 1), ("ctl/h/#", 0)]
+
+
+# -- nothing from MQTT raises (issue 28 item 4) -------------------------------------------
+
+_topic_bytes = st.one_of(
+    st.binary(max_size=40),
+    st.lists(st.sampled_from([b"a", b"in", b"site", b"!", b"+", b"#", b"\xff", b"", b"\x00",
+                              b"$SYS", b"x" * 300]), max_size=6).map(b"/".join))
+
+
+@given(_topic_bytes, st.binary(max_size=64), st.one_of(st.none(), st.text(max_size=8)))
+def test_from_mqtt_never_raises_and_imports_only_what_it_may(topic, payload, marker) -> None:
+    c = core(exports=[b"in/"], imports=[b"in/", b"a/*/x"],
+             import_rules=(Rule((b"site/",), Mapping.parse("site/=remote/"), 0),))
+    key = c.from_mqtt(topic, payload, marker)
+    counted = sum(vars(c.counters).values())
+    if key is None:
+        assert counted == 1          # filtered, refused, looped or dropped: counted once
+    else:
+        assert any(matches(p, key) for p in (b"in/", b"a/*/x", b"site/"))
+        assert not key.startswith(b"!/") and counted == 0
+
+
+@given(st.lists(st.tuples(st.binary(max_size=80), st.binary(max_size=40),
+                          st.lists(st.tuples(st.text(max_size=12), st.text(max_size=12)),
+                                   max_size=3)), max_size=20))
+def test_the_shell_takes_any_mqtt_message_without_raising(messages) -> None:
+    """The paho callback with any topic bytes (not UTF-8 too), payload and user properties:
+    it never raises (paho would end the loop) and counts each message exactly once."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    from sbus.bridge.shell import Broker, BridgeShell, MqttSettings
+
+    c = core(exports=[b""], imports=[b""])
+    shell = BridgeShell(c, "/nonexistent", MqttSettings([Broker("127.0.0.1", 1)]))
+    for topic, payload, user in messages:
+        msg = mqtt.MQTTMessage(1, topic)
+        msg.payload = payload
+        msg.properties = Properties(PacketTypes.PUBLISH)
+        if user:
+            msg.properties.UserProperty = user
+        shell._on_message(shell.mq, None, msg)
+    n = c.counters
+    assert n.filtered + n.refused + n.looped + n.dropped + n.imported == len(messages)

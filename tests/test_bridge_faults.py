@@ -336,3 +336,60 @@ def test_a_notify_socket_nobody_reads_does_not_freeze_the_bridge(hosts: Hosts) -
     assert a.proc is not None and a.proc.poll() is None
     os.kill(a.proc.pid, signal.SIGTERM)
     assert a.proc.wait(10) == 0
+
+
+def _fake_broker(sock: socket.socket, garbage: bytes, conns: list[int]) -> None:
+    """Accept MQTT clients; answer CONNECT with a CONNACK, then send *garbage*."""
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except OSError:
+            return
+        conns.append(1)
+        with conn:
+            try:
+                conn.settimeout(5)
+                conn.recv(4096)                          # CONNECT
+                conn.sendall(b"\x20\x03\x00\x00\x00")    # CONNACK, v5, success
+                conn.sendall(garbage)
+                conn.recv(4096)                          # until the bridge gives up on us
+            except OSError:
+                pass
+
+
+@pytest.mark.parametrize("garbage", [
+    b"\x30\x07\x00\x02in\x05\xff\x01\x02",        # PUBLISH with an unknown property id
+    b"\x30\x05\x00\x09in",                         # topic length past the packet's end
+    b"\x30\x04\x00\x02\xff\xfe",                   # topic not UTF-8, no properties length
+    b"\x90\x04\x00\x01\x00\xff",                   # SUBACK for nothing, bad properties
+    b"\x30\x0c\x00\x02in\x07\x26\x00\x01\xff\x00\x01a",  # user property not UTF-8
+])
+def test_malformed_mqtt_never_ends_the_bridge(short_tmp: Path, garbage: bytes) -> None:
+    """A broker (or something posing as one) sends bytes paho cannot parse: the bridge
+    logs one escaped line, drops that MQTT connection, connects again and keeps running."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    conns: list[int] = []
+    threading.Thread(target=_fake_broker, args=(server, garbage, conns), daemon=True).start()
+    address = str(short_tmp / "bus.sock")
+    bus = subprocess.Popen([*SBUS, "serve", "--address", address],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    br = None
+    try:
+        wait_for_socket(address, bus)
+        br = Bridge(short_tmp, "m", address, f"mqtt://127.0.0.1:{server.getsockname()[1]}",
+                    ["--import", "in/", "--client-id", "m"]).start(wait=False)
+        deadline = time.monotonic() + 10
+        while len(conns) < 3:
+            assert br.proc is not None and br.proc.poll() is None, br.log.read_text()
+            assert time.monotonic() < deadline, br.log.read_text()
+            time.sleep(0.05)
+        assert br.proc.poll() is None
+        text = br.log.read_text()
+        assert "Traceback" not in text and "lost the MQTT broker" in text, text
+    finally:
+        server.close()
+        if br is not None:
+            br.close()
+        stop_process(bus)
