@@ -303,7 +303,7 @@ def test_the_shell_takes_any_mqtt_message_without_raising(messages) -> None:
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
 
-    from sbus.bridge.shell import Broker, BridgeShell, MqttSettings
+    from sbus.bridge.shell import BridgeShell, Broker, MqttSettings
 
     c = core(exports=[b""], imports=[b""])
     shell = BridgeShell(c, "/nonexistent", MqttSettings([Broker("127.0.0.1", 1)]))
