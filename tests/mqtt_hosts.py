@@ -79,8 +79,13 @@ class Peer:
         self.got: list[tuple[str, bytes, list]] = []
         self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"peer-{uuid.uuid4().hex}",
                              protocol=mqtt.MQTTv5, transport="unix")
-        self.c.on_message = lambda c, u, m: self.got.append(
-            (m.topic, m.payload, getattr(m.properties, "UserProperty", [])))
+        self.qos: dict[str, int] = {}  # topic -> QoS of its last delivery
+
+        def take(c, u, m) -> None:
+            self.qos[m.topic] = m.qos
+            self.got.append((m.topic, m.payload, getattr(m.properties, "UserProperty", [])))
+
+        self.c.on_message = take
         if auth:
             self.c.username_pw_set(*auth)
         self.c.connect(sock, 1)  # the port is ignored for a unix socket
@@ -115,7 +120,8 @@ class Bridge:
         self.last_status = ""
 
     def start(self, wait: bool = True) -> Bridge:
-        cmd = [*SBUS, "-vv", "bridge", "--address", self.address, "--mqtt", self.mqtt_url,
+        cmd = [*SBUS, "-vv", "bridge", "--address", self.address,
+               *(["--mqtt", self.mqtt_url] if self.mqtt_url else []),
                "--backoff-max", "0.5", "--state-dir", self.state_dir, *self.args]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]

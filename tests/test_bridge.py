@@ -250,7 +250,7 @@ def test_mqtt_broker_restart(persistent_hosts: Hosts, qos: int) -> None:
 
 def test_bridge_unit_under_a_user_manager(short_tmp) -> None:
     """sbus-bridge@NAME.service as install-units writes it, under a real systemd user
-    manager: options from %E/sbus/bridge-NAME.conf, READY=1, counters in StatusText."""
+    manager: settings from %E/sbus/bridge-NAME.toml, READY=1, counters in StatusText."""
     from systemd_usermgr import UserManager
 
     port = _free_port()
@@ -258,12 +258,14 @@ def test_bridge_unit_under_a_user_manager(short_tmp) -> None:
     base = Path(tempfile.mkdtemp(prefix="sbus-um-", dir="/tmp"))
     manager = UserManager(base).start()
     try:
-        manager.run(str(Path(sys.executable).parent / "sbus"), "install-units", "--user")
         if os.environ.get("PYTHONPATH"):  # a checkout under test, not the installed copy
+            manager.env["PYTHONPATH"] = os.environ["PYTHONPATH"]
             manager.systemctl("set-environment", f"PYTHONPATH={os.environ['PYTHONPATH']}")
+        manager.run(str(Path(sys.executable).parent / "sbus"), "install-units", "--user")
         (manager.config / "sbus").mkdir()
-        (manager.config / "sbus" / "bridge-t.conf").write_text(
-            f"BRIDGE_ARGS=--mqtt mqtt://127.0.0.1:{port} --export unit/ --client-id u\n")
+        (manager.config / "sbus" / "bridge-t.toml").write_text(
+            f'mqtt = "mqtt://127.0.0.1:{port}"\nclient-id = "u"\n'
+            '[[export]]\npatterns = ["unit/"]\n')
         manager.systemctl("start", "sbus.socket", "sbus-bridge@t.service")
         peer = Peer(broker.sock, ["#"])
         publish(str(manager.runtime / "sbus.socket"), [("unit/x", b"1"), ("unit/a+b", b"2")])

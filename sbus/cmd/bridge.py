@@ -45,6 +45,7 @@ _DURATIONS = {"session-expiry", "backoff-max"}
 _SIZES = {"max-queued-bytes", "max-message"}
 _INTS = {"max-queued", "keepalive", "export-qos", "import-qos"}
 _RULE_KEYS = {"patterns", "map", "qos"}
+_FILES = {"password-file", "cafile", "cert", "key"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -190,6 +191,18 @@ def _brokers(text: str, who: str):
     return brokers, schemes.pop() == "mqtts", users.pop(), password
 
 
+def _file_of_config(name: str, config: str) -> str:
+    """A file named in the config: a relative name is a systemd credential
+    (``LoadCredential=``, in ``$CREDENTIALS_DIRECTORY``) if there is one by that name,
+    else relative to the config file's directory."""
+    if os.path.isabs(name):
+        return name
+    creds = os.environ.get("CREDENTIALS_DIRECTORY")
+    if creds and os.path.exists(os.path.join(creds, name)):
+        return os.path.join(creds, name)
+    return os.path.join(os.path.dirname(os.path.abspath(config)), name)
+
+
 def _state_dir(given: str | None, client_id: str) -> str:
     if given:
         return given
@@ -230,6 +243,8 @@ def resolve(args: argparse.Namespace):
             opts[name] = _value(name, given, "--")
         elif name in data:
             opts[name] = _value(name, data[name], where)
+            if name in _FILES:
+                opts[name] = _file_of_config(opts[name], args.config)
         else:
             opts[name] = default
     if not opts["mqtt"]:
