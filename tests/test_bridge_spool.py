@@ -94,3 +94,27 @@ def test_one_bridge_per_state_directory(tmp_path: Path) -> None:
     with pytest.raises(SbusError, match="cannot use the state directory"):
         StateDir(tmp_path / "file" / "st")
     assert os.path.exists(tmp_path / "st" / "lock")
+
+
+def test_a_failed_write_leaves_the_spool_as_it_was(tmp_path: Path) -> None:
+    """A full disk (RLIMIT_FSIZE makes the write fail for real): the batch is refused
+    with OSError, nothing torn stays behind, later batches go on."""
+    code = f"""
+import resource, signal
+from pathlib import Path
+from sbus.bridge.spool import Spool
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+s = Spool(Path({str(tmp_path)!r}), 1000, 1 << 20)
+s.load()
+s.append([(b"a", b"1")])
+resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+try:
+    s.append([(b"b", b"x" * 500)])
+except OSError:
+    pass
+else:
+    raise SystemExit("the write should have failed")
+assert s.append([(b"c", b"3")]) == [1] and len(s) == 2
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+    assert [(t, p) for _, t, p in spool(tmp_path).load()] == [(b"a", b"1"), (b"c", b"3")]

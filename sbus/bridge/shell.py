@@ -157,6 +157,7 @@ class BridgeShell:
         self.spool: Spool | None = None
         #: the filters a resumed MQTT session may still hold (an earlier configuration's)
         self._stale: list[str] = []
+        self._left: list[tuple[int, bytes, bytes]] = []  # spooled by the last bridge
         if settings.state_dir:
             self._open_state(settings.state_dir)
         self.mq = self._make_client()
@@ -205,8 +206,7 @@ class BridgeShell:
 
     def _replay(self) -> None:
         """Hand paho what the last bridge had not had acknowledged (sent on connect)."""
-        left = getattr(self, "_left", [])
-        self._left = []
+        left, self._left = self._left, []
         for seq, topic, payload in left:  # counted as exported by the last bridge
             self._publish(topic.decode("utf-8", "replace"), payload, seq, count=False)
         if left:
@@ -453,7 +453,14 @@ class BridgeShell:
                     core.dropped()  # the spool is full: the newest go (docs/bridge.md)
         if keep:
             assert spool is not None
-            for seq, (data, payload) in zip(spool.append(keep), keep, strict=True):
+            try:
+                seqs = spool.append(keep)
+            except OSError as exc:  # e.g. a full disk: these are lost, and said so
+                core.dropped(len(keep))
+                self._note(f"cannot write the spool in {spool.path}: {exc}; "
+                           f"{len(keep)} exports dropped")
+                return
+            for seq, (data, payload) in zip(seqs, keep, strict=True):
                 self._publish(data.decode("utf-8"), payload, seq)
 
     def _publish(self, topic: str, payload: bytes, seq: int, count: bool = True) -> None:

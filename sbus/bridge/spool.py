@@ -151,25 +151,31 @@ class Spool:
 
     def append(self, records: list[tuple[bytes, bytes]]) -> list[int]:
         """Write *records* (topic, payload) in one go; their sequence numbers.  The caller
-        checked `room` for each."""
+        checked `room` for each.  `OSError` (a full disk) leaves the spool as it was."""
         blob = bytearray()
-        seqs = []
-        for topic, payload in records:
-            seq = self.next_seq
-            self.next_seq += 1
+        first = self.next_seq
+        for seq, (topic, payload) in enumerate(records, first):
             blob += HEADER.pack(seq, len(topic), len(payload))
             blob += topic
             blob += payload
+        if not blob:
+            return []
+        try:
+            written = os.write(self._fd, blob)
+            if written != len(blob):
+                raise OSError(f"short write to the spool ({written} of {len(blob)} bytes)")
+        except OSError:
+            os.ftruncate(self._fd, self._size)  # no torn record left behind
+            raise
+        self._size += len(blob)
+        self.next_seq = first + len(records)
+        for seq, (topic, payload) in enumerate(records, first):
             size = len(topic) + len(payload)
             self._held.append((seq, size))
             self.held_bytes += size
-            seqs.append(seq)
-        if blob:
-            os.write(self._fd, blob)
-            self._size += len(blob)
-            if self._size >= self.segment_bytes:
-                self._new_segment()
-        return seqs
+        if self._size >= self.segment_bytes:
+            self._new_segment()
+        return list(range(first, self.next_seq))
 
     def acked(self, seq: int) -> None:
         """The MQTT broker acknowledged (or refused) record *seq*: it is done."""
