@@ -393,3 +393,31 @@ def test_malformed_mqtt_never_ends_the_bridge(short_tmp: Path, garbage: bytes) -
         if br is not None:
             br.close()
         stop_process(bus)
+
+
+def test_an_export_over_the_brokers_packet_limit_is_refused_not_repeated() -> None:
+    """mosquitto's max_packet_size 2000: it would close the connection over a larger
+    PUBLISH, and paho would send it again at every reconnect (a poison message that
+    stops every export behind it).  The bridge refuses it, counts it, the rest flows."""
+    h = Hosts(1)
+    try:
+        h.mosquitto.stop()
+        h.mosquitto.conf.write_text(h.mosquitto.conf.read_text() + "max_packet_size 2000\n")
+        h.mosquitto.start()
+        h.start_bus(0)
+        br = h.bridge(0, "--client-id", "a", "--export", "out/")
+        peer = Peer(h.mosquitto.sock, ["out/#"])
+        publish(h.bus_address(0), [("out/x", b"%d" % i) if i != 5 else ("out/big", b"z" * 3000)
+                                   for i in range(20)])
+        c = br.wait_counters(lambda c: c["exported"] == 19 and c["spooled"] == 0)
+        assert c["refused"] == 1, c
+        deadline = time.monotonic() + 10
+        while len(peer.got) < 19:
+            assert time.monotonic() < deadline, peer.got
+            time.sleep(0.02)
+        assert [p for _, p, _ in peer.got] == [b"%d" % i for i in range(20) if i != 5]
+        text = br.stop()
+        assert "maximum packet size of 2000" in text and "lost the MQTT broker" not in text
+        peer.close()
+    finally:
+        h.close()

@@ -61,6 +61,8 @@ BUS_TIMEOUT = 5.0
 STATUS_EVERY = 0.5
 #: MQTT packets processed per turn of the loop (keeps both sides served).
 READ_TURN = 512
+#: MQTT's largest packet, unless the broker says less (CONNACK Maximum Packet Size).
+MQTT_MAX_PACKET = 268435460
 #: A connection that stayed up this long (seconds) starts its side's backoff over.
 STABLE_AFTER = 10.0
 #: What paho raises on bytes it cannot parse: the stream cannot be resynchronised, so
@@ -158,6 +160,10 @@ class BridgeShell:
         #: the filters a resumed MQTT session may still hold (an earlier configuration's)
         self._stale: list[str] = []
         self._left: list[tuple[int, bytes, bytes]] = []  # spooled by the last bridge
+        self._max_out = MQTT_MAX_PACKET  # the broker's Maximum Packet Size (CONNACK)
+        # a PUBLISH's bytes besides topic and payload: fixed header, topic length, packet
+        # id, our properties and their length
+        self._overhead = 5 + 2 + 2 + len(self._props.pack()) + 4
         if settings.state_dir:
             self._open_state(settings.state_dir)
         self.mq = self._make_client()
@@ -257,6 +263,10 @@ class BridgeShell:
         self.mqtt_retry.up(time.monotonic())
         log.info("connected to MQTT broker %s (session %s)", self.broker,
                  "resumed" if flags.session_present else "new")
+        # the largest packet the broker takes: a larger one would make it close the
+        # connection, and paho would send it again on every reconnect
+        limit = getattr(properties, "MaximumPacketSize", None)
+        self._max_out = limit if isinstance(limit, int) and limit > 0 else MQTT_MAX_PACKET
         if self._stale and flags.session_present:
             # an earlier configuration's filters: they would pull traffic the bridge
             # filters out, and deliver twice what overlaps the new ones
@@ -417,8 +427,12 @@ class BridgeShell:
                 event = bus.receive(None, socket.MSG_DONTWAIT)
                 if type(event) is Publish:
                     topic = core.from_bus(event.key, event.payload)
-                    if topic is not None:
-                        taken.append((topic, event.payload, core.last_qos))
+                    if topic is None:
+                        continue
+                    if len(event.payload) + 4 * len(topic) + self._overhead > self._max_out \
+                            and self._too_large(topic, event.payload):
+                        continue
+                    taken.append((topic, event.payload, core.last_qos))
         except BlockingIOError:
             pass
         except SbusError as exc:
@@ -426,6 +440,16 @@ class BridgeShell:
             self._bus_lost(exc)
             return
         self._export(taken)
+
+    def _too_large(self, topic: str, payload: bytes) -> bool:
+        """Is this export over the broker's Maximum Packet Size? (refused, counted)"""
+        size = len(topic.encode("utf-8")) + len(payload) + self._overhead
+        if size <= self._max_out:
+            return False
+        self.core.refused_by_broker()
+        self._note(f"not exported: {size} bytes to {printable(topic, 80)} is over the MQTT "
+                   f"broker's maximum packet size of {self._max_out}")
+        return True
 
     def _export(self, taken: list[tuple[str, bytes, int]]) -> None:
         """Hand what was taken to paho: QoS 0 at once (dropped, counted, without a
