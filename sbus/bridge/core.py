@@ -23,7 +23,7 @@ risking a loop. The memory is bounded in entries and in the bytes of their keys
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, fields
 
 from ..display import brief
@@ -31,10 +31,16 @@ from ..routing import matches
 from . import topics
 from .topics import Filter, Mapping
 
-__all__ = ["BridgeCore", "Rule", "Counters", "MARKER", "ECHO_LIMIT", "covers"]
+__all__ = ["BridgeCore", "Rule", "Counters", "MARKER", "STAMP", "ECHO_LIMIT", "covers"]
 
 #: The MQTT 5 user property every message published by an sbus bridge carries.
 MARKER = "sbus-bridge"
+#: The user property of a spooled (QoS 1) export: ``EPOCH.SEQ`` (hex), increasing per
+#: spool, so that a receiving bridge recognises what a restarted or reconnected sender
+#: sent again.
+STAMP = "sbus-seq"
+#: Senders whose last stamp is remembered (least recently heard forgotten first).
+STAMP_SENDERS = 4096
 IDENTITY = Mapping()
 #: Imports remembered to recognise their echo from the bus (bounds memory and loops),
 #: and the bytes of their keys at most.
@@ -53,6 +59,7 @@ class Counters:
     looped: int = 0     # our own message come back, not forwarded again
     filtered: int = 0   # arrived from MQTT but matches no import pattern
     resent: int = 0     # taken from the spool after a restart: sent again (may be twice)
+    duplicates: int = 0  # arrived again from a bridge (its stamp seen before): not imported
     exported_bytes: int = 0  # topic + payload bytes of the exported messages
     imported_bytes: int = 0  # key + payload bytes of the imported messages
 
@@ -126,6 +133,7 @@ class BridgeCore:
         self._echo_count: Counter[tuple[bytes, int]] = Counter()
         self._echo_keys: Counter[bytes] = Counter()
         self._maybe_gone = 0  # oldest entries remembered when the broker reported drops
+        self._stamps: OrderedDict[str, tuple[str, int]] = OrderedDict()  # sender -> last
         #: refusals (quoted key: why) for the shell to log, newest kept
         self.refusals: deque[str] = deque(maxlen=64)
 
@@ -178,10 +186,14 @@ class BridgeCore:
 
     # -- MQTT -> bus -------------------------------------------------------------
 
-    def from_mqtt(self, topic: bytes, payload: bytes, marker: str | None) -> bytes | None:
+    def from_mqtt(self, topic: bytes, payload: bytes, marker: str | None,
+                  stamp: str | None = None) -> bytes | None:
         """The local key to publish this MQTT message on, or None (counted)."""
         if marker == self.client_id:
             self.counters.looped += 1
+            return None
+        if stamp is not None and marker is not None and self._seen_before(marker, stamp):
+            self.counters.duplicates += 1
             return None
         if self._one_import:
             key = self.import_map.to_local(topic)
@@ -269,6 +281,26 @@ class BridgeCore:
                 del self._echo_keys[old[0]]
             if old == entry:
                 return True
+
+    def _seen_before(self, sender: str, stamp: str) -> bool:
+        """Has *sender* sent this stamp (or a later one of the same epoch) before?  A
+        bridge's spooled exports reach us in the order of their numbers; a number not
+        above the last one is a copy sent again after a reconnect or a restart."""
+        epoch, _, number = stamp.partition(".")
+        if len(number) > 16:
+            return False
+        try:
+            seq = int(number, 16)
+        except ValueError:
+            return False  # not a stamp we can read: never a reason to drop
+        last = self._stamps.get(sender)
+        if last is not None and last[0] == epoch and seq <= last[1]:
+            return True
+        self._stamps[sender] = (epoch, seq)
+        self._stamps.move_to_end(sender)
+        if len(self._stamps) > STAMP_SENDERS:
+            self._stamps.popitem(last=False)
+        return False
 
     def _refuse(self, key: bytes, why: str) -> None:  # returns None for the callers
         self.counters.refused += 1

@@ -42,7 +42,7 @@ from ..errors import InvalidRequest
 from ..limits import LogAllowance
 from ..protocol import Publish
 from ..session import Backoff, Refusal
-from .core import MARKER, BridgeCore
+from .core import MARKER, STAMP, BridgeCore
 from .spool import Spool, StateDir
 
 log = logging.getLogger("sbus.bridge")
@@ -124,10 +124,24 @@ class _PackedOnce(Properties):
     """The marker, the same on every message: packed once (paho packs per publish, which
     was a third of the bridge's time per exported message)."""
 
-    def __init__(self, name: str, value: str) -> None:
+    def __init__(self, *pairs: tuple[str, str]) -> None:
         super().__init__(PacketTypes.PUBLISH)
-        self.UserProperty = (name, value)
+        self.UserProperty = list(pairs)
         object.__setattr__(self, "_packed", super().pack())
+
+    def pack(self) -> bytes:
+        return self._packed
+
+
+class _Stamped:
+    """The marker and a spooled export's stamp (`core.STAMP`): paho's own packing of a
+    template whose last 16 bytes are the sequence number in hex, replaced per message
+    (paho only calls ``pack()``, at the time it sends)."""
+
+    __slots__ = ("_packed",)
+
+    def __init__(self, packed: bytes) -> None:
+        self._packed = packed
 
     def pack(self) -> bytes:
         return self._packed
@@ -154,7 +168,8 @@ class BridgeShell:
         self._notify_failed = False
         self.notify_skipped = 0  # STATUS= lines not sent: the manager was not reading
         self._allowance = LogAllowance()
-        self._props = _PackedOnce(MARKER, core.client_id)
+        self._props = _PackedOnce((MARKER, core.client_id))
+        self._stamp_head = b""  # the stamped template without its 16 hex digits
         self.state: StateDir | None = None
         self.spool: Spool | None = None
         #: the filters a resumed MQTT session may still hold (an earlier configuration's)
@@ -163,9 +178,9 @@ class BridgeShell:
         self._max_out = MQTT_MAX_PACKET  # the broker's Maximum Packet Size (CONNACK)
         # a PUBLISH's bytes besides topic and payload: fixed header, topic length, packet
         # id, our properties and their length
-        self._overhead = 5 + 2 + 2 + len(self._props.pack()) + 4
         if settings.state_dir:
             self._open_state(settings.state_dir)
+        self._overhead = 5 + 2 + 2 + max(len(self._props.pack()), len(self._stamp_head) + 16)
         self.mq = self._make_client()
         self._replay()
 
@@ -189,6 +204,9 @@ class BridgeShell:
             except OSError as exc:
                 raise SbusError(f"cannot use the spool in {self.state.path}: "
                                 f"{exc.strerror or exc}") from None
+            template = _PackedOnce((MARKER, self.core.client_id),
+                                   (STAMP, f"{self.spool.epoch}.{0:016x}")).pack()
+            self._stamp_head = template[:-16]
             # exports spooled after the last save of the counters were counted by nobody
             since = saved.get("spooled", self.spool.next_seq)
             since = since if isinstance(since, int) else self.spool.next_seq
@@ -327,11 +345,13 @@ class BridgeShell:
     def _on_message(self, mq, userdata, msg: mqtt.MQTTMessage) -> None:
         """One message from MQTT: whatever it holds, it is counted and never raises."""
         self._activity += 1
-        marker = None
+        marker = stamp = None
         for prop in getattr(msg.properties, "UserProperty", None) or ():
-            if isinstance(prop, tuple) and len(prop) == 2 and prop[0] == MARKER:
-                marker = prop[1]
-                break
+            if isinstance(prop, tuple) and len(prop) == 2:
+                if prop[0] == MARKER:
+                    marker = prop[1]
+                elif prop[0] == STAMP:
+                    stamp = prop[1]
         try:
             topic = msg.topic.encode("utf-8")
         except UnicodeDecodeError:  # the broker should have refused it
@@ -339,7 +359,7 @@ class BridgeShell:
             self._note("the MQTT broker sent a topic that is not UTF-8")
             return
         payload = msg.payload
-        key = self.core.from_mqtt(topic, payload, marker)
+        key = self.core.from_mqtt(topic, payload, marker, stamp)
         if key is None:
             return
         if self.bus is None:
@@ -494,7 +514,8 @@ class BridgeShell:
                         or len(self._outstanding) >= self.settings.max_queued):
             self.core.dropped()
             return
-        info = self.mq.publish(topic, payload, 1, properties=self._props)
+        props = self._props if seq < 0 else _Stamped(self._stamp_head + b"%016x" % seq)
+        info = self.mq.publish(topic, payload, 1, properties=props)  # type: ignore[arg-type]
         if info.rc in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
             if count:
                 self.core.exported(size)  # without a connection: queued by paho

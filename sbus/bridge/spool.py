@@ -9,15 +9,16 @@
   dropped and counted (``dropped``), what is queued stays.
 * **The counters**, saved with every STATUS= update and at exit: a crash loses at most
   the last half second of counts; ``exported`` is made exact from the spool's sequence.
-* **A digest of the import subscriptions**: a bridge whose imports changed starts a
-  clean MQTT session, so the old session's filters neither pull traffic nor deliver twice.
+* **The import filters of the MQTT session**: a bridge whose imports changed unsubscribes
+  the old ones, so they neither pull traffic nor deliver twice.
 
 Files: ``NNN.spool`` segments named by their first sequence number, each record a
 ``<QHI`` header (sequence, topic length, payload length) then the topic and payload; a
 torn record at the end (the crash came mid-write) is cut off.  ``acked`` holds the
-sequence number of the oldest unacknowledged record (8 bytes, rewritten in place).
-``state.json`` the counters and the import digest.  ``lock`` is held (``flock``) while
-a bridge uses the directory.
+sequence number of the oldest unacknowledged record (8 bytes, rewritten in place) and the
+spool's epoch (4 random bytes, made with the file: a spool started afresh numbers anew).
+``state.json`` the counters and the MQTT session's import filters.  ``lock`` is held
+(``flock``) while a bridge uses the directory.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = ["Spool", "StateDir", "SpoolFull"]
 
 HEADER = struct.Struct("<QHI")
 ACKED = struct.Struct("<Q")
+EPOCH = struct.Struct("<4s")  # after the sequence number in ``acked``
 #: A segment is closed (and a new one begun) once it holds this many bytes.
 SEGMENT_BYTES = 4 << 20
 SUFFIX = ".spool"
@@ -98,6 +100,9 @@ class Spool:
         self._size = 0
         self.next_seq = 0
         self.oldest = 0  # every record before this one is acknowledged
+        #: names this spool's numbering: receivers drop a sequence number from the same
+        #: epoch they saw before (a resent duplicate), and start over on a new epoch
+        self.epoch = ""
         self._ack_fd = os.open(path / "acked", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._ack_written = -1
 
@@ -106,8 +111,14 @@ class Spool:
     def load(self) -> list[tuple[int, bytes, bytes]]:
         """The records left unacknowledged by the last bridge, oldest first; opens the
         spool for appending."""
-        raw = os.pread(self._ack_fd, ACKED.size, 0)
-        self.oldest = ACKED.unpack(raw)[0] if len(raw) == ACKED.size else 0
+        raw = os.pread(self._ack_fd, ACKED.size + EPOCH.size, 0)
+        if len(raw) == ACKED.size + EPOCH.size:
+            self.oldest = ACKED.unpack_from(raw)[0]
+            self.epoch = EPOCH.unpack_from(raw, ACKED.size)[0].hex()
+        else:  # a new spool (or its acknowledgements lost): numbers start again, anew
+            self.oldest = 0
+            self.epoch = os.urandom(EPOCH.size).hex()
+            os.pwrite(self._ack_fd, ACKED.pack(0) + EPOCH.pack(bytes.fromhex(self.epoch)), 0)
         self._segments = sorted(int(p.name[:-len(SUFFIX)]) for p in self.path.glob("*" + SUFFIX)
                                 if p.name[:-len(SUFFIX)].isdigit())
         left: list[tuple[int, bytes, bytes]] = []
