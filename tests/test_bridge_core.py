@@ -331,3 +331,15 @@ def test_a_stamp_seen_before_is_a_duplicate() -> None:
     assert c.from_mqtt(b"k", b"x", "a", "garbage") == b"k"          # unreadable: kept
     assert c.from_mqtt(b"k", b"x", None, f"e1.{1:016x}") == b"k"    # no sender: kept
     assert c.counters.duplicates == 2 and c.counters.imported == 0
+
+
+def test_the_mqtt_socket_gets_tcp_nodelay() -> None:
+    """paho sets no TCP_NODELAY: QoS 0 streams then wait on delayed ACKs (issue 26)."""
+    import socket
+
+    from sbus.bridge.shell import Broker, BridgeShell, MqttSettings
+
+    shell = BridgeShell(core(), "/nonexistent", MqttSettings([Broker("127.0.0.1", 1)]))
+    with socket.socket() as s:
+        shell._on_socket_open(shell.mq, None, s)
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
