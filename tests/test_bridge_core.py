@@ -337,7 +337,7 @@ def test_the_mqtt_socket_gets_tcp_nodelay() -> None:
     """paho sets no TCP_NODELAY: QoS 0 streams then wait on delayed ACKs (issue 26)."""
     import socket
 
-    from sbus.bridge.shell import Broker, BridgeShell, MqttSettings
+    from sbus.bridge.shell import BridgeShell, Broker, MqttSettings
 
     shell = BridgeShell(core(), "/nonexistent", MqttSettings([Broker("127.0.0.1", 1)]))
     with socket.socket() as s:
