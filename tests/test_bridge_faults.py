@@ -423,3 +423,17 @@ def test_an_export_over_the_brokers_packet_limit_is_refused_not_repeated() -> No
         peer.close()
     finally:
         h.close()
+
+
+def test_sigterm_while_the_bus_is_away(hosts: Hosts) -> None:
+    """The bus client waits for its broker (Client(reconnect=True)); SIGTERM still ends
+    the bridge at once and cleanly, counters saved."""
+    a = hosts.bridge(0, "--client-id", "a", "--export", "seq/")
+    hosts.stop_bus(0)
+    a.wait_status(lambda s: s.startswith("bus down"))
+    assert a.proc is not None
+    started = time.monotonic()
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(10) == 0
+    assert time.monotonic() - started < 3
+    assert '"clean_exit": true' in (Path(a.state_dir) / "state.json").read_text()

@@ -12,6 +12,10 @@ Flow control, so that no local publisher ever waits for MQTT:
   messages wait in the local broker's queue for the bridge (bounded, then dropped).
 * MQTT is read only while the bus is connected: imports that cannot be delivered stay
   with the MQTT broker (at QoS 1 in the bridge's session) instead of being lost here.
+  The bus connection is a `Client` with ``reconnect=True``: when the bus goes, the call
+  that noticed waits for it (STATUS= says ``bus down`` first; SIGTERM still ends the
+  bridge), so MQTT is not served meanwhile; after a long wait the MQTT broker drops the
+  connection (keep-alive) and it is made again, the session's imports waiting.
 
 Crashes: QoS 1 exports are written to the spool (`spool.Spool`) before paho gets them
 and leave it when the broker acknowledges them; a restarted bridge sends what is left.
@@ -147,6 +151,10 @@ class _Stamped:
         return self._packed
 
 
+class _Stopped(Exception):
+    """Raised by the signal handler while `Client` waits for a lost bus."""
+
+
 class BridgeShell:
     def __init__(self, core: BridgeCore, address: str | None, settings: MqttSettings,
                  backoff_first: float = 0.2, backoff_max: float = 30.0) -> None:
@@ -154,6 +162,7 @@ class BridgeShell:
         self.address = address
         self.settings = settings
         self.bus: Client | None = None
+        self.bus_up = False
         self.bus_retry = Retry(backoff_first, backoff_max)
         self.mqtt_retry = Retry(backoff_first, backoff_max)
         self.mqtt_up = False
@@ -396,8 +405,16 @@ class BridgeShell:
     # -- bus -------------------------------------------------------------------------
 
     def _connect_bus(self, now: float) -> None:
+        """The bus connection, made once: from then on `Client` reconnects by itself
+        (``reconnect=True``: the one reconnect driver, `session.Backoff`, the flood policy
+        and subscriptions restored), and tells `_bus_connection`.  Only a first connection
+        that fails, or a broken one (a malformed packet), comes back here."""
         try:
-            bus = Client(self.address, on_drop=self.core.bus_dropped, on_refusal=self._refused)
+            delays = self.bus_retry.delays
+            bus = Client(self.address, reconnect=True,
+                         backoff=Backoff(delays.first, delays.maximum),
+                         on_drop=self.core.bus_dropped, on_refusal=self._refused,
+                         on_connection=self._bus_connection)
         except SbusError as exc:
             delay = self.bus_retry.failed(now)
             log.warning("%s; again in %.1f s", exc, delay)
@@ -416,16 +433,34 @@ class BridgeShell:
             log.warning("bus at %s: %s; again in %.1f s", bus.address, exc, delay)
             return
         self.bus = bus
+        self.bus_up = True
         self.core.bus_reset()
         self._tell_bus(self.status())
         self.bus_retry.up(now)
         log.info("connected to the bus at %s", bus.address)
 
+    def _bus_connection(self, up: bool, line: str) -> None:
+        """`Client` lost the bus (it waits for it, inside the call that noticed: MQTT is
+        not read meanwhile, and imports wait at the broker) or has it again."""
+        self.bus_up = up
+        if up:
+            log.info("%s", line)
+            self.core.bus_reset()  # no echo of an earlier import comes on this connection
+            assert self.bus is not None
+            self.bus.control(protocol.PUBLISHER_NOWAIT)
+        else:
+            log.warning("%s", line)
+        self._save_state()
+        self._notify(f"STATUS={self.status()}")  # the loop waits with the call
+
     def _bus_lost(self, exc: Exception) -> None:
+        """The connection cannot go on (e.g. the broker sent a malformed packet): drop it
+        and connect anew."""
         if self.bus is not None:
             log.warning("lost the bus: %s", exc)
             self.bus.close()
             self.bus = None
+            self.bus_up = False
             self.bus_retry.failed(time.monotonic())
 
     def _export_ready(self) -> bool:
@@ -552,7 +587,7 @@ class BridgeShell:
                       "subscribing")
         where = f" at {self.broker}" if self.mqtt_up else ""
         queued = f", spooled {len(self.spool)}" if self.spool is not None else ""
-        return (f"bus {'up' if self.bus else 'down'}, mqtt {mqtt_state}{where}; "
+        return (f"bus {'up' if self.bus_up else 'down'}, mqtt {mqtt_state}{where}; "
                 f"{self.core.status()}{queued}")
 
     def _tell_bus(self, line: str) -> None:
@@ -582,6 +617,8 @@ class BridgeShell:
 
     def stop(self, *_args) -> None:
         self._stopping = True
+        if self.bus is not None and not self.bus_up:
+            raise _Stopped  # out of the Client's wait for the bus (a signal handler)
 
     def run(self) -> None:
         """Serve until `stop` (SIGTERM/SIGINT when run from the command line)."""
@@ -589,35 +626,40 @@ class BridgeShell:
         wake_r.setblocking(False)
         wake_w.setblocking(False)
         old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
-        ready = False
-        next_status, last = 0.0, ""
         try:
-            while not self._stopping:
-                now = time.monotonic()
-                if self.bus is None and now >= self.bus_retry.next_at:
-                    self._connect_bus(now)
-                if (self.mq.socket() is None or self._broken) \
-                        and now >= self.mqtt_retry.next_at:
-                    self._connect_mqtt(now)
-                if not ready:
-                    self._notify(f"READY=1\nSTATUS={self.status()}")
-                    ready = True
-                self._turn(wake_r)
-                if self.spool is not None:
-                    self.spool.flush()
-                self._log_refusals()
-                now = time.monotonic()
-                if now >= next_status and self.status() != last:
-                    last = self.status()
-                    self._save_state()  # first: what STATUS= says survives a crash
-                    self._notify(f"STATUS={last}")
-                    self._tell_bus(last)
-                    next_status = now + STATUS_EVERY
+            self._serve(wake_r)
+        except _Stopped:
+            pass
         finally:
             signal.set_wakeup_fd(old_wakeup)
             wake_r.close()
             wake_w.close()
             self._close()
+
+    def _serve(self, wake_r: socket.socket) -> None:
+        ready = False
+        next_status, last = 0.0, ""
+        while not self._stopping:
+            now = time.monotonic()
+            if self.bus is None and now >= self.bus_retry.next_at:
+                self._connect_bus(now)
+            if (self.mq.socket() is None or self._broken) \
+                    and now >= self.mqtt_retry.next_at:
+                self._connect_mqtt(now)
+            if not ready:
+                self._notify(f"READY=1\nSTATUS={self.status()}")
+                ready = True
+            self._turn(wake_r)
+            if self.spool is not None:
+                self.spool.flush()
+            self._log_refusals()
+            now = time.monotonic()
+            if now >= next_status and self.status() != last:
+                last = self.status()
+                self._save_state()  # first: what STATUS= says survives a crash
+                self._notify(f"STATUS={last}")
+                self._tell_bus(last)
+                next_status = now + STATUS_EVERY
 
     def _turn(self, wake: socket.socket) -> None:
         sock = None if self._broken else self.mq.socket()
