@@ -241,7 +241,8 @@ class BridgeShell:
         """Hand paho what the last bridge had not had acknowledged (sent on connect)."""
         left, self._left = self._left, []
         for seq, topic, payload in left:  # counted as exported by the last bridge
-            self._publish(topic.decode("utf-8", "replace"), payload, seq, count=False)
+            self._publish(topic.decode("utf-8", "replace"), payload, seq,
+                          len(topic) + len(payload), count=False)
         if left:
             self.core.counters.resent += len(left)
             log.info("%d exports from the spool will be sent again", len(left))
@@ -511,6 +512,7 @@ class BridgeShell:
         connection), QoS 1 through the spool (dropped, counted, when it is full)."""
         core, spool, props = self.core, self.spool, self._props
         keep: list[tuple[bytes, bytes]] = []
+        texts: list[str] = []  # the topics of *keep*, as paho takes them
         room = 0
         for topic, payload, qos in taken:
             if qos == 0:
@@ -520,13 +522,14 @@ class BridgeShell:
                 else:
                     core.dropped()
             elif spool is None:  # no state directory: held in memory only
-                self._publish(topic, payload, -1)
+                self._publish(topic, payload, -1, len(topic.encode("utf-8")) + len(payload))
             else:
                 data = topic.encode("utf-8")
                 size = len(data) + len(payload)
                 if len(spool) + len(keep) < spool.max_count and \
                         spool.held_bytes + room + size <= spool.max_bytes:
                     keep.append((data, payload))
+                    texts.append(topic)
                     room += size
                 else:
                     core.dropped()  # the spool is full: the newest go (docs/bridge.md)
@@ -539,12 +542,13 @@ class BridgeShell:
                 self._note(f"cannot write the spool in {spool.path}: {exc}; "
                            f"{len(keep)} exports dropped")
                 return
-            for seq, (data, payload) in zip(seqs, keep, strict=True):
-                self._publish(data.decode("utf-8"), payload, seq)
+            for seq, text, (data, payload) in zip(seqs, texts, keep, strict=True):
+                self._publish(text, payload, seq, len(data) + len(payload))
 
-    def _publish(self, topic: str, payload: bytes, seq: int, count: bool = True) -> None:
-        """Hand one QoS 1 export to paho (which queues it while MQTT is away)."""
-        size = len(topic) + len(payload)
+    def _publish(self, topic: str, payload: bytes, seq: int, size: int,
+                 count: bool = True) -> None:
+        """Hand one QoS 1 export (*size*: topic and payload bytes) to paho, which queues
+        it while MQTT is away."""
         if seq < 0 and (self._held_bytes + size > self.settings.max_queued_bytes
                         or len(self._outstanding) >= self.settings.max_queued):
             self.core.dropped()

@@ -190,7 +190,12 @@ class Spool:
 
     def acked(self, seq: int) -> None:
         """The MQTT broker acknowledged (or refused) record *seq*: it is done."""
-        if not self._held or seq < self._held[0][0]:
+        held = self._held
+        if not held or seq < held[0][0]:
+            return
+        if seq == held[0][0] and not self._acked_early:  # in order: the usual case
+            self.held_bytes -= held.popleft()[1]
+            self.oldest = held[0][0] if held else self.next_seq
             return
         self._acked_early.add(seq)
         while self._held and self._held[0][0] in self._acked_early:
