@@ -283,7 +283,7 @@ class BridgeShell:
                 pass  # not TCP (a unix socket): nothing to set
 
     def _on_connect(self, mq, userdata, flags, reason, properties) -> None:
-        self._connecting = False
+        self._connecting = False  # answered: a disconnect now is no TLS-port mystery
         if reason.is_failure:
             log.error("MQTT broker %s refused the connection: %s", self.broker, reason)
             return
@@ -320,14 +320,18 @@ class BridgeShell:
 
     def _on_disconnect(self, mq, userdata, flags, reason, properties) -> None:
         now = time.monotonic()
-        if self.mqtt_up:
+        if self._stopping:
+            pass  # our own goodbye
+        elif self.mqtt_up:
             log.warning("lost the MQTT broker %s: %s", self.broker, reason)
             self._broker = 0  # the first address is preferred: start there again
             self.mqtt_retry.failed(now)
-        else:
+        elif self._connecting:  # closed before any CONNACK
             hint = "" if self.settings.tls else " (a TLS port? then use mqtts://)"
             log.warning("the MQTT broker %s closed the connection before accepting it: "
                         "%s%s", self.broker, reason, hint)
+            self._next_broker(now)
+        else:  # it refused us in its CONNACK (logged by _on_connect)
             self._next_broker(now)
         self.mqtt_up = self.subscribed = self._connecting = False
 
@@ -723,6 +727,7 @@ class BridgeShell:
                 break
 
     def _close(self) -> None:
+        self._stopping = True
         if self.mq.socket() is not None:
             self.mqtt_up = False  # a goodbye, not a loss
             self.mq.disconnect()
