@@ -617,6 +617,9 @@ class BridgeShell:
         try:
             sdnotify.notify(state, nonblocking=True)
         except BlockingIOError:
+            if not self.notify_skipped:
+                log.warning("the service manager does not read its notify socket: STATUS= "
+                            "lines are skipped until it does")
             self.notify_skipped += 1
         except OSError as exc:  # the manager went away: keep bridging, say it once
             if not self._notify_failed:
