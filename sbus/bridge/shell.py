@@ -179,6 +179,7 @@ class BridgeShell:
         self._allowance = LogAllowance()
         self._props = _PackedOnce((MARKER, core.client_id))
         self._stamp_head = b""  # the stamped template without its 16 hex digits
+        self._cork: socket.socket | None = None  # the MQTT socket, when TCP (TCP_CORK)
         self.state: StateDir | None = None
         self.spool: Spool | None = None
         #: the filters a resumed MQTT session may still hold (an earlier configuration's)
@@ -276,12 +277,25 @@ class BridgeShell:
         return self.settings.brokers[self._broker]
 
     def _on_socket_open(self, mq, userdata, sock) -> None:
+        """TCP_NODELAY: a lone message goes at once, not after the peer's delayed ACK
+        (paho sets nothing); bursts are coalesced by `_corked` instead."""
+        self._cork = None
         if self.settings.nodelay:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except (OSError, AttributeError):
-                pass  # not TCP (a unix socket): nothing to set
+                return  # not TCP (a unix socket): nothing to set
+            self._cork = sock
 
+    def _corked(self, on: bool) -> None:
+        """TCP_CORK around a run of packets (a batch of exports, the PUBACKs of a read):
+        paho sends each packet by itself, which with TCP_NODELAY is a segment each; the
+        cork makes full segments of them and uncorking sends the rest at once."""
+        if self._cork is not None:
+            try:
+                self._cork.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1 if on else 0)
+            except OSError:
+                self._cork = None  # closed meanwhile: the next connection sets it again
     def _on_connect(self, mq, userdata, flags, reason, properties) -> None:
         self._connecting = False  # answered: a disconnect now is no TLS-port mystery
         if reason.is_failure:
@@ -514,6 +528,16 @@ class BridgeShell:
     def _export(self, taken: list[tuple[str, bytes, int]]) -> None:
         """Hand what was taken to paho: QoS 0 at once (dropped, counted, without a
         connection), QoS 1 through the spool (dropped, counted, when it is full)."""
+        if len(taken) > 1:
+            self._corked(True)
+            try:
+                self._export_run(taken)
+            finally:
+                self._corked(False)
+        elif taken:
+            self._export_run(taken)
+
+    def _export_run(self, taken: list[tuple[str, bytes, int]]) -> None:
         core, spool, props = self.core, self.spool, self._props
         keep: list[tuple[bytes, bytes]] = []
         texts: list[str] = []  # the topics of *keep*, as paho takes them
@@ -702,6 +726,7 @@ class BridgeShell:
         if sock is not None and sock in writable:
             self.mq.loop_write()
         if sock is not None and (sock in readable or pending):
+            self._corked(True)  # the PUBACKs of this read, coalesced
             try:
                 self._read_mqtt()
             except MALFORMED as exc:  # paho could not parse what the broker sent
@@ -710,6 +735,8 @@ class BridgeShell:
                 self.mqtt_up = self.subscribed = False
                 self._broken = True  # reconnect() replaces the socket and paho's state
                 self.mqtt_retry.failed(time.monotonic())
+            finally:
+                self._corked(False)
         if self.bus is not None and self.bus in readable:
             self._read_bus()
         if self.mq.socket() is not None:
