@@ -63,6 +63,8 @@ WINDOW = 100
 BUS_TIMEOUT = 5.0
 #: Seconds between STATUS= updates at most (one is sent when the line changed).
 STATUS_EVERY = 0.5
+#: Seconds between writes of the spool's acknowledgements at most (not one per turn).
+ACK_EVERY = 0.05
 #: MQTT packets processed per turn of the loop (keeps both sides served).
 READ_TURN = 512
 #: MQTT's largest packet, unless the broker says less (CONNACK Maximum Packet Size).
@@ -673,7 +675,7 @@ class BridgeShell:
 
     def _serve(self, wake_r: socket.socket) -> None:
         ready = False
-        next_status, last = 0.0, ""
+        next_status, next_ack, last = 0.0, 0.0, ""
         while not self._stopping:
             now = time.monotonic()
             if self.bus is None and now >= self.bus_retry.next_at:
@@ -685,8 +687,9 @@ class BridgeShell:
                 self._notify(f"READY=1\nSTATUS={self.status()}")
                 ready = True
             self._turn(wake_r)
-            if self.spool is not None:
-                self.spool.flush()
+            if self.spool is not None and now >= next_ack:
+                self.spool.flush()  # acknowledgements since: a crash sends those again,
+                next_ack = now + ACK_EVERY  # and receiving bridges drop the copies
             self._log_refusals()
             now = time.monotonic()
             if now >= next_status and self.status() != last:
