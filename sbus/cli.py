@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "request": ("sbus.cmd.request", "send a request and print the reply"),
     "reply": ("sbus.cmd.reply", "answer requests by running a command for each"),
     "completion": ("sbus.cmd.completion", "print a shell completion script (bash or zsh)"),
-    "bridge": ("sbus.bridge.cli", "join the bus to an MQTT broker"),
+    "bridge": ("sbus.cmd.bridge", "join the bus to an MQTT broker"),
 }
 
 

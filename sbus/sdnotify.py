@@ -18,9 +18,10 @@ __all__ = ["notify", "barrier", "listen_fds", "LISTEN_FDS_START"]
 LISTEN_FDS_START = 3
 
 
-def notify(state: str, fds: Sequence[int] = ()) -> bool:
+def notify(state: str, fds: Sequence[int] = (), nonblocking: bool = False) -> bool:
     """Send *state* (``READY=1``, ``STATUS=…``, ``FDSTORE=1\\nFDNAME=x``…) to the service
-    manager, with *fds* attached; False when not run by one."""
+    manager, with *fds* attached; False when not run by one.  *nonblocking*: raise
+    `BlockingIOError` rather than wait while the manager's socket is full."""
     path = os.environ.get("NOTIFY_SOCKET")
     if not path:
         return False
@@ -28,6 +29,8 @@ def notify(state: str, fds: Sequence[int] = ()) -> bool:
         path = "\0" + path[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
         s.connect(path)
+        if nonblocking:
+            s.setblocking(False)
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
         s.sendmsg([state.encode()], rights if fds else [])
     return True

@@ -10,6 +10,7 @@ The namespaces are private, so these addresses meet nothing outside the test.
 from __future__ import annotations
 
 import os
+import re
 import select
 import socket
 import subprocess
@@ -78,8 +79,13 @@ class Peer:
         self.got: list[tuple[str, bytes, list]] = []
         self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"peer-{uuid.uuid4().hex}",
                              protocol=mqtt.MQTTv5, transport="unix")
-        self.c.on_message = lambda c, u, m: self.got.append(
-            (m.topic, m.payload, getattr(m.properties, "UserProperty", [])))
+        self.qos: dict[str, int] = {}  # topic -> QoS of its last delivery
+
+        def take(c, u, m) -> None:
+            self.qos[m.topic] = m.qos
+            self.got.append((m.topic, m.payload, getattr(m.properties, "UserProperty", [])))
+
+        self.c.on_message = take
         if auth:
             self.c.username_pw_set(*auth)
         self.c.connect(sock, 1)  # the port is ignored for a unix socket
@@ -105,6 +111,7 @@ class Bridge:
                  netns: str | None = None) -> None:
         self.address, self.mqtt_url, self.args, self.netns = address, mqtt_url, args, netns
         self.notify_path = str(tmp / f"{name}.notify")
+        self.state_dir = str(tmp / f"{name}.state")
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(self.notify_path)
         self.notify.setblocking(False)
@@ -113,8 +120,9 @@ class Bridge:
         self.last_status = ""
 
     def start(self, wait: bool = True) -> Bridge:
-        cmd = [*SBUS, "-vv", "bridge", "--address", self.address, "--mqtt", self.mqtt_url,
-               "--backoff-max", "0.5", *self.args]
+        cmd = [*SBUS, "-vv", "bridge", "--address", self.address,
+               *(["--mqtt", self.mqtt_url] if self.mqtt_url else []),
+               "--backoff-max", "0.5", "--state-dir", self.state_dir, *self.args]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self.status()  # what the last process said is no news about this one
@@ -169,8 +177,13 @@ class Bridge:
 
 
 def _counters(status: str) -> dict[str, int]:
-    text = status.split("; ", 1)[1]
-    return {k: int(v) for k, v in (item.rsplit(" ", 1) for item in text.split(", "))}
+    """``exported 3 (120 B), …`` -> {"exported": 3, "exported_bytes": 120, …}."""
+    out = {}
+    for name, count, size in re.findall(r"(\w+) (\d+)(?: \((\d+) B\))?", status.split("; ", 1)[1]):
+        out[name] = int(count)
+        if size:
+            out[name + "_bytes"] = int(size)
+    return out
 
 
 class Hosts:

@@ -107,7 +107,7 @@ def test_export_import_refusals_and_status(hosts: Hosts) -> None:
     while True:
         shown = subprocess.run([*SBUS, "status", "--address", bus], capture_output=True,
                                text=True, timeout=30).stdout
-        if "status: bus up, mqtt up;" in shown and "imported 1" in shown:
+        if "status: bus up, mqtt up at 10.77.1.1:1883;" in shown and "imported 1" in shown:
             break
         assert time.monotonic() < deadline, shown
         time.sleep(0.1)
@@ -250,7 +250,7 @@ def test_mqtt_broker_restart(persistent_hosts: Hosts, qos: int) -> None:
 
 def test_bridge_unit_under_a_user_manager(short_tmp) -> None:
     """sbus-bridge@NAME.service as install-units writes it, under a real systemd user
-    manager: options from %E/sbus/bridge-NAME.conf, READY=1, counters in StatusText."""
+    manager: settings from %E/sbus/bridge-NAME.toml, READY=1, counters in StatusText."""
     from systemd_usermgr import UserManager
 
     port = _free_port()
@@ -258,10 +258,14 @@ def test_bridge_unit_under_a_user_manager(short_tmp) -> None:
     base = Path(tempfile.mkdtemp(prefix="sbus-um-", dir="/tmp"))
     manager = UserManager(base).start()
     try:
+        if os.environ.get("PYTHONPATH"):  # a checkout under test, not the installed copy
+            manager.env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+            manager.systemctl("set-environment", f"PYTHONPATH={os.environ['PYTHONPATH']}")
         manager.run(str(Path(sys.executable).parent / "sbus"), "install-units", "--user")
         (manager.config / "sbus").mkdir()
-        (manager.config / "sbus" / "bridge-t.conf").write_text(
-            f"BRIDGE_ARGS=--mqtt mqtt://127.0.0.1:{port} --export unit/ --client-id u\n")
+        (manager.config / "sbus" / "bridge-t.toml").write_text(
+            f'mqtt = "mqtt://127.0.0.1:{port}"\nclient-id = "u"\n'
+            '[[export]]\npatterns = ["unit/"]\n')
         manager.systemctl("start", "sbus.socket", "sbus-bridge@t.service")
         peer = Peer(broker.sock, ["#"])
         publish(str(manager.runtime / "sbus.socket"), [("unit/x", b"1"), ("unit/a+b", b"2")])
@@ -270,7 +274,8 @@ def test_bridge_unit_under_a_user_manager(short_tmp) -> None:
                                                          "StatusText")["StatusText"]):
             assert time.monotonic() < deadline, status
             time.sleep(0.1)
-        assert status.startswith("bus up, mqtt up; exported 1, imported 0, dropped 0, refused 1")
+        assert status.startswith(f"bus up, mqtt up at 127.0.0.1:{port}; exported 1 (7 B), "
+                                 "imported 0 (0 B), dropped 0, refused 1")
         assert [(t, p) for t, p, _ in peer.got] == [("unit/x", b"1")]
         peer.close()
         manager.systemctl("stop", "sbus-bridge@t.service", "sbus.socket", "sbus.service")

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from paho.mqtt.client import topic_matches_sub
 
-from sbus.bridge.core import Backoff, BridgeCore
+from sbus.bridge.core import BridgeCore, Rule, covers
+from sbus.bridge.shell import Retry
 from sbus.bridge.topics import ConfigError, Mapping, to_filter, topic_problem
 from sbus.routing import matches
 
@@ -180,9 +181,28 @@ def test_echoes_the_broker_dropped_are_forgotten_when_a_later_one_returns() -> N
     c = core(exports=[b""], imports=[b""])
     for i in range(5):
         c.from_mqtt(b"k%d" % i, b"v", "peer")
+    c.bus_dropped(3)                            # the broker reports drops: k0..k4 may be gone
+    c.from_mqtt(b"k5", b"v", "peer")            # made after the report: not forgettable
+    c.from_mqtt(b"k6", b"v", "peer")
     assert c.from_bus(b"k3", b"v") is None      # k0..k2 were dropped by the broker
     assert c.from_bus(b"k0", b"v") == "k0"      # so this is a new local message
-    assert c.from_bus(b"k4", b"v") is None
+    assert c.from_bus(b"k6", b"v") == "k6"      # k5's echo must come first: a local one
+    assert c.from_bus(b"k5", b"v") is None      # k4 may be gone (it was there at the report)
+    assert c.from_bus(b"k6", b"v") is None
+    assert c.counters.dropped == 3
+
+
+def test_a_local_message_like_a_later_import_is_no_echo() -> None:
+    """Two hosts publish the same key and payload at once (issue 25: 1,003 instead of
+    1,000): with no drop reported, only the oldest remembered import can be echoed, so a
+    local twin of a later one goes out and every real echo is still recognised."""
+    c = core(exports=[b""], imports=[b""])
+    for i in range(3):
+        assert c.from_mqtt(b"k", b"%d" % i, "peer") == b"k"
+    assert c.from_bus(b"k", b"2") == "k"        # local, published before the echoes came
+    for i in range(3):
+        assert c.from_bus(b"k", b"%d" % i) is None
+    assert c.counters.looped == 3
 
 
 def test_full_echo_memory_drops_rather_than_risk_a_loop() -> None:
@@ -211,12 +231,14 @@ def test_status_line_counts() -> None:
     c.imported()
     c.dropped(5)
     c.refused_by_broker()
-    assert c.status() == ("exported 1, imported 1, dropped 5, refused 1, looped 0, "
-                          "filtered 0")
+    assert c.status() == ("exported 1 (0 B), imported 1 (0 B), dropped 5, refused 1, "
+                          "looped 0, filtered 0, resent 0, duplicates 0")
+    c.exported(10)
+    assert c.status().startswith("exported 2 (10 B)")
 
 
 def test_backoff_doubles_caps_and_starts_over_after_a_stable_connection() -> None:
-    b = Backoff(1.0, 8.0, stable=10.0)
+    b = Retry(1.0, 8.0, stable=10.0)
     delays = [b.failed(0.0) for _ in range(6)]
     for d, base in zip(delays, [1, 2, 4, 8, 8, 8], strict=True):
         assert base / 2 <= d <= base
@@ -225,3 +247,99 @@ def test_backoff_doubles_caps_and_starts_over_after_a_stable_connection() -> Non
     b.up(200.0)
     assert b.failed(215.0) <= 1.0      # up 15 s: starts over
     assert b.next_at >= 215.0
+
+
+def test_overlapping_filters_subscribe_once_with_the_higher_qos() -> None:
+    """The broker sends one copy per matching subscription: a covered filter is left out."""
+    c = core(exports=[], imports=[b"a/", b"a/*/c", b"b/x"],
+             import_rules=(Rule((b"b/*",), Mapping(), 0), Rule((b"a/x",), Mapping(), 1)))
+    assert c.mqtt_subscriptions() == [("a/#", 1), ("b/+", 1)]
+    assert covers("#", "a") and covers("a/#", "a") and not covers("a/+", "a/#")
+    assert not covers("a/+", "a") and covers("+/+", "a/b") and not covers("a", "a/#")
+
+
+def test_several_maps_per_direction_each_with_its_qos() -> None:
+    c = core(exports=[], imports=[],
+             export_rules=(Rule((b"s/",), Mapping.parse("s/=site/h/s/"), 1),
+                           Rule((b"log/",), Mapping.parse("log/=site/h/log/"), 0)),
+             import_rules=(Rule((b"fleet/",), Mapping.parse("fleet/=site/"), 1),
+                           Rule((b"cmd/",), Mapping.parse("cmd/=ctl/h/"), 0)))
+    assert (c.from_bus(b"s/t", b"1"), c.last_qos) == ("site/h/s/t", 1)
+    assert (c.from_bus(b"log/x", b"1"), c.last_qos) == ("site/h/log/x", 0)
+    assert c.from_mqtt(b"site/b/s/t", b"1", None) == b"fleet/b/s/t"
+    assert c.from_mqtt(b"ctl/h/go", b"1", None) == b"cmd/go"
+    assert c.from_mqtt(b"ctl/other/go", b"1", None) is None
+    assert c.mqtt_subscriptions() == [("site/#", 1), ("ctl/h/#", 0)]
+
+
+# -- nothing from MQTT raises (issue 28 item 4) -------------------------------------------
+
+_topic_bytes = st.one_of(
+    st.binary(max_size=40),
+    st.lists(st.sampled_from([b"a", b"in", b"site", b"!", b"+", b"#", b"\xff", b"", b"\x00",
+                              b"$SYS", b"x" * 300]), max_size=6).map(b"/".join))
+
+
+@given(_topic_bytes, st.binary(max_size=64), st.one_of(st.none(), st.text(max_size=8)))
+def test_from_mqtt_never_raises_and_imports_only_what_it_may(topic, payload, marker) -> None:
+    c = core(exports=[b"in/"], imports=[b"in/", b"a/*/x"],
+             import_rules=(Rule((b"site/",), Mapping.parse("site/=remote/"), 0),))
+    key = c.from_mqtt(topic, payload, marker)
+    counted = sum(vars(c.counters).values())
+    if key is None:
+        assert counted == 1          # filtered, refused, looped or dropped: counted once
+    else:
+        assert any(matches(p, key) for p in (b"in/", b"a/*/x", b"site/"))
+        assert not key.startswith(b"!/") and counted == 0
+
+
+@given(st.lists(st.tuples(st.binary(max_size=80), st.binary(max_size=40),
+                          st.lists(st.tuples(st.text(max_size=12), st.text(max_size=12)),
+                                   max_size=3)), max_size=20))
+def test_the_shell_takes_any_mqtt_message_without_raising(messages) -> None:
+    """The paho callback with any topic bytes (not UTF-8 too), payload and user properties:
+    it never raises (paho would end the loop) and counts each message exactly once."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    from sbus.bridge.shell import BridgeShell, Broker, MqttSettings
+
+    c = core(exports=[b""], imports=[b""])
+    shell = BridgeShell(c, "/nonexistent", MqttSettings([Broker("127.0.0.1", 1)]))
+    for topic, payload, user in messages:
+        msg = mqtt.MQTTMessage(1, topic)
+        msg.payload = payload
+        msg.properties = Properties(PacketTypes.PUBLISH)
+        if user:
+            msg.properties.UserProperty = user
+        shell._on_message(shell.mq, None, msg)
+    n = c.counters
+    assert n.filtered + n.refused + n.looped + n.dropped + n.imported == len(messages)
+
+
+def test_a_stamp_seen_before_is_a_duplicate() -> None:
+    """A bridge's spooled exports carry EPOCH.SEQ; what it sends again after a crash or a
+    reconnect (numbers not above the last seen) is dropped here and counted."""
+    c = core(exports=[], imports=[b""])
+    assert c.from_mqtt(b"k", b"1", "a", f"e1.{1:016x}") == b"k"
+    assert c.from_mqtt(b"k", b"2", "a", f"e1.{2:016x}") == b"k"
+    assert c.from_mqtt(b"k", b"1", "a", f"e1.{1:016x}") is None     # sent again
+    assert c.from_mqtt(b"k", b"2", "a", f"e1.{2:016x}") is None
+    assert c.from_mqtt(b"k", b"1", "b", f"e1.{1:016x}") == b"k"     # another sender
+    assert c.from_mqtt(b"k", b"0", "a", f"e2.{0:016x}") == b"k"     # a new spool
+    assert c.from_mqtt(b"k", b"x", "a", "garbage") == b"k"          # unreadable: kept
+    assert c.from_mqtt(b"k", b"x", None, f"e1.{1:016x}") == b"k"    # no sender: kept
+    assert c.counters.duplicates == 2 and c.counters.imported == 0
+
+
+def test_the_mqtt_socket_gets_tcp_nodelay() -> None:
+    """paho sets no TCP_NODELAY: QoS 0 streams then wait on delayed ACKs (issue 26)."""
+    import socket
+
+    from sbus.bridge.shell import BridgeShell, Broker, MqttSettings
+
+    shell = BridgeShell(core(), "/nonexistent", MqttSettings([Broker("127.0.0.1", 1)]))
+    with socket.socket() as s:
+        shell._on_socket_open(shell.mq, None, s)
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)

@@ -17,7 +17,11 @@ the bridge should sustain), and --light messages at 1,000 msg/s (latency).
 Paths take turns, --runs times; medians are printed, with the added latency of each
 bridge (its p50 minus the baseline's).
 
+``--baseline DIR`` adds ``sbus-export@base`` and ``sbus-import@base``: the same paths with
+the sbus of another checkout (e.g. /work/main), for a before/after ratio in one run.
+
 Usage: tools/bench_bridge.py [--count N] [--steady RATE] [--light N] [--runs R] [--qos 0|1]
+                             [--baseline DIR] [--paths PATH,…]
 Results belong in docs/performance.md with the command and the machine's load.
 """
 
@@ -61,11 +65,12 @@ def wait_for(what: str, ok, timeout: float = 15.0) -> None:
 class Stack:
     """The processes of one path, started in a private directory and stopped together."""
 
-    def __init__(self, path: str, tmp: Path, qos: int) -> None:
+    def __init__(self, path: str, tmp: Path, qos: int, baseline: str | None = None) -> None:
         self.tmp = tmp
+        self.code = baseline if path.endswith("@base") else None
         self.procs: list[subprocess.Popen] = []
         try:
-            self._start(path, qos)
+            self._start(path.removesuffix("@base"), qos)
         except BaseException:
             self.stop()
             raise
@@ -85,16 +90,21 @@ class Stack:
             wait_for("mosquitto's bridge", lambda: "as to-m2 (" in log.read_text())
         elif path in ("sbus-export", "sbus-import"):
             bus = str(tmp / "bus.sock")
-            self._spawn("bus", [sys.executable, "-m", "sbus.cli", "serve", "--address", bus])
+            env = {**os.environ, "PYTHONPATH": self.code or str(bench.ROOT)}
+            self._spawn("bus", [sys.executable, "-m", "sbus.cli", "serve", "--address", bus],
+                        env=env)
             wait_for("sbus serve", lambda: os.path.exists(bus))
             notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             notify.bind(str(tmp / "notify"))
             side = ["--export", ""] if path == "sbus-export" else ["--import", ""]
+            code = Path(self.code or bench.ROOT)
+            if (code / "sbus" / "bridge" / "spool.py").exists():  # a bridge with a spool
+                side += ["--state-dir", str(tmp / "state")]
             self._spawn("bridge", [sys.executable, "-m", "sbus.cli", "bridge", "--address",
                                    bus, "--mqtt", f"mqtt://127.0.0.1:{port}", *side,
                                    "--export-qos", str(qos), "--import-qos", str(qos),
                                    "--session-expiry", "0", "--client-id", f"bench{port}"],
-                        env={**os.environ, "NOTIFY_SOCKET": str(tmp / "notify")})
+                        env={**env, "NOTIFY_SOCKET": str(tmp / "notify")})
             notify.settimeout(15)
             while b"mqtt up" not in notify.recv(4096):
                 pass
@@ -107,7 +117,10 @@ class Stack:
 
     def _spawn(self, name: str, cmd: list[str], env=None) -> None:
         with open(self.tmp / f"{name}.log", "ab") as log:
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, env=env))
+            # cwd: not a checkout, so that PYTHONPATH decides which sbus runs (-m puts the
+            # working directory first on the path)
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, env=env,
+                                               cwd=self.tmp))
 
     def _mosquitto(self, name: str, extra: list[str]) -> str:
         sock = str(self.tmp / f"{name}.sock")
@@ -155,13 +168,19 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--qos", type=int, choices=(0, 1), default=0,
                     help="QoS of the sbus bridge's MQTT leg (default 0, as mosquitto's)")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="also run the sbus paths with the sbus of checkout DIR (@base)")
+    ap.add_argument("--paths", help="comma-separated subset of the paths to run")
     args = ap.parse_args()
     _, lg = bench.build()
-    results: dict[str, list[tuple[dict, dict, dict]]] = {p: [] for p in PATHS}
+    paths = PATHS + (["sbus-export@base", "sbus-import@base"] if args.baseline else [])
+    if args.paths:
+        paths = [p for p in paths if p in args.paths.split(",")]
+    results: dict[str, list[tuple[dict, dict, dict]]] = {p: [] for p in paths}
     for run in range(args.runs):
-        for path in PATHS:
+        for path in paths:
             with tempfile.TemporaryDirectory(prefix="sbus-bb-") as d:
-                stack = Stack(path, Path(d), args.qos)
+                stack = Stack(path, Path(d), args.qos, args.baseline)
                 try:
                     burst = measure(lg, stack, args.count, 0)
                     steady = measure(lg, stack, args.steady * 3, args.steady)
@@ -180,8 +199,9 @@ def main() -> int:
     print(f"| path | burst msg/s | burst lost | lost at {args.steady:,} msg/s | p50 µs "
           "| p99 µs | added p50 µs |")
     print("|---|---|---|---|---|---|---|")
-    base = statistics.median(light["p50_us"] for _, _, light in results["mqtt-direct"])
-    for path in PATHS:
+    base = (statistics.median(light["p50_us"] for _, _, light in results["mqtt-direct"])
+            if results.get("mqtt-direct") else 0.0)
+    for path in paths:
         runs = results[path]
         rate = statistics.median(b["rate"] for b, _, _ in runs)
         lost = statistics.median(1 - b["recv"] / args.count for b, _, _ in runs)

@@ -6,37 +6,42 @@ The shell feeds it every message from either side and carries out the answer:
 * ``from_mqtt(topic, payload, marker)`` -> the local key to publish, or None (refused,
   filtered, or our own message come back).
 
-No loops, in two layers.  On MQTT every message the bridge publishes carries a user
-property ``sbus-bridge: <client id>`` (`MARKER`) and the bridge subscribes with No Local;
-a message that still comes back with our own marker (through a broker bridge or a
-cluster, where No Local does not reach) is dropped and counted as ``looped``.  On the bus
+No loops, in two layers. On MQTT every message the bridge publishes carries a user
+property ``sbus-bridge: <client id>`` (`MARKER`) and the bridge subscribes with No
+Local; a message that still comes back with our own marker (through a broker bridge or a
+cluster, where No Local does not reach) is dropped and counted as ``looped``. On the bus
 the bridge sees its own imports again if an export pattern matches them: it remembers
 each such import (key and payload hash, in the order published, bounded) and drops the
-first identical message from the bus; a single connection's messages come back in
-order, so older entries left unmatched (the broker dropped them for us) are forgotten as
-soon as a later one returns.  While the memory is full, imports that would need an entry
-are dropped (counted) rather than risking a loop.  The memory is bounded in entries and
-in the bytes of their keys (`ECHO_LIMIT`, `ECHO_BYTES`).
+first identical message from the bus; a single connection's messages come back in order,
+so only the oldest entry can match; only after the broker reported dropping messages for
+the bridge (``blocking/dropped``) may entries older than a match be forgotten (their
+echo was perhaps dropped), and only those remembered when the report came. While the
+memory is full, imports that would need an entry are dropped (counted) rather than
+risking a loop. The memory is bounded in entries and in the bytes of their keys
+(`ECHO_LIMIT`, `ECHO_BYTES`).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from dataclasses import dataclass, fields
+from collections import Counter, OrderedDict, deque
+from dataclasses import asdict, dataclass, fields
 
 from ..display import brief
 from ..routing import matches
-from ..session import Backoff as Delays
 from . import topics
 from .topics import Filter, Mapping
 
-__all__ = ["BridgeCore", "Counters", "Backoff", "MARKER", "ECHO_LIMIT"]
+__all__ = ["BridgeCore", "Rule", "Counters", "MARKER", "STAMP", "ECHO_LIMIT", "covers"]
 
 #: The MQTT 5 user property every message published by an sbus bridge carries.
 MARKER = "sbus-bridge"
+#: The user property of a spooled (QoS 1) export: ``EPOCH.SEQ`` (hex), increasing per
+#: spool, so that a receiving bridge recognises what a restarted or reconnected sender
+#: sent again.
+STAMP = "sbus-seq"
+#: Senders whose last stamp is remembered (least recently heard forgotten first).
+STAMP_SENDERS = 4096
 IDENTITY = Mapping()
-#: A connection that stayed up this long (seconds) resets its side's backoff.
-STABLE_AFTER = 10.0
 #: Imports remembered to recognise their echo from the bus (bounds memory and loops),
 #: and the bytes of their keys at most.
 ECHO_LIMIT = 65536
@@ -53,19 +58,73 @@ class Counters:
     refused: int = 0    # a key the other side cannot carry (topics.py), or a broker's no
     looped: int = 0     # our own message come back, not forwarded again
     filtered: int = 0   # arrived from MQTT but matches no import pattern
+    resent: int = 0     # taken from the spool after a restart: sent again (may be twice)
+    duplicates: int = 0  # arrived again from a bridge (its stamp seen before): not imported
+    exported_bytes: int = 0  # topic + payload bytes of the exported messages
+    imported_bytes: int = 0  # key + payload bytes of the imported messages
 
     def line(self) -> str:
-        return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in fields(self))
+        out = []
+        for f in fields(self):
+            if f.name.endswith("_bytes"):
+                continue
+            text = f"{f.name} {getattr(self, f.name)}"
+            size = getattr(self, f.name + "_bytes", None)
+            out.append(text if size is None else f"{text} ({size} B)")
+        return ", ".join(out)
+
+    def saved(self) -> dict[str, int]:
+        return asdict(self)
+
+    def restore(self, saved: dict) -> None:
+        """The counters of the bridge's last run (`spool.StateDir`), where they make sense."""
+        for f in fields(self):
+            value = saved.get(f.name)
+            if isinstance(value, int) and value >= 0:
+                setattr(self, f.name, value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One map of one direction (a ``[[export]]`` or ``[[import]]`` table of --config):
+    local *patterns*, the prefix *mapping*, the MQTT *qos*."""
+
+    patterns: tuple[bytes, ...]
+    mapping: Mapping = Mapping()
+    qos: int = 1
 
 
 class BridgeCore:
+    """*exports*/*imports* with *export_map*/*import_map* and their QoS are the command
+    line's one rule per direction; *export_rules*/*import_rules* add more (--config).  An
+    exported key takes the first export rule whose pattern matches it; an MQTT topic the
+    first import rule that maps it to a key its patterns match."""
+
     def __init__(self, exports: list[bytes], imports: list[bytes], *,
                  export_map: Mapping = IDENTITY, import_map: Mapping = IDENTITY,
+                 export_qos: int = 1, import_qos: int = 1,
+                 export_rules: tuple[Rule, ...] = (), import_rules: tuple[Rule, ...] = (),
                  client_id: str = "sbus-bridge", echo_limit: int = ECHO_LIMIT,
                  echo_bytes: int = ECHO_BYTES) -> None:
-        self.export_map, self.import_map = export_map, import_map
-        self.exports = [topics.check_export(p, export_map) for p in exports]
-        self.filters: list[Filter] = [topics.to_filter(p, import_map) for p in imports]
+        out = ([Rule(tuple(exports), export_map, export_qos)] if exports else []) + \
+            list(export_rules)
+        into = ([Rule(tuple(imports), import_map, import_qos)] if imports else []) + \
+            list(import_rules)
+        #: (pattern, mapping, qos) per export pattern, in order
+        self.export_rules = [(topics.check_export(p, r.mapping), r.mapping, r.qos)
+                             for r in out for p in r.patterns]
+        self.exports = [p for p, _, _ in self.export_rules]
+        #: (filter, mapping, qos) per import pattern, in order
+        self.import_rules = [(topics.to_filter(p, r.mapping), r.mapping, r.qos)
+                             for r in into for p in r.patterns]
+        self.filters: list[Filter] = [f for f, _, _ in self.import_rules]
+        self._one_export = len({(m, q) for _, m, q in self.export_rules}) <= 1
+        self._one_import = len({m for _, m, _ in self.import_rules}) <= 1
+        self.export_map = self.export_rules[0][1] if self.export_rules else IDENTITY
+        self.import_map = self.import_rules[0][1] if self.import_rules else IDENTITY
+        #: the QoS of the topic `from_bus` returned last
+        self.last_qos = self.export_rules[0][2] if self.export_rules else 1
+        self.export_qos_levels = {q for _, _, q in self.export_rules}
         self.client_id = client_id
         self.counters = Counters()
         self.echo_limit, self.echo_bytes = echo_limit, echo_bytes
@@ -73,6 +132,8 @@ class BridgeCore:
         self._echo: deque[tuple[bytes, int]] = deque()
         self._echo_count: Counter[tuple[bytes, int]] = Counter()
         self._echo_keys: Counter[bytes] = Counter()
+        self._maybe_gone = 0  # oldest entries remembered when the broker reported drops
+        self._stamps: OrderedDict[str, tuple[str, int]] = OrderedDict()  # sender -> last
         #: refusals (quoted key: why) for the shell to log, newest kept
         self.refusals: deque[str] = deque(maxlen=64)
 
@@ -82,7 +143,17 @@ class BridgeCore:
         return list(dict.fromkeys(self.exports))
 
     def mqtt_filters(self) -> list[str]:
-        return list(dict.fromkeys(f.mqtt for f in self.filters))
+        return [f for f, _ in self.mqtt_subscriptions()]
+
+    def mqtt_subscriptions(self) -> list[tuple[str, int]]:
+        """One MQTT filter per import with its QoS, minus those another one covers (which
+        takes the higher QoS): the broker sends a message once per matching subscription,
+        so overlapping ones would deliver it twice."""
+        qos: dict[str, int] = {}
+        for f, _, q in self.import_rules:
+            qos[f.mqtt] = max(q, qos.get(f.mqtt, 0))
+        kept = [f for f in qos if not any(g != f and covers(g, f) for g in qos)]
+        return [(f, max(q for g, q in qos.items() if covers(f, g))) for f in kept]
 
     # -- bus -> MQTT -------------------------------------------------------------
 
@@ -93,7 +164,15 @@ class BridgeCore:
             return None
         if key.startswith(topics.SECRET):
             return self._refuse(key, "secret keys never leave the host")
-        topic = self.export_map.to_remote(key)
+        if self._one_export:
+            topic = self.export_map.to_remote(key)
+        else:
+            topic = None
+            for pattern, mapping, qos in self.export_rules:
+                if matches(pattern, key):
+                    topic = mapping.to_remote(key)
+                    self.last_qos = qos
+                    break
         if topic is None:
             return self._refuse(key, "not under the local prefix of --export-map")
         problem = topics.topic_problem(topic)
@@ -101,18 +180,33 @@ class BridgeCore:
             return self._refuse(key, problem)
         return topic.decode("utf-8")
 
-    def exported(self) -> None:
+    def exported(self, size: int = 0) -> None:
         self.counters.exported += 1
+        self.counters.exported_bytes += size
 
     # -- MQTT -> bus -------------------------------------------------------------
 
-    def from_mqtt(self, topic: bytes, payload: bytes, marker: str | None) -> bytes | None:
+    def from_mqtt(self, topic: bytes, payload: bytes, marker: str | None,
+                  stamp: str | None = None) -> bytes | None:
         """The local key to publish this MQTT message on, or None (counted)."""
         if marker == self.client_id:
             self.counters.looped += 1
             return None
-        key = self.import_map.to_local(topic)
-        if key is None or not any(f.matches(key) for f in self.filters):
+        if stamp is not None and marker is not None and self._seen_before(marker, stamp):
+            self.counters.duplicates += 1
+            return None
+        if self._one_import:
+            key = self.import_map.to_local(topic)
+            if key is not None and not any(f.matches(key) for f in self.filters):
+                key = None
+        else:
+            key = None
+            for f, mapping, _ in self.import_rules:
+                local = mapping.to_local(topic)
+                if local is not None and f.matches(local):
+                    key = local
+                    break
+        if key is None:
             self.counters.filtered += 1
             return None
         problem = topics.local_problem(key)
@@ -130,8 +224,9 @@ class BridgeCore:
             self._echo_keys[key] += 1
         return key
 
-    def imported(self) -> None:
+    def imported(self, size: int = 0) -> None:
         self.counters.imported += 1
+        self.counters.imported_bytes += size
 
     # -- losses ------------------------------------------------------------------
 
@@ -139,6 +234,12 @@ class BridgeCore:
         """*n* messages lost: the broker said ``blocking/dropped``, a side was down, or a
         queue was full."""
         self.counters.dropped += n
+
+    def bus_dropped(self, n: int) -> None:
+        """The local broker dropped *n* messages for the bridge: perhaps echoes of imports
+        remembered now, which then never come back (module docstring)."""
+        self.counters.dropped += n
+        self._maybe_gone = len(self._echo)
 
     def refused_by_broker(self) -> None:
         """A broker said no to a message already counted as handed over: the local one
@@ -151,15 +252,26 @@ class BridgeCore:
         self._echo_held = 0
         self._echo_count.clear()
         self._echo_keys.clear()
+        self._maybe_gone = 0
 
     # -- internals ---------------------------------------------------------------
 
     def _take_echo(self, key: bytes, digest: int) -> bool:
+        """Is this message from the bus the echo of a remembered import?  Echoes return in
+        the order the imports were published, so it must be the oldest entry, or one after
+        entries whose echo the broker may have dropped (reported since they were made)."""
         entry = (key, digest)
         if not self._echo_count.get(entry):
             return False
-        while True:  # entries before it were dropped by the broker: they never return
+        if self._echo[0] != entry:
+            for i in range(min(self._maybe_gone, len(self._echo) - 1)):
+                if self._echo[i + 1] == entry:
+                    break
+            else:
+                return False  # a local message that looks like a later import: not an echo
+        while True:
             old = self._echo.popleft()
+            self._maybe_gone = max(0, self._maybe_gone - 1)
             self._echo_held -= len(old[0])
             self._echo_count[old] -= 1
             if not self._echo_count[old]:
@@ -170,6 +282,26 @@ class BridgeCore:
             if old == entry:
                 return True
 
+    def _seen_before(self, sender: str, stamp: str) -> bool:
+        """Has *sender* sent this stamp (or a later one of the same epoch) before?  A
+        bridge's spooled exports reach us in the order of their numbers; a number not
+        above the last one is a copy sent again after a reconnect or a restart."""
+        epoch, _, number = stamp.partition(".")
+        if len(number) > 16:
+            return False
+        try:
+            seq = int(number, 16)
+        except ValueError:
+            return False  # not a stamp we can read: never a reason to drop
+        last = self._stamps.get(sender)
+        if last is not None and last[0] == epoch and seq <= last[1]:
+            return True
+        self._stamps[sender] = (epoch, seq)
+        self._stamps.move_to_end(sender)
+        if len(self._stamps) > STAMP_SENDERS:
+            self._stamps.popitem(last=False)
+        return False
+
     def _refuse(self, key: bytes, why: str) -> None:  # returns None for the callers
         self.counters.refused += 1
         self.refusals.append(f"{brief(key)}: {why}")
@@ -179,24 +311,13 @@ class BridgeCore:
         return self.counters.line()
 
 
-class Backoff:
-    """When to try a side again: one policy for both (equal jitter, doubling from *first*
-    to *maximum*); a connection that stayed up `stable` seconds starts it over."""
 
-    def __init__(self, first: float, maximum: float, stable: float = STABLE_AFTER) -> None:
-        self.stable = stable
-        self.delays = Delays(first, maximum)  # sbus.session's policy, used by every client
-        self.next_at = 0.0
-        self._up_at: float | None = None
-
-    def up(self, now: float) -> None:
-        self._up_at = now
-
-    def failed(self, now: float) -> float:
-        """A connection attempt failed or a connection broke: the delay until the next."""
-        if self._up_at is not None and now - self._up_at >= self.stable:
-            self.delays.reset()
-        self._up_at = None
-        delay = self.delays.next()
-        self.next_at = now + delay
-        return delay
+def covers(wide: str, narrow: str) -> bool:
+    """Does MQTT filter *wide* match every topic that filter *narrow* matches?"""
+    a, b = wide.split("/"), narrow.split("/")
+    for i, level in enumerate(a):
+        if level == "#":
+            return True  # also matches the parent level, as narrow's own '#' does
+        if i >= len(b) or b[i] == "#" or (level != "+" and level != b[i]):
+            return False
+    return len(a) == len(b)

@@ -1,0 +1,253 @@
+"""The bridge's state on disk, so that a crash (``kill -9``) loses nothing it had taken.
+
+* **The export spool**: every QoS 1 message taken from the bus is appended here before it
+  is handed to paho, and stays until the MQTT broker acknowledges it.  A restarted bridge
+  publishes what is left again (counted as ``resent``: those the broker had acknowledged
+  just before the crash arrive twice, the rest once).  Writes go to the page cache (one
+  ``write`` per batch, no ``fsync``): a crash of the process keeps them, a crash of the
+  machine may not.  Bounded by message count and bytes: when full, new exports are
+  dropped and counted (``dropped``), what is queued stays.
+* **The counters**, saved with every STATUS= update and at exit: a crash loses at most
+  the last half second of counts; ``exported`` is made exact from the spool's sequence.
+* **The import filters of the MQTT session**: a bridge whose imports changed unsubscribes
+  the old ones, so they neither pull traffic nor deliver twice.
+
+Files: ``NNN.spool`` segments named by their first sequence number, each record a
+``<QHI`` header (sequence, topic length, payload length) then the topic and payload; a
+torn record at the end (the crash came mid-write) is cut off.  ``acked`` holds the
+sequence number of the oldest unacknowledged record (8 bytes, rewritten in place) and the
+spool's epoch (4 random bytes, made with the file: a spool started afresh numbers anew).
+``state.json`` the counters and the MQTT session's import filters.  ``lock`` is held
+(``flock``) while a bridge uses the directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import struct
+from collections import deque
+from pathlib import Path
+
+from ..errors import SbusError
+
+__all__ = ["Spool", "StateDir", "SpoolFull"]
+
+HEADER = struct.Struct("<QHI")
+ACKED = struct.Struct("<Q")
+EPOCH = struct.Struct("<4s")  # after the sequence number in ``acked``
+#: A segment is closed (and a new one begun) once it holds this many bytes.
+SEGMENT_BYTES = 4 << 20
+SUFFIX = ".spool"
+
+
+class SpoolFull(Exception):
+    """No room for another message (count or bytes): the caller drops it and counts it."""
+
+
+class StateDir:
+    """The directory of one bridge, locked for its life."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._lock = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                                 0o600)
+        except OSError as exc:
+            raise SbusError(f"cannot use the state directory {self.path}: "
+                            f"{exc.strerror or exc}") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise SbusError(f"another bridge uses the state directory {self.path} "
+                            "(give each bridge its own --client-id or --state-dir)") from None
+
+    def load_state(self) -> dict:
+        try:
+            data = json.loads((self.path / "state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def save_state(self, state: dict) -> None:
+        tmp = self.path / "state.json.new"
+        try:
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, self.path / "state.json")
+        except OSError:
+            pass  # the next save tries again; the counters are also in STATUS=
+
+    def close(self) -> None:
+        os.close(self._lock)
+
+
+class Spool:
+    """Unacknowledged exports, in order, on disk (module docstring)."""
+
+    def __init__(self, path: Path, max_count: int, max_bytes: int,
+                 segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.path = path
+        self.max_count, self.max_bytes = max_count, max_bytes
+        self.segment_bytes = segment_bytes
+        self._held: deque[tuple[int, int]] = deque()  # (seq, bytes) not yet acknowledged
+        self._acked_early: set[int] = set()  # acknowledged out of order
+        self.held_bytes = 0
+        self._segments: list[int] = []  # first seq of each segment file, oldest first
+        self._fd = -1
+        self._size = 0
+        self.next_seq = 0
+        self.oldest = 0  # every record before this one is acknowledged
+        #: names this spool's numbering: receivers drop a sequence number from the same
+        #: epoch they saw before (a resent duplicate), and start over on a new epoch
+        self.epoch = ""
+        self._ack_fd = os.open(path / "acked", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._ack_written = -1
+
+    # -- start -----------------------------------------------------------------
+
+    def load(self) -> list[tuple[int, bytes, bytes]]:
+        """The records left unacknowledged by the last bridge, oldest first; opens the
+        spool for appending."""
+        raw = os.pread(self._ack_fd, ACKED.size + EPOCH.size, 0)
+        if len(raw) == ACKED.size + EPOCH.size:
+            self.oldest = ACKED.unpack_from(raw)[0]
+            self.epoch = EPOCH.unpack_from(raw, ACKED.size)[0].hex()
+        else:  # a new spool (or its acknowledgements lost): numbers start again, anew
+            self.oldest = 0
+            self.epoch = os.urandom(EPOCH.size).hex()
+            os.pwrite(self._ack_fd, ACKED.pack(0) + EPOCH.pack(bytes.fromhex(self.epoch)), 0)
+        self._segments = sorted(int(p.name[:-len(SUFFIX)]) for p in self.path.glob("*" + SUFFIX)
+                                if p.name[:-len(SUFFIX)].isdigit())
+        left: list[tuple[int, bytes, bytes]] = []
+        self.next_seq = self.oldest
+        for first in self._segments:
+            for seq, topic, payload in self._read(first):
+                self.next_seq = max(self.next_seq, seq + 1)
+                if seq >= self.oldest:
+                    left.append((seq, topic, payload))
+        if left:
+            self.oldest = left[0][0]
+        for seq, topic, payload in left:
+            size = len(topic) + len(payload)
+            self._held.append((seq, size))
+            self.held_bytes += size
+        self._drop_segments(self.oldest if left else self.next_seq)
+        self._new_segment()
+        self._write_acked()
+        return left
+
+    def _read(self, first: int) -> list[tuple[int, bytes, bytes]]:
+        name = self.path / f"{first:020d}{SUFFIX}"
+        data = name.read_bytes()
+        out, pos = [], 0
+        while pos + HEADER.size <= len(data):
+            seq, tlen, plen = HEADER.unpack_from(data, pos)
+            end = pos + HEADER.size + tlen + plen
+            if end > len(data):
+                break
+            topic = data[pos + HEADER.size:pos + HEADER.size + tlen]
+            out.append((seq, topic, data[pos + HEADER.size + tlen:end]))
+            pos = end
+        if pos != len(data):  # a torn record: the crash came while it was written
+            os.truncate(name, pos)
+        return out
+
+    # -- running ---------------------------------------------------------------
+
+    def room(self, size: int) -> bool:
+        return len(self._held) < self.max_count and self.held_bytes + size <= self.max_bytes
+
+    def append(self, records: list[tuple[bytes, bytes]]) -> list[int]:
+        """Write *records* (topic, payload) in one go; their sequence numbers.  The caller
+        checked `room` for each.  `OSError` (a full disk) leaves the spool as it was."""
+        blob = bytearray()
+        first = self.next_seq
+        for seq, (topic, payload) in enumerate(records, first):
+            blob += HEADER.pack(seq, len(topic), len(payload))
+            blob += topic
+            blob += payload
+        if not blob:
+            return []
+        try:
+            written = os.write(self._fd, blob)
+            if written != len(blob):
+                raise OSError(f"short write to the spool ({written} of {len(blob)} bytes)")
+        except OSError:
+            os.ftruncate(self._fd, self._size)  # no torn record left behind
+            raise
+        self._size += len(blob)
+        self.next_seq = first + len(records)
+        for seq, (topic, payload) in enumerate(records, first):
+            size = len(topic) + len(payload)
+            self._held.append((seq, size))
+            self.held_bytes += size
+        if self._size >= self.segment_bytes:
+            self._new_segment()
+        return list(range(first, self.next_seq))
+
+    def acked(self, seq: int) -> None:
+        """The MQTT broker acknowledged (or refused) record *seq*: it is done."""
+        held = self._held
+        if not held or seq < held[0][0]:
+            return
+        if seq == held[0][0] and not self._acked_early:  # in order: the usual case
+            self.held_bytes -= held.popleft()[1]
+            self.oldest = held[0][0] if held else self.next_seq
+            return
+        self._acked_early.add(seq)
+        while self._held and self._held[0][0] in self._acked_early:
+            done, size = self._held.popleft()
+            self._acked_early.discard(done)
+            self.held_bytes -= size
+        self.oldest = self._held[0][0] if self._held else self.next_seq
+
+    def flush(self) -> None:
+        """Record the acknowledgements so far (once per turn of the loop, not per ack)."""
+        if self.oldest != self._ack_written:
+            self._write_acked()
+            if len(self._segments) > 1 and self._segments[1] <= self.oldest:
+                self._drop_segments(self.oldest)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def close(self) -> None:
+        self.flush()
+        for fd in (self._fd, self._ack_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._ack_fd = -1
+
+    # -- internals ---------------------------------------------------------------
+
+    def _write_acked(self) -> None:
+        os.pwrite(self._ack_fd, ACKED.pack(self.oldest), 0)
+        self._ack_written = self.oldest
+
+    def _new_segment(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        first = self.next_seq
+        name = self.path / f"{first:020d}{SUFFIX}"
+        self._fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._size = os.fstat(self._fd).st_size
+        if first not in self._segments:
+            self._segments.append(first)
+
+    def _drop_segments(self, oldest: int) -> None:
+        """Remove segments whose every record is before *oldest* (acknowledged)."""
+        while len(self._segments) > 1 and self._segments[1] <= oldest:
+            first = self._segments.pop(0)
+            try:
+                os.unlink(self.path / f"{first:020d}{SUFFIX}")
+            except FileNotFoundError:
+                pass
+        if len(self._segments) == 1 and self._segments[0] < oldest and self._fd < 0:
+            first = self._segments.pop(0)  # at start: all done, begin afresh
+            try:
+                os.unlink(self.path / f"{first:020d}{SUFFIX}")
+            except FileNotFoundError:
+                pass
