@@ -200,7 +200,7 @@ def _service_unit(inst: Installation, user: bool) -> str:
         + (f" --exit-idle-time {USER_EXIT_IDLE}\n" if user else "\n")
         + "# 'systemctl reload': the next broker starts and gets ready while this one\n"
         "# serves, then takes the clients over and becomes the main process (MAINPID=).\n"
-        "ExecReload=kill -HUP $MAINPID\n"
+        "ExecReload=/bin/sh -c 'kill -HUP $$MAINPID'\n"
         "Restart=on-failure\n"
         "WatchdogSec=30s\n"
         "# On stop the broker puts its clients' sockets (all inside one socket) and its\n"
