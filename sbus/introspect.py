@@ -75,17 +75,20 @@ def answer(broker, asker, payload: bytes | None) -> bytes:
         "dropped": broker.dropped, "uptime": round(broker.now - broker.started, 3),
         "you": asker.id, "visible": "all" if uid == 0 else f"uid {uid}",
     }
-    clients, size, more = [], 0, False
+    # each entry is encoded once, and the page is joined from them: the answer costs
+    # what it holds (`ENTRY_BYTES` per shown string), whatever the clients hold
+    entries, ids, size, more = [], [], 0, False
     for conn in mine:
         if conn.id <= after:
             continue
-        entry = _client(conn, broker.index)
-        size += len(json.dumps(entry))
+        entry = json.dumps(_client(conn, broker.index))
+        size += len(entry) + 1
         if size > ANSWER_BYTES:
             more = True
             break
-        clients.append(entry)
-    body = {"broker": totals, "clients": clients, "more": more}
-    if more and clients:
-        body["next"] = {"after": clients[-1]["id"]}
-    return b"CMSG " + protocol.STATUS + b"\0" + json.dumps(body).encode()
+        entries.append(entry)
+        ids.append(conn.id)
+    tail = f', "next": {{"after": {ids[-1]}}}' if more and ids else ""
+    body = (f'{{"broker": {json.dumps(totals)}, "clients": [{", ".join(entries)}], '
+            f'"more": {json.dumps(more)}{tail}}}')
+    return protocol.encode(protocol.Control(protocol.STATUS, body.encode()))

@@ -16,6 +16,7 @@ Measured against c4a42ae (before the fix), each test's docstring says what it sa
 from __future__ import annotations
 
 import functools
+import json
 import mmap
 import os
 import re
@@ -295,6 +296,37 @@ def test_f_accept_storm(start) -> None:
     assert b.proc.poll() is None, "the broker died"
     assert during["probes"], lat
     assert_fast(quiet, during, "accept storm", [s.result for s in storms])
+
+
+
+def test_f_status_answers_cost_bounded_work(start) -> None:
+    """Issue 28 item 1: one attacker client holds 40 patterns of 200 KB of invalid UTF-8,
+    another a 70 KB pattern, 200 more after them; the attacker asks ``CMSG broker/status``
+    again and again (paging through).  Another user's whoami stays fast, and root's
+    ``sbus status`` lists every one of the attacker's clients.  9fc0f77: each answer kept
+    the loop 1-2 s (every pattern escaped and encoded whole before the size check),
+    honest whoami p99 4.2 s; root's listing stopped at the attacker's first client (an
+    entry larger than a page ended the paging): 0 of its 202 clients shown."""
+    b = start()
+    attack = hostile.Role(ATTACKER, "status_attack", b.address, seconds=60)
+    ready = attack.wait_state(120)
+    assert ready and ready.startswith("202 clients, 0 "), (ready, attack.finish())
+    quiet = hostile.latency_figures(
+        hostile.Role(HONEST2, "prober", b.address, seconds=1).finish(30, stop=False)
+        ["latencies"])
+    probe = hostile.Role(HONEST, "prober", b.address, seconds=6)
+    shown = subprocess.run([*SBUS, "status", "--json", "--timeout", "20",
+                            "--address", b.address],
+                           capture_output=True, text=True, timeout=120)
+    lat = probe.finish(60, stop=False)
+    report = attack.finish()
+    assert b.proc.poll() is None, "the broker died"
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    listed = [c for c in json.loads(shown.stdout)["clients"] if c["uid"] == ATTACKER]
+    assert len(listed) == 202 == len({c["id"] for c in listed}), \
+        f"root's sbus status lists {len(listed)} of the attacker's 202 clients"
+    assert report.get("pages", 0) > 20 and report["largest_answer"] < 64 * 1024, report
+    assert_fast(quiet, hostile.latency_figures(lat["latencies"]), "status requests", report)
 
 
 # -- 3. block across users ------------------------------------------------------------------
