@@ -68,6 +68,8 @@ HOLD_FROM = 1024
 #: Bytes of packets in a batch held for a fan-out in steps, at most (larger batches are
 #: delivered at once, and their publisher read fewer packets at a time).
 HOLD_BYTES = 1 << 20
+#: Copies of one pattern a handed-over client may hold (more: the snapshot is damaged).
+RESTORED_COPIES = 1 << 20
 #: Deliveries per `BrokerCore.step` (the shell takes steps until its turn is over).
 STEP_DELIVERIES = 512
 
@@ -826,8 +828,7 @@ class BrokerCore:
         """Take over a predecessor's clients: *peers* maps a client id to its credentials
         (asked of the kernel again) and link.  Returns the clients taken; a client the
         limits now refuse, or missing from *peers*, is not (the shell closes its link)."""
-        if state.sep != self.sep:
-            raise handover.HandoverError(f"the predecessor used the separator {state.sep!r}")
+        self._check_snapshot(state)
         for name in ("published", "delivered", "dropped", "disconnects"):
             setattr(self, name, state.counters.get(name, 0))
         taken = []
@@ -845,13 +846,38 @@ class BrokerCore:
             conn.nowait = c.nowait
             for pattern, count in c.patterns:
                 for _ in range(count):
+                    held = conn.subscriptions
                     self.subscribe(conn, pattern)
+                    if conn.subscriptions == held:
+                        break  # refused (and said why) once: not once per copy
             for packet in c.queued:
                 out.force(packet)
             out.dropped = c.dropped
             taken.append(conn)
         self._next_id = max([self._next_id, *(c.id + 1 for c in state.clients)])
         return taken
+
+    def _check_snapshot(self, state: handover.State) -> None:
+        """Refuse a snapshot this core cannot take as a whole (`HandoverError`), before
+        it takes any of it: a damaged one must not leave half its clients behind."""
+        if state.sep != self.sep:
+            raise handover.HandoverError(f"the predecessor used the separator {state.sep!r}")
+        if not all(type(v) is int for v in state.counters.values()):
+            raise handover.HandoverError("the snapshot's counters are not numbers")
+        seen: set[int] = set()
+        for c in state.clients:
+            if type(c.id) is not int or not 0 < c.id < 1 << 62 or c.id in seen:
+                raise handover.HandoverError(f"client id {c.id!r} is repeated or invalid")
+            seen.add(c.id)
+            try:
+                Soft(c.soft), Hard(c.hard), Order(c.order)
+            except ValueError as exc:
+                raise handover.HandoverError(f"client {c.id}: {exc}") from None
+            if not all(type(p) is bytes and type(n) is int and 0 < n <= RESTORED_COPIES
+                       for p, n in c.patterns) or \
+                    not all(type(q) is bytes for q in c.queued) or \
+                    type(c.dropped) is not int or c.dropped < 0:
+                raise handover.HandoverError(f"client {c.id}'s state is damaged")
 
     # -- reporting ---------------------------------------------------------------------
 
