@@ -20,6 +20,7 @@ import json
 import mmap
 import os
 import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SBUS, raw
+from conftest import SBUS, raw, stop_process, wait_for_socket
 from faultkit import NOBODY, rss_kib, served
 
 from sbus.broker import HELD_BATCHES
@@ -401,6 +402,50 @@ def test_h_connection_limit_refusals_rate_limited(start) -> None:
     lines = [x for x in attacker_lines(b.log()) if "connections" in x]
     assert 1 <= len(lines) <= 20, f"{len(lines)} log lines for refused connections"
     no_missing_flags(b)
+
+
+
+# -- 6. descriptors ------------------------------------------------------------------------
+
+def _nofile(pid: int) -> int:
+    """The soft descriptor limit of process *pid* (/proc/PID/limits)."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError(f"no descriptor limit for {pid}")
+
+
+def test_j_one_user_cannot_take_the_last_descriptors(short_tmp) -> None:
+    """Issue 28 item 5: ``sbus serve`` started from a shell with the usual soft limit of
+    1,024 descriptors (hard 2,048 here).  Another user opens connections until one is
+    refused; root and a third user can still connect.  9fc0f77: the soft limit stayed
+    1,024 and one user could hold 1,024 connections: the attacker held 1,016, then
+    root's connection and the third user's 5,140 tries in 0.5 s were closed at once (out
+    of descriptors)."""
+    os.chmod(short_tmp, 0o755)
+    address = str(short_tmp / "bus.sock")
+    with open(short_tmp / "broker.log", "wb") as log:
+        proc = subprocess.Popen(
+            [*SBUS, "serve", "--address", address], stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 2048)))
+    try:
+        wait_for_socket(address, proc)
+        nofile = _nofile(proc.pid)
+        attack = hostile.Role(ATTACKER, "descriptor_attack", address, seconds=120,
+                              max=1500)
+        assert attack.wait_state(100), attack.finish()
+        with raw(address) as s:
+            root_served = served(s)
+        third = hostile.Role(HONEST, "prober", address, seconds=0.5).finish(30, stop=False)
+        report = attack.finish()
+        assert proc.poll() is None, "the broker died"
+    finally:
+        stop_process(proc)
+    assert nofile == 2048, f"the broker kept its soft descriptor limit of {nofile}"
+    assert root_served, f"root was refused while uid {ATTACKER} held {report}"
+    assert third.get("latencies") and not third.get("failed"), \
+        f"a third user was refused while uid {ATTACKER} held {report}: {third}"
+    assert report.get("held") == (2048 - 64) // 8, report
 
 
 # -- 5. the route cache under churn ------------------------------------------------------

@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -537,6 +538,28 @@ def status_attack(pipe, address: str, params: dict) -> None:
                             f"answer_{k}": v for k, v in latency_figures(lat).items()}}))
 
 
+def descriptor_attack(pipe, address: str, params: dict) -> None:
+    """Open connections (each answered, so the broker has taken it) until the broker
+    refuses one or ``max`` are held, and hold them: the broker's descriptors."""
+    clock = Clock(pipe, params)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the attacker's own, too
+    held = []
+    while len(held) < params.get("max", 5000) and not clock.over():
+        try:
+            s = connect(address, timeout=5)
+            roundtrip(s, 5)
+        except OSError:
+            break  # refused (closed at once), or the connect itself failed
+        held.append(s)
+    clock.state(f"{len(held)} held")
+    while not clock.over():
+        time.sleep(0.05)
+    for s in held:
+        s.close()
+    pipe.send(("done", {"held": len(held)}))
+
+
 # -- attacks: block, logs -------------------------------------------------------------------
 
 def blocker(pipe, address: str, params: dict) -> None:
@@ -800,8 +823,8 @@ ROLES = {f.__name__: f for f in (
     cache_attack, trie_attack, reply_attack, paused_attack, held_attack, tiny_attack,
     sub_batch_attack,
     order_attack, prefix_attack, churn_attack, fanout_attack, walk_attack, accept_storm,
-    blocker, log_attack, status_attack, storm, prober, reliable_pair, cross_reader,
-    sequenced_publisher, secret_user, refusal_probe, throughput_publisher)}
+    blocker, log_attack, status_attack, descriptor_attack, storm, prober, reliable_pair,
+    cross_reader, sequenced_publisher, secret_user, refusal_probe, throughput_publisher)}
 
 
 # -- orchestration ----------------------------------------------------------------------------

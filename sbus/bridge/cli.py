@@ -12,6 +12,7 @@ import socket
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
+from .. import rlimits
 from ..client import SbusError
 from ..defaults import MAX_MESSAGE, duration_arg, size_arg
 from ..display import brief
@@ -109,6 +110,7 @@ def settings(args: argparse.Namespace) -> MqttSettings:
 
 
 def run(args: argparse.Namespace) -> int:
+    rlimits.raise_descriptor_limit()  # a long-running command: all the descriptors it may have
     if not args.export and not args.imports:
         raise SbusError("nothing to bridge: give --export and/or --import patterns")
     try:

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .. import protocol
+from .. import protocol, rlimits
 from ..client import Client
 from ..defaults import RECV_BUFFER, parse_duration, parse_size
 from ..errors import ConnectError, ConnectionLost, SbusError
@@ -129,6 +129,7 @@ def _reconnect(args: argparse.Namespace, writer: JournalWriter, stopper: _Stoppe
 
 
 def run(args: argparse.Namespace) -> int:
+    rlimits.raise_descriptor_limit()  # a long-running command: all the descriptors it may have
     options = _options(args)
     if args.flush <= 0:
         raise SbusError("--flush must be positive")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import rlimits
 from ..defaults import default_address, size_arg
 from ..errors import SbusError
 from ..extras import missing_extra_message
@@ -69,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    rlimits.raise_descriptor_limit()  # a long-running command: all the descriptors it may have
     from .app import Settings, run_live, run_snapshot
 
     if args.group < 0:
