@@ -129,9 +129,7 @@ def test_no_packet_raises_and_accounting_returns_to_nothing(steps, limited, setu
                 now += 1.0
                 bus.core.advance(now)
             bus.core.tidy()
-            bus.core.gone.clear()
-            bus.core.logs.clear()
-            bus.core.freed.clear()
+            bus.core.take_gone(), bus.core.take_logs(), bus.core.take_freed()
             _check_accounts(bus.core)
         for c in clients:
             if not c.closed:
