@@ -5,12 +5,14 @@
 (`receive`, a batch view), a client became writable (`writable`), a client is gone
 (`hangup`), time passed (`advance`).  It owns routing, flood control, per-user
 accounting and limits, refusals, introspection answers and the hand-over snapshot.
-What the shell must do in turn it reads from plain state:
+What the shell must do in turn it takes from the core (`take_dirty`, `take_gone`,
+`take_logs`, `take_freed`; the lists are the core's, the shell only reads them):
 
 * `Client.wants_read` / `Client.wants_write` for every client in `dirty`: pause or
-  resume reading it, watch it for writability;
+  resume reading it, watch it for writability (what it watches is the shell's);
 * `gone`: clients to disconnect (their sockets to close), in order;
-* `logs`: ``(level, line)`` pairs to write, already rationed per UID.
+* `logs`: ``(level, line)`` pairs to write, already rationed per UID;
+* `freed`: batches a fan-out held and is done with.
 
 Writing is the one thing the core does not hand back as data: which packets stay
 queued under a client's flood policy depends on how many the kernel took *now*, and
@@ -661,6 +663,8 @@ class BrokerCore:
         """
         if copies is None:
             copies = {}
+        buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
+        write, send = self._write, self._send
         sent = 0
         for start, end, targets in runs:
             if end - start == 1:
@@ -669,8 +673,8 @@ class BrokerCore:
                     if t.closed:
                         continue
                     if not t.out.items:
-                        at = batch.offsets[start]
-                        got = self._write(t.link, batch.buffer[at:at + batch.lengths[start]])
+                        at = offsets[start]
+                        got = write(t.link, buf[at:at + lengths[start]])
                         if got >= 0:
                             sent += 1
                             continue
@@ -684,10 +688,26 @@ class BrokerCore:
                 for t in targets:  # those whose kernel was full, or that have a queue
                     blocked = self._enqueue(publisher, t, batch, start, end, copies, blocked)
                 continue
+            count = end - start
             for t in targets:
                 if t.closed:
                     continue
-                i = start if t.out.items else self._send_run(t, batch, start, end, copies)
+                if t.out.items:
+                    i = start  # behind what waits
+                elif count < SEND_BATCH_MIN:
+                    i = self._send_run(t, batch, start, end, copies)
+                else:
+                    got = send(batch, t.link, start, count)
+                    if got == count:
+                        sent += count  # the usual case: the kernel took the whole run
+                        continue
+                    if got >= 0:
+                        sent += got  # the kernel took what it could
+                        i = start + got
+                    elif got == FULL:
+                        i = start
+                    else:  # a failure: the run packet by packet (`_unsent`)
+                        i = self._send_run(t, batch, start, end, copies)
                 if i < end and not t.closed:
                     blocked = self._enqueue(publisher, t, batch, i, end, copies, blocked)
         self.delivered += sent
