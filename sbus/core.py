@@ -320,36 +320,35 @@ class BrokerCore:
                 misses += 1
             targets = ()  # None below: a publish refused
             nul = buf.find(b"\0", at, at + size) if 4 < size <= max_message else -1
-            if nul > 0:
-                head = buf[at:nul + 1]
-                if head[:4] == b"MSG ":
-                    key = head[4:-1]
-                    targets = cache.get(key)
-                    if targets is None:
-                        targets = self._route(conn, key)
-                    if targets is not None:
-                        published += 1
-                        if targets is not run_targets:
-                            if run_targets:
-                                runs.append((run_start, i, run_targets))
-                            run_start, run_targets = i, targets
-                        # keys that change at every packet (many keys in turn): stop
-                        # comparing heads for the rest of the batch
-                        head_len = len(head) if misses < 2 else 0
+            if nul > 0 and buf[at:at + 4] == b"MSG ":
+                key = buf[at + 4:nul]
+                targets = cache.get(key)
+                if targets is None:
+                    targets = self._route(conn, key)
+                if targets is not None:
+                    published += 1
+                    if targets is not run_targets:
+                        if run_targets:
+                            runs.append((run_start, i, run_targets))
+                        run_start, run_targets = i, targets
+                    if misses < 2:
+                        head = buf[at:nul + 1]
+                        head_len = nul + 1 - at
                         if published == 1 and self._same_head(batch, head, i + 1, n):
                             published += n - i - 1  # the usual batch: one key throughout
                             break
-                        continue
+                    else:  # keys that change at every packet (many keys in turn): stop
+                        head_len = 0  # comparing heads for the rest of the batch
+                    continue
             # not a publish (or a refused one): deliver what came before, then act on it
             if run_targets:
                 runs.append((run_start, i, run_targets))
             if runs:
-                self.published += published  # what was read was published
-                published = 0
                 job, blocked = self._flush(conn, batch, n, runs, blocked, hold,
                                            i + (targets is None))
                 if job is not None:
-                    return job  # packet i is acted on once the fan-out is done
+                    self.published += published  # packet i is acted on when it is done
+                    return job
                 runs = []
             run_start, run_targets, head, head_len = i + 1, (), None, 0
             if targets is not None and self._act_on(conn, batch, i, size):
