@@ -10,6 +10,7 @@ what it holds plus one pass over the asker's own clients.
 
 from __future__ import annotations
 
+import codecs
 import json
 
 from . import protocol
@@ -30,9 +31,15 @@ REQUEST_BYTES = 64
 
 def _text(data: bytes) -> str:
     """At most `ENTRY_BYTES` of client bytes for JSON: UTF-8 as it is (JSON escapes
-    control bytes), anything else escaped; a cut entry says how much it left out."""
+    control bytes), and from the first byte that is not, every byte outside printable
+    ASCII as ``\\xNN`` (escaped in one C call: an error handler called per invalid byte
+    took ~36 µs per entry, 1.6 ms per answer); a cut entry says how much it left out."""
     cut = data[:ENTRY_BYTES]
-    text = cut.decode("utf-8", "backslashreplace")
+    try:
+        text = cut.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        tail = codecs.escape_encode(cut[exc.start:])[0].decode("ascii").replace("\\'", "'")
+        text = cut[:exc.start].decode("utf-8") + tail
     if len(data) > ENTRY_BYTES:
         text += f"…(+{len(data) - ENTRY_BYTES} bytes)"
     return text
