@@ -14,7 +14,7 @@ import pytest
 
 from sbus import core as core_mod
 from sbus import handover
-from sbus.core import FULL, GONE, BrokerCore, Client
+from sbus.core import FULL, GONE, TOO_BIG, BrokerCore, Client
 from sbus.flood import Hard, Order, Soft
 from sbus.keys import Credentials
 from sbus.limits import Limits
@@ -27,6 +27,7 @@ class Kernel:
         self.buffers: dict[int, list[bytes]] = {}
         self.room: dict[int, int] = {}
         self.hung_up: set[int] = set()
+        self.largest: dict[int, int] = {}  # link -> the largest packet its socket takes
         self.syscalls = 0
 
     def write(self, link: int, packet: bytes) -> int:
@@ -34,6 +35,8 @@ class Kernel:
         self.syscalls += 1
         if link in self.hung_up or link < 0:
             return GONE
+        if len(packet) > self.largest.get(link, len(packet)):
+            return TOO_BIG
         buf = self.buffers[link]
         if len(buf) >= self.room[link]:
             return FULL
@@ -510,3 +513,19 @@ def test_defaults_apply_to_new_clients():
     bus = Bus(defaults=(Soft.BLOCK, Hard.BLOCK, Order.RANDOM))
     c = bus.connect()
     assert (c.out.soft, c.out.hard, c.out.order) == (Soft.BLOCK, Hard.BLOCK, Order.RANDOM)
+
+
+def test_a_packet_too_large_for_its_socket_is_dropped_and_reported_not_retried():
+    """The link port's `TOO_BIG`: that packet is lost (counted, reported with
+    ``blocking/dropped``), the client stays, and what follows it is delivered."""
+    bus = Bus()
+    sub = bus.connect(room=0)
+    pub = bus.connect()
+    bus.send(sub, b"SUB k")
+    bus.send(pub, b"MSG k\0" + b"x" * 100, b"MSG k\0small")
+    assert sub.wants_write and len(sub.out) == 2
+    bus.kernel.room[sub.link], bus.kernel.largest[sub.link] = 10, 50
+    bus.core.writable(sub)
+    assert bus.read(sub) == [b"MSG k\0small", b"CMSG blocking/dropped\0" + b"1"]
+    assert not sub.closed and not sub.wants_write and bus.core.dropped == 1
+    assert any("too large" in line for line in bus.lines())
