@@ -87,8 +87,8 @@ RESTORED_COPIES = 1 << 20
 #: Deliveries per `BrokerCore.step` (the shell takes steps until its turn is over).
 STEP_DELIVERIES = 512
 
-DROPPED = b"CMSG " + protocol.DROPPED + b"\0"
-REFUSED = b"CMSG " + protocol.REFUSED + b"/"
+#: The drop report, its count appended (``CMSG blocking/dropped\0N``).
+DROPPED = protocol.encode(protocol.Control(protocol.DROPPED, b""))
 
 
 class Client:
@@ -507,7 +507,7 @@ class BrokerCore:
 
     def control(self, conn: Client, key: bytes, payload: bytes | None) -> None:
         if key == protocol.WHOAMI or key == self._whoami:
-            self.reply(conn, b"CMSG " + key + b"\0" + conn.cred.path(self.sep))
+            self.reply(conn, protocol.encode(protocol.Control(key, conn.cred.path(self.sep))))
             return
         plain = key.replace(self.sep, b"/")
         if plain == protocol.PUBLISHER_NOWAIT:
@@ -532,7 +532,8 @@ class BrokerCore:
     def refuse(self, conn: Client, verb: bytes, why: str) -> None:
         """Tell *conn* that its packet was refused, and log it within its allowance."""
         self._log(conn, f"{verb.decode()} refused: {why}")
-        self.reply(conn, REFUSED + verb + b"\0" + why.encode("utf-8", "backslashreplace"))
+        self.reply(conn, protocol.encode(protocol.Control(
+            protocol.REFUSED + b"/" + verb, why.encode("utf-8", "backslashreplace"))))
 
     def reply(self, conn: Client, packet: bytes) -> None:
         """Send the broker's own packet to *conn*, whatever its flood policy."""
