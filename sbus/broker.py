@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 
 from . import handover
-from .core import TURN_SECONDS, BrokerCore, Client
+from .core import FAILED, FULL, GONE, TOO_BIG, TURN_SECONDS, BrokerCore, Client
 from .defaults import MAX_MESSAGE, QUEUE_LIMIT, SEPARATOR
 from .flood import DEFAULT_POLICY, Hard, Order, Soft
 from .keys import Credentials
@@ -99,6 +99,36 @@ def _refuse_one(listener: socket.socket, spare: int) -> tuple[bool, int]:
         return waiting, -1  # someone took it meanwhile: try again at the next refusal
 
 
+#: What an error of a write or send to a client means to the core (`core.FULL`...).
+_OUTCOMES = {errno.EAGAIN: FULL, errno.EPIPE: GONE, errno.ECONNRESET: GONE,
+             errno.EBADF: GONE, errno.EMSGSIZE: TOO_BIG}
+_failures_told: set[int] = set()
+
+
+def _outcome(exc: OSError) -> int:
+    outcome = _OUTCOMES.get(exc.errno, FAILED)
+    if outcome == FAILED and exc.errno not in _failures_told:  # once per kind
+        _failures_told.add(exc.errno)
+        log.warning("sending to a client failed: %s (it is dropped)", exc)
+    return outcome
+
+
+def _link_write(fd: int, packet, write=os.write) -> int:
+    """The core's ``write`` port: bytes taken, or what an error means (`_OUTCOMES`)."""
+    try:
+        return write(fd, packet)
+    except OSError as exc:
+        return _outcome(exc)
+
+
+def _link_send(batch: PacketBatch, fd: int, start: int, count: int) -> int:
+    """The core's ``send`` port: packets of *batch* taken, or what an error means."""
+    try:
+        return batch.send(fd, start, count)
+    except OSError as exc:
+        return _outcome(exc)
+
+
 def _at_eof(fd: int) -> bool:
     """After a 0-byte read: did the peer hang up, or send an empty packet?"""
     poller = select.poll()
@@ -138,13 +168,15 @@ class Broker:
         self._batch = PacketBatch(max(1, min(BATCH_SLOTS, BATCH_MEMORY // slot)), slot)
         self._spare_batches: list[PacketBatch] = []  # for while fan-outs hold others
         self._held = 0  # batches the core holds (`core.Fanout`)
-        self.core = BrokerCore(os.write, _at_eof, sep=sep, max_message=max_message,
+        self.core = BrokerCore(_link_write, _at_eof, send=_link_send, sep=sep,
+                               max_message=max_message,
                                queue_limit=queue_limit, limits=limits, defaults=defaults,
                                batch_slots=self._batch.slots, user_name=_user_name,
                                now=time.monotonic())
         self.core.debug = log.isEnabledFor(logging.DEBUG)
         self._epoll = select.epoll()
         self._clients: dict[int, Client] = {}  # fd -> client
+        self._masks: dict[int, int] = {}  # fd -> what epoll watches it for (none: absent)
         self.handing_over = False  # clients keep their sockets and state for a successor
         self.faults = 0  # internal errors caught (`_fault`): each cost one client
         self._fault_kinds: set[tuple[str, str, int]] = set()
@@ -325,45 +357,49 @@ class Broker:
         """Do what the core decided: log, close the departed, watch what clients want."""
         core = self.core
         if core.freed:
-            self._held -= len(core.freed)
-            self._spare_batches += core.freed
-            core.freed.clear()
+            freed = core.take_freed()
+            self._held -= len(freed)
+            self._spare_batches += freed
         if core.logs:
-            for level, line in core.logs:
+            for level, line in core.take_logs():
                 log.log(level, "%s", line)
-            core.logs.clear()
         if core.gone:
-            for c in core.gone:
+            for c in core.take_gone():
                 self._close(c)
-            core.gone.clear()
         if core.dirty:
-            for c in core.dirty:
+            for c in core.take_dirty():
                 self._watch(c)
-            core.dirty.clear()
 
     def _watch(self, c: Client) -> None:
         """Have epoll report what *c* wants now (and nothing while it wants nothing: a
         paused client that hung up must not be reported again and again)."""
-        mask = (_IN if c.wants_read else 0) | (_OUT if c.wants_write else 0)
-        if mask == c.mask or c.closed:
+        if c.closed:
             return
-        if not c.mask:
-            self._epoll.register(c.link, mask)
+        mask = (_IN if c.wants_read else 0) | (_OUT if c.wants_write else 0)
+        fd = c.link
+        was = self._masks.get(fd, 0)
+        if mask == was:
+            return
+        if not was:
+            self._epoll.register(fd, mask)
         elif not mask:
-            self._epoll.unregister(c.link)
+            self._epoll.unregister(fd)
         else:
-            self._epoll.modify(c.link, mask)
-        c.mask = mask
+            self._epoll.modify(fd, mask)
+        if mask:
+            self._masks[fd] = mask
+        else:
+            del self._masks[fd]
 
     def _close(self, c: Client) -> None:
+        """Close *c*'s socket, once (the core never writes to a closed client, so the
+        fd number may be reused at once)."""
         fd = c.link
-        if fd < 0:
-            return
-        if c.mask:
+        if self._clients.get(fd) is not c:
+            return  # closed already (and the number perhaps someone else's now)
+        if self._masks.pop(fd, 0):
             self._epoll.unregister(fd)
-            c.mask = 0
-        self._clients.pop(fd, None)
-        c.link = -1  # a reused fd number is never written to
+        del self._clients[fd]
         if not self.handing_over:
             os.close(fd)
 

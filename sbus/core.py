@@ -5,21 +5,26 @@
 (`receive`, a batch view), a client became writable (`writable`), a client is gone
 (`hangup`), time passed (`advance`).  It owns routing, flood control, per-user
 accounting and limits, refusals, introspection answers and the hand-over snapshot.
-What the shell must do in turn it reads from plain state:
+What the shell must do in turn it takes from the core (`take_dirty`, `take_gone`,
+`take_logs`, `take_freed`; the lists are the core's, the shell only reads them):
 
 * `Client.wants_read` / `Client.wants_write` for every client in `dirty`: pause or
-  resume reading it, watch it for writability;
+  resume reading it, watch it for writability (what it watches is the shell's);
 * `gone`: clients to disconnect (their sockets to close), in order;
-* `logs`: ``(level, line)`` pairs to write, already rationed per UID.
+* `logs`: ``(level, line)`` pairs to write, already rationed per UID;
+* `freed`: batches a fan-out held and is done with.
 
 Writing is the one thing the core does not hand back as data: which packets stay
 queued under a client's flood policy depends on how many the kernel took *now*, and
 the fast path hands a run of packets to each target straight from the receive buffer
-(one ``sendmmsg``) before the next receive overwrites it.  So the core is given the
-two non-blocking primitives it needs, ``write(link, packet)`` (``os.write`` in the
-shell) and the batch's own ``send(link, start, count)``; a client's ``link`` is
-opaque to the core (the shell's fd).  Tests pass fakes for both that model a kernel
-buffer of a chosen size, so every policy is exercised without a socket or a sleep.
+(one ``sendmmsg``) before the next receive overwrites it.  So the core is given a
+*link port*, the two non-blocking primitives it needs: ``write(link, packet)`` and
+``send(batch, link, start, count)``.  Each returns what the kernel took (bytes,
+packets: ``>= 0``) or one of the outcomes `FULL`, `GONE`, `TOO_BIG`, `FAILED`; the
+shell maps its system calls' errors onto them, so no OS error reaches the core.  A
+client's ``link`` is opaque to the core (the shell's fd), and is never written to once
+the client is `Client.closed`.  Tests pass fakes for both that model a kernel buffer
+of a chosen size, so every policy is exercised without a socket or a sleep.
 
 No client can hold the shell's loop through the core: every packet's work is bounded
 (patterns are limited in shape, lookups probe once per prefix length, cache
@@ -33,7 +38,6 @@ and logged within the UID's allowance.
 
 from __future__ import annotations
 
-import errno
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -47,7 +51,17 @@ from .limits import Limits, LogAllowance, UserAccounts
 from .routing import RouteCache, RoutingIndex, pattern_cost
 
 __all__ = ["BrokerCore", "Client", "Fanout", "TURN_SECONDS", "FIRST_SLOTS",
-           "REMOVALS_PER_TURN", "WRITES_PER_TURN"]
+           "REMOVALS_PER_TURN", "WRITES_PER_TURN", "FULL", "GONE", "TOO_BIG", "FAILED"]
+
+# -- the link port: what a write or send that took nothing tells the core ---------------
+#: The kernel's buffer for the link is full: try again once it is writable.
+FULL = -1
+#: The peer hung up (or its link is closed): it is dropped, quietly.
+GONE = -2
+#: The packet is larger than the peer's socket can take: that packet is dropped.
+TOO_BIG = -3
+#: Any other failure of the link: the client is dropped, and the shell says why.
+FAILED = -4
 
 #: A client whose batch took longer than this is read fewer packets at once.
 TURN_SECONDS = 0.002
@@ -68,11 +82,13 @@ HOLD_FROM = 1024
 #: Bytes of packets in a batch held for a fan-out in steps, at most (larger batches are
 #: delivered at once, and their publisher read fewer packets at a time).
 HOLD_BYTES = 1 << 20
+#: Copies of one pattern a handed-over client may hold (more: the snapshot is damaged).
+RESTORED_COPIES = 1 << 20
 #: Deliveries per `BrokerCore.step` (the shell takes steps until its turn is over).
 STEP_DELIVERIES = 512
 
-DROPPED = b"CMSG " + protocol.DROPPED + b"\0"
-REFUSED = b"CMSG " + protocol.REFUSED + b"/"
+#: The drop report, its count appended (``CMSG blocking/dropped\0N``).
+DROPPED = protocol.encode(protocol.Control(protocol.DROPPED, b""))
 
 
 class Client:
@@ -80,11 +96,11 @@ class Client:
 
     __slots__ = ("id", "link", "cred", "out", "closed", "subscriptions",
                  "subscription_bytes", "status", "nowait", "may_pause_others", "held", "slots",
-                 "waiting_on", "paused", "own_full", "fanout", "mask", "__weakref__")
+                 "waiting_on", "paused", "own_full", "fanout", "__weakref__")
 
     def __init__(self, cid: int, link: object, cred: Credentials, queue_limit: int):
         self.id = cid
-        self.link = link  # the shell's handle (an fd); -1 once closed
+        self.link = link  # the shell's handle (an fd): never written to once closed
         self.cred = cred
         self.out = OutQueue(queue_limit)
         self.closed = False
@@ -99,7 +115,6 @@ class Client:
         self.paused: list[Client] = []  # publishers this client holds back
         self.own_full = False  # not read until its own queue has drained
         self.fanout: Fanout | None = None  # its batch still being delivered: not read
-        self.mask = 0  # the shell's: what it currently watches the link for
 
     @property
     def wants_read(self) -> bool:
@@ -142,7 +157,15 @@ class Fanout:
         self.charged = charged  # bytes charged to the publisher's user meanwhile
 
 
-Write = Callable[[object, bytes], object]
+#: ``write(link, packet)``: bytes taken, or `FULL`, `GONE`, `TOO_BIG`, `FAILED`.
+Write = Callable[[object, bytes], int]
+#: ``send(batch, link, start, count)``: packets taken from the batch, or an outcome.
+Send = Callable[[object, object, int, int], int]
+
+
+def send_batch(batch, link: object, start: int, count: int) -> int:
+    """The default `Send`: the batch's own ``send``, for batches that speak the port."""
+    return batch.send(link, start, count)
 
 
 class BrokerCore:
@@ -153,6 +176,7 @@ class BrokerCore:
         write: Write,
         at_eof: Callable[[object], bool],
         *,
+        send: Send = send_batch,
         sep: bytes = SEPARATOR,
         max_message: int = MAX_MESSAGE,
         queue_limit: int = QUEUE_LIMIT,
@@ -162,7 +186,8 @@ class BrokerCore:
         user_name: Callable[[int], str | None] = lambda uid: None,
         now: float = 0.0,
     ) -> None:
-        self._write = write  # non-blocking: BlockingIOError when the kernel is full
+        self._write = write  # the link port (see the module's docstring)
+        self._send = send
         self._at_eof = at_eof  # after an empty packet: did the peer hang up?
         self._user_name = user_name
         self.sep = sep
@@ -197,6 +222,24 @@ class BrokerCore:
         self.dropped = 0
         self.disconnects = 0
         self.started = now
+
+    # -- what the shell acts on, taken (the core starts afresh) --------------------
+
+    def take_logs(self) -> list[tuple[int, str]]:
+        logs, self.logs = self.logs, []
+        return logs
+
+    def take_gone(self) -> list[Client]:
+        gone, self.gone = self.gone, []
+        return gone
+
+    def take_dirty(self) -> set[Client]:
+        dirty, self.dirty = self.dirty, set()
+        return dirty
+
+    def take_freed(self) -> list[object]:
+        freed, self.freed = self.freed, []
+        return freed
 
     # -- events ---------------------------------------------------------------
 
@@ -235,23 +278,32 @@ class BrokerCore:
     def receive(self, conn: Client, batch, n: int, *, hold: bool = False, start: int = 0,
                 blocked: list[Client] | None = None) -> Fanout | None:
         """Act on the *n* packets *conn* sent that are in *batch* (a `PacketBatch` or any
-        object with its ``buffer``, ``offsets``, ``lengths``, ``copy``, ``heads`` and ``send``).
+        object with its ``buffer``, ``offsets``, ``lengths``, ``copy`` and ``heads``).
+
+        ==========================  ================================================
+        a publish with the open     joins the open run: its head (``MSG key\\0``) is
+        run's head                  compared as bytes, nothing parsed
+        a publish of another key    routed (`_route`); the same targets continue the
+                                    run, others open a new one
+        the rest of the batch has   all of it joins the run at once (`_same_head`):
+        that head (the usual case)  the batch is one run of one key
+        anything else               the runs before it are delivered (`_flush`), then
+                                    it is acted on (`_act_on`), in the client's order
+        the end of the batch        the runs are delivered (`_flush`), and the
+                                    publisher is paused or goes on (`_settle`)
+        ==========================  ================================================
 
         Consecutive publishes with the same targets form a run, delivered together
         (`_deliver`): the targets then take a run of packets back to back, with one
-        system call each.  Any other packet first flushes the runs before it, so
-        replies and subscriptions keep their place in the client's order.  Afterwards
-        the publisher may be paused (`Client.waiting_on`, `Client.own_full`) or gone.
-
-        With *hold*, the core may keep *batch* (the shell reads into another buffer
-        meanwhile): a delivery of more than `HOLD_FROM` packets is not made at once but
-        returned as a `Fanout`, served `step` by step in later turns; the publisher is
-        not read until it is done (*start* and *blocked* are its continuation's).
+        system call each.  With *hold*, the core may keep *batch* (the shell reads into
+        another buffer meanwhile): a delivery of more than `HOLD_FROM` packets is not
+        made at once but returned as a `Fanout`, served `step` by step in later turns;
+        the publisher is not read until it is done (*start* and *blocked* are its
+        continuation's).
         """
         buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
         max_message = self.max_message
         cache = self.index.cache.entries
-        owner = conn.cred.uid
         published = 0
         runs: list[tuple[int, int, tuple[Client, ...]]] = []  # (start, end, targets)
         run_start, run_targets = start, ()  # the open run: [run_start, i), same targets
@@ -268,70 +320,90 @@ class BrokerCore:
                 misses += 1
             targets = ()  # None below: a publish refused
             nul = buf.find(b"\0", at, at + size) if 4 < size <= max_message else -1
-            if nul > 0:
-                head = buf[at:nul + 1]
-                if head[:4] == b"MSG ":
-                    key = head[4:-1]
-                    targets = cache.get(key)
-                    if targets is None and not (b"!" in key and
-                                                not self._key_allowed(conn, key)):
-                        targets = self.index.match(key, owner)
-                    if targets is not None:
-                        published += 1
-                        if targets is not run_targets:
-                            if run_targets:
-                                runs.append((run_start, i, run_targets))
-                            run_start, run_targets = i, targets
-                        # keys that change at every packet (many keys in turn): stop
-                        # comparing heads for the rest of the batch
-                        head_len = len(head) if misses < 2 else 0
+            if nul > 0 and buf[at:at + 4] == b"MSG ":
+                key = buf[at + 4:nul]
+                targets = cache.get(key)
+                if targets is None:
+                    targets = self._route(conn, key)
+                if targets is not None:
+                    published += 1
+                    if targets is not run_targets:
+                        if run_targets:
+                            runs.append((run_start, i, run_targets))
+                        run_start, run_targets = i, targets
+                    if misses < 2:
+                        head = buf[at:nul + 1]
+                        head_len = nul + 1 - at
                         if published == 1 and self._same_head(batch, head, i + 1, n):
                             published += n - i - 1  # the usual batch: one key throughout
                             break
-                        continue
+                    else:  # keys that change at every packet (many keys in turn): stop
+                        head_len = 0  # comparing heads for the rest of the batch
+                    continue
             # not a publish (or a refused one): deliver what came before, then act on it
             if run_targets:
                 runs.append((run_start, i, run_targets))
             if runs:
-                if hold and (nbytes := self._holdable(runs, batch, n)):
+                job, blocked = self._flush(conn, batch, n, runs, blocked, hold,
+                                           i + (targets is None))
+                if job is not None:
                     self.published += published  # packet i is acted on when it is done
-                    return self._hold(conn, batch, n, nbytes, runs, blocked,
-                                      i + (targets is None))
-                blocked = self._deliver(conn, batch, runs, blocked)
+                    return job
                 runs = []
             run_start, run_targets, head, head_len = i + 1, (), None, 0
-            if targets is None:
-                continue  # refused, and said why
-            if size == 0:
-                if self._at_eof(conn.link):
-                    self._depart(conn)
-                    break
-                self.refuse(conn, b"packet", "empty packet")
-            elif size > max_message:
-                self.refuse(conn, b"packet", f"over the {max_message}-byte limit")
-            else:
-                self.packet(conn, batch.copy(i))
-                if conn.closed:
-                    break
+            if targets is not None and self._act_on(conn, batch, i, size):
+                break  # it is gone
         if run_targets:  # still open: it runs to the end of the batch
             runs.append((run_start, n, run_targets))
         # what was read was published, even if the publisher is gone now
         self.published += published
         if runs:
-            if hold and (nbytes := self._holdable(runs, batch, n)):
-                return self._hold(conn, batch, n, nbytes, runs, blocked, n)
-            blocked = self._deliver(conn, batch, runs, blocked)
-        if conn.closed:
+            job, blocked = self._flush(conn, batch, n, runs, blocked, hold, n)
+            if job is not None:
+                return job
+        self._settle(conn, blocked)
+        return None
+
+    def _route(self, conn: Client, key: bytes) -> tuple[Client, ...] | None:
+        """The targets of a publish to *key* that the route cache did not know; None if
+        the key is refused (and the client told why)."""
+        if b"!" in key and not self._key_allowed(conn, key):
             return None
+        return self.index.match(key, conn.cred.uid)
+
+    def _flush(self, conn: Client, batch, n: int, runs, blocked, hold: bool, resume: int):
+        """Deliver *runs* now, or keep *batch* for a fan-out in steps if they are worth
+        it (and the shell can spare it): ``(the Fanout or None, blocked)``."""
+        if hold and (nbytes := self._holdable(runs, batch, n)):
+            return self._hold(conn, batch, n, nbytes, runs, blocked, resume), blocked
+        return None, self._deliver(conn, batch, runs, blocked)
+
+    def _act_on(self, conn: Client, batch, i: int, size: int) -> bool:
+        """Packet *i* when it is not a routed publish: the end of file or an empty packet,
+        one over the size limit, or the slow path (`packet`).  Whether *conn* is gone."""
+        if size == 0:
+            if self._at_eof(conn.link):
+                self._depart(conn)
+                return True
+            self.refuse(conn, b"packet", "empty packet")
+        elif size > self.max_message:
+            self.refuse(conn, b"packet", f"over the {self.max_message}-byte limit")
+        else:
+            self.packet(conn, batch.copy(i))
+        return conn.closed
+
+    def _settle(self, conn: Client, blocked: list[Client] | None) -> None:
+        """After a batch: the publisher waits for the targets that asked it to (`_pause`),
+        and a client whose own replies pile up is not read until it reads them."""
+        if conn.closed:
+            return
         if blocked:
             self._pause(conn, blocked)
         out = conn.out
         if out.nbytes > out.limit or out.budget is not None and \
                 out.budget.queued > out.budget.limit:
-            # replies it does not read: it is not read from until it does
             conn.own_full = True
             self._recheck_own(conn)
-        return None
 
     def turn_taken(self, conn: Client, n: int, spent: float) -> None:
         """A batch of *n* packets from *conn* took *spent* seconds: an expensive client is
@@ -343,28 +415,31 @@ class BrokerCore:
 
     def writable(self, conn: Client) -> None:
         """The client's kernel buffer has room: send what waits for it, report drops."""
+        if conn.closed:
+            return
         out = conn.out
         write = self._write
         link = conn.link
-        try:
-            turn = WRITES_PER_TURN
-            while out.items and turn:
-                try:
-                    write(link, out.peek())
-                except BlockingIOError:
+        turn = WRITES_PER_TURN
+        while out.items and turn:
+            got = write(link, out.peek())
+            if got < 0:
+                if got == FULL or not self._unsent(conn, got):
                     break
-                out.pop()
-                self.delivered += 1
-                turn -= 1
+                out.pop()  # too large ever to be taken: dropped (counted, reported)
+                continue
+            out.pop()
+            self.delivered += 1
+            turn -= 1
+        else:
             if not out.items and out.dropped:
-                write(link, DROPPED + b"%d" % out.dropped)
-                out.take_dropped()
-        except BlockingIOError:
-            pass
-        except OSError as exc:
-            self._send_failed(conn, exc)
-            if conn.closed:
-                return
+                got = write(link, DROPPED + b"%d" % out.dropped)
+                if got >= 0:
+                    out.take_dropped()
+                elif got != FULL:
+                    self._unsent(conn, got)
+        if conn.closed:
+            return
         self.dirty.add(conn)
         if conn.paused:
             self._recheck_paused(conn)
@@ -432,7 +507,7 @@ class BrokerCore:
 
     def control(self, conn: Client, key: bytes, payload: bytes | None) -> None:
         if key == protocol.WHOAMI or key == self._whoami:
-            self.reply(conn, b"CMSG " + key + b"\0" + conn.cred.path(self.sep))
+            self.reply(conn, protocol.encode(protocol.Control(key, conn.cred.path(self.sep))))
             return
         plain = key.replace(self.sep, b"/")
         if plain == protocol.PUBLISHER_NOWAIT:
@@ -457,18 +532,19 @@ class BrokerCore:
     def refuse(self, conn: Client, verb: bytes, why: str) -> None:
         """Tell *conn* that its packet was refused, and log it within its allowance."""
         self._log(conn, f"{verb.decode()} refused: {why}")
-        self.reply(conn, REFUSED + verb + b"\0" + why.encode("utf-8", "backslashreplace"))
+        self.reply(conn, protocol.encode(protocol.Control(
+            protocol.REFUSED + b"/" + verb, why.encode("utf-8", "backslashreplace"))))
 
     def reply(self, conn: Client, packet: bytes) -> None:
         """Send the broker's own packet to *conn*, whatever its flood policy."""
+        if conn.closed:
+            return
         if not conn.out.items:
-            try:
-                self._write(conn.link, packet)
+            got = self._write(conn.link, packet)
+            if got >= 0:
                 return
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                self._send_failed(conn, exc)
+            if got != FULL:
+                self._unsent(conn, got)
                 return
         conn.out.force(packet)
         self.dirty.add(conn)
@@ -568,128 +644,187 @@ class BrokerCore:
     def _deliver(self, publisher: Client, batch, runs, blocked, copies=None):
         """Hand each run's batch packets ``start .. end-1`` to each of its targets.
 
-        What a target's kernel buffer does not take goes to its queue under its flood
-        policy.  Returns *blocked* plus the targets that now ask the publisher to wait:
-        the publisher is paused after the whole batch, so a blocking queue can be over
-        its limit by at most one batch; what it holds beyond the limit is charged to the
-        publisher's user (`Client.held`), and once that user's budget is spent the
-        target loses the packet instead (counted, reported).  Only a target of the
-        publisher's own UID, or a trusted one, may pause it (`Limits.trusted`), and never
-        a publisher that asked not to be paused (`protocol.PUBLISHER_NOWAIT`).
+        ==========================  ================================================
+        one packet, one target      written from the buffer (many keys in turn)
+        one packet, many targets    copied once and written to each (`_write_each`)
+        a run of packets            sent to each target from the buffer, one
+                                    ``sendmmsg`` for the run (`_send_run`)
+        what a target's kernel did  offered to its queue, after what already waits
+        not take                    there, under its flood policy (`_enqueue`)
+        a target that failed        dropped, or the packet lost if it was too large
+                                    for the target's socket (`_unsent`)
+        ==========================  ================================================
+
+        Returns *blocked* plus the targets that now ask the publisher to wait: the
+        publisher is paused after the whole batch (`_settle`), so a blocking queue can
+        be over its limit by at most one batch.  *copies* holds the packets copied out
+        of the batch for queues, shared by every target (and by the steps of a
+        `Fanout`).
         """
-        pub_uid = publisher.cred.uid
-        pub_budget = publisher.out.budget
-        pausable = not publisher.nowait
-        buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
         if copies is None:
             copies = {}
+        buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
+        write, send = self._write, self._send
         sent = 0
-        write = self._write
-        dirty = self.dirty
         for start, end, targets in runs:
-            if end - start == 1 and len(targets) == 1:  # many keys: one packet, one target
-                t = targets[0]
-                if not t.out.items and not t.closed:
-                    at = offsets[start]
-                    try:
-                        write(t.link, buf[at:at + lengths[start]])
-                        sent += 1
+            if end - start == 1:
+                if len(targets) == 1:  # many keys: one packet, one target
+                    t = targets[0]
+                    if t.closed:
                         continue
-                    except BlockingIOError:
-                        pass  # it waits in the queue: below
-                    except OSError as exc:
-                        self._send_failed(t, exc)
-                        continue
-            elif end - start == 1:  # a fan-out read one packet at a time: one copy for all
-                packet = copies.get(start)
-                if packet is None:
-                    at = offsets[start]
-                    packet = copies[start] = buf[at:at + lengths[start]]
-                waiting = []  # targets that queue it
-                for t in targets:
-                    if t.out.items or t.closed:
-                        if not t.closed:
-                            waiting.append(t)
-                        continue
-                    try:
-                        write(t.link, packet)
-                        sent += 1
-                    except BlockingIOError:
-                        waiting.append(t)
-                    except OSError as exc:
-                        self._send_failed(t, exc)
-                if not waiting:
+                    if not t.out.items:
+                        at = offsets[start]
+                        got = write(t.link, buf[at:at + lengths[start]])
+                        if got >= 0:
+                            sent += 1
+                            continue
+                        if got != FULL:
+                            self._unsent(t, got)
+                            continue
+                    blocked = self._enqueue(publisher, t, batch, start, end, copies, blocked)
                     continue
-                targets = waiting  # below: each is queued it, under its policy
+                written, targets = self._write_each(targets, batch, start, copies)
+                sent += written
+                for t in targets:  # those whose kernel was full, or that have a queue
+                    blocked = self._enqueue(publisher, t, batch, start, end, copies, blocked)
+                continue
+            count = end - start
             for t in targets:
                 if t.closed:
                     continue
-                i = start
-                if not t.out.items:
-                    while i < end:
-                        try:
-                            if end - i >= SEND_BATCH_MIN:
-                                i += batch.send(t.link, i, end - i)
-                                if i < end:
-                                    break  # the kernel took what it could
-                            else:
-                                packet = copies.get(i)
-                                if packet is None:
-                                    packet = copies[i] = batch.copy(i)
-                                write(t.link, packet)
-                                i += 1
-                        except BlockingIOError:
-                            break
-                        except OSError as exc:
-                            self._send_failed(t, exc)
-                            if t.closed:
-                                break
-                            i += 1  # that packet could not be delivered (and is counted)
-                            sent -= 1
-                    sent += i - start
-                    if i == end or t.closed:
+                if t.out.items:
+                    i = start  # behind what waits
+                elif count < SEND_BATCH_MIN:
+                    i = self._send_run(t, batch, start, end, copies)
+                else:
+                    got = send(batch, t.link, start, count)
+                    if got == count:
+                        sent += count  # the usual case: the kernel took the whole run
                         continue
-                out = t.out
-                may_block = pausable and (t.cred.uid == pub_uid or t.may_pause_others)
-                for j in range(i, end):
-                    packet = copies.get(j)
-                    if packet is None:
-                        packet = copies[j] = batch.copy(j)
-                    over = may_block and out.nbytes >= out.limit
-                    if over and pub_budget is not None and \
-                            pub_budget.queued + len(packet) > pub_budget.limit:
-                        over = may_block = False  # its user cannot hold more: drop
-                    verdict = out.offer(packet, may_block)
-                    if verdict is Verdict.DROPPED:
-                        self.dropped += 1
-                    elif verdict is Verdict.BLOCK:
-                        if over:
-                            size = len(packet) + PACKET_OVERHEAD
-                            publisher.held += size
-                            if pub_budget is not None:
-                                pub_budget.queued += size
-                        if blocked is None:
-                            blocked = [t]
-                        elif t not in blocked:
-                            blocked.append(t)
-                    elif verdict is Verdict.ERROR:
-                        self._drop(t, "its flood policy is 'error' and it could not take "
-                                      "a message")
-                        break
-                dirty.add(t)
+                    if got >= 0:
+                        sent += got  # the kernel took what it could
+                        i = start + got
+                    elif got == FULL:
+                        i = start
+                    else:  # a failure: the run packet by packet (`_unsent`)
+                        i = self._send_run(t, batch, start, end, copies)
+                if i < end and not t.closed:
+                    blocked = self._enqueue(publisher, t, batch, i, end, copies, blocked)
         self.delivered += sent
         return blocked
 
-    def _send_failed(self, conn: Client, exc: OSError) -> None:
-        if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):  # it hung up: normal
-            self._drop(conn, "it hung up", logging.DEBUG)
-        elif exc.errno == errno.EMSGSIZE:
-            self._log(conn, f"a {exc.strerror} message could not be delivered: dropped")
+    def _write_each(self, targets, batch, i: int, copies) -> tuple[int, list[Client]]:
+        """Packet *i* (copied once) written to each of *targets* that has no queue:
+        ``(how many took it, the targets left to queue it)``."""
+        packet = copies.get(i)
+        if packet is None:
+            at = batch.offsets[i]
+            packet = copies[i] = batch.buffer[at:at + batch.lengths[i]]
+        write = self._write
+        written = 0
+        waiting = []
+        for t in targets:
+            if t.closed:
+                continue
+            if t.out.items:
+                waiting.append(t)
+                continue
+            got = write(t.link, packet)
+            if got >= 0:
+                written += 1
+            elif got == FULL:
+                waiting.append(t)
+            else:
+                self._unsent(t, got)
+        return written, waiting
+
+    def _send_run(self, t: Client, batch, start: int, end: int, copies) -> int:
+        """Batch packets ``start .. end-1`` to *t*'s kernel, as many as it takes now (one
+        ``sendmmsg`` for `SEND_BATCH_MIN` or more, a write each for fewer); returns
+        where the rest begins (*end*: all taken, or *t* is gone)."""
+        send, write = self._send, self._write
+        link = t.link
+        i, lost = start, 0
+        while i < end:
+            if end - i >= SEND_BATCH_MIN:
+                got = send(batch, link, i, end - i)
+                if got >= 0:
+                    i += got
+                    if i < end:
+                        break  # the kernel took what it could
+                    continue
+            else:
+                packet = copies.get(i)
+                if packet is None:
+                    packet = copies[i] = batch.copy(i)
+                got = write(link, packet)
+                if got >= 0:
+                    i += 1
+                    continue
+            if got == FULL or not self._unsent(t, got):
+                break
+            i += 1  # that packet could not be delivered (counted, reported)
+            lost += 1
+        self.delivered += i - start - lost
+        return i
+
+    def _enqueue(self, publisher: Client, t: Client, batch, start: int, end: int, copies,
+                 blocked: list[Client] | None) -> list[Client] | None:
+        """Offer batch packets ``start .. end-1`` to *t*'s queue under its flood policy;
+        returns *blocked*, with *t* if it asks the publisher to wait.
+
+        Only a target of the publisher's own UID, or a trusted one, may pause it
+        (`Limits.trusted`), and never a publisher that asked not to be paused
+        (`protocol.PUBLISHER_NOWAIT`).  What a blocking queue holds beyond its limit is
+        charged to the publisher's user (`Client.held`), and once that user's budget is
+        spent the target loses the packet instead (counted, reported)."""
+        out = t.out
+        pub_budget = publisher.out.budget
+        may_block = not publisher.nowait and (t.cred.uid == publisher.cred.uid
+                                              or t.may_pause_others)
+        for j in range(start, end):
+            packet = copies.get(j)
+            if packet is None:
+                packet = copies[j] = batch.copy(j)
+            over = may_block and out.nbytes >= out.limit
+            if over and pub_budget is not None and \
+                    pub_budget.queued + len(packet) > pub_budget.limit:
+                over = may_block = False  # its user cannot hold more: drop
+            verdict = out.offer(packet, may_block)
+            if verdict is Verdict.DROPPED:
+                self.dropped += 1
+            elif verdict is Verdict.BLOCK:
+                if over:
+                    size = len(packet) + PACKET_OVERHEAD
+                    publisher.held += size
+                    if pub_budget is not None:
+                        pub_budget.queued += size
+                if blocked is None:
+                    blocked = [t]
+                elif t not in blocked:
+                    blocked.append(t)
+            elif verdict is Verdict.ERROR:
+                self._drop(t, "its flood policy is 'error' and it could not take a message")
+                break
+        self.dirty.add(t)
+        return blocked
+
+    def _unsent(self, conn: Client, outcome: int) -> bool:
+        """A write or send to *conn* took nothing, and not because its kernel was full
+        (`GONE`, `TOO_BIG`, `FAILED`): whether *conn* is still connected (the packet is
+        then lost, counted and reported to it)."""
+        if outcome == TOO_BIG:
+            self._log(conn, "a message too large for its socket could not be delivered: "
+                            "dropped")
             conn.out.dropped += 1
             self.dropped += 1
             self.dirty.add(conn)
+            return True
+        if outcome == GONE:
+            self._drop(conn, "it hung up", logging.DEBUG)
         else:
-            self._drop(conn, f"send failed: {exc}")
+            self._drop(conn, "sending to it failed")
+        return False
 
     # -- pausing ---------------------------------------------------------------------
 
@@ -826,8 +961,7 @@ class BrokerCore:
         """Take over a predecessor's clients: *peers* maps a client id to its credentials
         (asked of the kernel again) and link.  Returns the clients taken; a client the
         limits now refuse, or missing from *peers*, is not (the shell closes its link)."""
-        if state.sep != self.sep:
-            raise handover.HandoverError(f"the predecessor used the separator {state.sep!r}")
+        self._check_snapshot(state)
         for name in ("published", "delivered", "dropped", "disconnects"):
             setattr(self, name, state.counters.get(name, 0))
         taken = []
@@ -845,13 +979,38 @@ class BrokerCore:
             conn.nowait = c.nowait
             for pattern, count in c.patterns:
                 for _ in range(count):
+                    held = conn.subscriptions
                     self.subscribe(conn, pattern)
+                    if conn.subscriptions == held:
+                        break  # refused (and said why) once: not once per copy
             for packet in c.queued:
                 out.force(packet)
             out.dropped = c.dropped
             taken.append(conn)
         self._next_id = max([self._next_id, *(c.id + 1 for c in state.clients)])
         return taken
+
+    def _check_snapshot(self, state: handover.State) -> None:
+        """Refuse a snapshot this core cannot take as a whole (`HandoverError`), before
+        it takes any of it: a damaged one must not leave half its clients behind."""
+        if state.sep != self.sep:
+            raise handover.HandoverError(f"the predecessor used the separator {state.sep!r}")
+        if not all(type(v) is int for v in state.counters.values()):
+            raise handover.HandoverError("the snapshot's counters are not numbers")
+        seen: set[int] = set()
+        for c in state.clients:
+            if type(c.id) is not int or not 0 < c.id < 1 << 62 or c.id in seen:
+                raise handover.HandoverError(f"client id {c.id!r} is repeated or invalid")
+            seen.add(c.id)
+            try:
+                Soft(c.soft), Hard(c.hard), Order(c.order)
+            except ValueError as exc:
+                raise handover.HandoverError(f"client {c.id}: {exc}") from None
+            if not all(type(p) is bytes and type(n) is int and 0 < n <= RESTORED_COPIES
+                       for p, n in c.patterns) or \
+                    not all(type(q) is bytes for q in c.queued) or \
+                    type(c.dropped) is not int or c.dropped < 0:
+                raise handover.HandoverError(f"client {c.id}'s state is damaged")
 
     # -- reporting ---------------------------------------------------------------------
 

@@ -77,10 +77,17 @@ def decode(data: bytes) -> State:
     if fmt != FORMAT:
         raise HandoverError(f"the snapshot is of format {fmt!r}, this broker reads {FORMAT!r}")
     try:
-        return State(bytes(sep), {str(k): int(v) for k, v in counters.items()}, [
-            ClientState(int(cid), [(bytes(p), int(n)) for p, n in patterns], bytes(soft),
-                        bytes(hard), bytes(order), bool(nowait), [bytes(q) for q in queued],
-                        int(dropped))
+        return State(_bytes(sep), {str(k): int(v) for k, v in counters.items()}, [
+            ClientState(int(cid), [(_bytes(p), int(n)) for p, n in patterns], _bytes(soft),
+                        _bytes(hard), _bytes(order), bool(nowait),
+                        [_bytes(q) for q in queued], int(dropped))
             for cid, patterns, soft, hard, order, nowait, queued, dropped in clients])
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, AttributeError, OverflowError) as exc:
         raise HandoverError(f"the snapshot is damaged: {exc}") from None
+
+
+def _bytes(value: object) -> bytes:
+    """Bytes as they were stored (``bytes(n)`` of a stored number would allocate n)."""
+    if not isinstance(value, bytes):
+        raise TypeError(f"{type(value).__name__} where bytes belong")
+    return value

@@ -10,6 +10,7 @@ what it holds plus one pass over the asker's own clients.
 
 from __future__ import annotations
 
+import codecs
 import json
 
 from . import protocol
@@ -30,9 +31,15 @@ REQUEST_BYTES = 64
 
 def _text(data: bytes) -> str:
     """At most `ENTRY_BYTES` of client bytes for JSON: UTF-8 as it is (JSON escapes
-    control bytes), anything else escaped; a cut entry says how much it left out."""
+    control bytes), and from the first byte that is not, every byte outside printable
+    ASCII as ``\\xNN`` (escaped in one C call: an error handler called per invalid byte
+    took ~36 µs per entry, 1.6 ms per answer); a cut entry says how much it left out."""
     cut = data[:ENTRY_BYTES]
-    text = cut.decode("utf-8", "backslashreplace")
+    try:
+        text = cut.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        tail = codecs.escape_encode(cut[exc.start:])[0].decode("ascii").replace("\\'", "'")
+        text = cut[:exc.start].decode("utf-8") + tail
     if len(data) > ENTRY_BYTES:
         text += f"…(+{len(data) - ENTRY_BYTES} bytes)"
     return text
@@ -75,17 +82,20 @@ def answer(broker, asker, payload: bytes | None) -> bytes:
         "dropped": broker.dropped, "uptime": round(broker.now - broker.started, 3),
         "you": asker.id, "visible": "all" if uid == 0 else f"uid {uid}",
     }
-    clients, size, more = [], 0, False
+    # each entry is encoded once, and the page is joined from them: the answer costs
+    # what it holds (`ENTRY_BYTES` per shown string), whatever the clients hold
+    entries, ids, size, more = [], [], 0, False
     for conn in mine:
         if conn.id <= after:
             continue
-        entry = _client(conn, broker.index)
-        size += len(json.dumps(entry))
+        entry = json.dumps(_client(conn, broker.index))
+        size += len(entry) + 1
         if size > ANSWER_BYTES:
             more = True
             break
-        clients.append(entry)
-    body = {"broker": totals, "clients": clients, "more": more}
-    if more and clients:
-        body["next"] = {"after": clients[-1]["id"]}
-    return b"CMSG " + protocol.STATUS + b"\0" + json.dumps(body).encode()
+        entries.append(entry)
+        ids.append(conn.id)
+    tail = f', "next": {{"after": {ids[-1]}}}' if more and ids else ""
+    body = (f'{{"broker": {json.dumps(totals)}, "clients": [{", ".join(entries)}], '
+            f'"more": {json.dumps(more)}{tail}}}')
+    return protocol.encode(protocol.Control(protocol.STATUS, body.encode()))

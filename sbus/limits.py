@@ -25,7 +25,8 @@ __all__ = ["Limits", "UserAccounts", "LogAllowance"]
 
 @dataclass(frozen=True)
 class Limits:
-    #: Connections one UID may hold at once.
+    #: Connections one UID may hold at once (`sbus serve` lowers it to a share of its
+    #: descriptors: `rlimits.connections_per_user_for`).
     connections_per_user: int = 1024
     #: Subscriptions (duplicates counted) one UID may hold at once.
     subscriptions_per_user: int = 65536

@@ -16,9 +16,11 @@ Measured against c4a42ae (before the fix), each test's docstring says what it sa
 from __future__ import annotations
 
 import functools
+import json
 import mmap
 import os
 import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SBUS, raw
+from conftest import SBUS, raw, stop_process, wait_for_socket
 from faultkit import NOBODY, rss_kib, served
 
 from sbus.broker import HELD_BATCHES
@@ -297,6 +299,37 @@ def test_f_accept_storm(start) -> None:
     assert_fast(quiet, during, "accept storm", [s.result for s in storms])
 
 
+
+def test_f_status_answers_cost_bounded_work(start) -> None:
+    """Issue 28 item 1: one attacker client holds 40 patterns of 200 KB of invalid UTF-8,
+    another a 70 KB pattern, 200 more after them; the attacker asks ``CMSG broker/status``
+    again and again (paging through).  Another user's whoami stays fast, and root's
+    ``sbus status`` lists every one of the attacker's clients.  9fc0f77: each answer kept
+    the loop 1-2 s (every pattern escaped and encoded whole before the size check),
+    honest whoami p99 4.2 s; root's listing stopped at the attacker's first client (an
+    entry larger than a page ended the paging): 0 of its 202 clients shown."""
+    b = start()
+    attack = hostile.Role(ATTACKER, "status_attack", b.address, seconds=60)
+    ready = attack.wait_state(120)
+    assert ready and ready.startswith("202 clients, 0 "), (ready, attack.finish())
+    quiet = hostile.latency_figures(
+        hostile.Role(HONEST2, "prober", b.address, seconds=1).finish(30, stop=False)
+        ["latencies"])
+    probe = hostile.Role(HONEST, "prober", b.address, seconds=6)
+    shown = subprocess.run([*SBUS, "status", "--json", "--timeout", "20",
+                            "--address", b.address],
+                           capture_output=True, text=True, timeout=120)
+    lat = probe.finish(60, stop=False)
+    report = attack.finish()
+    assert b.proc.poll() is None, "the broker died"
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    listed = [c for c in json.loads(shown.stdout)["clients"] if c["uid"] == ATTACKER]
+    assert len(listed) == 202 == len({c["id"] for c in listed}), \
+        f"root's sbus status lists {len(listed)} of the attacker's 202 clients"
+    assert report.get("pages", 0) > 20 and report["largest_answer"] < 64 * 1024, report
+    assert_fast(quiet, hostile.latency_figures(lat["latencies"]), "status requests", report)
+
+
 # -- 3. block across users ------------------------------------------------------------------
 
 def test_g_block_is_a_privilege_across_users(start) -> None:
@@ -369,6 +402,50 @@ def test_h_connection_limit_refusals_rate_limited(start) -> None:
     lines = [x for x in attacker_lines(b.log()) if "connections" in x]
     assert 1 <= len(lines) <= 20, f"{len(lines)} log lines for refused connections"
     no_missing_flags(b)
+
+
+
+# -- 6. descriptors ------------------------------------------------------------------------
+
+def _nofile(pid: int) -> int:
+    """The soft descriptor limit of process *pid* (/proc/PID/limits)."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError(f"no descriptor limit for {pid}")
+
+
+def test_j_one_user_cannot_take_the_last_descriptors(short_tmp) -> None:
+    """Issue 28 item 5: ``sbus serve`` started from a shell with the usual soft limit of
+    1,024 descriptors (hard 2,048 here).  Another user opens connections until one is
+    refused; root and a third user can still connect.  9fc0f77: the soft limit stayed
+    1,024 and one user could hold 1,024 connections: the attacker held 1,016, then
+    root's connection and the third user's 5,140 tries in 0.5 s were closed at once (out
+    of descriptors)."""
+    os.chmod(short_tmp, 0o755)
+    address = str(short_tmp / "bus.sock")
+    with open(short_tmp / "broker.log", "wb") as log:
+        proc = subprocess.Popen(
+            [*SBUS, "serve", "--address", address], stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 2048)))
+    try:
+        wait_for_socket(address, proc)
+        nofile = _nofile(proc.pid)
+        attack = hostile.Role(ATTACKER, "descriptor_attack", address, seconds=120,
+                              max=1500)
+        assert attack.wait_state(100), attack.finish()
+        with raw(address) as s:
+            root_served = served(s)
+        third = hostile.Role(HONEST, "prober", address, seconds=0.5).finish(30, stop=False)
+        report = attack.finish()
+        assert proc.poll() is None, "the broker died"
+    finally:
+        stop_process(proc)
+    assert nofile == 2048, f"the broker kept its soft descriptor limit of {nofile}"
+    assert root_served, f"root was refused while uid {ATTACKER} held {report}"
+    assert third.get("latencies") and not third.get("failed"), \
+        f"a third user was refused while uid {ATTACKER} held {report}: {third}"
+    assert report.get("held") == (2048 - 64) // 8, report
 
 
 # -- 5. the route cache under churn ------------------------------------------------------

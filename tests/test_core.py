@@ -7,7 +7,6 @@ so "the kernel is full" is a decision of the test), and `Batch` for a received
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 
@@ -15,7 +14,7 @@ import pytest
 
 from sbus import core as core_mod
 from sbus import handover
-from sbus.core import BrokerCore, Client
+from sbus.core import FULL, GONE, TOO_BIG, BrokerCore, Client
 from sbus.flood import Hard, Order, Soft
 from sbus.keys import Credentials
 from sbus.limits import Limits
@@ -28,15 +27,19 @@ class Kernel:
         self.buffers: dict[int, list[bytes]] = {}
         self.room: dict[int, int] = {}
         self.hung_up: set[int] = set()
+        self.largest: dict[int, int] = {}  # link -> the largest packet its socket takes
         self.syscalls = 0
 
     def write(self, link: int, packet: bytes) -> int:
+        """The core's ``write`` port: bytes taken, or `core.GONE` / `core.FULL`."""
         self.syscalls += 1
         if link in self.hung_up or link < 0:
-            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+            return GONE
+        if len(packet) > self.largest.get(link, len(packet)):
+            return TOO_BIG
         buf = self.buffers[link]
         if len(buf) >= self.room[link]:
-            raise BlockingIOError(errno.EAGAIN, "full")
+            return FULL
         buf.append(bytes(packet))
         return len(packet)
 
@@ -64,11 +67,14 @@ class Batch:
         return tuple(self.buffer[at:at + size] for at in self.offsets[start:end])
 
     def send(self, link: int, start: int, count: int) -> int:
+        """What the core's ``send`` port does with this batch (as ``sendmmsg`` would)."""
         self.kernel.syscalls += 1
         if link in self.kernel.hung_up:
-            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+            return GONE
         buf = self.kernel.buffers[link]
         n = max(0, min(count, self.kernel.room[link] - len(buf)))
+        if n == 0:
+            return FULL
         buf.extend(self.copy(i) for i in range(start, start + n))
         return n
 
@@ -108,9 +114,7 @@ class Bus:
             self.core.writable(c)
 
     def lines(self, level: int = logging.WARNING) -> list[str]:
-        out = [line for lvl, line in self.core.logs if lvl >= level]
-        self.core.logs.clear()
-        return out
+        return [line for lvl, line in self.core.take_logs() if lvl >= level]
 
 
 def msgs(packets: list[bytes]) -> list[bytes]:
@@ -143,7 +147,7 @@ def test_a_one_packet_fan_out_writes_once_per_target_and_queues_for_the_full_one
     bus.kernel.syscalls = 0
     bus.send(pub, b"MSG fan\0one")  # a batch of one packet: the turn of a costly fan-out
     assert all(bus.read(c) == [b"MSG fan\0one"] for c in free)
-    assert bus.kernel.syscalls == 8  # one write each, and one more for the full one
+    assert bus.kernel.syscalls == 7  # one write each (the full one is queued, not retried)
     assert full.wants_write and bus.read(full) == [] and gone.closed
     bus.send(pub, b"MSG fan\0two")  # behind what waits, not before it
     bus.kernel.room[full.link] = 10
@@ -509,3 +513,19 @@ def test_defaults_apply_to_new_clients():
     bus = Bus(defaults=(Soft.BLOCK, Hard.BLOCK, Order.RANDOM))
     c = bus.connect()
     assert (c.out.soft, c.out.hard, c.out.order) == (Soft.BLOCK, Hard.BLOCK, Order.RANDOM)
+
+
+def test_a_packet_too_large_for_its_socket_is_dropped_and_reported_not_retried():
+    """The link port's `TOO_BIG`: that packet is lost (counted, reported with
+    ``blocking/dropped``), the client stays, and what follows it is delivered."""
+    bus = Bus()
+    sub = bus.connect(room=0)
+    pub = bus.connect()
+    bus.send(sub, b"SUB k")
+    bus.send(pub, b"MSG k\0" + b"x" * 100, b"MSG k\0small")
+    assert sub.wants_write and len(sub.out) == 2
+    bus.kernel.room[sub.link], bus.kernel.largest[sub.link] = 10, 50
+    bus.core.writable(sub)
+    assert bus.read(sub) == [b"MSG k\0small", b"CMSG blocking/dropped\0" + b"1"]
+    assert not sub.closed and not sub.wants_write and bus.core.dropped == 1
+    assert any("too large" in line for line in bus.lines())

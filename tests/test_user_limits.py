@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 from conftest import raw, sync
 from faultkit import NOBODY, as_user, rss_kib, served
+
+from sbus.rlimits import connections_per_user_for
 
 OTHER = NOBODY - 1
 
@@ -153,3 +157,19 @@ def test_queued_bytes_per_user(make_broker, open_dir) -> None:
             call(p, "exit")
         hostile.join(5)
         polite.join(5)
+
+
+def test_the_default_connection_limit_is_a_share_of_the_descriptors() -> None:
+    """docs/security.md's arithmetic: min(1024, (N - 64) // 8) of the raised limit N."""
+    assert [connections_per_user_for(n) for n in (100, 1024, 2048, 4096, 65536, 1 << 20)] \
+        == [4, 120, 248, 504, 1024, 1024]
+
+
+def test_a_long_running_command_raises_its_soft_descriptor_limit() -> None:
+    """Every long-running command calls `raise_descriptor_limit` first: soft = hard."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512)); "
+            "from sbus.rlimits import raise_descriptor_limit as r; "
+            "print(r(), resource.getrlimit(resource.RLIMIT_NOFILE))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split(maxsplit=1)
+    assert out == ["512", "(512, 512)\n"]

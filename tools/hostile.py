@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -44,7 +45,7 @@ from collections import Counter
 from pathlib import Path
 
 from sbus.defaults import parse_size
-from sbus.protocol import DROPPED, REFUSED, WHOAMI
+from sbus.protocol import CLIENT_STATUS, DROPPED, REFUSED, STATUS, WHOAMI
 
 ATTACKERS = (65534, 65533)
 HONEST = (65532, 65531)
@@ -489,6 +490,76 @@ def accept_storm(pipe, address: str, params: dict) -> None:
     pipe.send(("done", {"connects": n, "backlog_full": refused}))
 
 
+def status_attack(pipe, address: str, params: dict) -> None:
+    """Clients that hold what makes an introspection answer costly, then ``CMSG
+    broker/status`` asked over and over (paging through every answer) by the first: it
+    holds a few dozen ~200 KB patterns of invalid UTF-8 (each byte escaped when shown),
+    the next client a 70 KB pattern (an entry larger than a page), and many small clients
+    come after them (those a paging that stops early would hide).  Reports the answers
+    and their round trips."""
+    clock = Clock(pipe, params)
+    costly = connect(address, BIG_SNDBUF, timeout=30)
+    refused = 0
+    for i in range(params.get("long", 40)):
+        costly.send(b"SUB %d/" % i + b"\xff\xfe" * (params.get("long_bytes", 200_000) // 2))
+        refused += sum(p.startswith(REFUSAL) for p in roundtrip(costly, 60))
+    big = connect(address, BIG_SNDBUF, timeout=30)
+    big.send(b"SUB big/" + b"\xff" * params.get("big", 70_000))
+    big.send(b"CMSG " + CLIENT_STATUS + b"\0" + b"\xfe" * 4096)
+    held = [costly, big]
+    for i in range(params.get("clients", 200)):
+        s = connect(address, timeout=30)
+        s.send(b"SUB small/%d/\xff" % i)
+        held.append(s)
+    for s in held:
+        roundtrip(s, 60)
+    clock.state(f"{len(held)} clients, {refused} patterns refused")
+    asker = costly
+    lat, pages, largest, after = [], 0, 0, None
+    while not clock.over():
+        t = time.monotonic()
+        asker.send(b"CMSG " + STATUS + (b"" if after is None else b"\0" + after))
+        while True:
+            p = asker.recv(1 << 20)
+            if not p:
+                raise ConnectionError("the broker closed the connection")
+            if p.startswith(b"CMSG " + STATUS + b"\0"):
+                break
+        lat.append(time.monotonic() - t)
+        pages += 1
+        largest = max(largest, len(p))
+        page = json.loads(p[len(STATUS) + 6:])
+        # a page that says "more" but not where (an entry larger than a page): start over
+        after = json.dumps(page["next"]).encode() if "next" in page else None
+    for s in held:
+        s.close()
+    pipe.send(("done", {"clients": len(held), "refused": refused, "pages": pages,
+                        "largest_answer": largest, **{
+                            f"answer_{k}": v for k, v in latency_figures(lat).items()}}))
+
+
+def descriptor_attack(pipe, address: str, params: dict) -> None:
+    """Open connections (each answered, so the broker has taken it) until the broker
+    refuses one or ``max`` are held, and hold them: the broker's descriptors."""
+    clock = Clock(pipe, params)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the attacker's own, too
+    held = []
+    while len(held) < params.get("max", 5000) and not clock.over():
+        try:
+            s = connect(address, timeout=5)
+            roundtrip(s, 5)
+        except OSError:
+            break  # refused (closed at once), or the connect itself failed
+        held.append(s)
+    clock.state(f"{len(held)} held")
+    while not clock.over():
+        time.sleep(0.05)
+    for s in held:
+        s.close()
+    pipe.send(("done", {"held": len(held)}))
+
+
 # -- attacks: block, logs -------------------------------------------------------------------
 
 def blocker(pipe, address: str, params: dict) -> None:
@@ -752,8 +823,8 @@ ROLES = {f.__name__: f for f in (
     cache_attack, trie_attack, reply_attack, paused_attack, held_attack, tiny_attack,
     sub_batch_attack,
     order_attack, prefix_attack, churn_attack, fanout_attack, walk_attack, accept_storm,
-    blocker, log_attack, storm, prober, reliable_pair, cross_reader, sequenced_publisher,
-    secret_user, refusal_probe, throughput_publisher)}
+    blocker, log_attack, status_attack, descriptor_attack, storm, prober, reliable_pair,
+    cross_reader, sequenced_publisher, secret_user, refusal_probe, throughput_publisher)}
 
 
 # -- orchestration ----------------------------------------------------------------------------
@@ -920,6 +991,8 @@ def attack_plan(seconds: float) -> list[tuple[int, str, dict]]:
         (b, "prefix_attack", {"seconds": seconds, "siblings": 5000}),
         (b, "walk_attack", {"seconds": seconds, "depth": 24}),
         (b, "accept_storm", {"seconds": seconds}),
+        # within the soak's 4 MiB of subscriptions per user: 8 long patterns, 50 clients
+        (b, "status_attack", {"seconds": seconds, "long": 8, "clients": 50}),
     ]
 
 

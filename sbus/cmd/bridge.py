@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from .. import rlimits
 from ..bridge.core import BridgeCore, Rule
 from ..bridge.topics import ConfigError, Mapping
 from ..defaults import MAX_MESSAGE, parse_duration, parse_size
@@ -289,6 +290,7 @@ def resolve(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    rlimits.raise_descriptor_limit()  # a long-running command: all the descriptors it may have
     try:
         if args.export_map:
             Mapping.parse(args.export_map)

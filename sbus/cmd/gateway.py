@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import resource
 import signal
 import ssl
 import stat
 
 import trio
 
+from .. import rlimits
 from ..defaults import size_arg
 from ..errors import SbusError
 from ..gateway.bridge import BUS_SUBSCRIPTION_BYTES
@@ -136,13 +136,6 @@ def _bound(listener: trio.abc.Listener) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _raise_nofile() -> None:
-    """Every client is a file descriptor: use all the kernel lets us."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 async def _report(gw: Gateway) -> None:
     while True:
         await trio.sleep(5)
@@ -233,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         # a service: where it listens (the real port, also for port 0), refusals and
         # bus changes are worth a line; per-peer lines are rationed (Gateway.say)
         log.setLevel(logging.INFO)
-    _raise_nofile()
+    rlimits.raise_descriptor_limit()  # every client is a file descriptor
     try:
         trio.run(serve, args)
     except BaseExceptionGroup as group:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from .. import rlimits
 from ..defaults import parse_duration, parse_size
 from ..errors import SbusError
 from ..extras import install_command
@@ -56,6 +57,7 @@ def _writer_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    rlimits.raise_descriptor_limit()  # a long-running command: all the descriptors it may have
     from ..journal.record import record
 
     options = _writer_options(args)

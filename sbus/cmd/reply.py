@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+from .. import rlimits
 from ..client import Client, Publish, SbusError
 from ..defaults import MAX_MESSAGE, count_arg, duration_arg, size_arg
 from ..display import brief
@@ -82,6 +83,7 @@ def answer(command: list[str], key: bytes, body: bytes, limit: int,
 
 
 def run(args: argparse.Namespace) -> int:
+    rlimits.raise_descriptor_limit()  # a long-running command: all the descriptors it may have
     answered = 0
     with Client(args.address) as bus:
         bus.subscribe(os.fsencode(args.pattern))

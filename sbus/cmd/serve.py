@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from .. import server
@@ -20,6 +21,14 @@ from ..defaults import (
 from ..errors import ServeError
 from ..flood import Hard, Order, Soft
 from ..limits import Limits
+from ..rlimits import (
+    RESERVED_DESCRIPTORS,
+    USER_SHARE,
+    connections_per_user_for,
+    raise_descriptor_limit,
+)
+
+log = logging.getLogger("sbus.serve")
 
 #: Said when a user may not create the socket (the default is the system bus's place).
 PLACE_HINT = ("a bus of your own goes where you may write: sbus serve --address "
@@ -65,9 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--order", choices=[o.value.decode() for o in Order],
                    default=DEFAULT_ORDER.decode(), help="order in which queued messages "
                    f"leave (default {DEFAULT_ORDER.decode()})")
-    p.add_argument("--max-connections-per-user", type=int, default=Limits.connections_per_user,
-                   metavar="N", help="connections one user may hold at once "
-                                     f"(default {Limits.connections_per_user}; root is exempt)")
+    p.add_argument("--max-connections-per-user", type=int, default=None, metavar="N",
+                   help="connections one user may hold at once (default: 1/"
+                        f"{USER_SHARE} of the descriptor limit less {RESERVED_DESCRIPTORS}, "
+                        f"at most {Limits.connections_per_user}; root is exempt)")
     p.add_argument("--max-subscriptions-per-user", type=int, metavar="N",
                    default=Limits.subscriptions_per_user,
                    help="subscriptions one user may hold at once "
@@ -94,8 +104,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                         "may); repeatable")
 
 
+def _connections_per_user(asked: int | None) -> int:
+    """The per-user connection limit, kept well below the descriptor limit (raised to
+    the hard limit first): one user must never take the last descriptors."""
+    descriptors = raise_descriptor_limit()
+    if asked is None:
+        asked = connections_per_user_for(descriptors)
+        log.info("descriptor limit %d: at most %d connections per user", descriptors, asked)
+    elif asked > (descriptors - RESERVED_DESCRIPTORS) // 2:
+        log.warning("--max-connections-per-user %d is not well below the descriptor limit "
+                    "%d: two users could take every descriptor", asked, descriptors)
+    return asked
+
+
 def run(args: argparse.Namespace) -> int:
-    limits = Limits(connections_per_user=args.max_connections_per_user,
+    limits = Limits(connections_per_user=_connections_per_user(args.max_connections_per_user),
                     subscriptions_per_user=args.max_subscriptions_per_user,
                     subscription_bytes_per_user=args.max_subscription_bytes_per_user,
                     queued_bytes_per_user=args.max_queued_bytes_per_user,

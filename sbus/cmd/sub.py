@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from .. import rlimits
 from ..client import Client, Publish, SbusError
 from ..defaults import duration_arg
 from ..errors import UsageError
@@ -91,6 +92,7 @@ def _ready(fd: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    rlimits.raise_descriptor_limit()  # a long-running command: all the descriptors it may have
     if (args.timestamps or args.pretty) and args.format_string is not None:
         raise SbusError("--timestamps and --pretty do not go with -F (%t is the time)")
     if (args.timestamps or args.pretty) and args.format == "raw":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import rlimits
 from ..defaults import default_address, size_arg
 from ..errors import UsageError
 from ..top.model import SortBy, ViewOptions
@@ -64,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    rlimits.raise_descriptor_limit()  # a long-running command: all the descriptors it may have
     from ..top.app import Settings, run_live, run_snapshot
 
     if args.group < 0:

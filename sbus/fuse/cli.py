@@ -17,6 +17,7 @@ import sys
 
 import trio
 
+from .. import rlimits
 from ..defaults import MAX_MESSAGE, default_address, size_arg
 from ..errors import SbusError
 from ..sdnotify import notify
@@ -150,6 +151,7 @@ async def _on_signals(fs) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    rlimits.raise_descriptor_limit()  # a long-running command: all the descriptors it may have
     import pyfuse3  # a missing 'fuse' extra is reported by sbus.cli
 
     from ..client import Client
