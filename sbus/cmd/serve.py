@@ -110,7 +110,7 @@ def _connections_per_user(asked: int | None) -> int:
     descriptors = raise_descriptor_limit()
     if asked is None:
         asked = connections_per_user_for(descriptors)
-        log.info("descriptor limit %d: at most %d connections per user", descriptors, asked)
+        log.debug("descriptor limit %d: at most %d connections per user", descriptors, asked)
     elif asked > (descriptors - RESERVED_DESCRIPTORS) // 2:
         log.warning("--max-connections-per-user %d is not well below the descriptor limit "
                     "%d: two users could take every descriptor", asked, descriptors)
