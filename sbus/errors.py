@@ -7,7 +7,8 @@ connection, fix a refused pattern).
 
 from __future__ import annotations
 
-__all__ = ["SbusError", "ConnectError", "ConnectionLost", "InvalidRequest", "Refused"]
+__all__ = ["SbusError", "ConnectError", "ConnectionLost", "InvalidRequest", "Refused",
+           "NoResponders"]
 
 
 class SbusError(Exception):
@@ -35,3 +36,7 @@ class Refused(SbusError):
         super().__init__(f"the broker refused the {verb.upper()}: {reason}")
         self.verb = verb
         self.reason = reason
+
+
+class NoResponders(SbusError):
+    """A request on a key nobody subscribes to: the broker said so at once."""

@@ -33,6 +33,8 @@ __all__ = [
     "REFUSED",
     "PUBLISHER_NOWAIT",
     "STATUS",
+    "REACH",
+    "parse_batch",
     "SOFT",
     "HARD",
     "ORDER",
@@ -52,6 +54,10 @@ PUBLISHER_NOWAIT = b"blocking/publisher/nowait"
 #: client -> broker: "tell me about yourself" (payload optional: ``{"after": ID}``);
 #: broker -> client: a JSON object (sbus/introspect.py, docs/protocol.md).
 STATUS = b"broker/status"
+#: client -> broker: ``REACH\0KEY``, "how many subscribers would a message of mine on KEY
+#: reach?"; broker -> client: ``REACH\0KEY\0N`` (N decimal), or ``REACH\0KEY\0?`` for a
+#: secret key of another process (whose subscriptions are nobody else's business).
+REACH = b"broker/reach"
 #: client -> broker: the payload is this client's own one-line status (a bridge's
 #: counters, say), shown beside it by ``broker/status`` to whoever may see the client;
 #: cut to `CLIENT_STATUS_BYTES`, an empty payload clears it.
@@ -120,6 +126,29 @@ def parse(packet: bytes) -> Event:
             return Control(packet[5:], None)
         return Control(packet[5:nul], packet[nul + 1 :])
     raise ProtocolError(f"unknown message type: {_describe(packet)}")
+
+
+def parse_batch(buf, offsets, lengths, others: list[int] | None = None) -> list[Event]:
+    """`parse` for many packets in one buffer (``buf[offsets[i]:offsets[i] + lengths[i]]``,
+    *buf* a bytes-like object with ``find`` and slicing to bytes, e.g. an mmap): the
+    events in order.  A ``MSG`` takes the fast path (one ``find``, two slices); anything
+    else goes through `parse`, which raises `ProtocolError` for a malformed packet; the
+    indices of those events are appended to *others* (so a caller need not look at every
+    event to find the few that are not messages)."""
+    out: list[Event] = []
+    append = out.append
+    find = buf.find
+    for i, (at, size) in enumerate(zip(offsets, lengths, strict=False)):
+        end = at + size
+        if size > 4 and find(b"MSG ", at, at + 4) == at:
+            nul = find(b"\0", at + 4, end)
+            if nul >= 0:
+                append(Publish(buf[at + 4:nul], buf[nul + 1:end]))
+                continue
+        append(parse(buf[at:end]))
+        if others is not None:
+            others.append(i)
+    return out
 
 
 def encode(event: Event) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import signal
 import socket
 
 import pytest
@@ -76,6 +77,20 @@ def test_connect_error_names_address(short_tmp):
 def test_closed_connection_is_an_error(broker):
     c = Client(broker.address)
     broker.stop()
+    with pytest.raises(SbusError, match="closed the connection"):
+        c.receive(timeout=5)
+
+
+def test_a_reset_connection_is_closed_too(broker):
+    """A broker that ends with packets of ours unread resets the connection (ECONNRESET,
+    as under load) instead of an end of file: the same error, the same words."""
+    c = Client(broker.address)
+    c.whoami()
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    for _ in range(10):
+        c.publish(b"unread", b"x")  # waits in the stopped broker's receive queue
+    os.kill(broker.proc.pid, signal.SIGKILL)
+    broker.proc.wait()
     with pytest.raises(SbusError, match="closed the connection"):
         c.receive(timeout=5)
 
