@@ -618,13 +618,13 @@ class Client(_Shell):
         again on the new connection (so a replier may see it twice).  Other messages
         meanwhile are kept for `receive`; a late reply to an earlier request is dropped."""
         key = key.encode() if isinstance(key, str) else bytes(key)
-        deadline = time.monotonic() + timeout
-        self.whoami(timeout)
-        inbox = self.session.new_inbox()
-        self.subscribe(inbox, wait=False)
+        deadline = self._give_up_at = time.monotonic() + timeout
         kept: list = []
-        self._give_up_at = deadline
+        inbox = None
         try:
+            self.whoami(timeout)
+            inbox = self.session.new_inbox()
+            self.subscribe(inbox, wait=False)
             connection = 0
             while True:
                 if connection != self.connections:  # first, or the broker came back
@@ -647,10 +647,11 @@ class Client(_Shell):
         finally:
             self._give_up_at = None
             self._keep(kept)
-            try:
-                self.unsubscribe(inbox)
-            except SbusError:  # the connection may be what failed
-                pass
+            if inbox is not None:
+                try:
+                    self.unsubscribe(inbox)
+                except SbusError:  # the connection may be what failed
+                    pass
 
     def credentials(self, timeout: float = 5.0) -> Credentials:
         return Credentials.parse(self.whoami(timeout))
@@ -876,11 +877,11 @@ class AsyncClient(_Shell):
         kept: list = []
         inbox = None
         try:
+            self._give_up_at = time.monotonic() + timeout
             with anyio.fail_after(timeout):  # the whoami is part of the wait
                 await self.whoami(timeout)
                 inbox = self.session.new_inbox()
                 await self.subscribe(inbox, wait=False)
-                self._give_up_at = time.monotonic() + timeout
                 connection = 0
                 while True:
                     if connection != self.connections:  # as in `Client.request`

@@ -1,6 +1,10 @@
 """sbus pub KEY [PAYLOAD]: publish one message (stdin when PAYLOAD is absent), or --count N
 of them from a template.
 
+With --count or --lines it reconnects when the broker goes away (saying so on stderr)
+and goes on with the message it was sending; what was sent into the lost connection and
+not yet taken by the broker is lost, as on any pubsub bus.
+
 The key and size are checked before sending, and a round trip at the end makes the
 broker's refusal, if any, an error (exit 1) rather than a line in its log."""
 
@@ -38,13 +42,21 @@ def expand(template: bytes, n: int, now: float) -> bytes:
     return template.replace(b"{n}", b"%d" % n).replace(b"{time}", b"%.6f" % now)
 
 
+def _say(line: str) -> None:
+    print(f"sbus pub: {line}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     key = os.fsencode(args.key)
     if args.count is not None and args.lines:
         raise SbusError("--count and --lines do not go together")
     if args.interval and args.count is None:
         raise SbusError("--interval goes with --count")
-    with Client(args.address, max_message=args.max_message) as bus:
+    # a stream of messages (--count, --lines) is a long-running command: it waits for a
+    # lost broker and goes on (saying so); one message is one-shot: a lost broker fails it
+    stream = args.count is not None or args.lines
+    with Client(args.address, max_message=args.max_message, reconnect=stream,
+                on_connection=lambda up, line: _say(line)) as bus:
         if args.lines:
             for line in sys.stdin.buffer:
                 bus.publish(key, line.rstrip(b"\n"))
