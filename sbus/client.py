@@ -442,6 +442,20 @@ class Client(_Shell):
                 flags: int = 0) -> None:
         self.send_packet(self.session.control(key, payload), flags)
 
+    def publisher(self, key: bytes | str) -> Callable[[bytes], None]:
+        """A function publishing its argument (bytes) on *key*: the key is checked once,
+        so a program sending many messages to one key pays only for the send."""
+        head = self.session.publish_head(key)
+        limit, send = self.session.max_message, self.send_packet
+
+        def publish(payload: bytes) -> None:
+            packet = head + payload
+            if len(packet) > limit:
+                raise self.session.too_large(head[4:-1], len(packet))
+            send(packet)
+
+        return publish
+
     def set_flood(self, soft: str | None = None, hard: str | None = None,
                   order: str | None = None) -> None:
         """Choose the broker's flood policy for this client (docs/protocol.md)."""

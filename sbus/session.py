@@ -195,10 +195,25 @@ class Session:
         packet = _encode(Publish(key, _b(payload)))
         self.rules.check_key(key)
         if len(packet) > self.max_message:
-            raise InvalidRequest(
-                f"the message to {brief(key)} is {len(packet)} bytes with its header, over "
-                f"the broker's limit of {self.max_message} (sbus serve --max-message)")
+            raise self.too_large(key, len(packet))
         return packet
+
+    def publish_head(self, key: bytes | str) -> bytes:
+        """*key* checked once, for a publisher of many messages on it: each packet is this
+        head + the payload (`publish` for one message)."""
+        key = _b(key)
+        try:
+            head = protocol.publish_head(key)
+        except protocol.ProtocolError as exc:
+            raise InvalidRequest(str(exc)) from None
+        self.rules.check_key(key)
+        return head
+
+    def too_large(self, key: bytes, size: int) -> InvalidRequest:
+        """The error for a message of *size* bytes with its header over the limit."""
+        return InvalidRequest(
+            f"the message to {brief(key)} is {size} bytes with its header, over "
+            f"the broker's limit of {self.max_message} (sbus serve --max-message)")
 
     def set_flood(self, soft: str | None = None, hard: str | None = None,
                   order: str | None = None) -> list[bytes]:
