@@ -135,7 +135,7 @@ class _Shell:
         self.on_refusal = on_refusal
         self.sock = None
         self._batch: PacketBatch | None = None  # made at the first receive
-        self._one: bytearray | None = None  # for `recv_packet`
+        self._one: memoryview | None = None  # for `recv_packet`
         self._ended: str | None = None  # an end of file seen after a batch's last packet
         self._pending: deque[Received] = deque()
         self._refusals: list[Refusal] = []
@@ -195,6 +195,7 @@ class _Shell:
             try:
                 sock = connect_socket(self.address)
                 sock.setblocking(False)
+                self._ended = None  # what an earlier attempt's end left behind
                 for packet in self.session.connected():
                     while True:
                         try:
@@ -496,7 +497,7 @@ class Client(_Shell):
         connection raises `ConnectionLost`, or with *reconnect* waits for the broker and
         reads from the new connection."""
         if self._one is None:
-            self._one = bytearray(RECV_BUFFER)
+            self._one = memoryview(bytearray(RECV_BUFFER))
         while True:
             try:
                 n = self.sock.recv_into(self._one, 0, flags)
@@ -508,7 +509,7 @@ class Client(_Shell):
                 self._gone(_why(exc))
                 continue
             if n:
-                return bytes(self._one[:n])
+                return self._one[:n].tobytes()
             self._gone("closed the connection")
 
     def receive_packets(self, limit: int = SLOTS, timeout: float | None = None) -> list[bytes]:

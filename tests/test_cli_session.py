@@ -421,3 +421,40 @@ def test_request_waits_for_a_restarted_broker_within_its_timeout(broker, short_t
     finally:
         stop_process(replier)
         stop_process(req)
+
+
+def test_two_tasks_that_notice_a_lost_broker_reconnect_once(broker):
+    """A sending task and a receiving task of one AsyncClient both meet the restart: one
+    reconnect (the other task waits for it), then both go on."""
+    lines: list[tuple[bool, str]] = []
+
+    async def main() -> list[bytes]:
+        async with AsyncClient(broker.address, reconnect=True,
+                               on_connection=lambda up, line: lines.append((up, line))) as bus:
+            await bus.subscribe(b"echo")
+            got: list[bytes] = []
+
+            async def send() -> None:
+                n = 0
+                while True:
+                    n += 1
+                    await bus.publish(b"echo", b"%d" % n)
+                    await trio.sleep(0.01)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                while len(got) < 5:
+                    got.extend(ev.payload for ev in await bus.receive_batch())
+                broker.stop()
+                broker.start()
+                target = len(got) + 20
+                with trio.fail_after(20):
+                    while len(got) < target:
+                        got.extend(ev.payload for ev in await bus.receive_batch())
+                nursery.cancel_scope.cancel()
+            return got
+
+    got = trio.run(main)
+    assert [up for up, _ in lines] == [False, True], lines
+    seqs = [int(p) for p in got]
+    assert seqs == sorted(set(seqs))  # nothing twice, in order
