@@ -58,6 +58,8 @@ _CLOSED = frozenset((errno.EPIPE, errno.ECONNRESET))
 #: Packets taken per receive call at most (each slot holds one packet of up to
 #: `RECV_BUFFER` bytes; the mapping's pages are only touched as packets reach them).
 SLOTS = 64
+#: A batch holding a packet larger than this gives its pages back once decoded.
+RELEASE_FROM = 64 * 1024
 #: Seconds a new connection has to answer its opening before it counts as failed.
 OPENING_TIMEOUT = 5.0
 
@@ -256,33 +258,42 @@ class _Shell:
             self._ended = "closed the connection"
         return n
 
-    def _read(self, sock: socket.socket, limit: int) -> list[Event]:
-        """The events of what waits on *sock* (see `_receive_into`)."""
+    def _decode(self, sock: socket.socket, limit: int) -> tuple[list[Event], list[int]]:
+        """The events of what waits on *sock* (see `_receive_into`), and the indices of
+        those that are not messages (`Session.decode`)."""
         self._receive_into(sock, limit)
         batch = self._batch
         try:
-            events, _ = self.session.decode(batch.buffer, batch.offsets, batch.lengths)
+            return self.session.decode(batch.buffer, batch.offsets, batch.lengths)
         except protocol.ProtocolError as exc:
             raise SbusError(f"the broker at {self.address} sent a malformed packet: "
                             f"{exc}") from None
-        return events
+        finally:
+            self._unpin(batch)
+
+    @staticmethod
+    def _unpin(batch: PacketBatch) -> None:
+        """After a batch with large packets (copied out by now): hand the pages they
+        touched back, so a burst of large messages does not stay resident."""
+        if max(batch.lengths, default=0) > RELEASE_FROM:
+            batch.release()
+
+    def _read(self, sock: socket.socket, limit: int) -> list[Event]:
+        """The events of what waits on *sock*."""
+        return self._decode(sock, limit)[0]
 
     def _raw(self, sock: socket.socket, limit: int) -> list[bytes]:
         """The packets that wait on *sock*, as bytes (see `_receive_into`)."""
         n = self._receive_into(sock, limit)
         copy = self._batch.copy
-        return [copy(i) for i in range(n)]
+        out = [copy(i) for i in range(n)]
+        self._unpin(self._batch)
+        return out
 
     def _events(self, sock: socket.socket, limit: int) -> list[Received]:
         """`_read`, taken: what a program receives (whoami answers consumed, drops
         reported, refusals raised after the batch is kept)."""
-        self._receive_into(sock, limit)
-        batch = self._batch
-        try:
-            events, others = self.session.decode(batch.buffer, batch.offsets, batch.lengths)
-        except protocol.ProtocolError as exc:
-            raise SbusError(f"the broker at {self.address} sent a malformed packet: "
-                            f"{exc}") from None
+        events, others = self._decode(sock, limit)
         if not others and not self._pending:
             return events  # the fast path: messages only
         for event in events:

@@ -164,3 +164,19 @@ def test_identity_proof_from_the_protocol_text(broker):
         assert a.receive(timeout=10) == Publish(a_cred + b"/answer", nonce)
         _, status = os.waitpid(pid, 0)
         assert status == 0
+
+
+def test_a_batch_of_large_messages_arrives_whole(broker):
+    """Many 200 KB messages waiting at once are taken in one batch, each whole (one
+    slot per packet), and the batch's pages are handed back after."""
+    with Client(broker.address) as sub, Client(broker.address) as pub:
+        sub.set_flood(soft="queue", hard="block")
+        sub.subscribe(b"big")
+        payloads = [bytes([i]) * 200_000 for i in range(8)]
+        for p in payloads:
+            pub.publish(b"big", p)
+        pub.sync()
+        got: list[bytes] = []
+        while len(got) < len(payloads):
+            got.extend(ev.payload for ev in sub.receive_batch(timeout=5))
+        assert got == payloads
