@@ -283,11 +283,21 @@ class _Shell:
         return self._decode(sock, limit)[0]
 
     def _raw(self, sock: socket.socket, limit: int) -> list[bytes]:
-        """The packets that wait on *sock*, as bytes (see `_receive_into`)."""
-        n = self._receive_into(sock, limit)
-        copy = self._batch.copy
-        out = [copy(i) for i in range(n)]
-        self._unpin(self._batch)
+        """The packets that wait on *sock*, as bytes, up to *limit* (several receive calls
+        if need be; see `_receive_into`)."""
+        out: list[bytes] = []
+        while len(out) < limit:
+            try:
+                n = self._receive_into(sock, limit - len(out))
+            except (BlockingIOError, _Gone) as exc:
+                if not out:
+                    raise
+                if isinstance(exc, _Gone):
+                    self._ended = str(exc)  # said after these packets are taken
+                break
+            copy = self._batch.copy
+            out += [copy(i) for i in range(n)]
+            self._unpin(self._batch)
         return out
 
     def _events(self, sock: socket.socket, limit: int) -> list[Received]:
