@@ -350,12 +350,12 @@ def test_pub_count_reconnects_and_loses_nothing_once_back(broker):
     try:
         assert sub.stderr.readline() == b"ready\n"
         pub = subprocess.Popen([*SBUS, "pub", "--address", broker.address, "seq/n", "{n}",
-                                "-c", "600", "-i", "10ms"],
+                                "-c", "300", "-i", "10ms"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         got = _lines_until(sub, sub.stdout, b"seq/n 50\n")
         broker.stop()
         broker.start()
-        got += _lines_until(sub, sub.stdout, b"seq/n 600\n")
+        got += _lines_until(sub, sub.stdout, b"seq/n 300\n")
         assert pub.wait(30) == 0
         err = pub.stderr.read().decode()
         assert f"sbus pub: the broker at {broker.address} " in err and "; reconnecting\n" in err

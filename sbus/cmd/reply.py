@@ -11,6 +11,7 @@ import argparse
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -59,8 +60,9 @@ def answer(command: list[str], key: bytes, body: bytes, limit: int,
     print and exit."""
     env = dict(os.environ, SBUS_KEY=os.fsdecode(key))
     try:
+        # its own process group: what it started dies with it when it is killed
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                env=env, bufsize=0)
+                                env=env, bufsize=0, process_group=0)
     except OSError as exc:
         return None, f"cannot run {command[0]}: {exc.strerror or exc}"
     stdin = os.dup(proc.stdin.fileno())  # written raw by the feeder, closed by it alone
@@ -88,7 +90,10 @@ def answer(command: list[str], key: bytes, body: bytes, limit: int,
         except subprocess.TimeoutExpired:  # closed its output, went on running
             why = f"{command[0]} took longer than {timeout:g} s"
     if why:
-        proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # gone already, with all it started
+            pass
     proc.stdout.close()
     status = proc.wait()
     writer.join()
