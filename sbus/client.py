@@ -174,6 +174,9 @@ class _Shell:
                                   f"{self.address}: {exc.strerror}")
         return self._lost(_why(exc))
 
+    def _closing(self, sock: socket.socket) -> None:
+        """*sock* is about to be closed (the async shell wakes whoever waits on it)."""
+
     def _attach(self, sock: socket.socket) -> None:
         """Make *sock* this shell's connection (each shell sets its blocking mode)."""
         self.sock = sock
@@ -189,6 +192,7 @@ class _Shell:
         to wait blocking or async.  On its end the new connection is attached and the
         opening answered (flood policy, nowait, every subscription in force)."""
         if self.sock is not None:
+            self._closing(self.sock)
             self.sock.close()
         self._ended = None
         self._say(False, f"the broker at {self.address} {why}; reconnecting")
@@ -748,6 +752,10 @@ class AsyncClient(_Shell):
         super()._attach(sock)
         sock.setblocking(False)
 
+    def _closing(self, sock: socket.socket) -> None:
+        # a task waiting on a closed descriptor would otherwise never wake (trio, epoll)
+        anyio.notify_closing(sock)
+
     async def _reconnect(self, why: str, lost: socket.socket | None) -> socket.socket:
         """Carry out `_reopening` with anyio; a second task that noticed the same loss
         waits for the first one's reconnect instead of making its own."""
@@ -772,6 +780,8 @@ class AsyncClient(_Shell):
         return self._socket()
 
     async def _gone(self, why: str, lost: socket.socket) -> socket.socket:
+        if self.sock is None:
+            return self._socket()  # closed by `aclose`: says so
         if not self.reconnect:
             raise self._lost(why)
         return await self._reconnect(why, lost)
@@ -789,7 +799,10 @@ class AsyncClient(_Shell):
                 sock.send(packet, flags)
                 return
             except BlockingIOError:
-                await anyio.wait_writable(sock)
+                try:
+                    await anyio.wait_writable(sock)
+                except anyio.ClosedResourceError:  # another task is reconnecting
+                    sock = await self._gone("closed the connection", sock)
             except OSError as exc:
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
@@ -848,7 +861,10 @@ class AsyncClient(_Shell):
             try:
                 out = read(sock, limit)
             except BlockingIOError:
-                await anyio.wait_readable(sock)
+                try:
+                    await anyio.wait_readable(sock)
+                except anyio.ClosedResourceError:  # another task is reconnecting
+                    sock = await self._gone("closed the connection", sock)
                 continue
             except _Gone as gone:
                 sock = await self._gone(str(gone), sock)
@@ -951,6 +967,7 @@ class AsyncClient(_Shell):
 
     async def aclose(self) -> None:
         if self.sock is not None:
+            self._closing(self.sock)
             self.sock.close()
             self.sock = None
 
