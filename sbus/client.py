@@ -213,8 +213,8 @@ class _Shell:
                 while self.session.asked:
                     if time.monotonic() > deadline:
                         raise TimeoutError(errno.ETIMEDOUT, "the opening was not answered")
-                    try:
-                        events = self._read(sock, SLOTS)
+                    try:  # a packet at a time: what follows the barrier stays unread
+                        events = self._read(sock, 1)
                     except BlockingIOError:
                         yield _READ, sock
                         continue
@@ -494,8 +494,8 @@ class Client(_Shell):
         *timeout* None waits as long as it takes (a publisher the broker paused)."""
         self.send_packet(self.session.ask())
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.session.asked:
-            for event in self._wait_read(deadline, SLOTS):
+        while self.session.asked:  # a packet at a time: what follows stays unread
+            for event in self._wait_read(deadline, 1):
                 self._settle(event)
         self._refused()
 
@@ -588,11 +588,46 @@ class Client(_Shell):
     def receive(self, timeout: float | None = None, flags: int = 0) -> Received:
         """The next message, drop report or control message; ``TimeoutError`` after
         *timeout* seconds; `Refused` if the broker refused something sent before.
-        (*flags* is accepted for compatibility and ignored.)"""
+
+        It takes one packet at a time from the connection, so a program that waits with
+        ``select``/``poll`` on the client (`fileno`) is told the truth about what is left;
+        a reader that needs speed takes batches (`receive_batch`, iteration).  (*flags*
+        is accepted for compatibility and ignored.)"""
         self._refused()
         if not self._pending:
-            self._pending.extend(self.receive_batch(SLOTS, timeout))
+            deadline = self._deadline(timeout)
+            while not self._pending:
+                taken = self._take(self._one_event(deadline, timeout))
+                if taken is not None:
+                    self._pending.append(taken)
         return self._pending.popleft()
+
+    def _one_event(self, deadline: float | None, timeout: float | None) -> Event:
+        """The event of the next packet (one ``recv``: the cheapest way to take exactly
+        one); waits up to *deadline*, reconnects as `receive_batch`."""
+        while True:
+            if self._ended is not None:  # an end of file seen after a batch
+                self._gone(self._ended)
+                continue
+            if deadline is not None:
+                self._wait_readable(deadline, timeout)
+            if self._one is None:
+                self._one = memoryview(bytearray(RECV_BUFFER))
+            try:
+                n = self.sock.recv_into(self._one)
+            except OSError as exc:
+                if exc.errno not in _GONE:
+                    raise self._lost(_why(exc)) from None
+                self._gone(_why(exc))
+                continue
+            if not n:
+                self._gone("closed the connection")
+                continue
+            try:
+                return self.session.receive(self._one[:n].tobytes())
+            except protocol.ProtocolError as exc:
+                raise SbusError(f"the broker at {self.address} sent a malformed packet: "
+                                f"{exc}") from None
 
     def receive_ready(self, limit: int = 1024) -> list[Received]:
         """Everything that can be read without blocking (up to *limit*): for fast consumers."""

@@ -47,6 +47,24 @@ def test_fileno_works_with_select_and_flags_pass_through(broker):
             c.recv_packet(socket.MSG_DONTWAIT)
 
 
+def test_select_tells_the_truth_after_receive_and_sync(broker):
+    """`receive` and `sync` leave what follows in the connection, so select on the client
+    still sees it (a batch read would have taken it out of sight)."""
+    with Client(broker.address) as c, Client(broker.address) as pub:
+        c.subscribe(b"k")
+        pub.publish(b"k", b"0")
+        pub.sync()
+        c.sync()  # "0" came before the answer: kept for receive
+        for i in range(1, 4):
+            pub.publish(b"k", b"%d" % i)
+        pub.sync()
+        assert c.receive(timeout=5).payload == b"0"
+        for i in range(1, 4):
+            assert select.select([c], [], [], 5)[0] == [c]  # the rest is still unread
+            assert c.receive(timeout=5).payload == b"%d" % i
+        assert select.select([c], [], [], 0.1)[0] == []
+
+
 def test_iteration_skips_control_messages(make_broker):
     broker = make_broker("--queue-limit", "1k")
     with Client(broker.address) as c, Client(broker.address) as pub:
