@@ -1,19 +1,25 @@
 """Client library: a blocking `Client` and an async `AsyncClient` (trio or asyncio, via anyio).
 
-Both are I/O shells around one `sbus.session.Session`, which checks every request with
-the broker's own rules (`InvalidRequest`, nothing sent), remembers what to restore after
-a reconnect and turns packets into events.  Messages arrive as `Publish` (``.key``,
+Both are thin I/O shells around one `sbus.session.Session`, which checks every request
+with the broker's own rules (`InvalidRequest`, nothing sent), holds the opening and the
+reconnect plan, and turns packets into events.  Messages arrive as `Publish` (``.key``,
 ``.payload``); the broker's drop reports as `Dropped` (also counted in ``dropped`` and
 passed to *on_drop*); other control messages as `Control`.  A refusal from the broker
 (``CMSG refused/VERB``) raises `Refused` where it is noticed: `sync`, `subscribe` (which
 waits for the broker by default), `receive` or iteration.  Keys, patterns and payloads
 are bytes; `str` is accepted and encoded as UTF-8.
 
-With ``reconnect=True`` a lost broker is waited for (`Backoff`) and the new connection
-gets the flood policy and every subscription again; messages published meanwhile are
-lost, as on any pubsub bus.  *on_connection(up, line)* hears of each change of state
-(else it is logged).  A program that would rather hear of refusals than catch them
-passes *on_refusal* (a `Refusal` event each, nothing raised).
+Packets are received many per system call (`sbus.packetio.PacketBatch`) and decoded by
+the session in one pass (`Session.decode`): `receive_batch` hands a fast reader a whole
+batch of events at once.
+
+With ``reconnect=True`` a lost broker is waited for (the session's `Backoff`) and the
+new connection gets the flood policy and every subscription again; messages published
+meanwhile are lost, as on any pubsub bus.  One driver does this for both shells
+(`_Shell._reopening`); the shells only do its waiting, blocking or async.
+*on_connection(up, line)* hears of each change of state (else it is logged).  A program
+that would rather hear of refusals than catch them passes *on_refusal* (a `Refusal`
+event each, nothing raised).
 """
 
 from __future__ import annotations
@@ -30,19 +36,35 @@ import anyio
 
 from . import protocol
 from .defaults import MAX_MESSAGE, RECV_BUFFER, SEND_BUFFER, default_address
-from .errors import ConnectError, ConnectionLost, InvalidRequest, SbusError
+from .display import brief
+from .errors import ConnectError, ConnectionLost, InvalidRequest, NoResponders, Refused, SbusError
 from .keys import Credentials
+from .packetio import PacketBatch
 from .protocol import Control, Publish
-from .session import Backoff, Dropped, Event, Refusal, Session, Whoami
+from .session import Backoff, Dropped, Event, Reach, Refusal, Session, Whoami
 
 __all__ = ["Client", "AsyncClient", "SbusError", "ConnectError", "ConnectionLost",
-           "default_address", "wait_for_broker", "Publish", "Control", "Dropped",
-           "RECV_BUFFER"]
+           "NoResponders", "default_address", "wait_for_broker", "Publish", "Control",
+           "Dropped", "RECV_BUFFER"]
 
 log = logging.getLogger("sbus.client")
 
 #: Errors of a send or receive that mean the connection is gone.
-_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ECONNREFUSED, errno.EBADF)
+_GONE = frozenset((errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ECONNREFUSED,
+                   errno.EBADF))
+#: ... of which these mean the broker closed it: under load its close arrives as a
+#: reset (it had unread packets of ours) rather than an end of file; the same to us.
+_CLOSED = frozenset((errno.EPIPE, errno.ECONNRESET))
+#: Packets taken per receive call at most (each slot holds one packet of up to
+#: `RECV_BUFFER` bytes; the mapping's pages are only touched as packets reach them).
+SLOTS = 64
+#: A batch holding a packet larger than this gives its pages back once decoded.
+RELEASE_FROM = 64 * 1024
+#: Seconds a new connection has to answer its opening before it counts as failed.
+OPENING_TIMEOUT = 5.0
+
+#: What the reconnect driver asks its shell to wait for.
+_READ, _WRITE, _SLEEP = "read", "write", "sleep"
 
 Received = Publish | Dropped | Control
 
@@ -85,8 +107,22 @@ def connect_socket(address: str) -> socket.socket:
     return sock
 
 
+def _why(exc: OSError) -> str:
+    """How a lost connection reads in a message."""
+    if exc.errno in _CLOSED:
+        return "closed the connection"
+    return f"failed: {exc.strerror or exc}"
+
+
+class _Gone(Exception):
+    """Internal: the connection ended (the text says how); the shell reconnects or raises."""
+
+
 class _Shell:
-    """What `Client` and `AsyncClient` share: the session and the handling of its events."""
+    """What `Client` and `AsyncClient` share: the session, the reconnect driver, the batch
+    receive and the handling of events."""
+
+    sock: socket.socket | None
 
     def __init__(self, address: str | None, reconnect: bool,
                  on_drop: Callable[[int], None] | None,
@@ -94,21 +130,34 @@ class _Shell:
                  backoff: Backoff | None,
                  on_refusal: Callable[[Refusal], None] | None = None) -> None:
         self.address = address or default_address()
-        self.session = Session(max_message=max_message)
+        self.session = Session(max_message=max_message, backoff=backoff)
         self.reconnect = reconnect
         self.on_drop = on_drop
         self.on_connection = on_connection
         self.on_refusal = on_refusal
-        self.backoff = backoff or Backoff()
-        self._buf = bytearray(RECV_BUFFER)
-        self._view = memoryview(self._buf)
+        self.sock = None
+        self._batch: PacketBatch | None = None  # made at the first receive
+        self._one: memoryview | None = None  # for `recv_packet`
+        self._ended: str | None = None  # an end of file seen after a batch's last packet
         self._pending: deque[Received] = deque()
         self._refusals: list[Refusal] = []
+        #: While set (monotonic seconds), reconnecting gives up at that time (`request`).
+        self._give_up_at: float | None = None
+
+    @property
+    def backoff(self) -> Backoff:
+        """The session's reconnect delays."""
+        return self.session.backoff
 
     @property
     def dropped(self) -> int:
         """Messages the broker reported dropping for this client, in total."""
         return self.session.dropped
+
+    @property
+    def connections(self) -> int:
+        """Connections made so far (1 until the first reconnect)."""
+        return self.session.connections
 
     def _say(self, up: bool, line: str) -> None:
         if self.on_connection is not None:
@@ -123,14 +172,157 @@ class _Shell:
         if exc.errno == errno.EMSGSIZE:
             return InvalidRequest(f"the packet is too large for the connection to "
                                   f"{self.address}: {exc.strerror}")
-        return self._lost(f"failed: {exc.strerror or exc}")
+        return self._lost(_why(exc))
 
-    def _event(self, packet: bytes) -> Event:
+    def _closing(self, sock: socket.socket) -> None:
+        """*sock* is about to be closed (the async shell wakes whoever waits on it)."""
+
+    def _attach(self, sock: socket.socket) -> None:
+        """Make *sock* this shell's connection (each shell sets its blocking mode)."""
+        self.sock = sock
+        self._ended = None
+
+    # -- the one reconnect driver -----------------------------------------------------
+
+    def _reopening(self, why: str) -> Iterator[tuple[str, object]]:
+        """Replace the lost connection; the session's plan, carried out.
+
+        A generator: it does every non-blocking step itself and yields what to wait for
+        -- ``(_READ, sock)``, ``(_WRITE, sock)``, ``(_SLEEP, seconds)`` -- for its shell
+        to wait blocking or async.  On its end the new connection is attached and the
+        opening answered (flood policy, nowait, every subscription in force)."""
+        if self.sock is not None:
+            self._closing(self.sock)
+            self.sock.close()
+        self._ended = None
+        self._say(False, f"the broker at {self.address} {why}; reconnecting")
+        while True:
+            sock = None
+            try:
+                sock = connect_socket(self.address)
+                sock.setblocking(False)
+                self._ended = None  # what an earlier attempt's end left behind
+                for packet in self.session.connected():
+                    while True:
+                        try:
+                            sock.send(packet)
+                            break
+                        except BlockingIOError:
+                            yield _WRITE, sock
+                deadline = time.monotonic() + OPENING_TIMEOUT
+                while self.session.asked:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(errno.ETIMEDOUT, "the opening was not answered")
+                    try:  # a packet at a time: what follows the barrier stays unread
+                        events = self._read(sock, 1)
+                    except BlockingIOError:
+                        yield _READ, sock
+                        continue
+                    except _Gone as gone:
+                        raise ConnectionResetError(errno.ECONNRESET, str(gone)) from None
+                    for event in events:
+                        self._settle(event)
+                break
+            except (ConnectError, OSError):
+                if sock is not None:
+                    sock.close()
+                delay = self.session.retry_in()
+                if self._give_up_at is not None and time.monotonic() + delay > self._give_up_at:
+                    self.sock = None
+                    raise self._lost(f"{why}, and did not come back in time") from None
+                yield _SLEEP, delay
+        self.session.restored()
+        self._attach(sock)
+        self._say(True, f"reconnected to the broker at {self.address}")
+
+    # -- receiving: batches -> events ---------------------------------------------------
+
+    def _receive_into(self, sock: socket.socket, limit: int) -> int:
+        """Packets waiting on *sock* into the batch buffer, without blocking: how many
+        (BlockingIOError when none; `_Gone` at the end of the connection)."""
+        if self._ended is not None:
+            raise _Gone(self._ended)
+        batch = self._batch
+        if batch is None:
+            batch = self._batch = PacketBatch(SLOTS, RECV_BUFFER)
         try:
-            return self.session.receive(packet)
+            n = batch.receive(sock.fileno(), limit=max(1, min(limit, SLOTS)))
+        except BlockingIOError:
+            raise
+        except OSError as exc:
+            if exc.errno in _GONE or exc.errno in _CLOSED:
+                raise _Gone(_why(exc)) from None
+            raise self._lost(_why(exc)) from None
+        lengths = batch.lengths
+        if 0 in lengths:  # the broker sends no empty packet: the end of the connection
+            n = lengths.index(0)
+            del lengths[n:]
+            if not n:
+                raise _Gone("closed the connection")
+            self._ended = "closed the connection"
+        return n
+
+    def _decode(self, sock: socket.socket, limit: int) -> tuple[list[Event], list[int]]:
+        """The events of what waits on *sock* (see `_receive_into`), and the indices of
+        those that are not messages (`Session.decode`)."""
+        self._receive_into(sock, limit)
+        batch = self._batch
+        try:
+            return self.session.decode(batch.buffer, batch.offsets, batch.lengths)
         except protocol.ProtocolError as exc:
             raise SbusError(f"the broker at {self.address} sent a malformed packet: "
                             f"{exc}") from None
+        finally:
+            self._unpin(batch)
+
+    @staticmethod
+    def _unpin(batch: PacketBatch) -> None:
+        """After a batch with large packets (copied out by now): hand the pages they
+        touched back, so a burst of large messages does not stay resident."""
+        if max(batch.lengths, default=0) > RELEASE_FROM:
+            batch.release()
+
+    def _read(self, sock: socket.socket, limit: int) -> list[Event]:
+        """The events of what waits on *sock*."""
+        return self._decode(sock, limit)[0]
+
+    def _raw(self, sock: socket.socket, limit: int) -> list[bytes]:
+        """The packets that wait on *sock*, as bytes, up to *limit* (several receive calls
+        if need be; see `_receive_into`)."""
+        out: list[bytes] = []
+        while len(out) < limit:
+            try:
+                n = self._receive_into(sock, limit - len(out))
+            except (BlockingIOError, _Gone) as exc:
+                if not out:
+                    raise
+                if isinstance(exc, _Gone):
+                    self._ended = str(exc)  # said after these packets are taken
+                break
+            copy = self._batch.copy
+            out += [copy(i) for i in range(n)]
+            self._unpin(self._batch)
+        return out
+
+    def _events(self, sock: socket.socket, limit: int) -> list[Received]:
+        """`_read`, taken: what a program receives (whoami answers consumed, drops
+        reported, refusals raised after the batch is kept)."""
+        events, others = self._decode(sock, limit)
+        if not others and not self._pending:
+            return events  # the fast path: messages only
+        for event in events:
+            self._settle(event)
+        out = list(self._pending)
+        self._pending.clear()
+        self._refused_later(out)
+        return out
+
+    def _refused_later(self, out: list[Received]) -> None:
+        """Raise a refusal collected while taking *out*, keeping *out* for later."""
+        if self._refusals:
+            self._pending.extend(out)
+            out.clear()
+            self._refused()
 
     def _take(self, event: Event) -> Received | None:
         """What `receive` returns for *event*; None for what it consumes (whoami answers)."""
@@ -153,20 +345,13 @@ class _Shell:
         return event  # type: ignore[return-value]
 
     def _settle(self, event: Event) -> None:
-        """During `sync`: keep what `receive` should return later, collect refusals."""
+        """Keep what `receive` should return later, collect refusals."""
         if type(event) is Refusal and self.on_refusal is None:
             self._refusals.append(event)
             return
         taken = self._take(event)
         if taken is not None:
             self._pending.append(taken)
-
-    def _absorb(self, packets: list[bytes]) -> None:
-        """Events of *packets* into the pending queue; then any refusal among them raised
-        (the events stay queued)."""
-        for packet in packets:
-            self._settle(self._event(packet))
-        self._refused()
 
     def _refused(self) -> None:
         if self._refusals:
@@ -180,6 +365,33 @@ class _Shell:
     def _whoami(self) -> bytes:
         return self.session.whoami or b""
 
+    # -- request/reply: one round of the requester's loop ------------------------------
+
+    def _reply(self, event: Received, inbox: bytes, key: bytes, kept: list) -> bytes | None:
+        """The reply if *event* is it; raises `NoResponders` on the broker's word that
+        nobody listens on *key*; anything else is kept for the program."""
+        if type(event) is Reach and event.key == key:
+            if event.count == 0:
+                raise NoResponders(f"no responders for {brief(key)}")
+            return None
+        got = self.session.reply_to(event, inbox)
+        if got is None:
+            kept.append(event)
+            return None
+        return got if got is not False else None
+
+    def _keep(self, kept: list) -> None:
+        self._pending.extendleft(reversed(kept))  # they came before whatever is pending
+
+    @staticmethod
+    def _not_understood(exc: Refused) -> bool:
+        """A broker older than `protocol.REACH` refused the question: wait as before."""
+        return exc.verb == "cmsg" and protocol.REACH.decode() in exc.reason
+
+    @staticmethod
+    def _timed_out(key: bytes, timeout: float) -> TimeoutError:
+        return TimeoutError(f"no reply to the request on {brief(key)} within {timeout:g} s")
+
 
 class Client(_Shell):
     """A blocking connection to the broker.
@@ -188,7 +400,12 @@ class Client(_Shell):
     ...     bus.subscribe("sensors/*/temp")
     ...     for msg in bus:
     ...         print(msg.key, msg.payload)
+
+    *timeout* bounds each send and each receive that is not given its own (then
+    ``TimeoutError``); None waits as long as it takes.
     """
+
+    sock: socket.socket
 
     def __init__(self, address: str | None = None, *, timeout: float | None = None,
                  reconnect: bool = False, on_drop: Callable[[int], None] | None = None,
@@ -198,32 +415,25 @@ class Client(_Shell):
         super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff,
                          on_refusal)
         self._timeout = timeout
-        self.sock = connect_socket(self.address)  # the first connection must work
-        self.sock.settimeout(timeout)
+        self._attach(connect_socket(self.address))  # the first connection must work
         self.session.connected()
 
+    def _attach(self, sock: socket.socket) -> None:
+        super()._attach(sock)
+        sock.settimeout(self._timeout)
+
     def _reconnect(self, why: str) -> None:
-        """Replace the lost connection: wait for the broker (`Backoff`), send the session's
-        opening and wait for its barrier, so the subscriptions are in force on return."""
-        self.sock.close()
-        self._say(False, f"the broker at {self.address} {why}; reconnecting")
-        while True:
-            try:
-                self.sock = connect_socket(self.address)
-                self.sock.settimeout(self._timeout)
-                for packet in self.session.connected():
-                    self.sock.send(packet)
-                while self.session.asked:
-                    n = self.sock.recv_into(self._buf)
-                    if not n:
-                        raise ConnectionResetError(errno.ECONNRESET, "closed at once")
-                    self._settle(self._event(self._view[:n].tobytes()))
-                break
-            except (ConnectError, OSError):
-                self.sock.close()
-                time.sleep(self.backoff.next())
-        self.backoff.reset()
-        self._say(True, f"reconnected to the broker at {self.address}")
+        """Carry out `_reopening`, blocking."""
+        for what, arg in self._reopening(why):
+            if what is _SLEEP:
+                time.sleep(arg)  # type: ignore[arg-type]
+            else:
+                _wait(arg, what is _READ, OPENING_TIMEOUT)  # type: ignore[arg-type]
+
+    def _gone(self, why: str) -> None:
+        if not self.reconnect:
+            raise self._lost(why)
+        self._reconnect(why)
 
     # -- sending ---------------------------------------------------------------
 
@@ -239,7 +449,7 @@ class Client(_Shell):
             except OSError as exc:
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
-                self._reconnect(f"failed: {exc.strerror or exc}")
+                self._reconnect(_why(exc))
 
     def subscribe(self, pattern: bytes | str, flags: int = 0, *, wait: bool = True) -> None:
         """Subscribe; with *wait* (the default), return once the broker has the
@@ -258,6 +468,20 @@ class Client(_Shell):
                 flags: int = 0) -> None:
         self.send_packet(self.session.control(key, payload), flags)
 
+    def publisher(self, key: bytes | str) -> Callable[[bytes], None]:
+        """A function publishing its argument (bytes) on *key*: the key is checked once,
+        so a program sending many messages to one key pays only for the send."""
+        head = self.session.publish_head(key)
+        limit, send = self.session.max_message, self.send_packet
+
+        def publish(payload: bytes) -> None:
+            packet = head + payload
+            if len(packet) > limit:
+                raise self.session.too_large(head[4:-1], len(packet))
+            send(packet)
+
+        return publish
+
     def set_flood(self, soft: str | None = None, hard: str | None = None,
                   order: str | None = None) -> None:
         """Choose the broker's flood policy for this client (docs/protocol.md)."""
@@ -270,64 +494,154 @@ class Client(_Shell):
         *timeout* None waits as long as it takes (a publisher the broker paused)."""
         self.send_packet(self.session.ask())
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.session.asked:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._readable(left):
-                    raise TimeoutError(f"the broker at {self.address} did not answer "
-                                       f"within {timeout} s")
-            self._settle(self._event(self.recv_packet()))
+        while self.session.asked:  # a packet at a time: what follows stays unread
+            for event in self._wait_read(deadline, 1):
+                self._settle(event)
         self._refused()
 
     # -- receiving ---------------------------------------------------------------
 
-    def _readable(self, timeout: float) -> bool:
-        return bool(select.select([self.sock], [], [], timeout)[0])
-
-    def recv_packet(self, flags: int = 0) -> bytes:
-        """One raw packet.  End of the connection raises `ConnectionLost`, or with
-        *reconnect* waits for the broker and reads from the new connection."""
+    def _wait_read(self, deadline: float | None, limit: int) -> list[Event]:
+        """At least one event (of a batch up to *limit*), read by the session; waits up to
+        *deadline* (monotonic; None: as long as it takes), then ``TimeoutError``."""
         while True:
             try:
-                n = self.sock.recv_into(self._buf, 0, flags)
+                return self._read(self.sock, limit)
+            except BlockingIOError:
+                pass
+            except _Gone as gone:
+                self._gone(str(gone))
+                continue
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not _wait(self.sock, True, left):
+                raise TimeoutError(f"the broker at {self.address} sent nothing within "
+                                   f"the time allowed")
+
+    def recv_packet(self, flags: int = 0) -> bytes:
+        """One raw packet (``recv(2)`` flags passed through, e.g. ``MSG_PEEK``).  End of the
+        connection raises `ConnectionLost`, or with *reconnect* waits for the broker and
+        reads from the new connection."""
+        if self._one is None:
+            self._one = memoryview(bytearray(RECV_BUFFER))
+        while True:
+            try:
+                n = self.sock.recv_into(self._one, 0, flags)
             except (BlockingIOError, TimeoutError):
                 raise
             except OSError as exc:
-                if not (self.reconnect and exc.errno in _GONE):
-                    raise self._lost(f"failed: {exc.strerror or exc}") from None
-                self._reconnect(f"failed: {exc.strerror or exc}")
+                if exc.errno not in _GONE:
+                    raise self._lost(_why(exc)) from None
+                self._gone(_why(exc))
                 continue
             if n:
-                return self._view[:n].tobytes()
-            if not self.reconnect:
-                raise self._lost("closed the connection")
-            self._reconnect("closed the connection")
+                return self._one[:n].tobytes()
+            self._gone("closed the connection")
+
+    def receive_packets(self, limit: int = SLOTS, timeout: float | None = None) -> list[bytes]:
+        """At least one raw packet, plus whatever else is ready (up to *limit*); waits up
+        to *timeout* seconds (default: the client's), then ``TimeoutError``."""
+        deadline = self._deadline(timeout)
+        while True:
+            try:
+                return self._raw(self.sock, limit)
+            except BlockingIOError:
+                pass
+            except _Gone as gone:
+                self._gone(str(gone))
+                continue
+            self._wait_readable(deadline, timeout)
+
+    def receive_batch(self, limit: int = SLOTS, timeout: float | None = None
+                      ) -> list[Received]:
+        """At least one event, plus whatever else is ready (up to about *limit*): the
+        cheapest way to keep up with a busy bus (one system call and one decoding pass
+        per batch).  ``TimeoutError`` after *timeout* seconds (default: the client's)."""
+        self._refused()
+        if self._pending:
+            out = list(self._pending)
+            self._pending.clear()
+            return out
+        deadline = self._deadline(timeout)
+        while True:
+            try:
+                out = self._events(self.sock, limit)
+            except BlockingIOError:
+                self._wait_readable(deadline, timeout)
+                continue
+            except _Gone as gone:
+                self._gone(str(gone))
+                continue
+            if out:
+                return out
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        if timeout is None:
+            timeout = self._timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _wait_readable(self, deadline: float | None, timeout: float | None) -> None:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not _wait(self.sock, True, left):
+            raise TimeoutError(f"no message from the broker at {self.address} within "
+                               f"{timeout if timeout is not None else self._timeout} s")
 
     def receive(self, timeout: float | None = None, flags: int = 0) -> Received:
         """The next message, drop report or control message; ``TimeoutError`` after
-        *timeout* seconds; `Refused` if the broker refused something sent before."""
+        *timeout* seconds; `Refused` if the broker refused something sent before.
+
+        It takes one packet at a time from the connection, so a program that waits with
+        ``select``/``poll`` on the client (`fileno`) is told the truth about what is left;
+        a reader that needs speed takes batches (`receive_batch`, iteration).  (*flags*
+        is accepted for compatibility and ignored.)"""
         self._refused()
-        if self._pending:
-            return self._pending.popleft()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._pending:
+            deadline = self._deadline(timeout)
+            while not self._pending:
+                taken = self._take(self._one_event(deadline, timeout))
+                if taken is not None:
+                    self._pending.append(taken)
+        return self._pending.popleft()
+
+    def _one_event(self, deadline: float | None, timeout: float | None) -> Event:
+        """The event of the next packet (one ``recv``: the cheapest way to take exactly
+        one); waits up to *deadline*, reconnects as `receive_batch`."""
         while True:
-            if deadline is not None and not self._readable(max(0.0, deadline -
-                                                               time.monotonic())):
-                raise TimeoutError(f"no message from the broker at {self.address} "
-                                   f"within {timeout} s")
-            taken = self._take(self._event(self.recv_packet(flags)))
-            if taken is not None:
-                return taken
+            if self._ended is not None:  # an end of file seen after a batch
+                self._gone(self._ended)
+                continue
+            if deadline is not None:
+                self._wait_readable(deadline, timeout)
+            if self._one is None:
+                self._one = memoryview(bytearray(RECV_BUFFER))
+            try:
+                n = self.sock.recv_into(self._one)
+            except OSError as exc:
+                if exc.errno not in _GONE:
+                    raise self._lost(_why(exc)) from None
+                self._gone(_why(exc))
+                continue
+            if not n:
+                self._gone("closed the connection")
+                continue
+            try:
+                return self.session.receive(self._one[:n].tobytes())
+            except protocol.ProtocolError as exc:
+                raise SbusError(f"the broker at {self.address} sent a malformed packet: "
+                                f"{exc}") from None
 
     def receive_ready(self, limit: int = 1024) -> list[Received]:
         """Everything that can be read without blocking (up to *limit*): for fast consumers."""
-        packets = []
-        while len(packets) + len(self._pending) < limit:
+        while len(self._pending) < limit:
             try:
-                packets.append(self.recv_packet(socket.MSG_DONTWAIT))
+                self._pending.extend(self._events(self.sock, limit - len(self._pending)))
             except BlockingIOError:
                 break
-        self._absorb(packets)
+            except _Gone as gone:
+                if self._pending:
+                    self._ended = self._ended or str(gone)
+                    break
+                self._gone(str(gone))
+        self._refused()
         out = list(self._pending)
         self._pending.clear()
         return out
@@ -336,9 +650,9 @@ class Client(_Shell):
         """Messages, forever; drop reports (counted, *on_drop*) and control messages
         are skipped."""
         while True:
-            event = self.receive()
-            if type(event) is Publish:
-                yield event
+            for event in self.receive_batch():
+                if type(event) is Publish:
+                    yield event
 
     def whoami(self, timeout: float = 5.0) -> bytes:
         """This connection's credentials path, e.g. ``b'!/cred/100/1000/1111'``, asked of the
@@ -347,13 +661,72 @@ class Client(_Shell):
             self.sync(timeout)
         return self._whoami()
 
-    def request(self, key: bytes | str, payload: bytes | str = b"",
-                timeout: float = 5.0) -> bytes:
-        """Publish a request on *key* and return the first reply's payload, received on a
-        private inbox (`sbus.request`); ``TimeoutError`` after *timeout* seconds."""
-        from .request import request
+    def reach(self, key: bytes | str, timeout: float = 5.0) -> int | None:
+        """How many subscribers a message on *key* would reach now (None: the broker will
+        not say, or does not know the question); messages meanwhile are kept."""
+        key = key.encode() if isinstance(key, str) else bytes(key)
+        self.send_packet(self.session.ask_reach(key))
+        deadline = time.monotonic() + timeout
+        kept: list = []
+        try:
+            while True:
+                try:
+                    event = self.receive(max(0.0, deadline - time.monotonic()))
+                except Refused as exc:
+                    if self._not_understood(exc):
+                        return None
+                    raise
+                if type(event) is Reach and event.key == key:
+                    return event.count
+                kept.append(event)
+        finally:
+            self._keep(kept)
 
-        return request(self, key, payload, timeout, keep=self._pending.append)
+    def request(self, key: bytes | str, payload: bytes | str = b"",
+                timeout: float = 5.0, *, no_responders: bool = True) -> bytes:
+        """Publish a request on *key* and return the first reply's payload, received on a
+        private inbox (`sbus.request`); ``TimeoutError`` after *timeout* seconds.
+
+        With *no_responders* (the default) the broker is asked in the same round
+        whether anyone subscribes to *key*: if nobody does, `NoResponders` at once.  With
+        *reconnect*, a lost broker is waited for within *timeout* and the request sent
+        again on the new connection (so a replier may see it twice).  Other messages
+        meanwhile are kept for `receive`; a late reply to an earlier request is dropped."""
+        key = key.encode() if isinstance(key, str) else bytes(key)
+        deadline = self._give_up_at = time.monotonic() + timeout
+        kept: list = []
+        inbox = None
+        try:
+            self.whoami(timeout)
+            inbox = self.session.new_inbox()
+            self.subscribe(inbox, wait=False)
+            connection = 0
+            while True:
+                if connection != self.connections:  # first, or the broker came back
+                    if no_responders and not connection:  # after a reconnect the
+                        # replier may not be back yet: wait for it instead
+                        self.send_packet(self.session.ask_reach(key))
+                    self.send_packet(self.session.request(key, payload, inbox))
+                    connection = self.connections
+                try:
+                    event = self.receive(max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise self._timed_out(key, timeout) from None
+                except Refused as exc:
+                    if self._not_understood(exc):
+                        continue
+                    raise
+                got = self._reply(event, inbox, key, kept)
+                if got is not None:
+                    return got
+        finally:
+            self._give_up_at = None
+            self._keep(kept)
+            if inbox is not None:
+                try:
+                    self.unsubscribe(inbox)
+                except SbusError:  # the connection may be what failed
+                    pass
 
     def credentials(self, timeout: float = 5.0) -> Credentials:
         return Credentials.parse(self.whoami(timeout))
@@ -373,13 +746,21 @@ class Client(_Shell):
         self.close()
 
 
+def _wait(sock: socket.socket, read: bool, timeout: float | None) -> bool:
+    """Whether *sock* became readable (or writable) within *timeout* seconds."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN if read else select.POLLOUT)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))
+
+
 class AsyncClient(_Shell):
     """The async twin of `Client`, for trio or asyncio (readiness through anyio).
 
     ``async with AsyncClient(address) as bus:`` connects on entry (or ``bus = await
     AsyncClient.connect(address)``).  One task may send and one may receive at a time
     (waiting on the same socket from two tasks is an error under trio); tasks that
-    share a client serialise their sends with a lock.
+    share a client serialise their sends with a lock.  Either task may notice a lost
+    broker: the reconnect happens once.
     """
 
     def __init__(self, address: str | None = None, *, reconnect: bool = False,
@@ -389,7 +770,7 @@ class AsyncClient(_Shell):
                  on_refusal: Callable[[Refusal], None] | None = None) -> None:
         super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff,
                          on_refusal)
-        self.sock: socket.socket | None = None
+        self._reconnecting: anyio.Event | None = None
 
     @classmethod
     async def connect(cls, address: str | None = None, **options) -> AsyncClient:
@@ -399,41 +780,46 @@ class AsyncClient(_Shell):
 
     async def open(self) -> None:
         """Connect (the first connection must work: `ConnectError` otherwise)."""
-        sock = connect_socket(self.address)
-        sock.setblocking(False)
-        self.sock = sock
+        self._attach(connect_socket(self.address))
         self.session.connected()
 
-    async def _reconnect(self, why: str) -> socket.socket:
-        """`Client._reconnect`: the subscriptions are in force again on return."""
-        if self.sock is not None:
-            self.sock.close()
-        self._say(False, f"the broker at {self.address} {why}; reconnecting")
-        while True:
-            sock = None
-            try:
-                sock = connect_socket(self.address)
-                sock.setblocking(False)
-                for packet in self.session.connected():
-                    sock.send(packet)
-                while self.session.asked:
-                    try:
-                        n = sock.recv_into(self._buf)
-                    except BlockingIOError:
-                        await anyio.wait_readable(sock)
-                        continue
-                    if not n:
-                        raise ConnectionResetError(errno.ECONNRESET, "closed at once")
-                    self._settle(self._event(self._view[:n].tobytes()))
-                break
-            except (ConnectError, OSError):
-                if sock is not None:
-                    sock.close()
-                await anyio.sleep(self.backoff.next())
-        self.sock = sock
-        self.backoff.reset()
-        self._say(True, f"reconnected to the broker at {self.address}")
-        return sock
+    def _attach(self, sock: socket.socket) -> None:
+        super()._attach(sock)
+        sock.setblocking(False)
+
+    def _closing(self, sock: socket.socket) -> None:
+        # a task waiting on a closed descriptor would otherwise never wake (trio, epoll)
+        anyio.notify_closing(sock)
+
+    async def _reconnect(self, why: str, lost: socket.socket | None) -> socket.socket:
+        """Carry out `_reopening` with anyio; a second task that noticed the same loss
+        waits for the first one's reconnect instead of making its own."""
+        while self._reconnecting is not None:
+            await self._reconnecting.wait()
+        if self.sock is not lost and self.sock is not None:
+            return self.sock  # someone else reconnected already
+        done = self._reconnecting = anyio.Event()
+        try:
+            for what, arg in self._reopening(why):
+                if what is _SLEEP:
+                    await anyio.sleep(arg)  # type: ignore[arg-type]
+                else:
+                    with anyio.move_on_after(OPENING_TIMEOUT):
+                        if what is _READ:
+                            await anyio.wait_readable(arg)  # type: ignore[arg-type]
+                        else:
+                            await anyio.wait_writable(arg)  # type: ignore[arg-type]
+        finally:
+            self._reconnecting = None
+            done.set()
+        return self._socket()
+
+    async def _gone(self, why: str, lost: socket.socket) -> socket.socket:
+        if self.sock is None:
+            return self._socket()  # closed by `aclose`: says so
+        if not self.reconnect:
+            raise self._lost(why)
+        return await self._reconnect(why, lost)
 
     def _socket(self) -> socket.socket:
         if self.sock is None:
@@ -448,11 +834,31 @@ class AsyncClient(_Shell):
                 sock.send(packet, flags)
                 return
             except BlockingIOError:
-                await anyio.wait_writable(sock)
+                try:
+                    await anyio.wait_writable(sock)
+                except anyio.ClosedResourceError:  # another task is reconnecting
+                    sock = await self._gone("closed the connection", sock)
             except OSError as exc:
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
-                sock = await self._reconnect(f"failed: {exc.strerror or exc}")
+                sock = await self._reconnect(_why(exc), sock)
+
+    def send_nowait(self, packet: bytes) -> bool:
+        """Send one packet if the connection is up and has room, never waiting nor
+        reconnecting (that is the receiving task's to do): whether it was sent.  For a
+        second task's periodic questions (sbus-top's status)."""
+        sock = self.sock
+        if sock is None or self._reconnecting is not None:
+            return False
+        try:
+            sock.send(packet)
+        except OSError:
+            return False
+        return True
+
+    def control_nowait(self, key: bytes | str, payload: bytes | str | None = None) -> bool:
+        """`send_nowait` of a control message."""
+        return self.send_nowait(self.session.control(key, payload))
 
     async def subscribe(self, pattern: bytes | str, *, wait: bool = True) -> None:
         """Subscribe; with *wait*, return once it is in force (`Refused` if refused)."""
@@ -479,9 +885,28 @@ class AsyncClient(_Shell):
         await self.send_packet(self.session.ask())
         with anyio.fail_after(timeout):
             while self.session.asked:
-                for packet in await self.receive_packets():
-                    self._settle(self._event(packet))
+                for event in await self._receiving(self._read, SLOTS):
+                    self._settle(event)
         self._refused()
+
+    async def _receiving(self, read, limit: int) -> list:
+        """*read* (`_read`, `_raw` or `_events`) once something waits: waits, reconnects."""
+        sock = self._socket()
+        while True:
+            try:
+                out = read(sock, limit)
+            except BlockingIOError:
+                try:
+                    await anyio.wait_readable(sock)
+                except anyio.ClosedResourceError:  # another task is reconnecting
+                    sock = await self._gone("closed the connection", sock)
+                continue
+            except _Gone as gone:
+                sock = await self._gone(str(gone), sock)
+                continue
+            if out:
+                await anyio.lowlevel.checkpoint()  # a busy bus must not starve other tasks
+                return out
 
     async def recv_packet(self) -> bytes:
         """One raw packet; see `receive_packets`."""
@@ -491,63 +916,37 @@ class AsyncClient(_Shell):
         """The next message, drop report or control message; `Refused` if the broker
         refused something sent before."""
         self._refused()
-        while not self._pending:
-            self._absorb(await self.receive_packets())
+        if not self._pending:
+            self._pending.extend(await self.receive_batch())
         return self._pending.popleft()
 
-    async def receive_packets(self, limit: int = 1024) -> list[bytes]:
+    async def receive_packets(self, limit: int = SLOTS) -> list[bytes]:
         """At least one raw packet, plus whatever else is ready (up to *limit*).
 
-        The cheapest way to keep up with a busy bus: no event objects, one wait per
-        batch.  End of connection raises `ConnectionLost` once the packets before it are
-        taken (with *reconnect*: reconnects and goes on reading).
+        No event objects, one wait per batch; the session does not see these packets
+        (a drop report in them is the caller's to count).  End of connection raises
+        `ConnectionLost` once the packets before it are taken (with *reconnect*:
+        reconnects and goes on reading).
         """
-        sock = self._socket()
-        recv_into, buf, view = sock.recv_into, self._buf, self._view
-        out: list[bytes] = []
-        while True:
-            gone = None
-            while len(out) < limit:
-                try:
-                    n = recv_into(buf)
-                except BlockingIOError:
-                    break
-                except OSError as exc:
-                    if not (self.reconnect and exc.errno in _GONE):
-                        raise self._lost(f"failed: {exc.strerror or exc}") from None
-                    gone = f"failed: {exc.strerror or exc}"
-                    break
-                if n == 0:
-                    gone = "closed the connection"
-                    break
-                out.append(view[:n].tobytes())
-            if out:
-                await anyio.lowlevel.checkpoint()  # a busy bus must not starve other tasks
-                return out
-            if gone is not None:
-                if not self.reconnect:
-                    raise self._lost("closed the connection")
-                sock = await self._reconnect(gone)
-                recv_into = sock.recv_into
-                continue
-            await anyio.wait_readable(sock)
+        return await self._receiving(self._raw, limit)
 
-    async def receive_batch(self, limit: int = 1024) -> list[Received]:
-        """At least one event, plus whatever else is ready (up to *limit*)."""
-        while not self._pending:
-            self._absorb(await self.receive_packets(limit))
-        out = list(self._pending)
-        self._pending.clear()
-        return out
+    async def receive_batch(self, limit: int = SLOTS) -> list[Received]:
+        """At least one event, plus whatever else is ready (up to about *limit*)."""
+        self._refused()
+        if self._pending:
+            out = list(self._pending)
+            self._pending.clear()
+            return out
+        return await self._receiving(self._events, limit)
 
     def __aiter__(self) -> AsyncIterator[Publish]:
         return self._messages()
 
     async def _messages(self) -> AsyncIterator[Publish]:
         while True:
-            event = await self.receive()
-            if type(event) is Publish:
-                yield event
+            for event in await self.receive_batch():
+                if type(event) is Publish:
+                    yield event
 
     async def whoami(self, timeout: float = 5.0) -> bytes:
         if self.session.whoami is None:
@@ -558,17 +957,52 @@ class AsyncClient(_Shell):
         return Credentials.parse(await self.whoami(timeout))
 
     async def request(self, key: bytes | str, payload: bytes | str = b"",
-                      timeout: float = 5.0) -> bytes:
-        """`Client.request` for async code; ``TimeoutError`` after *timeout* seconds."""
-        from .request import request_async
-
-        return await request_async(self, key, payload, timeout, keep=self._pending.append)
+                      timeout: float = 5.0, *, no_responders: bool = True) -> bytes:
+        """`Client.request` for async code; ``TimeoutError`` after *timeout* seconds,
+        `NoResponders` at once when nobody subscribes to *key*."""
+        key = key.encode() if isinstance(key, str) else bytes(key)
+        kept: list = []
+        inbox = None
+        try:
+            self._give_up_at = time.monotonic() + timeout
+            with anyio.fail_after(timeout):  # the whoami is part of the wait
+                await self.whoami(timeout)
+                inbox = self.session.new_inbox()
+                await self.subscribe(inbox, wait=False)
+                connection = 0
+                while True:
+                    if connection != self.connections:  # as in `Client.request`
+                        if no_responders and not connection:
+                            await self.send_packet(self.session.ask_reach(key))
+                        await self.send_packet(self.session.request(key, payload, inbox))
+                        connection = self.connections
+                    try:
+                        event = await self.receive()
+                    except Refused as exc:
+                        if self._not_understood(exc):
+                            continue
+                        raise
+                    got = self._reply(event, inbox, key, kept)
+                    if got is not None:
+                        return got
+        except TimeoutError:
+            raise self._timed_out(key, timeout) from None
+        finally:
+            self._give_up_at = None
+            self._keep(kept)
+            if inbox is not None:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self.unsubscribe(inbox)
+                    except SbusError:
+                        pass
 
     def fileno(self) -> int:
         return self._socket().fileno()
 
     async def aclose(self) -> None:
         if self.sock is not None:
+            self._closing(self.sock)
             self.sock.close()
             self.sock = None
 

@@ -516,6 +516,9 @@ class BrokerCore:
         if plain == protocol.STATUS:
             self.reply(conn, introspect.answer(self, conn, payload))
             return
+        if plain == protocol.REACH:
+            self._reach(conn, payload or b"")
+            return
         if plain == protocol.CLIENT_STATUS:
             conn.status = bytes((payload or b"")[:protocol.CLIENT_STATUS_BYTES])
             return
@@ -528,6 +531,22 @@ class BrokerCore:
                 self.logs.append((logging.DEBUG, f"{conn!r}: flood control {setting}"))
             return
         self.refuse(conn, b"cmsg", f"control message {brief(key)} not understood")
+
+    def _reach(self, conn: Client, key: bytes) -> None:
+        """`protocol.REACH`: how many clients a message of *conn* on *key* would reach
+        (one routing lookup, as a publish makes); another process's secret key gets
+        ``?``, so nobody learns what a stranger's private keys are subscribed to."""
+        try:
+            self.rules.check_key(key)
+        except KeyRefused as exc:
+            self.refuse(conn, b"cmsg", str(exc))
+            return
+        mine = conn.cred.path(self.sep) + self.sep
+        if self.rules.is_secret(key) and not key.startswith(mine):
+            count = b"?"
+        else:
+            count = b"%d" % len(self.index.match(key, conn.cred.uid))
+        self.reply(conn, protocol.encode(protocol.Control(protocol.REACH, key + b"\0" + count)))
 
     def refuse(self, conn: Client, verb: bytes, why: str) -> None:
         """Tell *conn* that its packet was refused, and log it within its allowance."""

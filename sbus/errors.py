@@ -8,7 +8,7 @@ connection, fix a refused pattern).
 from __future__ import annotations
 
 __all__ = ["SbusError", "ConnectError", "ConnectionLost", "InvalidRequest", "Refused",
-           "ServeError", "UsageError"]
+           "ServeError", "UsageError", "NoResponders"]
 
 
 class SbusError(Exception):
@@ -52,3 +52,7 @@ class UsageError(SbusError):
 
 class ServeError(SbusError):
     """A reason the broker cannot start, worded for the person starting it."""
+
+
+class NoResponders(SbusError):
+    """A request on a key nobody subscribes to: the broker said so at once."""

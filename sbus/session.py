@@ -18,7 +18,15 @@ from the broker into one event:
 The whoami question doubles as a barrier: the broker answers packets in order, so
 when the answer to a question comes, every packet sent before the question has been
 acted on, and any refusal of them has arrived.  `asked` counts the questions in
-flight; the I/O shells (`sbus.client`, the fast readers) wait on it.
+flight; the I/O shells (`sbus.client`) wait on it.
+
+The session also holds the reconnect plan, so the shells only carry it out: after a
+lost connection they wait `retry_in` seconds between attempts (its one `Backoff`), send
+what `connected` returns on the new connection, read until the barrier is answered
+(``asked == 0``), then call `restored`.  `decode` turns a batch of packets (one buffer,
+offsets and lengths, as `sbus.packetio.PacketBatch` receives them) into events, messages
+by a fast path.  `new_inbox` / `reply_to` are the requester's half of request/reply
+(`sbus.request`).
 
 `Backoff` is the one reconnect policy every component uses.
 """
@@ -26,6 +34,7 @@ flight; the I/O shells (`sbus.client`, the fast readers) wait on it.
 from __future__ import annotations
 
 import random
+import secrets
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,10 +44,11 @@ from .defaults import MAX_MESSAGE
 from .display import brief
 from .errors import InvalidRequest, Refused
 from .keys import Credentials, KeyRules
-from .protocol import DROPPED, REFUSED, WHOAMI, Control, Publish, Subscribe
+from .protocol import DROPPED, REACH, REFUSED, WHOAMI, Control, Publish, Subscribe
+from .request import inbox_root, make_request
 
-__all__ = ["Session", "Backoff", "Dropped", "Whoami", "Refusal", "Event", "Publish",
-           "Control", "FLOOD_VALUES"]
+__all__ = ["Session", "Backoff", "Dropped", "Whoami", "Refusal", "Reach", "Event",
+           "Publish", "Control", "FLOOD_VALUES"]
 
 #: What each flood setting accepts (docs/protocol.md, sbus/flood.py).
 FLOOD_VALUES: dict[str, tuple[str, ...]] = {
@@ -76,7 +86,16 @@ class Refusal:
         return Refused(self.verb, self.reason)
 
 
-Event = Publish | Dropped | Whoami | Refusal | Control
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """The broker's answer to `Session.ask_reach`: a message on *key* would reach
+    *count* subscribers; None when the broker will not say (another's secret key)."""
+
+    key: bytes
+    count: int | None
+
+
+Event = Publish | Dropped | Whoami | Refusal | Reach | Control
 
 
 def _b(value: bytes | str) -> bytes:
@@ -98,7 +117,8 @@ class Session:
     """One client's protocol state; see the module docstring.  Every method that returns
     bytes has already updated the state as if they were sent."""
 
-    def __init__(self, *, sep: bytes = b"/", max_message: int = MAX_MESSAGE) -> None:
+    def __init__(self, *, sep: bytes = b"/", max_message: int = MAX_MESSAGE,
+                 backoff: Backoff | None = None) -> None:
         self.rules = KeyRules(sep)
         self.max_message = max_message
         #: Patterns in force, with multiplicity (two SUB x need two UNSUB x).
@@ -115,6 +135,8 @@ class Session:
         self.dropped = 0
         #: Connections made (1 after the first `connected`).
         self.connections = 0
+        #: The reconnect plan's delays (`retry_in`), reset once a connection is restored.
+        self.backoff = backoff or Backoff()
 
     # -- intents -> packets ------------------------------------------------------
 
@@ -135,6 +157,15 @@ class Session:
         out += [_encode(Subscribe(p)) for p, n in self.patterns.items() for _ in range(n)]
         out.append(self.ask())
         return out
+
+    def retry_in(self) -> float:
+        """Seconds to wait before the next attempt to reconnect."""
+        return self.backoff.next()
+
+    def restored(self) -> None:
+        """The new connection's opening is answered: the next loss starts the delays
+        afresh."""
+        self.backoff.reset()
 
     def _policy(self) -> list[bytes]:
         out = [_flood(name, value) for name, value in self.flood.items()]
@@ -164,10 +195,25 @@ class Session:
         packet = _encode(Publish(key, _b(payload)))
         self.rules.check_key(key)
         if len(packet) > self.max_message:
-            raise InvalidRequest(
-                f"the message to {brief(key)} is {len(packet)} bytes with its header, over "
-                f"the broker's limit of {self.max_message} (sbus serve --max-message)")
+            raise self.too_large(key, len(packet))
         return packet
+
+    def publish_head(self, key: bytes | str) -> bytes:
+        """*key* checked once, for a publisher of many messages on it: each packet is this
+        head + the payload (`publish` for one message)."""
+        key = _b(key)
+        try:
+            head = protocol.publish_head(key)
+        except protocol.ProtocolError as exc:
+            raise InvalidRequest(str(exc)) from None
+        self.rules.check_key(key)
+        return head
+
+    def too_large(self, key: bytes, size: int) -> InvalidRequest:
+        """The error for a message of *size* bytes with its header over the limit."""
+        return InvalidRequest(
+            f"the message to {brief(key)} is {size} bytes with its header, over "
+            f"the broker's limit of {self.max_message} (sbus serve --max-message)")
 
     def set_flood(self, soft: str | None = None, hard: str | None = None,
                   order: str | None = None) -> list[bytes]:
@@ -202,7 +248,50 @@ class Session:
             return self.ask()
         return _encode(Control(key, None if payload is None else _b(payload)))
 
+    def ask_reach(self, key: bytes | str) -> bytes:
+        """Ask how many subscribers a message on *key* would reach (answered by a
+        `Reach` event; a broker that does not know the question refuses the CMSG)."""
+        key = _b(key)
+        self.rules.check_key(key)
+        return _encode(Control(REACH, key))
+
+    # -- request/reply (sbus.request) --------------------------------------------
+
+    def new_inbox(self) -> bytes:
+        """A fresh private reply key under this connection's credentials (`whoami` must
+        have been answered: the key is a secret key of this process)."""
+        if self.whoami is None:
+            raise InvalidRequest("a reply inbox needs the broker's whoami answer first")
+        return inbox_root(self.whoami) + secrets.token_hex(8).encode()
+
+    def request(self, key: bytes | str, payload: bytes | str, inbox: bytes) -> bytes:
+        """The request packet: a message on *key* asking for its reply on *inbox*."""
+        return self.publish(key, make_request(inbox, _b(payload)))
+
+    def reply_to(self, event: Event, inbox: bytes) -> bytes | None | bool:
+        """While waiting on *inbox*: the reply's payload if *event* is it; False for a
+        late reply to one of our earlier inboxes (dropped); None for anything else (kept
+        for the program)."""
+        if type(event) is Publish and self.whoami is not None:
+            if event.key == inbox:
+                return event.payload
+            if event.key.startswith(inbox_root(self.whoami)):
+                return False
+        return None
+
     # -- packets -> events -------------------------------------------------------
+
+    def decode(self, buf, offsets, lengths) -> tuple[list[Event], list[int]]:
+        """The events of a batch, and the indices of those that are not messages: packet
+        *i* is ``buf[offsets[i]:offsets[i] + lengths[i]]`` (*buf* bytes or an mmap).
+        Messages take `protocol.parse_batch`'s fast path and are returned as they are;
+        control messages are taken in as by `receive` (drop counts, whoami, refusals).
+        Raises `protocol.ProtocolError` as `receive` does."""
+        others: list[int] = []
+        events = protocol.parse_batch(buf, offsets, lengths, others)
+        for i in others:
+            events[i] = self._classify(events[i], buf[offsets[i]:offsets[i] + 24])
+        return events, others
 
     def receive(self, packet: bytes) -> Event:
         """The event one packet from the broker carries.  Raises `protocol.ProtocolError`
@@ -210,6 +299,9 @@ class Session:
         event = protocol.parse(packet)
         if type(event) is Publish:
             return event
+        return self._classify(event, packet)
+
+    def _classify(self, event: protocol.Event, packet: bytes) -> Event:
         if type(event) is not Control:
             raise protocol.ProtocolError(f"a client-only packet from the broker: "
                                          f"{brief(packet, 24)}")
@@ -233,6 +325,9 @@ class Session:
             if payload[:1] == b"!" and len(payload) > 1 and payload[1:2] != self.rules.sep:
                 self.rules = KeyRules(payload[1:2])  # a broker of another dialect
             return Whoami(payload)
+        if key == REACH:
+            asked, _, count = payload.rpartition(b"\0")
+            return Reach(asked, int(count) if count.isdigit() else None)
         if key.startswith(REFUSED + b"/"):
             return Refusal(key[len(REFUSED) + 1:].decode("utf-8", "replace"),
                            payload.decode("utf-8", "replace"))

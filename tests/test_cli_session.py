@@ -323,3 +323,138 @@ def test_readme_python_examples_run_as_written(broker, short_tmp, index):
                        env={**os.environ, "SBUS_ADDRESS": broker.address})
     assert p.returncode == 0, p.stderr
     assert p.stdout == b"Publish(key=b'sensors/kitchen/temp', payload=b'21.5')\n"
+
+
+def _lines_until(proc: subprocess.Popen, stream, last: bytes, timeout: float = 30) -> list[bytes]:
+    """Lines of *stream* (a pipe of *proc*) until one equal to *last* (included)."""
+    deadline = time.monotonic() + timeout
+    got = []
+    while not got or got[-1] != last:
+        assert time.monotonic() < deadline, got[-5:]
+        if not select.select([stream], [], [], 0.5)[0]:
+            assert proc.poll() is None, f"exited {proc.returncode}: {got[-5:]}"
+            continue
+        line = stream.readline()
+        assert line, f"end of output after {got[-5:]}"
+        got.append(line)
+    return got
+
+
+def test_pub_count_reconnects_and_loses_nothing_once_back(broker):
+    """`sbus pub -c` across a broker restart: it says so and goes on; a reconnecting `sbus
+    sub` counts the sequence numbers: one gap (the restart), nothing lost or repeated
+    before or after it."""
+    sub = subprocess.Popen([*SBUS, "sub", "--address", broker.address, "seq/n", "--ready-fd",
+                            "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pub = None
+    try:
+        assert sub.stderr.readline() == b"ready\n"
+        pub = subprocess.Popen([*SBUS, "pub", "--address", broker.address, "seq/n", "{n}",
+                                "-c", "300", "-i", "10ms"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        got = _lines_until(sub, sub.stdout, b"seq/n 50\n")
+        broker.stop()
+        broker.start()
+        got += _lines_until(sub, sub.stdout, b"seq/n 300\n")
+        assert pub.wait(30) == 0
+        err = pub.stderr.read().decode()
+        assert f"sbus pub: the broker at {broker.address} " in err and "; reconnecting\n" in err
+        assert f"sbus pub: reconnected to the broker at {broker.address}\n" in err
+        seqs = [int(line.split()[1]) for line in got]
+        assert seqs == sorted(set(seqs))  # nothing repeated, nothing out of order
+        gaps = [(a, b) for a, b in zip(seqs, seqs[1:], strict=False) if b != a + 1]
+        assert seqs[0] == 1 and len(gaps) <= 1, gaps  # lost: only while the broker was away
+    finally:
+        stop_process(sub)
+        stop_process(pub)
+
+
+def test_reply_reconnects_after_a_broker_restart_and_says_so(broker):
+    replier = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "-n", "5",
+                                "svc", "--", "cat"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert replier.stderr.readline() == b"sbus reply: answering requests on 'svc'\n"
+        with Client(broker.address) as bus:
+            assert bus.request(b"svc", b"1", timeout=10) == b"1"
+        broker.stop()
+        assert replier.stderr.readline() == (f"sbus reply: the broker at {broker.address} "
+                                             "closed the connection; reconnecting\n").encode()
+        broker.start()
+        assert replier.stderr.readline() == (f"sbus reply: reconnected to the broker at "
+                                             f"{broker.address}\n").encode()
+        with Client(broker.address) as bus:  # subscribed again by now: nothing lost
+            assert [bus.request(b"svc", b"%d" % n, timeout=10) for n in range(2, 6)] == \
+                [b"2", b"3", b"4", b"5"]
+        assert replier.wait(10) == 0
+    finally:
+        stop_process(replier)
+
+
+def test_request_waits_for_a_restarted_broker_within_its_timeout(broker, short_tmp):
+    """A lost broker during `sbus request` is waited for and the request sent again; a
+    one-shot `sbus pub` fails with one line instead."""
+    began = short_tmp / "began"
+    replier = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "svc", "--",
+                                "sh", "-c", f"touch {began}; sleep 1; cat"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL)
+    req = None
+    try:
+        assert replier.stderr.readline() == b"sbus reply: answering requests on 'svc'\n"
+        req = subprocess.Popen([*SBUS, "request", "--address", broker.address, "--timeout",
+                                "20", "svc", "again"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 20
+        while not began.exists():  # the request is with the replier's command (1 s)
+            assert time.monotonic() < deadline and req.poll() is None
+            time.sleep(0.02)
+        broker.stop()
+        broker.start()
+        out, err = req.communicate(timeout=30)
+        assert (req.returncode, out) == (0, b"again"), err
+        assert b"; reconnecting\n" in err and b"reconnected to the broker" in err
+        broker.stop()
+        r = run("pub", "--address", broker.address, "k", "v")
+        assert r.returncode == 1
+        assert one_line(r.stderr).startswith("sbus pub: cannot connect to the sbus broker")
+    finally:
+        stop_process(replier)
+        stop_process(req)
+
+
+def test_two_tasks_that_notice_a_lost_broker_reconnect_once(broker):
+    """A sending task and a receiving task of one AsyncClient both meet the restart: one
+    reconnect (the other task waits for it), then both go on."""
+    lines: list[tuple[bool, str]] = []
+
+    async def main() -> list[bytes]:
+        async with AsyncClient(broker.address, reconnect=True,
+                               on_connection=lambda up, line: lines.append((up, line))) as bus:
+            await bus.subscribe(b"echo")
+            got: list[bytes] = []
+
+            async def send() -> None:
+                n = 0
+                while True:
+                    n += 1
+                    await bus.publish(b"echo", b"%d" % n)
+                    await trio.sleep(0.01)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                while len(got) < 5:
+                    got.extend(ev.payload for ev in await bus.receive_batch())
+                broker.stop()
+                broker.start()
+                target = len(got) + 20
+                with trio.fail_after(20):
+                    while len(got) < target:
+                        got.extend(ev.payload for ev in await bus.receive_batch())
+                nursery.cancel_scope.cancel()
+            return got
+
+    got = trio.run(main)
+    assert [up for up, _ in lines] == [False, True], lines
+    seqs = [int(p) for p in got]
+    assert seqs == sorted(set(seqs))  # nothing twice, in order

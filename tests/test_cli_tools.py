@@ -15,10 +15,11 @@ import sys
 import time
 from importlib import metadata
 
+import faultkit
 import pytest
 from conftest import SBUS
 
-from sbus import Client
+from sbus import Client, SbusError
 from sbus.cli import build_parser
 from sbus.cmd.status import fetch
 
@@ -256,11 +257,113 @@ def test_request_and_reply_from_the_shell(broker):
                      "the same)") == 3
 
 
-def test_request_without_replier_is_one_line(broker):
-    r = sbus("request", "--address", broker.address, "--timeout", "0.3", "nobody", "x")
+def test_request_without_replier_is_one_line_at_once(broker):
+    """Nobody subscribes: the broker says so (`broker/reach`), no waiting for the timeout;
+    a subscriber that does not answer: the timeout."""
+    began = time.monotonic()
+    r = sbus("request", "--address", broker.address, "--timeout", "60", "nobody", "x")
+    assert r.returncode == 1 and time.monotonic() - began < 30
+    assert r.stderr.decode() == "sbus request: no responders for 'nobody'\n"
+    with Client(broker.address) as silent:
+        silent.subscribe(b"silent")
+        assert silent.reach(b"silent") == 1 and silent.reach(b"nobody") == 0
+        r = sbus("request", "--address", broker.address, "--timeout", "0.3", "silent", "x")
     assert r.returncode == 1
-    assert r.stderr.decode() == "sbus request: no reply to the request on 'nobody' " \
+    assert r.stderr.decode() == "sbus request: no reply to the request on 'silent' " \
                                 "within 0.3 s\n"
+
+
+def test_reach_tells_nobody_about_a_strangers_secret_keys(broker, short_tmp):
+    os.chmod(short_tmp, 0o755)  # the other user reaches the socket
+    with Client(broker.address) as a:
+        a_inbox = a.whoami() + b"/inbox/x"
+        a.subscribe(a_inbox)
+        assert a.reach(a_inbox) == 1  # its own secret: it may know
+        proc, pipe = faultkit.as_user(65534, _reach_of, broker.address,
+                                      [a_inbox, a.whoami() + b"/never", b"public"])
+        assert pipe.poll(30)
+        assert pipe.recv() == [None, None, 0]  # another process's secrets: not said
+        proc.join(10)
+        with pytest.raises(SbusError, match="reserved"):
+            a.reach(b"a/!/b")
+
+
+def _reach_of(pipe, address: str, keys: list[bytes]) -> None:
+    code = 1
+    try:
+        with Client(address) as bus:
+            pipe.send([bus.reach(key) for key in keys])
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def test_reply_survives_hostile_requests_from_another_user(broker, short_tmp):
+    """Requests from uid 65534 with every kind of bad reply key, an oversized reply and a
+    command that fails: each is one escaped line on stderr, counted, and the service
+    goes on to answer an honest request."""
+    os.chmod(short_tmp, 0o755)  # the other user reaches the socket
+    replier = start("reply", "--address", broker.address, "--command-timeout", "1",
+                    "--max-reply", "1m", "svc", "--", "sh", "-c",
+                    'b=$(cat); case "$b" in big) head -c 300000 /dev/zero;; '
+                    'long) head -c 99999 /dev/zero;; '
+                    'slow) sleep 10;; *) printf "ok %s" "$b";; esac')
+    wait_subscribed(broker.address, "svc")
+    proc, pipe = faultkit.as_user(65534, _hostile_requests, broker.address)
+    try:
+        assert pipe.poll(30) and pipe.recv() == "sent"
+        proc.join(10)
+        with Client(broker.address) as bus:  # served after the hostile ones, in order
+            assert bus.request(b"svc", b"honest", timeout=30) == b"ok honest"
+        assert replier.poll() is None  # still serving
+    finally:
+        replier.terminate()
+    err = replier.communicate(timeout=10)[1].decode()
+    assert "Traceback" not in err and "\x1b" not in err  # escaped: no raw control bytes
+    lines = err.splitlines()
+    assert lines[0] == "sbus reply: answering requests on 'svc'"
+    assert sum("ignored a message on 'svc'" in line for line in lines) == 2
+    assert any("!/cred/x" in line and "no reply" in line for line in lines)
+    assert any("\\x1b" in line and "no reply" in line for line in lines)
+    assert any("sh took longer than 1 s" in line for line in lines)
+    assert sum("over the broker's limit" in line for line in lines) == 2
+    assert "(5 failed so far)" in err
+    assert all(len(line) < 400 for line in lines)  # brief: long keys are cut
+
+
+def _hostile_requests(pipe, address: str) -> None:
+    code = 1
+    try:
+        with Client(address) as bus:
+            me = bus.whoami()
+            for payload in (b"no reply key", b"public/key\0x",  # ignored: not requests
+                            b"!/cred/x\0x",  # malformed secret key
+                            b"!/cred/\x1b[2J\x1b]0;owned\x07/2/3/x\0x",  # control bytes
+                            me + b"/" + b"k" * 200_000 + b"\0long",  # too long with the reply
+                            me + b"/inbox/1\0big",  # a reply over the broker's limit
+                            me + b"/inbox/2\0slow",  # the command fails (killed)
+                            b"!/cred/0/0/1/" + b"/".join([b"s"] * 300) + b"\0x"):  # segments
+                bus.publish(b"svc", payload)
+            bus.sync()
+        pipe.send("sent")
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def test_reply_says_nothing_of_a_command_that_exits_without_reading(broker):
+    """A command that exits before reading the request (sh -c 'exit 3') is its business:
+    no BrokenPipeError, no traceback, and a reply all the same."""
+    replier = start("reply", "--address", broker.address, "-n", "10", "early", "--",
+                    "sh", "-c", "exit 3")
+    wait_subscribed(broker.address, "early")
+    with Client(broker.address) as bus:
+        for n in range(10):  # small bodies wait in a buffer, large ones in the pipe
+            assert bus.request(b"early", b"x" * (10 if n % 2 else 200_000), timeout=10) == b""
+    assert replier.wait(10) == 0
+    err = replier.stderr.read().decode()
+    assert "Traceback" not in err and "Error" not in err, err
+    assert err.count("sh exited with status 3") == 10
 
 
 def test_reply_bounds_what_the_command_prints_and_how_long_it_runs(broker):
@@ -324,6 +427,7 @@ def test_async_client_request_under_trio(broker):
     import trio
 
     from sbus import AsyncClient
+    from sbus.errors import NoResponders
 
     replier = start("reply", "--address", broker.address, "-n", "2", "async", "--", "rev")
     wait_subscribed(broker.address, "async")
@@ -335,8 +439,10 @@ def test_async_client_request_under_trio(broker):
             await bus.publish(b"other", b"kept")
             second = await bus.request("async", "xyz\n", timeout=10)
             kept = await bus.receive()
+            with pytest.raises(NoResponders, match="no responders for 'nobody'"):
+                await bus.request(b"nobody", b"", timeout=30)
             with pytest.raises(TimeoutError, match="no reply to the request on 'nobody'"):
-                await bus.request(b"nobody", b"", timeout=0.3)
+                await bus.request(b"nobody", b"", timeout=0.3, no_responders=False)
             return [first, second, kept.payload]
 
     assert trio.run(main) == [b"cba\n", b"zyx\n", b"kept"]

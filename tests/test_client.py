@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import signal
 import socket
 
 import pytest
@@ -46,6 +47,24 @@ def test_fileno_works_with_select_and_flags_pass_through(broker):
             c.recv_packet(socket.MSG_DONTWAIT)
 
 
+def test_select_tells_the_truth_after_receive_and_sync(broker):
+    """`receive` and `sync` leave what follows in the connection, so select on the client
+    still sees it (a batch read would have taken it out of sight)."""
+    with Client(broker.address) as c, Client(broker.address) as pub:
+        c.subscribe(b"k")
+        pub.publish(b"k", b"0")
+        pub.sync()
+        c.sync()  # "0" came before the answer: kept for receive
+        for i in range(1, 4):
+            pub.publish(b"k", b"%d" % i)
+        pub.sync()
+        assert c.receive(timeout=5).payload == b"0"
+        for i in range(1, 4):
+            assert select.select([c], [], [], 5)[0] == [c]  # the rest is still unread
+            assert c.receive(timeout=5).payload == b"%d" % i
+        assert select.select([c], [], [], 0.1)[0] == []
+
+
 def test_iteration_skips_control_messages(make_broker):
     broker = make_broker("--queue-limit", "1k")
     with Client(broker.address) as c, Client(broker.address) as pub:
@@ -76,6 +95,20 @@ def test_connect_error_names_address(short_tmp):
 def test_closed_connection_is_an_error(broker):
     c = Client(broker.address)
     broker.stop()
+    with pytest.raises(SbusError, match="closed the connection"):
+        c.receive(timeout=5)
+
+
+def test_a_reset_connection_is_closed_too(broker):
+    """A broker that ends with packets of ours unread resets the connection (ECONNRESET,
+    as under load) instead of an end of file: the same error, the same words."""
+    c = Client(broker.address)
+    c.whoami()
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    for _ in range(10):
+        c.publish(b"unread", b"x")  # waits in the stopped broker's receive queue
+    os.kill(broker.proc.pid, signal.SIGKILL)
+    broker.proc.wait()
     with pytest.raises(SbusError, match="closed the connection"):
         c.receive(timeout=5)
 
@@ -149,3 +182,19 @@ def test_identity_proof_from_the_protocol_text(broker):
         assert a.receive(timeout=10) == Publish(a_cred + b"/answer", nonce)
         _, status = os.waitpid(pid, 0)
         assert status == 0
+
+
+def test_a_batch_of_large_messages_arrives_whole(broker):
+    """Many 200 KB messages waiting at once are taken in one batch, each whole (one
+    slot per packet), and the batch's pages are handed back after."""
+    with Client(broker.address) as sub, Client(broker.address) as pub:
+        sub.set_flood(soft="queue", hard="block")
+        sub.subscribe(b"big")
+        payloads = [bytes([i]) * 200_000 for i in range(8)]
+        for p in payloads:
+            pub.publish(b"big", p)
+        pub.sync()
+        got: list[bytes] = []
+        while len(got) < len(payloads):
+            got.extend(ev.payload for ev in sub.receive_batch(timeout=5))
+        assert got == payloads

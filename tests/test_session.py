@@ -6,7 +6,7 @@ import pytest
 
 from sbus.errors import InvalidRequest, Refused
 from sbus.protocol import Control, ProtocolError, Publish
-from sbus.session import Backoff, Dropped, Refusal, Session, Whoami
+from sbus.session import Backoff, Dropped, Reach, Refusal, Session, Whoami
 
 
 def test_requests_become_packets_and_are_remembered():
@@ -126,3 +126,56 @@ def test_backoff_doubles_to_its_cap_with_jitter():
     assert [b.next() for _ in range(6)] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0])
     b.reset()
     assert b.next() == pytest.approx(0.1)
+
+
+def test_a_batch_decodes_messages_fast_and_controls_as_receive_does():
+    s = Session()
+    s.ask()
+    packets = [b"MSG a\0one", b"CMSG blocking/dropped\x004", b"MSG b/c\0\0two\0",
+               b"CMSG !/cred/whoami\0!/cred/1/2/3", b"MSG \0", b"CMSG x/y\0z"]
+    slot = 64  # as `PacketBatch` lays them out: one packet per slot, stale bytes between
+    buf = bytearray(b"#" * slot * len(packets))
+    for i, p in enumerate(packets):
+        buf[i * slot:i * slot + len(p)] = p
+    offsets = [i * slot for i in range(len(packets) + 3)]  # more slots than packets
+    events, others = s.decode(bytes(buf), offsets, [len(p) for p in packets])
+    assert events == [Publish(b"a", b"one"), Dropped(4), Publish(b"b/c", b"\0two\0"),
+                      Whoami(b"!/cred/1/2/3"), Publish(b"", b""), Control(b"x/y", b"z")]
+    assert others == [1, 3, 5]
+    assert s.dropped == 4 and s.asked == 0 and s.cred.pid == 3
+    with pytest.raises(ProtocolError):
+        s.decode(b"MSG nonul", [0], [9])
+    with pytest.raises(ProtocolError):
+        s.decode(b"SUB x", [0], [5])
+
+
+def test_the_reconnect_plan_backs_off_until_restored():
+    s = Session(backoff=Backoff(0.1, 1.0, rand=lambda lo, hi: hi))
+    assert s.connected() == []
+    s.subscribe(b"k")
+    assert [s.retry_in() for _ in range(3)] == pytest.approx([0.1, 0.2, 0.4])
+    opening = s.connected()
+    assert opening == [b"SUB k", b"CMSG !/cred/whoami"] and s.asked == 1
+    s.receive(b"CMSG !/cred/whoami\0!/cred/1/2/3")
+    assert s.asked == 0  # the opening is answered: the shell calls `restored`
+    s.restored()
+    assert s.retry_in() == pytest.approx(0.1)  # the next loss starts afresh
+
+
+def test_request_inboxes_and_reach_answers():
+    s = Session()
+    with pytest.raises(InvalidRequest, match="whoami"):
+        s.new_inbox()  # the inbox is a secret key: the credentials come first
+    s.receive(b"CMSG !/cred/whoami\0!/cred/1/2/3")
+    inbox = s.new_inbox()
+    assert inbox.startswith(b"!/cred/1/2/3/inbox/") and len(inbox) == 19 + 16
+    assert s.new_inbox() != inbox
+    assert s.request(b"svc", b"body", inbox) == b"MSG svc\0" + inbox + b"\0body"
+    assert s.reply_to(Publish(inbox, b"yes"), inbox) == b"yes"
+    assert s.reply_to(Publish(b"!/cred/1/2/3/inbox/old", b"late"), inbox) is False
+    assert s.reply_to(Publish(b"svc", b"other"), inbox) is None
+    assert s.ask_reach(b"svc") == b"CMSG broker/reach\0svc"
+    with pytest.raises(InvalidRequest):
+        s.ask_reach(b"a/!/b")
+    assert s.receive(b"CMSG broker/reach\0svc\0" + b"2") == Reach(b"svc", 2)
+    assert s.receive(b"CMSG broker/reach\0!/cred/9/9/9/x\0?") == Reach(b"!/cred/9/9/9/x", None)

@@ -1,6 +1,10 @@
 """sbus pub KEY [PAYLOAD]: publish one message (stdin when PAYLOAD is absent), or --count N
 of them from a template.  mosquitto_pub's ``-t KEY -m PAYLOAD`` mean the same.
 
+With --count or --lines it reconnects when the broker goes away (saying so on stderr)
+and goes on with the message it was sending; what was sent into the lost connection and
+not yet taken by the broker is lost, as on any pubsub bus.
+
 The key and size are checked before sending, and a round trip at the end makes the
 broker's refusal, if any, an error (exit 1) rather than a line in its log."""
 
@@ -60,6 +64,10 @@ def key_and_payload(args: argparse.Namespace) -> tuple[str, str | None]:
     return key, words[0] if words else None
 
 
+def _say(line: str) -> None:
+    print(f"sbus pub: {line}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     text_key, text_payload = key_and_payload(args)
     key = os.fsencode(text_key)
@@ -72,7 +80,11 @@ def run(args: argparse.Namespace) -> int:
     if args.lines and sys.stdin.isatty():
         print("sbus pub: reading one message per line from the terminal until Ctrl-D",
               file=sys.stderr, flush=True)
-    with Client(args.address, max_message=args.max_message) as bus:
+    # a stream of messages (--count, --lines) is a long-running command: it waits for a
+    # lost broker and goes on (saying so); one message is one-shot: a lost broker fails it
+    stream = args.count is not None or args.lines
+    with Client(args.address, max_message=args.max_message, reconnect=stream,
+                on_connection=lambda up, line: _say(line)) as bus:
         if args.lines:
             for line in sys.stdin.buffer:
                 bus.publish(key, line.rstrip(b"\n"))

@@ -1,11 +1,17 @@
 """sbus reply PATTERN -- COMMAND...: answer each request (sbus/request.py) with what
-COMMAND prints when given the request's body on its standard input."""
+COMMAND prints when given the request's body on its standard input.
+
+A service: it reconnects when the broker goes away (saying so on stderr) and survives
+every request, however malformed; what goes wrong with one request is one line on stderr,
+counted, and the next is served."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import select
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -14,8 +20,10 @@ import time
 from .. import rlimits
 from ..client import Client, Publish, SbusError
 from ..defaults import MAX_MESSAGE, count_arg, duration_arg, size_arg
-from ..display import brief
+from ..display import brief, printable
+from ..errors import InvalidRequest
 from ..request import NotARequest, parse_request
+from ..session import Refusal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,26 +41,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sent (default 255k: the broker's message limit)")
 
 
-def _feed(stdin, body: bytes) -> None:
+def _feed(fd: int, body: bytes) -> None:
+    """Write *body* to the command's standard input and close it; a command that exits
+    (or closes its input) before reading it all is its own business, not an error."""
+    view = memoryview(body)
     try:
-        stdin.write(body)
-    except BrokenPipeError:
-        pass  # the command did not read it all: its business
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:  # EPIPE: it stopped reading
+        pass
     finally:
-        stdin.close()
+        os.close(fd)
 
 
 def answer(command: list[str], key: bytes, body: bytes, limit: int,
            timeout: float) -> tuple[bytes | None, str | None]:
     """Run *command* on one request: (its output, None), or (None, why there is no reply).
-    What it prints is read up to *limit* bytes, never more."""
+    What it prints is read up to *limit* bytes, never more; it has *timeout* seconds to
+    print and exit."""
     env = dict(os.environ, SBUS_KEY=os.fsdecode(key))
     try:
+        # its own process group: what it started dies with it when it is killed
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                env=env)
+                                env=env, bufsize=0, process_group=0)
     except OSError as exc:
-        raise SbusError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
-    writer = threading.Thread(target=_feed, args=(proc.stdin, body), daemon=True)
+        return None, f"cannot run {command[0]}: {exc.strerror or exc}"
+    stdin = os.dup(proc.stdin.fileno())  # written raw by the feeder, closed by it alone
+    proc.stdin.close()
+    writer = threading.Thread(target=_feed, args=(stdin, body), daemon=True)
     writer.start()
     out, why = bytearray(), None
     deadline = time.monotonic() + timeout
@@ -69,43 +85,81 @@ def answer(command: list[str], key: bytes, body: bytes, limit: int,
         if len(out) > limit:
             why = f"{command[0]} printed more than {limit:,} bytes"
             break
+    if why is None:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # closed its output, went on running
+            why = f"{command[0]} took longer than {timeout:g} s"
     if why:
-        proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # gone already, with all it started
+            pass
     proc.stdout.close()
     status = proc.wait()
     writer.join()
     if why:
         return None, why
     if status:
-        print(f"sbus reply: {command[0]} exited with status {status} (replied with its "
-              "output all the same)", file=sys.stderr, flush=True)
+        _say(f"{command[0]} exited with status {status} (replied with its output all the same)")
     return bytes(out), None
+
+
+def _say(line: str) -> None:
+    print(f"sbus reply: {line}", file=sys.stderr, flush=True)
+
+
+class _Server:
+    """Serves requests one at a time; whatever one request does wrong (no reply key, a
+    reply key the broker refuses, a command that fails) is counted and said in one line,
+    and the next request is served."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.answered = self.failed = self.ignored = 0
+
+    def refused(self, refusal: Refusal) -> None:
+        """The broker refused one of our replies (checked by the broker, not by us)."""
+        self.failed += 1
+        _say(f"the broker refused a reply: {printable(refusal.reason, 200)} "
+             f"({self.failed} failed so far)")
+
+    def serve(self, bus: Client, msg: Publish) -> None:
+        try:
+            reply_key, body = parse_request(msg.payload)
+        except NotARequest as exc:
+            self.ignored += 1
+            _say(f"ignored a message on {brief(msg.key)}: {exc}")
+            return
+        self.answered += 1
+        out, why = answer(self.args.program, msg.key, body, self.args.max_reply,
+                          self.args.command_timeout)
+        if out is not None:
+            try:
+                bus.publish(reply_key, out)
+                return
+            except InvalidRequest as exc:  # a reply key or size the broker would refuse
+                why = str(exc)
+        self.failed += 1
+        _say(f"no reply to the request on {brief(msg.key)}: {why} "
+             f"({self.failed} failed so far)")
 
 
 def run(args: argparse.Namespace) -> int:
     rlimits.raise_descriptor_limit()  # a long-running command: all the descriptors it may have
-    answered = 0
-    with Client(args.address) as bus:
-        bus.subscribe(os.fsencode(args.pattern))
-        bus.whoami()  # the subscription is in force: say so to whoever waits for us
-        print(f"sbus reply: answering requests on {args.pattern!r}", file=sys.stderr,
-              flush=True)
-        while args.count is None or answered < args.count:
+    if shutil.which(args.program[0]) is None:
+        raise SbusError(f"cannot run {args.program[0]}: no such program")
+    server = _Server(args)
+    with Client(args.address, reconnect=True, on_connection=lambda up, line: _say(line),
+                on_drop=lambda n: _say(f"the broker dropped {n} requests for us"),
+                on_refusal=server.refused) as bus:
+        bus.subscribe(os.fsencode(args.pattern))  # in force: say so to whoever waits
+        _say(f"answering requests on {args.pattern!r}")
+        while args.count is None or server.answered < args.count:
             msg = bus.receive()
-            if not isinstance(msg, Publish):
-                continue
-            try:
-                reply_key, body = parse_request(msg.payload)
-            except NotARequest as exc:
-                print(f"sbus reply: ignored a message on {brief(msg.key)}: {exc}",
-                      file=sys.stderr, flush=True)
-                continue
-            out, why = answer(args.program, msg.key, body, args.max_reply,
-                              args.command_timeout)
-            if out is None:
-                print(f"sbus reply: no reply to the request on {brief(msg.key)}: {why}",
-                      file=sys.stderr, flush=True)
-            else:
-                bus.publish(reply_key, out)
-            answered += 1
+            if isinstance(msg, Publish):
+                server.serve(bus, msg)
+        bus.sync(None)  # the last reply is with the broker (or its refusal said)
+    _say(f"{server.answered} requests, {server.failed} without a reply, "
+         f"{server.ignored} other messages ignored")
     return 0

@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("key", help="routing key the replier listens on")
     p.add_argument("payload", nargs="?", help="request body (default: standard input)")
     p.add_argument("--timeout", type=duration_arg, default=5.0, metavar="SECONDS",
-                   help="how long to wait for the reply (default 5); none: exit status 1")
+                   help="how long to wait for the reply (default 5), a lost broker "
+                        "included; none: exit status 1 (at once when nobody serves KEY)")
     p.add_argument("--raw", action="store_true",
                    help="print the reply's bytes as they are also on a terminal (elsewhere "
                         "they always are; a terminal gets a newline after them if they end "
@@ -27,7 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     body = (read_stdin("sbus request", "the request body", "sbus request KEY PAYLOAD")
             if args.payload is None else os.fsencode(args.payload))
-    with Client(args.address) as bus:
+    # within its timeout a lost broker is waited for and the request sent again
+    with Client(args.address, reconnect=True,
+                on_connection=lambda up, line: print(f"sbus request: {line}",
+                                                     file=sys.stderr, flush=True)) as bus:
         try:
             reply = bus.request(os.fsencode(args.key), body, args.timeout)
         except TimeoutError as exc:

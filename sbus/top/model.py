@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..protocol import DROPPED, Control, ProtocolError, Publish, encode, parse
+from ..protocol import DROPPED, Control, ProtocolError, Publish, encode, parse, publish_key
 from ..routing import matches
 
 __all__ = [
@@ -64,6 +64,10 @@ PREVIEW_BYTES = 2048
 KEY_COST = 300
 
 
+#: A message with an empty key and payload: its length is what a ``MSG`` adds to both.
+_EMPTY = encode(Publish(b"", b""))
+
+
 @dataclass(slots=True)
 class KeyStats:
     """Counters for one routing key; `rate`/`byte_rate` are refreshed by `tick`."""
@@ -71,7 +75,7 @@ class KeyStats:
     count: int = 0
     nbytes: int = 0
     last_seen: float = 0.0
-    last_packet: bytes = b"MSG \0"  # the packet, cut after `PREVIEW_BYTES` of payload
+    last_packet: bytes = _EMPTY  # the packet, cut after `PREVIEW_BYTES` of payload
     mark_count: int = 0
     mark_bytes: int = 0
     rate: float = 0.0
@@ -79,8 +83,7 @@ class KeyStats:
 
     @property
     def last_payload(self) -> bytes:
-        packet = self.last_packet
-        return packet[packet.find(b"\0", 4) + 1 :]
+        return parse(self.last_packet).payload  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,8 +250,10 @@ class TrafficModel:
         count = nbytes = 0
         last: list[bytes] = []
         other: list[Control] = []
+        overhead = len(_EMPTY)
         for packet in packets:
-            if not packet.startswith(b"MSG "):
+            key = publish_key(packet)
+            if key is None:
                 try:
                     ev = parse(packet)
                 except ProtocolError:
@@ -256,13 +261,10 @@ class TrafficModel:
                 if type(ev) is Control and not self._control(ev):
                     other.append(ev)
                 continue
-            nul = packet.find(b"\0", 4)
-            if nul < 0:  # not a message the broker should send: not counted
-                continue
-            key = packet[4:nul]
-            size = len(packet) - nul - 1
+            head = len(key) + overhead
+            size = len(packet) - head
             if size > PREVIEW_BYTES:
-                packet = packet[:nul + 1 + PREVIEW_BYTES]
+                packet = packet[:head + PREVIEW_BYTES]
             st = keys.get(key)
             if st is None:
                 st = keys[key] = KeyStats()

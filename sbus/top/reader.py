@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from .. import protocol
 from ..client import AsyncClient
 from ..defaults import default_address
 from ..errors import ConnectError, ConnectionLost
@@ -26,7 +25,6 @@ __all__ = ["Reader", "tick_forever", "CONNECTED", "RETRYING"]
 CONNECTED = "connected"
 RETRYING = "disconnected — retrying"
 BATCH = 4096
-_ASK_STATUS = protocol.encode(protocol.Control(STATUS))
 
 
 class Reader:
@@ -105,11 +103,8 @@ class Reader:
         never waits: a lost connection is the reading task's to notice and restore."""
         while True:
             bus = self.bus
-            if bus is not None and bus.sock is not None:
-                try:
-                    bus.sock.send(_ASK_STATUS)
-                except OSError:
-                    pass
+            if bus is not None:
+                bus.control_nowait(STATUS)
             await trio.sleep(interval)
 
 
