@@ -302,12 +302,12 @@ class BrokerCore:
         continuation's).
         """
         buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
-        max_message = self.max_message
+        max_message, msg_verb = self.max_message, protocol.MSG_VERB
         cache = self.index.cache.entries
         published = 0
         runs: list[tuple[int, int, tuple[Client, ...]]] = []  # (start, end, targets)
         run_start, run_targets = start, ()  # the open run: [run_start, i), same targets
-        head, head_len = None, 0  # b"MSG key\0" of the open run, to spot the same key
+        head, head_len = None, 0  # the MSG head of the open run, to spot the same key
         misses = 0  # packets in a row whose head was not the open run's
         for i in range(start, n):
             size = lengths[i]
@@ -320,7 +320,7 @@ class BrokerCore:
                 misses += 1
             targets = ()  # None below: a publish refused
             nul = buf.find(b"\0", at, at + size) if 4 < size <= max_message else -1
-            if nul > 0 and buf[at:at + 4] == b"MSG ":
+            if nul > 0 and buf[at:at + 4] == msg_verb:
                 key = buf[at + 4:nul]
                 targets = cache.get(key)
                 if targets is None:

@@ -28,6 +28,7 @@ __all__ = [
     "parse",
     "encode",
     "publish_key",
+    "MSG_VERB",
     "WHOAMI",
     "DROPPED",
     "REFUSED",
@@ -40,6 +41,9 @@ __all__ = [
     "HARD",
     "ORDER",
 ]
+
+#: The four bytes every publish starts with (the fast paths compare them directly).
+MSG_VERB = b"MSG "
 
 # Control keys, each defined once (docs/protocol.md explains them).
 #: client -> broker: "who am I?"; broker -> client: the answer, ``!/cred/GID/UID/PID``.
@@ -143,7 +147,7 @@ def parse_batch(buf, offsets, lengths, others: list[int] | None = None) -> list[
     new, set_key, set_payload = object.__new__, _SET_KEY, _SET_PAYLOAD
     for i, (at, size) in enumerate(zip(offsets, lengths, strict=False)):
         end = at + size
-        if size > 4 and find(b"MSG ", at, at + 4) == at:
+        if size > 4 and find(MSG_VERB, at, at + 4) == at:
             nul = find(b"\0", at + 4, end)
             if nul >= 0:
                 # a `Publish` made field by field: the dataclass's frozen __init__ costs
@@ -188,12 +192,12 @@ def publish_head(key: bytes) -> bytes:
     """What every packet publishing on *key* starts with: a fast publisher sends
     ``publish_head(key) + payload`` (the same bytes as `encode`)."""
     _check_key(key)
-    return b"MSG " + key + b"\0"
+    return MSG_VERB + key + b"\0"
 
 
 def publish_key(packet: bytes) -> bytes | None:
     """The routing key of a well-formed MSG packet, else None: the broker's fast path."""
-    if packet[:4] == b"MSG ":
+    if packet[:4] == MSG_VERB:
         nul = packet.find(b"\0", 4)
         if nul >= 0:
             return packet[4:nul]
