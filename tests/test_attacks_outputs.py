@@ -8,6 +8,7 @@ and show every byte the attacker chose escaped and brief.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -153,3 +154,22 @@ def test_top_redraw_stays_quick_however_long_the_keys_it_shows(broker, short_tmp
     assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
     assert "evil/\\x1b[2J\\u202e" in text, text
     assert "k01/\\xff\\xff" in text, text
+
+
+def test_top_json_snapshot_shows_no_terminal_control_a_client_chose(broker, short_tmp):
+    """``sbus-top --json`` printed keys with ``ensure_ascii=False``: JSON escapes C0
+    controls but not C1 ones (``\\u009b`` is CSI to a terminal) nor bidi overrides, so
+    another user's key reached the terminal raw.  Now the snapshot is ASCII."""
+    os.chmod(short_tmp, 0o755)
+    top = subprocess.Popen([sys.executable, "-m", "sbus.top", "--address", broker.address,
+                            "--json", "--seconds", "2"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    try:
+        time.sleep(1)
+        attack(broker.address, [b"MSG evil/\xc2\x9b2J\xe2\x80\xae\xe2\x80\xa8\0x"])
+        out, err = top.communicate(timeout=60)
+    finally:
+        stop_process(top)
+    assert top.returncode == 0, err
+    assert out.isascii(), out
+    assert [r["key"] for r in json.loads(out)["rows"]] == ["evil/\x9b2J\u202e\u2028"]

@@ -209,7 +209,9 @@ def run_snapshot(settings: Settings, as_json: bool, svg: str | None = None) -> i
     now = time.monotonic()
     if as_json:
         snap = model.snapshot(now, settings.options, limit=settings.limit, recent=10)
-        print(json.dumps(snapshot_json(snap, seconds), ensure_ascii=False))
+        # ASCII: a key's C1 controls and bidi overrides are valid JSON text, but a terminal
+        # showing the snapshot would obey them; \uXXXX escapes reach it instead
+        print(json.dumps(snapshot_json(snap, seconds)))
         return 0
     console = Console(record=svg is not None)
     width, height = console.size
