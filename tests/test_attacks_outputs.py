@@ -173,3 +173,30 @@ def test_top_json_snapshot_shows_no_terminal_control_a_client_chose(broker, shor
     assert top.returncode == 0, err
     assert out.isascii(), out
     assert [r["key"] for r in json.loads(out)["rows"]] == ["evil/\x9b2J\u202e\u2028"]
+
+
+def test_top_memory_stays_within_max_bytes_under_long_keys(broker, short_tmp):
+    """Another user publishes 400 keys of 250 KB.  The keys table is bounded by
+    ``--max-bytes`` (2M here), but the recent messages kept their whole keys besides: the
+    real sbus-top grew ~14.7 MB.  Now a recent key keeps 1 KB (its cut is counted)."""
+    from faultkit import rss_kib
+
+    os.chmod(short_tmp, 0o755)
+    top = subprocess.Popen([sys.executable, "-m", "sbus.top", "--address", broker.address,
+                            "--json", "--seconds", "60", "--idle", "1", "--max-bytes", "2M",
+                            "--limit", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(1.5)
+        base = rss_kib(top.pid)
+        attack(broker.address, [b"MSG %04d/" % i + b"k" * 250_000 + b"\0p" for i in range(400)])
+        time.sleep(0.5)
+        grown = rss_kib(top.pid) - base
+        out, err = top.communicate(timeout=60)
+    finally:
+        stop_process(top)
+    assert top.returncode == 0, err
+    snap = json.loads(out)
+    assert snap["total"] + snap["dropped_by_broker"] == 400, snap
+    assert snap["evicted"] >= snap["total"] - 10, snap["evicted"]
+    assert grown < 8 * 1024, f"sbus-top grew {grown} KiB with --max-bytes 2M"
+    assert all(r["key"].endswith("…(+248981 bytes)") for r in snap["recent"]), snap["recent"][0]

@@ -197,7 +197,8 @@ def snapshot_json(snap: Snapshot, seconds: float) -> dict:
                   "byte_rate": round(r.byte_rate, 1), "total": r.count,
                   "age": round(r.age, 3), "preview": preview(r.payload, 80)}
                  for r in snap.rows],
-        "recent": [{"key": text(m.key), "age": round(snap.now - m.at, 3),
+        "recent": [{"key": text(m.key) + (f"…(+{m.cut} bytes)" if m.cut else ""),
+                    "age": round(snap.now - m.at, 3),
                     "preview": preview(m.payload, 80)} for m in snap.recent],
     }
 
