@@ -12,7 +12,7 @@ SIGTERM/SIGINT flush and seal.  If the broker goes away the recorder reconnects 
 re-subscribes; a journal write that fails (disk full) ends it with one line, leaving what
 was written readable.
 
-A message larger than the recorder's receive slot (`RECV_BUFFER`; only a broker started
+A message larger than the recorder's receive slot (`RECV_LIMIT`; only a broker started
 with a larger ``--max-message`` forwards one) would arrive cut: it is never recorded cut
 but counted, reported on one escaped line at most every `COMPLAINT_INTERVAL` seconds, and
 in the closing summary.
@@ -43,8 +43,10 @@ from .store import JournalError, JournalWriter
 log = logging.getLogger("sbus.record")
 
 RECV_SLOTS = 256  # packets per system call: `split` costs less per packet in larger batches
-#: Bytes of a packet the recorder receives; one byte more in the slot shows a longer one.
-RECV_LIMIT = RECV_BUFFER
+#: A receive slot: a packet that fills it was cut by the kernel (never recorded, counted);
+#: `RECV_LIMIT` is the longest one received whole.  Page-aligned slots.
+SLOT = RECV_BUFFER + 4096
+RECV_LIMIT = SLOT - 1
 #: Seconds between two lines about messages too large to record (the count goes on).
 COMPLAINT_INTERVAL = 5.0
 
@@ -182,8 +184,8 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
     sock = bus.sock
     fd = sock.fileno()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(interval))
-    batch = PacketBatch(RECV_SLOTS, RECV_LIMIT + 1)
-    slots = np.frombuffer(batch.buffer, np.uint8).reshape(RECV_SLOTS, RECV_LIMIT + 1)
+    batch = PacketBatch(RECV_SLOTS, SLOT)
+    slots = np.frombuffer(batch.buffer, np.uint8).reshape(RECV_SLOTS, SLOT)
     lengths = np.asarray(batch.received_lengths)
     dropped = 0
     next_flush = time.monotonic() + interval
@@ -234,7 +236,7 @@ def _parse(bus: Client, batch: PacketBatch, n: int, oversized: _Oversized) -> li
         size = batch.lengths[i]
         if size == 0:  # the broker sends no empty packets: end of file
             raise ConnectionLost(f"the broker at {bus.address} closed the connection")
-        if size > RECV_LIMIT:
+        if size >= SLOT:
             head = batch.copy(i)
             oversized.add(head[4:head.find(b"\0", 4)] if head.startswith(b"MSG ") else b"")
             continue
