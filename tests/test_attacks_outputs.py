@@ -80,8 +80,9 @@ def test_recorder_counts_messages_over_its_receive_limit_and_never_records_them_
         sent = attack(b.address, [b"MSG first\0a",
                                   *[b"MSG " + evil + b"\0" + b"B" * (2 * RECV_LIMIT)] * 3,
                                   b"MSG ctl/\x1b[2J\xfe\0x" + b"y" * (RECV_LIMIT - 20),
-                                  b"MSG last\0z"])
-        assert sent == 6
+                                  b"MSG !/cred/0/0/%d/x\0secret" % rec.pid,  # not its own
+                                  b"CMSG client/status\0\x1b[2J", b"MSG last\0z"])
+        assert sent == 8
         pairs = _wait_recorded(journal, b"last")
         assert [k for k, _ in pairs] == [b"first", b"ctl/\x1b[2J\xfe", b"last"]
         assert all(len(p) < RECV_LIMIT for _, p in pairs)
