@@ -201,3 +201,33 @@ def test_top_memory_stays_within_max_bytes_under_long_keys(broker, short_tmp):
     assert snap["evicted"] >= snap["total"] - 10, snap["evicted"]
     assert grown < 8 * 1024, f"sbus-top grew {grown} KiB with --max-bytes 2M"
     assert all(r["key"].endswith("…(+248981 bytes)") for r in snap["recent"]), snap["recent"][0]
+
+
+def test_live_top_answers_keys_while_showing_long_hostile_keys(broker, short_tmp):
+    """The live screen in a real terminal (tmux): after another user's twenty 250 KB keys
+    of invalid UTF-8 and a key that would set the window title, the screen shows them
+    escaped, keeps counting, and `q` quits at once (before: each redraw took ~80 s)."""
+    from test_top_tmux import Tmux
+
+    os.chmod(short_tmp, 0o755)
+    tmux = Tmux(f"sbus-attack-{os.getpid()}-{short_tmp.name}", short_tmp)
+    try:
+        tmux.type_line(f"{sys.executable} -m sbus.top --address {broker.address} "
+                       "--interval 0.1 --sort key")
+        tmux.wait(lambda s: "● connected" in s, "sbus-top connected")
+        attack(broker.address, [b"MSG k%02d/" % i + b"\xff" * 250_000 + b"\0x"
+                                for i in range(20)]
+               + [b"MSG a/\x1b]2;owned\x07\xe2\x80\xae\0\x1b[2J"])
+        screen = tmux.wait(lambda s: "keys 21" in s and "a/\\x1b]2;owned\\x07\\u202e" in s,
+                           "the hostile keys, escaped", timeout=10)
+        assert "k01/\\xff\\xff" in screen
+        title = subprocess.run([*tmux.base, "display-message", "-p", "-t", "top",
+                                "#{pane_title}"], capture_output=True, text=True).stdout
+        assert "owned" not in title
+        started = time.monotonic()
+        tmux.send("q")
+        tmux.wait(lambda s: "sbus-top" not in s and s.rstrip().endswith(("$", "#")),
+                  "the shell prompt back", timeout=10)
+        assert time.monotonic() - started < 5
+    finally:
+        tmux.kill()
