@@ -29,3 +29,32 @@ def test_output_never_holds_a_control_character(data):
     text = printable(data)
     assert all(c.isprintable() or c == " " for c in text)
     assert "\n" not in brief(data) and len(brief(data)) < 4 * 100 + 40
+
+
+def _reference(data: bytes) -> str:
+    """The escaping spelled out run by run (what `printable` did before it decoded in one
+    pass): valid UTF-8 cleaned, each invalid byte ``\\xNN``."""
+    def clean(text: str) -> str:
+        return "".join(c if c.isprintable() else ascii(c)[1:-1]
+                       for c in text.replace("\\", "\\\\"))
+
+    out = []
+    while data:
+        try:
+            out.append(clean(data.decode()))
+            break
+        except UnicodeDecodeError as exc:
+            out.append(clean(data[:exc.start].decode()))
+            out.append("".join(f"\\x{b:02x}" for b in data[exc.start:exc.end]))
+            data = data[exc.end:]
+    return "".join(out)
+
+
+@given(st.binary(max_size=200) | st.text(max_size=60).map(str.encode))
+def test_one_pass_decoding_escapes_as_byte_by_byte_does(data):
+    assert printable(data) == _reference(data)
+
+
+def test_surrogates_in_text_stay_code_points_and_encoded_ones_are_bytes():
+    assert printable("\udcff") == "\\udcff"  # a str's lone surrogate is a code point
+    assert printable(b"\xed\xb3\xbf") == "\\xed\\xb3\\xbf"  # UTF-8 never encodes one

@@ -11,6 +11,11 @@ publishers wait rather than lose messages once that queue is full.  A block is w
 SIGTERM/SIGINT flush and seal.  If the broker goes away the recorder reconnects and
 re-subscribes; a journal write that fails (disk full) ends it with one line, leaving what
 was written readable.
+
+A message larger than the recorder's receive slot (`RECV_LIMIT`; only a broker started
+with a larger ``--max-message`` forwards one) would arrive cut: it is never recorded cut
+but counted, reported on one escaped line at most every `COMPLAINT_INTERVAL` seconds, and
+in the closing summary.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 from .. import protocol
 from ..client import Client
 from ..defaults import RECV_BUFFER
+from ..display import brief
 from ..errors import ConnectError, ConnectionLost, SbusError
 from ..packetio import PacketBatch
 from ..protocol import Publish
@@ -37,6 +43,37 @@ from .store import JournalError, JournalWriter
 log = logging.getLogger("sbus.record")
 
 RECV_SLOTS = 256  # packets per system call: `split` costs less per packet in larger batches
+#: A receive slot: a packet that fills it was cut by the kernel (never recorded, counted);
+#: `RECV_LIMIT` is the longest one received whole.  Page-aligned slots.
+SLOT = RECV_BUFFER + 4096
+RECV_LIMIT = SLOT - 1
+#: Seconds between two lines about messages too large to record (the count goes on).
+COMPLAINT_INTERVAL = 5.0
+
+
+class _Oversized:
+    """Messages too large to receive whole: counted, told at most every
+    `COMPLAINT_INTERVAL` seconds (a flood of them must not flood the log)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.untold = 0
+        self.last_key = b""
+        self.told_at = -COMPLAINT_INTERVAL
+
+    def add(self, key: bytes) -> None:
+        self.count += 1
+        self.untold += 1
+        self.last_key = key
+        self.tell()
+
+    def tell(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self.untold and now - self.told_at >= COMPLAINT_INTERVAL:
+            print(f"sbus record: {self.untold} message(s) over the {RECV_LIMIT}-byte receive "
+                  f"limit not recorded (the last under key {brief(self.last_key)}); "
+                  f"{self.count} so far", file=sys.stderr, flush=True)
+            self.untold, self.told_at = 0, now
 
 
 class _Stopper:
@@ -94,6 +131,7 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     except JournalError as exc:
         raise SbusError(str(exc)) from None
     dropped = 0
+    oversized = _Oversized()
     started = time.monotonic()
     first_seq = writer.next_seq
     stopper = _Stopper()
@@ -105,7 +143,7 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
               file=sys.stderr, flush=True)
         while bus is not None:
             try:
-                dropped += _loop(bus, writer, flush, stopper)
+                dropped += _loop(bus, writer, flush, stopper, oversized)
                 bus.close()
                 bus = None
             except ConnectionLost as exc:  # the broker went away (EOF, reset): come back
@@ -127,11 +165,14 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     took = time.monotonic() - started
     n = writer.next_seq - first_seq
     print(f"sbus record: {n} messages in {took:.1f} s (seq {first_seq}..{writer.next_seq - 1})"
-          + (f", broker dropped {dropped}" if dropped else ""), file=sys.stderr)
+          + (f", broker dropped {dropped}" if dropped else "")
+          + (f", {oversized.count} over {RECV_LIMIT} bytes not recorded" if oversized.count
+             else ""), file=sys.stderr)
     return 0
 
 
-def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper) -> int:
+def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper,
+          oversized: _Oversized) -> int:
     """Receive and hand the records to the writer until told to stop.
 
     Packets arrive up to `RECV_SLOTS` per system call (`PacketBatch`, as in the broker,
@@ -143,8 +184,8 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
     sock = bus.sock
     fd = sock.fileno()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(interval))
-    batch = PacketBatch(RECV_SLOTS, RECV_BUFFER)
-    slots = np.frombuffer(batch.buffer, np.uint8).reshape(RECV_SLOTS, RECV_BUFFER)
+    batch = PacketBatch(RECV_SLOTS, SLOT)
+    slots = np.frombuffer(batch.buffer, np.uint8).reshape(RECV_SLOTS, SLOT)
     lengths = np.asarray(batch.received_lengths)
     dropped = 0
     next_flush = time.monotonic() + interval
@@ -165,7 +206,7 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
             if records is not None:
                 writer.append_columns(ts, records)
             else:
-                _append_events(writer, ts, _parse(bus, batch, n), others)
+                _append_events(writer, ts, _parse(bus, batch, n, oversized), others)
         for ev in others:
             if type(ev) is Dropped:
                 dropped += ev.count
@@ -177,6 +218,7 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
         if now >= next_flush:
             writer.flush()
             writer.tick(now)
+            oversized.tell(now)
             next_flush = now + interval
     return dropped
 
@@ -186,12 +228,18 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
 
 
-def _parse(bus: Client, batch: PacketBatch, n: int) -> list:
-    """The events of a batch `split` did not take, one packet at a time."""
+def _parse(bus: Client, batch: PacketBatch, n: int, oversized: _Oversized) -> list:
+    """The events of a batch `split` did not take, one packet at a time; a packet that
+    filled its slot was cut by the kernel: counted in *oversized*, not recorded."""
     events = []
     for i in range(n):
-        if batch.lengths[i] == 0:  # the broker sends no empty packets: end of file
+        size = batch.lengths[i]
+        if size == 0:  # the broker sends no empty packets: end of file
             raise ConnectionLost(f"the broker at {bus.address} closed the connection")
+        if size >= SLOT:
+            head = batch.copy(i)
+            oversized.add(head[4:head.find(b"\0", 4)] if head.startswith(b"MSG ") else b"")
+            continue
         try:
             events.append(bus.session.receive(batch.copy(i)))
         except protocol.ProtocolError as exc:

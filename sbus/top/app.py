@@ -197,7 +197,8 @@ def snapshot_json(snap: Snapshot, seconds: float) -> dict:
                   "byte_rate": round(r.byte_rate, 1), "total": r.count,
                   "age": round(r.age, 3), "preview": preview(r.payload, 80)}
                  for r in snap.rows],
-        "recent": [{"key": text(m.key), "age": round(snap.now - m.at, 3),
+        "recent": [{"key": text(m.key) + (f"…(+{m.cut} bytes)" if m.cut else ""),
+                    "age": round(snap.now - m.at, 3),
                     "preview": preview(m.payload, 80)} for m in snap.recent],
     }
 
@@ -209,7 +210,9 @@ def run_snapshot(settings: Settings, as_json: bool, svg: str | None = None) -> i
     now = time.monotonic()
     if as_json:
         snap = model.snapshot(now, settings.options, limit=settings.limit, recent=10)
-        print(json.dumps(snapshot_json(snap, seconds), ensure_ascii=False))
+        # ASCII: a key's C1 controls and bidi overrides are valid JSON text, but a terminal
+        # showing the snapshot would obey them; \uXXXX escapes reach it instead
+        print(json.dumps(snapshot_json(snap, seconds)))
         return 0
     console = Console(record=svg is not None)
     width, height = console.size

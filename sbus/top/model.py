@@ -62,6 +62,9 @@ def client_value(client: dict, name: str) -> object:
 PREVIEW_BYTES = 2048
 #: Bytes a key's counters cost besides its key and packet (KeyStats, dict entry).
 KEY_COST = 300
+#: Bytes of a recent message's key kept (the pane shows far fewer): the recent messages are
+#: not charged to *max_bytes*, and fifty 256 KB keys would hold 12.5 MB beyond it.
+RECENT_KEY_BYTES = 1024
 
 
 #: A message with an empty key and payload: its length is what a ``MSG`` adds to both.
@@ -101,9 +104,13 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class Message:
+    """A recent message as the screen keeps it: its key cut to `RECENT_KEY_BYTES` (*cut*:
+    the bytes left out) and its payload to `PREVIEW_BYTES`."""
+
     at: float
     key: bytes
     payload: bytes
+    cut: int = 0
 
 
 @dataclass(slots=True)
@@ -288,7 +295,9 @@ class TrafficModel:
         recent = self.recent
         for packet in last[-self._recent_len:]:
             ev = parse(packet)
-            recent.append(Message(now, ev.key, ev.payload))
+            key = ev.key
+            cut = max(0, len(key) - RECENT_KEY_BYTES)
+            recent.append(Message(now, key[:RECENT_KEY_BYTES] if cut else key, ev.payload, cut))
         return other
 
     def _evict(self) -> None:

@@ -146,7 +146,7 @@ def _header(snap: Snapshot, paused: bool) -> list[Text]:
 
 def _spark(snap: Snapshot, width: int) -> Text:
     if snap.problem and snap.state.startswith("disconnected"):
-        return Text.assemble(("why: ", "bold red"), printable(snap.problem))
+        return Text.assemble(("why: ", "bold red"), printable(snap.problem, width))
     peak = max(snap.history, default=0.0)
     label = "msg/s, last minute "
     right = f" peak {fmt_rate(peak)}/s"
@@ -266,8 +266,13 @@ def _help(nrows: int, width: int) -> list[Text]:
     return lines + [Text("")] * (nrows + 1 - len(lines))
 
 
+#: Bytes of a key escaped for its cell at most (the column is at most 64 wide): a client's
+#: 256 KB key of invalid UTF-8 must not cost every redraw a second per row.
+NAME_BYTES = 256
+
+
 def _name(row: Row, grouped: bool) -> str:
-    name = printable(row.name)
+    name = printable(row.name, NAME_BYTES)
     return f"{name} ({row.keys})" if grouped and row.keys > 1 else name
 
 
