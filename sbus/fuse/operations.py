@@ -30,9 +30,9 @@ from ..display import brief
 from ..keys import KeyRefused, KeyRules
 from ..protocol import Publish
 from . import intent, mapping, signals
-from .bus import OUTBOX_LOW, MountBus, Reader
-from .mapping import Kind, Path, Refused, split_view
-from .shares import Shares
+from .bus import MountBus, Reader
+from .mapping import Kind, Path, Refused, key_cost, split_view
+from .shares import Shares, UserShare
 from .signals import interrupted, thread_group
 
 log = logging.getLogger("sbus.fuse")
@@ -47,11 +47,6 @@ SIGNAL_POLL = 0.05
 ENTRY_TIMEOUT = 1.0
 #: How long a lookup miss may spend asking /proc whether its caller creates below it.
 INTENT_TIMEOUT = 0.5
-#: At most this many of those questions at once per user (a stuck one holds its
-#: thread, so one user's stuck callers cannot hold up another user's lookups).
-INTENT_THREADS = 2
-#: Bytes that writers of one user may hold in not yet published files.
-WRITE_SHARE = 32 << 20
 
 
 async def guarded(pid: int, fn: Callable[[], Awaitable[T]], tgid: int | None = None) -> T:
@@ -138,8 +133,14 @@ class BusFS(pyfuse3.Operations):
     def __init__(self, address: str, *, fmt: str = "lines", remember: int = 10000,
                  remember_bytes: int = 16 << 20, max_message: int = MAX_MESSAGE,
                  reconnect_timeout: float = 30.0, mountpoint: str | None = None,
-                 max_tasks: int = 1000, allow_other: bool = False) -> None:
+                 max_tasks: int = 1000, allow_other: bool = False,
+                 share: UserShare | None = None) -> None:
+        """*share*: what each user may make the mount hold (`UserShare`; one share for
+        everyone, also without *allow_other*, where the owner is the only user)."""
         super().__init__()
+        self.share = share or UserShare()
+        self._made: dict[Path, int] = {}  # directories made with mkdir -> whose
+        self._made_bytes: Counter[int] = Counter()
         # the mount point as given and resolved (found before mounting: afterwards
         # resolving it would ask this very filesystem); None: no implicit directories
         self.mountpoints = tuple(dict.fromkeys(
@@ -152,12 +153,13 @@ class BusFS(pyfuse3.Operations):
         self._sizes: dict[int, int] = {}  # what follow readers were shown, per inode
         self.address = address
         self.fmt = fmt
-        self.tree = mapping.KnownTree(remember, remember_bytes)
+        self.tree = mapping.KnownTree(remember, remember_bytes, self.share.created)
         self.max_message = max_message
         self.reconnect_timeout = reconnect_timeout
         self.rules = KeyRules(mapping.SEP)
         self.uid, self.gid = os.getuid(), os.getgid()
-        self.bus = MountBus(address, fmt, self.tree, max_message, reconnect_timeout)
+        self.bus = MountBus(address, fmt, self.tree, max_message, reconnect_timeout,
+                            self.share)
         self.started = time.time_ns()
         # inodes: (path, kind) <-> number, with the kernel's lookup counts
         self._ino_of: dict[tuple[Path, Kind], int] = {((), Kind.DIR): pyfuse3.ROOT_INODE}
@@ -270,7 +272,8 @@ class BusFS(pyfuse3.Operations):
         call = None
         limiter = self._intent_threads.get(ctx.uid)
         if limiter is None:
-            limiter = self._intent_threads[ctx.uid] = trio.CapacityLimiter(INTENT_THREADS)
+            limiter = self._intent_threads[ctx.uid] = trio.CapacityLimiter(
+                self.share.intent_threads)
         with trio.move_on_after(INTENT_TIMEOUT):
             call = await trio.to_thread.run_sync(intent.opening, ctx.pid,
                                                  abandon_on_cancel=True, limiter=limiter)
@@ -395,7 +398,16 @@ class BusFS(pyfuse3.Operations):
                 raise FUSEError(exc.errno) from None
         else:
             raise FUSEError(errno.EEXIST)
-        self.tree.mkdir(parent + (name,))
+        path = parent + (name,)
+        cost = key_cost(path)
+        if self._made_bytes[ctx.uid] + cost > self.share.dirs:
+            log.info("uid %d made directories worth %d bytes (its share); answering EDQUOT",
+                     ctx.uid, self._made_bytes[ctx.uid])
+            raise FUSEError(errno.EDQUOT)
+        self.tree.mkdir(path)
+        if path not in self._made:
+            self._made[path] = ctx.uid
+            self._made_bytes[ctx.uid] += cost
         ino = self._inode(full + (name,), Kind.DIR)
         self._lookups[ino] += 1
         return self._attrs(ino)
@@ -403,8 +415,14 @@ class BusFS(pyfuse3.Operations):
     @answering
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Ctx) -> None:
         parent = split_view(self._node(parent_inode)[0])[1]
-        if not self.tree.rmdir(parent + (name,)):
+        path = parent + (name,)
+        if not self.tree.rmdir(path):
             raise FUSEError(errno.ENOENT)
+        uid = self._made.pop(path, None)
+        if uid is not None:  # the maker's share, whoever removes it
+            self._made_bytes[uid] -= key_cost(path)
+            if self._made_bytes[uid] <= 0:
+                del self._made_bytes[uid]
 
     @answering
     async def unlink(self, parent_inode: int, name: bytes, ctx: Ctx) -> None:
@@ -436,7 +454,7 @@ class BusFS(pyfuse3.Operations):
             raise FUSEError(exc.errno) from None
         path = parent + (name,)
         self._check_key(mapping.pattern_of(path))
-        self.tree.learn(path)
+        self.tree.learn(path, ctx.uid)
         ino = self._inode(full + (name,), Kind.FILE)
         info = await self._open(ino, flags, ctx)
         self._lookups[ino] += 1
@@ -479,9 +497,13 @@ class BusFS(pyfuse3.Operations):
                     self.rules.check_pattern(pattern, self.bus.cred)
                 except KeyRefused:
                     raise FUSEError(errno.EACCES) from None
-            reader = Reader(pattern, view or self.fmt)
-            async with self._slot(ctx.uid):
-                await guarded(ctx.pid, lambda: self.bus.start_reader(reader))
+            reader = self.bus.reader_for(pattern, view or self.fmt, ctx.uid)  # or EMFILE
+            try:
+                async with self._slot(ctx.uid):
+                    await guarded(ctx.pid, lambda: self.bus.start_reader(reader))
+            except BaseException:  # refused, failed or interrupted: no subscription left
+                self.bus.close_reader(reader)
+                raise
             follow = not writable and signals.follows(ctx.pid)
         fh = self._next_fh
         self._next_fh += 1
@@ -514,9 +536,7 @@ class BusFS(pyfuse3.Operations):
                         await r.lot.park()
         if r.out:
             data = r.out.take(size)
-            if r.space is not None and r.out.nbytes < OUTBOX_LOW:
-                r.space.set()
-                r.space = None
+            self.bus.took(r)
             h.served = off + len(data)
             h.recent = data
             return data
@@ -566,7 +586,7 @@ class BusFS(pyfuse3.Operations):
         if h.too_big or self._packet_size(h, len(h.pending) + len(buf)) > self.max_message:
             self._drop_pending(h, too_big=True)
             raise FUSEError(errno.EMSGSIZE)
-        if self._buffered[h.uid] + len(buf) > WRITE_SHARE:
+        if self._buffered[h.uid] + len(buf) > self.share.pending:
             log.info("uid %d holds %d bytes in unfinished files; answering ENOBUFS",
                      h.uid, self._buffered[h.uid])
             raise FUSEError(errno.ENOBUFS)
