@@ -76,6 +76,7 @@ class Reader:
         self.space: trio.Event | None = None  # set when the pump may receive again
         self.poll_handle: pyfuse3.PollHandle | None = None
         self.failed = False
+        self.refused: Refusal | None = None  # the broker refused its subscription
         self.down: float | None = None  # since when its connection is lost
         self.scope = trio.CancelScope()  # its pump
         self.watch: trio.CancelScope | None = None  # its deadline, while down
@@ -114,8 +115,10 @@ class Reader:
     def on_refusal(self, event: Refusal) -> None:
         log.warning("the broker refused a packet of the reader of %s: %s",
                     brief(self.pattern), brief(event.reason.encode(), 200))
-        if event.verb == "sub":  # re-subscribing after a reconnect: without its
-            # subscription the file would wait for nothing, so its reads fail instead
+        if event.verb == "sub":  # the client passes it here, it raises nothing: the
+            # open fails (`MountBus.start_reader`), or, re-subscribing after a
+            # reconnect, the reads do, instead of waiting for nothing
+            self.refused = event
             self.failed = True
             self.wake()
 
@@ -224,6 +227,8 @@ class MountBus:
         try:
             with trio.fail_after(SUBSCRIBE_TIMEOUT):
                 await client.subscribe(r.pattern)  # waits for the broker's barrier
+                if r.refused is not None:  # it came before the barrier's answer
+                    raise r.refused.error()
         except (Refused, InvalidRequest) as exc:
             await client.aclose()
             log.info("cannot subscribe to %s: %s", brief(r.pattern), exc)
