@@ -274,9 +274,12 @@ class BusFS(pyfuse3.Operations):
         if limiter is None:
             limiter = self._intent_threads[ctx.uid] = trio.CapacityLimiter(
                 self.share.intent_threads)
-        with trio.move_on_after(INTENT_TIMEOUT):
-            call = await trio.to_thread.run_sync(intent.opening, ctx.pid,
-                                                 abandon_on_cancel=True, limiter=limiter)
+        # waiting for one of the user's threads holds a task: in a slot of its share
+        async with self._slot(ctx.uid):
+            with trio.move_on_after(INTENT_TIMEOUT):
+                call = await trio.to_thread.run_sync(intent.opening, ctx.pid,
+                                                     abandon_on_cancel=True,
+                                                     limiter=limiter)
         if limiter.borrowed_tokens == 0 and not limiter.statistics().tasks_waiting:
             self._intent_threads.pop(ctx.uid, None)
         if call is None:
