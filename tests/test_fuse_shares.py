@@ -221,3 +221,39 @@ def test_a_broker_refusal_reaches_the_opener_and_leaves_no_subscription(space):
     finally:
         m.stop()
         b.stop()
+
+
+def test_listings_one_user_holds_open_are_bounded(mount, bus):
+    """Each open directory keeps its listing: nobody's opendir loop on a directory of
+    1500 keys ends with EMFILE at its share (2^18 entries, ~175 opens), and root still
+    lists it."""
+    m = mount("listed")
+    deadline = time.monotonic() + 15
+    with Client(bus.address) as c:
+        # the monitor learns from a sample during floods: publish until it knows all
+        # (it drops what does not fit its socket buffer): a hundred at a time
+        while not os.path.isdir(m / "l") or len(os.listdir(m / "l")) < 1501:
+            assert time.monotonic() < deadline
+            known = set(os.listdir(m / "l")) if os.path.isdir(m / "l") else set()
+            missing = [i for i in range(1500) if f"k{i}" not in known]
+            for at in range(0, len(missing), 100):
+                for i in missing[at:at + 100]:
+                    c.publish(f"l/k{i}", b"")
+                c.sync()
+                time.sleep(0.06)
+            time.sleep(0.1)
+    script = f"""
+import os
+fds = []
+try:
+    for n in range(400):
+        fds.append(os.open({str(m / 'l')!r}, os.O_RDONLY | os.O_DIRECTORY))
+    print(400, 0)
+except OSError as e:
+    print(len(fds), e.errno)
+"""
+    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
+                       text=True, timeout=60)
+    held, err = map(int, r.stdout.split())
+    assert err == errno.EMFILE and 150 < held < 200, (held, err)
+    assert len(os.listdir(m / "l")) == 1501  # and '**'

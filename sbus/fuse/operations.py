@@ -169,7 +169,9 @@ class BusFS(pyfuse3.Operations):
         self._handles: dict[int, Handle] = {}
         self._opened: Counter[int] = Counter()
         self._next_fh = 1
-        self._dirs: dict[int, tuple[Path, list[tuple[bytes, Kind]]]] = {}
+        # open directories: their path, listing and whose share holds it
+        self._dirs: dict[int, tuple[Path, list[tuple[bytes, Kind]], int]] = {}
+        self._listed: Counter[int] = Counter()
 
     @property
     def own(self) -> Path | None:
@@ -365,14 +367,19 @@ class BusFS(pyfuse3.Operations):
             entries = [(n, k) for n, k in entries if inner or n != mapping.SECRET]
             if inner[:1] == (mapping.SECRET,):
                 entries = []
+        if self._listed[ctx.uid] + len(entries) > self.share.listed:
+            log.info("uid %d holds %d entries in open directories (its share); "
+                     "answering EMFILE", ctx.uid, self._listed[ctx.uid])
+            raise FUSEError(errno.EMFILE)
+        self._listed[ctx.uid] += len(entries)
         fh = self._next_fh
         self._next_fh += 1
-        self._dirs[fh] = (path, entries)
+        self._dirs[fh] = (path, entries, ctx.uid)
         return fh
 
     @answering
     async def readdir(self, fh: int, start_id: int, token) -> None:
-        path, entries = self._dirs.get(fh, ((), []))
+        path, entries, _ = self._dirs.get(fh, ((), [], 0))
         for i in range(start_id, len(entries)):
             name, kind = entries[i]
             ino = self._inode(path + (name,), kind)
@@ -382,7 +389,12 @@ class BusFS(pyfuse3.Operations):
 
     @answering
     async def releasedir(self, fh: int) -> None:
-        self._dirs.pop(fh, None)
+        held = self._dirs.pop(fh, None)
+        if held is not None:
+            uid = held[2]
+            self._listed[uid] -= len(held[1])
+            if self._listed[uid] <= 0:
+                del self._listed[uid]
 
     @answering
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Ctx) -> Attrs:

@@ -48,6 +48,10 @@ class UserShare:
     #: Bytes of keys remembered because the user created them (``: > key``) rather
     #: than because they were seen on the bus; beyond, its own oldest are forgotten.
     created: int = 2 << 20
+    #: Entries of directory listings held for the user's open directories (each
+    #: ``opendir`` keeps its listing, about 70 bytes an entry, until closed).
+    #: Beyond: EMFILE at opendir.
+    listed: int = 1 << 18
     #: Threads reading the user's callers' open calls in /proc at once.
     intent_threads: int = 2
 
