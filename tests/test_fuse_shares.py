@@ -257,3 +257,26 @@ except OSError as e:
     held, err = map(int, r.stdout.split())
     assert err == errno.EMFILE and 150 < held < 200, (held, err)
     assert len(os.listdir(m / "l")) == 1501  # and '**'
+
+
+def test_names_one_users_lookups_make_are_bounded(mount):
+    """Every name the kernel looks up is an inode in the mount until the kernel forgets
+    it, and a wildcard name always exists: nobody's stat loop over fresh wildcard
+    names ends with EDQUOT at its share, and root still looks names up."""
+    m = mount("inodes", "--user-inodes", "3000")
+    script = f"""
+import os
+n = 0
+try:
+    for n in range(5000):
+        os.stat({m.path!r} + '/w*%d' % n)
+    print(5000, 0)
+except OSError as e:
+    print(n, e.errno)
+"""
+    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
+                       text=True, timeout=60)
+    made, err = map(int, r.stdout.split())
+    # (the root directory's inode is nobody's; its own '..' lookups may take a few)
+    assert err == errno.EDQUOT and 2990 <= made <= 3000, (made, err, r.stderr)
+    assert os.path.isdir(m / "r*fresh")

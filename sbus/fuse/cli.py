@@ -60,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="messages waiting in the mount for one user's readers, all "
                         f"together (default {UserShare.queued >> 20}m); beyond, its "
                         "readers stop taking from the broker, whose flood policy applies")
+    p.add_argument("--user-inodes", type=int, default=UserShare.inodes, metavar="N",
+                   help="names one user's lookups may make the mount hold until the "
+                        f"kernel forgets them (default {UserShare.inodes}); more fail "
+                        "with EDQUOT")
 
 
 def _is_socket(path: str) -> bool:
@@ -179,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         raise SbusError("--max-message must be at least 16 bytes")
     if args.user_readers < 1:
         raise SbusError("--user-readers must be at least 1")
+    if args.user_inodes < 1:
+        raise SbusError("--user-inodes must be at least 1")
     if args.user_queue < 1:
         raise SbusError("--user-queue must be at least 1 byte")
     if args.reconnect_timeout < 0:
@@ -190,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
                max_message=args.max_message, reconnect_timeout=args.reconnect_timeout,
                mountpoint=mountpoint, max_tasks=args.max_tasks,
                allow_other=args.allow_other,
-               share=UserShare(readers=args.user_readers, queued=args.user_queue))
+               share=UserShare(readers=args.user_readers, queued=args.user_queue,
+                               inodes=args.user_inodes))
     log_handler = _system_log_handler() if args.daemon else None  # said before mounting
     options = set(pyfuse3.default_options) | {"fsname=sbus", "subtype=sbus"}
     if args.allow_other:

@@ -166,6 +166,8 @@ class BusFS(pyfuse3.Operations):
         self._node_of: dict[int, tuple[Path, Kind]] = {pyfuse3.ROOT_INODE: ((), Kind.DIR)}
         self._lookups: Counter[int] = Counter()
         self._next_ino = pyfuse3.ROOT_INODE + 1
+        self._ino_uid: dict[int, int] = {}  # whose lookup made an inode
+        self._inodes: Counter[int] = Counter()  # inodes per user
         self._handles: dict[int, Handle] = {}
         self._opened: Counter[int] = Counter()
         self._next_fh = 1
@@ -194,13 +196,22 @@ class BusFS(pyfuse3.Operations):
 
     # -- inodes --------------------------------------------------------------------
 
-    def _inode(self, path: Path, kind: Kind) -> int:
+    def _inode(self, path: Path, kind: Kind, uid: int | None = None) -> int:
+        """The inode of a name, made if new (charged to *uid*, EDQUOT beyond its share)."""
         ino = self._ino_of.get((path, kind))
         if ino is None:
+            if uid is not None:
+                if self._inodes[uid] >= self.share.inodes:
+                    log.info("uid %d holds %d inodes (its share); answering EDQUOT",
+                             uid, self._inodes[uid])
+                    raise FUSEError(errno.EDQUOT)
+                self._inodes[uid] += 1
             ino = self._next_ino
             self._next_ino += 1
             self._ino_of[path, kind] = ino
             self._node_of[ino] = (path, kind)
+            if uid is not None:
+                self._ino_uid[ino] = uid
         return ino
 
     def _node(self, ino: int) -> tuple[Path, Kind]:
@@ -307,7 +318,7 @@ class BusFS(pyfuse3.Operations):
             ino = self._inode(parent[:-1], Kind.DIR)
         else:
             kind, implicit = await self._decide(parent, name, ctx)
-            ino = self._inode(parent + (name,), kind)
+            ino = self._inode(parent + (name,), kind, ctx.uid)
         self._lookups[ino] += 1
         attrs = self._attrs(ino)
         if implicit:
@@ -331,6 +342,11 @@ class BusFS(pyfuse3.Operations):
         node = self._node_of.pop(ino, None)
         if node is not None:
             del self._ino_of[node]
+        uid = self._ino_uid.pop(ino, None)
+        if uid is not None:
+            self._inodes[uid] -= 1
+            if self._inodes[uid] <= 0:
+                del self._inodes[uid]
 
     @answering
     async def getattr(self, inode: int, ctx: Ctx) -> Attrs:
@@ -379,10 +395,15 @@ class BusFS(pyfuse3.Operations):
 
     @answering
     async def readdir(self, fh: int, start_id: int, token) -> None:
-        path, entries, _ = self._dirs.get(fh, ((), [], 0))
+        path, entries, uid = self._dirs.get(fh, ((), [], 0))
         for i in range(start_id, len(entries)):
             name, kind = entries[i]
-            ino = self._inode(path + (name,), kind)
+            try:
+                ino = self._inode(path + (name,), kind, uid)
+            except FUSEError:
+                if i == start_id:
+                    raise
+                return  # the next call fails: the listing does not end silently
             if not pyfuse3.readdir_reply(token, name, self._attrs(ino), i + 1):
                 return
             self._lookups[ino] += 1
@@ -419,11 +440,11 @@ class BusFS(pyfuse3.Operations):
             log.info("uid %d made directories worth %d bytes (its share); answering EDQUOT",
                      ctx.uid, self._made_bytes[ctx.uid])
             raise FUSEError(errno.EDQUOT)
+        ino = self._inode(full + (name,), Kind.DIR, ctx.uid)
         self.tree.mkdir(path)
         if path not in self._made:
             self._made[path] = ctx.uid
             self._made_bytes[ctx.uid] += cost
-        ino = self._inode(full + (name,), Kind.DIR)
         self._lookups[ino] += 1
         return self._attrs(ino)
 
@@ -469,8 +490,8 @@ class BusFS(pyfuse3.Operations):
             raise FUSEError(exc.errno) from None
         path = parent + (name,)
         self._check_key(mapping.pattern_of(path))
+        ino = self._inode(full + (name,), Kind.FILE, ctx.uid)
         self.tree.learn(path, ctx.uid)
-        ino = self._inode(full + (name,), Kind.FILE)
         info = await self._open(ino, flags, ctx)
         self._lookups[ino] += 1
         return info, self._attrs(ino)

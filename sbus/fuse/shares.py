@@ -52,6 +52,9 @@ class UserShare:
     #: ``opendir`` keeps its listing, about 70 bytes an entry, until closed).
     #: Beyond: EMFILE at opendir.
     listed: int = 1 << 18
+    #: Inodes (names the kernel holds, about 400 bytes each here) the user's lookups
+    #: made, until the kernel forgets them.  Beyond: EDQUOT for a new name.
+    inodes: int = 1 << 16
     #: Threads reading the user's callers' open calls in /proc at once.
     intent_threads: int = 2
 
