@@ -280,3 +280,26 @@ except OSError as e:
     # (the root directory's inode is nobody's; its own '..' lookups may take a few)
     assert err == errno.EDQUOT and 2990 <= made <= 3000, (made, err, r.stderr)
     assert os.path.isdir(m / "r*fresh")
+
+
+def test_files_one_user_holds_open_are_bounded(mount):
+    """nobody opens one key for writing 5000 times: EMFILE at its share of 4096, and
+    root's `echo > key` still goes through."""
+    m = mount("files")
+    open(m / "w", "wb").close()
+    script = f"""
+import os, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (6000, 6000))
+fds = []
+try:
+    for n in range(5000):
+        fds.append(os.open({str(m / 'w')!r}, os.O_WRONLY))
+    print(5000, 0)
+except OSError as e:
+    print(len(fds), e.errno)
+"""
+    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
+                       text=True, timeout=60)
+    held, err = map(int, r.stdout.split())
+    assert (held, err) == (4096, errno.EMFILE), (held, err, r.stderr)
+    others_go_on(m, "w2")

@@ -169,6 +169,7 @@ class BusFS(pyfuse3.Operations):
         self._ino_uid: dict[int, int] = {}  # whose lookup made an inode
         self._inodes: Counter[int] = Counter()  # inodes per user
         self._handles: dict[int, Handle] = {}
+        self._files: Counter[int] = Counter()  # open handles per user
         self._opened: Counter[int] = Counter()
         self._next_fh = 1
         # open directories: their path, listing and whose share holds it
@@ -523,6 +524,10 @@ class BusFS(pyfuse3.Operations):
             if mapping.is_pattern(pattern):
                 raise FUSEError(errno.EACCES)
             self._check_key(pattern)
+        if self._files[ctx.uid] >= self.share.files:
+            log.info("uid %d holds %d open files (its share); answering EMFILE",
+                     ctx.uid, self._files[ctx.uid])
+            raise FUSEError(errno.EMFILE)
         reader = None
         follow = False
         if readable:
@@ -545,6 +550,7 @@ class BusFS(pyfuse3.Operations):
         self._next_fh += 1
         h = self._handles[fh] = Handle(ino, path, pattern, ctx, reader, writable,
                                        bool(flags & os.O_APPEND), follow)
+        self._files[h.uid] += 1
         if follow:
             self._followers.setdefault(ino, set()).add(h)
         self._opened[ino] += 1
@@ -671,6 +677,9 @@ class BusFS(pyfuse3.Operations):
         h = self._handles.pop(fh, None)
         if h is None:
             return
+        self._files[h.uid] -= 1
+        if self._files[h.uid] <= 0:
+            del self._files[h.uid]
         if h.pending:
             log.info("a writer of %s ended without closing; %d bytes not published",
                      brief(h.pattern), len(h.pending))

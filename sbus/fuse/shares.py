@@ -34,6 +34,8 @@ class UserShare:
     to the mount's UID (root is exempt from the broker's per-user limits), so the
     mount itself must keep each user to a share."""
 
+    #: Files open at all (about 500 bytes each).  Beyond: EMFILE at open.
+    files: int = 4096
     #: Files open for reading: each is a broker connection with one subscription
     #: (its pattern at most PATH_MAX bytes).  Beyond: EMFILE at open.
     readers: int = 32
