@@ -303,3 +303,32 @@ except OSError as e:
     held, err = map(int, r.stdout.split())
     assert (held, err) == (4096, errno.EMFILE), (held, err, r.stderr)
     others_go_on(m, "w2")
+
+
+def test_a_subscription_refused_after_a_reconnect_fails_the_reads(space):
+    """Two readers on a mount of nobody's; the broker comes back allowing uid 65534 one
+    subscription, so at least one reader's re-subscription is refused: that `cat`
+    fails with EIO instead of waiting on a file subscribed to nothing."""
+    b = BrokerProcess(os.path.join(space, "again.sock"),
+                      "--max-subscriptions-per-user", "4").start()
+    m = UserMount(b.address, os.path.join(space, "again"), "--reconnect-timeout", "30")
+    readers: list[subprocess.Popen] = []
+    try:
+        m.start()
+        subprocess.run([*AS_NOBODY, "sh", "-c", f": > {m / 'k'}"], check=True, timeout=10)
+        readers = [cat(m / "k", *AS_NOBODY) for _ in range(2)]
+        b.stop()
+        b.args = ("--max-subscriptions-per-user", "1")
+        b.start()
+        deadline = time.monotonic() + 10
+        while all(r.poll() is None for r in readers):
+            assert time.monotonic() < deadline, m.log()[-2000:]
+            time.sleep(0.05)
+        failed = next(r for r in readers if r.poll() is not None)
+        assert failed.returncode != 0
+        assert b"Input/output error" in failed.stderr.read()
+    finally:
+        for r in readers:
+            end(r)
+        m.stop()
+        b.stop()
