@@ -335,8 +335,8 @@ class MountBus:
             self._room_again(r.account)
 
     def _room_again(self, a: Account) -> None:
-        if not a.paused or a.queued > self.accounts.share.queued * 3 // 4:
-            return
+        if not a.paused or a.queued >= self.accounts.share.queued:
+            return  # (with any room, a pump takes only about that much: no hysteresis)
         for p in list(a.paused):
             if p.space is None:
                 a.paused.discard(p)
