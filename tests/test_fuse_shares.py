@@ -262,7 +262,8 @@ except OSError as e:
 def test_names_one_users_lookups_make_are_bounded(mount):
     """Every name the kernel looks up is an inode in the mount until the kernel forgets
     it, and a wildcard name always exists: nobody's stat loop over fresh wildcard
-    names ends with EDQUOT at its share, and root still looks names up."""
+    names ends with EDQUOT at its share, and root still looks names up; the mount
+    then has the kernel forget nobody's older names, so it can go on."""
     m = mount("inodes", "--user-inodes", "3000")
     script = f"""
 import os
@@ -280,6 +281,21 @@ except OSError as e:
     # (the root directory's inode is nobody's; its own '..' lookups may take a few)
     assert err == errno.EDQUOT and 2990 <= made <= 3000, (made, err, r.stderr)
     assert os.path.isdir(m / "r*fresh")
+    # the mount asked the kernel to forget nobody's older names: new ones work again
+    script = f"""
+import os, time
+deadline = time.monotonic() + 5
+while True:
+    try:
+        os.stat({m.path!r} + '/again*')
+        break
+    except OSError:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+for n in range(500):
+    os.stat({m.path!r} + '/v*%d' % n)
+"""
+    subprocess.run([*AS_NOBODY, "python3", "-c", script], check=True, timeout=30)
 
 
 def test_files_one_user_holds_open_are_bounded(mount):

@@ -168,6 +168,7 @@ class BusFS(pyfuse3.Operations):
         self._next_ino = pyfuse3.ROOT_INODE + 1
         self._ino_uid: dict[int, int] = {}  # whose lookup made an inode
         self._inodes: Counter[int] = Counter()  # inodes per user
+        self._reclaimed: dict[int, float] = {}  # when each user's names were last reclaimed
         self._handles: dict[int, Handle] = {}
         self._files: Counter[int] = Counter()  # open handles per user
         self._opened: Counter[int] = Counter()
@@ -205,6 +206,7 @@ class BusFS(pyfuse3.Operations):
                 if self._inodes[uid] >= self.share.inodes:
                     log.info("uid %d holds %d inodes (its share); answering EDQUOT",
                              uid, self._inodes[uid])
+                    self._reclaim(uid)
                     raise FUSEError(errno.EDQUOT)
                 self._inodes[uid] += 1
             ino = self._next_ino
@@ -214,6 +216,28 @@ class BusFS(pyfuse3.Operations):
             if uid is not None:
                 self._ino_uid[ino] = uid
         return ino
+
+    def _reclaim(self, uid: int) -> None:
+        """Ask the kernel to forget the older half of *uid*'s names (at most once a
+        second): it keeps looked-up names until memory runs short, so a user who
+        merely browsed a lot would otherwise stay at its share for good."""
+        now = time.monotonic()
+        if now - self._reclaimed.get(uid, -1.0) < 1.0:
+            return
+        self._reclaimed[uid] = now
+        if len(self._reclaimed) > 4096:
+            self._reclaimed.clear()
+        todo = self.share.inodes // 2
+        for ino, owner in self._ino_uid.items():  # oldest first
+            if todo <= 0:
+                break
+            if owner != uid or self._opened[ino] > 0:
+                continue
+            path = self._node_of[ino][0]
+            parent = self._ino_of.get((path[:-1], Kind.DIR))
+            if parent is not None:
+                pyfuse3.invalidate_entry_async(parent, path[-1], ignore_enoent=True)
+                todo -= 1
 
     def _node(self, ino: int) -> tuple[Path, Kind]:
         try:
