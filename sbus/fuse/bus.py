@@ -36,6 +36,7 @@ from ..protocol import Publish
 from ..session import Refusal
 from . import mapping
 from .framing import Outbox, frame
+from .shares import Account, Accounts, UserShare
 
 log = logging.getLogger("sbus.fuse")
 
@@ -62,15 +63,20 @@ PUMP_SMALL = 32
 class Reader:
     """One open readable file: its subscription, waiting bytes and waiting callers."""
 
-    def __init__(self, pattern: bytes, fmt: str) -> None:
+    def __init__(self, pattern: bytes, fmt: str, uid: int = 0,
+                 account: Account | None = None) -> None:
         self.pattern = pattern
         self.fmt = fmt
+        self.uid = uid  # whose share its waiting bytes are charged to
+        self.account = account
+        self.charged = 0  # bytes of `out` charged to the account
         self.client: AsyncClient | None = None
         self.out = Outbox(one_per_read=fmt == "raw")
         self.lot = ParkingLot()  # read() calls waiting for data
         self.space: trio.Event | None = None  # set when the pump may receive again
         self.poll_handle: pyfuse3.PollHandle | None = None
         self.failed = False
+        self.refused: Refusal | None = None  # the broker refused its subscription
         self.down: float | None = None  # since when its connection is lost
         self.scope = trio.CancelScope()  # its pump
         self.watch: trio.CancelScope | None = None  # its deadline, while down
@@ -84,8 +90,21 @@ class Reader:
             except OSError as exc:
                 log.debug("poll notify failed: %s", exc)
 
+    def settle(self) -> None:
+        """Charge the account what `out` holds now (after a push or a take)."""
+        a = self.account
+        if a is not None:
+            n = self.out.nbytes
+            a.queued += n - self.charged
+            self.charged = n
+
     def close(self) -> None:
         self.scope.cancel()
+        a, self.account = self.account, None
+        if a is not None:
+            a.queued -= self.charged
+            a.paused.discard(self)
+        self.charged = 0
         if self.watch is not None:
             self.watch.cancel()
 
@@ -96,14 +115,22 @@ class Reader:
     def on_refusal(self, event: Refusal) -> None:
         log.warning("the broker refused a packet of the reader of %s: %s",
                     brief(self.pattern), brief(event.reason.encode(), 200))
+        if event.verb == "sub":  # the client passes it here, it raises nothing: the
+            # open fails (`MountBus.start_reader`), or, re-subscribing after a
+            # reconnect, the reads do, instead of waiting for nothing
+            self.refused = event
+            self.failed = True
+            self.wake()
 
 
 class MountBus:
     """Every broker connection of one mount.  Call `start` inside a nursery first."""
 
     def __init__(self, address: str, fmt: str, tree: mapping.KnownTree, max_message: int,
-                 reconnect_timeout: float) -> None:
-        """*max_message*: the broker's packet limit, which the publisher checks."""
+                 reconnect_timeout: float, share: UserShare | None = None) -> None:
+        """*max_message*: the broker's packet limit, which the publisher checks;
+        *share*: what each user's readers may hold (`UserShare`)."""
+        self.accounts = Accounts(share or UserShare())
         self.address = address
         self.fmt = fmt
         self.tree = tree
@@ -200,10 +227,14 @@ class MountBus:
         try:
             with trio.fail_after(SUBSCRIBE_TIMEOUT):
                 await client.subscribe(r.pattern)  # waits for the broker's barrier
+                if r.refused is not None:  # it came before the barrier's answer
+                    raise r.refused.error()
         except (Refused, InvalidRequest) as exc:
             await client.aclose()
             log.info("cannot subscribe to %s: %s", brief(r.pattern), exc)
-            raise FUSEError(errno.EACCES) from None
+            # the broker's per-user limits (sbus/limits.py) say "the limit"
+            over = isinstance(exc, Refused) and "the limit" in exc.reason
+            raise FUSEError(errno.EDQUOT if over else errno.EACCES) from None
         except (SbusError, OSError, trio.TooSlowError, TimeoutError) as exc:
             await client.aclose()
             log.error("cannot subscribe to %s at %s: %s", brief(r.pattern), self.address,
@@ -234,14 +265,21 @@ class MountBus:
         assert client is not None
         fmt, push = r.fmt, r.out.push
         lines = fmt == "lines"
+        packet = self.max_message
         try:
             with r.scope:
                 while True:
-                    if r.out.nbytes >= OUTBOX_HIGH:
+                    a = r.account
+                    room = self.accounts.share.queued - a.queued if a else OUTBOX_HIGH
+                    if r.out.nbytes >= OUTBOX_HIGH or room <= 0:
                         r.space = trio.Event()
+                        if a is not None:
+                            a.paused.add(r)
                         await r.space.wait()
                         continue
-                    events = await client.receive_batch(PUMP_BATCH)
+                    # at most about *room* bytes: one packet over the share per reader
+                    events = await client.receive_batch(
+                        max(1, min(PUMP_BATCH, room // packet)))
                     now = time.time()
                     for event in events:
                         if type(event) is Publish:
@@ -251,6 +289,7 @@ class MountBus:
                             else:
                                 push(frame(fmt, event.key, payload, now))
                         # drops and refusals went to the reader's callbacks
+                    r.settle()
                     r.wake()
                     if len(events) >= PUMP_SMALL:
                         await trio.lowlevel.checkpoint()
@@ -278,9 +317,43 @@ class MountBus:
             r.failed = True
             r.wake()
 
+    def reader_for(self, pattern: bytes, fmt: str, uid: int) -> Reader:
+        """A reader charged to *uid*'s share; EMFILE when it holds all it may."""
+        a = self.accounts[uid]
+        if a.readers >= self.accounts.share.readers:
+            log.info("uid %d holds %d open readers (its share); answering EMFILE",
+                     uid, a.readers)
+            raise FUSEError(errno.EMFILE)
+        a.readers += 1
+        return Reader(pattern, fmt, uid, a)
+
+    def took(self, r: Reader) -> None:
+        """A read took bytes from *r*: let its user's paused pumps take more from the
+        broker once there is room again."""
+        r.settle()
+        if r.account is not None:
+            self._room_again(r.account)
+
+    def _room_again(self, a: Account) -> None:
+        if not a.paused or a.queued >= self.accounts.share.queued:
+            return  # (with any room, a pump takes only about that much: no hysteresis)
+        for p in list(a.paused):
+            if p.space is None:
+                a.paused.discard(p)
+            elif p.out.nbytes < OUTBOX_LOW:
+                p.space.set()
+                p.space = None
+                a.paused.discard(p)
+
     def close_reader(self, r: Reader) -> None:
+        """Forget *r* and give back its share (also for one whose subscribe failed)."""
+        a = r.account
         r.close()
         self.readers.discard(r)
+        if a is not None:
+            a.readers -= 1
+            self._room_again(a)
+            self.accounts.tidy(r.uid)
 
     # -- publishing ------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from ..defaults import MAX_MESSAGE, default_address, size_arg
 from ..errors import SbusError
 from ..sdnotify import notify
 from .framing import FORMATS
+from .shares import UserShare
 
 log = logging.getLogger("sbus.fuse")
 
@@ -53,6 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="concurrent filesystem requests (default 1000); with --allow-other "
                         "each user may hold at most half of what the others leave "
                         "free in waiting reads, opens and writes")
+    p.add_argument("--user-readers", type=int, default=UserShare.readers, metavar="N",
+                   help="files one user may hold open for reading, each a broker "
+                        f"connection (default {UserShare.readers}); more fail with EMFILE")
+    p.add_argument("--user-queue", type=size_arg, default=UserShare.queued, metavar="BYTES",
+                   help="messages waiting in the mount for one user's readers, all "
+                        f"together (default {UserShare.queued >> 20}m); beyond, its "
+                        "readers stop taking from the broker, whose flood policy applies")
+    p.add_argument("--user-inodes", type=int, default=UserShare.inodes, metavar="N",
+                   help="names one user's lookups may make the mount hold until the "
+                        f"kernel forgets them (default {UserShare.inodes}); more fail "
+                        "with EDQUOT")
 
 
 def _is_socket(path: str) -> bool:
@@ -171,6 +183,12 @@ def run(args: argparse.Namespace) -> int:
         raise SbusError("--max-tasks must be at least 2")
     if args.max_message < 16:
         raise SbusError("--max-message must be at least 16 bytes")
+    if args.user_readers < 1:
+        raise SbusError("--user-readers must be at least 1")
+    if args.user_inodes < 1:
+        raise SbusError("--user-inodes must be at least 1")
+    if args.user_queue < 1:
+        raise SbusError("--user-queue must be at least 1 byte")
     if args.reconnect_timeout < 0:
         raise SbusError("--reconnect-timeout cannot be negative")
     address = os.path.abspath(args.address or default_address())
@@ -179,7 +197,9 @@ def run(args: argparse.Namespace) -> int:
                remember_bytes=args.remember_bytes,
                max_message=args.max_message, reconnect_timeout=args.reconnect_timeout,
                mountpoint=mountpoint, max_tasks=args.max_tasks,
-               allow_other=args.allow_other)
+               allow_other=args.allow_other,
+               share=UserShare(readers=args.user_readers, queued=args.user_queue,
+                               inodes=args.user_inodes))
     log_handler = _system_log_handler() if args.daemon else None  # said before mounting
     options = set(pyfuse3.default_options) | {"fsname=sbus", "subtype=sbus"}
     if args.allow_other:

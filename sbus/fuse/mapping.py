@@ -35,7 +35,8 @@ from enum import Enum
 from ..errors import Refused  # a name that cannot be used; .errno answers the kernel
 
 __all__ = ["VIEWS", "split_view", "SEP", "SELF", "TRAILING", "Kind", "Refused", "KnownTree",
-           "pattern_of", "is_pattern", "lookup", "creatable", "secret_owner", "key_segments"]
+           "pattern_of", "is_pattern", "key_cost", "lookup", "creatable", "secret_owner",
+           "key_segments"]
 
 SEP = b"/"
 SELF = b"!"
@@ -133,14 +134,24 @@ class KnownTree:
     """The names the mount knows: directories made with ``mkdir`` (kept until
     ``rmdir``) and the most recently seen keys (at most *capacity*, and at most
     *max_bytes* by `key_cost`; least recently seen forgotten first).  A name is a
-    directory if anything known lies below it."""
+    directory if anything known lies below it.
 
-    def __init__(self, capacity: int = 10000, max_bytes: int = 16 << 20) -> None:
+    A key learned for a user (created through the mount, not seen on the bus) is
+    charged to that user until the bus shows it: at most *user_bytes* per user, its
+    own oldest forgotten first, so one user's ``touch`` loop cannot push everyone
+    else's keys out."""
+
+    def __init__(self, capacity: int = 10000, max_bytes: int = 16 << 20,
+                 user_bytes: int | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
         self.max_bytes = max_bytes
+        self.user_bytes = user_bytes
         self.held = 0
+        self._owner: dict[Path, int] = {}  # charged keys -> whose
+        self._created: dict[int, OrderedDict[Path, None]] = {}  # per user, oldest first
+        self.created_bytes: dict[int, int] = {}
         self._root = _Node()
         self._keys: OrderedDict[Path, None] = OrderedDict()
 
@@ -149,11 +160,14 @@ class KnownTree:
 
     # -- changes ---------------------------------------------------------------
 
-    def learn(self, path: Path) -> None:
-        """Remember a key (as a path), refreshing it if known."""
+    def learn(self, path: Path, uid: int | None = None) -> None:
+        """Remember a key (as a path), refreshing it if known; *uid*: a user created
+        it (charged to that user), None: it was seen on the bus."""
         keys = self._keys
         if path in keys:
             keys.move_to_end(path)
+            if uid is None:
+                self._uncharge(path)
             return
         keys[path] = None
         self.held += key_cost(path)
@@ -161,10 +175,31 @@ class KnownTree:
         for seg in path:
             node = node.children.setdefault(seg, _Node())
         node.key = True
+        if uid is not None and self.user_bytes is not None:
+            self._charge(path, uid)
         while len(keys) > 1 and (len(keys) > self.capacity or self.held > self.max_bytes):
             old, _ = keys.popitem(last=False)
             self.held -= key_cost(old)
+            self._uncharge(old)
             self._clear(old, "key")
+
+    def _charge(self, path: Path, uid: int) -> None:
+        mine = self._created.setdefault(uid, OrderedDict())
+        mine[path] = None
+        self._owner[path] = uid
+        self.created_bytes[uid] = self.created_bytes.get(uid, 0) + key_cost(path)
+        while len(mine) > 1 and self.created_bytes[uid] > (self.user_bytes or 0):
+            self.forget(next(iter(mine)))
+
+    def _uncharge(self, path: Path) -> None:
+        uid = self._owner.pop(path, None)
+        if uid is None:
+            return
+        mine = self._created[uid]
+        del mine[path]
+        self.created_bytes[uid] -= key_cost(path)
+        if not mine:
+            del self._created[uid], self.created_bytes[uid]
 
     def forget(self, path: Path) -> bool:
         """Drop a remembered key; False if it was not remembered."""
@@ -172,6 +207,7 @@ class KnownTree:
             return False
         del self._keys[path]
         self.held -= key_cost(path)
+        self._uncharge(path)
         self._clear(path, "key")
         return True
 

@@ -30,9 +30,9 @@ from ..display import brief
 from ..keys import KeyRefused, KeyRules
 from ..protocol import Publish
 from . import intent, mapping, signals
-from .bus import OUTBOX_LOW, MountBus, Reader
-from .mapping import Kind, Path, Refused, split_view
-from .shares import Shares
+from .bus import MountBus, Reader
+from .mapping import Kind, Path, Refused, key_cost, split_view
+from .shares import Shares, UserShare
 from .signals import interrupted, thread_group
 
 log = logging.getLogger("sbus.fuse")
@@ -47,11 +47,6 @@ SIGNAL_POLL = 0.05
 ENTRY_TIMEOUT = 1.0
 #: How long a lookup miss may spend asking /proc whether its caller creates below it.
 INTENT_TIMEOUT = 0.5
-#: At most this many of those questions at once per user (a stuck one holds its
-#: thread, so one user's stuck callers cannot hold up another user's lookups).
-INTENT_THREADS = 2
-#: Bytes that writers of one user may hold in not yet published files.
-WRITE_SHARE = 32 << 20
 
 
 async def guarded(pid: int, fn: Callable[[], Awaitable[T]], tgid: int | None = None) -> T:
@@ -138,8 +133,14 @@ class BusFS(pyfuse3.Operations):
     def __init__(self, address: str, *, fmt: str = "lines", remember: int = 10000,
                  remember_bytes: int = 16 << 20, max_message: int = MAX_MESSAGE,
                  reconnect_timeout: float = 30.0, mountpoint: str | None = None,
-                 max_tasks: int = 1000, allow_other: bool = False) -> None:
+                 max_tasks: int = 1000, allow_other: bool = False,
+                 share: UserShare | None = None) -> None:
+        """*share*: what each user may make the mount hold (`UserShare`; one share for
+        everyone, also without *allow_other*, where the owner is the only user)."""
         super().__init__()
+        self.share = share or UserShare()
+        self._made: dict[Path, int] = {}  # directories made with mkdir -> whose
+        self._made_bytes: Counter[int] = Counter()
         # the mount point as given and resolved (found before mounting: afterwards
         # resolving it would ask this very filesystem); None: no implicit directories
         self.mountpoints = tuple(dict.fromkeys(
@@ -152,22 +153,29 @@ class BusFS(pyfuse3.Operations):
         self._sizes: dict[int, int] = {}  # what follow readers were shown, per inode
         self.address = address
         self.fmt = fmt
-        self.tree = mapping.KnownTree(remember, remember_bytes)
+        self.tree = mapping.KnownTree(remember, remember_bytes, self.share.created)
         self.max_message = max_message
         self.reconnect_timeout = reconnect_timeout
         self.rules = KeyRules(mapping.SEP)
         self.uid, self.gid = os.getuid(), os.getgid()
-        self.bus = MountBus(address, fmt, self.tree, max_message, reconnect_timeout)
+        self.bus = MountBus(address, fmt, self.tree, max_message, reconnect_timeout,
+                            self.share)
         self.started = time.time_ns()
         # inodes: (path, kind) <-> number, with the kernel's lookup counts
         self._ino_of: dict[tuple[Path, Kind], int] = {((), Kind.DIR): pyfuse3.ROOT_INODE}
         self._node_of: dict[int, tuple[Path, Kind]] = {pyfuse3.ROOT_INODE: ((), Kind.DIR)}
         self._lookups: Counter[int] = Counter()
         self._next_ino = pyfuse3.ROOT_INODE + 1
+        self._ino_uid: dict[int, int] = {}  # whose lookup made an inode
+        self._inodes: Counter[int] = Counter()  # inodes per user
+        self._reclaimed: dict[int, float] = {}  # when each user's names were last reclaimed
         self._handles: dict[int, Handle] = {}
+        self._files: Counter[int] = Counter()  # open handles per user
         self._opened: Counter[int] = Counter()
         self._next_fh = 1
-        self._dirs: dict[int, tuple[Path, list[tuple[bytes, Kind]]]] = {}
+        # open directories: their path, listing and whose share holds it
+        self._dirs: dict[int, tuple[Path, list[tuple[bytes, Kind]], int]] = {}
+        self._listed: Counter[int] = Counter()
 
     @property
     def own(self) -> Path | None:
@@ -190,14 +198,46 @@ class BusFS(pyfuse3.Operations):
 
     # -- inodes --------------------------------------------------------------------
 
-    def _inode(self, path: Path, kind: Kind) -> int:
+    def _inode(self, path: Path, kind: Kind, uid: int | None = None) -> int:
+        """The inode of a name, made if new (charged to *uid*, EDQUOT beyond its share)."""
         ino = self._ino_of.get((path, kind))
         if ino is None:
+            if uid is not None:
+                if self._inodes[uid] >= self.share.inodes:
+                    log.info("uid %d holds %d inodes (its share); answering EDQUOT",
+                             uid, self._inodes[uid])
+                    self._reclaim(uid)
+                    raise FUSEError(errno.EDQUOT)
+                self._inodes[uid] += 1
             ino = self._next_ino
             self._next_ino += 1
             self._ino_of[path, kind] = ino
             self._node_of[ino] = (path, kind)
+            if uid is not None:
+                self._ino_uid[ino] = uid
         return ino
+
+    def _reclaim(self, uid: int) -> None:
+        """Ask the kernel to forget the older half of *uid*'s names (at most once a
+        second): it keeps looked-up names until memory runs short, so a user who
+        merely browsed a lot would otherwise stay at its share for good."""
+        now = time.monotonic()
+        if now - self._reclaimed.get(uid, -1.0) < 1.0:
+            return
+        self._reclaimed[uid] = now
+        if len(self._reclaimed) > 4096:
+            self._reclaimed.clear()
+        todo = self.share.inodes // 2
+        for ino, owner in self._ino_uid.items():  # oldest first
+            if todo <= 0:
+                break
+            if owner != uid or self._opened[ino] > 0:
+                continue
+            path = self._node_of[ino][0]
+            parent = self._ino_of.get((path[:-1], Kind.DIR))
+            if parent is not None:
+                pyfuse3.invalidate_entry_async(parent, path[-1], ignore_enoent=True)
+                todo -= 1
 
     def _node(self, ino: int) -> tuple[Path, Kind]:
         try:
@@ -270,10 +310,14 @@ class BusFS(pyfuse3.Operations):
         call = None
         limiter = self._intent_threads.get(ctx.uid)
         if limiter is None:
-            limiter = self._intent_threads[ctx.uid] = trio.CapacityLimiter(INTENT_THREADS)
-        with trio.move_on_after(INTENT_TIMEOUT):
-            call = await trio.to_thread.run_sync(intent.opening, ctx.pid,
-                                                 abandon_on_cancel=True, limiter=limiter)
+            limiter = self._intent_threads[ctx.uid] = trio.CapacityLimiter(
+                self.share.intent_threads)
+        # waiting for one of the user's threads holds a task: in a slot of its share
+        async with self._slot(ctx.uid):
+            with trio.move_on_after(INTENT_TIMEOUT):
+                call = await trio.to_thread.run_sync(intent.opening, ctx.pid,
+                                                     abandon_on_cancel=True,
+                                                     limiter=limiter)
         if limiter.borrowed_tokens == 0 and not limiter.statistics().tasks_waiting:
             self._intent_threads.pop(ctx.uid, None)
         if call is None:
@@ -299,7 +343,7 @@ class BusFS(pyfuse3.Operations):
             ino = self._inode(parent[:-1], Kind.DIR)
         else:
             kind, implicit = await self._decide(parent, name, ctx)
-            ino = self._inode(parent + (name,), kind)
+            ino = self._inode(parent + (name,), kind, ctx.uid)
         self._lookups[ino] += 1
         attrs = self._attrs(ino)
         if implicit:
@@ -323,6 +367,11 @@ class BusFS(pyfuse3.Operations):
         node = self._node_of.pop(ino, None)
         if node is not None:
             del self._ino_of[node]
+        uid = self._ino_uid.pop(ino, None)
+        if uid is not None:
+            self._inodes[uid] -= 1
+            if self._inodes[uid] <= 0:
+                del self._inodes[uid]
 
     @answering
     async def getattr(self, inode: int, ctx: Ctx) -> Attrs:
@@ -359,24 +408,39 @@ class BusFS(pyfuse3.Operations):
             entries = [(n, k) for n, k in entries if inner or n != mapping.SECRET]
             if inner[:1] == (mapping.SECRET,):
                 entries = []
+        if self._listed[ctx.uid] + len(entries) > self.share.listed:
+            log.info("uid %d holds %d entries in open directories (its share); "
+                     "answering EMFILE", ctx.uid, self._listed[ctx.uid])
+            raise FUSEError(errno.EMFILE)
+        self._listed[ctx.uid] += len(entries)
         fh = self._next_fh
         self._next_fh += 1
-        self._dirs[fh] = (path, entries)
+        self._dirs[fh] = (path, entries, ctx.uid)
         return fh
 
     @answering
     async def readdir(self, fh: int, start_id: int, token) -> None:
-        path, entries = self._dirs.get(fh, ((), []))
+        path, entries, uid = self._dirs.get(fh, ((), [], 0))
         for i in range(start_id, len(entries)):
             name, kind = entries[i]
-            ino = self._inode(path + (name,), kind)
+            try:
+                ino = self._inode(path + (name,), kind, uid)
+            except FUSEError:
+                if i == start_id:
+                    raise
+                return  # the next call fails: the listing does not end silently
             if not pyfuse3.readdir_reply(token, name, self._attrs(ino), i + 1):
                 return
             self._lookups[ino] += 1
 
     @answering
     async def releasedir(self, fh: int) -> None:
-        self._dirs.pop(fh, None)
+        held = self._dirs.pop(fh, None)
+        if held is not None:
+            uid = held[2]
+            self._listed[uid] -= len(held[1])
+            if self._listed[uid] <= 0:
+                del self._listed[uid]
 
     @answering
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Ctx) -> Attrs:
@@ -395,16 +459,31 @@ class BusFS(pyfuse3.Operations):
                 raise FUSEError(exc.errno) from None
         else:
             raise FUSEError(errno.EEXIST)
-        self.tree.mkdir(parent + (name,))
-        ino = self._inode(full + (name,), Kind.DIR)
+        path = parent + (name,)
+        cost = key_cost(path)
+        if self._made_bytes[ctx.uid] + cost > self.share.dirs:
+            log.info("uid %d made directories worth %d bytes (its share); answering EDQUOT",
+                     ctx.uid, self._made_bytes[ctx.uid])
+            raise FUSEError(errno.EDQUOT)
+        ino = self._inode(full + (name,), Kind.DIR, ctx.uid)
+        self.tree.mkdir(path)
+        if path not in self._made:
+            self._made[path] = ctx.uid
+            self._made_bytes[ctx.uid] += cost
         self._lookups[ino] += 1
         return self._attrs(ino)
 
     @answering
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Ctx) -> None:
         parent = split_view(self._node(parent_inode)[0])[1]
-        if not self.tree.rmdir(parent + (name,)):
+        path = parent + (name,)
+        if not self.tree.rmdir(path):
             raise FUSEError(errno.ENOENT)
+        uid = self._made.pop(path, None)
+        if uid is not None:  # the maker's share, whoever removes it
+            self._made_bytes[uid] -= key_cost(path)
+            if self._made_bytes[uid] <= 0:
+                del self._made_bytes[uid]
 
     @answering
     async def unlink(self, parent_inode: int, name: bytes, ctx: Ctx) -> None:
@@ -436,8 +515,8 @@ class BusFS(pyfuse3.Operations):
             raise FUSEError(exc.errno) from None
         path = parent + (name,)
         self._check_key(mapping.pattern_of(path))
-        self.tree.learn(path)
-        ino = self._inode(full + (name,), Kind.FILE)
+        ino = self._inode(full + (name,), Kind.FILE, ctx.uid)
+        self.tree.learn(path, ctx.uid)
         info = await self._open(ino, flags, ctx)
         self._lookups[ino] += 1
         return info, self._attrs(ino)
@@ -469,6 +548,10 @@ class BusFS(pyfuse3.Operations):
             if mapping.is_pattern(pattern):
                 raise FUSEError(errno.EACCES)
             self._check_key(pattern)
+        if self._files[ctx.uid] >= self.share.files:
+            log.info("uid %d holds %d open files (its share); answering EMFILE",
+                     ctx.uid, self._files[ctx.uid])
+            raise FUSEError(errno.EMFILE)
         reader = None
         follow = False
         if readable:
@@ -479,14 +562,19 @@ class BusFS(pyfuse3.Operations):
                     self.rules.check_pattern(pattern, self.bus.cred)
                 except KeyRefused:
                     raise FUSEError(errno.EACCES) from None
-            reader = Reader(pattern, view or self.fmt)
-            async with self._slot(ctx.uid):
-                await guarded(ctx.pid, lambda: self.bus.start_reader(reader))
+            reader = self.bus.reader_for(pattern, view or self.fmt, ctx.uid)  # or EMFILE
+            try:
+                async with self._slot(ctx.uid):
+                    await guarded(ctx.pid, lambda: self.bus.start_reader(reader))
+            except BaseException:  # refused, failed or interrupted: no subscription left
+                self.bus.close_reader(reader)
+                raise
             follow = not writable and signals.follows(ctx.pid)
         fh = self._next_fh
         self._next_fh += 1
         h = self._handles[fh] = Handle(ino, path, pattern, ctx, reader, writable,
                                        bool(flags & os.O_APPEND), follow)
+        self._files[h.uid] += 1
         if follow:
             self._followers.setdefault(ino, set()).add(h)
         self._opened[ino] += 1
@@ -514,9 +602,7 @@ class BusFS(pyfuse3.Operations):
                         await r.lot.park()
         if r.out:
             data = r.out.take(size)
-            if r.space is not None and r.out.nbytes < OUTBOX_LOW:
-                r.space.set()
-                r.space = None
+            self.bus.took(r)
             h.served = off + len(data)
             h.recent = data
             return data
@@ -566,7 +652,7 @@ class BusFS(pyfuse3.Operations):
         if h.too_big or self._packet_size(h, len(h.pending) + len(buf)) > self.max_message:
             self._drop_pending(h, too_big=True)
             raise FUSEError(errno.EMSGSIZE)
-        if self._buffered[h.uid] + len(buf) > WRITE_SHARE:
+        if self._buffered[h.uid] + len(buf) > self.share.pending:
             log.info("uid %d holds %d bytes in unfinished files; answering ENOBUFS",
                      h.uid, self._buffered[h.uid])
             raise FUSEError(errno.ENOBUFS)
@@ -615,6 +701,9 @@ class BusFS(pyfuse3.Operations):
         h = self._handles.pop(fh, None)
         if h is None:
             return
+        self._files[h.uid] -= 1
+        if self._files[h.uid] <= 0:
+            del self._files[h.uid]
         if h.pending:
             log.info("a writer of %s ended without closing; %d bytes not published",
                      brief(h.pattern), len(h.pending))

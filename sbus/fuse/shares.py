@@ -1,4 +1,8 @@
-"""Fair shares of the mount's request pool, per user.  Pure.
+"""What each local user may make the mount hold, and fair shares of its request pool.
+Pure.
+
+`UserShare` is the one place for the per-user bounds (docs/fuse.md, "Limits"); the
+rest of this module shares the request pool.
 
 pyfuse3 serves every request in one of at most ``--max-tasks`` tasks and answers a
 request only when its handler returns, so a handler that waits (a ``read`` until a
@@ -18,8 +22,76 @@ one still finds room.  A request that finds no slot fails at once with EAGAIN
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 
-__all__ = ["Shares"]
+__all__ = ["Shares", "UserShare", "Account", "Accounts"]
+
+
+@dataclass(frozen=True)
+class UserShare:
+    """What one local user (UID) may make the mount hold.  With ``--allow-other`` the
+    mount carries every user over its own broker connections, charged by the broker
+    to the mount's UID (root is exempt from the broker's per-user limits), so the
+    mount itself must keep each user to a share."""
+
+    #: Files open at all (about 500 bytes each).  Beyond: EMFILE at open.
+    files: int = 4096
+    #: Files open for reading: each is a broker connection with one subscription
+    #: (its pattern at most PATH_MAX bytes).  Beyond: EMFILE at open.
+    readers: int = 32
+    #: Bytes of messages waiting in the mount for a user's readers, all together.
+    #: Beyond, its readers stop taking messages from the broker, whose flood policy
+    #: then applies (the drops are logged); each reader may overshoot by one packet.
+    queued: int = 16 << 20
+    #: Bytes written to files not yet closed (published at close).  Beyond: ENOBUFS.
+    pending: int = 32 << 20
+    #: Bytes of directories made with mkdir (by `mapping.key_cost`).  Beyond: EDQUOT.
+    dirs: int = 1 << 20
+    #: Bytes of keys remembered because the user created them (``: > key``) rather
+    #: than because they were seen on the bus; beyond, its own oldest are forgotten.
+    created: int = 2 << 20
+    #: Entries of directory listings held for the user's open directories (each
+    #: ``opendir`` keeps its listing, about 70 bytes an entry, until closed).
+    #: Beyond: EMFILE at opendir.
+    listed: int = 1 << 18
+    #: Inodes (names the kernel holds, about 400 bytes each here) the user's lookups
+    #: made, until the kernel forgets them.  Beyond: EDQUOT for a new name.
+    inodes: int = 1 << 16
+    #: Threads reading the user's callers' open calls in /proc at once.
+    intent_threads: int = 2
+
+
+@dataclass(eq=False)
+class Account:
+    """What one user holds now, against its `UserShare`."""
+
+    readers: int = 0
+    queued: int = 0
+    paused: set = field(default_factory=set)  # its readers waiting for room
+
+
+class Accounts:
+    """Per-user `Account`s, dropped once they hold nothing."""
+
+    def __init__(self, share: UserShare) -> None:
+        self.share = share
+        self._of: dict[int, Account] = {}
+
+    def __getitem__(self, uid: int) -> Account:
+        a = self._of.get(uid)
+        if a is None:
+            a = self._of[uid] = Account()
+        return a
+
+    def tidy(self, uid: int) -> None:
+        a = self._of.get(uid)
+        if a is not None and not (a.readers or a.queued or a.paused):
+            del self._of[uid]
+
+    def room(self, uid: int) -> int:
+        """Bytes the user's readers may still take from the broker."""
+        a = self._of.get(uid)
+        return self.share.queued - (a.queued if a else 0)
 
 
 class Shares:

@@ -1,0 +1,350 @@
+"""What one local user can make an ``--allow-other`` mount hold (issue 28): each user
+has a bounded share (`sbus.fuse.shares.UserShare`), refused with a clear errno beyond
+it, while another user's ``cat`` and ``echo > key`` go on at once.  The attacker is a
+real process of uid 65534 (nobody); the mount runs as root, whom the broker exempts
+from its own per-user limits."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import tempfile
+import time
+
+import pytest
+from conftest import BrokerProcess
+from test_fuse import Mount, cat, end, read_lines
+from test_fuse_files import AS_NOBODY, UserMount
+
+from sbus.client import Client
+
+
+@pytest.fixture(scope="module")
+def space():
+    d = tempfile.mkdtemp(prefix="sbus-fuse-shares-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    subprocess.run(["rm", "-rf", d], check=False)
+
+
+@pytest.fixture(scope="module")
+def bus(space):
+    b = BrokerProcess(os.path.join(space, "bus.sock")).start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def mount(bus, space):
+    made: list[Mount] = []
+
+    def make(name: str, *args: str) -> Mount:
+        m = Mount(bus.address, os.path.join(space, name), "--allow-other", *args).start()
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.stop()
+
+
+# Opens files for reading (one per argument) until one fails; prints how many it
+# holds and the errno, then keeps them open (without reading) until stdin closes.
+HOLDER = """
+import os, sys
+fds, err = [], 0
+for p in sys.argv[1:]:
+    try:
+        fds.append(os.open(p, os.O_RDONLY))
+    except OSError as e:
+        err = e.errno
+        break
+print(len(fds), err, flush=True)
+sys.stdin.read()
+"""
+
+
+def hold(paths: list[str]) -> tuple[subprocess.Popen, int, int]:
+    """nobody opens *paths* for reading: (its process, how many it holds, errno)."""
+    p = subprocess.Popen([*AS_NOBODY, "python3", "-c", HOLDER, *paths],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line, "the holder ended"
+    held, err = map(int, line.split())
+    return p, held, err
+
+
+def others_go_on(m: Mount, key: str) -> None:
+    """root's `cat` of a fresh key subscribes, and `echo > key` reaches it, at once."""
+    start = time.monotonic()
+    reader = cat(m / key)
+    try:
+        subprocess.run(["sh", "-c", f"echo through > {m / key}"], check=True, timeout=10)
+        assert read_lines(reader, 1, timeout=5) == [b"through\n"]
+    finally:
+        end(reader)
+    assert time.monotonic() - start < 5
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_one_user_holds_at_most_its_share_of_readers(mount):
+    """nobody opens readers until EMFILE ("Too many open files") at its share of 8;
+    root still subscribes and publishes at once; closing gives the share back."""
+    m = mount("readers", "--user-readers", "8")
+    os.makedirs(m / "r", exist_ok=True)
+    paths = [m / f"r/k{i}" for i in range(20)]
+    for p in paths:
+        open(p, "wb").close()  # known keys: the attack needs no intent reading
+    holder, held, err = hold(paths)
+    try:
+        assert (held, err) == (8, errno.EMFILE)
+        others_go_on(m, "r/free")
+    finally:
+        end(holder)
+    deadline = time.monotonic() + 10  # its files closed: the share is free again
+    while True:
+        again, held, err = hold(paths[:8])
+        end(again)
+        if held == 8 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert (held, err) == (8, 0)
+
+
+def test_messages_for_readers_that_do_not_read_are_bounded_per_user(mount, bus):
+    """nobody's 8 readers of one key never read while 12 MB are published on it: the
+    mount holds about its 2 MiB share for them (not 4 MiB per reader), and root's
+    reader of another key gets its message at once."""
+    m = mount("queue", "--user-readers", "8", "--user-queue", "2m")
+    os.makedirs(m / "q", exist_ok=True)
+    open(m / "q/k", "wb").close()
+    holder, held, err = hold([m / "q/k"] * 8)
+    try:
+        assert (held, err) == (8, 0)
+        pid = m.proc.pid
+        before = rss(pid)
+        payload = os.urandom(100_000)
+        with Client(bus.address) as c:
+            for _ in range(120):
+                c.publish(b"q/k", payload)
+            c.sync()  # the broker has routed them all
+        peak = before
+        deadline = time.monotonic() + 1.5  # the mount's pumps take what they may
+        while time.monotonic() < deadline:
+            peak = max(peak, rss(pid))
+            time.sleep(0.05)
+        grown = peak - before
+        # 2 MiB share + one packet per reader, plus the interpreter's slack; without
+        # the share each reader kept 4 MiB: 32 MiB
+        assert grown < 14 << 20, grown
+        others_go_on(m, "q/free")
+    finally:
+        end(holder)
+
+
+def test_directories_one_user_makes_are_bounded(mount):
+    """nobody's mkdir loop ends with EDQUOT at its 1 MiB share; root's mkdir still
+    works; nobody's rmdir gives its share back."""
+    m = mount("dirs")
+    os.makedirs(m / "d", exist_ok=True)
+    os.chmod(m / "d", 0o777)
+    script = f"""
+import os, errno
+n = 0
+try:
+    for n in range(5000):
+        os.mkdir({str(m / 'd')!r} + '/n%d' % n)
+    print(5000, 0)
+except OSError as e:
+    print(n, e.errno)
+"""
+    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
+                       text=True, timeout=60)
+    made, err = map(int, r.stdout.split())
+    assert err == errno.EDQUOT and 500 < made < 2500, (made, err)
+    os.mkdir(m / "d/roots")
+    assert os.path.isdir(m / "d/roots")
+    r = subprocess.run([*AS_NOBODY, "sh", "-c", f"rmdir {m / 'd'}/n1 {m / 'd'}/n2 && "
+                        f"mkdir {m / 'd'}/again"], capture_output=True, timeout=10)
+    assert r.returncode == 0, r.stderr
+
+
+def test_keys_one_user_creates_push_out_only_its_own(mount):
+    """With room for 2500 keys, nobody's 3000 `: > key` forget its own oldest (at its
+    2 MiB share) and not root's known key."""
+    m = mount("created", "--remember", "2500")
+    os.makedirs(m / "c", exist_ok=True)
+    open(m / "c/roots", "wb").close()
+    script = f"""
+import os
+for n in range(3000):
+    os.close(os.open({str(m / 'c')!r} + '/s%d' % n, os.O_WRONLY | os.O_CREAT))
+"""
+    subprocess.run([*AS_NOBODY, "python3", "-c", script], check=True, timeout=60)
+    names = os.listdir(m / "c")
+    assert "roots" in names
+    assert "s2999" in names and "s0" not in names  # nobody's newest kept, oldest gone
+
+
+def test_a_broker_refusal_reaches_the_opener_and_leaves_no_subscription(space):
+    """A mount of nobody's on a broker that lets uid 65534 hold 4 subscriptions (the
+    mount's monitor holds 2): the third reader's open fails with EDQUOT (the broker's
+    refusal), and once a reader closes, an open succeeds again (no phantom)."""
+    b = BrokerProcess(os.path.join(space, "tight.sock"),
+                      "--max-subscriptions-per-user", "4").start()
+    m = UserMount(b.address, os.path.join(space, "tight"))
+    try:
+        m.start()
+        first = subprocess.run([*AS_NOBODY, "sh", "-c", f": > {m / 'k'}"], timeout=10)
+        assert first.returncode == 0
+        holder, held, err = hold([m / "k"] * 3)
+        try:
+            assert (held, err) == (2, errno.EDQUOT), m.log()[-3000:]
+        finally:
+            end(holder)
+        deadline = time.monotonic() + 10
+        while True:
+            again, held, err = hold([m / "k"] * 2)
+            end(again)
+            if held == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert (held, err) == (2, 0)
+    finally:
+        m.stop()
+        b.stop()
+
+
+def test_listings_one_user_holds_open_are_bounded(mount, bus):
+    """Each open directory keeps its listing: nobody's opendir loop on a directory of
+    1500 keys ends with EMFILE at its share (2^18 entries, ~175 opens), and root still
+    lists it."""
+    m = mount("listed")
+    deadline = time.monotonic() + 15
+    with Client(bus.address) as c:
+        # the monitor learns from a sample during floods: publish until it knows all
+        # (it drops what does not fit its socket buffer): a hundred at a time
+        while not os.path.isdir(m / "l") or len(os.listdir(m / "l")) < 1501:
+            assert time.monotonic() < deadline
+            known = set(os.listdir(m / "l")) if os.path.isdir(m / "l") else set()
+            missing = [i for i in range(1500) if f"k{i}" not in known]
+            for at in range(0, len(missing), 100):
+                for i in missing[at:at + 100]:
+                    c.publish(f"l/k{i}", b"")
+                c.sync()
+                time.sleep(0.06)
+            time.sleep(0.1)
+    script = f"""
+import os
+fds = []
+try:
+    for n in range(400):
+        fds.append(os.open({str(m / 'l')!r}, os.O_RDONLY | os.O_DIRECTORY))
+    print(400, 0)
+except OSError as e:
+    print(len(fds), e.errno)
+"""
+    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
+                       text=True, timeout=60)
+    held, err = map(int, r.stdout.split())
+    assert err == errno.EMFILE and 150 < held < 200, (held, err)
+    assert len(os.listdir(m / "l")) == 1501  # and '**'
+
+
+def test_names_one_users_lookups_make_are_bounded(mount):
+    """Every name the kernel looks up is an inode in the mount until the kernel forgets
+    it, and a wildcard name always exists: nobody's stat loop over fresh wildcard
+    names ends with EDQUOT at its share, and root still looks names up; the mount
+    then has the kernel forget nobody's older names, so it can go on."""
+    m = mount("inodes", "--user-inodes", "3000")
+    script = f"""
+import os
+n = 0
+try:
+    for n in range(5000):
+        os.stat({m.path!r} + '/w*%d' % n)
+    print(5000, 0)
+except OSError as e:
+    print(n, e.errno)
+"""
+    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
+                       text=True, timeout=60)
+    made, err = map(int, r.stdout.split())
+    # (the root directory's inode is nobody's; its own '..' lookups may take a few)
+    assert err == errno.EDQUOT and 2990 <= made <= 3000, (made, err, r.stderr)
+    assert os.path.isdir(m / "r*fresh")
+    # the mount asked the kernel to forget nobody's older names: new ones work again
+    script = f"""
+import os, time
+deadline = time.monotonic() + 5
+while True:
+    try:
+        os.stat({m.path!r} + '/again*')
+        break
+    except OSError:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+for n in range(500):
+    os.stat({m.path!r} + '/v*%d' % n)
+"""
+    subprocess.run([*AS_NOBODY, "python3", "-c", script], check=True, timeout=30)
+
+
+def test_files_one_user_holds_open_are_bounded(mount):
+    """nobody opens one key for writing 5000 times: EMFILE at its share of 4096, and
+    root's `echo > key` still goes through."""
+    m = mount("files")
+    open(m / "w", "wb").close()
+    script = f"""
+import os, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (6000, 6000))
+fds = []
+try:
+    for n in range(5000):
+        fds.append(os.open({str(m / 'w')!r}, os.O_WRONLY))
+    print(5000, 0)
+except OSError as e:
+    print(len(fds), e.errno)
+"""
+    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
+                       text=True, timeout=60)
+    held, err = map(int, r.stdout.split())
+    assert (held, err) == (4096, errno.EMFILE), (held, err, r.stderr)
+    others_go_on(m, "w2")
+
+
+def test_a_subscription_refused_after_a_reconnect_fails_the_reads(space):
+    """Two readers on a mount of nobody's; the broker comes back allowing uid 65534 one
+    subscription, so at least one reader's re-subscription is refused: that `cat`
+    fails with EIO instead of waiting on a file subscribed to nothing."""
+    b = BrokerProcess(os.path.join(space, "again.sock"),
+                      "--max-subscriptions-per-user", "4").start()
+    m = UserMount(b.address, os.path.join(space, "again"), "--reconnect-timeout", "30")
+    readers: list[subprocess.Popen] = []
+    try:
+        m.start()
+        subprocess.run([*AS_NOBODY, "sh", "-c", f": > {m / 'k'}"], check=True, timeout=10)
+        readers = [cat(m / "k", *AS_NOBODY) for _ in range(2)]
+        b.stop()
+        b.args = ("--max-subscriptions-per-user", "1")
+        b.start()
+        deadline = time.monotonic() + 10
+        while all(r.poll() is None for r in readers):
+            assert time.monotonic() < deadline, m.log()[-2000:]
+            time.sleep(0.05)
+        failed = next(r for r in readers if r.poll() is not None)
+        assert failed.returncode != 0
+        assert b"Input/output error" in failed.stderr.read()
+    finally:
+        for r in readers:
+            end(r)
+        m.stop()
+        b.stop()
