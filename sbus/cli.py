@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ping": ("sbus.cmd.ping", "measure round trips to the broker"),
     "bench": ("sbus.cmd.bench", "measure publish/subscribe throughput and latency"),
     "install-units": ("sbus.cmd.install_units", "install the systemd units for this installation"),
-    "mount": ("sbus.fuse.cli", "mount the bus as a filesystem (FUSE)"),
+    "mount": ("sbus.cmd.mount", "mount the bus as a filesystem (FUSE)"),
     "top": ("sbus.cmd.top", "live traffic monitor"),
     "record": ("sbus.cmd.record", "record traffic into a journal"),
     "journal": ("sbus.cmd.journal",

@@ -189,7 +189,7 @@ def test_without_the_systemd_extra_a_backgrounded_mount_logs_to_syslog(monkeypat
     """python-systemd (the 'systemd' extra) gives the journal handler when journald runs;
     without it the mount logs to syslog's socket (which journald reads), or, with neither,
     to a file it names (tests/test_cli_habits.py runs that through the command)."""
-    from sbus.fuse.cli import _system_log_handler
+    from sbus.cmd.mount import _system_log_handler
 
     no_journal = str(tmp_path / "no-journal")
     try:

@@ -20,9 +20,9 @@ import trio
 from .. import rlimits
 from ..defaults import MAX_MESSAGE, default_address, size_arg
 from ..errors import SbusError
+from ..fuse.framing import FORMATS
+from ..fuse.shares import UserShare
 from ..sdnotify import notify
-from .framing import FORMATS
-from .shares import UserShare
 
 log = logging.getLogger("sbus.fuse")
 
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     import pyfuse3  # a missing 'fuse' extra is reported by sbus.cli
 
     from ..client import Client
-    from .operations import BusFS
+    from ..fuse.operations import BusFS
 
     mountpoint = os.path.abspath(args.mountpoint)
     if not os.path.isdir(mountpoint):
