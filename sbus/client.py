@@ -591,18 +591,20 @@ class Client(_Shell):
 
         It takes one packet at a time from the connection, so a program that waits with
         ``select``/``poll`` on the client (`fileno`) is told the truth about what is left;
-        a reader that needs speed takes batches (`receive_batch`, iteration).  (*flags*
-        is accepted for compatibility and ignored.)"""
+        a reader that needs speed takes batches (`receive_batch`, iteration).  *flags*
+        go to ``recv``: with ``MSG_DONTWAIT`` an empty connection raises
+        ``BlockingIOError`` (a reader in its own ``select`` loop: the MQTT bridge)."""
         self._refused()
         if not self._pending:
             deadline = self._deadline(timeout)
             while not self._pending:
-                taken = self._take(self._one_event(deadline, timeout))
+                taken = self._take(self._one_event(deadline, timeout, flags))
                 if taken is not None:
                     self._pending.append(taken)
         return self._pending.popleft()
 
-    def _one_event(self, deadline: float | None, timeout: float | None) -> Event:
+    def _one_event(self, deadline: float | None, timeout: float | None,
+                   flags: int = 0) -> Event:
         """The event of the next packet (one ``recv``: the cheapest way to take exactly
         one); waits up to *deadline*, reconnects as `receive_batch`."""
         while True:
@@ -614,7 +616,9 @@ class Client(_Shell):
             if self._one is None:
                 self._one = memoryview(bytearray(RECV_BUFFER))
             try:
-                n = self.sock.recv_into(self._one)
+                n = self.sock.recv_into(self._one, 0, flags)
+            except BlockingIOError:
+                raise  # MSG_DONTWAIT and nothing there: the caller's loop waits
             except OSError as exc:
                 if exc.errno not in _GONE:
                     raise self._lost(_why(exc)) from None

@@ -45,6 +45,11 @@ def test_fileno_works_with_select_and_flags_pass_through(broker):
         assert list(c.receive_ready()) == [Publish(b"k", b"v")]
         with pytest.raises(BlockingIOError):
             c.recv_packet(socket.MSG_DONTWAIT)
+        with pytest.raises(BlockingIOError):  # a select loop's reader (the MQTT bridge)
+            c.receive(None, socket.MSG_DONTWAIT)
+        c.publish(b"k", b"w")
+        c.sync()
+        assert c.receive(None, socket.MSG_DONTWAIT) == Publish(b"k", b"w")
 
 
 def test_select_tells_the_truth_after_receive_and_sync(broker):
