@@ -8,10 +8,9 @@ import argparse
 import importlib
 import logging
 import sys
-from collections.abc import Callable
 
+from .cmd import run_command
 from .defaults import DEFAULT_ADDRESS
-from .errors import SbusError, UsageError
 from .extras import missing_extra, missing_extra_message
 
 #: subcommand -> (module, one-line help)
@@ -57,7 +56,7 @@ def _manual(name: str) -> str:
     installs no man pages)."""
     import textwrap
 
-    from .manpages import MANUAL
+    from .manual import MANUAL
 
     text, examples, doc = MANUAL.get(name, ("", [], ""))
     out = textwrap.fill(text, 78) if text else ""
@@ -118,28 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and args.verbose == 0:
         logging.getLogger().setLevel(logging.INFO)
     return run_command(f"sbus {args.command}", modules[args.command].run, args)
-
-
-def run_command(name: str, run: Callable[[argparse.Namespace], int | None],
-                args: argparse.Namespace) -> int:
-    """Run one command as every sbus command ends: an `SbusError` is one line on stderr
-    (exit 1; 2 for a `UsageError`), a missing extra says what to install, Ctrl-C is 130,
-    a closed pipe (``| head``) is no error.  *name* starts each line ("sbus sub")."""
-    try:
-        return run(args) or 0
-    except SbusError as exc:
-        print(f"{name}: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, UsageError) else 1
-    except ImportError as exc:  # a part imported only once needed (e.g. pyfuse3)
-        message = missing_extra_message(name, exc)
-        if message is None:
-            raise
-        print(message, file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":

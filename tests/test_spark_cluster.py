@@ -113,7 +113,7 @@ def test_spark_submit_analyze_on_standalone_cluster(cluster, tmp_path):
     subprocess.run([sys.executable, "-m", "zipfile", "-c", str(tmp_path / "sbus.zip"), "sbus"],
                    cwd=ROOT, check=True)
     analyze = subprocess.run([sys.executable, "-c",
-                              "import sbus.spark.analyze as m; print(m.__file__)"],
+                              "import sbus.cmd.analyze as m; print(m.__file__)"],
                              capture_output=True, text=True, check=True).stdout.strip()
     done = subprocess.run([str(BIN / "spark-submit"), "--master", url,
                            "--py-files", str(tmp_path / "sbus.zip"),

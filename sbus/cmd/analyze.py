@@ -1,9 +1,13 @@
 """``sbus analyze DIR --out OUT`` / ``--stream``: options to typed arguments for
-`sbus.spark.analyze.run` (imported only when run: it needs the spark extra)."""
+`sbus.spark.analyze.run` (imported only when run: it needs the spark extra).
+
+This file is also what ``spark-submit`` runs on a cluster (docs/spark.md), as a script:
+hence absolute imports only."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,15 +37,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_command(args)
+    return analyze_args(args)
 
 
-def run_command(args: argparse.Namespace) -> int:
-    """`run`, also for spark-submit (`sbus.spark.analyze.main`)."""
-    from ..spark.analyze import run as analyze
+def analyze_args(args: argparse.Namespace) -> int:
+    """`run`, also for spark-submit (`main`)."""
+    from sbus.spark.analyze import run as analyze
 
     return analyze(args.journal, out=args.out, pattern=args.pattern, window=args.window,
                    depth=args.prefix_depth, master=args.master, stream=args.stream,
                    checkpoint=args.checkpoint, address=args.address, late=args.late,
                    trigger=args.trigger, max_rows=args.max_rows,
                    verbose=getattr(args, "verbose", 0))
+
+
+def main() -> int:
+    """Entry point for ``spark-submit .../sbus/cmd/analyze.py DIR --out OUT``."""
+    from sbus.errors import SbusError
+
+    parser = argparse.ArgumentParser(prog="analyze.py")
+    parser.add_argument("--address", default=None)
+    add_arguments(parser)
+    try:
+        return analyze_args(parser.parse_args())
+    except SbusError as exc:
+        print(f"sbus analyze: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``sbus-top`` console script: the same as ``sbus top``."""
-    from ..cli import run_command
+    from . import run_command
 
     return run_command("sbus-top", run, build_parser().parse_args(argv))
 

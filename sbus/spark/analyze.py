@@ -11,7 +11,6 @@ plus ``--late``), through the ``sbus`` sink, so restarts do not publish a window
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -21,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sbus.client import SbusError  # absolute: spark-submit runs this file as a script
+from sbus.client import SbusError
 from sbus.display import printable
 from sbus.extras import install_command
 
@@ -618,23 +617,3 @@ def _quiet_stop(spark) -> None:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
-
-
-def main() -> int:
-    """Entry point for ``spark-submit .../sbus/spark/analyze.py DIR --out OUT``."""
-    import sys
-
-    from sbus.cmd.analyze import add_arguments, run_command
-
-    parser = argparse.ArgumentParser(prog="analyze.py")
-    parser.add_argument("--address", default=None)
-    add_arguments(parser)
-    try:
-        return run_command(parser.parse_args())
-    except SbusError as exc:
-        print(f"sbus analyze: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
