@@ -356,8 +356,10 @@ def test_a_blocking_local_subscriber_does_not_stall_remote_publishers(gw, bus, l
 
 # -- HTTPS: 401 closes, pipelined guesses are not read, deep JSON is refused --------------
 
-@pytest.fixture
-def https_gw(hdir, bus):
+@pytest.fixture(params=[1.0])
+def https_gw(request, hdir, bus):
+    """A gateway with the HTTPS endpoint; a refused request is answered after the
+    refusal delay (*request.param* s: short keeps the tests short)."""
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
     certfile, keyfile = hdir / "cert.pem", hdir / "key.pem"
@@ -365,7 +367,8 @@ def https_gw(hdir, bus):
     cert.private_key_pem.write_to_path(str(keyfile))
     port = free_port()
     g = start(hdir, bus, "--tls-cert", str(certfile), "--tls-key", str(keyfile),
-              "--https-listen", f"127.0.0.1:{port}", name="https")
+              "--https-listen", f"127.0.0.1:{port}", "--refusal-delay", str(request.param),
+              name="https")
     g.wait_log(f"HTTPS 127.0.0.1:{port}", timeout=15)  # logged once both listen
     ctx = ssl.create_default_context()
     ca.configure_trust(ctx)
@@ -655,11 +658,12 @@ def test_a_broker_restarted_with_another_separator_is_followed(hdir):
         gw.stop()
 
 
+@pytest.mark.parametrize("https_gw", [30.0], indirect=True)  # no answer while measured
 def test_https_bodies_of_unauthenticated_requests_are_never_held(https_gw):
     pid = https_gw.proc.pid
     warm = https_gw.https()
     warm.sendall(_request(b"wrong", b"{}"))
-    _read_all(warm)
+    time.sleep(0.5)
     before = rss_kib(pid)
     head = (b"POST / HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
             b"X-Authentication-Key: guess\r\nContent-Length: 300000\r\n\r\n")
@@ -676,7 +680,9 @@ def test_https_bodies_of_unauthenticated_requests_are_never_held(https_gw):
     print(f"gateway RSS +{growth_mib:.1f} MiB with 100 unauthenticated HTTPS bodies")
     for s in conns:
         s.close()
-    assert growth_mib < 10, f"RSS grew by {growth_mib:.1f} MiB"
+    # 100 x 300 KB held would be +30 MiB; what stays is each held TLS connection's own
+    # state, about 100 KB (9.6-12 MiB measured at 100 on this machine kind)
+    assert growth_mib < 15, f"RSS grew by {growth_mib:.1f} MiB"
 
 
 def test_a_broker_restart_under_remote_publishing_is_survived(hdir):

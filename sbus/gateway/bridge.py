@@ -359,9 +359,15 @@ class Bridge:
                 async with self._lock:  # it replaces is closed; wait until it is done
                     continue
             generation = self._generation
+            replaced = False
             with trio.CancelScope() as self._waiting:
-                await trio.lowlevel.wait_readable(bus.fileno())
+                try:
+                    await trio.lowlevel.wait_readable(bus.fileno())
+                except trio.ClosedResourceError:  # a sender's reconnect closed it (the
+                    replaced = True  # shell wakes waiters so): wait on the new socket
             self._waiting = None
+            if replaced:
+                continue
             packets: list[bytes] = []
             async with self._lock:  # a sender that is reconnecting finishes first
                 if generation == self._generation:  # still the socket found readable

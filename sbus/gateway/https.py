@@ -9,8 +9,8 @@ POST, 413 too large, 415 not JSON, 503 the bus is down.  Any path is accepted.
 HTTP/1.1 parsing is h11's (a small, strict, sans-IO parser); the decision for
 one request is the pure `decide`, the rest is a thin trio shell.  Every answer but
 201 closes the connection (a 401 too: a key guess costs a new TLS handshake, and
-pipelined guesses after it are never read); connections count against the
-gateway's caps like protocol clients.
+pipelined guesses after it are never read), and is sent only after the refusal delay;
+connections count against the gateway's caps like protocol clients.
 """
 
 from __future__ import annotations
@@ -206,12 +206,14 @@ async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
             elif answer.status == 401 and "wrong" in answer.text:
                 gw.say(host, logging.WARNING, "HTTPS %s: wrong authentication key",
                        peer_of(stream)[1])
-            await _respond(stream, conn, answer)
             if answer.status >= 400 and answer.status != 503:
-                # turned away (a wrong key too): the close waits, nothing more is read,
-                # the connection keeps its slot, so a client that retries at once
-                # makes one attempt per delay
+                # turned away (a wrong key too): the ANSWER waits, nothing more is read,
+                # the connection keeps its slot.  A client that retries at once makes
+                # one attempt per delay: one that waits for its answer (Go's HTTP
+                # client) opens no other connection meanwhile, where an answer at once
+                # and a delayed close let it redial every slot of its address
                 await trio.sleep(gw.refusal_delay)
+            await _respond(stream, conn, answer)
             if conn.our_state is h11.MUST_CLOSE or answer.status >= 400:
                 return
             conn.start_next_cycle()
