@@ -31,6 +31,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import NamedTuple
 
 import anyio
 
@@ -45,7 +46,7 @@ from .session import Backoff, Dropped, Event, Reach, Refusal, Session, Whoami
 
 __all__ = ["Client", "AsyncClient", "SbusError", "ConnectError", "ConnectionLost",
            "NoResponders", "default_address", "wait_for_broker", "Publish", "Control",
-           "Dropped", "RECV_BUFFER"]
+           "Dropped", "RECV_BUFFER", "Frames"]
 
 log = logging.getLogger("sbus.client")
 
@@ -67,6 +68,20 @@ OPENING_TIMEOUT = 5.0
 _READ, _WRITE, _SLEEP = "read", "write", "sleep"
 
 Received = Publish | Dropped | Control
+
+
+class Frames(NamedTuple):
+    """One received batch as the buffer holds it (`Client.receive_frames`), for a reader
+    that splits messages itself.  Packet ``i < count`` is ``batch.buffer[batch.offsets[i]:
+    batch.offsets[i] + batch.lengths[i]]``, valid until the next receive."""
+
+    #: Events received earlier and kept (while syncing or reconnecting): they come first.
+    kept: list[Received]
+    batch: PacketBatch
+    count: int
+    #: The packets that are not messages, as the session took them in (None: consumed,
+    #: e.g. a whoami answer or a refusal); every other packet starts with `MSG_HEAD`.
+    others: dict[int, Received | None]
 
 
 def wait_for_broker(address: str | None = None, timeout: float = 10.0,
@@ -242,11 +257,9 @@ class _Shell:
         (BlockingIOError when none; `_Gone` at the end of the connection)."""
         if self._ended is not None:
             raise _Gone(self._ended)
-        batch = self._batch
-        if batch is None:
-            batch = self._batch = PacketBatch(SLOTS, RECV_BUFFER)
+        batch = self._batch or self._batch_of(SLOTS)
         try:
-            n = batch.receive(sock.fileno(), limit=max(1, min(limit, SLOTS)))
+            n = batch.receive(sock.fileno(), limit=max(1, min(limit, batch.slots)))
         except BlockingIOError:
             raise
         except OSError as exc:
@@ -261,6 +274,14 @@ class _Shell:
                 raise _Gone("closed the connection")
             self._ended = "closed the connection"
         return n
+
+    def _batch_of(self, slots: int) -> PacketBatch:
+        """The receive buffer, made (or made again, between batches) with at least *slots*
+        slots: a reader that asks for larger batches gets them."""
+        batch = self._batch
+        if batch is None or batch.slots < slots:
+            batch = self._batch = PacketBatch(max(slots, SLOTS), RECV_BUFFER)
+        return batch
 
     def _decode(self, sock: socket.socket, limit: int) -> tuple[list[Event], list[int]]:
         """The events of what waits on *sock* (see `_receive_into`), and the indices of
@@ -573,6 +594,52 @@ class Client(_Shell):
                 continue
             if out:
                 return out
+
+    def receive_frames(self, limit: int = SLOTS, timeout: float | None = None) -> Frames:
+        """One received batch of up to *limit* packets as the buffer holds them, for a
+        reader that splits messages itself (the recorder's array columns): no object per
+        message.  The session has taken in the other packets (drop reports counted and
+        *on_drop*, whoami answers consumed, refusals to *on_refusal* or raised by the next
+        call), so the reader needs only the messages.  Waits and reconnects as
+        `receive_batch`; ``TimeoutError`` after *timeout* seconds (default: the client's)."""
+        self._refused()
+        batch = self._batch_of(limit)
+        self._unpin(batch)  # the previous batch is the reader's no more
+        deadline = self._deadline(timeout)
+        while True:
+            if self._pending:  # kept by `sync`, or by a reconnect's opening
+                kept = list(self._pending)
+                self._pending.clear()
+                return Frames(kept, batch, 0, {})
+            try:
+                n = self._receive_into(self.sock, limit)
+            except BlockingIOError:
+                self._wait_readable(deadline, timeout)
+                continue
+            except _Gone as gone:
+                self._gone(str(gone))
+                continue
+            return Frames([], batch, n, self._others(batch, n))
+
+    def _others(self, batch: PacketBatch, n: int) -> dict[int, Received | None]:
+        """The packets of *batch* that are not messages, taken in by the session."""
+        heads = batch.heads(0, n, 4)
+        if heads.count(protocol.MSG_HEAD) == n and min(batch.lengths) > 4:
+            return {}  # messages only: the common case, two calls in C
+        others: dict[int, Received | None] = {}
+        for i, (head, size) in enumerate(zip(heads, batch.lengths, strict=True)):
+            if head != protocol.MSG_HEAD or size < 5:
+                try:
+                    event = self.session.receive(batch.copy(i))
+                except protocol.ProtocolError as exc:
+                    raise SbusError(f"the broker at {self.address} sent a malformed "
+                                    f"packet: {exc}") from None
+                if type(event) is Refusal and self.on_refusal is None:
+                    self._refusals.append(event)  # raised by the next call
+                    others[i] = None
+                else:
+                    others[i] = self._take(event)
+        return others
 
     def _deadline(self, timeout: float | None) -> float | None:
         if timeout is None:

@@ -36,6 +36,7 @@ __all__ = [
     "REACH",
     "parse_batch",
     "publish_head",
+    "MSG_HEAD",
     "SOFT",
     "HARD",
     "ORDER",
@@ -182,6 +183,10 @@ def _check_key(key: bytes) -> None:
         raise TypeError(f"keys and patterns are bytes, not {type(key).__name__}")
     if b"\0" in key:
         raise ProtocolError("a routing key or pattern cannot contain NUL")
+
+
+#: The first bytes of every ``MSG`` packet, for readers that split messages themselves.
+MSG_HEAD = b"MSG "
 
 
 def publish_head(key: bytes) -> bytes:

@@ -17,70 +17,74 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
-import struct
 import sys
 import time
 
 import numpy as np
 
 from .. import protocol
-from ..client import Client
-from ..defaults import RECV_BUFFER
-from ..errors import ConnectError, ConnectionLost, SbusError
-from ..packetio import PacketBatch
+from ..client import Client, Frames
+from ..errors import SbusError
 from ..protocol import Publish
-from ..session import Backoff, Dropped, Refusal
 from .columns import split
 from .store import JournalError, JournalWriter
 
 log = logging.getLogger("sbus.record")
 
 RECV_SLOTS = 256  # packets per system call: `split` costs less per packet in larger batches
+#: Seconds the receive waits at most, so a stop asked for by a signal is seen promptly.
+WAKE = 0.25
+
+
+class _Stopped(Exception):
+    """A stop asked for while the client waits for the broker to come back."""
 
 
 class _Stopper:
-    """SIGTERM/SIGINT set a flag the loop checks between batches (never mid-write)."""
+    """SIGTERM/SIGINT set a flag the loop checks between batches (never mid-write); while
+    the client is reconnecting (nothing of ours in flight) they end the wait at once."""
 
     def __init__(self) -> None:
         self.stop = False
+        self.reconnecting = False
 
     def __call__(self, signum, frame) -> None:
         self.stop = True
+        if self.reconnecting:
+            raise _Stopped
 
 
-def _connect(address: str | None, patterns: list[bytes], block: bool) -> Client:
-    bus = Client(address)
+def _connect(address: str | None, patterns: list[bytes], block: bool,
+             writer: JournalWriter, stopper: _Stopper) -> Client:
+    """The recorder's client: the first connection must work; later ones are the client's
+    to make (`reconnect`, the session's `Backoff`), said on stderr.  Messages published
+    while the broker is away are not recorded (the bus keeps nothing); the sequence
+    numbers simply continue."""
+
+    def said(up: bool, line: str) -> None:
+        stopper.reconnecting = False
+        log.warning("%s", line)
+        print(f"sbus record: {line}", file=sys.stderr, flush=True)
+        if not up:
+            writer.flush()  # what was received is written before the wait
+            if stopper.stop:
+                raise _Stopped
+            stopper.reconnecting = True
+
+    bus = Client(address, reconnect=True, on_connection=said,
+                 on_drop=lambda n: log.warning("broker dropped %d messages for the "
+                                               "recorder", n),
+                 on_refusal=lambda r: log.warning("the broker refused the recorder's %s: %s",
+                                                  r.verb, r.reason))
     try:
         bus.set_flood(soft="queue", hard="block" if block else None)
         for pattern in patterns:
             bus.subscribe(pattern, wait=False)
-        bus.sync()  # the subscriptions are in place from here on (or refused: raised)
+        bus.sync()  # the subscriptions are in place from here on
     except BaseException:
         bus.close()
         raise
     return bus
-
-
-def _reconnect(address: str | None, patterns: list[bytes], block: bool,
-               writer: JournalWriter, stopper: _Stopper, reason: str) -> Client | None:
-    """After the broker went away: flush, then retry (the session's `Backoff`) until it is
-    back or we are told to stop.  Messages published meanwhile are not recorded (the bus keeps
-    nothing); the sequence numbers simply continue."""
-    log.warning("%s; reconnecting", reason)
-    print(f"sbus record: {reason}; reconnecting", file=sys.stderr, flush=True)
-    writer.flush()
-    backoff = Backoff()
-    while not stopper.stop:
-        try:
-            bus = _connect(address, patterns, block)
-        except (ConnectionLost, ConnectError, TimeoutError):
-            time.sleep(backoff.next())
-            writer.tick()
-            continue
-        print("sbus record: reconnected", file=sys.stderr, flush=True)
-        return bus
-    return None
 
 
 def record(address: str | None, patterns: list[bytes], directory: str, *, flush: float,
@@ -100,17 +104,17 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     old = {s: signal.signal(s, stopper) for s in (signal.SIGTERM, signal.SIGINT)}
     failure: OSError | None = None
     try:
-        bus: Client | None = _connect(address, patterns, block)  # the first must work
+        bus = _connect(address, patterns, block, writer, stopper)
         print(f"sbus record: recording into {directory} from seq {first_seq}",
               file=sys.stderr, flush=True)
-        while bus is not None:
-            try:
-                dropped += _loop(bus, writer, flush, stopper)
-                bus.close()
-                bus = None
-            except ConnectionLost as exc:  # the broker went away (EOF, reset): come back
-                bus.close()
-                bus = _reconnect(address, patterns, block, writer, stopper, str(exc))
+        try:
+            _loop(bus, writer, flush, stopper)
+        except _Stopped:
+            pass
+        finally:
+            stopper.reconnecting = False
+            dropped = bus.dropped
+            bus.close()
     except OSError as exc:  # the journal's disk: full, read-only, gone
         failure = exc
     finally:
@@ -131,76 +135,57 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     return 0
 
 
-def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper) -> int:
+def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper) -> None:
     """Receive and hand the records to the writer until told to stop.
 
-    Packets arrive up to `RECV_SLOTS` per system call (`PacketBatch`, as in the broker,
-    which otherwise outruns a reader making one call per packet), and a batch of ``MSG``
-    packets is split into columns by `split` without a Python object per message; a batch
-    holding anything else goes through `protocol.parse` packet by packet.  The receive
-    itself waits (up to the flush interval, as the socket's receive timeout), so an idle
-    recorder sleeps and a busy one makes no other system call per batch."""
-    sock = bus.sock
-    fd = sock.fileno()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(interval))
-    batch = PacketBatch(RECV_SLOTS, RECV_BUFFER)
-    slots = np.frombuffer(batch.buffer, np.uint8).reshape(RECV_SLOTS, RECV_BUFFER)
-    lengths = np.asarray(batch.received_lengths)
-    dropped = 0
+    Packets arrive up to `RECV_SLOTS` per system call (`Client.receive_frames`: the broker
+    otherwise outruns a reader making one call per packet), and a batch of ``MSG`` packets
+    is split into columns by `split` without a Python object per message; a batch holding
+    anything else (the client has taken in its control packets) goes message by message.
+    A busy recorder makes no other system call per batch; an idle one wakes every `WAKE`
+    seconds to see a stop and the flush interval."""
+    seen = None
+    slots = lengths = np.empty(0)
     next_flush = time.monotonic() + interval
-    others: list = []
-    pending = bus.receive_ready(0)  # set aside by whoami(), so received before the rest
-    _append_events(writer, time.time_ns(), pending, others)
     while not stopper.stop:
         try:
-            n = batch.receive(fd, wait=True)
-        except (BlockingIOError, InterruptedError):  # the timeout, or a signal
-            n = 0
-        except OSError as exc:
-            raise ConnectionLost(f"receiving from the broker at {bus.address} failed: "
-                                 f"{exc.strerror or exc}") from None
-        if n:
+            frames = bus.receive_frames(RECV_SLOTS, timeout=min(interval, WAKE))
+        except TimeoutError:
+            frames = None
+        if frames is not None:
             ts = time.time_ns()
-            records = split(slots, lengths[:n])
-            if records is not None:
-                writer.append_columns(ts, records)
-            else:
-                _append_events(writer, ts, _parse(bus, batch, n), others)
-        for ev in others:
-            if type(ev) is Dropped:
-                dropped += ev.count
-                log.warning("broker dropped %d messages for the recorder", ev.count)
-            elif type(ev) is Refusal:
-                log.warning("the broker refused the recorder's %s: %s", ev.verb, ev.reason)
-        others.clear()
+            if frames.kept:
+                _append_events(writer, ts, frames.kept)
+            batch, n = frames.batch, frames.count
+            if n:
+                if batch is not seen:  # array views of the client's receive buffer
+                    slots = np.frombuffer(batch.buffer, np.uint8).reshape(batch.slots,
+                                                                          batch.slot_size)
+                    lengths = np.asarray(batch.received_lengths)
+                    seen = batch
+                records = None if frames.others else split(slots, lengths[:n])
+                if records is not None:
+                    writer.append_columns(ts, records)
+                else:
+                    _append_events(writer, ts, _messages(bus, frames))
         now = time.monotonic()
         if now >= next_flush:
             writer.flush()
             writer.tick(now)
             next_flush = now + interval
-    return dropped
 
 
-def _timeval(seconds: float) -> bytes:
-    usec = max(1, round(seconds * 1e6))  # zero would mean no timeout at all
-    return struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
+def _messages(bus: Client, frames: Frames) -> list:
+    """The messages of a batch `split` did not take, in order."""
+    batch = frames.batch
+    try:
+        events = protocol.parse_batch(batch.buffer, batch.offsets, batch.lengths)
+    except protocol.ProtocolError as exc:
+        raise SbusError(f"broker at {bus.address} sent a malformed packet: {exc}") from None
+    return [ev for i, ev in enumerate(events) if i not in frames.others]
 
 
-def _parse(bus: Client, batch: PacketBatch, n: int) -> list:
-    """The events of a batch `split` did not take, one packet at a time."""
-    events = []
-    for i in range(n):
-        if batch.lengths[i] == 0:  # the broker sends no empty packets: end of file
-            raise ConnectionLost(f"the broker at {bus.address} closed the connection")
-        try:
-            events.append(bus.session.receive(batch.copy(i)))
-        except protocol.ProtocolError as exc:
-            raise SbusError(f"broker at {bus.address} sent a malformed packet: {exc}") from None
-    return events
-
-
-def _append_events(writer: JournalWriter, ts: int, events: list, others: list) -> None:
-    """Publishes to the journal, in order; everything else to *others*."""
-    keys = [ev.key for ev in events if type(ev) is Publish]
-    writer.append(ts, keys, [ev.payload for ev in events if type(ev) is Publish])
-    others.extend(ev for ev in events if type(ev) is not Publish)
+def _append_events(writer: JournalWriter, ts: int, events: list) -> None:
+    """The messages among *events* to the journal, in order."""
+    messages = [ev for ev in events if type(ev) is Publish]
+    writer.append(ts, [ev.key for ev in messages], [ev.payload for ev in messages])
