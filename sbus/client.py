@@ -197,6 +197,12 @@ class _Shell:
         self.sock = sock
         self._ended = None
 
+    def _restored(self, state: bool, made: int) -> bool:
+        """Whether a *state* packet made while `Session.connections` was *made* is in force
+        without sending it again: a later opening carried the session's state, in which
+        the packet's change already was (SUB twice would hold the pattern twice)."""
+        return state and self.session.connections != made
+
     # -- the one reconnect driver -----------------------------------------------------
 
     def _reopening(self, why: str) -> Iterator[tuple[str, object]]:
@@ -461,6 +467,12 @@ class Client(_Shell):
     def send_packet(self, packet: bytes, flags: int = 0) -> None:
         """Send one packet (``send(2)`` flags passed through); with *reconnect*, a lost
         broker is waited for and the packet sent on the new connection."""
+        self._send(packet, flags, False)
+
+    def _send(self, packet: bytes, flags: int, state: bool) -> None:
+        """`send_packet`; a *state* packet (SUB, UNSUB, flood) is not sent again after a
+        reconnect whose opening already carried the session's state (`_restored`)."""
+        made = self.session.connections
         while True:
             try:
                 self.sock.send(packet, flags)
@@ -471,16 +483,18 @@ class Client(_Shell):
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
                 self._reconnect(_why(exc))
+                if self._restored(state, made):
+                    return
 
     def subscribe(self, pattern: bytes | str, flags: int = 0, *, wait: bool = True) -> None:
         """Subscribe; with *wait* (the default), return once the broker has the
         subscription in force, raising `Refused` if it refused it."""
-        self.send_packet(self.session.subscribe(pattern), flags)
+        self._send(self.session.subscribe(pattern), flags, True)
         if wait:
             self.sync()
 
     def unsubscribe(self, pattern: bytes | str, flags: int = 0) -> None:
-        self.send_packet(self.session.unsubscribe(pattern), flags)
+        self._send(self.session.unsubscribe(pattern), flags, True)
 
     def publish(self, key: bytes | str, payload: bytes | str = b"", flags: int = 0) -> None:
         self.send_packet(self.session.publish(key, payload), flags)
@@ -507,7 +521,7 @@ class Client(_Shell):
                   order: str | None = None) -> None:
         """Choose the broker's flood policy for this client (docs/protocol.md)."""
         for packet in self.session.set_flood(soft, hard, order):
-            self.send_packet(packet)
+            self._send(packet, 0, True)
 
     def sync(self, timeout: float | None = 5.0) -> None:
         """Return once the broker has acted on everything sent before (a whoami round
@@ -895,6 +909,12 @@ class AsyncClient(_Shell):
         return self.sock
 
     async def send_packet(self, packet: bytes, flags: int = 0) -> None:
+        await self._send(packet, flags, False)
+
+    async def _send(self, packet: bytes, flags: int, state: bool) -> None:
+        """`Client._send`: a state packet made before the opening of the connection a
+        reconnect (ours or another task's) brought is not sent again."""
+        made = self.session.connections
         sock = self._socket()
         while True:
             try:
@@ -903,12 +923,15 @@ class AsyncClient(_Shell):
             except BlockingIOError:
                 try:
                     await anyio.wait_writable(sock)
+                    continue
                 except anyio.ClosedResourceError:  # another task is reconnecting
                     sock = await self._gone("closed the connection", sock)
             except OSError as exc:
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
                 sock = await self._reconnect(_why(exc), sock)
+            if self._restored(state, made):
+                return
 
     def send_nowait(self, packet: bytes) -> bool:
         """Send one packet if the connection is up and has room, never waiting nor
@@ -929,12 +952,12 @@ class AsyncClient(_Shell):
 
     async def subscribe(self, pattern: bytes | str, *, wait: bool = True) -> None:
         """Subscribe; with *wait*, return once it is in force (`Refused` if refused)."""
-        await self.send_packet(self.session.subscribe(pattern))
+        await self._send(self.session.subscribe(pattern), 0, True)
         if wait:
             await self.sync()
 
     async def unsubscribe(self, pattern: bytes | str) -> None:
-        await self.send_packet(self.session.unsubscribe(pattern))
+        await self._send(self.session.unsubscribe(pattern), 0, True)
 
     async def publish(self, key: bytes | str, payload: bytes | str = b"") -> None:
         await self.send_packet(self.session.publish(key, payload))
@@ -945,7 +968,7 @@ class AsyncClient(_Shell):
     async def set_flood(self, soft: str | None = None, hard: str | None = None,
                         order: str | None = None) -> None:
         for packet in self.session.set_flood(soft, hard, order):
-            await self.send_packet(packet)
+            await self._send(packet, 0, True)
 
     async def sync(self, timeout: float | None = 5.0) -> None:
         """`Client.sync`: the broker has acted on everything sent before, or `Refused`."""
