@@ -129,6 +129,16 @@ def _why(exc: OSError) -> str:
     return f"failed: {exc.strerror or exc}"
 
 
+def _packet_of(event: Received) -> bytes:
+    """The packet an event kept by the shell came in (for `receive_packets`)."""
+    if type(event) is Dropped:
+        return protocol.encode(Control(protocol.DROPPED, b"%d" % event.count))
+    if type(event) is Reach:
+        count = b"?" if event.count is None else b"%d" % event.count
+        return protocol.encode(Control(protocol.REACH, event.key + b"\0" + count))
+    return protocol.encode(event)
+
+
 class _Gone(Exception):
     """Internal: the connection ended (the text says how); the shell reconnects or raises."""
 
@@ -315,7 +325,10 @@ class _Shell:
 
     def _raw(self, sock: socket.socket, limit: int) -> list[bytes]:
         """The packets that wait on *sock*, as bytes, up to *limit* (several receive calls
-        if need be; see `_receive_into`)."""
+        if need be; see `_receive_into`); what the shell kept comes first, alone (so
+        after a reconnect's opening too)."""
+        if self._pending:
+            return self._kept_packets(limit)
         out: list[bytes] = []
         while len(out) < limit:
             try:
@@ -342,6 +355,15 @@ class _Shell:
         out = list(self._pending)
         self._pending.clear()
         self._refused_later(out)
+        return out
+
+    def _kept_packets(self, limit: int) -> list[bytes]:
+        """Up to *limit* events kept by `sync` or a reconnect's opening, as the packets
+        they came in: `receive_packets` returns them before anything newer (drops in them
+        are counted by the session already)."""
+        out: list[bytes] = []
+        while self._pending and len(out) < limit:
+            out.append(_packet_of(self._pending.popleft()))
         return out
 
     def _refused_later(self, out: list[Received]) -> None:
@@ -574,7 +596,8 @@ class Client(_Shell):
 
     def receive_packets(self, limit: int = SLOTS, timeout: float | None = None) -> list[bytes]:
         """At least one raw packet, plus whatever else is ready (up to *limit*); waits up
-        to *timeout* seconds (default: the client's), then ``TimeoutError``."""
+        to *timeout* seconds (default: the client's), then ``TimeoutError``.  Messages
+        kept by `sync` or a reconnect's opening come first."""
         deadline = self._deadline(timeout)
         while True:
             try:
@@ -1016,7 +1039,8 @@ class AsyncClient(_Shell):
         No event objects, one wait per batch; the session does not see these packets
         (a drop report in them is the caller's to count).  End of connection raises
         `ConnectionLost` once the packets before it are taken (with *reconnect*:
-        reconnects and goes on reading).
+        reconnects and goes on reading).  Messages kept by `sync` or a reconnect's
+        opening come first.
         """
         return await self._receiving(self._raw, limit)
 
