@@ -207,11 +207,21 @@ class _Shell:
         self.sock = sock
         self._ended = None
 
-    def _restored(self, state: bool, made: int) -> bool:
-        """Whether a *state* packet made while `Session.connections` was *made* is in force
-        without sending it again: a later opening carried the session's state, in which
-        the packet's change already was (SUB twice would hold the pattern twice)."""
-        return state and self.session.connections != made
+    def _restored(self, packet: bytes, made: int) -> bool:
+        """Whether *packet*, whose send failed while `Session.connections` was *made*, is
+        not to be sent again on the connection a reconnect brought: a SUB of a pattern
+        the session holds and any UNSUB, when that connection's opening (which restores
+        the session's patterns, made after the packet) already did what they do.  Sent
+        again, the broker would hold the pattern twice, or refuse the UNSUB."""
+        if self.session.connections == made:
+            return False
+        try:
+            event = protocol.parse(packet)
+        except protocol.ProtocolError:
+            return False
+        if type(event) is protocol.Subscribe:
+            return self.session.patterns[event.pattern] > 0
+        return type(event) is protocol.Unsubscribe
 
     # -- the one reconnect driver -----------------------------------------------------
 
@@ -262,6 +272,10 @@ class _Shell:
                     self.sock = None
                     raise self._lost(f"{why}, and did not come back in time") from None
                 yield _SLEEP, delay
+            except BaseException:  # abandoned mid-attempt (cancelled, a signal's exception)
+                if sock is not None:
+                    sock.close()
+                raise
         self.session.restored()
         self._attach(sock)
         self._say(True, f"reconnected to the broker at {self.address}")
@@ -489,11 +503,6 @@ class Client(_Shell):
     def send_packet(self, packet: bytes, flags: int = 0) -> None:
         """Send one packet (``send(2)`` flags passed through); with *reconnect*, a lost
         broker is waited for and the packet sent on the new connection."""
-        self._send(packet, flags, False)
-
-    def _send(self, packet: bytes, flags: int, state: bool) -> None:
-        """`send_packet`; a *state* packet (SUB, UNSUB, flood) is not sent again after a
-        reconnect whose opening already carried the session's state (`_restored`)."""
         made = self.session.connections
         while True:
             try:
@@ -505,18 +514,18 @@ class Client(_Shell):
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
                 self._reconnect(_why(exc))
-                if self._restored(state, made):
+                if self._restored(packet, made):
                     return
 
     def subscribe(self, pattern: bytes | str, flags: int = 0, *, wait: bool = True) -> None:
         """Subscribe; with *wait* (the default), return once the broker has the
         subscription in force, raising `Refused` if it refused it."""
-        self._send(self.session.subscribe(pattern), flags, True)
+        self.send_packet(self.session.subscribe(pattern), flags)
         if wait:
             self.sync()
 
     def unsubscribe(self, pattern: bytes | str, flags: int = 0) -> None:
-        self._send(self.session.unsubscribe(pattern), flags, True)
+        self.send_packet(self.session.unsubscribe(pattern), flags)
 
     def publish(self, key: bytes | str, payload: bytes | str = b"", flags: int = 0) -> None:
         self.send_packet(self.session.publish(key, payload), flags)
@@ -543,7 +552,7 @@ class Client(_Shell):
                   order: str | None = None) -> None:
         """Choose the broker's flood policy for this client (docs/protocol.md)."""
         for packet in self.session.set_flood(soft, hard, order):
-            self._send(packet, 0, True)
+            self.send_packet(packet)
 
     def sync(self, timeout: float | None = 5.0) -> None:
         """Return once the broker has acted on everything sent before (a whoami round
@@ -932,11 +941,8 @@ class AsyncClient(_Shell):
         return self.sock
 
     async def send_packet(self, packet: bytes, flags: int = 0) -> None:
-        await self._send(packet, flags, False)
-
-    async def _send(self, packet: bytes, flags: int, state: bool) -> None:
-        """`Client._send`: a state packet made before the opening of the connection a
-        reconnect (ours or another task's) brought is not sent again."""
+        """`Client.send_packet`: the reconnect may be another task's (a SUB or UNSUB made
+        before its opening is not sent again either)."""
         made = self.session.connections
         sock = self._socket()
         while True:
@@ -953,7 +959,7 @@ class AsyncClient(_Shell):
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
                 sock = await self._reconnect(_why(exc), sock)
-            if self._restored(state, made):
+            if self._restored(packet, made):
                 return
 
     def send_nowait(self, packet: bytes) -> bool:
@@ -975,12 +981,12 @@ class AsyncClient(_Shell):
 
     async def subscribe(self, pattern: bytes | str, *, wait: bool = True) -> None:
         """Subscribe; with *wait*, return once it is in force (`Refused` if refused)."""
-        await self._send(self.session.subscribe(pattern), 0, True)
+        await self.send_packet(self.session.subscribe(pattern))
         if wait:
             await self.sync()
 
     async def unsubscribe(self, pattern: bytes | str) -> None:
-        await self._send(self.session.unsubscribe(pattern), 0, True)
+        await self.send_packet(self.session.unsubscribe(pattern))
 
     async def publish(self, key: bytes | str, payload: bytes | str = b"") -> None:
         await self.send_packet(self.session.publish(key, payload))
@@ -991,7 +997,7 @@ class AsyncClient(_Shell):
     async def set_flood(self, soft: str | None = None, hard: str | None = None,
                         order: str | None = None) -> None:
         for packet in self.session.set_flood(soft, hard, order):
-            await self._send(packet, 0, True)
+            await self.send_packet(packet)
 
     async def sync(self, timeout: float | None = 5.0) -> None:
         """`Client.sync`: the broker has acted on everything sent before, or `Refused`."""

@@ -71,11 +71,10 @@ def _connect(address: str | None, patterns: list[bytes], block: bool,
                 raise _Stopped
             stopper.reconnecting = True
 
+    # A refused pattern (here, or when the broker comes back) is `Refused`: one line, exit 1.
     bus = Client(address, reconnect=True, on_connection=said,
                  on_drop=lambda n: log.warning("broker dropped %d messages for the "
-                                               "recorder", n),
-                 on_refusal=lambda r: log.warning("the broker refused the recorder's %s: %s",
-                                                  r.verb, r.reason))
+                                               "recorder", n))
     try:
         bus.set_flood(soft="queue", hard="block" if block else None)
         for pattern in patterns:
