@@ -2,16 +2,16 @@
 `JournalWriter`.
 
 It must never be the slow reader: the client (`Client.receive_frames`) drains up to 256
-packets per system call, each such batch split into columns by array operations (`columns.split`) and
-stamped with one receive time, and the columns are buffered into blocks of about a
-megabyte, written with one ``writev`` each.  The broker is asked for soft *queue* mode so
-bursts are queued for us rather than dropped; ``--block`` also asks for hard *block*, so
-publishers wait rather than lose messages once that queue is full.  A block is written
-(to the OS) at least every ``--flush`` seconds, so ``kill -9`` loses at most that much;
-SIGTERM/SIGINT flush and seal.  If the broker goes away the client reconnects and
-re-subscribes (``reconnect=True``: the recorder has no connection code of its own); a
-refused pattern, or a journal write that fails (disk full) ends it with one line, leaving what
-was written readable.
+packets per system call, each such batch split into columns by array operations
+(`columns.split`) and stamped with one receive time, and the columns are buffered into
+blocks of about a megabyte, written with one ``writev`` each.  The broker is asked for
+soft *queue* mode so bursts are queued for us rather than dropped; ``--block`` also asks
+for hard *block*, so publishers wait rather than lose messages once that queue is full.
+A block is written (to the OS) at least every ``--flush`` seconds, so ``kill -9`` loses
+at most that much; SIGTERM/SIGINT flush and seal.  If the broker goes away the client
+reconnects and re-subscribes (``reconnect=True``: the recorder has no connection code of
+its own); a refused pattern, or a journal write that fails (disk full), ends it with one
+line, leaving what was written readable.
 """
 
 from __future__ import annotations
