@@ -28,6 +28,7 @@ import errno
 import logging
 import select
 import socket
+import struct
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -282,15 +283,17 @@ class _Shell:
 
     # -- receiving: batches -> events ---------------------------------------------------
 
-    def _receive_into(self, sock: socket.socket, limit: int) -> int:
+    def _receive_into(self, sock: socket.socket, limit: int, wait: bool = False) -> int:
         """Packets waiting on *sock* into the batch buffer, without blocking: how many
-        (BlockingIOError when none; `_Gone` at the end of the connection)."""
+        (BlockingIOError when none; `_Gone` at the end of the connection).  With *wait*
+        (a blocking socket) the call blocks for the first packet, up to the socket's
+        ``SO_RCVTIMEO`` (then BlockingIOError; a signal: InterruptedError)."""
         if self._ended is not None:
             raise _Gone(self._ended)
         batch = self._batch or self._batch_of(SLOTS)
         try:
-            n = batch.receive(sock.fileno(), limit=max(1, min(limit, batch.slots)))
-        except BlockingIOError:
+            n = batch.receive(sock.fileno(), wait, max(1, min(limit, batch.slots)))
+        except (BlockingIOError, InterruptedError):
             raise
         except OSError as exc:
             if exc.errno in _GONE or exc.errno in _CLOSED:
@@ -478,6 +481,7 @@ class Client(_Shell):
         super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff,
                          on_refusal)
         self._timeout = timeout
+        self._rcvtimeo: tuple[socket.socket, int] | None = None  # `_receive_timeout`
         self._attach(connect_socket(self.address))  # the first connection must work
         self.session.connected()
 
@@ -590,6 +594,7 @@ class Client(_Shell):
         if self._one is None:
             self._one = memoryview(bytearray(RECV_BUFFER))
         while True:
+            self._plain()
             try:
                 n = self.sock.recv_into(self._one, 0, flags)
             except (BlockingIOError, TimeoutError):
@@ -657,15 +662,38 @@ class Client(_Shell):
                 kept = list(self._pending)
                 self._pending.clear()
                 return Frames(kept, batch, 0, {})
+            # A blocking socket waits inside the receive (one system call per batch): the
+            # socket's receive timeout bounds the wait (set once for a reader that always
+            # asks for the same *timeout*).
+            blocking = self.sock.gettimeout() is None
+            if blocking:
+                self._receive_timeout(timeout)
             try:
-                n = self._receive_into(self.sock, limit)
+                n = self._receive_into(self.sock, limit, blocking)
             except BlockingIOError:
+                if blocking:
+                    raise self._quiet(timeout) from None
                 self._wait_readable(deadline, timeout)
                 continue
+            except InterruptedError:  # a signal: the reader looks at what it set
+                return Frames([], batch, 0, {})
             except _Gone as gone:
                 self._gone(str(gone))
                 continue
             return Frames([], batch, n, self._others(batch, n))
+
+    def _receive_timeout(self, seconds: float | None) -> None:
+        """``SO_RCVTIMEO`` of the (blocking) socket, set only when it changes; None: none.
+        `_plain` takes it off before a receive that must not time out."""
+        usec = 0 if seconds is None else max(1, round(seconds * 1e6))
+        if self._rcvtimeo != (self.sock, usec):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                 struct.pack("@ll", usec // 1_000_000, usec % 1_000_000))
+            self._rcvtimeo = (self.sock, usec)
+
+    def _plain(self) -> None:
+        if self._rcvtimeo is not None and self._rcvtimeo[1]:
+            self._receive_timeout(None)
 
     def _others(self, batch: PacketBatch, n: int) -> dict[int, Received | None]:
         """The packets of *batch* that are not messages, taken in by the session."""
@@ -695,8 +723,11 @@ class Client(_Shell):
     def _wait_readable(self, deadline: float | None, timeout: float | None) -> None:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not _wait(self.sock, True, left):
-            raise TimeoutError(f"no message from the broker at {self.address} within "
-                               f"{timeout if timeout is not None else self._timeout} s")
+            raise self._quiet(timeout)
+
+    def _quiet(self, timeout: float | None) -> TimeoutError:
+        return TimeoutError(f"no message from the broker at {self.address} within "
+                            f"{timeout if timeout is not None else self._timeout} s")
 
     def receive(self, timeout: float | None = None, flags: int = 0) -> Received:
         """The next message, drop report or control message; ``TimeoutError`` after
@@ -726,6 +757,7 @@ class Client(_Shell):
                 self._wait_readable(deadline, timeout)
             if self._one is None:
                 self._one = memoryview(bytearray(RECV_BUFFER))
+            self._plain()
             try:
                 n = self.sock.recv_into(self._one)
             except OSError as exc:

@@ -8,6 +8,7 @@ import os
 import select
 import signal
 import socket
+import threading
 
 import anyio
 import pytest
@@ -333,6 +334,14 @@ def test_receive_frames_hands_messages_and_takes_in_the_rest(make_broker):
         assert [e for e in others if e is not None] and all(
             type(e) is Dropped for e in others if e is not None)
         assert got == [p for p in sent if p in got] + [b"last"]
+        # an idle wait ends at its timeout; a plain receive after it still waits as long
+        # as it takes (the socket's receive timeout is the fast reader's only)
+        with pytest.raises(TimeoutError):
+            sub.receive_frames(timeout=0.2)
+        later = threading.Timer(0.5, lambda: pub.publish(b"k", b"later"))
+        later.start()
+        assert sub.receive() == Publish(b"k", b"later")
+        later.join()
 
 
 def _socket_fds() -> int:
