@@ -57,7 +57,7 @@ def split(slots: np.ndarray, lengths: np.ndarray) -> Columns | None:
     if not n:
         return None
     width, shortest = int(lengths.max()), int(lengths.min())
-    if shortest < 5 or width > WIDEST:  # b"MSG \0" is the shortest MSG
+    if shortest < 5 or width > WIDEST:  # MSG_HEAD and a NUL: the shortest MSG
         return None
     rows = slots[:n, :width]
     head = rows[0, :shortest].tobytes()
