@@ -28,15 +28,17 @@ import errno
 import logging
 import select
 import socket
+import struct
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import NamedTuple
 
 import anyio
 
 from . import protocol
 from .defaults import MAX_MESSAGE, RECV_BUFFER, SEND_BUFFER, default_address
-from .display import brief
+from .display import LOG_QUOTE, brief
 from .errors import ConnectError, ConnectionLost, InvalidRequest, NoResponders, Refused, SbusError
 from .keys import Credentials
 from .packetio import PacketBatch
@@ -45,7 +47,7 @@ from .session import Backoff, Dropped, Event, Reach, Refusal, Session, Whoami
 
 __all__ = ["Client", "AsyncClient", "SbusError", "ConnectError", "ConnectionLost",
            "NoResponders", "default_address", "wait_for_broker", "Publish", "Control",
-           "Dropped", "RECV_BUFFER"]
+           "Dropped", "RECV_BUFFER", "Frames"]
 
 log = logging.getLogger("sbus.client")
 
@@ -58,6 +60,10 @@ _CLOSED = frozenset((errno.EPIPE, errno.ECONNRESET))
 #: Packets taken per receive call at most (each slot holds one packet of up to
 #: `RECV_BUFFER` bytes; the mapping's pages are only touched as packets reach them).
 SLOTS = 64
+#: Bytes of one receive slot: a page more than `RECV_BUFFER`, so a packet that fills its
+#: slot is known to have been cut by the kernel (a broker with a larger --max-message
+#: forwards such): it is never handed out cut, but counted in `Client.cut`.
+SLOT_BYTES = RECV_BUFFER + 4096
 #: A batch holding a packet larger than this gives its pages back once decoded.
 RELEASE_FROM = 64 * 1024
 #: Seconds a new connection has to answer its opening before it counts as failed.
@@ -67,6 +73,20 @@ OPENING_TIMEOUT = 5.0
 _READ, _WRITE, _SLEEP = "read", "write", "sleep"
 
 Received = Publish | Dropped | Control
+
+
+class Frames(NamedTuple):
+    """One received batch as the buffer holds it (`Client.receive_frames`), for a reader
+    that splits messages itself.  Packet ``i < count`` is ``batch.buffer[batch.offsets[i]:
+    batch.offsets[i] + batch.lengths[i]]``, valid until the next receive."""
+
+    #: Events received earlier and kept (while syncing or reconnecting): they come first.
+    kept: list[Received]
+    batch: PacketBatch
+    count: int
+    #: The packets that are not messages, as the session took them in (None: consumed,
+    #: e.g. a whoami answer or a refusal); every other packet starts with `MSG_VERB`.
+    others: dict[int, Received | None]
 
 
 def wait_for_broker(address: str | None = None, timeout: float = 10.0,
@@ -112,6 +132,16 @@ def _why(exc: OSError) -> str:
     if exc.errno in _CLOSED:
         return "closed the connection"
     return f"failed: {exc.strerror or exc}"
+
+
+def _packet_of(event: Received) -> bytes:
+    """The packet an event kept by the shell came in (for `receive_packets`)."""
+    if type(event) is Dropped:
+        return protocol.encode(Control(protocol.DROPPED, b"%d" % event.count))
+    if type(event) is Reach:
+        count = b"?" if event.count is None else b"%d" % event.count
+        return protocol.encode(Control(protocol.REACH, event.key + b"\0" + count))
+    return protocol.encode(event)
 
 
 class _Gone(Exception):
@@ -182,6 +212,22 @@ class _Shell:
         self.sock = sock
         self._ended = None
 
+    def _restored(self, packet: bytes, made: int) -> bool:
+        """Whether *packet*, whose send failed while `Session.connections` was *made*, is
+        not to be sent again on the connection a reconnect brought: a SUB of a pattern
+        the session holds and any UNSUB, when that connection's opening (which restores
+        the session's patterns, made after the packet) already did what they do.  Sent
+        again, the broker would hold the pattern twice, or refuse the UNSUB."""
+        if self.session.connections == made:
+            return False
+        try:
+            event = protocol.parse(packet)
+        except protocol.ProtocolError:
+            return False
+        if type(event) is protocol.Subscribe:
+            return self.session.patterns[event.pattern] > 0
+        return type(event) is protocol.Unsubscribe
+
     # -- the one reconnect driver -----------------------------------------------------
 
     def _reopening(self, why: str) -> Iterator[tuple[str, object]]:
@@ -231,23 +277,27 @@ class _Shell:
                     self.sock = None
                     raise self._lost(f"{why}, and did not come back in time") from None
                 yield _SLEEP, delay
+            except BaseException:  # abandoned mid-attempt (cancelled, a signal's exception)
+                if sock is not None:
+                    sock.close()
+                raise
         self.session.restored()
         self._attach(sock)
         self._say(True, f"reconnected to the broker at {self.address}")
 
     # -- receiving: batches -> events ---------------------------------------------------
 
-    def _receive_into(self, sock: socket.socket, limit: int) -> int:
+    def _receive_into(self, sock: socket.socket, limit: int, wait: bool = False) -> int:
         """Packets waiting on *sock* into the batch buffer, without blocking: how many
-        (BlockingIOError when none; `_Gone` at the end of the connection)."""
+        (BlockingIOError when none; `_Gone` at the end of the connection).  With *wait*
+        (a blocking socket) the call blocks for the first packet, up to the socket's
+        ``SO_RCVTIMEO`` (then BlockingIOError; a signal: InterruptedError)."""
         if self._ended is not None:
             raise _Gone(self._ended)
-        batch = self._batch
-        if batch is None:
-            batch = self._batch = PacketBatch(SLOTS, RECV_BUFFER)
+        batch = self._batch or self._batch_of(SLOTS)
         try:
-            n = batch.receive(sock.fileno(), limit=max(1, min(limit, SLOTS)))
-        except BlockingIOError:
+            n = batch.receive(sock.fileno(), wait, max(1, min(limit, batch.slots)))
+        except (BlockingIOError, InterruptedError):
             raise
         except OSError as exc:
             if exc.errno in _GONE or exc.errno in _CLOSED:
@@ -261,6 +311,14 @@ class _Shell:
                 raise _Gone("closed the connection")
             self._ended = "closed the connection"
         return n
+
+    def _batch_of(self, slots: int) -> PacketBatch:
+        """The receive buffer, made (or made again, between batches) with at least *slots*
+        slots: a reader that asks for larger batches gets them."""
+        batch = self._batch
+        if batch is None or batch.slots < slots:
+            batch = self._batch = PacketBatch(max(slots, SLOTS), SLOT_BYTES)
+        return batch
 
     def _decode(self, sock: socket.socket, limit: int) -> tuple[list[Event], list[int]]:
         """The events of what waits on *sock* (see `_receive_into`), and the indices of
@@ -288,7 +346,10 @@ class _Shell:
 
     def _raw(self, sock: socket.socket, limit: int) -> list[bytes]:
         """The packets that wait on *sock*, as bytes, up to *limit* (several receive calls
-        if need be; see `_receive_into`)."""
+        if need be; see `_receive_into`); what the shell kept comes first, alone (so
+        after a reconnect's opening too)."""
+        if self._pending:
+            return self._kept_packets(limit)
         out: list[bytes] = []
         while len(out) < limit:
             try:
@@ -315,6 +376,15 @@ class _Shell:
         out = list(self._pending)
         self._pending.clear()
         self._refused_later(out)
+        return out
+
+    def _kept_packets(self, limit: int) -> list[bytes]:
+        """Up to *limit* events kept by `sync` or a reconnect's opening, as the packets
+        they came in: `receive_packets` returns them before anything newer (drops in them
+        are counted by the session already)."""
+        out: list[bytes] = []
+        while self._pending and len(out) < limit:
+            out.append(_packet_of(self._pending.popleft()))
         return out
 
     def _refused_later(self, out: list[Received]) -> None:
@@ -415,6 +485,10 @@ class Client(_Shell):
         super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff,
                          on_refusal)
         self._timeout = timeout
+        self._rcvtimeo: tuple[socket.socket, int] | None = None  # `_receive_timeout`
+        #: Messages too large to receive whole (cut by the kernel: never handed out), and
+        #: the key of the last one (`receive_frames`).
+        self.cut, self.cut_key = 0, b""
         self._attach(connect_socket(self.address))  # the first connection must work
         self.session.connected()
 
@@ -440,6 +514,7 @@ class Client(_Shell):
     def send_packet(self, packet: bytes, flags: int = 0) -> None:
         """Send one packet (``send(2)`` flags passed through); with *reconnect*, a lost
         broker is waited for and the packet sent on the new connection."""
+        made = self.session.connections
         while True:
             try:
                 self.sock.send(packet, flags)
@@ -450,6 +525,8 @@ class Client(_Shell):
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
                 self._reconnect(_why(exc))
+                if self._restored(packet, made):
+                    return
 
     def subscribe(self, pattern: bytes | str, flags: int = 0, *, wait: bool = True) -> None:
         """Subscribe; with *wait* (the default), return once the broker has the
@@ -524,6 +601,7 @@ class Client(_Shell):
         if self._one is None:
             self._one = memoryview(bytearray(RECV_BUFFER))
         while True:
+            self._plain()
             try:
                 n = self.sock.recv_into(self._one, 0, flags)
             except (BlockingIOError, TimeoutError):
@@ -539,7 +617,8 @@ class Client(_Shell):
 
     def receive_packets(self, limit: int = SLOTS, timeout: float | None = None) -> list[bytes]:
         """At least one raw packet, plus whatever else is ready (up to *limit*); waits up
-        to *timeout* seconds (default: the client's), then ``TimeoutError``."""
+        to *timeout* seconds (default: the client's), then ``TimeoutError``.  Messages
+        kept by `sync` or a reconnect's opening come first."""
         deadline = self._deadline(timeout)
         while True:
             try:
@@ -574,6 +653,82 @@ class Client(_Shell):
             if out:
                 return out
 
+    def receive_frames(self, limit: int = SLOTS, timeout: float | None = None) -> Frames:
+        """One received batch of up to *limit* packets as the buffer holds them, for a
+        reader that splits messages itself (the recorder's array columns): no object per
+        message.  The session has taken in the other packets (drop reports counted and
+        *on_drop*, whoami answers consumed, refusals to *on_refusal* or raised by the next
+        call), so the reader needs only the messages.  Waits and reconnects as
+        `receive_batch`; ``TimeoutError`` after *timeout* seconds (default: the client's)."""
+        self._refused()
+        batch = self._batch_of(limit)
+        self._unpin(batch)  # the previous batch is the reader's no more
+        deadline = self._deadline(timeout)
+        while True:
+            if self._pending:  # kept by `sync`, or by a reconnect's opening
+                kept = list(self._pending)
+                self._pending.clear()
+                return Frames(kept, batch, 0, {})
+            # A blocking socket waits inside the receive (one system call per batch): the
+            # socket's receive timeout bounds the wait (set once for a reader that always
+            # asks for the same *timeout*).
+            blocking = self.sock.gettimeout() is None
+            if blocking:
+                self._receive_timeout(timeout)
+            try:
+                n = self._receive_into(self.sock, limit, blocking)
+            except BlockingIOError:
+                if blocking:
+                    raise self._quiet(timeout) from None
+                self._wait_readable(deadline, timeout)
+                continue
+            except InterruptedError:  # a signal: the reader looks at what it set
+                return Frames([], batch, 0, {})
+            except _Gone as gone:
+                self._gone(str(gone))
+                continue
+            return Frames([], batch, n, self._others(batch, n))
+
+    def _receive_timeout(self, seconds: float | None) -> None:
+        """``SO_RCVTIMEO`` of the (blocking) socket, set only when it changes; None: none.
+        `_plain` takes it off before a receive that must not time out."""
+        usec = 0 if seconds is None else max(1, round(seconds * 1e6))
+        if self._rcvtimeo != (self.sock, usec):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                 struct.pack("@ll", usec // 1_000_000, usec % 1_000_000))
+            self._rcvtimeo = (self.sock, usec)
+
+    def _plain(self) -> None:
+        if self._rcvtimeo is not None and self._rcvtimeo[1]:
+            self._receive_timeout(None)
+
+    def _others(self, batch: PacketBatch, n: int) -> dict[int, Received | None]:
+        """The packets of *batch* that are not messages, taken in by the session."""
+        heads = batch.heads(0, n, 4)
+        lengths = batch.lengths
+        if heads.count(protocol.MSG_VERB) == n and min(lengths) > 4 and \
+                max(lengths) < SLOT_BYTES:
+            return {}  # messages only: the common case, three calls in C
+        others: dict[int, Received | None] = {}
+        for i, (head, size) in enumerate(zip(heads, lengths, strict=True)):
+            if size >= SLOT_BYTES:  # cut by the kernel: never handed out, counted
+                packet = batch.copy(i)
+                self.cut += 1
+                self.cut_key = packet[4:packet.find(b"\0", 4)][:LOG_QUOTE]
+                others[i] = None
+            elif head != protocol.MSG_VERB or size < 5:
+                try:
+                    event = self.session.receive(batch.copy(i))
+                except protocol.ProtocolError as exc:
+                    raise SbusError(f"the broker at {self.address} sent a malformed "
+                                    f"packet: {exc}") from None
+                if type(event) is Refusal and self.on_refusal is None:
+                    self._refusals.append(event)  # raised by the next call
+                    others[i] = None
+                else:
+                    others[i] = self._take(event)
+        return others
+
     def _deadline(self, timeout: float | None) -> float | None:
         if timeout is None:
             timeout = self._timeout
@@ -582,8 +737,11 @@ class Client(_Shell):
     def _wait_readable(self, deadline: float | None, timeout: float | None) -> None:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not _wait(self.sock, True, left):
-            raise TimeoutError(f"no message from the broker at {self.address} within "
-                               f"{timeout if timeout is not None else self._timeout} s")
+            raise self._quiet(timeout)
+
+    def _quiet(self, timeout: float | None) -> TimeoutError:
+        return TimeoutError(f"no message from the broker at {self.address} within "
+                            f"{timeout if timeout is not None else self._timeout} s")
 
     def receive(self, timeout: float | None = None, flags: int = 0) -> Received:
         """The next message, drop report or control message; ``TimeoutError`` after
@@ -615,6 +773,7 @@ class Client(_Shell):
                 self._wait_readable(deadline, timeout)
             if self._one is None:
                 self._one = memoryview(bytearray(RECV_BUFFER))
+            self._plain()
             try:
                 n = self.sock.recv_into(self._one, 0, flags)
             except BlockingIOError:
@@ -832,6 +991,9 @@ class AsyncClient(_Shell):
         return self.sock
 
     async def send_packet(self, packet: bytes, flags: int = 0) -> None:
+        """`Client.send_packet`: the reconnect may be another task's (a SUB or UNSUB made
+        before its opening is not sent again either)."""
+        made = self.session.connections
         sock = self._socket()
         while True:
             try:
@@ -840,12 +1002,15 @@ class AsyncClient(_Shell):
             except BlockingIOError:
                 try:
                     await anyio.wait_writable(sock)
+                    continue
                 except anyio.ClosedResourceError:  # another task is reconnecting
                     sock = await self._gone("closed the connection", sock)
             except OSError as exc:
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
                 sock = await self._reconnect(_why(exc), sock)
+            if self._restored(packet, made):
+                return
 
     def send_nowait(self, packet: bytes) -> bool:
         """Send one packet if the connection is up and has room, never waiting nor
@@ -930,7 +1095,8 @@ class AsyncClient(_Shell):
         No event objects, one wait per batch; the session does not see these packets
         (a drop report in them is the caller's to count).  End of connection raises
         `ConnectionLost` once the packets before it are taken (with *reconnect*:
-        reconnects and goes on reading).
+        reconnects and goes on reading).  Messages kept by `sync` or a reconnect's
+        opening come first.
         """
         return await self._receiving(self._raw, limit)
 

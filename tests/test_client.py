@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import select
 import signal
 import socket
+import threading
 
+import anyio
 import pytest
 import trio
 
 from sbus import AsyncClient, Client, ConnectError, Dropped, Publish, SbusError
+from sbus.errors import Refused
 from sbus.keys import Credentials
 
 
@@ -203,3 +207,183 @@ def test_a_batch_of_large_messages_arrives_whole(broker):
         while len(got) < len(payloads):
             got.extend(ev.payload for ev in sub.receive_batch(timeout=5))
         assert got == payloads
+
+
+# -- the shells across reconnects, refusals and fast readers ---------------------------
+
+
+def _status(address: str) -> dict:
+    with Client(address) as probe:
+        probe.control(b"broker/status")
+        return json.loads(probe.receive(timeout=5).payload)
+
+
+def _patterns(address: str) -> tuple[list[list[str]], int]:
+    """Each client's patterns, and how many subscriptions the broker holds (repeats
+    counted)."""
+    st = _status(address)
+    return (sorted(sorted(c["patterns"]) for c in st["clients"] if c["patterns"]),
+            st["broker"]["subscriptions"])
+
+
+def test_a_subscription_sent_across_a_reconnect_is_held_once(broker):
+    """SUB/UNSUB that fail because the broker went away are not sent again after the
+    reconnect: the reopening already restored the session's patterns (the broker would
+    otherwise hold the new pattern twice, and refuse an UNSUB of one it never had)."""
+    with Client(broker.address, reconnect=True, on_connection=lambda up, line: None) as bus:
+        bus.subscribe(b"a/")
+        bus.subscribe(b"c/")
+        broker.stop()
+        broker.start()
+        bus.subscribe(b"b/")  # the send fails: reconnects, then must not send it again
+        broker.stop()
+        broker.start()
+        bus.unsubscribe(b"c/")
+        bus.sync()  # no refusal of an UNSUB of a pattern the new connection never had
+        assert _patterns(broker.address) == ([["a/", "b/"]], 2)
+
+
+def test_async_subscription_across_a_reconnect_is_held_once(broker):
+    async def main() -> None:
+        async with AsyncClient(broker.address, reconnect=True,
+                               on_connection=lambda up, line: None) as bus:
+            await bus.subscribe(b"a/")
+            broker.stop()
+            broker.start()
+            await bus.subscribe(b"b/")
+            assert _patterns(broker.address) == ([["a/", "b/"]], 2)
+    trio.run(main)
+
+
+def test_receive_packets_returns_what_sync_kept(broker):
+    """Messages read while waiting for the barrier (`sync`, a reconnect's opening) are
+    kept in the shell: `receive_packets` returns them first, as packets, not never."""
+    with Client(broker.address) as sub, Client(broker.address) as pub:
+        sub.subscribe(b"k")
+        pub.publish(b"k", b"one")
+        pub.publish(b"k", b"two")
+        pub.sync()
+        sub.sync()  # reads both messages before the whoami answer: kept
+        pub.publish(b"k", b"three")
+        got: list[bytes] = []
+        while len(got) < 3:
+            got += sub.receive_packets(timeout=2)
+        assert got == [b"MSG k\0one", b"MSG k\0two", b"MSG k\0three"]
+
+    async def main() -> list[bytes]:
+        async with AsyncClient(broker.address) as sub, AsyncClient(broker.address) as pub:
+            await sub.subscribe(b"k")
+            await pub.publish(b"k", b"one")
+            await pub.sync()
+            await sub.sync()
+            with trio.fail_after(2):
+                return await sub.receive_packets()
+    assert trio.run(main) == [b"MSG k\0one"]
+
+
+def test_receive_batch_raises_a_refusal_that_arrives_alone(broker):
+    """A batch holding only a refusal does not leave `receive_batch` waiting: it raises
+    (or, with *on_refusal*, says it there); a fast reader's next call raises it too."""
+    with Client(broker.address) as bus:
+        bus.subscribe(b"!/cred/0/0/1/", wait=False)
+        with pytest.raises(Refused, match="names PID 1"):
+            bus.receive_batch(timeout=5)
+        bus.subscribe(b"!/cred/0/0/1/", wait=False)
+        bus.receive_frames(timeout=5)  # the refusal's batch: taken in, raised next
+        with pytest.raises(Refused, match="names PID 1"):
+            bus.receive_frames(timeout=5)
+    said = []
+    with Client(broker.address, on_refusal=said.append) as bus:
+        bus.subscribe(b"!/cred/0/0/1/", wait=False)
+        with pytest.raises(TimeoutError):
+            bus.receive_batch(timeout=1)
+        assert [r.verb for r in said] == ["sub"]
+
+    async def main() -> None:
+        async with AsyncClient(broker.address) as bus:
+            await bus.subscribe(b"!/cred/0/0/1/", wait=False)
+            with trio.fail_after(5), pytest.raises(Refused, match="names PID 1"):
+                await bus.receive_batch()
+    trio.run(main)
+
+
+def test_receive_frames_hands_messages_and_takes_in_the_rest(make_broker):
+    """`receive_frames`: the messages as the buffer holds them; a drop report among them
+    counted by the session (and *on_drop*), a whoami answer consumed."""
+    broker = make_broker("--queue-limit", "64k")
+    drops: list[int] = []
+    with Client(broker.address, on_drop=drops.append) as sub, Client(broker.address) as pub:
+        sub.subscribe(b"k")
+        sent = [b"%d" % i + bytes(4000) for i in range(100)]  # beyond the queue limit
+        for p in sent:
+            pub.publish(b"k", p)
+        pub.sync()
+        sub.control(b"!/cred/whoami")
+        pub.publish(b"k", b"last")
+        pub.sync()
+        got: list[bytes] = []
+        others: list = []
+        while b"last" not in got:
+            frames = sub.receive_frames(timeout=5)
+            assert not frames.kept
+            b = frames.batch
+            for i in range(frames.count):
+                if i in frames.others:
+                    others.append(frames.others[i])
+                else:
+                    packet = b.buffer[b.offsets[i]:b.offsets[i] + b.lengths[i]]
+                    got.append(packet[len(b"MSG k\0"):])
+        lost = len(sent) + 1 - len(got)
+        assert lost > 0 and sum(drops) == sub.dropped == lost
+        assert None in others  # the whoami answer, consumed
+        assert [e for e in others if e is not None] and all(
+            type(e) is Dropped for e in others if e is not None)
+        assert got == [p for p in sent if p in got] + [b"last"]
+        # an idle wait ends at its timeout; a plain receive after it still waits as long
+        # as it takes (the socket's receive timeout is the fast reader's only)
+        with pytest.raises(TimeoutError):
+            sub.receive_frames(timeout=0.2)
+        later = threading.Timer(0.5, lambda: pub.publish(b"k", b"later"))
+        later.start()
+        assert sub.receive() == Publish(b"k", b"later")
+        later.join()
+
+
+def _socket_fds() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+               for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+async def _two_tasks_across_a_restart(broker) -> tuple[int, int, int]:
+    """A sending and a receiving task of one client both notice the broker go: one
+    reconnect, one connection, both go on."""
+    async with AsyncClient(broker.address, reconnect=True,
+                           on_connection=lambda up, line: None) as bus:
+        await bus.subscribe(b"echo")
+        before = _socket_fds()
+        got: list[bytes] = []
+        async with anyio.create_task_group() as tasks:
+            async def send() -> None:
+                n = 0
+                while True:
+                    n += 1
+                    await bus.publish(b"echo", b"%d" % n)
+                    await anyio.sleep(0.005)
+
+            tasks.start_soon(send)
+            while len(got) < 5:
+                got += [ev.payload for ev in await bus.receive_batch()]
+            broker.stop()
+            broker.start()
+            with anyio.fail_after(20):
+                target = len(got) + 20
+                while len(got) < target:
+                    got += [ev.payload for ev in await bus.receive_batch()]
+            tasks.cancel_scope.cancel()
+        clients = _status(broker.address)["broker"]["clients"]  # ours and the probe's
+        return bus.connections, _socket_fds() - before, clients
+
+
+def test_two_tasks_reconnect_once(broker):
+    assert trio.run(_two_tasks_across_a_restart, broker) == (2, 0, 2)
+    assert asyncio.run(_two_tasks_across_a_restart(broker)) == (2, 0, 2)

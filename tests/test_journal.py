@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import threading
@@ -282,6 +283,53 @@ def test_record_behind_by_more_than_the_queue_limit(make_broker, tmp_path: Path,
         assert lost > 0 and f"broker dropped {lost}" in tail
         assert payloads == [p[len(b"MSG burst\0"):] for p in sent][:len(got)]
     pub.close()
+
+
+def test_record_reconnects_through_the_client_and_stops_while_waiting(broker, tmp_path: Path):
+    """The broker restarts under a recording: the client says so on stderr, comes back with
+    the subscription, and the sequence numbers continue over the gap; a SIGTERM while the
+    broker is away ends the wait at once, every segment sealed."""
+    jdir = tmp_path / "journal"
+    rec = start_recorder(broker.address, jdir)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in rec.stderr], daemon=True).start()
+
+    def said(word: str) -> str:
+        while True:
+            line = lines.get(timeout=10)
+            if word in line:
+                return line
+
+    def publish(start: int, end: int) -> None:
+        pub = raw(broker.address)
+        for i in range(start, end):
+            pub.send(b"MSG r/%d\0seq %d" % (i % 3, i))
+        sync(pub)
+        pub.close()
+
+    try:
+        publish(0, 300)
+        wait_records(jdir, 300)
+        broker.stop()
+        assert "reconnecting" in said("reconnecting")
+        broker.start()
+        assert "reconnected" in said("reconnected")
+        publish(300, 600)
+        got = wait_records(jdir, 600)
+        assert [r[0] for r in got] == list(range(1, 601))
+        assert [r[3] for r in got] == [b"seq %d" % i for i in range(600)]
+        broker.stop()
+        said("reconnecting")
+        started = time.monotonic()
+        rec.send_signal(signal.SIGTERM)
+        assert rec.wait(10) == 0
+        assert time.monotonic() - started < 3  # not after a reconnect that never comes
+        assert all(s.sealed for s in list_segments(jdir))
+        assert "600 messages" in said("messages in")
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
 
 
 def test_record_bad_options_change_nothing(tmp_path: Path):

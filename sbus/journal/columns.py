@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..protocol import MSG_VERB
+
 __all__ = ["WIDEST", "Columns", "split"]
 
 #: Batches with a longer packet are split one packet at a time: the array work grows with
@@ -22,7 +24,7 @@ WIDEST = 2048
 # Narrow integers: comparisons broadcast over a whole batch run several times faster on them.
 _COLS = np.arange(WIDEST, dtype=np.uint16)
 _AFTER_VERB = _COLS >= 4
-_MSG = int.from_bytes(b"MSG ", "little")
+_MSG = int.from_bytes(MSG_VERB, "little")
 
 
 class Columns(NamedTuple):
@@ -55,12 +57,12 @@ def split(slots: np.ndarray, lengths: np.ndarray) -> Columns | None:
     if not n:
         return None
     width, shortest = int(lengths.max()), int(lengths.min())
-    if shortest < 5 or width > WIDEST:  # b"MSG \0" is the shortest MSG
+    if shortest < 5 or width > WIDEST:  # MSG_VERB and a NUL: the shortest MSG
         return None
     rows = slots[:n, :width]
     head = rows[0, :shortest].tobytes()
     end = head.find(b"\0") + 1
-    if end and head.startswith(b"MSG ") and (rows[:, :end] == rows[0, :end]).all():
+    if end and head.startswith(MSG_VERB) and (rows[:, :end] == rows[0, :end]).all():
         # Every packet starts with the first one's "MSG key\0" (within the shortest
         # packet, so no stale byte is compared): one key, no search.
         keys = head[4:end - 1] * n

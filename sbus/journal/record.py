@@ -1,123 +1,112 @@
 """The recorder behind ``sbus record`` (`sbus.cmd.record`): a thin I/O shell around
 `JournalWriter`.
 
-It must never be the slow reader: the socket is drained up to 256 packets per system
-call, each such batch split into columns by array operations (`columns.split`) and
-stamped with one receive time, and the columns are buffered into blocks of about a
-megabyte, written with one ``writev`` each.  The broker is asked for soft *queue* mode so
-bursts are queued for us rather than dropped; ``--block`` also asks for hard *block*, so
-publishers wait rather than lose messages once that queue is full.  A block is written
-(to the OS) at least every ``--flush`` seconds, so ``kill -9`` loses at most that much;
-SIGTERM/SIGINT flush and seal.  If the broker goes away the recorder reconnects and
-re-subscribes; a journal write that fails (disk full) ends it with one line, leaving what
-was written readable.
-
-A message larger than the recorder's receive slot (`RECV_LIMIT`; only a broker started
-with a larger ``--max-message`` forwards one) would arrive cut: it is never recorded cut
-but counted, reported on one escaped line at most every `COMPLAINT_INTERVAL` seconds, and
-in the closing summary.
+It must never be the slow reader: the client (`Client.receive_frames`) drains up to 256
+packets per system call, each such batch split into columns by array operations
+(`columns.split`) and stamped with one receive time, and the columns are buffered into
+blocks of about a megabyte, written with one ``writev`` each.  The broker is asked for
+soft *queue* mode so bursts are queued for us rather than dropped; ``--block`` also asks
+for hard *block*, so publishers wait rather than lose messages once that queue is full.
+A block is written (to the OS) at least every ``--flush`` seconds, so ``kill -9`` loses
+at most that much; SIGTERM/SIGINT flush and seal.  If the broker goes away the client
+reconnects and re-subscribes (``reconnect=True``: the recorder has no connection code of
+its own); a refused pattern, or a journal write that fails (disk full), ends it with one
+line, leaving what was written readable.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import socket
-import struct
 import sys
 import time
 
 import numpy as np
 
 from .. import protocol
-from ..client import Client
-from ..defaults import RECV_BUFFER
+from ..client import SLOT_BYTES, Client, Frames
 from ..display import brief
-from ..errors import ConnectError, ConnectionLost, SbusError
-from ..packetio import PacketBatch
+from ..errors import SbusError
 from ..protocol import Publish
-from ..session import Backoff, Dropped, Refusal
 from .columns import split
 from .store import JournalError, JournalWriter
 
 log = logging.getLogger("sbus.record")
 
 RECV_SLOTS = 256  # packets per system call: `split` costs less per packet in larger batches
-#: A receive slot: a packet that fills it was cut by the kernel (never recorded, counted);
-#: `RECV_LIMIT` is the longest one received whole.  Page-aligned slots.
-SLOT = RECV_BUFFER + 4096
-RECV_LIMIT = SLOT - 1
+#: The longest packet received whole (`client.SLOT_BYTES`): a longer message arrives cut,
+#: and is counted, told (`_Oversized`) and never recorded.
+RECV_LIMIT = SLOT_BYTES - 1
 #: Seconds between two lines about messages too large to record (the count goes on).
 COMPLAINT_INTERVAL = 5.0
 
 
 class _Oversized:
-    """Messages too large to receive whole: counted, told at most every
-    `COMPLAINT_INTERVAL` seconds (a flood of them must not flood the log)."""
+    """Messages too large to receive whole: told at most every `COMPLAINT_INTERVAL`
+    seconds, with the last one's key quoted briefly (a flood must not flood the log)."""
 
     def __init__(self) -> None:
-        self.count = 0
-        self.untold = 0
-        self.last_key = b""
+        self.told = 0
         self.told_at = -COMPLAINT_INTERVAL
 
-    def add(self, key: bytes) -> None:
-        self.count += 1
-        self.untold += 1
-        self.last_key = key
-        self.tell()
+    def tell(self, bus: Client, now: float) -> None:
+        if bus.cut > self.told and now - self.told_at >= COMPLAINT_INTERVAL:
+            print(f"sbus record: {bus.cut - self.told} message(s) over the {RECV_LIMIT}-byte "
+                  f"receive limit not recorded (the last under key {brief(bus.cut_key)}); "
+                  f"{bus.cut} so far", file=sys.stderr, flush=True)
+            self.told, self.told_at = bus.cut, now
+#: Seconds the receive waits at most, so a stop asked for by a signal is seen promptly.
+WAKE = 0.25
 
-    def tell(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        if self.untold and now - self.told_at >= COMPLAINT_INTERVAL:
-            print(f"sbus record: {self.untold} message(s) over the {RECV_LIMIT}-byte receive "
-                  f"limit not recorded (the last under key {brief(self.last_key)}); "
-                  f"{self.count} so far", file=sys.stderr, flush=True)
-            self.untold, self.told_at = 0, now
+
+class _Stopped(Exception):
+    """A stop asked for while the client waits for the broker to come back."""
 
 
 class _Stopper:
-    """SIGTERM/SIGINT set a flag the loop checks between batches (never mid-write)."""
+    """SIGTERM/SIGINT set a flag the loop checks between batches (never mid-write); while
+    the client is reconnecting (nothing of ours in flight) they end the wait at once."""
 
     def __init__(self) -> None:
         self.stop = False
+        self.reconnecting = False
 
     def __call__(self, signum, frame) -> None:
         self.stop = True
+        if self.reconnecting:
+            raise _Stopped
 
 
-def _connect(address: str | None, patterns: list[bytes], block: bool) -> Client:
-    bus = Client(address)
+def _connect(address: str | None, patterns: list[bytes], block: bool,
+             writer: JournalWriter, stopper: _Stopper) -> Client:
+    """The recorder's client: the first connection must work; later ones are the client's
+    to make (`reconnect`, the session's `Backoff`), said on stderr.  Messages published
+    while the broker is away are not recorded (the bus keeps nothing); the sequence
+    numbers simply continue."""
+
+    def said(up: bool, line: str) -> None:
+        stopper.reconnecting = False
+        log.warning("%s", line)
+        print(f"sbus record: {line}", file=sys.stderr, flush=True)
+        if not up:
+            writer.flush()  # what was received is written before the wait
+            if stopper.stop:
+                raise _Stopped
+            stopper.reconnecting = True
+
+    # A refused pattern (here, or when the broker comes back) is `Refused`: one line, exit 1.
+    bus = Client(address, reconnect=True, on_connection=said,
+                 on_drop=lambda n: log.warning("broker dropped %d messages for the "
+                                               "recorder", n))
     try:
         bus.set_flood(soft="queue", hard="block" if block else None)
         for pattern in patterns:
             bus.subscribe(pattern, wait=False)
-        bus.sync()  # the subscriptions are in place from here on (or refused: raised)
+        bus.sync()  # the subscriptions are in place from here on
     except BaseException:
         bus.close()
         raise
     return bus
-
-
-def _reconnect(address: str | None, patterns: list[bytes], block: bool,
-               writer: JournalWriter, stopper: _Stopper, reason: str) -> Client | None:
-    """After the broker went away: flush, then retry (the session's `Backoff`) until it is
-    back or we are told to stop.  Messages published meanwhile are not recorded (the bus keeps
-    nothing); the sequence numbers simply continue."""
-    log.warning("%s; reconnecting", reason)
-    print(f"sbus record: {reason}; reconnecting", file=sys.stderr, flush=True)
-    writer.flush()
-    backoff = Backoff()
-    while not stopper.stop:
-        try:
-            bus = _connect(address, patterns, block)
-        except (ConnectionLost, ConnectError, TimeoutError):
-            time.sleep(backoff.next())
-            writer.tick()
-            continue
-        print("sbus record: reconnected", file=sys.stderr, flush=True)
-        return bus
-    return None
 
 
 def record(address: str | None, patterns: list[bytes], directory: str, *, flush: float,
@@ -130,25 +119,24 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
         writer = JournalWriter(directory, **writer_options)
     except JournalError as exc:
         raise SbusError(str(exc)) from None
-    dropped = 0
-    oversized = _Oversized()
+    dropped = cut = 0
     started = time.monotonic()
     first_seq = writer.next_seq
     stopper = _Stopper()
     old = {s: signal.signal(s, stopper) for s in (signal.SIGTERM, signal.SIGINT)}
     failure: OSError | None = None
     try:
-        bus: Client | None = _connect(address, patterns, block)  # the first must work
+        bus = _connect(address, patterns, block, writer, stopper)
         print(f"sbus record: recording into {directory} from seq {first_seq}",
               file=sys.stderr, flush=True)
-        while bus is not None:
-            try:
-                dropped += _loop(bus, writer, flush, stopper, oversized)
-                bus.close()
-                bus = None
-            except ConnectionLost as exc:  # the broker went away (EOF, reset): come back
-                bus.close()
-                bus = _reconnect(address, patterns, block, writer, stopper, str(exc))
+        try:
+            _loop(bus, writer, flush, stopper)
+        except _Stopped:
+            pass
+        finally:
+            stopper.reconnecting = False
+            dropped, cut = bus.dropped, bus.cut
+            bus.close()
     except OSError as exc:  # the journal's disk: full, read-only, gone
         failure = exc
     finally:
@@ -166,89 +154,63 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     n = writer.next_seq - first_seq
     print(f"sbus record: {n} messages in {took:.1f} s (seq {first_seq}..{writer.next_seq - 1})"
           + (f", broker dropped {dropped}" if dropped else "")
-          + (f", {oversized.count} over {RECV_LIMIT} bytes not recorded" if oversized.count
-             else ""), file=sys.stderr)
+          + (f", {cut} over {RECV_LIMIT} bytes not recorded" if cut else ""), file=sys.stderr)
     return 0
 
 
-def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper,
-          oversized: _Oversized) -> int:
+def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper) -> None:
     """Receive and hand the records to the writer until told to stop.
 
-    Packets arrive up to `RECV_SLOTS` per system call (`PacketBatch`, as in the broker,
-    which otherwise outruns a reader making one call per packet), and a batch of ``MSG``
-    packets is split into columns by `split` without a Python object per message; a batch
-    holding anything else goes through `protocol.parse` packet by packet.  The receive
-    itself waits (up to the flush interval, as the socket's receive timeout), so an idle
-    recorder sleeps and a busy one makes no other system call per batch."""
-    sock = bus.sock
-    fd = sock.fileno()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(interval))
-    batch = PacketBatch(RECV_SLOTS, SLOT)
-    slots = np.frombuffer(batch.buffer, np.uint8).reshape(RECV_SLOTS, SLOT)
-    lengths = np.asarray(batch.received_lengths)
-    dropped = 0
+    Packets arrive up to `RECV_SLOTS` per system call (`Client.receive_frames`: the broker
+    otherwise outruns a reader making one call per packet), and a batch of ``MSG`` packets
+    is split into columns by `split` without a Python object per message; a batch holding
+    anything else (the client has taken in its control packets) goes message by message.
+    A busy recorder makes no other system call per batch; an idle one wakes every `WAKE`
+    seconds to see a stop and the flush interval."""
+    seen = None
+    slots = lengths = np.empty(0)
+    oversized = _Oversized()
     next_flush = time.monotonic() + interval
-    others: list = []
-    pending = bus.receive_ready(0)  # set aside by whoami(), so received before the rest
-    _append_events(writer, time.time_ns(), pending, others)
     while not stopper.stop:
         try:
-            n = batch.receive(fd, wait=True)
-        except (BlockingIOError, InterruptedError):  # the timeout, or a signal
-            n = 0
-        except OSError as exc:
-            raise ConnectionLost(f"receiving from the broker at {bus.address} failed: "
-                                 f"{exc.strerror or exc}") from None
-        if n:
+            frames = bus.receive_frames(RECV_SLOTS, timeout=min(interval, WAKE))
+        except TimeoutError:
+            frames = None
+        if frames is not None:
             ts = time.time_ns()
-            records = split(slots, lengths[:n])
-            if records is not None:
-                writer.append_columns(ts, records)
-            else:
-                _append_events(writer, ts, _parse(bus, batch, n, oversized), others)
-        for ev in others:
-            if type(ev) is Dropped:
-                dropped += ev.count
-                log.warning("broker dropped %d messages for the recorder", ev.count)
-            elif type(ev) is Refusal:
-                log.warning("the broker refused the recorder's %s: %s", ev.verb, ev.reason)
-        others.clear()
+            if frames.kept:
+                _append_events(writer, ts, frames.kept)
+            batch, n = frames.batch, frames.count
+            if n:
+                if batch is not seen:  # array views of the client's receive buffer
+                    slots = np.frombuffer(batch.buffer, np.uint8).reshape(batch.slots,
+                                                                          batch.slot_size)
+                    lengths = np.asarray(batch.received_lengths)
+                    seen = batch
+                records = None if frames.others else split(slots, lengths[:n])
+                if records is not None:
+                    writer.append_columns(ts, records)
+                else:
+                    _append_events(writer, ts, _messages(bus, frames))
         now = time.monotonic()
+        oversized.tell(bus, now)
         if now >= next_flush:
             writer.flush()
             writer.tick(now)
-            oversized.tell(now)
             next_flush = now + interval
-    return dropped
 
 
-def _timeval(seconds: float) -> bytes:
-    usec = max(1, round(seconds * 1e6))  # zero would mean no timeout at all
-    return struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
+def _messages(bus: Client, frames: Frames) -> list:
+    """The messages of a batch `split` did not take, in order."""
+    batch = frames.batch
+    try:
+        events = protocol.parse_batch(batch.buffer, batch.offsets, batch.lengths)
+    except protocol.ProtocolError as exc:
+        raise SbusError(f"broker at {bus.address} sent a malformed packet: {exc}") from None
+    return [ev for i, ev in enumerate(events) if i not in frames.others]
 
 
-def _parse(bus: Client, batch: PacketBatch, n: int, oversized: _Oversized) -> list:
-    """The events of a batch `split` did not take, one packet at a time; a packet that
-    filled its slot was cut by the kernel: counted in *oversized*, not recorded."""
-    events = []
-    for i in range(n):
-        size = batch.lengths[i]
-        if size == 0:  # the broker sends no empty packets: end of file
-            raise ConnectionLost(f"the broker at {bus.address} closed the connection")
-        if size >= SLOT:
-            head = batch.copy(i)
-            oversized.add(head[4:head.find(b"\0", 4)] if head.startswith(b"MSG ") else b"")
-            continue
-        try:
-            events.append(bus.session.receive(batch.copy(i)))
-        except protocol.ProtocolError as exc:
-            raise SbusError(f"broker at {bus.address} sent a malformed packet: {exc}") from None
-    return events
-
-
-def _append_events(writer: JournalWriter, ts: int, events: list, others: list) -> None:
-    """Publishes to the journal, in order; everything else to *others*."""
-    keys = [ev.key for ev in events if type(ev) is Publish]
-    writer.append(ts, keys, [ev.payload for ev in events if type(ev) is Publish])
-    others.extend(ev for ev in events if type(ev) is not Publish)
+def _append_events(writer: JournalWriter, ts: int, events: list) -> None:
+    """The messages among *events* to the journal, in order."""
+    messages = [ev for ev in events if type(ev) is Publish]
+    writer.append(ts, [ev.key for ev in messages], [ev.payload for ev in messages])
