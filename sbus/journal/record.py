@@ -127,7 +127,9 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     took = time.monotonic() - started
     n = writer.next_seq - first_seq
     print(f"sbus record: {n} messages in {took:.1f} s (seq {first_seq}..{writer.next_seq - 1})"
-          + (f", broker dropped {dropped}" if dropped else ""), file=sys.stderr)
+          + (f", broker dropped {dropped}" if dropped else "")
+          + (f", {writer.export_failures} Parquet export(s) failed (logged)"
+             if writer.export_failures else ""), file=sys.stderr)
     return 0
 
 
