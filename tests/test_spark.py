@@ -831,38 +831,40 @@ def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):
                             bus.address, "--segment-size", "16k", "--flush", "0.02",
                             "--block"], stderr=subprocess.PIPE, text=True)
     assert "recording into" in rec.stderr.readline()
-    total, sent = 4000, [0]
+    total = 6000
+    pub = raw(bus.address)
 
-    def publish() -> None:
-        pub = raw(bus.address)
-        for i in range(total):
+    def publish(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
             pub.send(b"MSG live/%d\0%d" % (i % 7, i))
-            if i % 200 == 199:
+            if i % 100 == 99:
                 sync(pub)
-                sent[0] = i + 1
                 time.sleep(0.01)
         sync(pub)
-        sent[0] = total
-        pub.close()
 
-    writer = threading.Thread(target=publish)
+    publish(0, total // 2)  # several segments sealed: wait for their export
+    deadline = time.monotonic() + 30
+    while len(split(jdir, jdir / "parquet").files) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    writer = threading.Thread(target=publish, args=(total // 2, total))
     writer.start()
-    seams = []
+    seams, cuts = [], []
     try:
-        deadline = time.monotonic() + 60
-        while sent[0] < total or (not seams and time.monotonic() < deadline):
+        while writer.is_alive() or (not seams and len(cuts) < 5):
             cut = split(jdir, jdir / "parquet")
             rows = read_journal(spark, str(jdir)).select("seq", "payload").collect()
             seqs = [r.seq for r in rows]
             assert sorted(seqs) == list(range(1, len(seqs) + 1))  # no gap, none twice
             assert all(int(r.payload) == r.seq - 1 for r in rows)
-            if cut.files and cut.tail:
+            cuts.append((len(cut.files), cut.seam, cut.tail, len(seqs)))
+            if cut.files and cut.tail and cut.seam <= len(seqs):
                 seams.append(cut.seam)
     finally:
         writer.join(60)
+        pub.close()
         rec.send_signal(signal.SIGTERM)
         assert rec.wait(20) == 0
-    assert seams, "no read met both exported segments and a tail"
+    assert seams, f"no read met both exported segments and a tail: {cuts}"
     cut = split(jdir, jdir / "parquet")
     assert not cut.tail and len(cut.files) == len(list_segments(jdir)) > 2
     df = read_journal(spark, str(jdir))
