@@ -813,6 +813,13 @@ def test_exported_parquet_and_the_open_tail_read_as_one(spark, tmp_path):
         assert df.columns == ["seq", "ts", "key", "key_bytes", "payload"]
         assert [r.seq for r in df.orderBy("seq").select("seq").collect()] == list(range(1, 503))
         assert df.where("key like 'late/%'").count() == 2
+        narrow = read_journal(spark, str(jdir), str(tmp_path / "pq"), columns=["key", "seq"])
+        assert narrow.columns == ["key", "seq"] and narrow.count() == 502
+        built = re.search(r"RelationV2\[([^]]*)\] sbus",  # what the tail's source builds
+                          narrow._jdf.queryExecution().analyzed().toString()).group(1)
+        assert re.sub(r"#\d+L?| ", "", built).split(",") == ["key", "seq"]
+        with pytest.raises(ValueError, match="no column"):
+            read_journal(spark, str(jdir), columns=["nope"])
 
 
 def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):

@@ -30,28 +30,35 @@ def register(spark) -> None:
     spark.dataSource.register(SbusDataSource)
 
 
-def read_journal(spark, journal: str, parquet: str | None = None):
-    """The journal as one DataFrame (columns ``seq, ts, key, key_bytes, payload``), each
-    row once: its sealed segments from their Parquet files (*parquet*, by default
-    ``JOURNAL/parquet``, where ``sbus record`` writes them as it seals), so Spark prunes
-    columns and row groups there, and the rows after the last exported one (the open
-    segment, and segments not exported yet) through the ``sbus`` source.  The seam comes
+def read_journal(spark, journal: str, parquet: str | None = None,
+                 columns: list[str] | tuple[str, ...] | None = None):
+    """The journal as one DataFrame (columns ``seq, ts, key, key_bytes, payload``, or
+    *columns* of them), each row once: its sealed segments from their Parquet files
+    (*parquet*, by default ``JOURNAL/parquet``, where ``sbus record`` writes them as it
+    seals), so Spark prunes columns and row groups there, and the rows after the last
+    exported one (the open segment, and segments not exported yet) through the ``sbus``
+    source, which builds only *columns* (it cannot prune them itself).  The seam comes
     from the files' names and footers, not from a Spark job, and an empty tail is not
     scanned.  Like a ``load()``, the DataFrame is one snapshot of a live journal."""
     from ..journal.export import split
     from ..journal.store import EXPORT_SUBDIR
 
     register(spark)
+    names = list(COLUMNS if columns is None else columns)
+    unknown = [n for n in names if n not in COLUMNS]
+    if unknown or not names:
+        raise ValueError(f"read_journal: no column(s) {unknown}; the journal has {COLUMNS}")
     parquet = os.path.join(journal, EXPORT_SUBDIR) if parquet is None else parquet
     cut = split(journal, parquet)
-    source = spark.read.format("sbus").load
+    types = dict(f.split(" ") for f in PARQUET_SCHEMA.split(", "))
+    source = spark.read.format("sbus").schema(", ".join(f"{n} {types[n]}" for n in names))
     if not cut.files:
-        return source(journal).select(*COLUMNS)
-    sealed = _parquet(spark, parquet, cut.files)
+        return source.load(journal).select(*names)
+    sealed = _parquet(spark, parquet, cut.files).select(*names)
     if not cut.tail:
         return sealed
-    tail = spark.read.format("sbus").option("startingSeq", str(cut.seam))
-    return sealed.unionByName(tail.load(journal).select(*COLUMNS))
+    tail = source.option("startingSeq", str(cut.seam)).load(journal).select(*names)
+    return sealed.unionByName(tail)
 
 
 def _parquet(spark, directory: str, files: list):
