@@ -11,6 +11,7 @@ sealed, so offsets taken while it was open stay valid.
 from __future__ import annotations
 
 import errno
+import contextlib
 import fcntl
 import logging
 import os
@@ -629,13 +630,14 @@ class JournalWriter:
             if seg is not None and seg.sealed:
                 out.mkdir(parents=True, exist_ok=True)
                 export_segment(self.dir, seg, out)
-                if not seg.path.exists():  # retention removed it meanwhile: so goes this
-                    (out / f"{seg.name}.parquet").unlink(missing_ok=True)
         except FileNotFoundError:
-            pass  # removed by retention first: nothing to export
+            pass  # removed by retention first (or while it was written: below)
         except Exception as exc:  # noqa: BLE001 - the recording goes on; say why once
             self.export_failures += 1
             log.error("exporting %s as Parquet into %s failed: %s", _name(first_seq), out, exc)
+        if seg is not None and not seg.path.exists():  # retention removed it meanwhile
+            with contextlib.suppress(OSError):  # (out may be no directory: counted above)
+                (out / f"{seg.name}.parquet").unlink(missing_ok=True)
 
     def _reblock_worth_it(self) -> bool:
         """Blocks flushed by the clock at a modest rate are small (a few hundred rows), and
