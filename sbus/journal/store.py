@@ -10,8 +10,8 @@ sealed, so offsets taken while it was open stay valid.
 
 from __future__ import annotations
 
-import errno
 import contextlib
+import errno
 import fcntl
 import logging
 import os
