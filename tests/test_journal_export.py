@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import SBUS
 
-from sbus.journal.export import ROW_GROUP
+from sbus.journal.export import ROW_GROUP, export_journal, split
 from sbus.journal.store import JournalWriter, list_segments, records
 
 T0 = 10**18  # 2001-09-09T01:46:40Z
@@ -111,13 +111,13 @@ def test_journal_usage_errors(argv):
 
 
 def test_the_recorder_exports_each_sealed_segment_itself(broker, tmp_path):
-    """``sbus record --export DIR``: every segment it seals is also a Parquet file, written
-    off the recording path, with exactly that segment's rows."""
+    """``sbus record``: every segment it seals is also a Parquet file in ``DIR/parquet``
+    (by default), written off the recording path, with exactly that segment's rows."""
     from conftest import raw, sync
 
-    jdir, out = tmp_path / "j", tmp_path / "pq"
+    jdir, out = tmp_path / "j", tmp_path / "j" / "parquet"  # the default place
     rec = subprocess.Popen([*SBUS, "record", "e/", "--dir", str(jdir), "--address",
-                            broker.address, "--segment-size", "20k", "--export", str(out)],
+                            broker.address, "--segment-size", "20k"],
                            stderr=subprocess.PIPE, text=True)
     assert "recording into" in rec.stderr.readline()
     pub = raw(broker.address)
@@ -165,3 +165,69 @@ def test_journal_lag_reads_a_checkpoint_and_refuses_what_is_not_one(tmp_path):
                 text=True)
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
     assert "holds no offsets of a streaming query" in done.stderr
+
+
+def test_no_export_records_without_parquet(broker, tmp_path):
+    jdir = tmp_path / "j"
+    rec = subprocess.Popen([*SBUS, "record", "e/", "--dir", str(jdir), "--address",
+                            broker.address, "--segment-size", "1k", "--no-export"],
+                           stderr=subprocess.PIPE, text=True)
+    assert "recording into" in rec.stderr.readline()
+    rec.terminate()
+    assert rec.wait(20) == 0
+    assert not (jdir / "parquet").exists()
+
+
+def test_retention_removes_a_segments_parquet_with_it(tmp_path):
+    """Segments removed by ``keep_bytes`` take their Parquet files along, also those whose
+    export was still running when retention removed them."""
+    jdir, out = tmp_path / "j", tmp_path / "j" / "parquet"
+    journal(jdir, 4000, segment_bytes=4000, keep_bytes=20_000, export_dir=out)
+    sealed = [s.name for s in list_segments(jdir)]
+    assert list_segments(jdir)[0].first_seq > 1  # retention removed some
+    assert sorted(p.stem for p in out.glob("*.parquet")) == sealed
+    assert sorted(pq.read_table(out).column("seq").to_pylist()) == \
+        [r[0] for r in records(jdir)]
+
+
+def test_export_failures_are_counted_and_the_recording_goes_on(tmp_path, caplog):
+    jdir, out = tmp_path / "j", tmp_path / "not-a-dir"
+    out.write_text("")
+    with JournalWriter(jdir, fsync=False, segment_bytes=3000, export_dir=out) as w:
+        for i in range(600):
+            w.append(T0 + i, [b"k"], [b"%d" % i])
+            if i % 50 == 49:
+                w.flush()
+    assert w.export_failures == len(list_segments(jdir)) > 2
+    assert "exporting" in caplog.text and "as Parquet" in caplog.text
+    assert [r[0] for r in records(jdir)] == list(range(1, 601))
+
+
+def test_the_writer_exports_what_was_sealed_before_export_was_on(tmp_path):
+    jdir, out = tmp_path / "j", tmp_path / "pq"
+    journal(jdir, 2000, segment_bytes=4000)
+    JournalWriter(jdir, export_dir=out).close()
+    assert sorted(p.stem for p in out.glob("*.parquet")) == \
+        [s.name for s in list_segments(jdir)]
+
+
+def test_split_uses_exported_segments_from_the_first_on(tmp_path):
+    """`split`: Parquet for the run of exported sealed segments that starts at the
+    journal's first one; the seam from the last file's name and row count; the tail is
+    everything after it, and is empty when nothing follows."""
+    jdir, out = tmp_path / "j", tmp_path / "pq"
+    journal(jdir, 3000, segment_bytes=4000)
+    export_journal(jdir, out)
+    segs = list_segments(jdir)
+    assert len(segs) > 4
+    whole = split(jdir, out)
+    assert whole.files == [out / f"{s.name}.parquet" for s in segs] and not whole.tail
+    assert whole.seam == 3001
+    (out / f"{segs[3].name}.parquet").unlink()  # not exported (yet): read from the journal
+    cut = split(jdir, out)
+    assert [f.stem for f in cut.files] == [s.name for s in segs[:3]]
+    assert cut.seam == segs[3].first_seq and cut.tail
+    segs[0].path.unlink()  # removed (retention) but its Parquet file left: not read
+    cut = split(jdir, out)
+    assert [f.stem for f in cut.files] == [s.name for s in segs[1:3]]
+    assert split(jdir, tmp_path / "none").files == []

@@ -90,6 +90,10 @@ def s1_rate(lg: Path, tmp: Path, count: int) -> float:
         broker.stop()
 
 
+#: Extra options for the recorder under test (``--record-option=--no-export``).
+RECORD_OPTIONS: list[str] = []
+
+
 def recorder_rate(lg: Path, tmp: Path, count: int, journal: Path) -> dict:
     from sbus.journal.store import list_segments, segment_blocks
 
@@ -97,7 +101,8 @@ def recorder_rate(lg: Path, tmp: Path, count: int, journal: Path) -> dict:
     broker = Broker(tmp)
     try:
         rec = subprocess.Popen(pinned("1", [PY, "-m", "sbus.cli", "record", "", "--dir",
-                                            str(journal), "--address", broker.path]),
+                                            str(journal), "--address", broker.path,
+                                            *RECORD_OPTIONS]),
                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
         assert "recording into" in rec.stderr.readline()
         cpu0 = process_cpu(rec.pid)
@@ -371,7 +376,10 @@ def main() -> int:
     ap.add_argument("--part", choices=["all", "recorder", "read", "realistic"], default="all")
     ap.add_argument("--journal", type=Path, default=None,
                     help="keep the recorded journal here (default: a temporary directory)")
+    ap.add_argument("--record-option", action="append", default=[], metavar="OPTION",
+                    help="pass OPTION to sbus record (e.g. --record-option=--no-export)")
     args = ap.parse_args()
+    RECORD_OPTIONS.extend(args.record_option)
     lg = lg_binary() if args.part != "realistic" else None
     tmp = Path(tempfile.mkdtemp(prefix="sbus-bj-", dir="/tmp"))
     journal = args.journal or tmp / "journal"

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import sys
 
 from .. import rlimits
 from ..defaults import parse_duration, parse_size
 from ..errors import SbusError
 from ..extras import install_command
+from ..journal.store import EXPORT_SUBDIR
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,18 +34,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="when the broker's queue for the recorder is full, pause the "
                         "publishers (hard 'block' policy) instead of dropping messages for it")
     p.add_argument("--export", default=None, metavar="DIR",
-                   help="also write each sealed segment as zstd Parquet into DIR (in a "
-                        "thread of its own; as 'sbus journal export')")
+                   help="write each sealed segment as zstd Parquet into DIR as it is sealed "
+                        "(default: DIR/parquet of the journal; in a thread of its own; what "
+                        "sbus.spark.read_journal reads)")
+    p.add_argument("--no-export", action="store_true",
+                   help="do not write Parquet files beside the journal")
     p.add_argument("--no-fsync", action="store_true",
                    help="do not fsync sealed segments (faster, not crash-safe against power loss)")
 
 
+def _export_dir(args: argparse.Namespace) -> str | None:
+    """Where sealed segments go as Parquet: ``--export DIR``, by default ``parquet/`` in
+    the journal; None with ``--no-export``, or (with one line) without pyarrow unless
+    ``--export`` asked for it explicitly."""
+    if args.no_export:
+        if args.export is not None:
+            raise SbusError("--export and --no-export contradict each other")
+        return None
+    if importlib.util.find_spec("pyarrow") is None:
+        if args.export is not None:
+            raise SbusError(f"--export needs pyarrow: {install_command('spark')}")
+        print("sbus record: no Parquet export (pyarrow is not installed: "
+              f"{install_command('spark')}; --no-export says this is meant)",
+              file=sys.stderr, flush=True)
+        return None
+    return args.export if args.export is not None else os.path.join(args.dir, EXPORT_SUBDIR)
+
+
 def _writer_options(args: argparse.Namespace) -> dict:
-    if args.export is not None:
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError:
-            raise SbusError(f"--export needs pyarrow: {install_command('spark')}") from None
+    export_dir = _export_dir(args)
     try:
         return dict(
             segment_bytes=parse_size(args.segment_size),
@@ -50,7 +70,7 @@ def _writer_options(args: argparse.Namespace) -> dict:
             keep_seconds=None if args.keep is None else parse_duration(args.keep),
             keep_bytes=None if args.keep_bytes is None else parse_size(args.keep_bytes),
             fsync=not args.no_fsync,
-            export_dir=args.export,
+            export_dir=export_dir,
         )
     except ValueError as exc:
         raise SbusError(str(exc)) from None

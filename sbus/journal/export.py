@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 
 from .store import Segment, list_segments, read_blocks, segment_blocks
 
-__all__ = ["COLUMNS", "ROW_GROUP", "Exported", "export_segment", "export_journal"]
+__all__ = ["COLUMNS", "ROW_GROUP", "Exported", "Split", "export_segment", "export_journal",
+           "split"]
 
 COLUMNS = ["seq", "ts", "key", "key_bytes", "payload"]
 ROW_GROUP = 1 << 16
@@ -65,3 +66,32 @@ def export_journal(directory: str | os.PathLike, out: str | os.PathLike, *,
         if progress is not None:
             progress(done[-1])
     return done
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A journal cut into its exported Parquet files and the rows after them (*tail*)."""
+
+    files: list[Path]  # the Parquet files of the journal's first sealed segments, in order
+    seam: int  # the first sequence number not in *files*: where the tail starts
+    tail: bool  # whether any row is recorded at or after *seam* (now)
+
+
+def split(directory: str | os.PathLike, out: str | os.PathLike) -> Split:
+    """Which rows to read from Parquet and which from the journal, without reading rows:
+    the longest run of sealed segments from the journal's first one that have a Parquet
+    file (files of segments retention has removed, or after a missing one, are not used),
+    and the seam after it, from the last file's name and row count (its footer)."""
+    segments = list_segments(directory)
+    out = Path(out)
+    files = []
+    for seg in segments:
+        f = out / f"{seg.name}.parquet"
+        if not seg.sealed or not f.is_file():
+            break
+        files.append(f)
+    if not files:
+        return Split([], 0, bool(segments))
+    seam = int(files[-1].stem) + pq.read_metadata(files[-1]).num_rows
+    rest = segments[len(files):]
+    return Split(files, seam, any(segment_blocks(s) for s in rest))

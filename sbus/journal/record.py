@@ -154,7 +154,9 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     n = writer.next_seq - first_seq
     print(f"sbus record: {n} messages in {took:.1f} s (seq {first_seq}..{writer.next_seq - 1})"
           + (f", broker dropped {dropped}" if dropped else "")
-          + (f", {cut} over {RECV_LIMIT} bytes not recorded" if cut else ""), file=sys.stderr)
+          + (f", {cut} over {RECV_LIMIT} bytes not recorded" if cut else "")
+          + (f", {writer.export_failures} Parquet export(s) failed (logged)"
+             if writer.export_failures else ""), file=sys.stderr)
     return 0
 
 

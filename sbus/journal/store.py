@@ -10,6 +10,7 @@ sealed, so offsets taken while it was open stay valid.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -35,6 +36,8 @@ log = logging.getLogger("sbus.journal")
 SUFFIX = ".sbj"
 OPEN_SUFFIX = ".sbj.open"
 TMP_SUFFIX = ".sbj.tmp"  # a re-blocked segment being written
+#: Where ``sbus record`` writes each sealed segment as Parquet by default: ``DIR/parquet``.
+EXPORT_SUBDIR = "parquet"
 #: Re-blocking at seal stops a block at this many rows (Spark's reader coalesces to it too).
 REBLOCK_ROWS = 1 << 16
 IOV_MAX = os.sysconf("SC_IOV_MAX")
@@ -378,6 +381,7 @@ class JournalWriter:
         self.reblock_bytes = reblock_bytes
         self.export_dir = export_dir
         self._exporter = None  # a thread exporting sealed segments as Parquet, if asked
+        self.export_failures = 0  # segments whose export failed (logged; recording goes on)
         self.segment_bytes = segment_bytes
         self.segment_seconds = segment_seconds
         self.block_bytes = block_bytes
@@ -406,6 +410,7 @@ class JournalWriter:
         self.next_seq = self._recover()
         self.written = 0  # records written to files since opening
         self.apply_retention()
+        self._export_missing()
 
     # -- recovery ------------------------------------------------------------------
 
@@ -593,26 +598,46 @@ class JournalWriter:
     def _sealed(self, name: str) -> None:
         """After a seal: retention, and the Parquet export (``export_dir``) in a thread of
         its own, off the recording path."""
-        if self.export_dir is not None:
-            if self._exporter is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._exporter = ThreadPoolExecutor(1, thread_name_prefix="sbus-export")
-            self._exporter.submit(self._export, int(name))
+        self._submit_export(int(name))
         self.apply_retention()
 
+    def _export_missing(self) -> None:
+        """At start: export the sealed segments that have no Parquet file yet (sealed by
+        recovery, or while export was off), so the exported files stay one run."""
+        if self.export_dir is None:
+            return
+        for seg in list_segments(self.dir):
+            if seg.sealed and not (Path(self.export_dir) / f"{seg.name}.parquet").exists():
+                self._submit_export(seg.first_seq)
+
+    def _submit_export(self, first_seq: int) -> None:
+        if self.export_dir is None:
+            return
+        if self._exporter is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._exporter = ThreadPoolExecutor(1, thread_name_prefix="sbus-export")
+        self._exporter.submit(self._export, first_seq)
+
     def _export(self, first_seq: int) -> None:
+        """Export one sealed segment; a failure is counted and logged, never raised: the
+        recording goes on, and readers fall back to the journal for that segment."""
         from .export import export_segment
 
         seg = resolve(self.dir, first_seq)
+        out = Path(self.export_dir)
         try:
             if seg is not None and seg.sealed:
-                Path(self.export_dir).mkdir(parents=True, exist_ok=True)
-                export_segment(self.dir, seg, Path(self.export_dir))
+                out.mkdir(parents=True, exist_ok=True)
+                export_segment(self.dir, seg, out)
         except FileNotFoundError:
-            pass  # removed by retention first: nothing to export
+            pass  # removed by retention first (or while it was written: below)
         except Exception as exc:  # noqa: BLE001 - the recording goes on; say why once
-            log.error("exporting %s as Parquet failed: %s", _name(first_seq), exc)
+            self.export_failures += 1
+            log.error("exporting %s as Parquet into %s failed: %s", _name(first_seq), out, exc)
+        if seg is not None and not seg.path.exists():  # retention removed it meanwhile
+            with contextlib.suppress(OSError):  # (out may be no directory: counted above)
+                (out / f"{seg.name}.parquet").unlink(missing_ok=True)
 
     def _reblock_worth_it(self) -> bool:
         """Blocks flushed by the clock at a modest rate are small (a few hundred rows), and
@@ -696,6 +721,9 @@ class JournalWriter:
                          self._seg_size if self._fd is not None else 0)
         for name in doomed:
             (self.dir / name).unlink(missing_ok=True)
+            if self.export_dir is not None:  # its Parquet file goes with it
+                (Path(self.export_dir) / (name[:-len(SUFFIX)] + ".parquet")).unlink(
+                    missing_ok=True)
             log.info("retention: removed %s", name)
         return doomed
 
