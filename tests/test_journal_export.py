@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import SBUS
 
-from sbus.journal.export import ROW_GROUP, export_journal, split
+from sbus.journal.export import ROW_GROUP, ExportingWriter, export_journal, split
 from sbus.journal.store import JournalWriter, list_segments, records
 
 T0 = 10**18  # 2001-09-09T01:46:40Z
@@ -21,7 +21,8 @@ T0 = 10**18  # 2001-09-09T01:46:40Z
 
 def journal(directory: Path, rows: int, **kw) -> list[tuple[int, int, bytes, bytes]]:
     keys = [b"sensors/a", b"logs/x", b"\xff\xfe/bin", b"sensors/b"]
-    with JournalWriter(directory, fsync=False, **kw) as w:
+    writer = ExportingWriter if "export_dir" in kw else JournalWriter
+    with writer(directory, fsync=False, **kw) as w:
         for i in range(rows):
             w.append(T0 + i * 10**6, [keys[i % 4]], [b"\0\x1b[2J%d\n" % i])
             if i % 500 == 499:
@@ -193,7 +194,7 @@ def test_retention_removes_a_segments_parquet_with_it(tmp_path):
 def test_export_failures_are_counted_and_the_recording_goes_on(tmp_path, caplog):
     jdir, out = tmp_path / "j", tmp_path / "not-a-dir"
     out.write_text("")
-    with JournalWriter(jdir, fsync=False, segment_bytes=3000, export_dir=out) as w:
+    with ExportingWriter(jdir, fsync=False, segment_bytes=3000, export_dir=out) as w:
         for i in range(600):
             w.append(T0 + i, [b"k"], [b"%d" % i])
             if i % 50 == 49:
@@ -206,7 +207,7 @@ def test_export_failures_are_counted_and_the_recording_goes_on(tmp_path, caplog)
 def test_the_writer_exports_what_was_sealed_before_export_was_on(tmp_path):
     jdir, out = tmp_path / "j", tmp_path / "pq"
     journal(jdir, 2000, segment_bytes=4000)
-    JournalWriter(jdir, export_dir=out).close()
+    ExportingWriter(jdir, export_dir=out).close()
     assert sorted(p.stem for p in out.glob("*.parquet")) == \
         [s.name for s in list_segments(jdir)]
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .store import Segment, list_segments, read_blocks, segment_blocks
+from .store import JournalWriter, Segment, list_segments, read_blocks, segment_blocks
 
 __all__ = ["COLUMNS", "ROW_GROUP", "Exported", "Split", "export_segment", "export_journal",
-           "split"]
+           "split", "ExportingWriter"]
 
 COLUMNS = ["seq", "ts", "key", "key_bytes", "payload"]
 ROW_GROUP = 1 << 16
@@ -95,3 +95,11 @@ def split(directory: str | os.PathLike, out: str | os.PathLike) -> Split:
     seam = int(files[-1].stem) + pq.read_metadata(files[-1]).num_rows
     rest = segments[len(files):]
     return Split(files, seam, any(segment_blocks(s) for s in rest))
+
+
+class ExportingWriter(JournalWriter):
+    """A `JournalWriter` that writes each segment it seals as Parquet into its
+    ``export_dir`` (in a thread of its own): what ``sbus record`` runs by default."""
+
+    def export_segment(self, seg: Segment, out: Path) -> None:
+        export_segment(self.dir, seg, out)

@@ -116,7 +116,11 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     if flush <= 0:
         raise SbusError("--flush must be positive")
     try:
-        writer = JournalWriter(directory, **writer_options)
+        if writer_options.get("export_dir") is not None:  # needs pyarrow: only then
+            from .export import ExportingWriter as writer_class
+        else:
+            writer_class = JournalWriter
+        writer = writer_class(directory, **writer_options)
     except JournalError as exc:
         raise SbusError(str(exc)) from None
     dropped = cut = 0

@@ -380,6 +380,9 @@ class JournalWriter:
         self.dir = Path(directory)
         self.reblock_bytes = reblock_bytes
         self.export_dir = export_dir
+        if export_dir is not None and type(self).export_segment is JournalWriter.export_segment:
+            raise JournalError("export_dir needs a writer that exports "
+                               "(sbus.journal.export.ExportingWriter)")
         self._exporter = None  # a thread exporting sealed segments as Parquet, if asked
         self.export_failures = 0  # segments whose export failed (logged; recording goes on)
         self.segment_bytes = segment_bytes
@@ -619,17 +622,20 @@ class JournalWriter:
             self._exporter = ThreadPoolExecutor(1, thread_name_prefix="sbus-export")
         self._exporter.submit(self._export, first_seq)
 
+    def export_segment(self, seg: Segment, out: Path) -> None:
+        """Write *seg* as Parquet into *out*: what `sbus.journal.export.ExportingWriter`
+        does (the journal's layout knows nothing of Parquet)."""
+        raise JournalError("this writer does not export: use journal.export.ExportingWriter")
+
     def _export(self, first_seq: int) -> None:
         """Export one sealed segment; a failure is counted and logged, never raised: the
         recording goes on, and readers fall back to the journal for that segment."""
-        from .export import export_segment
-
         seg = resolve(self.dir, first_seq)
         out = Path(self.export_dir)
         try:
             if seg is not None and seg.sealed:
                 out.mkdir(parents=True, exist_ok=True)
-                export_segment(self.dir, seg, out)
+                self.export_segment(seg, out)
         except FileNotFoundError:
             pass  # removed by retention first (or while it was written: below)
         except Exception as exc:  # noqa: BLE001 - the recording goes on; say why once
