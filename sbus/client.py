@@ -64,6 +64,8 @@ SLOTS = 64
 #: slot is known to have been cut by the kernel (a broker with a larger --max-message
 #: forwards such): it is never handed out cut, but counted in `Client.cut`.
 SLOT_BYTES = RECV_BUFFER + 4096
+#: What a raw reader gets instead of a cut packet: the broker's report of one drop.
+_CUT_REPORT = protocol.encode(Control(protocol.DROPPED, b"1"))
 #: A batch holding a packet larger than this gives its pages back once decoded.
 RELEASE_FROM = 64 * 1024
 #: Seconds a new connection has to answer its opening before it counts as failed.
@@ -165,6 +167,9 @@ class _Shell:
         self.on_drop = on_drop
         self.on_connection = on_connection
         self.on_refusal = on_refusal
+        #: Messages too large to receive whole (over `SLOT_BYTES`: cut by the kernel, never
+        #: handed out; reported as a drop of one), and the key of the last one.
+        self.cut, self.cut_key = 0, b""
         self.sock = None
         self._batch: PacketBatch | None = None  # made at the first receive
         self._one: memoryview | None = None  # for `recv_packet`
@@ -326,12 +331,30 @@ class _Shell:
         self._receive_into(sock, limit)
         batch = self._batch
         try:
-            return self.session.decode(batch.buffer, batch.offsets, batch.lengths)
+            events, others = self.session.decode(batch.buffer, batch.offsets, batch.lengths)
+            if max(batch.lengths, default=0) >= SLOT_BYTES:
+                for i, size in enumerate(batch.lengths):
+                    if size >= SLOT_BYTES:  # cut by the kernel: a loss, said as a drop
+                        events[i] = self._was_cut(batch.copy(i))
+                        others.append(i)
+            return events, others
         except protocol.ProtocolError as exc:
             raise SbusError(f"the broker at {self.address} sent a malformed packet: "
                             f"{exc}") from None
         finally:
             self._unpin(batch)
+
+    def _was_cut(self, packet: bytes) -> Dropped:
+        """A packet the kernel cut to its slot (a broker with a larger --max-message):
+        counted, and lost as a drop of one is (`on_drop`, or a log line)."""
+        self.cut += 1
+        self.cut_key = packet[4:packet.find(b"\0", 4)][:LOG_QUOTE]
+        return Dropped(1)
+
+    def _raw_cut(self, packet: bytes) -> bytes:
+        """For raw readers: a cut packet becomes the report of one dropped message."""
+        self._was_cut(packet)
+        return _CUT_REPORT
 
     @staticmethod
     def _unpin(batch: PacketBatch) -> None:
@@ -360,9 +383,14 @@ class _Shell:
                 if isinstance(exc, _Gone):
                     self._ended = str(exc)  # said after these packets are taken
                 break
-            copy = self._batch.copy
-            out += [copy(i) for i in range(n)]
-            self._unpin(self._batch)
+            batch = self._batch
+            if max(batch.lengths, default=0) >= SLOT_BYTES:  # cut ones: as drop reports
+                out += [self._raw_cut(batch.copy(i)) if size >= SLOT_BYTES else batch.copy(i)
+                        for i, size in enumerate(batch.lengths)]
+            else:
+                copy = batch.copy
+                out += [copy(i) for i in range(n)]
+            self._unpin(batch)
         return out
 
     def _events(self, sock: socket.socket, limit: int) -> list[Received]:
@@ -486,9 +514,6 @@ class Client(_Shell):
                          on_refusal)
         self._timeout = timeout
         self._rcvtimeo: tuple[socket.socket, int] | None = None  # `_receive_timeout`
-        #: Messages too large to receive whole (cut by the kernel: never handed out), and
-        #: the key of the last one (`receive_frames`).
-        self.cut, self.cut_key = 0, b""
         self._attach(connect_socket(self.address))  # the first connection must work
         self.session.connected()
 
@@ -599,7 +624,7 @@ class Client(_Shell):
         connection raises `ConnectionLost`, or with *reconnect* waits for the broker and
         reads from the new connection."""
         if self._one is None:
-            self._one = memoryview(bytearray(RECV_BUFFER))
+            self._one = memoryview(bytearray(SLOT_BYTES))
         while True:
             self._plain()
             try:
@@ -611,6 +636,9 @@ class Client(_Shell):
                     raise self._lost(_why(exc)) from None
                 self._gone(_why(exc))
                 continue
+            if n >= SLOT_BYTES:
+                self._was_cut(self._one[:n].tobytes())
+                return _CUT_REPORT
             if n:
                 return self._one[:n].tobytes()
             self._gone("closed the connection")
@@ -711,10 +739,8 @@ class Client(_Shell):
             return {}  # messages only: the common case, three calls in C
         others: dict[int, Received | None] = {}
         for i, (head, size) in enumerate(zip(heads, lengths, strict=True)):
-            if size >= SLOT_BYTES:  # cut by the kernel: never handed out, counted
-                packet = batch.copy(i)
-                self.cut += 1
-                self.cut_key = packet[4:packet.find(b"\0", 4)][:LOG_QUOTE]
+            if size >= SLOT_BYTES:  # cut by the kernel: never handed out, counted (the
+                self._was_cut(batch.copy(i))  # frames' reader says it: not a drop here)
                 others[i] = None
             elif head != protocol.MSG_VERB or size < 5:
                 try:
@@ -772,7 +798,7 @@ class Client(_Shell):
             if deadline is not None:
                 self._wait_readable(deadline, timeout)
             if self._one is None:
-                self._one = memoryview(bytearray(RECV_BUFFER))
+                self._one = memoryview(bytearray(SLOT_BYTES))
             self._plain()
             try:
                 n = self.sock.recv_into(self._one, 0, flags)
@@ -786,6 +812,8 @@ class Client(_Shell):
             if not n:
                 self._gone("closed the connection")
                 continue
+            if n >= SLOT_BYTES:
+                return self._was_cut(self._one[:n].tobytes())
             try:
                 return self.session.receive(self._one[:n].tobytes())
             except protocol.ProtocolError as exc:

@@ -387,3 +387,38 @@ async def _two_tasks_across_a_restart(broker) -> tuple[int, int, int]:
 def test_two_tasks_reconnect_once(broker):
     assert trio.run(_two_tasks_across_a_restart, broker) == (2, 0, 2)
     assert asyncio.run(_two_tasks_across_a_restart(broker)) == (2, 0, 2)
+
+
+def test_a_message_too_large_to_receive_whole_is_a_counted_drop_never_a_cut_message(
+        make_broker):
+    """A broker with a larger --max-message forwards packets over the client's receive
+    slot; the kernel would cut them to it.  Every way of receiving reports a drop of one
+    instead (and counts it in ``cut``): no reader ever gets a cut message as if whole."""
+    from conftest import raw
+
+    from sbus.client import SLOT_BYTES
+
+    broker = make_broker("--max-message", "4M")
+    big = b"MSG big\0" + b"x" * 2_000_000
+    drops: list[int] = []
+    with Client(broker.address, on_drop=drops.append) as c:
+        c.subscribe(b"big")
+        c.subscribe(b"after")
+        pub = raw(broker.address)
+        pub.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        for way in ("receive", "receive_batch", "receive_packets"):
+            pub.send(big)
+            pub.send(b"MSG after\0" + way.encode())
+            got: list = []
+            while not any(type(e) is Publish for e in got):
+                if way == "receive":
+                    got.append(c.receive(timeout=10))
+                elif way == "receive_batch":
+                    got += c.receive_batch(timeout=10)
+                else:
+                    got += [c.session.receive(p) for p in c.receive_packets(timeout=10)]
+            assert all(type(e) is not Publish or len(e.payload) < SLOT_BYTES for e in got)
+            assert [e for e in got if type(e) is Publish] == [Publish(b"after", way.encode())]
+            assert Dropped(1) in got, (way, got)
+        assert c.cut == 3 and c.cut_key == b"big"
+        assert drops[:2] == [1, 1]  # receive_packets' caller takes its own report in
