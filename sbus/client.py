@@ -597,27 +597,27 @@ class Client(_Shell):
         self.send_packet(self.session.ask())
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.session.asked:  # a packet at a time: what follows stays unread
-            for event in self._wait_read(deadline, 1):
+            for event in self._until(self._read, 1, deadline, timeout):
                 self._settle(event)
         self._refused()
 
     # -- receiving ---------------------------------------------------------------
 
-    def _wait_read(self, deadline: float | None, limit: int) -> list[Event]:
-        """At least one event (of a batch up to *limit*), read by the session; waits up to
-        *deadline* (monotonic; None: as long as it takes), then ``TimeoutError``."""
+    def _until(self, read: Callable[[socket.socket, int], list], limit: int,
+               deadline: float | None, timeout: float | None) -> list:
+        """What *read* takes from the connection (a non-empty list), waiting for it up to
+        *deadline* and reconnecting as the client does; ``TimeoutError`` after that."""
         while True:
             try:
-                return self._read(self.sock, limit)
+                out = read(self.sock, limit)
             except BlockingIOError:
-                pass
+                self._wait_readable(deadline, timeout)
+                continue
             except _Gone as gone:
                 self._gone(str(gone))
                 continue
-            left = None if deadline is None else deadline - time.monotonic()
-            if (left is not None and left <= 0) or not _wait(self.sock, True, left):
-                raise TimeoutError(f"the broker at {self.address} sent nothing within "
-                                   f"the time allowed")
+            if out:
+                return out
 
     def recv_packet(self, flags: int = 0) -> bytes:
         """One raw packet (``recv(2)`` flags passed through, e.g. ``MSG_PEEK``).  End of the
@@ -647,16 +647,7 @@ class Client(_Shell):
         """At least one raw packet, plus whatever else is ready (up to *limit*); waits up
         to *timeout* seconds (default: the client's), then ``TimeoutError``.  Messages
         kept by `sync` or a reconnect's opening come first."""
-        deadline = self._deadline(timeout)
-        while True:
-            try:
-                return self._raw(self.sock, limit)
-            except BlockingIOError:
-                pass
-            except _Gone as gone:
-                self._gone(str(gone))
-                continue
-            self._wait_readable(deadline, timeout)
+        return self._until(self._raw, limit, self._deadline(timeout), timeout)
 
     def receive_batch(self, limit: int = SLOTS, timeout: float | None = None
                       ) -> list[Received]:
@@ -668,18 +659,7 @@ class Client(_Shell):
             out = list(self._pending)
             self._pending.clear()
             return out
-        deadline = self._deadline(timeout)
-        while True:
-            try:
-                out = self._events(self.sock, limit)
-            except BlockingIOError:
-                self._wait_readable(deadline, timeout)
-                continue
-            except _Gone as gone:
-                self._gone(str(gone))
-                continue
-            if out:
-                return out
+        return self._until(self._events, limit, self._deadline(timeout), timeout)
 
     def receive_frames(self, limit: int = SLOTS, timeout: float | None = None) -> Frames:
         """One received batch of up to *limit* packets as the buffer holds them, for a
