@@ -100,18 +100,7 @@ def continues_below(path: bytes, mountpoints: tuple[bytes, ...], parent: tuple[b
                     name: bytes) -> bool:
     """True if the absolute *path* leads through ``parent/name`` of the mount (at one of
     its *mountpoints*, as given and resolved) to something below it."""
-    names = components(path)
-    if names is None:
-        return False
-    here = parent + (name,)
-    for mp in mountpoints:
-        mount = components(mp)
-        if mount is None or names[:len(mount)] != mount:
-            continue
-        rel = names[len(mount):]
-        if len(rel) > len(here) and rel[:len(here)] == here:
-            return True
-    return False
+    return (names_below(path, mountpoints, parent, name) or 0) > 0
 
 
 def names_below(path: bytes, mountpoints: tuple[bytes, ...], parent: tuple[bytes, ...],
