@@ -628,6 +628,7 @@ def test_https_wrong_keys_do_not_storm(https_gw):
     assert attempts <= 20, f"{attempts} connections in 2 s"
 
 
+@pytest.mark.parametrize("https_gw", [5.0], indirect=True)  # the default refusal delay
 def test_plaintext_on_the_tls_port_does_not_make_a_reconnect_storm(https_gw):
     attempts = storm(https_gw, codec.subscribe(b"plain"))
     assert attempts <= 2, f"{attempts} connections in 3 s"
