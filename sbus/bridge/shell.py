@@ -462,7 +462,9 @@ class BridgeShell:
 
     def _bus_connection(self, up: bool, line: str) -> None:
         """`Client` lost the bus (it waits for it, inside the call that noticed: MQTT is
-        not read meanwhile, and imports wait at the broker) or has it again."""
+        not read meanwhile, and imports wait at the broker) or has it again.  A SIGTERM
+        that came while the bus was still up (`stop` only set `_stopping`) ends the
+        bridge here, before the wait: nothing else would, as the bus may never return."""
         self.bus_up = up
         if up:
             log.info("%s", line)
@@ -471,6 +473,8 @@ class BridgeShell:
             self.bus.control(protocol.PUBLISHER_NOWAIT)
         else:
             log.warning("%s", line)
+            if self._stopping:
+                raise _Stopped
         self._save_state()
         self._notify(f"STATUS={self.status()}")  # the loop waits with the call
 
