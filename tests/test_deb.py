@@ -12,6 +12,7 @@ no device cgroup policy is installed that would need a ``DeviceAllow=``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -152,7 +153,7 @@ def test_the_design_card(container: Container, installed) -> None:
     c.run("systemctl", "start", "sbus.socket")
     # (each reader ends by itself: killing nsenter would not end what runs inside)
     sub = c.popen("timeout", "120", "sbus", "sub", "a/b/c", user=USER)
-    cat = None
+    cat = publisher = None
     try:
         _wait_subscribed(c, "a/b/c")
         # A fresh bus: no directory is known yet, creating the file implies them.
@@ -168,6 +169,11 @@ def test_the_design_card(container: Container, installed) -> None:
         assert _line(cat) == "m1\n"
         assert "a/b/c" in top.stdout, top.stdout + top.stderr
     finally:
+        # The publisher ends by itself, within seconds: waited for even when a step
+        # failed, so that its a/b/c traffic never reaches the next test's recorder.
+        if publisher is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # not to hide the failure
+                publisher.wait(timeout=30)
         for proc in (sub, cat):
             if proc is not None:
                 proc.kill()

@@ -72,12 +72,13 @@ def container() -> Iterator[Container]:
 def bus(container: Container) -> str:
     """`sbus install-units` and `systemctl start sbus.socket`, typed in the container."""
     out = container.run(SBUS, "install-units").stdout
-    assert out.splitlines()[:6] == [
+    assert out.splitlines()[:7] == [
         "wrote /etc/systemd/system/sbus.socket",
         "wrote /etc/systemd/system/sbus.service",
         "wrote /etc/systemd/system/sbus-mount.service",
         "wrote /etc/systemd/system/sbus-record.service",
         "wrote /etc/systemd/system/sbus-bridge@.service",
+        "wrote /etc/systemd/system/sbus-gateway.service",
         "ran systemctl daemon-reload",
     ]
     container.run("systemctl", "start", "sbus.socket")
