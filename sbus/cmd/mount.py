@@ -67,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with EDQUOT")
 
 
+#: The smallest value each numeric option takes (option, least, unit said after it).
+_LEAST = (("remember", 1, ""), ("max_tasks", 2, ""), ("max_message", 16, " bytes"),
+          ("user_readers", 1, ""), ("user_inodes", 1, ""), ("user_queue", 1, " byte"))
+
+
 def _is_socket(path: str) -> bool:
     try:
         return stat.S_ISSOCK(os.stat(path).st_mode)
@@ -177,18 +182,9 @@ def run(args: argparse.Namespace) -> int:
             if any(line.split()[1] == mountpoint and "fuse.sbus" in line.split()[2]
                    for line in f):
                 raise SbusError(f"{mountpoint} is already an sbus mount")
-    if args.remember < 1:
-        raise SbusError("--remember must be at least 1")
-    if args.max_tasks < 2:
-        raise SbusError("--max-tasks must be at least 2")
-    if args.max_message < 16:
-        raise SbusError("--max-message must be at least 16 bytes")
-    if args.user_readers < 1:
-        raise SbusError("--user-readers must be at least 1")
-    if args.user_inodes < 1:
-        raise SbusError("--user-inodes must be at least 1")
-    if args.user_queue < 1:
-        raise SbusError("--user-queue must be at least 1 byte")
+    for option, least, unit in _LEAST:
+        if getattr(args, option) < least:
+            raise SbusError(f"--{option.replace('_', '-')} must be at least {least}{unit}")
     if args.reconnect_timeout < 0:
         raise SbusError("--reconnect-timeout cannot be negative")
     address = os.path.abspath(args.address or default_address())
