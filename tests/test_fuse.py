@@ -119,6 +119,12 @@ def wait_open(proc: subprocess.Popen, path: str, timeout: float = 10) -> None:
     raise TimeoutError(f"{path} not opened")
 
 
+def default_sigint() -> None:
+    """In a child: SIGINT as at a terminal.  A suite started in the background (``cmd &``
+    in a script) inherits SIGINT ignored, and so would every ``cat`` it starts."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cat(path: str, *args: str, job: bool = False) -> subprocess.Popen:
     """``cat`` of *path*; with *job*, in a process group of its own, as a shell runs a job.
 
@@ -126,7 +132,8 @@ def cat(path: str, *args: str, job: bool = False) -> subprocess.Popen:
     (``setsid``, as CI and cron do): the suite's group is then orphaned (no parent in
     another group of its session) and the kernel discards stop signals sent to it."""
     proc = subprocess.Popen([*args, "cat", path], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, process_group=0 if job else None)
+                            stderr=subprocess.PIPE, process_group=0 if job else None,
+                            preexec_fn=default_sigint)
     wait_open(proc, path)
     return proc
 
@@ -616,7 +623,8 @@ def test_ctrl_c_while_open_waits_for_a_silent_broker(space):
             os.unlink(b.address)
         silent.bind(b.address)
         silent.listen(64)
-        proc = subprocess.Popen(["cat", m / "**"], stderr=subprocess.PIPE)
+        proc = subprocess.Popen(["cat", m / "**"], stderr=subprocess.PIPE,
+                                preexec_fn=default_sigint)
         time.sleep(0.5)
         assert proc.poll() is None  # still inside open()
         t = time.monotonic()
