@@ -493,7 +493,9 @@ def test_all_outgoing_buffers_together_are_bounded(hdir, bus, local):
         time.sleep(1.5)
         growth_mib = (rss_kib(g.proc.pid) - before) / 1024
         print(f"gateway RSS +{growth_mib:.1f} MiB with 20 readers that never read")
-        assert growth_mib < 10, f"RSS grew by {growth_mib:.1f} MiB"
+        # the 4 MiB pool, plus the bus connection's receive batch (up to 64 slots of what
+        # arrives: ~4 MB of 60 KB messages), against 20 MiB if each reader had its own 1 MiB
+        assert growth_mib < 14, f"RSS grew by {growth_mib:.1f} MiB"
         roundtrip(g.connect())
     finally:
         for s in conns:
