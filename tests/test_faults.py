@@ -126,6 +126,7 @@ def test_kill_9_under_load_with_socket_activation(short_tmp) -> None:
         deadline = time.monotonic() + 10
         while kills not in generations_seen and time.monotonic() < deadline:
             time.sleep(0.05)
+        until(lambda: sent[0] > 1000, "a flood through the brokers")  # not a trickle
     finally:
         stop.set()
         for t in threads:
