@@ -16,7 +16,11 @@ batch of events at once.
 With ``reconnect=True`` a lost broker is waited for (the session's `Backoff`) and the
 new connection gets the flood policy and every subscription again; messages published
 meanwhile are lost, as on any pubsub bus.  One driver does this for both shells
-(`_Shell._reopening`); the shells only do its waiting, blocking or async.
+(`_Shell._reopening`); the shells only do its waiting, blocking or async.  Connecting
+never blocks a shell either (`connecting`): a broker that does not accept (its accept
+backlog full: stopped, or its loop busy) is tried again after a short sleep, up to
+`CONNECT_TIMEOUT` for a first connection and at the `Backoff`'s pace when reconnecting,
+so the event loop of an `AsyncClient` serves its other tasks meanwhile.
 *on_connection(up, line)* hears of each change of state (else it is logged).  A program
 that would rather hear of refusals than catch them passes *on_refusal* (a `Refusal`
 event each, nothing raised).
@@ -31,8 +35,8 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import NamedTuple
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from typing import NamedTuple, TypeVar
 
 import anyio
 
@@ -71,8 +75,19 @@ RELEASE_FROM = 64 * 1024
 #: Seconds a new connection has to answer its opening before it counts as failed.
 OPENING_TIMEOUT = 5.0
 
+#: Seconds a first connection waits for room in the broker's full accept backlog (a
+#: listener that does not accept: stopped, or its loop busy) before `ConnectError`.
+CONNECT_TIMEOUT = 5.0
+#: The first pause between two tries on a full backlog (it doubles, with jitter, up to
+#: `CONNECT_RETRY_MAX`): a unix socket cannot be polled for room, only tried again.
+CONNECT_RETRY = 0.005
+CONNECT_RETRY_MAX = 0.05
+
 #: What the reconnect driver asks its shell to wait for.
 _READ, _WRITE, _SLEEP = "read", "write", "sleep"
+#: A step generator (`connecting`, `_Shell._reopening`): what to wait for, and its result.
+_T = TypeVar("_T")
+Steps = Generator[tuple[str, object], None, _T]
 
 Received = Publish | Dropped | Control
 
@@ -98,9 +113,9 @@ def wait_for_broker(address: str | None = None, timeout: float = 10.0,
     address = address or default_address()
     deadline = time.monotonic() + timeout
     while True:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
         try:
-            s.connect(address)
+            s.connect(address)  # non-blocking: a full backlog is a "not yet" (EAGAIN)
             return
         except OSError:
             if alive is not None and not alive():
@@ -112,21 +127,83 @@ def wait_for_broker(address: str | None = None, timeout: float = 10.0,
             s.close()
 
 
-def connect_socket(address: str) -> socket.socket:
-    """A connected SEQPACKET socket (blocking) to the broker at *address*; `ConnectError`
-    with advice if there is none."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-        sock.connect(address)
-    except OSError as exc:
-        sock.close()
-        raise ConnectError(
-            f"cannot connect to the sbus broker at {address}: {exc.strerror or exc}. "
-            f"Start one with 'sbus serve --address {address}' "
-            "(or 'systemctl start sbus.socket'), or set SBUS_ADDRESS."
-        ) from None
+def _connect_error(address: str, why: str) -> ConnectError:
+    return ConnectError(f"cannot connect to the sbus broker at {address}: {why}. Start one "
+                        f"with 'sbus serve --address {address}' (or 'systemctl start "
+                        "sbus.socket'), or set SBUS_ADDRESS.")
+
+
+def connecting(address: str, timeout: float | None = None) -> Steps[socket.socket]:
+    """Connect to the broker at *address* without ever blocking: the one place a bus
+    connection is made.  A step generator (as `_Shell._reopening`): it yields
+    ``(_SLEEP, seconds)`` while the broker's accept backlog is full and returns the
+    connected socket (non-blocking); `ConnectError` with advice if there is no broker,
+    or the backlog stays full for *timeout* seconds (default `CONNECT_TIMEOUT`; 0: one
+    try).  Linux answers a non-blocking unix connect to a full backlog with EAGAIN, not
+    EINPROGRESS: there is no pending connection to poll for, only a later try."""
+    limit = CONNECT_TIMEOUT if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    pause = Backoff(CONNECT_RETRY, CONNECT_RETRY_MAX)
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC
+                             | socket.SOCK_NONBLOCK)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            sock.connect(address)
+            return sock
+        except BlockingIOError:  # EAGAIN: listening, but its accept backlog is full
+            sock.close()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _connect_error(address, f"it has not accepted the connection in "
+                                              f"{limit:g} s (its accept backlog is full: "
+                                              "stopped or overloaded?)") from None
+        except OSError as exc:
+            sock.close()
+            raise _connect_error(address, exc.strerror or str(exc)) from None
+        yield _SLEEP, min(left, pause.next())
+
+
+def connect_socket(address: str, timeout: float | None = None) -> socket.socket:
+    """`connecting`, carried out blocking: a connected (blocking) SEQPACKET socket to the
+    broker at *address*, or `ConnectError` with advice."""
+    sock = _carry_out(connecting(address, timeout))
+    sock.setblocking(True)
     return sock
+
+
+def _carry_out(steps: Steps[_T]) -> _T:
+    """Wait, blocking, for what a step generator asks; its result."""
+    while True:
+        try:
+            what, arg = next(steps)
+        except StopIteration as done:
+            return done.value
+        if what is _SLEEP:
+            time.sleep(arg)  # type: ignore[arg-type]
+        else:
+            _wait(arg, what is _READ, OPENING_TIMEOUT)  # type: ignore[arg-type]
+
+
+async def _carry_out_async(steps: Steps[_T]) -> _T:
+    """Wait, with anyio, for what a step generator asks (other tasks run meanwhile); its
+    result.  Cancelled, the generator is closed (it closes its half-made socket)."""
+    try:
+        while True:
+            try:
+                what, arg = next(steps)
+            except StopIteration as done:
+                return done.value
+            if what is _SLEEP:
+                await anyio.sleep(arg)  # type: ignore[arg-type]
+            else:
+                with anyio.move_on_after(OPENING_TIMEOUT):
+                    if what is _READ:
+                        await anyio.wait_readable(arg)  # type: ignore[arg-type]
+                    else:
+                        await anyio.wait_writable(arg)  # type: ignore[arg-type]
+    finally:
+        steps.close()
 
 
 def _why(exc: OSError) -> str:
@@ -235,7 +312,7 @@ class _Shell:
 
     # -- the one reconnect driver -----------------------------------------------------
 
-    def _reopening(self, why: str) -> Iterator[tuple[str, object]]:
+    def _reopening(self, why: str) -> Steps[None]:
         """Replace the lost connection; the session's plan, carried out.
 
         A generator: it does every non-blocking step itself and yields what to wait for
@@ -250,8 +327,8 @@ class _Shell:
         while True:
             sock = None
             try:
-                sock = connect_socket(self.address)
-                sock.setblocking(False)
+                # one try: a full backlog is a failed attempt, waited out by the Backoff
+                sock = yield from connecting(self.address, 0)
                 self._ended = None  # what an earlier attempt's end left behind
                 for packet in self.session.connected():
                     while True:
@@ -514,7 +591,9 @@ class Client(_Shell):
                          on_refusal)
         self._timeout = timeout
         self._rcvtimeo: tuple[socket.socket, int] | None = None  # `_receive_timeout`
-        self._attach(connect_socket(self.address))  # the first connection must work
+        # the first connection must work (within `CONNECT_TIMEOUT`, or *timeout* if less)
+        limit = CONNECT_TIMEOUT if timeout is None else min(timeout, CONNECT_TIMEOUT)
+        self._attach(connect_socket(self.address, limit))
         self.session.connected()
 
     def _attach(self, sock: socket.socket) -> None:
@@ -523,11 +602,7 @@ class Client(_Shell):
 
     def _reconnect(self, why: str) -> None:
         """Carry out `_reopening`, blocking."""
-        for what, arg in self._reopening(why):
-            if what is _SLEEP:
-                time.sleep(arg)  # type: ignore[arg-type]
-            else:
-                _wait(arg, what is _READ, OPENING_TIMEOUT)  # type: ignore[arg-type]
+        _carry_out(self._reopening(why))
 
     def _gone(self, why: str) -> None:
         if not self.reconnect:
@@ -950,8 +1025,10 @@ class AsyncClient(_Shell):
         return bus
 
     async def open(self) -> None:
-        """Connect (the first connection must work: `ConnectError` otherwise)."""
-        self._attach(connect_socket(self.address))
+        """Connect (the first connection must work: `ConnectError` otherwise, at the
+        latest after `CONNECT_TIMEOUT` of a full accept backlog); other tasks run while
+        it waits."""
+        self._attach(await _carry_out_async(connecting(self.address)))
         self.session.connected()
 
     def _attach(self, sock: socket.socket) -> None:
@@ -971,15 +1048,7 @@ class AsyncClient(_Shell):
             return self.sock  # someone else reconnected already
         done = self._reconnecting = anyio.Event()
         try:
-            for what, arg in self._reopening(why):
-                if what is _SLEEP:
-                    await anyio.sleep(arg)  # type: ignore[arg-type]
-                else:
-                    with anyio.move_on_after(OPENING_TIMEOUT):
-                        if what is _READ:
-                            await anyio.wait_readable(arg)  # type: ignore[arg-type]
-                        else:
-                            await anyio.wait_writable(arg)  # type: ignore[arg-type]
+            await _carry_out_async(self._reopening(why))
         finally:
             self._reconnecting = None
             done.set()

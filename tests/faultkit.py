@@ -131,6 +131,39 @@ class HeldSocket:
         return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
 
 
+class FullBacklog:
+    """A listening SEQPACKET socket that does not accept, its backlog full: what a client
+    meets at a broker that is stopped or whose loop is busy (a blocking connect waits,
+    a non-blocking one says EAGAIN).  `make_room` accepts the oldest waiting connection."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(address)
+        self.listener.listen(0)
+        self.held: list[socket.socket] = []  # the fillers, then what `make_room` took
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
+            try:
+                s.connect(address)
+            except BlockingIOError:  # full now
+                s.close()
+                break
+            self.held.append(s)
+
+    def make_room(self) -> socket.socket:
+        conn, _ = self.listener.accept()
+        self.held.append(conn)
+        return conn
+
+    def close(self) -> None:
+        for s in self.held:
+            s.close()
+        self.listener.close()
+        if os.path.exists(self.address):
+            os.unlink(self.address)
+
+
 def as_user(uid: int, target: Callable, *args) -> tuple[multiprocessing.Process, object]:
     """Run ``target(pipe, *args)`` in a forked child that has become *uid*.
 
