@@ -157,11 +157,13 @@ class FullBacklog:
         return conn
 
     def close(self) -> None:
+        """Close it all and remove the socket file (once: then the path may be a broker's)."""
+        if self.listener.fileno() < 0:
+            return
         for s in self.held:
             s.close()
         self.listener.close()
-        if os.path.exists(self.address):
-            os.unlink(self.address)
+        os.unlink(self.address)
 
 
 def as_user(uid: int, target: Callable, *args) -> tuple[multiprocessing.Process, object]:

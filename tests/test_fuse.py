@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -585,6 +586,61 @@ def test_broker_restart_under_a_reader(space):
         if proc is not None:
             end(proc)
             assert proc.stderr.read() == b""
+        m.stop()
+        b.stop()
+
+
+def test_the_mount_serves_on_while_its_reconnects_face_a_full_backlog(space):
+    """The broker goes and its address is held by a listener that never accepts (what a
+    stopped or overloaded broker looks like): the mount's connections try again without
+    blocking its loop, so a reader's waiting messages and stat are still served; once a
+    broker is back, reader and publisher carry on."""
+    from faultkit import FullBacklog
+
+    b = BrokerProcess(os.path.join(space, "backlog.sock")).start()
+    m = Mount(b.address, os.path.join(space, "backlog"), "--reconnect-timeout", "20").start()
+    proc = full = None
+    fd = -1
+    try:
+        proc = cat(touch(m, "s/k"))
+        fd = os.open(m / "s/k", os.O_RDONLY)  # subscribed once open returns
+        publish(b.address, (b"s/k", b"one"), (b"s/k", b"two"))
+        assert read_lines(proc, 2) == [b"one\n", b"two\n"]  # the mount has them for fd too
+        os.unlink(b.address)  # the broker's connections live on ...
+        full = FullBacklog(b.address)  # ... its address is a full backlog
+        b.stop()
+        deadline = time.monotonic() + 10
+        while "; reconnecting" not in m.log():
+            assert time.monotonic() < deadline, m.log()
+            time.sleep(0.02)
+        served: list[object] = []
+        job = threading.Thread(target=lambda: served.extend(
+            [os.read(fd, 100), os.stat(m / "s/k").st_size >= 0, sorted(os.listdir(m / "s"))]),
+            daemon=True)
+        job.start()
+        job.join(3)
+        assert served == [b"one\ntwo\n", True, ["**", "k"]], "the mount stood still"
+        full.close()
+        b.start()
+        deadline = time.monotonic() + 10
+        while not readable(proc, 0.1):  # a write waits for the publisher's reconnect
+            with open(m / "s/k", "wb") as f:
+                f.write(b"probe")
+            assert time.monotonic() < deadline, m.log()
+        with open(m / "s/k", "wb") as f:
+            f.write(b"back")
+        seen: list[bytes] = []
+        while b"back\n" not in seen:
+            seen += read_lines(proc, 1)
+        assert set(seen) == {b"probe\n", b"back\n"}
+        assert "reconnected" in m.log()
+    finally:
+        if full is not None:
+            full.close()  # unsticks a mount that blocked on it, so the rest can end
+        if fd >= 0:
+            os.close(fd)
+        if proc is not None:
+            end(proc)
         m.stop()
         b.stop()
 
