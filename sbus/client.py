@@ -127,10 +127,13 @@ def wait_for_broker(address: str | None = None, timeout: float = 10.0,
             s.close()
 
 
-def _connect_error(address: str, why: str) -> ConnectError:
-    return ConnectError(f"cannot connect to the sbus broker at {address}: {why}. Start one "
-                        f"with 'sbus serve --address {address}' (or 'systemctl start "
-                        "sbus.socket'), or set SBUS_ADDRESS.")
+def _connect_error(address: str, why: str, advice: bool = True) -> ConnectError:
+    """The one wording of a failed connect; with *advice*, how to get a broker there."""
+    line = f"cannot connect to the sbus broker at {address}: {why}"
+    if advice:
+        line += (f". Start one with 'sbus serve --address {address}' (or 'systemctl start "
+                 "sbus.socket'), or set SBUS_ADDRESS.")
+    return ConnectError(line)
 
 
 def connecting(address: str, timeout: float | None = None) -> Steps[socket.socket]:
@@ -156,8 +159,8 @@ def connecting(address: str, timeout: float | None = None) -> Steps[socket.socke
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _connect_error(address, f"it has not accepted the connection in "
-                                              f"{limit:g} s (its accept backlog is full: "
-                                              "stopped or overloaded?)") from None
+                                              f"{limit:g} s (its accept backlog is full: is "
+                                              "it stopped or overloaded?)", False) from None
         except OSError as exc:
             sock.close()
             raise _connect_error(address, exc.strerror or str(exc)) from None
@@ -174,15 +177,18 @@ def connect_socket(address: str, timeout: float | None = None) -> socket.socket:
 
 def _carry_out(steps: Steps[_T]) -> _T:
     """Wait, blocking, for what a step generator asks; its result."""
-    while True:
-        try:
-            what, arg = next(steps)
-        except StopIteration as done:
-            return done.value
-        if what is _SLEEP:
-            time.sleep(arg)  # type: ignore[arg-type]
-        else:
-            _wait(arg, what is _READ, OPENING_TIMEOUT)  # type: ignore[arg-type]
+    try:
+        while True:
+            try:
+                what, arg = next(steps)
+            except StopIteration as done:
+                return done.value
+            if what is _SLEEP:
+                time.sleep(arg)  # type: ignore[arg-type]
+            else:
+                _wait(arg, what is _READ, OPENING_TIMEOUT)  # type: ignore[arg-type]
+    finally:
+        steps.close()  # interrupted (a signal's exception): its socket is closed now
 
 
 async def _carry_out_async(steps: Steps[_T]) -> _T:
@@ -577,7 +583,9 @@ class Client(_Shell):
     ...         print(msg.key, msg.payload)
 
     *timeout* bounds each send and each receive that is not given its own (then
-    ``TimeoutError``); None waits as long as it takes.
+    ``TimeoutError``); None waits as long as it takes.  Connecting never hangs: a broker
+    whose accept backlog stays full is a `ConnectError` after `CONNECT_TIMEOUT` (or
+    *timeout*, if shorter).
     """
 
     sock: socket.socket
