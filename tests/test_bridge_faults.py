@@ -246,6 +246,21 @@ def test_kill9_of_mosquitto_without_persistence_is_counted_as_missing() -> None:
         h.close()
 
 
+def test_an_export_over_the_receivers_packet_limit_is_counted_as_missing(hosts: Hosts) -> None:
+    """The MQTT broker drops, without a word, a message larger than the receiving bridge
+    takes (its Maximum Packet Size, from --max-message): the stamps make it `missing`
+    there, exactly one for each."""
+    hosts.bridge(0, "--client-id", "a", "--export", "seq/")
+    b = hosts.bridge(1, "--client-id", "b", "--import", "seq/", "--max-message", "1k")
+    sub = subscriber(hosts.bus_address(1), "seq/")
+    big = {5, 6, 12}
+    publish(hosts.bus_address(0), [("seq/x", b"%d" % i if i not in big else b"9" * 3000)
+                                   for i in range(20)])
+    assert seqs(collect(sub, want=17, quiet=0.3)) == [i for i in range(20) if i not in big]
+    c = b.wait_counters(lambda c: c["imported"] == 17)
+    assert (c["missing"], c["duplicates"]) == (3, 0), c
+
+
 def test_changed_imports_do_not_resume_the_old_filters(hosts: Hosts) -> None:
     """Same client id, imports changed from a/ to a/*/c: the old session's a/# is
     unsubscribed, so a/x/c arrives once and a/y (no longer imported) costs nothing."""

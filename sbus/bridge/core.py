@@ -72,7 +72,8 @@ ECHO_BYTES = 16 * 1024 * 1024
 
 @dataclass
 class Counters:
-    """What STATUS= shows: each message counted once, in exactly one of these."""
+    """What STATUS= shows: each message that reached the bridge counted once, in exactly
+    one of these; ``missing`` counts those that never did."""
 
     exported: int = 0   # handed to the MQTT client (QoS 1: queued until acknowledged)
     imported: int = 0   # published on the local bus
