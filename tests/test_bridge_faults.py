@@ -266,6 +266,19 @@ def test_an_export_over_the_receivers_packet_limit_is_counted_as_missing(hosts: 
     assert (c["missing"], c["duplicates"]) == (3, 0), c
 
 
+def test_a_receiver_of_part_of_a_senders_topics_counts_no_gaps(hosts: Hosts) -> None:
+    """The numbers run over all of a sender's QoS 1 exports: a bridge importing only
+    seq/a/ of a sender exporting seq/ sees every other number skipped, which is no loss.
+    It does not cover the sender's scope (sbus-scope: seq/#), so it counts no gap."""
+    hosts.bridge(0, "--client-id", "a", "--export", "seq/")
+    b = hosts.bridge(1, "--client-id", "b", "--import", "seq/a/")
+    sub = subscriber(hosts.bus_address(1), "seq/")
+    publish(hosts.bus_address(0), [(f"seq/{'ab'[i % 2]}/x", b"%d" % i) for i in range(40)])
+    assert seqs(collect(sub, want=20, quiet=0.3)) == list(range(0, 40, 2))
+    c = b.wait_counters(lambda c: c["imported"] == 20)
+    assert (c["missing"], c["duplicates"], c["filtered"]) == (0, 0, 0), c
+
+
 def test_changed_imports_do_not_resume_the_old_filters(hosts: Hosts) -> None:
     """Same client id, imports changed from a/ to a/*/c: the old session's a/# is
     unsubscribed, so a/x/c arrives once and a/y (no longer imported) costs nothing."""
