@@ -232,7 +232,7 @@ def test_status_line_counts() -> None:
     c.dropped(5)
     c.refused_by_broker()
     assert c.status() == ("exported 1 (0 B), imported 1 (0 B), dropped 5, refused 1, "
-                          "looped 0, filtered 0, resent 0, duplicates 0")
+                          "looped 0, filtered 0, resent 0, duplicates 0, missing 0")
     c.exported(10)
     assert c.status().startswith("exported 2 (10 B)")
 
@@ -331,6 +331,97 @@ def test_a_stamp_seen_before_is_a_duplicate() -> None:
     assert c.from_mqtt(b"k", b"x", "a", "garbage") == b"k"          # unreadable: kept
     assert c.from_mqtt(b"k", b"x", None, f"e1.{1:016x}") == b"k"    # no sender: kept
     assert c.counters.duplicates == 2 and c.counters.imported == 0
+
+
+def _stamp(seq: int, epoch: str = "e1") -> str:
+    return f"{epoch}.{seq:016x}"
+
+
+def test_gaps_in_a_senders_stamps_are_counted_as_missing() -> None:
+    """A receiver that imports everything the sender stamps (its scope) counts each number
+    skipped exactly once; a new epoch (a new spool) starts over, and so does a sender
+    heard for the first time."""
+    c = core(exports=[], imports=[b"seq/"])
+    scope = ("seq/#",)
+    got = [c.from_mqtt(b"seq/x", b"%d" % n, "a", _stamp(n), scope) for n in (7, 8, 9, 12)]
+    assert got == [b"seq/x"] * 4 and c.counters.missing == 2            # 10 and 11
+    assert c.from_mqtt(b"seq/x", b"20", "a", _stamp(20), scope) and c.counters.missing == 9
+    assert c.from_mqtt(b"seq/x", b"12", "a", _stamp(12), scope) is None  # a copy
+    assert c.from_mqtt(b"seq/x", b"0", "a", _stamp(0, "e2"), scope)      # a new spool
+    assert c.from_mqtt(b"seq/x", b"1", "a", _stamp(1, "e2"), scope)
+    assert c.from_mqtt(b"seq/x", b"5", "b", _stamp(5), scope)            # first from b
+    assert c.from_mqtt(b"seq/x", b"3", "a", _stamp(3, "e2"), scope)
+    assert (c.counters.missing, c.counters.duplicates) == (10, 1)
+    assert "duplicates 1, missing 10" in c.status()
+
+
+def test_a_number_that_arrives_late_is_imported_not_taken_for_a_copy() -> None:
+    """Out of order (a lower number after a higher one, e.g. through another node of a
+    cluster): the stamp was never seen, so it is imported and no longer missing; only a
+    second copy of it is a duplicate."""
+    c = core(exports=[], imports=[b""])
+    scope = ("#",)
+    for n in (1, 2, 6):
+        assert c.from_mqtt(b"k", b"%d" % n, "a", _stamp(n), scope) == b"k"
+    assert c.counters.missing == 3                                       # 3, 4, 5
+    assert c.from_mqtt(b"k", b"4", "a", _stamp(4), scope) == b"k"        # late: new
+    assert c.from_mqtt(b"k", b"4", "a", _stamp(4), scope) is None        # then a copy
+    assert c.from_mqtt(b"k", b"3", "a", _stamp(3), scope) == b"k"
+    assert c.from_mqtt(b"k", b"2", "a", _stamp(2), scope) is None
+    assert (c.counters.missing, c.counters.duplicates) == (1, 2)        # 5 still missing
+    assert c.from_mqtt(b"k", b"5", "a", _stamp(5), scope) == b"k"
+    assert c.counters.missing == 0
+
+
+def test_no_gaps_counted_for_a_sender_we_import_only_part_of() -> None:
+    """Numbers run over all of a sender's QoS 1 exports: a receiver whose imports do not
+    cover the sender's scope sees gaps that are no loss and counts none; a late number is
+    still imported, not taken for a copy.  No scope (an older bridge): none counted."""
+    c = core(exports=[], imports=[b"seq/a/", b"other/"])
+    for n, topic in enumerate([b"seq/a/x", b"seq/a/x", b"seq/a/x"]):
+        assert c.from_mqtt(topic, b"", "a", _stamp(n * 5), ("seq/#",)) == topic
+    assert c.from_mqtt(b"seq/a/x", b"", "a", _stamp(7), ("seq/#",)) == b"seq/a/x"
+    assert c.from_mqtt(b"seq/a/x", b"", "b", _stamp(0)) == b"seq/a/x"
+    assert c.from_mqtt(b"seq/a/x", b"", "b", _stamp(9)) == b"seq/a/x"
+    assert (c.counters.missing, c.counters.duplicates) == (0, 0)
+    # covered by the two filters together, and one filter at a time
+    assert c._covers(("seq/a/#", "other/+/x")) and not c._covers(("seq/+/x",))
+    assert not c._covers(("x",) * 2000)                                   # too long
+
+
+def test_the_scope_a_sender_names_covers_its_qos1_exports() -> None:
+    c = core(exports=[], imports=[],
+             export_rules=(Rule((b"s/", b"s/x/", b"s/foo*/y"), Mapping.parse("s/=site/h/s/"), 1),
+                           Rule((b"log/",), Mapping.parse("log/=site/h/log/"), 0),
+                           Rule((b"t/*/z",), Mapping(), 1)))
+    assert c.stamp_scope() == ["site/h/s/#", "t/+/z"]
+    many = core(exports=[b"p%03d/" % i for i in range(200)], imports=[])
+    assert many.stamp_scope() == ["#"]                                  # too long: coarser
+    assert core(exports=[b"a/"], imports=[], export_qos=0).stamp_scope() == []
+
+
+def test_what_a_receiver_remembers_of_senders_is_bounded(monkeypatch) -> None:
+    """At most STAMP_SENDERS senders and STAMP_BYTES of their ids (a hostile peer can
+    send any id), GAP_RANGES gaps each: a forgotten sender starts over (uncounted), a
+    forgotten gap's numbers stay missing and arriving late are taken for copies."""
+    import sbus.bridge.core as core_module
+
+    monkeypatch.setattr(core_module, "STAMP_SENDERS", 3)
+    monkeypatch.setattr(core_module, "STAMP_BYTES", 3000)
+    c = core(exports=[], imports=[b""])
+    for name in ("a", "b", "c", "d"):
+        c.from_mqtt(b"k", b"", name, _stamp(1), ("#",))
+    assert list(c._stamps) == ["b", "c", "d"]
+    c.from_mqtt(b"k", b"", "x" * 2000, _stamp(1), ("#",))
+    c.from_mqtt(b"k", b"", "y" * 2000, _stamp(1), ("#",))
+    assert list(c._stamps) == ["y" * 2000] and c._stamp_bytes == 2000  # oldest first
+    assert c.from_mqtt(b"k", b"", "a", _stamp(1), ("#",)) == b"k"      # forgotten: anew
+    for n in range(3, 3 + 2 * (core_module.GAP_RANGES + 1), 2):        # 17 gaps of one
+        c.from_mqtt(b"k", b"", "a", _stamp(n), ("#",))
+    assert c.counters.missing == core_module.GAP_RANGES + 1
+    assert c.from_mqtt(b"k", b"", "a", _stamp(2), ("#",)) is None       # gap forgotten
+    assert c.from_mqtt(b"k", b"", "a", _stamp(4), ("#",)) == b"k"
+    assert c.counters.missing == core_module.GAP_RANGES
 
 
 def test_the_mqtt_socket_gets_tcp_nodelay() -> None:

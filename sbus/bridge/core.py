@@ -19,6 +19,15 @@ echo was perhaps dropped), and only those remembered when the report came. While
 memory is full, imports that would need an entry are dropped (counted) rather than
 risking a loop. The memory is bounded in entries and in the bytes of their keys
 (`ECHO_LIMIT`, `ECHO_BYTES`).
+
+What never arrived, counted. A sending bridge stamps each spooled export (`STAMP`:
+epoch and a sequence number that grows by one per export) and names the MQTT filters
+that cover every topic it stamps (`SCOPE`). A receiving bridge whose own subscriptions
+cover that scope must see every number; a number skipped (same epoch) is counted as
+``missing``, and taken off again if it arrives late (out of order, e.g. through another
+node of a cluster). A receiver that takes only part of a sender's topics would see gaps
+that are no loss: it counts none for that sender, but still remembers the gaps, so that a
+late number is imported rather than taken for a copy.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ from ..routing import matches
 from . import topics
 from .topics import Filter, Mapping
 
-__all__ = ["BridgeCore", "Rule", "Counters", "MARKER", "STAMP", "ECHO_LIMIT", "covers"]
+__all__ = ["BridgeCore", "Rule", "Counters", "MARKER", "STAMP", "SCOPE", "ECHO_LIMIT",
+           "covers"]
 
 #: The MQTT 5 user property every message published by an sbus bridge carries.
 MARKER = "sbus-bridge"
@@ -39,8 +49,20 @@ MARKER = "sbus-bridge"
 #: spool, so that a receiving bridge recognises what a restarted or reconnected sender
 #: sent again.
 STAMP = "sbus-seq"
-#: Senders whose last stamp is remembered (least recently heard forgotten first).
+#: The user property (one per filter) beside a stamp: MQTT filters that together cover
+#: every topic the sender stamps; a receiver counts gaps only if its imports cover them.
+SCOPE = "sbus-scope"
+#: A scope longer than this (bytes of its filters) is sent as ``#`` (still true, coarser),
+#: and a longer one received is not considered (no gaps counted for that sender).
+SCOPE_BYTES = 1024
+#: Senders whose last stamp is remembered (least recently heard forgotten first), and the
+#: bytes of their ids at most.
 STAMP_SENDERS = 4096
+STAMP_BYTES = 1 << 20
+#: Gaps (ranges of numbers not seen) remembered per sender; beyond, the oldest is
+#: forgotten: its numbers stay counted as missing, and arriving late would be taken for
+#: copies.
+GAP_RANGES = 16
 IDENTITY = Mapping()
 #: Imports remembered to recognise their echo from the bus (bounds memory and loops),
 #: and the bytes of their keys at most.
@@ -50,7 +72,8 @@ ECHO_BYTES = 16 * 1024 * 1024
 
 @dataclass
 class Counters:
-    """What STATUS= shows: each message counted once, in exactly one of these."""
+    """What STATUS= shows: each message that reached the bridge counted once, in exactly
+    one of these; ``missing`` counts those that never did."""
 
     exported: int = 0   # handed to the MQTT client (QoS 1: queued until acknowledged)
     imported: int = 0   # published on the local bus
@@ -60,6 +83,7 @@ class Counters:
     filtered: int = 0   # arrived from MQTT but matches no import pattern
     resent: int = 0     # taken from the spool after a restart: sent again (may be twice)
     duplicates: int = 0  # arrived again from a bridge (its stamp seen before): not imported
+    missing: int = 0    # numbers skipped in a bridge's stamps: sent to MQTT, never arrived
     exported_bytes: int = 0  # topic + payload bytes of the exported messages
     imported_bytes: int = 0  # key + payload bytes of the imported messages
 
@@ -133,7 +157,9 @@ class BridgeCore:
         self._echo_count: Counter[tuple[bytes, int]] = Counter()
         self._echo_keys: Counter[bytes] = Counter()
         self._maybe_gone = 0  # oldest entries remembered when the broker reported drops
-        self._stamps: OrderedDict[str, tuple[str, int]] = OrderedDict()  # sender -> last
+        self._stamps: OrderedDict[str, _Sender] = OrderedDict()
+        self._stamp_bytes = 0  # of the sender ids remembered
+        self._scopes: dict[tuple[str, ...], bool] = {}  # a sender's scope -> we cover it
         #: refusals (quoted key: why) for the shell to log, newest kept
         self.refusals: deque[str] = deque(maxlen=64)
 
@@ -154,6 +180,22 @@ class BridgeCore:
             qos[f.mqtt] = max(q, qos.get(f.mqtt, 0))
         kept = [f for f in qos if not any(g != f and covers(g, f) for g in qos)]
         return [(f, max(q for g, q in qos.items() if covers(f, g))) for f in kept]
+
+    def stamp_scope(self) -> list[str]:
+        """MQTT filters covering every topic this bridge stamps (its QoS 1 exports), sent
+        as `SCOPE` beside each stamp: receivers that cover them count gaps."""
+        wanted: list[str] = []
+        for pattern, mapping, qos in self.export_rules:
+            if qos != 1:
+                continue
+            try:
+                f = topics.to_filter(pattern, mapping).mqtt
+            except topics.ConfigError:
+                continue  # no key it matches can be sent (refused), so none is stamped
+            if f not in wanted:
+                wanted.append(f)
+        kept = [f for f in wanted if not any(g != f and covers(g, f) for g in wanted)]
+        return ["#"] if sum(len(f.encode()) for f in kept) > SCOPE_BYTES else kept
 
     # -- bus -> MQTT -------------------------------------------------------------
 
@@ -187,12 +229,14 @@ class BridgeCore:
     # -- MQTT -> bus -------------------------------------------------------------
 
     def from_mqtt(self, topic: bytes, payload: bytes, marker: str | None,
-                  stamp: str | None = None) -> bytes | None:
-        """The local key to publish this MQTT message on, or None (counted)."""
+                  stamp: str | None = None, scope: tuple[str, ...] = ()) -> bytes | None:
+        """The local key to publish this MQTT message on, or None (counted).  *stamp* and
+        *scope* are a sending bridge's (`STAMP`, `SCOPE`)."""
         if marker == self.client_id:
             self.counters.looped += 1
             return None
-        if stamp is not None and marker is not None and self._seen_before(marker, stamp):
+        if stamp is not None and marker is not None and \
+                self._seen_before(marker, stamp, scope):
             self.counters.duplicates += 1
             return None
         if self._one_import:
@@ -282,25 +326,69 @@ class BridgeCore:
             if old == entry:
                 return True
 
-    def _seen_before(self, sender: str, stamp: str) -> bool:
-        """Has *sender* sent this stamp (or a later one of the same epoch) before?  A
-        bridge's spooled exports reach us in the order of their numbers; a number not
-        above the last one is a copy sent again after a reconnect or a restart."""
+    def _seen_before(self, sender: str, stamp: str, scope: tuple[str, ...] = ()) -> bool:
+        """Has *sender* sent this stamp before?  A bridge's spooled exports carry numbers
+        that grow by one; a number above the last one is new, and the numbers it skips are
+        a gap: counted as ``missing`` if we cover the sender's *scope* (module docstring).
+        A number not above the last one is a copy sent again after a reconnect or a
+        restart, unless it lies in a gap: then it came late, and is new."""
         epoch, _, number = stamp.partition(".")
-        if len(number) > 16:
+        if len(number) > 16 or len(epoch) > 16:
             return False
         try:
             seq = int(number, 16)
         except ValueError:
             return False  # not a stamp we can read: never a reason to drop
-        last = self._stamps.get(sender)
-        if last is not None and last[0] == epoch and seq <= last[1]:
-            return True
-        self._stamps[sender] = (epoch, seq)
+        if seq < 0:
+            return False
+        known = self._stamps.get(sender)
+        if known is None or known.epoch != epoch:  # a new sender or a new spool: start
+            self._remember(sender, _Sender(epoch, seq))
+            return False
         self._stamps.move_to_end(sender)
-        if len(self._stamps) > STAMP_SENDERS:
-            self._stamps.popitem(last=False)
-        return False
+        if seq > known.last:
+            if seq > known.last + 1:
+                counted = self._covers(scope)
+                known.gaps.append((known.last + 1, seq, counted))
+                if counted:
+                    self.counters.missing += seq - known.last - 1
+                if len(known.gaps) > GAP_RANGES:
+                    del known.gaps[0]
+            known.last = seq
+            return False
+        for i, (first, end, counted) in enumerate(known.gaps):
+            if first <= seq < end:  # arrived late: new, and no longer missing
+                known.gaps[i:i + 1] = [(a, b, counted) for a, b in ((first, seq), (seq + 1, end))
+                                       if a < b]
+                if len(known.gaps) > GAP_RANGES:
+                    del known.gaps[0]
+                if counted:
+                    self.counters.missing -= 1
+                return False
+        return True
+
+    def _remember(self, sender: str, entry: _Sender) -> None:
+        old = self._stamps.pop(sender, None)
+        if old is not None:
+            self._stamp_bytes -= len(sender)
+        self._stamps[sender] = entry
+        self._stamp_bytes += len(sender)
+        while len(self._stamps) > STAMP_SENDERS or self._stamp_bytes > STAMP_BYTES:
+            gone, _ = self._stamps.popitem(last=False)
+            self._stamp_bytes -= len(gone)
+
+    def _covers(self, scope: tuple[str, ...]) -> bool:
+        """Do our subscriptions take every topic of a sender's *scope*?"""
+        known = self._scopes.get(scope)
+        if known is None:
+            if not scope or sum(len(f) + 1 for f in scope) > SCOPE_BYTES:
+                return False
+            own = self.mqtt_filters()
+            known = all(any(covers(g, f) for g in own) for f in scope)
+            if len(self._scopes) >= 256:
+                self._scopes.clear()
+            self._scopes[scope] = known
+        return known
 
     def _refuse(self, key: bytes, why: str) -> None:  # returns None for the callers
         self.counters.refused += 1
@@ -310,6 +398,16 @@ class BridgeCore:
     def status(self) -> str:
         return self.counters.line()
 
+
+class _Sender:
+    """What a receiver remembers of one sending bridge: its spool's epoch, the highest
+    number seen, and the gaps below it (first, end, counted as missing), oldest first."""
+
+    __slots__ = ("epoch", "last", "gaps")
+
+    def __init__(self, epoch: str, last: int) -> None:
+        self.epoch, self.last = epoch, last
+        self.gaps: list[tuple[int, int, bool]] = []
 
 
 def covers(wide: str, narrow: str) -> bool:

@@ -46,7 +46,7 @@ from ..errors import InvalidRequest
 from ..limits import LogAllowance
 from ..protocol import Publish
 from ..session import Backoff, Refusal
-from .core import MARKER, STAMP, BridgeCore
+from .core import MARKER, SCOPE, STAMP, BridgeCore
 from .spool import Spool, StateDir
 
 log = logging.getLogger("sbus.bridge")
@@ -217,6 +217,7 @@ class BridgeShell:
                 raise SbusError(f"cannot use the spool in {self.state.path}: "
                                 f"{exc.strerror or exc}") from None
             template = _PackedOnce((MARKER, self.core.client_id),
+                                   *((SCOPE, f) for f in self.core.stamp_scope()),
                                    (STAMP, f"{self.spool.epoch}.{0:016x}")).pack()
             self._stamp_head = template[:-16]
             # exports spooled after the last save of the counters were counted by nobody
@@ -376,12 +377,15 @@ class BridgeShell:
         """One message from MQTT: whatever it holds, it is counted and never raises."""
         self._activity += 1
         marker = stamp = None
+        scope: list[str] = []
         for prop in getattr(msg.properties, "UserProperty", None) or ():
             if isinstance(prop, tuple) and len(prop) == 2:
                 if prop[0] == MARKER:
                     marker = prop[1]
                 elif prop[0] == STAMP:
                     stamp = prop[1]
+                elif prop[0] == SCOPE:
+                    scope.append(prop[1])
         try:
             topic = msg.topic.encode("utf-8")
         except UnicodeDecodeError:  # the broker should have refused it
@@ -389,7 +393,7 @@ class BridgeShell:
             self._note("the MQTT broker sent a topic that is not UTF-8")
             return
         payload = msg.payload
-        key = self.core.from_mqtt(topic, payload, marker, stamp)
+        key = self.core.from_mqtt(topic, payload, marker, stamp, tuple(scope))
         if key is None:
             return
         if self.bus is None:
