@@ -211,9 +211,14 @@ def bind_listener(path: str, mode: int | None) -> socket.socket:
     else:
         if not stat.S_ISSOCK(st.st_mode):
             raise ServeError(f"{path} exists and is not a socket; not touching it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # non-blocking: a live broker whose accept backlog is full answers EAGAIN at once
+        # instead of holding this start-up until it accepts
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
         try:
             probe.connect(path)
+        except BlockingIOError:
+            raise ServeError(f"a broker is already listening on {path} "
+                             "(its accept backlog is full)") from None
         except ConnectionRefusedError:
             os.unlink(path)  # stale: nobody is listening
         except OSError as exc:

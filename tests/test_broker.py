@@ -13,6 +13,7 @@ import time
 
 import pytest
 from conftest import SBUS, BrokerProcess, raw, sync
+from faultkit import FullBacklog
 
 
 def recv_all(s: socket.socket, n: int, timeout: float = 10) -> list[bytes]:
@@ -476,6 +477,24 @@ def test_stale_socket_replaced_live_broker_kept(short_tmp):
         first.proc.send_signal(signal.SIGINT)
         assert first.proc.wait(10) == 0
     assert not os.path.exists(path)  # removed the socket file it created
+
+
+def test_serve_on_a_busy_brokers_path_says_so_at_once(short_tmp):
+    """A broker whose accept backlog is full is still a live broker: a second `sbus serve`
+    on its path refuses at once (the probe used to be a blocking connect that waited for
+    an accept that might never come)."""
+    path = str(short_tmp / "s.sock")
+    busy = FullBacklog(path)
+    try:
+        second = subprocess.run([*SBUS, "serve", "--address", path], capture_output=True,
+                                text=True, timeout=10)
+        assert second.returncode == 1
+        assert f"a broker is already listening on {path} (its accept backlog is full)" \
+            in second.stderr
+        assert "Traceback" not in second.stderr
+        assert os.path.exists(path)  # not replaced
+    finally:
+        busy.close()
 
 
 def test_exit_idle_time_zero_waits_without_spinning(make_broker):
