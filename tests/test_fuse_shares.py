@@ -6,15 +6,19 @@ from its own per-user limits."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import pytest
 from conftest import BrokerProcess
-from test_fuse import Mount, cat, end, read_lines
+from test_fuse import Mount, cat, end, mounted, read_lines, subscriber
 from test_fuse_files import AS_NOBODY, UserMount
 
 from sbus.client import Client
@@ -348,3 +352,166 @@ def test_a_subscription_refused_after_a_reconnect_fails_the_reads(space):
             end(r)
         m.stop()
         b.stop()
+
+
+# -- intent threads nobody can pin (issue 28) --------------------------------------
+
+# A filesystem whose one file, f (1 MiB), opens and maps but whose reads never answer:
+# a page of it mapped into memory is a page that never arrives (a dead NFS server).
+HANGING_FS = """
+import errno, stat, sys
+import pyfuse3, trio
+class Hang(pyfuse3.Operations):
+    async def getattr(self, inode, ctx=None):
+        a = pyfuse3.EntryAttributes()
+        a.st_ino, a.st_nlink = inode, 1
+        top = inode == pyfuse3.ROOT_INODE
+        a.st_mode = stat.S_IFDIR | 0o755 if top else stat.S_IFREG | 0o444
+        a.st_size = 0 if top else 1 << 20
+        a.entry_timeout = a.attr_timeout = 3600
+        return a
+    async def lookup(self, parent, name, ctx=None):
+        if name != b"f":
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return await self.getattr(2)
+    async def open(self, inode, flags, ctx):
+        return pyfuse3.FileInfo(fh=inode)
+    async def read(self, fh, off, size):
+        await trio.sleep_forever()
+pyfuse3.init(Hang(), sys.argv[1], {"allow_other", "ro", "fsname=sbus-test-hang"})
+trio.run(pyfuse3.main)
+"""
+
+
+class Hanging:
+    """A file whose pages never arrive (`HANGING_FS`), and nobody's processes using it."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.users: list[subprocess.Popen] = []
+
+    def nobody(self, script: str, *args: str) -> subprocess.Popen:
+        """nobody runs *script*; killed once the filesystem is aborted (before, a thread
+        waiting for its page may not even die)."""
+        p = subprocess.Popen([*AS_NOBODY, "python3", "-c", script, *args],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.users.append(p)
+        return p
+
+
+@contextlib.contextmanager
+def page_that_never_arrives(space: str) -> Iterator[Hanging]:
+    """`HANGING_FS` mounted below *space* for everyone.  On the way out, whatever
+    happened, the connection is aborted (every read waiting on it fails, freeing
+    whatever waited on those), its users killed and the filesystem unmounted."""
+    where = tempfile.mkdtemp(prefix="hang-", dir=space)
+    os.chmod(where, 0o755)
+    proc = subprocess.Popen([sys.executable, "-c", HANGING_FS, where],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    hanging = Hanging(os.path.join(where, "f"))
+    abort = None
+    try:
+        deadline = time.monotonic() + 15
+        while not mounted(where):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                proc.stderr.read() if proc.poll() is not None else "not mounted"
+            time.sleep(0.02)
+        abort = f"/sys/fs/fuse/connections/{os.minor(os.stat(where).st_dev)}/abort"
+        yield hanging
+    finally:
+        if abort is not None and os.path.exists(abort):
+            with open(abort, "w") as f:
+                f.write("1")
+        proc.kill()  # closing /dev/fuse aborts the connection too
+        proc.wait()
+        for p in hanging.users:
+            end(p)
+        subprocess.run(["fusermount3", "-u", "-z", where], check=False,
+                       stderr=subprocess.DEVNULL)
+
+
+# nobody's opens (O_CREAT|O_WRONLY) of MNT/TAG<i>/dir/key, in batches at once, each
+# path placed so that its NUL is the last byte before a page of the hanging file
+# (mapped right after it).  The path starts on a word boundary, so that the kernel's
+# word-at-a-time copy of it stops at the NUL too.  Each open is a process of its own
+# (a process whose memory a reader is stuck in cannot even map a thread's stack).
+# Prints "batch N" before each batch and "i errno seconds" for each open, then "done".
+PATHS_AT_THE_EDGE = """
+import ctypes, mmap, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.open.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+MAP_FIXED = 0x10
+mnt, hanging, tag, *batches = sys.argv[1:]
+batches = [int(b) for b in batches]
+page, n = mmap.PAGESIZE, sum(batches)
+fd = os.open(hanging, os.O_RDONLY)
+base = libc.mmap(None, 2 * n * page, mmap.PROT_READ | mmap.PROT_WRITE,
+                 mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+paths = []
+for i in range(n):
+    edge = base + (2 * i + 1) * page
+    assert libc.mmap(edge, page, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd, 0) == edge
+    path = f"{mnt}/{tag}{i}/dir/key"
+    path = f"{mnt}/{'/' * (-(len(path) + 1) % 8)}{tag}{i}/dir/key".encode() + b"\\0"
+    ctypes.memmove(edge - len(path), path, len(path))
+    paths.append(edge - len(path))
+first = 0
+for size in batches:
+    go_r, go_w = os.pipe()
+    children = []
+    for i in range(first, first + size):
+        pid = os.fork()
+        if pid == 0:
+            os.close(go_w)
+            os.read(go_r, 1)
+            start = time.monotonic()
+            got = libc.open(paths[i], os.O_CREAT | os.O_WRONLY, 0o600)
+            err = ctypes.get_errno() if got < 0 else 0
+            os.write(1, f"{i} {err} {time.monotonic() - start:.3f}\\n".encode())
+            os._exit(0)
+        children.append(pid)
+    print("batch", size, flush=True)
+    os.close(go_w)  # all of them at once
+    for pid in children:
+        os.waitpid(pid, 0)
+    os.close(go_r)
+    first += size
+print("done", flush=True)
+"""
+
+
+def echo_goes_through(m: Mount, key: str, address: str) -> None:
+    """root's `echo x > MNT/KEY` through names nobody knows publishes, at once."""
+    sub = subscriber(address, key.encode())
+    start = time.monotonic()
+    r = subprocess.run(["sh", "-c", f"echo x > {m / key}"], capture_output=True,
+                       timeout=15)
+    took = time.monotonic() - start
+    assert r.returncode == 0, r.stderr
+    sub.settimeout(5)
+    assert sub.recv(1000) == b"MSG " + key.encode() + b"\0x\n"
+    sub.close()
+    assert took < 2, took
+
+
+def test_a_path_before_a_page_that_never_arrives_pins_no_intent_thread(mount, bus, space):
+    """nobody creates 12 files through unknown names (8 at once, then 4), each path's NUL
+    the last byte before a page that never arrives.  The kernel copied only the path
+    and so does the mount's intent check: every open succeeds at once, and root's
+    `echo > key` through unknown names publishes at once afterwards.  (Reading PATH_MAX
+    bytes, as the check once did, pinned each thread reading such a path for good.)"""
+    m = mount("pin-path")
+    with page_that_never_arrives(space) as hanging:
+        attacker = hanging.nobody(PATHS_AT_THE_EDGE, m.path, hanging.file, "new", "8", "4")
+        lines = read_lines(attacker, 15, timeout=20)
+        assert lines[0] == b"batch 8\n" and lines[9] == b"batch 4\n"
+        assert lines[-1] == b"done\n"
+        opens = [line.split() for line in lines[1:9] + lines[10:14]]
+        assert sorted(int(i) for i, _, _ in opens) == list(range(12))
+        assert [int(e) for _, e, _ in opens] == [0] * 12, opens
+        assert max(float(t) for _, _, t in opens) < 2, opens
+        echo_goes_through(m, "other/dir/key", bus.address)
