@@ -9,12 +9,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from conftest import BrokerProcess
@@ -22,6 +21,7 @@ from test_fuse import Mount, cat, end, mounted, read_lines, subscriber
 from test_fuse_files import AS_NOBODY, UserMount
 
 from sbus.client import Client
+from sbus.fuse.shares import UserShare
 
 
 @pytest.fixture(scope="module")
@@ -515,3 +515,119 @@ def test_a_path_before_a_page_that_never_arrives_pins_no_intent_thread(mount, bu
         assert [int(e) for _, e, _ in opens] == [0] * 12, opens
         assert max(float(t) for _, _, t in opens) < 2, opens
         echo_goes_through(m, "other/dir/key", bus.address)
+
+
+# nobody's process locks its own memory map against readers: one thread reads a page
+# that never arrives through /proc/self/mem (the kernel holds the map's lock for
+# reading while it waits for the page), another maps memory (which waits for the lock
+# for writing; new readers queue behind it).  Every reader of this process's memory is
+# then stuck for good: the mount's intent check of each thread that next opens through
+# an unknown name, or anything else of the mount that reads the caller's memory.
+# stdin says when to take each step (one byte each): hold, want, then each wave of
+# openers (their paths are the arguments after the first two, waves split by "--";
+# "r:" before a path opens it for reading).  Prints the two threads' ids, then a
+# line per open that returned.
+LOCKED_MAP = """
+import ctypes, mmap, os, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+hanging, *rest = sys.argv[1:]
+waves = [[]]
+for arg in rest:
+    if arg == "--":
+        waves.append([])
+    else:
+        waves[-1].append((os.O_RDONLY, arg[2:]) if arg.startswith("r:")
+                         else (os.O_CREAT | os.O_WRONLY, arg))
+fd = os.open(hanging, os.O_RDONLY)
+page = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+mem = os.open("/proc/self/mem", os.O_RDONLY)
+steps = [threading.Event() for _ in range(2 + len(waves))]
+def hold():
+    steps[0].wait()
+    try:
+        os.pread(mem, 1, page)
+    except OSError:
+        pass  # the filesystem was aborted
+def want():
+    steps[1].wait()
+    libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+              -1, 0)
+def opener(step, flags, path):
+    step.wait()
+    try:
+        os.open(path, flags, 0o600)
+    except OSError:
+        pass
+    os.write(1, b".\\n")
+    forever.wait()  # a thread that ends frees memory, which waits for the lock
+forever = threading.Event()
+threads = [threading.Thread(target=hold), threading.Thread(target=want)]
+threads += [threading.Thread(target=opener, args=(steps[2 + w], flags, path))
+            for w, wave in enumerate(waves) for flags, path in wave]
+for t in threads:
+    t.start()
+print(threads[0].native_id, threads[1].native_id, flush=True)
+for step in steps:
+    os.read(0, 1)
+    step.set()
+os.read(0, 1)
+"""
+
+
+def task_state(pid: int, tid: int) -> str:
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def stuck_threads(pid: int) -> int:
+    """Threads of *pid* in uninterruptible sleep (reading some caller's memory)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            n += task_state(pid, int(tid)) == "D"
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return n
+
+
+def wait_until(what: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_callers_that_lock_their_own_memory_pin_only_their_share(mount, bus, space):
+    """nobody locks its memory map so that nothing can read its memory (a thread waits
+    for a page that never arrives, holding the map's lock), then 6 threads at once open
+    through unknown names, and 3 more after them, and one opens a known key for reading.
+    Each question about them is stuck for good, but only in the 2 intent threads of
+    nobody's share: every open is answered, and root's `echo > key` through unknown
+    names publishes at once.  (With one pool of 4 intent threads for everyone, nobody
+    took them all and every user's implicit directories failed for good; with the
+    reader's command line read on the event loop, to see whether it is `tail -f`, the
+    whole mount stopped answering.)"""
+    m = mount("pin-lock")
+    for i in range(9):
+        os.makedirs(m / f"p{i}", exist_ok=True)  # parents of their own: in parallel
+    touch_known = m / "known/key"
+    os.makedirs(os.path.dirname(touch_known), exist_ok=True)
+    open(touch_known, "wb").close()
+    first = [m / f"p{i}/new/dir/key" for i in range(6)] + ["r:" + touch_known]
+    then = [m / f"p{i}/new/dir/key" for i in range(6, 9)]
+    with page_that_never_arrives(space) as hanging:
+        attacker = hanging.nobody(LOCKED_MAP, hanging.file, *first, "--", *then)
+        hold, want = map(int, read_lines(attacker, 1)[0].split())
+        for tid in (hold, want):
+            attacker.stdin.write(b".")
+            attacker.stdin.flush()
+            wait_until(lambda tid=tid: task_state(attacker.pid, tid) == "D")
+        for wave in (first, then):
+            attacker.stdin.write(b".")
+            attacker.stdin.flush()
+            read_lines(attacker, len(wave))  # each answered (ENOENT) in time
+        echo_goes_through(m, "other/dir/key", bus.address)
+        assert stuck_threads(m.proc.pid) == UserShare().intent_threads  # and no more
