@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from conftest import BrokerProcess
-from test_fuse import Mount, cat, end, mounted, read_lines, subscriber
+from test_fuse import Mount, cat, end, mounted, read_lines, subscriber, touch
 from test_fuse_files import AS_NOBODY, UserMount
 
 from sbus.client import Client
@@ -484,6 +484,29 @@ print("done", flush=True)
 """
 
 
+def task_state(pid: int, tid: int) -> str:
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def stuck_threads(pid: int) -> int:
+    """Threads of *pid* in uninterruptible sleep (reading some caller's memory)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            n += task_state(pid, int(tid)) == "D"
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return n
+
+
+def wait_until(what: Callable[[], bool], why: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.01)
+
+
 def echo_goes_through(m: Mount, key: str, address: str) -> None:
     """root's `echo x > MNT/KEY` through names nobody knows publishes, at once."""
     sub = subscriber(address, key.encode())
@@ -514,6 +537,8 @@ def test_a_path_before_a_page_that_never_arrives_pins_no_intent_thread(mount, bu
         assert sorted(int(i) for i, _, _ in opens) == list(range(12))
         assert [int(e) for _, e, _ in opens] == [0] * 12, opens
         assert max(float(t) for _, _, t in opens) < 2, opens
+        wait_until(lambda: stuck_threads(m.proc.pid) == 0,
+                   "some of the mount's threads stuck in nobody's memory", 2)
         echo_goes_through(m, "other/dir/key", bus.address)
 
 
@@ -577,29 +602,6 @@ os.read(0, 1)
 """
 
 
-def task_state(pid: int, tid: int) -> str:
-    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
-def stuck_threads(pid: int) -> int:
-    """Threads of *pid* in uninterruptible sleep (reading some caller's memory)."""
-    n = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            n += task_state(pid, int(tid)) == "D"
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return n
-
-
-def wait_until(what: Callable[[], bool], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-
-
 def test_callers_that_lock_their_own_memory_pin_only_their_share(mount, bus, space):
     """nobody locks its memory map so that nothing can read its memory (a thread waits
     for a page that never arrives, holding the map's lock), then 6 threads at once open
@@ -613,21 +615,22 @@ def test_callers_that_lock_their_own_memory_pin_only_their_share(mount, bus, spa
     m = mount("pin-lock")
     for i in range(9):
         os.makedirs(m / f"p{i}", exist_ok=True)  # parents of their own: in parallel
-    touch_known = m / "known/key"
-    os.makedirs(os.path.dirname(touch_known), exist_ok=True)
-    open(touch_known, "wb").close()
-    first = [m / f"p{i}/new/dir/key" for i in range(6)] + ["r:" + touch_known]
+    touch(m, "known/key")
+    first = [m / f"p{i}/new/dir/key" for i in range(6)] + ["r:" + m / "known/key"]
     then = [m / f"p{i}/new/dir/key" for i in range(6, 9)]
     with page_that_never_arrives(space) as hanging:
         attacker = hanging.nobody(LOCKED_MAP, hanging.file, *first, "--", *then)
         hold, want = map(int, read_lines(attacker, 1)[0].split())
-        for tid in (hold, want):
+        for tid, doing in ((hold, "reading the page"), (want, "waiting to map memory")):
             attacker.stdin.write(b".")
             attacker.stdin.flush()
-            wait_until(lambda tid=tid: task_state(attacker.pid, tid) == "D")
+            wait_until(lambda tid=tid: task_state(attacker.pid, tid) == "D",
+                       f"nobody's thread {doing} never blocked")
         for wave in (first, then):
             attacker.stdin.write(b".")
             attacker.stdin.flush()
             read_lines(attacker, len(wave))  # each answered (ENOENT) in time
         echo_goes_through(m, "other/dir/key", bus.address)
-        assert stuck_threads(m.proc.pid) == UserShare().intent_threads  # and no more
+        share = UserShare().intent_threads
+        wait_until(lambda: stuck_threads(m.proc.pid) == share,
+                   f"not {share} of the mount's threads stuck in nobody's memory", 2)
