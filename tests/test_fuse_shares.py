@@ -6,18 +6,22 @@ from its own per-user limits."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from conftest import BrokerProcess
-from test_fuse import Mount, cat, end, read_lines
+from test_fuse import Mount, cat, end, mounted, read_lines, subscriber, touch
 from test_fuse_files import AS_NOBODY, UserMount
 
 from sbus.client import Client
+from sbus.fuse.shares import UserShare
 
 
 @pytest.fixture(scope="module")
@@ -348,3 +352,285 @@ def test_a_subscription_refused_after_a_reconnect_fails_the_reads(space):
             end(r)
         m.stop()
         b.stop()
+
+
+# -- intent threads nobody can pin (issue 28) --------------------------------------
+
+# A filesystem whose one file, f (1 MiB), opens and maps but whose reads never answer:
+# a page of it mapped into memory is a page that never arrives (a dead NFS server).
+HANGING_FS = """
+import errno, stat, sys
+import pyfuse3, trio
+class Hang(pyfuse3.Operations):
+    async def getattr(self, inode, ctx=None):
+        a = pyfuse3.EntryAttributes()
+        a.st_ino, a.st_nlink = inode, 1
+        top = inode == pyfuse3.ROOT_INODE
+        a.st_mode = stat.S_IFDIR | 0o755 if top else stat.S_IFREG | 0o444
+        a.st_size = 0 if top else 1 << 20
+        a.entry_timeout = a.attr_timeout = 3600
+        return a
+    async def lookup(self, parent, name, ctx=None):
+        if name != b"f":
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return await self.getattr(2)
+    async def open(self, inode, flags, ctx):
+        return pyfuse3.FileInfo(fh=inode)
+    async def read(self, fh, off, size):
+        await trio.sleep_forever()
+pyfuse3.init(Hang(), sys.argv[1], {"allow_other", "ro", "fsname=sbus-test-hang"})
+trio.run(pyfuse3.main)
+"""
+
+
+class Hanging:
+    """A file whose pages never arrive (`HANGING_FS`), and nobody's processes using it."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.users: list[subprocess.Popen] = []
+
+    def nobody(self, script: str, *args: str) -> subprocess.Popen:
+        """nobody runs *script*; killed once the filesystem is aborted (before, a thread
+        waiting for its page may not even die)."""
+        p = subprocess.Popen([*AS_NOBODY, "python3", "-c", script, *args],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.users.append(p)
+        return p
+
+
+@contextlib.contextmanager
+def page_that_never_arrives(space: str) -> Iterator[Hanging]:
+    """`HANGING_FS` mounted below *space* for everyone.  On the way out, whatever
+    happened, the connection is aborted (every read waiting on it fails, freeing
+    whatever waited on those), its users killed and the filesystem unmounted."""
+    where = tempfile.mkdtemp(prefix="hang-", dir=space)
+    os.chmod(where, 0o755)
+    proc = subprocess.Popen([sys.executable, "-c", HANGING_FS, where],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    hanging = Hanging(os.path.join(where, "f"))
+    abort = None
+    try:
+        deadline = time.monotonic() + 15
+        while not mounted(where):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                proc.stderr.read() if proc.poll() is not None else "not mounted"
+            time.sleep(0.02)
+        abort = f"/sys/fs/fuse/connections/{os.minor(os.stat(where).st_dev)}/abort"
+        yield hanging
+    finally:
+        if abort is not None and os.path.exists(abort):
+            with open(abort, "w") as f:
+                f.write("1")
+        proc.kill()  # closing /dev/fuse aborts the connection too
+        proc.wait()
+        for p in hanging.users:
+            end(p)
+        subprocess.run(["fusermount3", "-u", "-z", where], check=False,
+                       stderr=subprocess.DEVNULL)
+
+
+# nobody's opens (O_CREAT|O_WRONLY) of MNT/TAG<i>/dir/key, in batches at once, each
+# path placed so that its NUL is the last byte before a page of the hanging file
+# (mapped right after it).  The path starts on a word boundary, so that the kernel's
+# word-at-a-time copy of it stops at the NUL too.  Each open is a process of its own
+# (a process whose memory a reader is stuck in cannot even map a thread's stack).
+# Prints "batch N" before each batch and "i errno seconds" for each open, then "done".
+PATHS_AT_THE_EDGE = """
+import ctypes, mmap, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.open.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+MAP_FIXED = 0x10
+mnt, hanging, tag, *batches = sys.argv[1:]
+batches = [int(b) for b in batches]
+page, n = mmap.PAGESIZE, sum(batches)
+fd = os.open(hanging, os.O_RDONLY)
+base = libc.mmap(None, 2 * n * page, mmap.PROT_READ | mmap.PROT_WRITE,
+                 mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+paths = []
+for i in range(n):
+    edge = base + (2 * i + 1) * page
+    assert libc.mmap(edge, page, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd, 0) == edge
+    path = f"{mnt}/{tag}{i}/dir/key"
+    path = f"{mnt}/{'/' * (-(len(path) + 1) % 8)}{tag}{i}/dir/key".encode() + b"\\0"
+    ctypes.memmove(edge - len(path), path, len(path))
+    paths.append(edge - len(path))
+first = 0
+for size in batches:
+    go_r, go_w = os.pipe()
+    children = []
+    for i in range(first, first + size):
+        pid = os.fork()
+        if pid == 0:
+            os.close(go_w)
+            os.read(go_r, 1)
+            start = time.monotonic()
+            got = libc.open(paths[i], os.O_CREAT | os.O_WRONLY, 0o600)
+            err = ctypes.get_errno() if got < 0 else 0
+            os.write(1, f"{i} {err} {time.monotonic() - start:.3f}\\n".encode())
+            os._exit(0)
+        children.append(pid)
+    print("batch", size, flush=True)
+    os.close(go_w)  # all of them at once
+    for pid in children:
+        os.waitpid(pid, 0)
+    os.close(go_r)
+    first += size
+print("done", flush=True)
+"""
+
+
+def task_state(pid: int, tid: int) -> str:
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def stuck_threads(pid: int) -> int:
+    """Threads of *pid* in uninterruptible sleep (reading some caller's memory)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            n += task_state(pid, int(tid)) == "D"
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return n
+
+
+def wait_until(what: Callable[[], bool], why: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.01)
+
+
+def echo_goes_through(m: Mount, key: str, address: str) -> None:
+    """root's `echo x > MNT/KEY` through names nobody knows publishes, at once."""
+    sub = subscriber(address, key.encode())
+    start = time.monotonic()
+    r = subprocess.run(["sh", "-c", f"echo x > {m / key}"], capture_output=True,
+                       timeout=15)
+    took = time.monotonic() - start
+    assert r.returncode == 0, r.stderr
+    sub.settimeout(5)
+    assert sub.recv(1000) == b"MSG " + key.encode() + b"\0x\n"
+    sub.close()
+    assert took < 2, took
+
+
+def test_a_path_before_a_page_that_never_arrives_pins_no_intent_thread(mount, bus, space):
+    """nobody creates 12 files through unknown names (8 at once, then 4), each path's NUL
+    the last byte before a page that never arrives.  The kernel copied only the path
+    and so does the mount's intent check: every open succeeds at once, and root's
+    `echo > key` through unknown names publishes at once afterwards.  (Reading PATH_MAX
+    bytes, as the check once did, pinned each thread reading such a path for good.)"""
+    m = mount("pin-path")
+    with page_that_never_arrives(space) as hanging:
+        attacker = hanging.nobody(PATHS_AT_THE_EDGE, m.path, hanging.file, "new", "8", "4")
+        lines = read_lines(attacker, 15, timeout=20)
+        assert lines[0] == b"batch 8\n" and lines[9] == b"batch 4\n"
+        assert lines[-1] == b"done\n"
+        opens = [line.split() for line in lines[1:9] + lines[10:14]]
+        assert sorted(int(i) for i, _, _ in opens) == list(range(12))
+        assert [int(e) for _, e, _ in opens] == [0] * 12, opens
+        assert max(float(t) for _, _, t in opens) < 2, opens
+        wait_until(lambda: stuck_threads(m.proc.pid) == 0,
+                   "some of the mount's threads stuck in nobody's memory", 2)
+        echo_goes_through(m, "other/dir/key", bus.address)
+
+
+# nobody's process locks its own memory map against readers: one thread reads a page
+# that never arrives through /proc/self/mem (the kernel holds the map's lock for
+# reading while it waits for the page), another maps memory (which waits for the lock
+# for writing; new readers queue behind it).  Every reader of this process's memory is
+# then stuck for good: the mount's intent check of each thread that next opens through
+# an unknown name, or anything else of the mount that reads the caller's memory.
+# stdin says when to take each step (one byte each): hold, want, then each wave of
+# openers (their paths are the arguments after the first two, waves split by "--";
+# "r:" before a path opens it for reading).  Prints the two threads' ids, then a
+# line per open that returned.
+LOCKED_MAP = """
+import ctypes, mmap, os, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+hanging, *rest = sys.argv[1:]
+waves = [[]]
+for arg in rest:
+    if arg == "--":
+        waves.append([])
+    else:
+        waves[-1].append((os.O_RDONLY, arg[2:]) if arg.startswith("r:")
+                         else (os.O_CREAT | os.O_WRONLY, arg))
+fd = os.open(hanging, os.O_RDONLY)
+page = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+mem = os.open("/proc/self/mem", os.O_RDONLY)
+steps = [threading.Event() for _ in range(2 + len(waves))]
+def hold():
+    steps[0].wait()
+    try:
+        os.pread(mem, 1, page)
+    except OSError:
+        pass  # the filesystem was aborted
+def want():
+    steps[1].wait()
+    libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+              -1, 0)
+def opener(step, flags, path):
+    step.wait()
+    try:
+        os.open(path, flags, 0o600)
+    except OSError:
+        pass
+    os.write(1, b".\\n")
+    forever.wait()  # a thread that ends frees memory, which waits for the lock
+forever = threading.Event()
+threads = [threading.Thread(target=hold), threading.Thread(target=want)]
+threads += [threading.Thread(target=opener, args=(steps[2 + w], flags, path))
+            for w, wave in enumerate(waves) for flags, path in wave]
+for t in threads:
+    t.start()
+print(threads[0].native_id, threads[1].native_id, flush=True)
+for step in steps:
+    os.read(0, 1)
+    step.set()
+os.read(0, 1)
+"""
+
+
+def test_callers_that_lock_their_own_memory_pin_only_their_share(mount, bus, space):
+    """nobody locks its memory map so that nothing can read its memory (a thread waits
+    for a page that never arrives, holding the map's lock), then 6 threads at once open
+    through unknown names, and 3 more after them, and one opens a known key for reading.
+    Each question about them is stuck for good, but only in the 2 intent threads of
+    nobody's share: every open is answered, and root's `echo > key` through unknown
+    names publishes at once.  (With one pool of 4 intent threads for everyone, nobody
+    took them all and every user's implicit directories failed for good; with the
+    reader's command line read on the event loop, to see whether it is `tail -f`, the
+    whole mount stopped answering.)"""
+    m = mount("pin-lock")
+    for i in range(9):
+        os.makedirs(m / f"p{i}", exist_ok=True)  # parents of their own: in parallel
+    touch(m, "known/key")
+    first = [m / f"p{i}/new/dir/key" for i in range(6)] + ["r:" + m / "known/key"]
+    then = [m / f"p{i}/new/dir/key" for i in range(6, 9)]
+    with page_that_never_arrives(space) as hanging:
+        attacker = hanging.nobody(LOCKED_MAP, hanging.file, *first, "--", *then)
+        hold, want = map(int, read_lines(attacker, 1)[0].split())
+        for tid, doing in ((hold, "reading the page"), (want, "waiting to map memory")):
+            attacker.stdin.write(b".")
+            attacker.stdin.flush()
+            wait_until(lambda tid=tid: task_state(attacker.pid, tid) == "D",
+                       f"nobody's thread {doing} never blocked")
+        for wave in (first, then):
+            attacker.stdin.write(b".")
+            attacker.stdin.flush()
+            read_lines(attacker, len(wave))  # each answered (ENOENT) in time
+        echo_goes_through(m, "other/dir/key", bus.address)
+        share = UserShare().intent_threads
+        wait_until(lambda: stuck_threads(m.proc.pid) == share,
+                   f"not {share} of the mount's threads stuck in nobody's memory", 2)

@@ -45,7 +45,8 @@ Attrs = pyfuse3.EntryAttributes
 SIGNAL_POLL = 0.05
 #: Seconds the kernel may cache a name's lookup (and attributes).
 ENTRY_TIMEOUT = 1.0
-#: How long a lookup miss may spend asking /proc whether its caller creates below it.
+#: How long a question about a caller may take (`BusFS._ask_caller`): a lookup miss
+#: asking whether its caller creates below it, an open whether its caller follows.
 INTENT_TIMEOUT = 0.5
 
 
@@ -294,6 +295,29 @@ class BusFS(pyfuse3.Operations):
                     return kind, True
             raise FUSEError(exc.errno) from None
 
+    async def _ask_caller(self, uid: int, question: Callable[[], T]) -> T | None:
+        """*question*'s answer about a caller of user *uid*, asked of ``/proc`` in one
+        of that user's intent threads; None after INTENT_TIMEOUT.
+
+        Reading a caller's memory (its open call's path, its command line) takes its
+        memory-map lock, which the caller can hold for good: a sibling thread reading
+        a page that never arrives holds it for reading while another asks to map
+        memory.  So never on the event loop, and a stuck question pins only a thread
+        of its own user's share."""
+        limiter = self._intent_threads.get(uid)
+        if limiter is None:
+            limiter = self._intent_threads[uid] = trio.CapacityLimiter(
+                self.share.intent_threads)
+        answer = None
+        # waiting for one of the user's threads holds a task: in a slot of its share
+        async with self._slot(uid):
+            with trio.move_on_after(INTENT_TIMEOUT):
+                answer = await trio.to_thread.run_sync(question, abandon_on_cancel=True,
+                                                       limiter=limiter)
+        if limiter.borrowed_tokens == 0 and not limiter.statistics().tasks_waiting:
+            self._intent_threads.pop(uid, None)
+        return answer
+
     async def _implied(self, full_parent: Path, parent: Path, name: bytes,
                        ctx: Ctx) -> Kind | None:
         """An unknown name the caller is opening a path through: a directory when the
@@ -307,19 +331,7 @@ class BusFS(pyfuse3.Operations):
             mapping.creatable(parent, name)  # what mkdir may not make, this may not either
         except Refused:
             return None
-        call = None
-        limiter = self._intent_threads.get(ctx.uid)
-        if limiter is None:
-            limiter = self._intent_threads[ctx.uid] = trio.CapacityLimiter(
-                self.share.intent_threads)
-        # waiting for one of the user's threads holds a task: in a slot of its share
-        async with self._slot(ctx.uid):
-            with trio.move_on_after(INTENT_TIMEOUT):
-                call = await trio.to_thread.run_sync(intent.opening, ctx.pid,
-                                                     abandon_on_cancel=True,
-                                                     limiter=limiter)
-        if limiter.borrowed_tokens == 0 and not limiter.statistics().tasks_waiting:
-            self._intent_threads.pop(ctx.uid, None)
+        call = await self._ask_caller(ctx.uid, functools.partial(intent.opening, ctx.pid))
         if call is None:
             return None
         below = intent.names_below(call.path, self.mountpoints, full_parent, name)
@@ -562,6 +574,9 @@ class BusFS(pyfuse3.Operations):
                     self.rules.check_pattern(pattern, self.bus.cred)
                 except KeyRefused:
                     raise FUSEError(errno.EACCES) from None
+            if not writable:  # asked before subscribing: a refused slot leaves nothing
+                follow = bool(await self._ask_caller(
+                    ctx.uid, functools.partial(signals.follows, ctx.pid)))
             reader = self.bus.reader_for(pattern, view or self.fmt, ctx.uid)  # or EMFILE
             try:
                 async with self._slot(ctx.uid):
@@ -569,7 +584,6 @@ class BusFS(pyfuse3.Operations):
             except BaseException:  # refused, failed or interrupted: no subscription left
                 self.bus.close_reader(reader)
                 raise
-            follow = not writable and signals.follows(ctx.pid)
         fh = self._next_fh
         self._next_fh += 1
         h = self._handles[fh] = Handle(ino, path, pattern, ctx, reader, writable,

@@ -57,7 +57,8 @@ class UserShare:
     #: Inodes (names the kernel holds, about 400 bytes each here) the user's lookups
     #: made, until the kernel forgets them.  Beyond: EDQUOT for a new name.
     inodes: int = 1 << 16
-    #: Threads reading the user's callers' open calls in /proc at once.
+    #: Threads reading the user's callers' open calls and command lines in /proc at
+    #: once (each may be stuck for good in a caller's memory, see `BusFS._ask_caller`).
     intent_threads: int = 2
 
 
