@@ -36,11 +36,21 @@ def activate(path: Path, *flags: str, env: dict[str, str] | None = None) -> subp
     proc = subprocess.Popen([ACTIVATE, *flags, "-l", str(path), *extra, str(SBUS_EXE), "serve"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 10
-    while not path.exists():
+    ready = path.exists if "--datagram" in flags else lambda: _listening(path)
+    while not ready():  # bound is not enough: a connect before listen() is refused
         assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline, "systemd-socket-activate did not bind"
+        assert time.monotonic() < deadline, "systemd-socket-activate did not listen"
         time.sleep(0.01)
     return proc
+
+
+def _listening(path: Path) -> bool:
+    """Whether a socket listens on *path*, asked of /proc/net/unix (its flags column has
+    __SO_ACCEPTCON), not by connecting: a connection would start the broker."""
+    with open("/proc/net/unix") as f:
+        next(f)  # the header
+        return any(int(fields[3], 16) & 0x10000 and fields[-1] == str(path)
+                   for fields in (line.split() for line in f) if len(fields) == 8)
 
 
 def stop(proc: subprocess.Popen) -> tuple[int, str]:
