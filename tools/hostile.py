@@ -767,6 +767,14 @@ def cross_reader(pipe, address: str, params: dict) -> None:
             got[key] += 1
         elif p.startswith(DROP_NOTICE):
             dropped += int(p[len(DROP_NOTICE):])
+    if params.get("flush"):  # what the broker routed here before now arrives before this
+        for p in roundtrip(s, 30)[:-1]:
+            if p.startswith(b"MSG "):
+                key, _, body = p[4:].partition(b"\0")
+                seq = SEQ.unpack_from(body)[0]
+                bad += last.get(key, -1) + 1 != seq
+                last[key] = seq
+                got[key] += 1
     s.close()
     pipe.send(("done", {"got": {k.decode(): v for k, v in got.items()}, "out_of_order": bad,
                         "dropped": dropped}))
@@ -791,6 +799,8 @@ def sequenced_publisher(pipe, address: str, params: dict) -> None:
             sent_at = time.monotonic()
         elif time.monotonic() - sent_at > params.get("until_paused", 10**9):
             break
+    if params.get("flush"):  # then the broker has routed all of them
+        roundtrip(s, 30)
     clock.state(f"{n} sent")
     while not clock.over():
         time.sleep(0.05)
@@ -1043,7 +1053,7 @@ def run(address: str, broker_pid: int, duration: float, cap_kib: int,
         "prober": Role(honest_a, "prober", address, seconds=duration, nice=-5),
         "reliable": Role(honest_b, "reliable_pair", address, seconds=duration),
         "cross_reader": Role(honest_b, "cross_reader", address, seconds=t,
-                             prefix=b"honest/cross/"),
+                             prefix=b"honest/cross/", flush=True),
     }
     secrets = [Role(uid, "secret_user", address, seconds=duration)
                for uid in (*HONEST, ATTACKERS[0])]
@@ -1058,7 +1068,7 @@ def run(address: str, broker_pid: int, duration: float, cap_kib: int,
     attackers = [Role(uid, name, address, **{"nice": 19, **params})
                  for uid, name, params in attack_plan(duration) if name not in without]
     honest["cross_pub"] = Role(honest_a, "sequenced_publisher", address, seconds=duration,
-                               key=b"honest/cross/a", rate=CROSS_RATE)
+                               key=b"honest/cross/a", rate=CROSS_RATE, flush=True)
     peak, capped = base, False
     end = time.monotonic() + duration
     while time.monotonic() < end:
@@ -1069,8 +1079,10 @@ def run(address: str, broker_pid: int, duration: float, cap_kib: int,
             for r in attackers:
                 r.stop()
         time.sleep(0.05)
-    # the cross-user reader reads on until its own deadline: what is still on its way
-    results = {name: r.finish(stop=name != "cross_reader") for name, r in honest.items()}
+    # the cross-user reader is stopped once its publisher is done: then a whoami round
+    # trip brings it what is still on its way (both say `flush`)
+    results = {name: r.finish() for name, r in honest.items() if name != "cross_reader"}
+    results["cross_reader"] = honest["cross_reader"].finish()
     attacks = {f"{r.name}@{r.uid}": r.finish() for r in attackers}
     secret_stats = Counter()
     for s in secrets:
