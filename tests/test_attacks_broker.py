@@ -141,8 +141,9 @@ def no_missing_flags(b) -> None:
 # -- 1. memory a client causes ------------------------------------------------------------
 
 def test_a_route_cache_bytes(start) -> None:
-    """Unique 100 KB keys nobody subscribes to.  c4a42ae: every key is kept in the route
-    cache (65,536 entries, whatever their size): +300 MB (capped) in ~3 s."""
+    """Unique 100 KB keys nobody subscribes to, until 1,500 (150 MB: 6 x the bound) are
+    looked up.  c4a42ae: every key is kept in the route cache (65,536 entries, whatever
+    their size): +300 MB (capped) in ~3 s; past the bound after ~600 keys."""
     b = start("--max-cache-bytes", "4m")
     bound = 2 * 4 * MIB + 16 * MIB
     grown, report, lat = memory_attack(b, "cache_attack", bound, key_len=100_000, count=1500)
@@ -168,7 +169,8 @@ def test_b_trie_nodes_refused_past_the_limits(start) -> None:
 
 def test_b_trie_nodes_memory(start) -> None:
     """Distinct patterns of 20,000 one-byte segments, 100 KB prefixes, and 256 segments at
-    the limit.  c4a42ae: +300 MB (capped) after ~40 SUBs, all accepted."""
+    the limit, 200 SUBs.  c4a42ae: +300 MB (capped) after ~160 SUBs, all accepted; past
+    the bound after ~70."""
     b = start("--max-subscription-bytes-per-user", "2m")
     bound = 2 * 2 * MIB + 16 * MIB
     grown, report, lat = memory_attack(b, "trie_attack", bound, count=200)
@@ -179,8 +181,10 @@ def test_b_trie_nodes_memory(start) -> None:
 
 
 def test_c_replies_to_a_client_that_never_reads(start) -> None:
-    """Whoami (and refused SUBs) without ever reading an answer.  c4a42ae: every answer is
-    queued without limit (`OutQueue.force`)."""
+    """Whoami (and refused SUBs) without ever reading an answer, until the broker has not
+    read the asker for a second (a bounded broker pauses it after ~50,000).  c4a42ae:
+    every answer is queued without limit (`OutQueue.force`): past the bound after
+    ~400,000 asks, never paused."""
     b = start("--max-queued-bytes-per-user", "4m")
     bound = 2 * 4 * MIB + 16 * MIB
     grown, report, lat = memory_attack(b, "reply_attack", bound, paused=1.0, count=3_000_000)
@@ -194,7 +198,8 @@ def test_c_replies_on_many_connections(start) -> None:
     """The same on 100 connections of one user: each may be paused once its own queue is
     full, but together they must stay within the user's budget.  c4a42ae: see test_c
     (unbounded).  2c5dc63: +170 MiB with the default 64 MiB budget (a queue limit per
-    connection, not per user)."""
+    connection, not per user); past the bound after ~400,000 asks.  Small send buffers:
+    4 MB ones would hold a million asks the attacker spends seconds writing."""
     b = start("--max-queued-bytes-per-user", "4m")
     bound = 2 * 4 * MIB + 16 * MIB
     grown, report, lat = memory_attack(b, "reply_attack", bound, connections=100,
@@ -208,7 +213,8 @@ def test_c_replies_on_many_connections(start) -> None:
 def test_d_paused_publishers_under_block(start) -> None:
     """A never-reading ``soft/block`` subscriber and many publishers of the same user, each
     with ten 200 KB packets sent: each publisher's batch is read, queued, then it is paused.
-    c4a42ae: +300 MB (capped) with ~150 publishers, nothing refused."""
+    Ends once 400 publishers have sent.  c4a42ae: +300 MB (capped) with ~150 publishers,
+    nothing refused; past the bound with ~20."""
     b = start("--max-queued-bytes-per-user", "4m")
     bound = 2 * 4 * MIB + 16 * MIB
     grown, report, lat = memory_attack(b, "paused_attack", bound, publishers=400)
@@ -235,11 +241,12 @@ def test_d_batches_held_for_fan_outs(start) -> None:
 
 def test_e_per_packet_overhead(start) -> None:
     """Tiny packets (``MSG t0\\0``, 7 bytes) queued for a subscriber that never reads: the
-    queue limit counts 7 bytes each, the broker spends ~50.  c4a42ae: 4 MiB of queue
-    budget took +33 MiB of RSS (the message has the figure of the run)."""
+    queue limit counts 7 bytes each, the broker spends ~50.  650,000 of them (4 MiB is
+    600,000), or until the broker pauses the publisher.  c4a42ae: 4 MiB of queue budget
+    took +33 MiB of RSS; past the bound after ~400,000 (the message has the run's)."""
     b = start("--max-queued-bytes-per-user", "4m")
     bound = 2 * 4 * MIB + 8 * MIB
-    grown, report, lat = memory_attack(b, "tiny_attack", bound, count=800_000)
+    grown, report, lat = memory_attack(b, "tiny_attack", bound, count=650_000)
     assert grown < bound, \
         f"tiny packets: broker grew by {grown // MIB} MiB for {report}; whoami {lat}"
     assert report.get("sent", 0) >= 600_000, report
@@ -281,10 +288,11 @@ def test_f_sub_unsub_batches_of_long_patterns(start) -> None:
 
 
 def test_f_order_flips_over_a_full_queue(start) -> None:
-    """600,000 tiny packets queued for the attacker's own subscriber, then ``order/random``
-    / ``order/queue`` / ``order/stack`` flips: each re-sorts the whole queue."""
+    """300,000 tiny packets queued for the attacker's own subscriber, then ``order/random``
+    / ``order/queue`` / ``order/stack`` flips: each re-sorts the whole queue.  c4a42ae:
+    p99 20.7 s."""
     b = start()
-    quiet, lat, report = loop_attack(b, "order_attack", fill=600_000)
+    quiet, lat, report = loop_attack(b, "order_attack", fill=300_000)
     assert_fast(quiet, lat, "order flips", report)
 
 
