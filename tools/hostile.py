@@ -2,7 +2,7 @@
 """Hostile-client soak: every known attack on the broker at once, honest users measuring.
 
     tools/hostile.py                    # 120 s against a broker of its own
-    tools/hostile.py --duration 40      # CI-sized (tests/test_hostile.py)
+    tools/hostile.py --duration 12      # CI-sized (tests/test_hostile.py)
     tools/hostile.py --address /run/sbus.socket --broker-pid 123
 
 Each attack of issue 13 is a *role*: a function ``role(pipe, address, params)`` run in

@@ -2,7 +2,7 @@
 """Soak the broker: many hostile and slow clients for a bounded time, then check the damage.
 
     tools/soak.py                  # 10 minutes
-    tools/soak.py --duration 60    # CI-sized
+    tools/soak.py --duration 12    # CI-sized (tests/test_soak.py)
 
 A real `sbus serve` runs on a temporary socket.  Worker processes (some of them
 setuid to other users, so the broker sees several kernel-verified UIDs) drive raw
