@@ -743,7 +743,8 @@ def reliable_pair(pipe, address: str, params: dict) -> None:
 
 def cross_reader(pipe, address: str, params: dict) -> None:
     """Reads everything under *prefix* (default queue policy), counting per publisher key;
-    ends early once it got *expect* (``{key: count}``) messages."""
+    ends early once it got *expect* (``{key: count}``) messages.  With *flush*, a whoami
+    round trip at the end brings what the broker routed here before it was stopped."""
     clock = Clock(pipe, params)
     s = connect(address, timeout=0.2)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
@@ -753,12 +754,9 @@ def cross_reader(pipe, address: str, params: dict) -> None:
     got: Counter[bytes] = Counter()
     last: dict[bytes, int] = {}
     bad = dropped = 0
-    expect = {k.encode(): n for k, n in params.get("expect", {}).items()}
-    while not clock.over() and not (expect and all(got[k] >= n for k, n in expect.items())):
-        try:
-            p = s.recv(1 << 20)
-        except TimeoutError:
-            continue
+
+    def count(p: bytes) -> None:
+        nonlocal bad, dropped
         if p.startswith(b"MSG "):
             key, _, body = p[4:].partition(b"\0")
             seq = SEQ.unpack_from(body)[0]
@@ -767,14 +765,16 @@ def cross_reader(pipe, address: str, params: dict) -> None:
             got[key] += 1
         elif p.startswith(DROP_NOTICE):
             dropped += int(p[len(DROP_NOTICE):])
-    if params.get("flush"):  # what the broker routed here before now arrives before this
-        for p in roundtrip(s, 30)[:-1]:
-            if p.startswith(b"MSG "):
-                key, _, body = p[4:].partition(b"\0")
-                seq = SEQ.unpack_from(body)[0]
-                bad += last.get(key, -1) + 1 != seq
-                last[key] = seq
-                got[key] += 1
+
+    expect = {k.encode(): n for k, n in params.get("expect", {}).items()}
+    while not clock.over() and not (expect and all(got[k] >= n for k, n in expect.items())):
+        try:
+            count(s.recv(1 << 20))
+        except TimeoutError:
+            continue
+    if params.get("flush"):
+        for p in roundtrip(s, 30):
+            count(p)
     s.close()
     pipe.send(("done", {"got": {k.decode(): v for k, v in got.items()}, "out_of_order": bad,
                         "dropped": dropped}))
