@@ -241,3 +241,14 @@ def wait_subscribed(address: str, pattern: bytes, timeout: float = 10.0) -> None
                 return
             assert time.monotonic() < deadline, f"nobody subscribed {pattern!r} in {timeout} s"
             time.sleep(0.02)
+
+
+def until(condition: Callable[[], object], what: str, timeout: float = 10.0,
+          every: float = 0.01) -> object:
+    """Poll *condition* until it returns something true (returned), failing after *timeout*
+    seconds with *what*: the wait on a condition that replaces a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(every)
+    return result

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+#: Seconds of load: CI size.  The long soak is the tool itself (``tools/soak.py``,
+#: docs/security.md); ``SBUS_SOAK_SECONDS=300`` runs this test at that size.
+SECONDS = float(os.environ.get("SBUS_SOAK_SECONDS", 12))
 
 SOAK = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
 
 
 def test_short_soak_loses_nothing_and_leaks_nothing() -> None:
-    proc = subprocess.run([sys.executable, str(SOAK), "--duration", "30", "--json"],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, str(SOAK), "--duration", str(SECONDS), "--json"],
+                          capture_output=True, text=True, timeout=3 * SECONDS + 180)
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     line = next((x for x in proc.stdout.splitlines() if x.startswith("JSON ")), None)
     assert line is not None, proc.stderr[-2000:]

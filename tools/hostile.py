@@ -2,7 +2,7 @@
 """Hostile-client soak: every known attack on the broker at once, honest users measuring.
 
     tools/hostile.py                    # 120 s against a broker of its own
-    tools/hostile.py --duration 40      # CI-sized (tests/test_hostile.py)
+    tools/hostile.py --duration 12      # CI-sized (tests/test_hostile.py)
     tools/hostile.py --address /run/sbus.socket --broker-pid 123
 
 Each attack of issue 13 is a *role*: a function ``role(pipe, address, params)`` run in
@@ -12,7 +12,9 @@ really has.  The same roles are used one at a time by tests/test_attacks_broker.
 A role runs until ``params["seconds"]`` pass or the parent sends anything on the
 pipe (the parent stops memory attacks at a cap, so a broken broker cannot take the
 machine down); it may send ``("state", text)`` along the way and always ends with
-``("done", stats)``.
+``("done", stats)``.  Memory attacks also take a goal (``count``: so much sent, or the
+broker stopped reading them): then they say so in a state and hold what they made the
+broker keep until stopped, so a test ends the attack on that condition, not a clock.
 
 Honest users meanwhile: a whoami prober (round trips, p99 and worst stall), a
 reliable reader on ``blocking/soft/block`` of its own UID's sequenced publisher (nothing
@@ -132,6 +134,11 @@ class Clock:
     def state(self, text: str) -> None:
         self.pipe.send(("state", text))
 
+    def hold(self) -> None:
+        """Keep what the attack made the broker hold until the time is over or stopped."""
+        while not self.over():
+            time.sleep(0.05)
+
 
 def _send(s: socket.socket, packet: bytes) -> bool:
     """Blocking send that gives up after the socket's timeout (a paused sender)."""
@@ -150,11 +157,15 @@ def cache_attack(pipe, address: str, params: dict) -> None:
     key_len = params.get("key_len", 100_000)
     s = connect(address, BIG_SNDBUF, timeout=1.0)
     fill = bytes(random.Random(1).choices(b"abcdefgh", k=key_len))
-    n = 0
-    while not clock.over():
+    n, goal = 0, params.get("count", 10**9)
+    while n < goal and not clock.over():
         for _ in range(8):
             if _send(s, b"MSG cache/%d/%s\0" % (n, fill)):
                 n += 1
+    if n >= goal:
+        roundtrip(s, 30)  # the broker has looked every key up
+        clock.state(f"{n} published")
+        clock.hold()
     s.close()
     pipe.send(("done", {"published": n, "key_bytes": n * key_len}))
 
@@ -177,30 +188,36 @@ def trie_attack(pipe, address: str, params: dict) -> None:
     clock = Clock(pipe, params)
     kinds = params.get("kinds", ["segments-over", "prefix-over", "segments-at", "prefix-at"])
     s = connect(address, BIG_SNDBUF, timeout=1.0)
-    n, refused = 0, 0
-    while not clock.over():
+    n, refused, goal = 0, 0, params.get("count", 10**9)
+    while n < goal and not clock.over():
         if _send(s, b"SUB " + trie_patterns(kinds[n % len(kinds)], n)):
             n += 1
         refused += sum(p.startswith(REFUSAL + b"sub\0") for p in drain(s))
     try:
-        refused += sum(p.startswith(REFUSAL + b"sub\0") for p in roundtrip(s, 5))
+        refused += sum(p.startswith(REFUSAL + b"sub\0") for p in roundtrip(s, 30))
     except OSError:
         pass
+    if n >= goal:
+        clock.state(f"{n} subscribed")
+        clock.hold()
     s.close()
     pipe.send(("done", {"subscribed": n, "refused": refused}))
 
 
 def reply_attack(pipe, address: str, params: dict) -> None:
     """Ask whoami (and earn refusals) forever on *connections* connections, never reading
-    an answer (reply queues)."""
+    an answer (reply queues).  Goal: ``count`` sent, or no connection taken anything for
+    ``paused`` seconds (the broker stopped reading them all)."""
     clock = Clock(pipe, params)
-    conns = [connect(address, BIG_SNDBUF) for _ in range(params.get("connections", 1))]
+    conns = [connect(address, params.get("sndbuf", BIG_SNDBUF))
+             for _ in range(params.get("connections", 1))]
     for s in conns:
         s.setblocking(False)
     asks = [ASK] * 7 + [b"SUB !/cred/*/*/*/"]
-    n = 0
+    n, goal, paused = 0, params.get("count", 10**12), params.get("paused", 10**9)
+    moved_at = time.monotonic()
     while not clock.over():
-        moved = False
+        before = n
         for s in conns:
             for p in asks * 8:
                 try:
@@ -208,9 +225,14 @@ def reply_attack(pipe, address: str, params: dict) -> None:
                 except BlockingIOError:
                     break
                 n += 1
-                moved = True
-        if not moved:
+        now = time.monotonic()
+        if n > before:
+            moved_at = now
+        else:
             time.sleep(0.005)
+        if n >= goal or now - moved_at > paused:
+            clock.state(f"{n} sent" if n >= goal else f"paused after {n}")
+            clock.hold()
     for s in conns:
         s.close()
     pipe.send(("done", {"sent": n, "connections": len(conns)}))
@@ -245,8 +267,7 @@ def paused_attack(pipe, address: str, params: dict) -> None:
                 break
         time.sleep(0.005)
     clock.state(f"{len(pubs)} publishers")
-    while not clock.over():
-        time.sleep(0.05)
+    clock.hold()
     for p in pubs:
         p.close()
     sub.close()
@@ -270,14 +291,17 @@ def held_attack(pipe, address: str, params: dict) -> None:
     pubs = [connect(address, BIG_SNDBUF, timeout=0.2) for _ in range(count)]
     touch = b"MSG nobody/%d\0" % os.getpid() + b"t" * 240_000
     fan = b"MSG held/x\0" + b"f" * 100
-    bursts = 0
-    while not clock.over():
+    bursts, goal = 0, params.get("count", 10**9)
+    while bursts < goal and not clock.over():
         for i, p in enumerate(pubs):
             packet, burst = (touch, 16) if i % 2 else (fan, 64)
             for _ in range(burst):
                 if not _send(p, packet):
                     break
             bursts += 1
+    if bursts >= goal:
+        clock.state(f"{bursts} bursts")
+        clock.hold()
     for s in [*pubs, *subs]:
         s.close()
     pipe.send(("done", {"bursts": bursts}))
@@ -294,18 +318,21 @@ def tiny_attack(pipe, address: str, params: dict) -> None:
         subs.append(s)
     pub = connect(address, BIG_SNDBUF, timeout=1.0)
     packets = [b"MSG t%d\0" % i for i in range(len(subs))]  # 7 bytes each
-    n, goal = 0, params.get("count", 10**9)
-    while n < goal and not clock.over():
+    n, goal, paused = 0, params.get("count", 10**9), False
+    while n < goal and not paused and not clock.over():
         for p in packets * 16:
             if _send(pub, p):
                 n += 1
-    try:
-        roundtrip(pub, 30)
-    except OSError:
-        pass
-    clock.state(f"{n} sent")
-    while not clock.over():
-        time.sleep(0.05)
+            else:  # the broker has not read for a second: it paused this publisher
+                paused = True
+                break
+    if not paused:
+        try:
+            roundtrip(pub, 30)
+        except OSError:
+            pass
+    clock.state(f"{n} sent" + " (paused)" * paused)
+    clock.hold()
     for s in [pub, *subs]:
         s.close()
     pipe.send(("done", {"sent": n}))
@@ -396,6 +423,8 @@ def churn_attack(pipe, address: str, params: dict) -> None:
         n += 2
         if n % 256 == 0:
             drain(s)
+        if n == 256:
+            clock.state("churning")
     s.close()
     pipe.send(("done", {"sent": n}))
 
@@ -645,12 +674,15 @@ def storm(pipe, address: str, params: dict) -> None:
 # -- honest users -----------------------------------------------------------------------------
 
 def prober(pipe, address: str, params: dict) -> None:
-    """Whoami round trips every few ms: the latency another user sees."""
+    """Whoami round trips every few ms: the latency another user sees.  Says ``"marked"``
+    once *mark* round trips are done (a baseline before an attack starts)."""
     clock = Clock(pipe, params)
     s = connect(address, timeout=30)
     lat = []
     failed = 0
     while not clock.over():
+        if len(lat) == params.get("mark"):
+            clock.state("marked")
         t = time.monotonic()
         try:
             roundtrip(s, 30)
@@ -710,7 +742,9 @@ def reliable_pair(pipe, address: str, params: dict) -> None:
 
 
 def cross_reader(pipe, address: str, params: dict) -> None:
-    """Reads everything under *prefix* (default queue policy), counting per publisher key."""
+    """Reads everything under *prefix* (default queue policy), counting per publisher key;
+    ends early once it got *expect* (``{key: count}``) messages.  With *flush*, a whoami
+    round trip at the end brings what the broker routed here before it was stopped."""
     clock = Clock(pipe, params)
     s = connect(address, timeout=0.2)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
@@ -720,11 +754,9 @@ def cross_reader(pipe, address: str, params: dict) -> None:
     got: Counter[bytes] = Counter()
     last: dict[bytes, int] = {}
     bad = dropped = 0
-    while not clock.over():
-        try:
-            p = s.recv(1 << 20)
-        except TimeoutError:
-            continue
+
+    def count(p: bytes) -> None:
+        nonlocal bad, dropped
         if p.startswith(b"MSG "):
             key, _, body = p[4:].partition(b"\0")
             seq = SEQ.unpack_from(body)[0]
@@ -733,6 +765,16 @@ def cross_reader(pipe, address: str, params: dict) -> None:
             got[key] += 1
         elif p.startswith(DROP_NOTICE):
             dropped += int(p[len(DROP_NOTICE):])
+
+    expect = {k.encode(): n for k, n in params.get("expect", {}).items()}
+    while not clock.over() and not (expect and all(got[k] >= n for k, n in expect.items())):
+        try:
+            count(s.recv(1 << 20))
+        except TimeoutError:
+            continue
+    if params.get("flush"):
+        for p in roundtrip(s, 30):
+            count(p)
     s.close()
     pipe.send(("done", {"got": {k.decode(): v for k, v in got.items()}, "out_of_order": bad,
                         "dropped": dropped}))
@@ -740,19 +782,25 @@ def cross_reader(pipe, address: str, params: dict) -> None:
 
 def sequenced_publisher(pipe, address: str, params: dict) -> None:
     """Publishes *count* numbered messages on *key* (blocking sends); reports how many the
-    kernel took within the time (a paused publisher stops)."""
+    kernel took within the time (a paused publisher stops; with *until_paused*, it ends
+    once no send went through for that many seconds)."""
     clock = Clock(pipe, params)
     s = connect(address, timeout=0.2)
     key = params["key"]
     n, goal, rate = 0, params.get("count", 10**9), params.get("rate")
     pad = b"p" * params.get("size", 200)
-    t0 = time.monotonic()
+    t0 = sent_at = time.monotonic()
     while n < goal and not clock.over():
         if rate and n > rate * (time.monotonic() - t0):
             time.sleep(0.002)
             continue
         if _send(s, b"MSG " + key + b"\0" + SEQ.pack(n) + pad):
             n += 1
+            sent_at = time.monotonic()
+        elif time.monotonic() - sent_at > params.get("until_paused", 10**9):
+            break
+    if params.get("flush"):  # then the broker has routed all of them
+        roundtrip(s, 30)
     clock.state(f"{n} sent")
     while not clock.over():
         time.sleep(0.05)
@@ -1005,7 +1053,7 @@ def run(address: str, broker_pid: int, duration: float, cap_kib: int,
         "prober": Role(honest_a, "prober", address, seconds=duration, nice=-5),
         "reliable": Role(honest_b, "reliable_pair", address, seconds=duration),
         "cross_reader": Role(honest_b, "cross_reader", address, seconds=t,
-                             prefix=b"honest/cross/"),
+                             prefix=b"honest/cross/", flush=True),
     }
     secrets = [Role(uid, "secret_user", address, seconds=duration)
                for uid in (*HONEST, ATTACKERS[0])]
@@ -1020,7 +1068,7 @@ def run(address: str, broker_pid: int, duration: float, cap_kib: int,
     attackers = [Role(uid, name, address, **{"nice": 19, **params})
                  for uid, name, params in attack_plan(duration) if name not in without]
     honest["cross_pub"] = Role(honest_a, "sequenced_publisher", address, seconds=duration,
-                               key=b"honest/cross/a", rate=CROSS_RATE)
+                               key=b"honest/cross/a", rate=CROSS_RATE, flush=True)
     peak, capped = base, False
     end = time.monotonic() + duration
     while time.monotonic() < end:
@@ -1031,8 +1079,10 @@ def run(address: str, broker_pid: int, duration: float, cap_kib: int,
             for r in attackers:
                 r.stop()
         time.sleep(0.05)
-    # the cross-user reader reads on until its own deadline: what is still on its way
-    results = {name: r.finish(stop=name != "cross_reader") for name, r in honest.items()}
+    # the cross-user reader is stopped once its publisher is done: then a whoami round
+    # trip brings it what is still on its way (both say `flush`)
+    results = {name: r.finish() for name, r in honest.items() if name != "cross_reader"}
+    results["cross_reader"] = honest["cross_reader"].finish()
     attacks = {f"{r.name}@{r.uid}": r.finish() for r in attackers}
     secret_stats = Counter()
     for s in secrets:
