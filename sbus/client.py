@@ -949,9 +949,18 @@ class AsyncClient(_Shell):
         await bus.open()
         return bus
 
-    async def open(self) -> None:
-        """Connect (the first connection must work: `ConnectError` otherwise)."""
-        self._attach(connect_socket(self.address))
+    async def open(self, *, retry: bool = False) -> None:
+        """Connect.  The first connection must work (`ConnectError` otherwise) unless
+        *retry*: then a broker not there yet is waited for as a lost one is (the one
+        reconnect driver, the session's `Backoff`; *on_connection* hears of it)."""
+        try:
+            sock = connect_socket(self.address)
+        except ConnectError:
+            if not retry:
+                raise
+            await self._reconnect("cannot be reached yet", None)
+            return
+        self._attach(sock)
         self.session.connected()
 
     def _attach(self, sock: socket.socket) -> None:
