@@ -1126,6 +1126,24 @@ class AsyncClient(_Shell):
             return out
         return await self._receiving(self._events, limit)
 
+    def receive_ready(self, limit: int = SLOTS) -> list[Received]:
+        """The events that can be read without waiting (up to about *limit*), as
+        `receive_batch` returns them; [] when none wait, and when the connection ended or
+        is being replaced (`receive_batch` then waits, reconnects or raises).  For a
+        reader that waits on `fileno` itself: no turn of the loop per batch."""
+        self._refused()
+        if self._pending:
+            out = list(self._pending)
+            self._pending.clear()
+            return out
+        sock = self.sock
+        if sock is None or self._reconnecting is not None:
+            return []
+        try:
+            return self._events(sock, limit)
+        except (BlockingIOError, _Gone):
+            return []
+
     def __aiter__(self) -> AsyncIterator[Publish]:
         return self._messages()
 

@@ -87,6 +87,11 @@ STATUS_EVERY = 0.5
 ACK_EVERY = 0.05
 #: MQTT packets processed per turn of the MQTT reader (keeps both sides served).
 READ_TURN = 512
+#: Bytes of imports taken from MQTT before they are published on the bus (else at the
+#: end of the read turn).
+IMPORT_BYTES = 256 * 1024
+#: Seconds the bus reader goes on while batches keep coming before the others get a turn.
+TURN = 0.002
 #: Seconds between paho's keep-alive checks (``loop_misc``) at most.
 MISC_EVERY = 1.0
 #: MQTT's largest packet, unless the broker says less (CONNACK Maximum Packet Size).
@@ -197,13 +202,16 @@ class BridgeShell:
         self._outstanding: dict[int, tuple[int, int]] = {}  # QoS 1 mid -> (spool seq, bytes)
         self._held_bytes = 0  # bytes of the QoS 1 exports held in memory only (no spool)
         self._imports: list[tuple[bytes, bytes, int]] = []  # taken from MQTT: key, payload, QoS
+        self._import_bytes = 0  # their keys and payloads
+        #: QoS 1 imports: reads make PUBACKs (coalesced under TCP_CORK)
+        self._acked_imports = any(q for _, q in core.mqtt_subscriptions())
         self._holding = False  # imports on their way to the bus: paho's PUBACKs wait
         self._activity = 0
         self._stopping = False
         self._scope: anyio.CancelScope | None = None
         self._loop_thread: int | None = None
-        self._changed: anyio.Event | None = None  # set by `_poke` (made in the loop)
-        self._waiting = False  # a task waits for `_changed`
+        self._waiters: list[list] = []  # [condition, anyio.Event] of tasks in `_until`
+        self._exports_wait = False  # the bus reader waits for `_export_ready`
         self._first: set[str] = set()  # sides past their first attempt (READY=1 after both)
         self._notify_failed = False
         self.notify_skipped = 0  # STATUS= lines not sent: the manager was not reading
@@ -338,9 +346,9 @@ class BridgeShell:
         self._poke()
 
     def _on_register_write(self, mq, userdata, sock) -> None:
-        """paho has something to write: the writer task (or the next flush) writes it."""
-        if threading.get_ident() == self._loop_thread:
-            self._poke()  # in the worker thread: the connect's end pokes
+        """paho has something to write.  Set so that paho queues instead of writing inside
+        `publish` and `loop_read`: every path that makes paho queue ends in `_flush`
+        (or pokes the writer task), which writes unless PUBACKs must wait."""
 
     def _corked(self, on: bool) -> None:
         """TCP_CORK around a run of packets (a batch of exports, the PUBACKs of a read):
@@ -452,6 +460,7 @@ class BridgeShell:
             self.core.dropped()
             return
         self._imports.append((key, payload, msg.qos))  # published by `_import`
+        self._import_bytes += len(key) + len(payload)
 
 
     def _connect_mqtt(self) -> None:
@@ -512,7 +521,8 @@ class BridgeShell:
             await self._until(lambda: self.bus_up and self._mqtt_live())
             sock = mq.socket()
             pending = getattr(sock, "pending", None)  # TLS: decrypted bytes poll cannot see
-            if not (pending and pending()):
+            buffered = bool(pending and pending())
+            if not buffered:
                 try:
                     await anyio.wait_readable(sock)
                 except anyio.ClosedResourceError:  # paho closed it
@@ -520,12 +530,16 @@ class BridgeShell:
                 if sock is not mq.socket() or not (self.bus_up and self._mqtt_live()):
                     continue
             await self._read_mqtt()
-            await anyio.lowlevel.checkpoint()  # the other side gets its turn
+            if buffered:
+                await anyio.lowlevel.checkpoint()  # (else the wait above gives the turn)
 
     async def _read_mqtt(self) -> None:
         """Process what the MQTT socket holds, up to `READ_TURN` packets; the PUBACKs of
-        the turn are written (coalesced) once its imports are on the bus."""
-        self._corked(True)
+        the turn are written (coalesced) once its imports are on the bus.  (Without QoS 1
+        imports a read has nothing to answer: no cork, two system calls saved.)"""
+        cork = self._acked_imports
+        if cork:
+            self._corked(True)
         try:
             for _ in range(READ_TURN):
                 before = self._activity
@@ -538,16 +552,19 @@ class BridgeShell:
                     self._broken = True  # reconnect() replaces the socket and paho's state
                     self.mqtt_retry.failed(time.monotonic())
                     break
-                finally:
-                    if self._imports:
-                        await self._import()
+                if self._import_bytes >= IMPORT_BYTES:
+                    await self._import()
                 if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or self._activity == before \
                         or not self.bus_up:
                     break
+            if self._imports:
+                await self._import()
             self._flush()
         finally:
-            self._corked(False)
-            self._poke()  # acknowledged exports: room for more
+            if cork:
+                self._corked(False)
+            if self._exports_wait:
+                self._poke()  # acknowledged exports: room for more
 
     async def _import(self) -> None:
         """Publish what the last read took from MQTT on the bus, in order.  A lost bus is
@@ -555,6 +572,7 @@ class BridgeShell:
         If the bridge stops first, the QoS 0 imports not published are counted as dropped
         (the QoS 1 ones were not acknowledged: the MQTT broker sends them again)."""
         imports, self._imports = self._imports, []
+        self._import_bytes = 0
         bus, core = self.bus, self.core
         done = 0
         self._holding = True
@@ -576,7 +594,8 @@ class BridgeShell:
             lost = sum(1 for _, _, qos in imports[done:] if qos == 0)
             if lost:
                 core.dropped(lost)
-            self._poke()
+            if self.mq.want_write():
+                self._poke()  # the PUBACKs held meanwhile
 
     async def _mqtt_writer(self) -> None:
         """Write what paho queued and could not write at once (a full socket, or packets
@@ -600,7 +619,8 @@ class BridgeShell:
         if self._holding or not self._mqtt_live() or not mq.want_write():
             return
         mq.loop_write()
-        self._poke()
+        if self._exports_wait or mq.want_write():  # room for exports, or the writer's turn
+            self._poke()
 
     # -- bus -------------------------------------------------------------------------
 
@@ -653,11 +673,21 @@ class BridgeShell:
         """Take a batch from the bus whenever MQTT can take more, and hand it to paho."""
         await self._open_bus()
         bus, core = self.bus, self.core
+        clock = time.perf_counter
+        ran_since = clock()
         while True:
             if not self._export_ready():
-                await self._until(self._export_ready)
+                self._exports_wait = True
+                try:
+                    await self._until(self._export_ready)
+                finally:
+                    self._exports_wait = False
+                ran_since = clock()
             try:
-                events = await bus.receive_batch(BATCH)
+                events = bus.receive_ready(BATCH)
+                if not events:
+                    events = await self._bus_batch()
+                    ran_since = clock()
             except SbusError as exc:  # the broker sent a malformed packet: said, skipped
                 self._note(f"the bus at {self.address}: {printable(str(exc), 200)}")
                 continue
@@ -672,6 +702,20 @@ class BridgeShell:
                         continue
                     taken.append((topic, event.payload, core.last_qos))
             self._export(taken)
+            if clock() - ran_since > TURN:  # a busy bus: the other tasks get their turn
+                await anyio.lowlevel.checkpoint()
+                ran_since = clock()
+
+    async def _bus_batch(self) -> list:
+        """The next batch from the bus, waited for: on the socket itself, so that a batch
+        costs one turn of the loop; through `receive_batch` when the client has more to
+        do (an end of connection: it reconnects)."""
+        bus = self.bus
+        try:
+            await anyio.wait_readable(bus.fileno())
+        except anyio.ClosedResourceError:  # the importing task is reconnecting
+            pass
+        return bus.receive_ready(BATCH) or await bus.receive_batch(BATCH)
 
     def _export_ready(self) -> bool:
         """May the bridge take more from the bus now? (module docstring)"""
@@ -817,20 +861,27 @@ class BridgeShell:
     # -- the loop ----------------------------------------------------------------------
 
     def _poke(self) -> None:
-        """Something a waiting task may wait for changed: they look again."""
-        if self._waiting and self._changed is not None:
-            self._waiting = False
-            self._changed.set()
-            self._changed = anyio.Event()
+        """Something a waiting task may wait for changed: wake those whose condition now
+        holds (only those: a wake-up is a turn of the loop)."""
+        for waiter in self._waiters:
+            if waiter[0]():
+                waiter[1].set()
 
     async def _until(self, ready: Callable[[], bool], timeout: float = math.inf) -> None:
         """Wait until *ready*() (checked at each `_poke`), at most *timeout* seconds."""
-        with anyio.move_on_after(timeout):
-            while not ready():
-                changed = self._changed
-                assert changed is not None
-                self._waiting = True
-                await changed.wait()
+        if ready():
+            return
+        waiter = [ready, anyio.Event()]
+        self._waiters.append(waiter)
+        try:
+            with anyio.move_on_after(timeout):
+                while True:
+                    await waiter[1].wait()
+                    if ready():
+                        return
+                    waiter[1] = anyio.Event()  # it changed back meanwhile
+        finally:
+            self._waiters.remove(waiter)
 
     def _first_done(self, side: str) -> None:
         """*side* is past its first attempt: after both, READY=1 (with the STATUS= line)."""
@@ -879,7 +930,6 @@ class BridgeShell:
 
     async def _serve(self) -> None:
         self._loop_thread = threading.get_ident()
-        self._changed = anyio.Event()
         try:
             async with anyio.create_task_group() as tg:
                 self._scope = tg.cancel_scope
