@@ -118,3 +118,39 @@ def test_a_hanging_mqtt_connect_blocks_nothing(broker: BrokerProcess, short_tmp:
         for s in fillers:
             s.close()
         server.close()
+
+
+def test_async_receive_ready_never_waits_and_leaves_a_loss_to_receive_batch(
+        short_tmp: Path) -> None:
+    """``AsyncClient.receive_ready``: what waits, [] when nothing does or the broker went
+    (no reconnect there: ``receive_batch`` reconnects, and the session's subscription is
+    in force again)."""
+    address = str(short_tmp / "bus.sock")
+    b = BrokerProcess(address).start()
+
+    async def main() -> None:
+        bus = AsyncClient(address, reconnect=True, backoff=Backoff(0.02, 0.1),
+                          on_connection=lambda up, line: None)
+        await bus.open()
+        await bus.subscribe("r/x")
+        assert bus.receive_ready() == []
+        await bus.publish("r/x", b"1")
+        await bus.sync()  # the message is on its way back before the answer
+        assert [e.payload for e in bus.receive_ready()] == [b"1"]
+        await trio.to_thread.run_sync(b.stop)
+        assert bus.receive_ready() == []
+        await trio.to_thread.run_sync(b.start)
+        with trio.fail_after(10):
+            while True:  # until the reconnect's opening is in force
+                await bus.publish("r/x", b"2")
+                got = await bus.receive_batch()
+                if any(getattr(e, "payload", None) == b"2" for e in got):
+                    break
+                await trio.sleep(0.05)
+        assert bus.connections == 2
+        await bus.aclose()
+
+    try:
+        trio.run(main)
+    finally:
+        b.stop()

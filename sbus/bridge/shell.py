@@ -711,10 +711,12 @@ class BridgeShell:
         costs one turn of the loop; through `receive_batch` when the client has more to
         do (an end of connection: it reconnects)."""
         bus = self.bus
-        try:
-            await anyio.wait_readable(bus.fileno())
-        except anyio.ClosedResourceError:  # the importing task is reconnecting
-            pass
+        fd = bus.fileno()
+        if fd >= 0:  # (-1: closed by the importing task, which is reconnecting)
+            try:
+                await anyio.wait_readable(fd)
+            except anyio.ClosedResourceError:  # the importing task began reconnecting
+                pass
         return bus.receive_ready(BATCH) or await bus.receive_batch(BATCH)
 
     def _export_ready(self) -> bool:
