@@ -90,8 +90,6 @@ READ_TURN = 512
 #: Bytes of imports taken from MQTT before they are published on the bus (else at the
 #: end of the read turn).
 IMPORT_BYTES = 256 * 1024
-#: Seconds the bus reader goes on while batches keep coming before the others get a turn.
-TURN = 0.002
 #: Seconds between paho's keep-alive checks (``loop_misc``) at most.
 MISC_EVERY = 1.0
 #: MQTT's largest packet, unless the broker says less (CONNACK Maximum Packet Size).
@@ -518,7 +516,9 @@ class BridgeShell:
         """Read MQTT while the bus is up: a turn of up to `READ_TURN` packets at a time."""
         mq = self.mq
         while True:
-            await self._until(lambda: self.bus_up and self._mqtt_live())
+            if not (self.bus_up and self._mqtt_live()):
+                await self._until(lambda: self.bus_up and self._mqtt_live())
+                continue
             sock = mq.socket()
             pending = getattr(sock, "pending", None)  # TLS: decrypted bytes poll cannot see
             buffered = bool(pending and pending())
@@ -672,9 +672,7 @@ class BridgeShell:
     async def _bus_reader(self) -> None:
         """Take a batch from the bus whenever MQTT can take more, and hand it to paho."""
         await self._open_bus()
-        bus, core = self.bus, self.core
-        clock = time.perf_counter
-        ran_since = clock()
+        core = self.core
         while True:
             if not self._export_ready():
                 self._exports_wait = True
@@ -682,12 +680,8 @@ class BridgeShell:
                     await self._until(self._export_ready)
                 finally:
                     self._exports_wait = False
-                ran_since = clock()
             try:
-                events = bus.receive_ready(BATCH)
-                if not events:
-                    events = await self._bus_batch()
-                    ran_since = clock()
+                events = await self._bus_batch()
             except SbusError as exc:  # the broker sent a malformed packet: said, skipped
                 self._note(f"the bus at {self.address}: {printable(str(exc), 200)}")
                 continue
@@ -702,14 +696,12 @@ class BridgeShell:
                         continue
                     taken.append((topic, event.payload, core.last_qos))
             self._export(taken)
-            if clock() - ran_since > TURN:  # a busy bus: the other tasks get their turn
-                await anyio.lowlevel.checkpoint()
-                ran_since = clock()
 
     async def _bus_batch(self) -> list:
-        """The next batch from the bus, waited for: on the socket itself, so that a batch
-        costs one turn of the loop; through `receive_batch` when the client has more to
-        do (an end of connection: it reconnects)."""
+        """The next batch from the bus, waited for on the socket itself (the turn of the
+        loop the other tasks get between batches), then taken as it is: one turn and one
+        receive per batch.  Through `receive_batch` when the client has more to do (an
+        end of connection: it reconnects)."""
         bus = self.bus
         fd = bus.fileno()
         if fd >= 0:  # (-1: closed by the importing task, which is reconnecting)
