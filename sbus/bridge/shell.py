@@ -195,7 +195,7 @@ class BridgeShell:
         self.subscribed = False  # the broker acknowledged our subscriptions
         self._broker = 0  # index of the broker address tried or in use
         self._connecting = False  # a TCP connection made, no CONNACK yet
-        self._in_thread = False  # paho's connect runs in a worker thread: paho is its
+        self._in_thread = False  # paho's connect runs in a worker thread: hands off paho
         self._broken = False  # paho could not parse the stream: reconnect
         self._outstanding: dict[int, tuple[int, int]] = {}  # QoS 1 mid -> (spool seq, bytes)
         self._held_bytes = 0  # bytes of the QoS 1 exports held in memory only (no spool)
@@ -204,6 +204,7 @@ class BridgeShell:
         #: QoS 1 imports: reads make PUBACKs (coalesced under TCP_CORK)
         self._acked_imports = any(q for _, q in core.mqtt_subscriptions())
         self._holding = False  # imports on their way to the bus: paho's PUBACKs wait
+        self._acks_owed = False  # stopped with imports unpublished: their PUBACKs never go
         self._activity = 0
         self._stopping = False
         self._scope: anyio.CancelScope | None = None
@@ -460,7 +461,6 @@ class BridgeShell:
         self._imports.append((key, payload, msg.qos))  # published by `_import`
         self._import_bytes += len(key) + len(payload)
 
-
     def _connect_mqtt(self) -> None:
         """paho's connect (it blocks: name lookup, TCP, TLS), in the worker thread."""
         s, broker = self.settings, self.broker
@@ -591,6 +591,7 @@ class BridgeShell:
                 done += 1
         finally:
             self._holding = False
+            self._acks_owed = done < len(imports)
             lost = sum(1 for _, _, qos in imports[done:] if qos == 0)
             if lost:
                 core.dropped(lost)
@@ -943,7 +944,7 @@ class BridgeShell:
         are unpublished, whose PUBACKs would go with it), close the bus, save the state."""
         self._stopping = True
         mq = self.mq
-        if self._mqtt_live() and not self._holding:
+        if self._mqtt_live() and not self._holding and not self._acks_owed:
             self.mqtt_up = False  # a goodbye, not a loss
             mq.disconnect()
             with anyio.move_on_after(1.0):
