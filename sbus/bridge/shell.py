@@ -14,7 +14,7 @@ Tasks: the bus reader (takes a batch, hands it to paho), the MQTT reader (a turn
 `READ_TURN` packets, imports published on the bus), the MQTT writer (what paho could
 not write at once), the MQTT driver (connects, fails over, keep-alive) and the
 housekeeper (spool acknowledgements, STATUS=).  Each gives the others a turn after a
-batch, as the old ``select`` loop did.
+batch (the bus reader: after each receive; the MQTT reader: after `READ_TURN` packets).
 
 Flow control, so that no local publisher ever waits for MQTT:
 
@@ -574,12 +574,14 @@ class BridgeShell:
         imports, self._imports = self._imports, []
         self._import_bytes = 0
         bus, core = self.bus, self.core
+        packet, sent = bus.session.publish, bus.send_nowait
         done = 0
         self._holding = True
         try:
             for key, payload, _ in imports:
                 try:
-                    await bus.publish(key, payload)
+                    if not sent(packet(key, payload)):  # no room, or the bus is away:
+                        await bus.publish(key, payload)  # waited for (and reconnected)
                 except InvalidRequest as exc:  # too large for the bus, or a key it refuses
                     core.refused_by_broker()
                     self._note(f"not imported: {printable(str(exc), 200)}")
