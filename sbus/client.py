@@ -1032,11 +1032,20 @@ class AsyncClient(_Shell):
         await bus.open()
         return bus
 
-    async def open(self) -> None:
+    async def open(self, *, retry: bool = False) -> None:
         """Connect (the first connection must work: `ConnectError` otherwise, at the
-        latest after `CONNECT_TIMEOUT` of a full accept backlog); other tasks run while
-        it waits."""
-        self._attach(await _carry_out_async(connecting(self.address)))
+        latest after `CONNECT_TIMEOUT` of a full accept backlog; other tasks run while it
+        waits) unless *retry*: then a broker not there yet is waited for as a lost one is
+        (the one reconnect driver, the session's `Backoff`; *on_connection* hears of it)."""
+        try:
+            sock = await _carry_out_async(connecting(self.address))
+        except ConnectError:
+            if not retry:
+                raise
+            await self._reconnect("cannot be reached yet", None)
+            return
+        self._attach(sock)
+        self.session.connected()
         self.session.connected()
 
     def _attach(self, sock: socket.socket) -> None:
@@ -1193,6 +1202,24 @@ class AsyncClient(_Shell):
             self._pending.clear()
             return out
         return await self._receiving(self._events, limit)
+
+    def receive_ready(self, limit: int = SLOTS) -> list[Received]:
+        """The events that can be read without waiting (up to about *limit*), as
+        `receive_batch` returns them; [] when none wait, and when the connection ended or
+        is being replaced (`receive_batch` then waits, reconnects or raises).  For a
+        reader that waits on `fileno` itself: no turn of the loop per batch."""
+        self._refused()
+        if self._pending:
+            out = list(self._pending)
+            self._pending.clear()
+            return out
+        sock = self.sock
+        if sock is None or self._reconnecting is not None:
+            return []
+        try:
+            return self._events(sock, limit)
+        except (BlockingIOError, _Gone):
+            return []
 
     def __aiter__(self) -> AsyncIterator[Publish]:
         return self._messages()

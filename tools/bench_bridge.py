@@ -15,7 +15,8 @@ each path is set up fresh, then: a burst of --count messages at full speed (deli
 msg/s and the share lost on the way), --steady msg/s for 3 s (the share lost at a rate
 the bridge should sustain), and --light messages at 1,000 msg/s (latency).
 Paths take turns, --runs times; medians are printed, with the added latency of each
-bridge (its p50 minus the baseline's).
+bridge (its p50 minus the baseline's), and the sbus bridge process's CPU time per message
+delivered in the burst and in the steady phase (user + system, from /proc).
 
 ``--baseline DIR`` adds ``sbus-export@base`` and ``sbus-import@base``: the same paths with
 the sbus of another checkout (e.g. /work/main), for a before/after ratio in one run.
@@ -69,6 +70,7 @@ class Stack:
         self.tmp = tmp
         self.code = baseline if path.endswith("@base") else None
         self.procs: list[subprocess.Popen] = []
+        self.bridge: subprocess.Popen | None = None  # the sbus bridge, if the path has one
         try:
             self._start(path.removesuffix("@base"), qos)
         except BaseException:
@@ -105,6 +107,7 @@ class Stack:
                                    "--export-qos", str(qos), "--import-qos", str(qos),
                                    "--session-expiry", "0", "--client-id", f"bench{port}"],
                         env={**env, "NOTIFY_SOCKET": str(tmp / "notify")})
+            self.bridge = self.procs[-1]
             notify.settimeout(15)
             while b"mqtt up" not in notify.recv(4096):
                 pass
@@ -144,6 +147,14 @@ class Stack:
                 p.wait()
 
 
+def cpu_seconds(proc: subprocess.Popen | None) -> float:
+    """User + system CPU time of *proc* so far (0 without one)."""
+    if proc is None:
+        return 0.0
+    fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(lg: Path, stack: Stack, count: int, rate: int) -> dict:
     budget = max(20.0, count / 5000)
     sub = subprocess.Popen([str(lg), "sub", "-p", stack.sub_proto, "-a", stack.sub_addr,
@@ -151,11 +162,13 @@ def measure(lg: Path, stack: Stack, count: int, rate: int) -> dict:
                             "-I", "2000"], stdout=subprocess.PIPE, text=True)
     assert sub.stdout.readline().strip() == "READY"
     time.sleep(0.3)
+    cpu = cpu_seconds(stack.bridge)
     subprocess.run([str(lg), "pub", "-p", stack.pub_proto, "-a", stack.pub_addr, "-n", "1",
                     "-c", str(count), "-K", "1", "-r", str(rate), "-T", str(budget)],
                    stdout=subprocess.DEVNULL, check=True)
     result = json.loads(sub.stdout.readline())
     sub.wait(10)
+    result["cpu_us"] = (cpu_seconds(stack.bridge) - cpu) * 1e6 / max(1, result["recv"])
     return result
 
 
@@ -190,15 +203,16 @@ def main() -> int:
             results[path].append((burst, steady, light))
             print(f"run {run + 1} {path}: {burst['recv']}/{args.count} at "
                   f"{burst['rate']:.0f} msg/s; steady {steady['recv']}/{args.steady * 3}; "
-                  f"p50 {light['p50_us']:.0f} us", file=sys.stderr)
+                  f"p50 {light['p50_us']:.0f} us; bridge CPU {burst['cpu_us']:.1f} / "
+                  f"{steady['cpu_us']:.1f} us/msg", file=sys.stderr)
     load = os.getloadavg()
     print(f"\n{args.count} messages at full speed, {args.steady} msg/s for 3 s, "
           f"{args.light} at 1,000 msg/s, 64-byte "
           f"payloads, sbus bridge QoS {args.qos}; medians of {args.runs} alternating runs; "
           f"load average {load[0]:.1f} on {os.cpu_count()} cores\n")
     print(f"| path | burst msg/s | burst lost | lost at {args.steady:,} msg/s | p50 µs "
-          "| p99 µs | added p50 µs |")
-    print("|---|---|---|---|---|---|---|")
+          "| p99 µs | added p50 µs | bridge CPU µs/msg burst | steady |")
+    print("|---|---|---|---|---|---|---|---|---|")
     base = (statistics.median(light["p50_us"] for _, _, light in results["mqtt-direct"])
             if results.get("mqtt-direct") else 0.0)
     for path in paths:
@@ -209,8 +223,11 @@ def main() -> int:
         p50 = statistics.median(light["p50_us"] for _, _, light in runs)
         p99 = statistics.median(light["p99_us"] for _, _, light in runs)
         added = "—" if path == "mqtt-direct" else f"{p50 - base:.0f}"
+        sbus = path.startswith("sbus-")
+        cpu_burst = f"{statistics.median(b['cpu_us'] for b, _, _ in runs):.1f}" if sbus else "—"
+        cpu_steady = f"{statistics.median(s['cpu_us'] for _, s, _ in runs):.1f}" if sbus else "—"
         print(f"| {path} | {rate:,.0f} | {lost:.1%} | {steady_lost:.1%} | {p50:.0f} | "
-              f"{p99:.0f} | {added} |")
+              f"{p99:.0f} | {added} | {cpu_burst} | {cpu_steady} |")
     return 0
 
 

@@ -1,5 +1,20 @@
-"""The bridge's I/O: one bus connection, one MQTT connection (paho-mqtt, MQTT 5), one
-``select`` loop; every decision is `BridgeCore`'s.
+"""The bridge's I/O: the bus through `sbus.client.AsyncClient`, MQTT through paho-mqtt
+(MQTT 5) driven from the same anyio loop; every decision is `BridgeCore`'s.
+
+The bus connection is the client library's: it connects (the first time too, however
+long the bus takes to come: ``open(retry=True)``), reconnects, restores the flood policy,
+``nowait`` and the subscriptions, with its session's one `Backoff`.  The bridge only
+says what it wants and hears of each change (*on_connection*).  paho's socket is driven
+by the loop through paho's external-loop calls (``loop_read``/``loop_write``/
+``loop_misc``, the socket open/close/register-write callbacks); paho's connect, which
+blocks (name lookup, TCP, TLS handshake), runs in a worker thread while nothing else
+touches paho.
+
+Tasks: the bus reader (takes a batch, hands it to paho), the MQTT reader (a turn of
+`READ_TURN` packets, imports published on the bus), the MQTT writer (what paho could
+not write at once), the MQTT driver (connects, fails over, keep-alive) and the
+housekeeper (spool acknowledgements, STATUS=).  Each gives the others a turn after a
+batch (the bus reader: after each receive; the MQTT reader: after `READ_TURN` packets).
 
 Flow control, so that no local publisher ever waits for MQTT:
 
@@ -10,12 +25,12 @@ Flow control, so that no local publisher ever waits for MQTT:
 * The bus is read only while MQTT can take more: nothing waiting to be written to the
   socket and, at QoS 1, fewer than `WINDOW` messages unacknowledged.  Otherwise the
   messages wait in the local broker's queue for the bridge (bounded, then dropped).
-* MQTT is read only while the bus is connected: imports that cannot be delivered stay
-  with the MQTT broker (at QoS 1 in the bridge's session) instead of being lost here.
-  The bus connection is a `Client` with ``reconnect=True``: when the bus goes, the call
-  that noticed waits for it (STATUS= says ``bus down`` first; SIGTERM still ends the
-  bridge), so MQTT is not served meanwhile; after a long wait the MQTT broker drops the
-  connection (keep-alive) and it is made again, the session's imports waiting.
+* MQTT is read only while the bus is up: imports that cannot be delivered stay with the
+  MQTT broker (at QoS 1 in the bridge's session) instead of being lost here.  An import
+  is acknowledged to the MQTT broker only once the bus has it: paho's PUBACKs are not
+  written while imports are on their way to the bus.  After a long wait for the bus the
+  MQTT broker drops the connection (keep-alive) and it is made again, the session's
+  imports waiting.
 
 Crashes: QoS 1 exports are written to the spool (`spool.Spool`) before paho gets them
 and leave it when the broker acknowledges them; a restarted bridge sends what is left.
@@ -24,13 +39,16 @@ and leave it when the broker acknowledges them; a restarted bridge sends what is
 from __future__ import annotations
 
 import logging
-import select
+import math
 import signal
 import socket
 import struct
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import anyio
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.exception import MQTTException
@@ -39,7 +57,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from .. import protocol, sdnotify
-from ..client import Client, SbusError
+from ..client import AsyncClient, SbusError
 from ..defaults import MAX_MESSAGE
 from ..display import printable
 from ..errors import InvalidRequest
@@ -53,20 +71,27 @@ log = logging.getLogger("sbus.bridge")
 
 __all__ = ["MqttSettings", "BridgeShell", "Retry"]
 
-#: Messages taken from the bus per turn of the loop.
+#: Messages taken from the bus per turn at most (the client hands out one receive's
+#: batch at a time, `sbus.client.SLOTS`).
 BATCH = 256
 #: QoS 1 exports unacknowledged at once; also paho's in-flight window.  paho scans its
 #: whole window on every acknowledgement, so a larger one costs more than it gains (1,000
 #: made that scan 40 µs per message; 100 keeps ~30,000 msg/s in flight at 3 ms round trips).
 WINDOW = 100
-#: Seconds the local broker may take to answer whoami on connect.
+#: Seconds the local broker may take to answer whoami on connect (then asked again).
 BUS_TIMEOUT = 5.0
 #: Seconds between STATUS= updates at most (one is sent when the line changed).
 STATUS_EVERY = 0.5
-#: Seconds between writes of the spool's acknowledgements at most (not one per turn).
+#: Seconds between writes of the spool's acknowledgements at most (not one per turn);
+#: also the housekeeper's beat.
 ACK_EVERY = 0.05
-#: MQTT packets processed per turn of the loop (keeps both sides served).
+#: MQTT packets processed per turn of the MQTT reader (keeps both sides served).
 READ_TURN = 512
+#: Bytes of imports taken from MQTT before they are published on the bus (else at the
+#: end of the read turn).
+IMPORT_BYTES = 256 * 1024
+#: Seconds between paho's keep-alive checks (``loop_misc``) at most.
+MISC_EVERY = 1.0
 #: MQTT's largest packet, unless the broker says less (CONNACK Maximum Packet Size).
 MQTT_MAX_PACKET = 268435460
 #: A connection that stayed up this long (seconds) starts its side's backoff over.
@@ -153,29 +178,40 @@ class _Stamped:
         return self._packed
 
 
-class _Stopped(Exception):
-    """Raised by the signal handler while `Client` waits for a lost bus."""
-
-
 class BridgeShell:
     def __init__(self, core: BridgeCore, address: str | None, settings: MqttSettings,
                  backoff_first: float = 0.2, backoff_max: float = 30.0) -> None:
         self.core = core
-        self.address = address
         self.settings = settings
-        self.bus: Client | None = None
+        self.bus = AsyncClient(address, reconnect=True,
+                               backoff=Backoff(backoff_first, backoff_max),
+                               on_drop=core.bus_dropped, on_refusal=self._refused,
+                               on_connection=self._bus_connection)
+        self.address = self.bus.address
         self.bus_up = False
-        self.bus_retry = Retry(backoff_first, backoff_max)
+        self._opened = False  # the bus's opening (policy, patterns, whoami) is done
         self.mqtt_retry = Retry(backoff_first, backoff_max)
         self.mqtt_up = False
         self.subscribed = False  # the broker acknowledged our subscriptions
         self._broker = 0  # index of the broker address tried or in use
         self._connecting = False  # a TCP connection made, no CONNACK yet
+        self._in_thread = False  # paho's connect runs in a worker thread: hands off paho
         self._broken = False  # paho could not parse the stream: reconnect
         self._outstanding: dict[int, tuple[int, int]] = {}  # QoS 1 mid -> (spool seq, bytes)
         self._held_bytes = 0  # bytes of the QoS 1 exports held in memory only (no spool)
+        self._imports: list[tuple[bytes, bytes, int]] = []  # taken from MQTT: key, payload, QoS
+        self._import_bytes = 0  # their keys and payloads
+        #: QoS 1 imports: reads make PUBACKs (coalesced under TCP_CORK)
+        self._acked_imports = any(q for _, q in core.mqtt_subscriptions())
+        self._holding = False  # imports on their way to the bus: paho's PUBACKs wait
+        self._acks_owed = False  # stopped with imports unpublished: their PUBACKs never go
         self._activity = 0
         self._stopping = False
+        self._scope: anyio.CancelScope | None = None
+        self._loop_thread: int | None = None
+        self._waiters: list[list] = []  # [condition, anyio.Event] of tasks in `_until`
+        self._exports_wait = False  # the bus reader waits for `_export_ready`
+        self._first: set[str] = set()  # sides past their first attempt (READY=1 after both)
         self._notify_failed = False
         self.notify_skipped = 0  # STATUS= lines not sent: the manager was not reading
         self._allowance = LogAllowance()
@@ -273,6 +309,10 @@ class BridgeShell:
             mq.on_publish = self._on_publish          # properties per message
         mq.on_subscribe = self._on_subscribe
         mq.on_socket_open = self._on_socket_open
+        mq.on_socket_close = self._on_socket_close
+        # paho then queues what it sends (no write inside publish): the loop writes, and
+        # holds back the PUBACKs of imports not yet on the bus
+        mq.on_socket_register_write = self._on_register_write
         return mq
 
     @property
@@ -281,7 +321,8 @@ class BridgeShell:
 
     def _on_socket_open(self, mq, userdata, sock) -> None:
         """TCP_NODELAY: a lone message goes at once, not after the peer's delayed ACK
-        (paho sets nothing); bursts are coalesced by `_corked` instead."""
+        (paho sets nothing); bursts are coalesced by `_corked` instead.  (In the worker
+        thread of `_connect_mqtt`.)"""
         self._cork = None
         if self.settings.nodelay:
             try:
@@ -289,6 +330,25 @@ class BridgeShell:
             except (OSError, AttributeError):
                 return  # not TCP (a unix socket): nothing to set
             self._cork = sock
+
+    def _on_socket_close(self, mq, userdata, sock) -> None:
+        """paho is about to close *sock*: wake the tasks waiting on it (a wait on a closed
+        descriptor would never end)."""
+        if threading.get_ident() == self._loop_thread:
+            self._closing(sock)
+        elif self._loop_thread is not None:  # paho's connect, in its worker thread
+            anyio.from_thread.run_sync(self._closing, sock)
+
+    def _closing(self, sock) -> None:
+        anyio.notify_closing(sock)
+        if sock is self._cork:
+            self._cork = None
+        self._poke()
+
+    def _on_register_write(self, mq, userdata, sock) -> None:
+        """paho has something to write.  Set so that paho queues instead of writing inside
+        `publish` and `loop_read`: every path that makes paho queue ends in `_flush`
+        (or pokes the writer task), which writes unless PUBACKs must wait."""
 
     def _corked(self, on: bool) -> None:
         """TCP_CORK around a run of packets (a batch of exports, the PUBACKs of a read):
@@ -299,6 +359,7 @@ class BridgeShell:
                 self._cork.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1 if on else 0)
             except OSError:
                 self._cork = None  # closed meanwhile: the next connection sets it again
+
     def _on_connect(self, mq, userdata, flags, reason, properties) -> None:
         self._connecting = False  # answered: a disconnect now is no TLS-port mystery
         if reason.is_failure:
@@ -306,6 +367,7 @@ class BridgeShell:
             return
         self.mqtt_up = True
         self.mqtt_retry.up(time.monotonic())
+        self._poke()
         log.info("connected to MQTT broker %s (session %s)", self.broker,
                  "resumed" if flags.session_present else "new")
         # the largest packet the broker takes: a larger one would make it close the
@@ -351,6 +413,7 @@ class BridgeShell:
         else:  # it refused us in its CONNACK (logged by _on_connect)
             self._next_broker(now)
         self.mqtt_up = self.subscribed = self._connecting = False
+        self._poke()
 
     def _next_broker(self, now: float) -> float:
         """Fail over to the next address; after the last, wait (backoff) and start over."""
@@ -396,119 +459,241 @@ class BridgeShell:
         key = self.core.from_mqtt(topic, payload, marker, stamp, tuple(scope))
         if key is None:
             return
-        if self.bus is None:
+        if not self.bus_up:
             self.core.dropped()
             return
-        try:
-            self.bus.publish(key, payload)
-        except InvalidRequest as exc:  # too large for the bus, or a key it refuses
-            self.core.refused_by_broker()
-            self._note(f"not imported: {printable(str(exc), 200)}")
-        except SbusError as exc:
-            self.core.dropped()
-            self._bus_lost(exc)
-        else:
-            self.core.imported(len(key) + len(payload))
+        self._imports.append((key, payload, msg.qos))  # published by `_import`
+        self._import_bytes += len(key) + len(payload)
 
-    def _connect_mqtt(self, now: float) -> None:
+    def _connect_mqtt(self) -> None:
+        """paho's connect (it blocks: name lookup, TCP, TLS), in the worker thread."""
         s, broker = self.settings, self.broker
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = s.session_expiry
         props.MaximumPacketSize = s.max_message + 1024  # MQTT header and properties
+        self.mq.connect_async(broker.host, broker.port, s.keepalive,
+                              clean_start=s.session_expiry == 0, properties=props)
+        self.mq.reconnect()
+
+    async def _mqtt_driver(self) -> None:
+        """Connect (again) when there is no usable connection and the backoff allows;
+        otherwise paho's keep-alive (`loop_misc`) every `MISC_EVERY` seconds at most."""
+        mq = self.mq
+        while True:
+            if mq.socket() is None or self._broken:
+                wait = self.mqtt_retry.next_at - time.monotonic()
+                if wait > 0:  # (a fail-over to the next address moves it nearer)
+                    await self._until(lambda: time.monotonic() >= self.mqtt_retry.next_at,
+                                      wait)
+                    continue
+                await self._mqtt_attempt()
+                continue
+            mq.loop_misc()
+            self._flush()
+            if mq.socket() is None and self.mqtt_up:  # closed without on_disconnect
+                self._on_disconnect(mq, None, None, "connection closed", None)
+            await self._until(lambda: mq.socket() is None or self._broken, MISC_EVERY)
+
+    async def _mqtt_attempt(self) -> None:
+        broker = self.broker
+        self._in_thread = True  # nothing else touches paho meanwhile
         try:
-            self.mq.connect_async(broker.host, broker.port, s.keepalive,
-                                  clean_start=s.session_expiry == 0, properties=props)
-            self.mq.reconnect()
+            # abandoned when the bridge stops: the thread ends by itself (connect timeout)
+            await anyio.to_thread.run_sync(self._connect_mqtt, abandon_on_cancel=True)
         except (OSError, ValueError) as exc:
-            delay = self._next_broker(now)
+            self._in_thread = False
+            delay = self._next_broker(time.monotonic())
             log.warning("cannot reach the MQTT broker %s: %s%s", broker, exc,
                         f"; again in {delay:.1f} s" if delay else "; trying the next")
+        else:
+            self._in_thread = False
+            self._connecting = True
+            self._broken = False
+        finally:
+            self._first_done("mqtt")
+        self._poke()
+
+    def _mqtt_live(self) -> bool:
+        return not self._in_thread and not self._broken and self.mq.socket() is not None
+
+    async def _mqtt_reader(self) -> None:
+        """Read MQTT while the bus is up: a turn of up to `READ_TURN` packets at a time."""
+        mq = self.mq
+        while True:
+            if not (self.bus_up and self._mqtt_live()):
+                await self._until(lambda: self.bus_up and self._mqtt_live())
+                continue
+            sock = mq.socket()
+            pending = getattr(sock, "pending", None)  # TLS: decrypted bytes poll cannot see
+            buffered = bool(pending and pending())
+            if not buffered:
+                try:
+                    await anyio.wait_readable(sock)
+                except anyio.ClosedResourceError:  # paho closed it
+                    continue
+                if sock is not mq.socket() or not (self.bus_up and self._mqtt_live()):
+                    continue
+            await self._read_mqtt()
+            if buffered:
+                await anyio.lowlevel.checkpoint()  # (else the wait above gives the turn)
+
+    async def _read_mqtt(self) -> None:
+        """Process what the MQTT socket holds, up to `READ_TURN` packets; the PUBACKs of
+        the turn are written (coalesced) once its imports are on the bus.  (Without QoS 1
+        imports a read has nothing to answer: no cork, two system calls saved.)"""
+        cork = self._acked_imports
+        if cork:
+            self._corked(True)
+        try:
+            for _ in range(READ_TURN):
+                before = self._activity
+                try:
+                    rc = self.mq.loop_read()
+                except MALFORMED as exc:  # paho could not parse what the broker sent
+                    self._note(f"malformed data from the MQTT broker {self.broker}: "
+                               f"{printable(str(exc), 200)}; reconnecting")
+                    self.mqtt_up = self.subscribed = False
+                    self._broken = True  # reconnect() replaces the socket and paho's state
+                    self.mqtt_retry.failed(time.monotonic())
+                    break
+                if self._import_bytes >= IMPORT_BYTES:
+                    await self._import()
+                if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or self._activity == before \
+                        or not self.bus_up:
+                    break
+            if self._imports:
+                await self._import()
+            self._flush()
+        finally:
+            if cork:
+                self._corked(False)
+            if self._exports_wait:
+                self._poke()  # acknowledged exports: room for more
+
+    async def _import(self) -> None:
+        """Publish what the last read took from MQTT on the bus, in order.  A lost bus is
+        waited for inside `publish` (the client reconnects); meanwhile the PUBACKs wait.
+        If the bridge stops first, the QoS 0 imports not published are counted as dropped
+        (the QoS 1 ones were not acknowledged: the MQTT broker sends them again)."""
+        imports, self._imports = self._imports, []
+        self._import_bytes = 0
+        bus, core = self.bus, self.core
+        packet, sent = bus.session.publish, bus.send_nowait
+        done = 0
+        self._holding = True
+        try:
+            for key, payload, _ in imports:
+                try:
+                    if not sent(packet(key, payload)):  # no room, or the bus is away:
+                        await bus.publish(key, payload)  # waited for (and reconnected)
+                except InvalidRequest as exc:  # too large for the bus, or a key it refuses
+                    core.refused_by_broker()
+                    self._note(f"not imported: {printable(str(exc), 200)}")
+                except SbusError as exc:
+                    core.dropped()
+                    self._note(f"not imported: {printable(str(exc), 200)}")
+                else:
+                    core.imported(len(key) + len(payload))
+                done += 1
+        finally:
+            self._holding = False
+            self._acks_owed = done < len(imports)
+            lost = sum(1 for _, _, qos in imports[done:] if qos == 0)
+            if lost:
+                core.dropped(lost)
+            if self.mq.want_write():
+                self._poke()  # the PUBACKs held meanwhile
+
+    async def _mqtt_writer(self) -> None:
+        """Write what paho queued and could not write at once (a full socket, or packets
+        queued between flushes: PINGREQ, SUBSCRIBE, PUBACKs held for imports)."""
+        mq = self.mq
+        while True:
+            await self._until(lambda: self._mqtt_live() and not self._holding
+                              and mq.want_write())
+            sock = mq.socket()
+            try:
+                await anyio.wait_writable(sock)
+            except anyio.ClosedResourceError:
+                continue
+            if sock is mq.socket():
+                self._flush()
+
+    def _flush(self) -> None:
+        """Write what paho queued, unless imports are on their way to the bus (their
+        PUBACKs are among it) or paho is connecting in its thread."""
+        mq = self.mq
+        if self._holding or not self._mqtt_live() or not mq.want_write():
             return
-        self._connecting = True
-        self._broken = False
+        mq.loop_write()
+        if self._exports_wait or mq.want_write():  # room for exports, or the writer's turn
+            self._poke()
 
     # -- bus -------------------------------------------------------------------------
 
-    def _connect_bus(self, now: float) -> None:
-        """The bus connection, made once: from then on `Client` reconnects by itself
-        (``reconnect=True``: the one reconnect driver, `session.Backoff`, the flood policy
-        and subscriptions restored), and tells `_bus_connection`.  Only a first connection
-        that fails, or a broken one (a malformed packet), comes back here."""
-        try:
-            delays = self.bus_retry.delays
-            bus = Client(self.address, reconnect=True,
-                         backoff=Backoff(delays.first, delays.maximum),
-                         on_drop=self.core.bus_dropped, on_refusal=self._refused,
-                         on_connection=self._bus_connection)
-        except SbusError as exc:
-            delay = self.bus_retry.failed(now)
-            log.warning("%s; again in %.1f s", exc, delay)
-            return
-        try:
-            bus.set_flood(soft="queue", hard="discard")
-            bus.control(protocol.PUBLISHER_NOWAIT)
-            if not bus.whoami(timeout=BUS_TIMEOUT).startswith(b"!/"):
-                raise SbusError("the broker speaks the early-draft dialect (separator '.'); "
-                                "the bridge maps only '/' keys to MQTT topics")
-            for pattern in self.core.bus_patterns():
-                bus.subscribe(pattern)
-        except (SbusError, TimeoutError) as exc:
-            bus.close()
-            delay = self.bus_retry.failed(now)
-            log.warning("bus at %s: %s; again in %.1f s", bus.address, exc, delay)
-            return
-        self.bus = bus
-        self.bus_up = True
+    async def _open_bus(self) -> None:
+        """The bus connection: waited for however long it takes (the client's reconnect
+        driver, also for the first connection), then the flood policy, ``nowait`` and the
+        patterns, which the client's session restores on every reconnect."""
+        bus = self.bus
+        await bus.open(retry=True)
+        await bus.send_packet(bus.session.publisher_nowait())
+        await bus.set_flood(soft="queue", hard="discard")
+        for pattern in self.core.bus_patterns():
+            await bus.subscribe(pattern, wait=False)
+        while True:
+            try:
+                me = await bus.whoami(timeout=BUS_TIMEOUT)  # the barrier: all in force
+                break
+            except TimeoutError:
+                log.warning("the bus at %s did not answer within %g s; asking again",
+                            self.address, BUS_TIMEOUT)
+        if not me.startswith(b"!/"):
+            raise SbusError("the broker speaks the early-draft dialect (separator '.'); "
+                            "the bridge maps only '/' keys to MQTT topics")
+        self._opened = self.bus_up = True
         self.core.bus_reset()
         self._tell_bus(self.status())
-        self.bus_retry.up(now)
-        log.info("connected to the bus at %s", bus.address)
+        log.info("connected to the bus at %s", self.address)
+        self._first_done("bus")
+        self._poke()
 
     def _bus_connection(self, up: bool, line: str) -> None:
-        """`Client` lost the bus (it waits for it, inside the call that noticed: MQTT is
-        not read meanwhile, and imports wait at the broker) or has it again.  A SIGTERM
-        that came while the bus was still up (`stop` only set `_stopping`) ends the
-        bridge here, before the wait: nothing else would, as the bus may never return."""
-        self.bus_up = up
+        """The client lost the bus (the task that noticed waits for it: MQTT is not read
+        meanwhile, and imports wait at the MQTT broker) or has it again."""
         if up:
             log.info("%s", line)
-            self.core.bus_reset()  # no echo of an earlier import comes on this connection
-            assert self.bus is not None
-            self.bus.control(protocol.PUBLISHER_NOWAIT)
         else:
             log.warning("%s", line)
-            if self._stopping:
-                raise _Stopped
+        if not self._opened:  # the first connection: `_open_bus` goes on
+            if not up:
+                self._first_done("bus")
+            return
+        self.bus_up = up
+        if up:
+            self.core.bus_reset()  # no echo of an earlier import comes on this connection
         self._save_state()
-        self._notify(f"STATUS={self.status()}")  # the loop waits with the call
+        self._notify(f"STATUS={self.status()}")
+        self._poke()
 
-    def _bus_lost(self, exc: Exception) -> None:
-        """The connection cannot go on (e.g. the broker sent a malformed packet): drop it
-        and connect anew."""
-        if self.bus is not None:
-            log.warning("lost the bus: %s", exc)
-            self.bus.close()
-            self.bus = None
-            self.bus_up = False
-            self.bus_retry.failed(time.monotonic())
-
-    def _export_ready(self) -> bool:
-        """May the bridge take more from the bus now? (module docstring)"""
-        if not self.mqtt_up:
-            return True  # QoS 1: spooled up to max_queued; QoS 0: dropped, counted
-        if self.mq.want_write():
-            return False
-        return len(self._outstanding) < WINDOW
-
-    def _read_bus(self) -> None:
-        """Take up to `BATCH` messages from the bus; one at a time, so that what was read
-        before the bus went away is still carried."""
-        assert self.bus is not None
-        bus, core = self.bus, self.core
-        taken: list[tuple[str, bytes, int]] = []
-        try:
-            for _ in range(BATCH):
-                event = bus.receive(None, socket.MSG_DONTWAIT)
+    async def _bus_reader(self) -> None:
+        """Take a batch from the bus whenever MQTT can take more, and hand it to paho."""
+        await self._open_bus()
+        core = self.core
+        while True:
+            if not self._export_ready():
+                self._exports_wait = True
+                try:
+                    await self._until(self._export_ready)
+                finally:
+                    self._exports_wait = False
+            try:
+                events = await self._bus_batch()
+            except SbusError as exc:  # the broker sent a malformed packet: said, skipped
+                self._note(f"the bus at {self.address}: {printable(str(exc), 200)}")
+                continue
+            taken: list[tuple[str, bytes, int]] = []
+            for event in events:
                 if type(event) is Publish:
                     topic = core.from_bus(event.key, event.payload)
                     if topic is None:
@@ -517,13 +702,31 @@ class BridgeShell:
                             and self._too_large(topic, event.payload):
                         continue
                     taken.append((topic, event.payload, core.last_qos))
-        except BlockingIOError:
-            pass
-        except SbusError as exc:
             self._export(taken)
-            self._bus_lost(exc)
-            return
-        self._export(taken)
+
+    async def _bus_batch(self) -> list:
+        """The next batch from the bus, waited for on the socket itself (the turn of the
+        loop the other tasks get between batches), then taken as it is: one turn and one
+        receive per batch.  Through `receive_batch` when the client has more to do (an
+        end of connection: it reconnects)."""
+        bus = self.bus
+        fd = bus.fileno()
+        if fd >= 0:  # (-1: closed by the importing task, which is reconnecting)
+            try:
+                await anyio.wait_readable(fd)
+            except anyio.ClosedResourceError:  # the importing task began reconnecting
+                pass
+        return bus.receive_ready(BATCH) or await bus.receive_batch(BATCH)
+
+    def _export_ready(self) -> bool:
+        """May the bridge take more from the bus now? (module docstring)"""
+        if self._in_thread:
+            return False  # paho is connecting: not to be touched
+        if not self.mqtt_up:
+            return True  # QoS 1: spooled up to max_queued; QoS 0: dropped, counted
+        if self.mq.want_write():
+            return False
+        return len(self._outstanding) < WINDOW
 
     def _too_large(self, topic: str, payload: bytes) -> bool:
         """Is this export over the broker's Maximum Packet Size? (refused, counted)"""
@@ -542,10 +745,12 @@ class BridgeShell:
             self._corked(True)
             try:
                 self._export_run(taken)
+                self._flush()
             finally:
                 self._corked(False)
         elif taken:
             self._export_run(taken)
+            self._flush()
 
     def _export_run(self, taken: list[tuple[str, bytes, int]]) -> None:
         core, spool, props = self.core, self.spool, self._props
@@ -635,15 +840,9 @@ class BridgeShell:
     def _tell_bus(self, line: str) -> None:
         """Put the counters beside this connection in `sbus status` and sbus-top's clients
         pane (protocol.CLIENT_STATUS); skipped, not waited for, while the bus is backed up
-        (the next change sends it again)."""
-        if self.bus is None:
-            return
-        try:
-            self.bus.control(protocol.CLIENT_STATUS, line, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            pass
-        except SbusError as exc:
-            self._bus_lost(exc)
+        or away (the next change sends it again)."""
+        if self.bus_up:
+            self.bus.control_nowait(protocol.CLIENT_STATUS, line)
 
     def _notify(self, state: str) -> None:
         """Tell the service manager, never waiting for it: a notify socket nobody drains
@@ -660,45 +859,48 @@ class BridgeShell:
                 log.warning("cannot notify the service manager: %s", exc)
             self._notify_failed = True
 
-    def stop(self, *_args) -> None:
-        self._stopping = True
-        if self.bus is not None and not self.bus_up:
-            raise _Stopped  # out of the Client's wait for the bus (a signal handler)
+    # -- the loop ----------------------------------------------------------------------
 
-    def run(self) -> None:
-        """Serve until `stop` (SIGTERM/SIGINT when run from the command line)."""
-        wake_r, wake_w = socket.socketpair()
-        wake_r.setblocking(False)
-        wake_w.setblocking(False)
-        old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+    def _poke(self) -> None:
+        """Something a waiting task may wait for changed: wake those whose condition now
+        holds (only those: a wake-up is a turn of the loop)."""
+        for waiter in self._waiters:
+            if waiter[0]():
+                waiter[1].set()
+
+    async def _until(self, ready: Callable[[], bool], timeout: float = math.inf) -> None:
+        """Wait until *ready*() (checked at each `_poke`), at most *timeout* seconds."""
+        if ready():
+            return
+        waiter = [ready, anyio.Event()]
+        self._waiters.append(waiter)
         try:
-            self._serve(wake_r)
-        except _Stopped:
-            pass
+            with anyio.move_on_after(timeout):
+                while True:
+                    await waiter[1].wait()
+                    if ready():
+                        return
+                    waiter[1] = anyio.Event()  # it changed back meanwhile
         finally:
-            signal.set_wakeup_fd(old_wakeup)
-            wake_r.close()
-            wake_w.close()
-            self._close()
+            self._waiters.remove(waiter)
 
-    def _serve(self, wake_r: socket.socket) -> None:
-        ready = False
-        next_status, next_ack, last = 0.0, 0.0, ""
-        while not self._stopping:
-            now = time.monotonic()
-            if self.bus is None and now >= self.bus_retry.next_at:
-                self._connect_bus(now)
-            if (self.mq.socket() is None or self._broken) \
-                    and now >= self.mqtt_retry.next_at:
-                self._connect_mqtt(now)
-            if not ready:
+    def _first_done(self, side: str) -> None:
+        """*side* is past its first attempt: after both, READY=1 (with the STATUS= line)."""
+        if len(self._first) < 2:
+            self._first.add(side)
+            if len(self._first) == 2:
                 self._notify(f"READY=1\nSTATUS={self.status()}")
-                ready = True
-            self._turn(wake_r)
-            if self.spool is not None and now >= next_ack:
+
+    async def _housekeeper(self) -> None:
+        """Spool acknowledgements, refusals to log, STATUS= when it changed; a `stop`
+        from a signal handler or another thread is noticed here."""
+        next_status, last = 0.0, ""
+        while True:
+            if self._stopping and self._scope is not None:
+                self._scope.cancel()
+            if self.spool is not None:
                 self.spool.flush()  # acknowledgements since: a crash sends those again,
-                next_ack = now + ACK_EVERY  # and receiving bridges drop the copies
-            self._log_refusals()
+            self._log_refusals()  # and receiving bridges drop the copies
             now = time.monotonic()
             if now >= next_status and self.status() != last:
                 last = self.status()
@@ -706,83 +908,72 @@ class BridgeShell:
                 self._notify(f"STATUS={last}")
                 self._tell_bus(last)
                 next_status = now + STATUS_EVERY
+            await anyio.sleep(ACK_EVERY)
 
-    def _turn(self, wake: socket.socket) -> None:
-        sock = None if self._broken else self.mq.socket()
-        readers: list = [wake]
-        writers: list = []
-        if self.bus is not None and self._export_ready():
-            readers.append(self.bus)
-        if sock is not None:
-            if self.bus is not None:
-                readers.append(sock)
-            if self.mq.want_write():
-                writers.append(sock)
-        now = time.monotonic()
-        waits = [1.0]
-        if self.bus is None:
-            waits.append(self.bus_retry.next_at - now)
-        if sock is None:
-            waits.append(self.mqtt_retry.next_at - now)
-        # TLS may hold decrypted bytes that select cannot see; read them only for a bus
-        pending = (sock is not None and self.bus is not None
-                   and getattr(sock, "pending", lambda: 0)())
-        timeout = 0.0 if pending else max(0.0, min(waits))
-        readable, writable, _ = select.select(readers, writers, [], timeout)
-        if wake in readable:
-            try:
-                wake.recv(64)
-            except BlockingIOError:
-                pass
-        if sock is not None and sock in writable:
-            self.mq.loop_write()
-        if sock is not None and (sock in readable or pending):
-            self._corked(True)  # the PUBACKs of this read, coalesced
-            try:
-                self._read_mqtt()
-            except MALFORMED as exc:  # paho could not parse what the broker sent
-                self._note(f"malformed data from the MQTT broker {self.broker}: "
-                           f"{printable(str(exc), 200)}; reconnecting")
-                self.mqtt_up = self.subscribed = False
-                self._broken = True  # reconnect() replaces the socket and paho's state
-                self.mqtt_retry.failed(time.monotonic())
-            finally:
-                self._corked(False)
-        if self.bus is not None and self.bus in readable:
-            self._read_bus()
-        if self.mq.socket() is not None:
-            self.mq.loop_misc()
-            if self.mq.want_write():
-                self.mq.loop_write()
-        elif self.mqtt_up:  # closed without on_disconnect
-            self._on_disconnect(self.mq, None, None, "connection closed", None)
+    async def _signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                self._stopping = True
+                if self._scope is not None:
+                    self._scope.cancel()
 
-    def _read_mqtt(self) -> None:
-        """Process what the MQTT socket holds, up to `READ_TURN` packets."""
-        for _ in range(READ_TURN):
-            before = self._activity
-            rc = self.mq.loop_read()
-            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or self._activity == before:
-                break
-            if self.bus is None:
-                break
-
-    def _close(self) -> None:
+    def stop(self, *_args) -> None:
+        """End `run` (soon: the housekeeper notices).  Safe from a signal handler and
+        from another thread; `run` itself ends on SIGTERM/SIGINT in the main thread."""
         self._stopping = True
-        if self.mq.socket() is not None:
+
+    def run(self) -> None:
+        """Serve until `stop` or SIGTERM/SIGINT."""
+        try:
+            anyio.run(self._serve, backend="trio")
+        except BaseExceptionGroup as group:  # a task's error: the first, as it is
+            raise _first(group) from None
+
+    async def _serve(self) -> None:
+        self._loop_thread = threading.get_ident()
+        try:
+            async with anyio.create_task_group() as tg:
+                self._scope = tg.cancel_scope
+                if threading.current_thread() is threading.main_thread():
+                    tg.start_soon(self._signals)
+                tg.start_soon(self._housekeeper)
+                tg.start_soon(self._bus_reader)
+                tg.start_soon(self._mqtt_driver)
+                tg.start_soon(self._mqtt_reader)
+                tg.start_soon(self._mqtt_writer)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close()
+
+    async def _close(self) -> None:
+        """Say goodbye to MQTT (what paho holds written, 1 s at most: not when imports
+        are unpublished, whose PUBACKs would go with it), close the bus, save the state."""
+        self._stopping = True
+        mq = self.mq
+        if self._mqtt_live() and not self._holding and not self._acks_owed:
             self.mqtt_up = False  # a goodbye, not a loss
-            self.mq.disconnect()
-            deadline = time.monotonic() + 1.0
-            while self.mq.want_write() and time.monotonic() < deadline:
-                sock = self.mq.socket()
-                if sock is None or self.mq.loop_write() != MQTTErrorCode.MQTT_ERR_SUCCESS:
-                    break
-                select.select([], [sock], [], 0.1)
-        if self.bus is not None:
-            self.bus.close()
-            self.bus = None
+            mq.disconnect()
+            with anyio.move_on_after(1.0):
+                while mq.want_write():
+                    sock = mq.socket()
+                    if sock is None or mq.loop_write() != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                        break
+                    if mq.want_write():
+                        try:
+                            await anyio.wait_writable(sock)
+                        except anyio.ClosedResourceError:
+                            break
+        await self.bus.aclose()
         self._save_state(clean_exit=True)
         if self.spool is not None:
             self.spool.close()
         if self.state is not None:
             self.state.close()
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The first error in *group* (task groups wrap what their tasks raised)."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

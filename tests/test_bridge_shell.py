@@ -1,0 +1,156 @@
+"""The bridge's shell on the anyio loop: the bus connection is the client library's (the
+first one too), and nothing blocks the loop (paho's connect runs in a worker thread)."""
+
+from __future__ import annotations
+
+import functools
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from conftest import BrokerProcess
+from mqtt_hosts import Bridge, Hosts, Peer
+from test_bridge import publish
+
+from sbus.client import AsyncClient, ConnectError
+from sbus.session import Backoff
+
+
+def test_async_open_retry_waits_for_a_broker_not_there_yet(short_tmp: Path) -> None:
+    """``AsyncClient.open(retry=True)``: no broker yet is waited for by the reconnect
+    driver (said once through *on_connection*), then the connection works; without
+    *retry* it is the one clear `ConnectError`."""
+    address = str(short_tmp / "bus.sock")
+    b = BrokerProcess(address)
+    said: list[tuple[bool, str]] = []
+
+    async def main() -> bytes:
+        with pytest.raises(ConnectError):
+            await AsyncClient(address).open()
+        bus = AsyncClient(address, reconnect=True, backoff=Backoff(0.02, 0.1),
+                          on_connection=lambda up, line: said.append((up, line)))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(bus.open, retry=True))
+            while not said:
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)  # a few attempts fail meanwhile
+            await trio.to_thread.run_sync(b.start)
+        await bus.subscribe("x/y")
+        await bus.publish("x/y", b"1")
+        got = await bus.receive()
+        await bus.aclose()
+        return got.payload
+
+    try:
+        assert trio.run(main) == b"1"
+    finally:
+        if b.proc is not None:
+            b.stop()
+    assert [up for up, _ in said] == [False, True]
+    assert "cannot be reached yet" in said[0][1]
+
+
+@pytest.fixture
+def one_host() -> Iterator[Hosts]:
+    h = Hosts(1)
+    yield h
+    h.close()
+
+
+def test_a_bridge_started_before_its_bus_waits_for_it(one_host: Hosts) -> None:
+    """The first connection to the bus failing is waited for as a lost one is (the
+    client's reconnect driver, no code of the bridge's own): STATUS= says ``bus down``,
+    then the bus comes, and exports flow."""
+    h = one_host
+    br = Bridge(h.tmp, "early", h.bus_address(0), h.url(0),
+                ["--client-id", "early", "--export", "seq/"], netns=h.names[0])
+    h.bridges.append(br)
+    br.start(wait=False)
+    br.wait_status(lambda s: s.startswith("bus down"))
+    peer = Peer(h.mosquitto.sock, ["seq/#"])
+    try:
+        h.start_bus(0)
+        br.wait_status(lambda s: s.startswith("bus up, mqtt up"))
+        publish(h.bus_address(0), [("seq/x", b"%d" % i) for i in range(10)])
+        br.wait_counters(lambda c: c["exported"] == 10 and c["spooled"] == 0)
+        deadline = time.monotonic() + 10
+        while len(peer.got) < 10:
+            assert time.monotonic() < deadline, peer.got
+            time.sleep(0.02)
+        assert [p for _, p, _ in peer.got] == [b"%d" % i for i in range(10)]
+    finally:
+        peer.close()
+    assert br.log.read_text().count("cannot be reached yet") == 1
+
+
+def test_a_hanging_mqtt_connect_blocks_nothing(broker: BrokerProcess, short_tmp: Path) -> None:
+    """paho's connect blocks (here: a listener whose queue is full drops the SYN, for
+    paho's 5 s connect timeout): the loop goes on meanwhile, STATUS= says the bus is up,
+    and SIGTERM ends the bridge at once."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    fillers = []
+    for _ in range(2):  # the accept queue full: further SYNs are dropped
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(server.getsockname())
+        fillers.append(s)
+    br = Bridge(short_tmp, "hang", broker.address,
+                f"mqtt://127.0.0.1:{server.getsockname()[1]}", ["--export", "a/"])
+    try:
+        br.start(wait=False)
+        started = time.monotonic()
+        br.wait_status(lambda s: s.startswith("bus up, mqtt down"), timeout=10)
+        assert time.monotonic() - started < 3.5, "STATUS= waited for the MQTT connect"
+        assert br.proc is not None
+        stopping = time.monotonic()
+        br.proc.send_signal(signal.SIGTERM)
+        assert br.proc.wait(10) == 0
+        assert time.monotonic() - stopping < 2, "SIGTERM waited for the MQTT connect"
+        assert "Traceback" not in br.log.read_text()
+    finally:
+        br.close()
+        for s in fillers:
+            s.close()
+        server.close()
+
+
+def test_async_receive_ready_never_waits_and_leaves_a_loss_to_receive_batch(
+        short_tmp: Path) -> None:
+    """``AsyncClient.receive_ready``: what waits, [] when nothing does or the broker went
+    (no reconnect there: ``receive_batch`` reconnects, and the session's subscription is
+    in force again)."""
+    address = str(short_tmp / "bus.sock")
+    b = BrokerProcess(address).start()
+
+    async def main() -> None:
+        bus = AsyncClient(address, reconnect=True, backoff=Backoff(0.02, 0.1),
+                          on_connection=lambda up, line: None)
+        await bus.open()
+        await bus.subscribe("r/x")
+        assert bus.receive_ready() == []
+        await bus.publish("r/x", b"1")
+        await bus.sync()  # the message is on its way back before the answer
+        assert [e.payload for e in bus.receive_ready()] == [b"1"]
+        await trio.to_thread.run_sync(b.stop)
+        assert bus.receive_ready() == []
+        await trio.to_thread.run_sync(b.start)
+        with trio.fail_after(10):
+            while True:  # until the reconnect's opening is in force
+                await bus.publish("r/x", b"2")
+                got = await bus.receive_batch()
+                if any(getattr(e, "payload", None) == b"2" for e in got):
+                    break
+                await trio.sleep(0.05)
+        assert bus.connections == 2
+        await bus.aclose()
+
+    try:
+        trio.run(main)
+    finally:
+        b.stop()
