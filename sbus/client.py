@@ -1046,7 +1046,6 @@ class AsyncClient(_Shell):
             return
         self._attach(sock)
         self.session.connected()
-        self.session.connected()
 
     def _attach(self, sock: socket.socket) -> None:
         super()._attach(sock)
