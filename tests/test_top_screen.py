@@ -203,6 +203,38 @@ def test_reconnects_when_the_broker_comes_back(short_tmp):
         broker.stop()
 
 
+def test_a_reader_started_before_its_broker_waits_for_it(short_tmp):
+    """No broker yet: the reader says it is retrying (the client's reconnect driver waits
+    for the first connection too), and counts once the broker comes."""
+    address = str(short_tmp / "bus.sock")
+    broker = None
+
+    async def main():
+        nonlocal broker
+        model = TrafficModel(time.monotonic(), address=address)
+        reader = Reader(model, address, [b"a/"], retry=0.1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            with trio.fail_after(10):
+                while not model.state.startswith(RETRYING):
+                    await trio.sleep(0.02)
+            broker = await trio.to_thread.run_sync(BrokerProcess(address).start)
+            with trio.fail_after(10):
+                while not model.state.startswith(CONNECTED):
+                    await trio.sleep(0.02)
+                async with await AsyncClient.connect(address) as pub:
+                    while model.total < 3:
+                        await pub.publish(b"a/late", b"x")
+                        await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
 def test_many_keys_stay_bounded(broker):
     """10 000 distinct keys through a real broker into a 500-key LRU."""
     async def main():

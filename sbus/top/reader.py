@@ -15,7 +15,6 @@ import trio
 
 from ..client import AsyncClient
 from ..defaults import default_address
-from ..errors import ConnectError, ConnectionLost
 from ..protocol import REFUSED, STATUS
 from ..session import Backoff
 from .model import TrafficModel
@@ -55,12 +54,13 @@ class Reader:
             self.model.state = RETRYING
             self.model.problem = _reason(line.split("; ")[0], self.address)
 
-    async def connect(self) -> AsyncClient:
-        """One attempt: connect and subscribe; the subscriptions are in force on return
-        (a refused one raises `Refused`).  Raises `SbusError`."""
+    async def connect(self, retry: bool = False) -> AsyncClient:
+        """Connect and subscribe; the subscriptions are in force on return (a refused one
+        raises `Refused`).  Raises `SbusError`, or with *retry* waits for a broker that is
+        not there yet (the client's reconnect driver; the model says so meanwhile)."""
         bus = AsyncClient(self.address, reconnect=True, on_connection=self._connection,
                           backoff=self._backoff())
-        await bus.open()
+        await bus.open(retry=retry)
         try:
             for pattern in self.patterns:
                 await bus.subscribe(pattern, wait=False)
@@ -75,14 +75,8 @@ class Reader:
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Read forever, starting with *bus* if given (a `connect` result).  Reports
         started (``nursery.start``) once the first subscriptions are in place."""
-        backoff = self._backoff()
-        while bus is None:
-            try:
-                bus = await self.connect()
-            except (ConnectError, ConnectionLost, TimeoutError) as exc:  # refusals raise
-                self.model.state = RETRYING
-                self.model.problem = _reason(str(exc), self.address)
-                await trio.sleep(backoff.next())
+        if bus is None:
+            bus = await self.connect(retry=True)
         task_status.started()
         self.bus = bus
         try:
