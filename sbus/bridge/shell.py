@@ -140,8 +140,8 @@ class _PackedOnce(Properties):
 
 
 class _Stamped:
-    """The marker and a spooled export's stamp (`core.STAMP`): paho's own packing of a
-    template whose last 16 bytes are the sequence number in hex, replaced per message
+    """The marker and an export's stamp (`core.STAMP`, `core.STAMP0`): paho's own packing
+    of a template whose last 16 bytes are the sequence number in hex, replaced per message
     (paho only calls ``pack()``, at the time it sends)."""
 
     __slots__ = ("_packed",)
