@@ -217,6 +217,13 @@ class Hosts:
         self.buses: dict[str, subprocess.Popen] = {}
         self.bridges: list[Bridge] = []
 
+    def link(self, i: int, up: bool) -> None:
+        """Cut (or restore) host *i*'s (0-based) link to the hub, in its own namespace:
+        its TCP connections stay open, unable to send or receive, until a keep-alive
+        gives up; connecting fails at once (no route)."""
+        _ip("-n", self.names[i], "link", "set", f"v{i + 1}{self.hub[3:]}",
+            "up" if up else "down")
+
     def url(self, i: int) -> str:
         """The MQTT URL host *i* (0-based) reaches mosquitto at."""
         return f"mqtt://10.77.{i + 1}.1:{MQTT_PORT}"

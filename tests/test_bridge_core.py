@@ -411,10 +411,10 @@ def test_what_a_receiver_remembers_of_senders_is_bounded(monkeypatch) -> None:
     c = core(exports=[], imports=[b""])
     for name in ("a", "b", "c", "d"):
         c.from_mqtt(b"k", b"", name, _stamp(1), ("#",))
-    assert list(c._stamps) == ["b", "c", "d"]
+    assert [s for s, _ in c._stamps] == ["b", "c", "d"]
     c.from_mqtt(b"k", b"", "x" * 2000, _stamp(1), ("#",))
     c.from_mqtt(b"k", b"", "y" * 2000, _stamp(1), ("#",))
-    assert list(c._stamps) == ["y" * 2000] and c._stamp_bytes == 2000  # oldest first
+    assert list(c._stamps) == [("y" * 2000, 1)] and c._stamp_bytes == 2000  # oldest first
     assert c.from_mqtt(b"k", b"", "a", _stamp(1), ("#",)) == b"k"      # forgotten: anew
     for n in range(3, 3 + 2 * (core_module.GAP_RANGES + 1), 2):        # 17 gaps of one
         c.from_mqtt(b"k", b"", "a", _stamp(n), ("#",))
@@ -422,6 +422,90 @@ def test_what_a_receiver_remembers_of_senders_is_bounded(monkeypatch) -> None:
     assert c.from_mqtt(b"k", b"", "a", _stamp(2), ("#",)) is None       # gap forgotten
     assert c.from_mqtt(b"k", b"", "a", _stamp(4), ("#",)) == b"k"
     assert c.counters.missing == core_module.GAP_RANGES
+
+
+def test_qos0_exports_are_numbered_only_when_handed_over() -> None:
+    """The QoS 0 numbering (STAMP0) is the sender's own: an epoch of this run, and a
+    number taken only by an export the MQTT client accepted, so a receiver sees no gap
+    for what the sender counted as dropped (no double counting)."""
+    a = core(exports=[b"seq/"], imports=[], export_qos=0, client_id="a")
+    assert core(exports=[], imports=[]).epoch0 != a.epoch0 and len(a.epoch0) == 8
+    b = core(exports=[], imports=[b"seq/"], client_id="b")
+    scope = tuple(a.stamp_scope(0))
+    assert scope == ("seq/#",) and a.stamp_scope(1) == []
+    wire = []   # what reached the receiver
+    for n in range(10):
+        assert a.from_bus(b"seq/x", b"%d" % n) == "seq/x"
+        if n in (3, 4):
+            a.dropped()                  # paho had no connection: no number used
+            continue
+        stamp = f"{a.epoch0}.{a.next0:016x}"
+        a.exported(6, numbered=True)
+        if n != 7:                       # lost on the way (TCP's buffers)
+            wire.append((b"%d" % n, stamp))
+    assert (a.next0, a.counters.exported, a.counters.dropped) == (8, 8, 2)
+    for payload, stamp in wire:
+        assert b.from_mqtt(b"seq/x", payload, "a", stamp, scope, 0) == b"seq/x"
+    assert (b.counters.missing, b.counters.duplicates) == (1, 0)   # 7 only, not 3 and 4
+
+
+def test_qos0_numbers_are_apart_from_the_spools() -> None:
+    """A sender's QoS 0 and QoS 1 numberings are counted apart: the same number in each
+    is no copy, and a gap in one is counted with that numbering's scope."""
+    c = core(exports=[], imports=[b"seq/"])
+    q1, q0 = ("seq/#",), ("seq/log/#",)
+    for n in (0, 1, 2):
+        assert c.from_mqtt(b"seq/x", b"", "a", _stamp(n), q1, 1) == b"seq/x"
+        assert c.from_mqtt(b"seq/log/x", b"", "a", _stamp(n, "f0"), q0, 0) == b"seq/log/x"
+    assert c.from_mqtt(b"seq/log/x", b"", "a", _stamp(6, "f0"), q0, 0) == b"seq/log/x"
+    assert c.from_mqtt(b"seq/log/x", b"", "a", _stamp(6, "f0"), q0, 0) is None
+    assert c.from_mqtt(b"seq/x", b"", "a", _stamp(3), q1, 1) == b"seq/x"
+    assert (c.counters.missing, c.counters.duplicates) == (3, 1)
+    assert c.from_mqtt(b"seq/log/x", b"", "a", _stamp(4, "f0"), q0, 0) == b"seq/log/x"
+    assert c.counters.missing == 2                                       # late: taken off
+    part = core(exports=[], imports=[b"seq/log/"])   # only the QoS 0 topics of a
+    for n in (0, 5):
+        part.from_mqtt(b"seq/log/x", b"", "a", _stamp(n, "f0"), q0, 0)
+        part.from_mqtt(b"seq/log/x", b"", "a", _stamp(n * 2), q1, 1)
+    assert part.counters.missing == 4                                    # QoS 0's only
+
+
+def test_the_scope_of_each_numbering() -> None:
+    c = core(exports=[], imports=[],
+             export_rules=(Rule((b"s/",), Mapping.parse("s/=site/h/s/"), 1),
+                           Rule((b"log/", b"log/x/"), Mapping.parse("log/=site/h/log/"), 0),
+                           Rule((b"t/*/z",), Mapping(), 0)))
+    assert c.stamp_scope(1) == ["site/h/s/#"]
+    assert c.stamp_scope(0) == ["site/h/log/#", "t/+/z"]
+
+
+def test_a_receiver_restarted_cleanly_counts_what_came_meanwhile() -> None:
+    """What a receiver remembers of senders is saved at a clean exit and taken back: the
+    numbers a sender used while the receiver was away are missing, none is imported
+    twice; a damaged saved memory is skipped item by item, never raising."""
+    import json
+
+    first = core(exports=[], imports=[b""])
+    for n in (0, 1, 2, 5):
+        first.from_mqtt(b"k", b"", "a", _stamp(n, "f0"), ("#",), 0)
+    first.from_mqtt(b"k", b"", "a", _stamp(9), ("#",), 1)
+    saved = json.loads(json.dumps(first.senders_saved()))
+    again = core(exports=[], imports=[b""])
+    again.counters.restore(first.counters.saved())
+    again.restore_senders(saved)
+    assert again.from_mqtt(b"k", b"", "a", _stamp(5, "f0"), ("#",), 0) is None  # seen
+    assert again.from_mqtt(b"k", b"", "a", _stamp(3, "f0"), ("#",), 0) == b"k"  # late
+    assert again.from_mqtt(b"k", b"", "a", _stamp(20, "f0"), ("#",), 0) == b"k"
+    assert again.from_mqtt(b"k", b"", "a", _stamp(10), ("#",), 1) == b"k"
+    assert (again.counters.missing, again.counters.duplicates) == (2 - 1 + 14, 1)
+    damaged = [None, 3, "x", [1, 0, "e", 1, []], ["b", 2, "e", 1, []], ["b", 0, "e", -1, []],
+               ["b", 0, "e", 5, [[1, 9, True]]], ["b", 0, "e", 5, "abc"],
+               ["b", 0, "e" * 17, 5, []], ["b", 0, "e", 5, [[1, 2, 1]]], ["b", 0, "e", 5, {}],
+               ["c", 0, "e", 5, [[1, 3, False]]]]
+    fresh = core(exports=[], imports=[b""])
+    fresh.restore_senders(damaged)
+    fresh.restore_senders({"not": "a list"})
+    assert list(fresh._stamps) == [("c", 0)]
 
 
 def test_the_mqtt_socket_gets_tcp_nodelay() -> None:

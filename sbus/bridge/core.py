@@ -20,18 +20,23 @@ memory is full, imports that would need an entry are dropped (counted) rather th
 risking a loop. The memory is bounded in entries and in the bytes of their keys
 (`ECHO_LIMIT`, `ECHO_BYTES`).
 
-What never arrived, counted. A sending bridge stamps each spooled export (`STAMP`:
-epoch and a sequence number that grows by one per export) and names the MQTT filters
-that cover every topic it stamps (`SCOPE`). A receiving bridge whose own subscriptions
-cover that scope must see every number; a number skipped (same epoch) is counted as
-``missing``, and taken off again if it arrives late (out of order, e.g. through another
-node of a cluster). A receiver that takes only part of a sender's topics would see gaps
-that are no loss: it counts none for that sender, but still remembers the gaps, so that a
-late number is imported rather than taken for a copy.
+What never arrived, counted. A sending bridge stamps each export: a spooled (QoS 1) one
+with `STAMP` (the spool's epoch and a sequence number that grows by one per export), a
+QoS 0 one with `STAMP0` (an epoch of this run and its own sequence, numbered only when the
+MQTT client takes the message, so that what the sender counts as ``dropped`` is no gap),
+and names the MQTT filters that cover every topic it stamps in that numbering (`SCOPE`).
+A receiving bridge whose own subscriptions cover that scope must see every number; a
+number skipped (same epoch) is counted as ``missing``, and taken off again if it arrives
+late (out of order, e.g. through another node of a cluster). A receiver that takes only
+part of a sender's topics would see gaps that are no loss: it counts none for that
+sender, but still remembers the gaps, so that a late number is imported rather than
+taken for a copy. What a receiver remembers survives its clean restart (`senders_saved`),
+so that what was published while it was away is counted too.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, fields
 
@@ -40,8 +45,8 @@ from ..routing import matches
 from . import topics
 from .topics import Filter, Mapping
 
-__all__ = ["BridgeCore", "Rule", "Counters", "MARKER", "STAMP", "SCOPE", "ECHO_LIMIT",
-           "covers"]
+__all__ = ["BridgeCore", "Rule", "Counters", "MARKER", "STAMP", "STAMP0", "SCOPE",
+           "ECHO_LIMIT", "covers"]
 
 #: The MQTT 5 user property every message published by an sbus bridge carries.
 MARKER = "sbus-bridge"
@@ -49,14 +54,17 @@ MARKER = "sbus-bridge"
 #: spool, so that a receiving bridge recognises what a restarted or reconnected sender
 #: sent again.
 STAMP = "sbus-seq"
+#: The user property of a QoS 0 export: ``EPOCH.SEQ`` (hex) of a numbering of its own,
+#: with an epoch per run of the sender (QoS 0 is never sent again).
+STAMP0 = "sbus-seq0"
 #: The user property (one per filter) beside a stamp: MQTT filters that together cover
 #: every topic the sender stamps; a receiver counts gaps only if its imports cover them.
 SCOPE = "sbus-scope"
 #: A scope longer than this (bytes of its filters) is sent as ``#`` (still true, coarser),
 #: and a longer one received is not considered (no gaps counted for that sender).
 SCOPE_BYTES = 1024
-#: Senders whose last stamp is remembered (least recently heard forgotten first), and the
-#: bytes of their ids at most.
+#: Senders' numberings (QoS 1, QoS 0) whose last stamp is remembered (least recently
+#: heard forgotten first), and the bytes of their ids at most.
 STAMP_SENDERS = 4096
 STAMP_BYTES = 1 << 20
 #: Gaps (ranges of numbers not seen) remembered per sender; beyond, the oldest is
@@ -83,7 +91,8 @@ class Counters:
     filtered: int = 0   # arrived from MQTT but matches no import pattern
     resent: int = 0     # taken from the spool after a restart: sent again (may be twice)
     duplicates: int = 0  # arrived again from a bridge (its stamp seen before): not imported
-    missing: int = 0    # numbers skipped in a bridge's stamps: sent to MQTT, never arrived
+    missing: int = 0    # numbers skipped in a bridge's stamps (QoS 1 and QoS 0): handed to
+    #                     its MQTT client, never arrived
     exported_bytes: int = 0  # topic + payload bytes of the exported messages
     imported_bytes: int = 0  # key + payload bytes of the imported messages
 
@@ -157,7 +166,10 @@ class BridgeCore:
         self._echo_count: Counter[tuple[bytes, int]] = Counter()
         self._echo_keys: Counter[bytes] = Counter()
         self._maybe_gone = 0  # oldest entries remembered when the broker reported drops
-        self._stamps: OrderedDict[str, _Sender] = OrderedDict()
+        #: the QoS 0 numbering of this run: its epoch and the number of the next export
+        self.epoch0 = os.urandom(4).hex()
+        self.next0 = 0
+        self._stamps: OrderedDict[tuple[str, int], _Sender] = OrderedDict()
         self._stamp_bytes = 0  # of the sender ids remembered
         self._scopes: dict[tuple[str, ...], bool] = {}  # a sender's scope -> we cover it
         #: refusals (quoted key: why) for the shell to log, newest kept
@@ -181,12 +193,13 @@ class BridgeCore:
         kept = [f for f in qos if not any(g != f and covers(g, f) for g in qos)]
         return [(f, max(q for g, q in qos.items() if covers(f, g))) for f in kept]
 
-    def stamp_scope(self) -> list[str]:
-        """MQTT filters covering every topic this bridge stamps (its QoS 1 exports), sent
-        as `SCOPE` beside each stamp: receivers that cover them count gaps."""
+    def stamp_scope(self, numbering: int = 1) -> list[str]:
+        """MQTT filters covering every topic this bridge stamps in one *numbering* (its
+        exports of that QoS), sent as `SCOPE` beside each stamp: receivers that cover
+        them count gaps."""
         wanted: list[str] = []
         for pattern, mapping, qos in self.export_rules:
-            if qos != 1:
+            if qos != numbering:
                 continue
             try:
                 f = topics.to_filter(pattern, mapping).mqtt
@@ -222,21 +235,27 @@ class BridgeCore:
             return self._refuse(key, problem)
         return topic.decode("utf-8")
 
-    def exported(self, size: int = 0) -> None:
+    def exported(self, size: int = 0, numbered: bool = False) -> None:
+        """One export handed to the MQTT client; *numbered*: a QoS 0 one that carried the
+        stamp `next0` (the next one gets the next number)."""
         self.counters.exported += 1
         self.counters.exported_bytes += size
+        if numbered:
+            self.next0 += 1
 
     # -- MQTT -> bus -------------------------------------------------------------
 
     def from_mqtt(self, topic: bytes, payload: bytes, marker: str | None,
-                  stamp: str | None = None, scope: tuple[str, ...] = ()) -> bytes | None:
+                  stamp: str | None = None, scope: tuple[str, ...] = (),
+                  numbering: int = 1) -> bytes | None:
         """The local key to publish this MQTT message on, or None (counted).  *stamp* and
-        *scope* are a sending bridge's (`STAMP`, `SCOPE`)."""
+        *scope* are a sending bridge's (`STAMP` with *numbering* 1, `STAMP0` with 0;
+        `SCOPE`)."""
         if marker == self.client_id:
             self.counters.looped += 1
             return None
         if stamp is not None and marker is not None and \
-                self._seen_before(marker, stamp, scope):
+                self._seen_before((marker, numbering), stamp, scope):
             self.counters.duplicates += 1
             return None
         if self._one_import:
@@ -326,12 +345,13 @@ class BridgeCore:
             if old == entry:
                 return True
 
-    def _seen_before(self, sender: str, stamp: str, scope: tuple[str, ...] = ()) -> bool:
-        """Has *sender* sent this stamp before?  A bridge's spooled exports carry numbers
-        that grow by one; a number above the last one is new, and the numbers it skips are
-        a gap: counted as ``missing`` if we cover the sender's *scope* (module docstring).
-        A number not above the last one is a copy sent again after a reconnect or a
-        restart, unless it lies in a gap: then it came late, and is new."""
+    def _seen_before(self, sender: tuple[str, int], stamp: str,
+                     scope: tuple[str, ...] = ()) -> bool:
+        """Has *sender* (a bridge's id and numbering) sent this stamp before?  A bridge's
+        exports carry numbers that grow by one; a number above the last one is new, and the
+        numbers it skips are a gap: counted as ``missing`` if we cover the sender's *scope*
+        (module docstring).  A number not above the last one is a copy sent again after a
+        reconnect or a restart, unless it lies in a gap: then it came late, and is new."""
         epoch, _, number = stamp.partition(".")
         if len(number) > 16 or len(epoch) > 16:
             return False
@@ -367,15 +387,39 @@ class BridgeCore:
                 return False
         return True
 
-    def _remember(self, sender: str, entry: _Sender) -> None:
+    def _remember(self, sender: tuple[str, int], entry: _Sender) -> None:
         old = self._stamps.pop(sender, None)
         if old is not None:
-            self._stamp_bytes -= len(sender)
+            self._stamp_bytes -= len(sender[0])
         self._stamps[sender] = entry
-        self._stamp_bytes += len(sender)
+        self._stamp_bytes += len(sender[0])
         while len(self._stamps) > STAMP_SENDERS or self._stamp_bytes > STAMP_BYTES:
             gone, _ = self._stamps.popitem(last=False)
-            self._stamp_bytes -= len(gone)
+            self._stamp_bytes -= len(gone[0])
+
+    def senders_saved(self) -> list:
+        """What this receiver remembers of senders, for the state directory at a clean
+        exit: a restarted receiver then counts what was published while it was away."""
+        return [[sender, numbering, s.epoch, s.last, [list(g) for g in s.gaps]]
+                for (sender, numbering), s in self._stamps.items()]
+
+    def restore_senders(self, saved: object) -> None:
+        """Take back `senders_saved` (from our own state file: anything else in it, as
+        from a damaged file, is skipped; the bounds hold as for senders heard)."""
+        if not isinstance(saved, list):
+            return
+        for item in saved[-STAMP_SENDERS:]:
+            try:
+                sender, numbering, epoch, last, gaps = item
+                entry = _Sender(epoch, last)
+                entry.gaps = [(a, b, c) for a, b, c in gaps[-GAP_RANGES:]]
+            except (TypeError, ValueError):
+                continue
+            ints = [last, *(n for g in entry.gaps for n in g[:2])]
+            if isinstance(sender, str) and numbering in (0, 1) and isinstance(epoch, str) \
+                    and len(epoch) <= 16 and all(type(n) is int and n >= 0 for n in ints) \
+                    and all(a < b <= last and type(c) is bool for a, b, c in entry.gaps):
+                self._remember((sender, numbering), entry)
 
     def _covers(self, scope: tuple[str, ...]) -> bool:
         """Do our subscriptions take every topic of a sender's *scope*?"""

@@ -64,7 +64,7 @@ from ..errors import InvalidRequest
 from ..limits import LogAllowance
 from ..protocol import Publish
 from ..session import Backoff, Refusal
-from .core import MARKER, SCOPE, STAMP, BridgeCore
+from .core import MARKER, SCOPE, STAMP, STAMP0, BridgeCore
 from .spool import Spool, StateDir
 
 log = logging.getLogger("sbus.bridge")
@@ -165,8 +165,8 @@ class _PackedOnce(Properties):
 
 
 class _Stamped:
-    """The marker and a spooled export's stamp (`core.STAMP`): paho's own packing of a
-    template whose last 16 bytes are the sequence number in hex, replaced per message
+    """The marker and an export's stamp (`core.STAMP`, `core.STAMP0`): paho's own packing
+    of a template whose last 16 bytes are the sequence number in hex, replaced per message
     (paho only calls ``pack()``, at the time it sends)."""
 
     __slots__ = ("_packed",)
@@ -217,6 +217,9 @@ class BridgeShell:
         self._allowance = LogAllowance()
         self._props = _PackedOnce((MARKER, core.client_id))
         self._stamp_head = b""  # the stamped template without its 16 hex digits
+        self._stamp0_head = _PackedOnce(  # the same for QoS 0 exports (core.STAMP0)
+            (MARKER, core.client_id), *((SCOPE, f) for f in core.stamp_scope(0)),
+            (STAMP0, f"{core.epoch0}.{0:016x}")).pack()[:-16]
         self._cork: socket.socket | None = None  # the MQTT socket, when TCP (TCP_CORK)
         self.state: StateDir | None = None
         self.spool: Spool | None = None
@@ -228,7 +231,8 @@ class BridgeShell:
         # id, our properties and their length
         if settings.state_dir:
             self._open_state(settings.state_dir)
-        self._overhead = 5 + 2 + 2 + max(len(self._props.pack()), len(self._stamp_head) + 16)
+        self._overhead = 5 + 2 + 2 + max(len(self._props.pack()), len(self._stamp_head) + 16,
+                                         len(self._stamp0_head) + 16)
         self.mq = self._make_client()
         self._replay()
 
@@ -263,6 +267,8 @@ class BridgeShell:
                 self.core.counters.exported += self.spool.next_seq - since
                 self.core.counters.exported_bytes += sum(
                     len(t) + len(p) for seq, t, p in self._left if seq >= since)
+        if saved.get("clean_exit"):  # else what it remembers may be older than it saw
+            self.core.restore_senders(saved.get("senders"))
         if saved and not saved.get("clean_exit"):
             log.warning("the last bridge did not stop cleanly: counters other than exported "
                         "may miss its last %.1f s", STATUS_EVERY)
@@ -275,7 +281,8 @@ class BridgeShell:
             "counters": self.core.counters.saved(),
             "filters": self.core.mqtt_filters() + self._stale,
             "spooled": self.spool.next_seq if self.spool else 0,
-            "clean_exit": clean_exit})
+            "clean_exit": clean_exit,
+            **({"senders": self.core.senders_saved()} if clean_exit else {})})
 
     def _replay(self) -> None:
         """Hand paho what the last bridge had not had acknowledged (sent on connect)."""
@@ -440,13 +447,16 @@ class BridgeShell:
         """One message from MQTT: whatever it holds, it is counted and never raises."""
         self._activity += 1
         marker = stamp = None
+        numbering = 1
         scope: list[str] = []
         for prop in getattr(msg.properties, "UserProperty", None) or ():
             if isinstance(prop, tuple) and len(prop) == 2:
                 if prop[0] == MARKER:
                     marker = prop[1]
                 elif prop[0] == STAMP:
-                    stamp = prop[1]
+                    stamp, numbering = prop[1], 1
+                elif prop[0] == STAMP0:
+                    stamp, numbering = prop[1], 0
                 elif prop[0] == SCOPE:
                     scope.append(prop[1])
         try:
@@ -456,7 +466,7 @@ class BridgeShell:
             self._note("the MQTT broker sent a topic that is not UTF-8")
             return
         payload = msg.payload
-        key = self.core.from_mqtt(topic, payload, marker, stamp, tuple(scope))
+        key = self.core.from_mqtt(topic, payload, marker, stamp, tuple(scope), numbering)
         if key is None:
             return
         if not self.bus_up:
@@ -753,15 +763,16 @@ class BridgeShell:
             self._flush()
 
     def _export_run(self, taken: list[tuple[str, bytes, int]]) -> None:
-        core, spool, props = self.core, self.spool, self._props
+        core, spool, head0 = self.core, self.spool, self._stamp0_head
         keep: list[tuple[bytes, bytes]] = []
         texts: list[str] = []  # the topics of *keep*, as paho takes them
         room = 0
         for topic, payload, qos in taken:
-            if qos == 0:
-                info = self.mq.publish(topic, payload, 0, properties=props)
+            if qos == 0:  # numbered only if paho takes it (else dropped: no gap)
+                stamped = _Stamped(head0 + b"%016x" % core.next0)
+                info = self.mq.publish(topic, payload, 0, properties=stamped)  # type: ignore[arg-type]
                 if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
-                    core.exported(len(topic) + len(payload))
+                    core.exported(len(topic) + len(payload), numbered=True)
                 else:
                     core.dropped()
             elif spool is None:  # no state directory: held in memory only
