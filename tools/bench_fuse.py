@@ -528,7 +528,7 @@ def print_write(name: str, res: dict, rates: dict[str, float]) -> None:
 
 
 def part_write(trees: list[tuple[str, str]], args: argparse.Namespace) -> None:
-    medians: dict[str, dict[str, list[float]]] = {label: {} for label, _ in trees}
+    runs: dict[str, dict[str, list[dict]]] = {label: {} for label, _ in trees}
     for r in range(args.rounds):
         for label, tree in trees if r % 2 == 0 else trees[::-1]:
             print(f"\nwriters, {SIZE}-byte messages, mount of {label} ({tree}), round "
@@ -536,29 +536,42 @@ def part_write(trees: list[tuple[str, str]], args: argparse.Namespace) -> None:
             rates: dict[str, float] = {}
             with Setup(tree) as m:
                 for name in WRITERS:
-                    print_write(name, bench_write(m.address, m.mnt, name, args.writes,
-                                                  m.env, m.mount.pid), rates)
-                    medians[label].setdefault(name, []).append(rates[name])
+                    res = bench_write(m.address, m.mnt, name, args.writes, m.env, m.mount.pid)
+                    print_write(name, res, rates)
+                    runs[label].setdefault(name, []).append(res)
                 if r == 0 and label == trees[0][0]:
                     res = bench_cp(m.address, m.mnt, m.tmp, 10)
                     print(f"{'cp 150,000 B file':>22}: {res['count']} files, {res['whole']} "
                           f"whole messages received, {res['rate']:>9,.0f} files/s")
-    if args.rounds > 1 or len(trees) > 1:
-        labels = [label for label, _ in trees]
-        print(f"\nmedians of {args.rounds} round(s), msg/s (x its baseline)")
-        print("| writer | " + " | ".join(labels) + " |"
-              + (f" {labels[0]} / {labels[1]} |" if len(labels) > 1 else ""))
-        print("|---|" + "---|" * (len(labels) + (len(labels) > 1)))
-        for name, (_, base, _) in WRITERS.items():
-            cells, mids = [], []
-            for label in labels:
-                mid = statistics.median(medians[label][name])
-                mids.append(mid)
-                vs = (f" ({mid / statistics.median(medians[label][base]):.3f}x)"
-                      if base else "")
-                cells.append(f"{mid:,.0f}{vs}")
-            extra = f" {mids[0] / mids[1]:.2f} |" if len(mids) > 1 else ""
-            print(f"| {name} | " + " | ".join(cells) + " |" + extra)
+    if args.rounds == 1 and len(trees) == 1:
+        return
+    labels = [label for label, _ in trees]
+    med = statistics.median
+    print(f"\nmedians of {args.rounds} round(s): msg/s (x its baseline, the median of "
+          "each round's own ratio); mount CPU µs/msg")
+    head = "| writer | " + " | ".join(labels) + " |"
+    if len(labels) > 1:
+        head += f" {labels[0]} / {labels[1]} (median of round ratios) |"
+    print(head)
+    print("|---|" + "---|" * (len(labels) + (len(labels) > 1)))
+    for name, (_, base, _) in WRITERS.items():
+        cells, mids = [], []
+        for label in labels:
+            mine = runs[label][name]
+            mid = med(x["rate"] for x in mine)
+            mids.append(mid)
+            cell = f"{mid:,.0f}"
+            if base:
+                ratios = [x["rate"] / b["rate"]
+                          for x, b in zip(mine, runs[label][base], strict=True)]
+                cell += f" ({med(ratios):.3f}x); {med(x['cpu_us'] for x in mine):.0f} µs"
+            cells.append(cell)
+        row = f"| {name} | " + " | ".join(cells) + " |"
+        if len(labels) > 1:
+            paired = med(x["rate"] / y["rate"] for x, y in
+                         zip(runs[labels[0]][name], runs[labels[1]][name], strict=True))
+            row += f" {mids[0] / mids[1]:.2f} ({paired:.2f}) |"
+        print(row)
 
 
 #: writers whose FUSE requests per message are counted
