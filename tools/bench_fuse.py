@@ -49,7 +49,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.abspath(__file__)  # children run in the tree under test: no relative path
+ROOT = os.path.dirname(os.path.dirname(HERE))
 SBUS = [sys.executable, "-m", "sbus.cli"]
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 KEY = b"bench/key"
@@ -167,7 +168,7 @@ def cpu_seconds(pid: int) -> float:
 
 def bench_read(reader, address: str, rate: float, seconds: float, mount_pid: int) -> dict:
     cpu0 = cpu_seconds(mount_pid)
-    pub = subprocess.Popen([sys.executable, __file__, "--publisher", address, str(rate),
+    pub = subprocess.Popen([sys.executable, HERE, "--publisher", address, str(rate),
                             str(seconds)], stdout=subprocess.PIPE, env=ENV)
     buf = b""
     got = 0
@@ -261,9 +262,9 @@ def run_writers(how: str, address: str, path: str, count: int, procs: int,
     """Start *procs* writers of *count* messages each at once; messages per second
     from the first one's start to the last one's end (each writer times itself)."""
     if how in ("one", "each"):
-        cmds = [[sys.executable, __file__, "--raw-writer", address, str(count), how]]
+        cmds = [[sys.executable, HERE, "--raw-writer", address, str(count), how]]
     elif how == "os":
-        cmds = [[sys.executable, __file__, "--os-writer", path, str(count)]]
+        cmds = [[sys.executable, HERE, "--os-writer", path, str(count)]]
     else:
         script = ("read -r go; s=$EPOCHREALTIME; "
                   + how.format(n=count, path=path, pad="." * (SIZE - 6))
@@ -463,7 +464,8 @@ class Setup:
 
     def __init__(self, tree: str, kind: str = "sbus") -> None:
         self.kind = kind
-        self.env = tree_env(tree)
+        self.tree = os.path.abspath(tree)
+        self.env = tree_env(self.tree)
         self.tmp = tempfile.mkdtemp(prefix="sbus-bench-fuse-", dir="/tmp")
         self.address = os.path.join(self.tmp, "bus.sock")
         self.mnt = os.path.join(self.tmp, "mnt")
@@ -472,17 +474,25 @@ class Setup:
         self.broker = self.mount = None
 
     def __enter__(self) -> Setup:
+        # `python -m` puts the working directory first on the path: run in the tree,
+        # and make sure its code is what runs
+        where = subprocess.run([sys.executable, "-c", "import sbus; print(sbus.__file__)"],
+                               cwd=self.tree, env=self.env, capture_output=True, text=True,
+                               check=True).stdout.strip()
+        if not where.startswith(self.tree + os.sep):
+            raise RuntimeError(f"the code of {self.tree} does not run there: {where}")
         try:
             margs = ["--address", self.address, self.mnt]
             if self.kind in ("noop", "noflush"):
-                cmd = [sys.executable, __file__, "--noop-mount", self.mnt, self.kind]
+                cmd = [sys.executable, HERE, "--noop-mount", self.mnt, self.kind]
             else:
                 self.broker = subprocess.Popen([*SBUS, "serve", "--address", self.address],
-                                               env=self.env, stderr=subprocess.DEVNULL)
+                                               cwd=self.tree, env=self.env,
+                                               stderr=subprocess.DEVNULL)
                 wait_for(lambda: connectable(self.address))
                 cmd = ([*SBUS, "mount", *margs] if self.kind == "sbus" else
-                       [sys.executable, __file__, "--counted-mount", self.counts, *margs])
-            self.mount = subprocess.Popen(cmd, env=self.env)
+                       [sys.executable, HERE, "--counted-mount", self.counts, *margs])
+            self.mount = subprocess.Popen(cmd, cwd=self.tree, env=self.env)
             wait_for(lambda: mounted(self.mnt))
             if self.kind in ("sbus", "counted"):
                 os.makedirs(os.path.join(self.mnt, os.path.dirname(KEY.decode())),
