@@ -6,13 +6,24 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import subprocess
 import tempfile
 import time
 
 import pytest
 from conftest import SBUS, BrokerProcess
-from test_fuse import ENV, Mount, cat, end, mounted, read_lines, subscriber, wait_open
+from test_fuse import (
+    ENV,
+    Mount,
+    cat,
+    default_sigint,
+    end,
+    mounted,
+    read_lines,
+    subscriber,
+    wait_open,
+)
 
 NOBODY = 65534
 AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
@@ -203,6 +214,37 @@ def test_line_streams_publish_each_line_as_written(mnt, bus):
             assert sub.recv(1000) == b"MSG logs/x\0stream%d\n" % i
     finally:
         end(streamer)
+
+
+def test_a_write_waiting_for_a_gone_broker_ends_at_ctrl_c(space):
+    """A write goes straight into the publisher's socket only while nothing waits; with
+    the broker gone it waits (up to --reconnect-timeout), and Ctrl-C ends that wait at
+    once (EINTR), though the writer's process is looked up only then.  Once the broker
+    is back, writes go through again, the interrupted one not among them."""
+    b = BrokerProcess(os.path.join(space, "wgone.sock")).start()
+    m = Mount(b.address, os.path.join(space, "wgone")).start()
+    try:
+        sub = subscriber(b.address, b"w/k")
+        subprocess.run(["sh", "-c", f"mkdir -p {m / 'w'}; echo before >> {m / 'w/k'}"],
+                       check=True, timeout=10)
+        assert sub.recv(1000) == b"MSG w/k\0before\n"
+        b.stop()
+        writer = subprocess.Popen(["sh", "-c", f"echo lost >> {m / 'w/k'}"],
+                                  stderr=subprocess.PIPE, preexec_fn=default_sigint)
+        time.sleep(0.5)
+        assert writer.poll() is None  # still inside write(), waiting for the broker
+        t = time.monotonic()
+        writer.send_signal(signal.SIGINT)
+        writer.wait(5)
+        assert time.monotonic() - t < 0.5 and writer.returncode == -signal.SIGINT
+        b.start()
+        sub = subscriber(b.address, b"w/k")
+        subprocess.run(["sh", "-c", f"echo after >> {m / 'w/k'}"], check=True, timeout=20)
+        sub.settimeout(10)
+        assert sub.recv(1000) == b"MSG w/k\0after\n"
+    finally:
+        m.stop()
+        b.stop()
 
 
 # -- readers -----------------------------------------------------------------------

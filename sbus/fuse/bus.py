@@ -28,6 +28,7 @@ import trio
 from pyfuse3 import FUSEError
 from trio.lowlevel import ParkingLot
 
+from .. import protocol
 from ..client import AsyncClient
 from ..display import brief
 from ..errors import ConnectError, ConnectionLost, InvalidRequest, Refused, SbusError
@@ -357,9 +358,18 @@ class MountBus:
 
     # -- publishing ------------------------------------------------------------------
 
-    async def publish(self, key: bytes, payload: bytes) -> None:
-        """One message on the shared publisher; EMSGSIZE if the broker's limit refuses
-        it, EIO if no broker comes back within `reconnect_timeout`."""
+    def publish_nowait(self, packet: bytes) -> bool:
+        """Send one ``MSG`` packet now if nothing waits to go before it and the socket
+        takes it: the common case, without a timer or a checkpoint.  False: nothing
+        was sent (a full socket, a reconnect, an error), `publish` it."""
+        publisher = self._publisher
+        return (publisher is not None and not self._publish_lock.locked()
+                and publisher.send_nowait(packet))
+
+    async def publish(self, packet: bytes) -> None:
+        """One ``MSG`` packet (checked against the broker's limit by the caller) on the
+        shared publisher, in order; EMSGSIZE if refused as too large, EIO if no broker
+        comes back within `reconnect_timeout`."""
         publisher = self._publisher
         if publisher is None:
             raise FUSEError(errno.EIO)
@@ -371,11 +381,11 @@ class MountBus:
                 await lock.acquire()
             try:
                 with trio.fail_after(self.reconnect_timeout or 0.001):
-                    await publisher.publish(key, payload)
+                    await publisher.send_packet(packet)
             finally:
                 lock.release()
         except InvalidRequest as exc:
-            log.info("cannot publish on %s: %s", brief(key), exc)
+            log.info("cannot publish %s: %s", brief(protocol.publish_key(packet) or b""), exc)
             raise FUSEError(errno.EMSGSIZE) from None
         except (trio.TooSlowError, SbusError, OSError) as exc:
             log.error("cannot publish: no broker at %s (%s)", self.address, exc)

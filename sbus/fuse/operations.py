@@ -28,7 +28,6 @@ from .. import protocol
 from ..defaults import MAX_MESSAGE
 from ..display import brief
 from ..keys import KeyRefused, KeyRules
-from ..protocol import Publish
 from . import intent, mapping, signals
 from .bus import MountBus, Reader
 from .mapping import Kind, Path, Refused, key_cost, split_view
@@ -107,8 +106,8 @@ class Handle:
     an appending one publishes each write.  A *follow* reader (``tail -f``) sees end
     of file when nothing waits, and the file's size grows by what it can read."""
 
-    __slots__ = ("ino", "path", "pattern", "pid", "tgid", "uid", "reader", "writable",
-                 "pending", "too_big", "follow", "served", "recent")
+    __slots__ = ("ino", "path", "pattern", "pid", "_tgid", "uid", "reader", "writable",
+                 "head", "pending", "too_big", "follow", "served", "recent")
 
     def __init__(self, ino: int, path: Path, pattern: bytes, ctx: Ctx,
                  reader: Reader | None, writable: bool, append: bool,
@@ -117,15 +116,26 @@ class Handle:
         self.path = path
         self.pattern = pattern
         self.pid = ctx.pid  # the opener: read() and write() are not told who calls them
-        self.tgid = thread_group(ctx.pid)
+        # a reader waits for messages, so its process is looked up now, while the
+        # opening thread surely lives; a writer waits only when the broker pushes
+        # back, so it is looked up then (`group`), sparing every `echo >` a /proc read
+        self._tgid = thread_group(ctx.pid) if reader is not None else None
         self.uid = ctx.uid
         self.reader = reader
         self.writable = writable
+        # the packet's bytes before the payload, made once: a write adds only its data
+        self.head = protocol.publish_head(pattern) if writable else b""
         self.pending: bytearray | None = bytearray() if writable and not append else None
         self.too_big = False
         self.follow = follow
         self.served = 0  # the file offset just past the last bytes read
         self.recent = b""  # those bytes, for a reader that seeks back over them
+
+    def group(self) -> int:
+        """The opener's process (thread group), for `interrupted`."""
+        if self._tgid is None:
+            self._tgid = thread_group(self.pid)
+        return self._tgid
 
 
 class BusFS(pyfuse3.Operations):
@@ -257,8 +267,11 @@ class BusFS(pyfuse3.Operations):
         # may trust an answer for one second only; secret names are checked per
         # caller, so never cached.
         a.entry_timeout = 0 if secret else ENTRY_TIMEOUT
-        # a file's size is how far its follow readers (tail -f) may read: never cached
-        a.attr_timeout = 0 if secret or kind is Kind.FILE else ENTRY_TIMEOUT
+        # cached too (else every open(2) costs a GETATTR round trip: the kernel checks
+        # permissions on fresh attributes), except a followed file's, whose size is
+        # how far its follow readers (tail -f) may read (`_open` drops what the
+        # kernel cached before its first follower came)
+        a.attr_timeout = 0 if secret or ino in self._followers else ENTRY_TIMEOUT
         a.st_size = 0
         if kind is Kind.DIR:
             a.st_mode = stat.S_IFDIR | (0o700 if secret else 0o777)
@@ -591,6 +604,10 @@ class BusFS(pyfuse3.Operations):
         self._files[h.uid] += 1
         if follow:
             self._followers.setdefault(ino, set()).add(h)
+            try:  # its size must not come from a cache: from now on it is never cached
+                pyfuse3.invalidate_inode(ino, attr_only=True)
+            except OSError as exc:
+                log.debug("cannot drop the cached attributes of inode %d: %s", ino, exc)
         self._opened[ino] += 1
         # seekable (offsets are ignored) because head(1) and others seek back over what
         # they read but did not use, and fail loudly on a non-seekable regular file
@@ -610,7 +627,7 @@ class BusFS(pyfuse3.Operations):
         if not r.out and not r.failed and not self.closing and not h.follow:
             async with self._slot(h.uid):
                 while not (r.out or r.failed or self.closing):
-                    if interrupted(h.pid, h.tgid):
+                    if interrupted(h.pid, h.group()):
                         raise FUSEError(errno.EINTR)
                     with trio.move_on_after(SIGNAL_POLL):
                         await r.lot.park()
@@ -661,9 +678,9 @@ class BusFS(pyfuse3.Operations):
         if h is None or not h.writable:
             raise FUSEError(errno.EBADF)
         if h.pending is None:  # appending: each write is a message
-            await self._publish(h, bytes(buf))
+            await self._publish(h, buf)
             return len(buf)
-        if h.too_big or self._packet_size(h, len(h.pending) + len(buf)) > self.max_message:
+        if h.too_big or len(h.head) + len(h.pending) + len(buf) > self.max_message:
             self._drop_pending(h, too_big=True)
             raise FUSEError(errno.EMSGSIZE)
         if self._buffered[h.uid] + len(buf) > self.share.pending:
@@ -674,19 +691,18 @@ class BusFS(pyfuse3.Operations):
         self._buffered[h.uid] += len(buf)
         return len(buf)
 
-    @staticmethod
-    def _packet_size(h: Handle, payload: int) -> int:
-        return len(protocol.encode(Publish(h.pattern, b""))) + payload
-
     async def _publish(self, h: Handle, payload: bytes) -> None:
-        if self._packet_size(h, len(payload)) > self.max_message:
+        if len(h.head) + len(payload) > self.max_message:
             raise FUSEError(errno.EMSGSIZE)
+        packet = h.head + payload
+        if self.bus.publish_nowait(packet):  # the common case: no timer, no await
+            return
         with trio.move_on_after(SIGNAL_POLL) as quick:
-            await self.bus.publish(h.pattern, payload)
+            await self.bus.publish(packet)
         if quick.cancelled_caught:  # the broker pushes back or is away: wait, but
             # answer EINTR to a signal, in a slot of the waiting requests' pool
             async with self._slot(h.uid):
-                await guarded(h.pid, lambda: self.bus.publish(h.pattern, payload), h.tgid)
+                await guarded(h.pid, lambda: self.bus.publish(packet), h.group())
 
     def _drop_pending(self, h: Handle, too_big: bool = False) -> bytes:
         data = bytes(h.pending or b"")

@@ -49,13 +49,15 @@ def unblocked_pending(pid: int) -> int | None:
 def thread_group(pid: int) -> int:
     """The process (thread group) a thread id belongs to; *pid* itself if unknown."""
     try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("Tgid:"):
-                    return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError, ValueError):
-        pass
-    return pid
+        with open(f"/proc/{pid}/status", "rb") as f:  # bytes: half the cost of text
+            status = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return pid
+    at = status.find(b"\nTgid:")
+    try:
+        return int(status[at + 6:status.index(b"\n", at + 6)]) if at >= 0 else pid
+    except ValueError:
+        return pid
 
 
 def interrupted(pid: int, tgid: int | None = None) -> bool:
