@@ -6,6 +6,7 @@ and 0 duplicated where it promises that, the exact figure (or its bound) where n
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -178,6 +179,35 @@ def test_restart_of_the_local_bus_under_an_exporting_bridge(hosts: Hosts) -> Non
     assert a.counters()["dropped"] == 0
     # the gap was never numbered (the bridge never had it): not missing, counted nowhere
     assert b.wait_counters(lambda c: c["imported"] == len(got))["missing"] == 0
+
+
+def test_reload_of_the_local_bus_under_an_exporting_bridge_loses_nothing(hosts: Hosts) -> None:
+    """The restart that keeps its clients: `systemctl reload` (SIGHUP, make-before-break,
+    sbus/successor.py) of the local `sbus serve` under a publisher and the exporting
+    bridge.  Neither sees the bus go; every message arrives once, in order: the gap a
+    stop and start leaves (above) is not there."""
+    a = hosts.bridge(0, "--client-id", "a", "--export", "seq/")
+    b = hosts.bridge(1, "--client-id", "b", "--import", "seq/")
+    sub = subscriber(hosts.bus_address(1), "seq/")
+    stream = Stream(hosts.bus_address(0))
+    stream.wait_sent(300)
+    old = hosts.buses[hosts.bus_address(0)]
+    old.send_signal(signal.SIGHUP)
+    successor = None
+    try:
+        assert old.wait(20) == 0  # handed over, then ended
+        log = (hosts.tmp / "bus0.log").read_text(errors="replace")
+        successor = int(re.search(r"reload: started the next broker \(pid (\d+)\)", log)[1])
+        stream.wait_sent(stream.sent + 300)
+        sent = stream.stop()
+        got = seqs(collect(sub, quiet=1.0, timeout=20))
+        assert got == list(range(sent))  # none lost, none twice, in order
+        assert a.counters()["dropped"] == 0
+        assert "closed the connection" not in a.log.read_text(errors="replace")  # kept
+        assert b.wait_counters(lambda c: c["imported"] == sent)["missing"] == 0
+    finally:
+        if successor is not None:
+            os.kill(successor, signal.SIGTERM)
 
 
 def test_restart_of_mosquitto_without_persistence_is_counted_at_qos0(tmp_path: Path) -> None:
