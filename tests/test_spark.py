@@ -18,6 +18,7 @@ from collections import Counter
 
 import pytest
 from conftest import SBUS, BrokerProcess, raw, sync
+from sparkkit import FAST_JVM
 
 from sbus.journal.store import JournalWriter, list_segments, records  # noqa: E402
 
@@ -42,6 +43,7 @@ def spark():
     from sbus.spark.session import UDS
 
     session = (SparkSession.builder.master("local[2]").appName("sbus-tests")
+               .config("spark.driver.defaultJavaOptions", FAST_JVM)
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "2")
@@ -183,54 +185,78 @@ def test_stream_exactly_once_across_a_crash(spark, recorded, tmp_path):
 
 
 STREAM_DRIVER = """
-import sys, time
+import json, sys, time
 from pyspark.sql import SparkSession
 import sbus.spark
 
-jdir, out, ck, flag, stop_at = sys.argv[1:]
 spark = (SparkSession.builder.master("local[1]").appName("sbus-killed-driver")
+         .config("spark.driver.defaultJavaOptions", sys.argv[2])
          .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "1")
          .getOrCreate())
 sbus.spark.register(spark)
 
-def sink(df, batch_id):
-    df.write.mode("overwrite").parquet(f"{out}/batch={batch_id}")
-    if batch_id == int(stop_at):  # written, not committed: the kill comes now
-        open(flag, "w").close()
-        time.sleep(600)
+def start(jdir, out, ck, flag, stop_at):
+    def sink(df, batch_id):
+        df.write.mode("overwrite").parquet(f"{out}/batch={batch_id}")
+        if batch_id == stop_at:  # written, not committed: the kill comes now
+            open(flag, "w").close()
+            time.sleep(600)
 
-(spark.readStream.format("sbus").option("path", jdir).option("maxRowsPerTrigger", "1100")
- .load().writeStream.foreachBatch(sink).option("checkpointLocation", ck).start()
- .awaitTermination())
+    return (spark.readStream.format("sbus").option("path", jdir)
+            .option("maxRowsPerTrigger", "1100").load()
+            .writeStream.foreachBatch(sink).option("checkpointLocation", ck).start())
+
+for run in json.loads(sys.argv[1]):
+    start(**run)
+spark.streams.awaitAnyTermination()
 """
 
 
-def kill_driver_in_batch(tmp_path, jdir: str, out, ck: str, batch: int) -> None:
-    """Run STREAM_DRIVER in a process of its own and SIGKILL it (Python and JVM) inside
-    micro-batch *batch*, after its sink wrote and before the batch committed."""
-    flag = tmp_path / f"in-batch-{batch}"
+def kill_driver_in_batches(tmp_path, runs: dict[str, tuple[str, int]]) -> dict[str, tuple]:
+    """Run STREAM_DRIVER in a process of its own with one streaming query per entry of
+    *runs* (``name: (journal, batch)``) and SIGKILL it (Python and JVM) once every query
+    is inside its micro-batch *batch*, after its sink wrote and before the batch
+    committed.  One driver for all, so one JVM start: ``name: (journal, out, checkpoint)``."""
+    dirs = {name: (jdir, tmp_path / name / "out", str(tmp_path / name / "ck"))
+            for name, (jdir, _) in runs.items()}
+    flags = [tmp_path / f"{name}-in-batch-{batch}" for name, (_, batch) in runs.items()]
+    spec = [dict(jdir=jdir, out=str(out), ck=ck, flag=str(flag), stop_at=runs[name][1])
+            for (name, (jdir, out, ck)), flag in zip(dirs.items(), flags, strict=True)]
     script = tmp_path / "driver.py"
     script.write_text(STREAM_DRIVER)
-    driver = subprocess.Popen([sys.executable, str(script), jdir, str(out), ck, str(flag),
-                               str(batch)], start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    driver = subprocess.Popen([sys.executable, str(script), json.dumps(spec), FAST_JVM],
+                              start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240
-        while not flag.exists() and driver.poll() is None and time.monotonic() < deadline:
+        while (not all(f.exists() for f in flags) and driver.poll() is None
+               and time.monotonic() < deadline):
             time.sleep(0.2)
-        assert flag.exists(), driver.stderr.read().decode(errors="replace")[-3000:]
+        assert all(f.exists() for f in flags), driver.stderr.read().decode(errors="replace")[-3000:]
     finally:
         os.killpg(driver.pid, signal.SIGKILL)  # the JVM too: nothing gets to clean up
         driver.wait()
         driver.stderr.close()
+    return dirs
 
 
-def test_stream_exactly_once_after_kill9_of_the_driver(spark, recorded, tmp_path):
+@pytest.fixture(scope="module")
+def killed(recorded, tmp_path_factory):
+    """The two kill -9 scenarios below, killed in one driver run: a query of the recorded
+    journal inside micro-batch 1, and one of a small journal (600 rows in several
+    segments, for retention) inside micro-batch 0."""
+    tmp = tmp_path_factory.mktemp("killed")
+    small = tmp / "j"
+    small_journal(small, 600, segment_bytes=2500)
+    return kill_driver_in_batches(tmp, {"batch1": (str(recorded[0]), 1),
+                                        "batch0": (str(small), 0)})
+
+
+def test_stream_exactly_once_after_kill9_of_the_driver(spark, killed):
     """The driver process (Python and its JVM) is killed with SIGKILL in the middle of a
     micro-batch; another driver restarted from the same checkpoint ends with each row
     exactly once in an idempotent sink."""
-    jdir, out, ck = str(recorded[0]), tmp_path / "out", str(tmp_path / "ck")
-    kill_driver_in_batch(tmp_path, jdir, out, ck, 1)
+    jdir, out, ck = killed["batch1"]
     assert sorted(p.name for p in out.iterdir()) == ["batch=0", "batch=1"]
     # Batch 1 was planned (its offsets logged) but never committed: the restart replays it.
     assert os.path.exists(f"{ck}/offsets/1") and not os.path.exists(f"{ck}/commits/1")
@@ -756,20 +782,18 @@ def test_retention_race_fails_or_skips_as_failOnDataLoss_says(spark, tmp_path):
     assert batch1.numInputRows == 100 - during
 
 
-def test_batch_0_killed_then_retention_is_an_error_or_the_exact_count(spark, tmp_path):
+def test_batch_0_killed_then_retention_is_an_error_or_the_exact_count(spark, killed):
     """The issue's case, through real processes: a query is killed with SIGKILL inside
     micro-batch 0 (its end offset logged, its start not), retention then removes the
     oldest segment, and the query restarts from its checkpoint.  Spark asks the source's
     initial offset again for the replay; the batch's own end offset says where it began,
     so with failOnDataLoss=true the restart fails naming the rows, and with false it
     skips exactly them, counts them in its progress and delivers every other row once."""
-    jdir = tmp_path / "j"
-    small_journal(jdir, 600, segment_bytes=2500)
+    jdir, out, ck = killed["batch0"]
     segs = list_segments(jdir)
     oldest, second = segs[0], segs[1]
     removed = second.first_seq - oldest.first_seq
-    out, ck = tmp_path / "out", str(tmp_path / "ck")
-    kill_driver_in_batch(tmp_path, str(jdir), out, ck, 0)
+    assert sorted(p.name for p in out.iterdir()) == ["batch=0"]
     assert os.path.exists(f"{ck}/offsets/0") and not os.path.exists(f"{ck}/commits/0")
     total = sum(s.path.stat().st_size for s in segs)
     JournalWriter(jdir, fsync=False, keep_bytes=total - oldest.path.stat().st_size).close()
