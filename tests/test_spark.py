@@ -249,8 +249,10 @@ class DriverToKill:
         return self.dirs
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the JVM too: nothing gets to clean up
+        try:  # the JVM too, even if the Python driver is gone: nothing gets to clean up
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait()
 
 
