@@ -249,6 +249,8 @@ class DriverToKill:
         return self.dirs
 
     def stop(self) -> None:
+        if self.proc.returncode is not None:  # stopped before: its group id may be reused
+            return
         try:  # the JVM too, even if the Python driver is gone: nothing gets to clean up
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
