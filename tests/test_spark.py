@@ -230,6 +230,7 @@ class DriverToKill:
         script = tmp / "driver.py"
         script.write_text(STREAM_DRIVER)
         self.log = tmp / "driver.log"  # a file: nobody reads a pipe while other tests run
+        self.stopped = False
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(script), json.dumps(spec), FAST_JVM], stdin=subprocess.DEVNULL,
@@ -249,8 +250,9 @@ class DriverToKill:
         return self.dirs
 
     def stop(self) -> None:
-        if self.proc.returncode is not None:  # stopped before: its group id may be reused
+        if self.stopped:  # once: the group's id may be reused after it was reaped
             return
+        self.stopped = True
         try:  # the JVM too, even if the Python driver is gone: nothing gets to clean up
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
