@@ -12,6 +12,7 @@ from datetime import datetime
 
 import matplotlib.dates as mdates
 from conftest import SBUS
+from sparkkit import FAST_JVM
 
 from sbus.extras import install_command
 from sbus.journal.store import JournalWriter
@@ -80,9 +81,12 @@ def journal(directory, rows: int = 400_000) -> None:
 def test_ctrl_c_is_one_line_and_leaves_no_half_report(tmp_path):
     jdir, out = tmp_path / "j", tmp_path / "report"
     journal(jdir)
+    env = dict(os.environ,  # the embedded JVM starts faster; the command is unchanged
+               PYSPARK_SUBMIT_ARGS=f"--conf spark.driver.defaultJavaOptions={FAST_JVM} "
+                                   "pyspark-shell")
     proc = subprocess.Popen([*SBUS, "analyze", str(jdir), "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     lines = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -91,7 +95,12 @@ def test_ctrl_c_is_one_line_and_leaves_no_half_report(tmp_path):
         if "per-key statistics" in line or not line:
             break
     assert "per-key statistics" in lines[-1], "".join(lines)
-    time.sleep(1)  # inside the Spark job
+    # Inside the Spark job: it has set up the first output (in the run's temporary
+    # directory), and reading 400,000 rows takes it far longer than this wait's step.
+    deadline = time.monotonic() + 60
+    while not any(tmp_path.glob(".report.*/keys.parquet")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the first Spark job did not start"
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
     rest = proc.stderr.read()
     assert proc.wait(60) == 130, rest

@@ -15,11 +15,13 @@ import tempfile
 import time
 from argparse import Namespace
 from collections import Counter
+from pathlib import Path
 
 import pytest
-from conftest import SBUS, BrokerProcess, raw, sync
+from conftest import SBUS, BrokerProcess, raw, recorded_pairs, sync
+from sparkkit import FAST_JVM
 
-from sbus.journal.store import JournalWriter, list_segments, records  # noqa: E402
+from sbus.journal.store import JournalWriter, list_segments  # noqa: E402
 
 ROUNDS = 600
 KEYS = [b"sensors/a/temp", b"sensors/b/temp", b"sensors/a/hum", b"logs/app", b"\xff\xfe/bin"]
@@ -42,6 +44,7 @@ def spark():
     from sbus.spark.session import UDS
 
     session = (SparkSession.builder.master("local[2]").appName("sbus-tests")
+               .config("spark.driver.defaultJavaOptions", FAST_JVM)
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "2")
@@ -82,7 +85,8 @@ def recorded(bus, tmp_path_factory, spark):
         pub.send(b"MSG other/key\0not recorded")
         sync(pub)
         deadline = time.monotonic() + 10
-        while len(list(records(jdir))) < (c + 1) * chunk and time.monotonic() < deadline:
+        # (recorded_pairs: a segment the recorder is creating may not have its header yet)
+        while len(recorded_pairs(jdir)) < (c + 1) * chunk and time.monotonic() < deadline:
             time.sleep(0.05)
     pub.close()
     live = spark.read.format("sbus").load(str(jdir)).count()
@@ -183,71 +187,101 @@ def test_stream_exactly_once_across_a_crash(spark, recorded, tmp_path):
 
 
 STREAM_DRIVER = """
-import sys, time
+import json, sys, time
 from pyspark.sql import SparkSession
 import sbus.spark
 
-jdir, out, ck, flag, stop_at = sys.argv[1:]
 spark = (SparkSession.builder.master("local[1]").appName("sbus-killed-driver")
+         .config("spark.driver.defaultJavaOptions", sys.argv[2])
          .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "1")
          .getOrCreate())
 sbus.spark.register(spark)
 
-def sink(df, batch_id):
-    df.write.mode("overwrite").parquet(f"{out}/batch={batch_id}")
-    if batch_id == int(stop_at):  # written, not committed: the kill comes now
-        open(flag, "w").close()
-        time.sleep(600)
+def start(jdir, out, ck, flag, stop_at):
+    def sink(df, batch_id):
+        df.write.mode("overwrite").parquet(f"{out}/batch={batch_id}")
+        if batch_id == stop_at:  # written, not committed: the kill comes now
+            open(flag, "w").close()
+            time.sleep(600)
 
-(spark.readStream.format("sbus").option("path", jdir).option("maxRowsPerTrigger", "1100")
- .load().writeStream.foreachBatch(sink).option("checkpointLocation", ck).start()
- .awaitTermination())
+    return (spark.readStream.format("sbus").option("path", jdir)
+            .option("maxRowsPerTrigger", "1100").load()
+            .writeStream.foreachBatch(sink).option("checkpointLocation", ck).start())
+
+for run in json.loads(sys.argv[1]):
+    start(**run)
+spark.streams.awaitAnyTermination()
 """
 
 
-def kill_driver_in_batch(tmp_path, jdir: str, out, ck: str, batch: int) -> None:
-    """Run STREAM_DRIVER in a process of its own and SIGKILL it (Python and JVM) inside
-    micro-batch *batch*, after its sink wrote and before the batch committed."""
-    flag = tmp_path / f"in-batch-{batch}"
-    script = tmp_path / "driver.py"
-    script.write_text(STREAM_DRIVER)
-    driver = subprocess.Popen([sys.executable, str(script), jdir, str(out), ck, str(flag),
-                               str(batch)], start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 240
-        while not flag.exists() and driver.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert flag.exists(), driver.stderr.read().decode(errors="replace")[-3000:]
-    finally:
-        os.killpg(driver.pid, signal.SIGKILL)  # the JVM too: nothing gets to clean up
-        driver.wait()
-        driver.stderr.close()
+class DriverToKill:
+    """STREAM_DRIVER in a process of its own (Python and its JVM in one process group), one
+    streaming query per entry of *runs* (``name: (journal, batch)``); `kill` SIGKILLs it
+    once every query is inside its micro-batch *batch*, after its sink wrote and before
+    the batch committed."""
+
+    def __init__(self, tmp: Path, runs: dict[str, tuple[str, int]]) -> None:
+        self.dirs = {name: (jdir, tmp / name / "out", str(tmp / name / "ck"))
+                     for name, (jdir, _) in runs.items()}
+        self.flags = [tmp / f"{name}-in-batch-{batch}" for name, (_, batch) in runs.items()]
+        spec = [dict(jdir=jdir, out=str(out), ck=ck, flag=str(flag), stop_at=runs[name][1])
+                for (name, (jdir, out, ck)), flag in zip(self.dirs.items(), self.flags,
+                                                         strict=True)]
+        script = tmp / "driver.py"
+        script.write_text(STREAM_DRIVER)
+        self.log = tmp / "driver.log"  # a file: nobody reads a pipe while other tests run
+        self.stopped = False
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(script), json.dumps(spec), FAST_JVM], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+
+    def kill(self) -> dict[str, tuple]:
+        """``name: (journal, out, checkpoint)`` of each query, once killed inside its batch."""
+        try:
+            deadline = time.monotonic() + 240
+            while (not all(f.exists() for f in self.flags) and self.proc.poll() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.1)
+            assert all(f.exists() for f in self.flags), \
+                self.log.read_text(errors="replace")[-3000:]
+        finally:
+            self.stop()
+        return self.dirs
+
+    def stop(self) -> None:
+        if self.stopped:  # once: the group's id may be reused after it was reaped
+            return
+        self.stopped = True
+        try:  # the JVM too, even if the Python driver is gone: nothing gets to clean up
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
-def test_stream_exactly_once_after_kill9_of_the_driver(spark, recorded, tmp_path):
-    """The driver process (Python and its JVM) is killed with SIGKILL in the middle of a
-    micro-batch; another driver restarted from the same checkpoint ends with each row
-    exactly once in an idempotent sink."""
-    jdir, out, ck = str(recorded[0]), tmp_path / "out", str(tmp_path / "ck")
-    kill_driver_in_batch(tmp_path, jdir, out, ck, 1)
-    assert sorted(p.name for p in out.iterdir()) == ["batch=0", "batch=1"]
-    # Batch 1 was planned (its offsets logged) but never committed: the restart replays it.
-    assert os.path.exists(f"{ck}/offsets/1") and not os.path.exists(f"{ck}/commits/1")
+@pytest.fixture(scope="module", autouse=True)
+def driver_to_kill(request, tmp_path_factory):
+    """The driver of the two kill -9 scenarios below, started at the module's first test
+    (once the recorded journal is there) when a test that needs it is selected, so that
+    its JVM starts and runs beside the tests before them: a query of the recorded journal
+    to be killed inside micro-batch 1, and one of a small journal (600 rows in several
+    segments, for retention) inside micro-batch 0."""
+    if not any("killed" in item.fixturenames for item in request.session.items
+               if item.module is request.module):
+        yield None
+        return
+    recorded = request.getfixturevalue("recorded")
+    tmp = tmp_path_factory.mktemp("killed")
+    small_journal(tmp / "j", 600, segment_bytes=2500)
+    driver = DriverToKill(tmp, {"batch1": (str(recorded[0]), 1), "batch0": (str(tmp / "j"), 0)})
+    yield driver
+    driver.stop()
 
-    def sink(df, batch_id):
-        df.write.mode("overwrite").parquet(str(out / f"batch={batch_id}"))
 
-    q = (spark.readStream.format("sbus").option("path", jdir).option("maxRowsPerTrigger", "1100")
-         .load().writeStream.foreachBatch(sink).option("checkpointLocation", ck)
-         .trigger(availableNow=True).start())
-    q.awaitTermination(120)
-    assert q.exception() is None
-    got = spark.read.parquet(str(out))
-    assert got.select("batch").distinct().count() == -(-len(EXPECTED) // 1100)
-    seqs = Counter(r.seq for r in got.select("seq").collect())
-    assert sorted(seqs) == list(range(1, len(EXPECTED) + 1))
-    assert set(seqs.values()) == {1}
+@pytest.fixture(scope="module")
+def killed(driver_to_kill):
+    return driver_to_kill.kill()
 
 
 def test_stream_follows_a_live_recording(spark, bus, tmp_path):
@@ -570,15 +604,15 @@ def test_lag_explain_and_schema_errors_say_what_they_are(spark, tmp_path, capsys
     names the filters the source took; a schema with a wrong type names what the source
     offers."""
     jdir = tmp_path / "j"
-    small_journal(jdir, 600, segment_bytes=20_000)
+    small_journal(jdir, 300, segment_bytes=20_000)
     ck = str(tmp_path / "ck")
     q = (spark.readStream.format("sbus").option("maxRowsPerTrigger", "100").load(str(jdir))
          .writeStream.foreachBatch(lambda df, _: None).option("checkpointLocation", ck)
          .trigger(availableNow=True).start())
     q.awaitTermination(120)
     latest = [json.loads(p.sources[0].latestOffset) for p in q.recentProgress]
-    assert [x["rowsBehindLatest"] for x in latest] == [500, 400, 300, 200, 100, 0]
-    assert {x["seq"] for x in latest} == {601}
+    assert [x["rowsBehindLatest"] for x in latest] == [200, 100, 0]
+    assert {x["seq"] for x in latest} == {301}
 
     def lag(*more):
         done = subprocess.run([*SBUS, "journal", "lag", str(jdir), "--checkpoint", ck, *more],
@@ -586,12 +620,12 @@ def test_lag_explain_and_schema_errors_say_what_they_are(spark, tmp_path, capsys
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    assert json.loads(lag("--json")) == {"journal_end": 601, "committed_batch": 5,
-                                         "committed_seq": 601, "lost": 0, "behind": 0}
+    assert json.loads(lag("--json")) == {"journal_end": 301, "committed_batch": 2,
+                                         "committed_seq": 301, "lost": 0, "behind": 0}
     with JournalWriter(jdir, fsync=False) as w:
         w.append(2 * 10**18, [b"a/1"] * 250, [b"x"] * 250)
-    assert lag().strip().endswith("batch 5 committed up to seq 600; the journal ends at "
-                                  "seq 850: 250 rows behind")
+    assert lag().strip().endswith("batch 2 committed up to seq 300; the journal ends at "
+                                  "seq 550: 250 rows behind")
 
     df = (spark.read.format("sbus").option("pushdown", "true").load(str(jdir))
           .where("seq < 10 and key = 'a/1'"))
@@ -686,10 +720,11 @@ def test_retention_race_fails_or_skips_as_failOnDataLoss_says(spark, tmp_path):
     batch, before its rows are read): the query fails naming the exact rows, and fails
     again when restarted; with failOnDataLoss=false the rows are skipped, and rows deleted
     before a batch is planned are counted in its end offset (shown in progress)."""
+    rows = 400  # segments at seq 1, 121, 221, 321; micro-batches of 100
     jdir = tmp_path / "j"
-    small_journal(jdir, 600, segment_bytes=2500)
+    small_journal(jdir, rows, segment_bytes=2500)
     view = [(s.first_seq, s.path) for s in list_segments(jdir)]
-    assert len(view) > 5
+    assert len(view) > 3
 
     def segment_of(seq):
         return next(p for first, p in reversed(view) if first <= seq)
@@ -723,53 +758,76 @@ def test_retention_race_fails_or_skips_as_failOnDataLoss_says(spark, tmp_path):
     q.awaitTermination(120)
     assert q.exception() is None
     rest = next(first for first, _ in view if first > lo)  # batch 2 finds the rest gone
-    assert sorted(seen) == [s for s in range(101, 601) if not lo <= s < rest]
+    assert sorted(seen) == [s for s in range(101, rows + 1) if not lo <= s < rest]
     ends = [json.loads(p.sources[0].endOffset) for p in q.recentProgress]
     assert ends[0] == {"seq": 201, "from": 101}  # the replayed batch: logged before
     assert ends[1:] == [{"seq": s, "from": f, "lost": rest - lo, "lostAfterPlanning": hi - lo}
-                        for f, s in zip((201, *range(rest + 100, 601, 100)),
-                                        (*range(rest + 100, 601, 100), 601), strict=True)]
+                        for f, s in zip((201, *range(rest + 100, rows + 1, 100)),
+                                        (*range(rest + 100, rows + 1, 100), rows + 1),
+                                        strict=True)]
 
     # failOnDataLoss=false: batch 1 loses what is deleted under it and goes on; batch 2 is
     # planned after a segment it would read was deleted, and its end offset counts those.
     jdir = tmp_path / "j2"
-    small_journal(jdir, 600, segment_bytes=2500)
+    small_journal(jdir, rows, segment_bytes=2500)
     view = [(s.first_seq, s.path) for s in list_segments(jdir)]
     doomed = [segment_of(150), segment_of(260)]
     assert doomed[0] != doomed[1]
     gone = {s for first, path in view if path in doomed
-            for s in range(first, next((f for f, _ in view if f > first), 601))}
+            for s in range(first, next((f for f, _ in view if f > first), rows + 1))}
     seen: list[int] = []
     q = start(tmp_path / "ck2", seen, {1: doomed}, failOnDataLoss="false")
     q.awaitTermination(120)
     assert q.exception() is None
-    assert sorted(seen) == sorted(set(range(1, 601)) - gone)
+    assert sorted(seen) == sorted(set(range(1, rows + 1)) - gone)
     offsets = [json.loads(p.sources[0].endOffset) for p in q.recentProgress]
     # Rows that vanish after batch 1's partitions were planned, before its task opened
     # their segment, are reported by the task and counted in the next end offset
     # (lostAfterPlanning); those gone before batches 2 and 3 were planned, in their own.
     during = len([s for s in gone if 101 <= s <= 200])
-    assert offsets[-1]["seq"] == 601
+    assert offsets[-1]["seq"] == rows + 1
     assert offsets[-1]["lost"] == len([s for s in gone if s > 100])
     assert offsets[-1]["lostAfterPlanning"] == during
     batch1 = next(p for p in q.recentProgress if p.batchId == 1)
     assert batch1.numInputRows == 100 - during
 
 
-def test_batch_0_killed_then_retention_is_an_error_or_the_exact_count(spark, tmp_path):
+def test_stream_exactly_once_after_kill9_of_the_driver(spark, killed):
+    """The driver process (Python and its JVM) is killed with SIGKILL in the middle of a
+    micro-batch; another driver restarted from the same checkpoint ends with each row
+    exactly once in an idempotent sink."""
+    jdir, out, ck = killed["batch1"]
+    assert sorted(p.name for p in out.iterdir()) == ["batch=0", "batch=1"]
+    # Batch 1 was planned (its offsets logged) but never committed: the restart replays it.
+    assert os.path.exists(f"{ck}/offsets/1") and not os.path.exists(f"{ck}/commits/1")
+
+    def sink(df, batch_id):
+        df.write.mode("overwrite").parquet(str(out / f"batch={batch_id}"))
+
+    q = (spark.readStream.format("sbus").option("path", jdir).option("maxRowsPerTrigger", "1100")
+         .load().writeStream.foreachBatch(sink).option("checkpointLocation", ck)
+         .trigger(availableNow=True).start())
+    q.awaitTermination(120)
+    assert q.exception() is None
+    got = spark.read.parquet(str(out))
+    assert got.select("batch").distinct().count() == -(-len(EXPECTED) // 1100)
+    seqs = Counter(r.seq for r in got.select("seq").collect())
+    assert sorted(seqs) == list(range(1, len(EXPECTED) + 1))
+    assert set(seqs.values()) == {1}
+
+
+def test_batch_0_killed_then_retention_is_an_error_or_the_exact_count(spark, killed):
     """The issue's case, through real processes: a query is killed with SIGKILL inside
     micro-batch 0 (its end offset logged, its start not), retention then removes the
     oldest segment, and the query restarts from its checkpoint.  Spark asks the source's
     initial offset again for the replay; the batch's own end offset says where it began,
     so with failOnDataLoss=true the restart fails naming the rows, and with false it
     skips exactly them, counts them in its progress and delivers every other row once."""
-    jdir = tmp_path / "j"
-    small_journal(jdir, 600, segment_bytes=2500)
+    jdir, out, ck = killed["batch0"]
     segs = list_segments(jdir)
     oldest, second = segs[0], segs[1]
     removed = second.first_seq - oldest.first_seq
-    out, ck = tmp_path / "out", str(tmp_path / "ck")
-    kill_driver_in_batch(tmp_path, str(jdir), out, ck, 0)
+    assert sorted(p.name for p in out.iterdir()) == ["batch=0"]
     assert os.path.exists(f"{ck}/offsets/0") and not os.path.exists(f"{ck}/commits/0")
     total = sum(s.path.stat().st_size for s in segs)
     JournalWriter(jdir, fsync=False, keep_bytes=total - oldest.path.stat().st_size).close()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import stop_process
+from sparkkit import FAST_JVM
 
 from sbus.journal.store import JournalWriter
 
@@ -38,7 +39,8 @@ def spark_env(tmp: Path) -> dict:
     the pip-installed ``spark-class`` find its SPARK_HOME), everything on 127.0.0.1."""
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1",
                SPARK_LOG_DIR=str(tmp / "logs"),
-               SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false")  # no fixed port 6066
+               SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false",  # no fixed port 6066
+               SPARK_DAEMON_JAVA_OPTS=FAST_JVM)  # master and worker
     env.pop("SPARK_HOME", None)
     env.pop("PYTHONPATH", None)  # the driver must get sbus from --py-files or the install
     return env
@@ -70,7 +72,9 @@ class Daemon:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[tuple[str, Path]]:
-    """``(master URL, worker directory)`` of a one-worker standalone cluster."""
+    """``(master URL, worker directory)`` of a one-worker standalone cluster; one core and
+    512 MiB are plenty for the job below and its executor starts and runs faster beside
+    the rest of a 2-core machine (measured 25 s against 31 s with two cores)."""
     tmp = tmp_path_factory.mktemp("cluster")
     port = free_port()
     url = f"spark://127.0.0.1:{port}"
@@ -80,8 +84,8 @@ def cluster(tmp_path_factory) -> Iterator[tuple[str, Path]]:
     worker = None
     try:
         worker = Daemon("worker", ["org.apache.spark.deploy.worker.Worker", url,
-                                   "--host", "127.0.0.1", "--webui-port", "0", "--cores", "2",
-                                   "--memory", "1g", "--work-dir", str(tmp / "work")], tmp,
+                                   "--host", "127.0.0.1", "--webui-port", "0", "--cores", "1",
+                                   "--memory", "512m", "--work-dir", str(tmp / "work")], tmp,
                         "Successfully registered with master")
         yield url, tmp / "work"
     finally:
@@ -118,6 +122,10 @@ def test_spark_submit_analyze_on_standalone_cluster(cluster, tmp_path):
     done = subprocess.run([str(BIN / "spark-submit"), "--master", url,
                            "--py-files", str(tmp_path / "sbus.zip"),
                            "--conf", "spark.ui.enabled=false",
+                           # not in the docs' command: JVM tuning for this tiny job
+                           "--conf", f"spark.driver.defaultJavaOptions={FAST_JVM}",
+                           "--conf", f"spark.executor.defaultJavaOptions={FAST_JVM}",
+                           "--conf", "spark.executor.memory=512m",
                            "--conf", "spark.python.unix.domain.socket.enabled=true",
                            analyze, str(journal), "--out", str(report)],
                           env=spark_env(tmp_path), cwd=tmp_path, stdin=subprocess.DEVNULL,
