@@ -21,6 +21,7 @@ from sbus.journal.retention import SegmentAge, expired
 from sbus.journal.store import (
     OPEN_SUFFIX,
     SUFFIX,
+    TMP_SUFFIX,
     JournalError,
     JournalWriter,
     list_segments,
@@ -372,3 +373,31 @@ def test_sealing_re_blocks_small_blocks_and_recovery_removes_its_leftovers(tmp_p
     JournalWriter(tmp_path, fsync=False).close()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", seg.path.name]
     assert list(records(tmp_path)) == rows
+
+
+def test_a_reader_never_meets_a_segment_being_created(tmp_path, monkeypatch):
+    """A reader listing a live journal while the writer opens a segment never meets an
+    open segment shorter than its header: the file appears under its ``.open`` name with
+    its header written.  (Created first and written after, a Spark read or the
+    recorder's lag report could hit "damaged: segment shorter than its header".)  The
+    reader looks at the worst moment: while the header is being made."""
+    seen: list[str] = []
+    encode = fmt.encode_header
+
+    def look_then_encode(first_seq: int, created_ns: int) -> bytes:
+        try:
+            for seg in list_segments(tmp_path):
+                segment_blocks(seg)
+            seen.append("whole")
+        except JournalError as exc:
+            seen.append(str(exc))
+        return encode(first_seq, created_ns)
+
+    monkeypatch.setattr(fmt, "encode_header", look_then_encode)
+    with JournalWriter(tmp_path, fsync=False, segment_bytes=200) as w:
+        for _ in range(5):
+            w.append(time.time_ns(), [b"k"] * 3, [b"x" * 50] * 3)
+            w.flush()
+    assert seen == ["whole"] * 5
+    assert len(list_segments(tmp_path)) == 5
+    assert not list(tmp_path.glob("*" + TMP_SUFFIX))

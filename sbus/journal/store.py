@@ -554,10 +554,16 @@ class JournalWriter:
 
     def _open_segment(self) -> None:
         self._seg_first = self.next_seq
-        path = self.dir / (_name(self._seg_first) + OPEN_SUFFIX)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        name = _name(self._seg_first)
+        # The header is written under the temporary name and the file appears under its
+        # .open name whole: a reader listing the journal meanwhile never meets a segment
+        # shorter than its header (and took it for a damaged one).
+        tmp = self.dir / (name + TMP_SUFFIX)
+        self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         header = fmt.encode_header(self._seg_first, time.time_ns())
         os.write(self._fd, header)
+        os.link(tmp, self.dir / (name + OPEN_SUFFIX))  # EEXIST rather than replace one
+        os.unlink(tmp)
         self._seg_size = len(header)
         self._seg_opened = time.monotonic()
         self._blocks = []
