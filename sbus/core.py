@@ -284,12 +284,13 @@ class BrokerCore:
         ==========================  ================================================
         a publish with the open     joins the open run: its head (``MSG key\\0``) is
         run's head                  compared as bytes, nothing parsed
-        a publish of another key    routed (`_route`); the same targets continue the
-                                    run, others open a new one
+        a publish of another key    routed (`RoutingIndex.match`); the same targets
+                                    continue the run, others open a new one
         the rest of the batch has   all of it joins the run at once (`_same_head`):
         that head (the usual case)  the batch is one run of one key
-        anything else               the runs before it are delivered (`_flush`), then
-                                    it is acted on (`_act_on`), in the client's order
+        anything else (a refused    the runs before it are delivered (`_flush`), then
+        publish too)                it is acted on (`_act_on`) or refused, in the
+                                    client's order
         the end of the batch        the runs are delivered (`_flush`), and the
                                     publisher is paused or goes on (`_settle`)
         ==========================  ================================================
@@ -333,7 +334,9 @@ class BrokerCore:
                         routed = True
                     elif head.startswith(msg_verb):
                         routed = True
-                        targets = self._route(conn, head[4:-1])
+                        key = head[4:-1]
+                        if b"!" not in key or self._key_allowed(key):
+                            targets = self.index.match(key, conn.cred.uid)
                 if targets is not None:
                     published += 1
                     if targets is not run_targets:
@@ -371,13 +374,15 @@ class BrokerCore:
                 if run_targets:
                     runs.append((run_start, i, run_targets))
                 if runs:
-                    job, blocked = self._flush(conn, batch, n, runs, blocked, hold, i + routed)
+                    job, blocked = self._flush(conn, batch, n, runs, blocked, hold, i)
                     if job is not None:
                         self.published += published  # packet i is acted on when it is done
                         return job
                     runs = []
                 run_start, run_targets, head, head_len = i + 1, (), None, 0
-                if not routed and self._act_on(conn, batch, i, size):
+                if routed:  # refused (after what came before was delivered), and said why
+                    self._key_allowed(key, conn)
+                elif self._act_on(conn, batch, i, size):
                     resume = n
                     break  # it is gone
             go_on = resume
@@ -413,8 +418,7 @@ class BrokerCore:
         msg_verb, write = protocol.MSG_VERB, self._write
         copies: dict[int, bytes] = {}
         sent = 0
-        i = start
-        for head in heads:
+        for i, head in enumerate(heads, start):  # noqa: B007 - i is returned
             targets = get(head)
             if targets is None:  # not cached, or a key of another length: parse it
                 at = offsets[i]
@@ -423,35 +427,31 @@ class BrokerCore:
                     break
                 head = buf[at:nul + 1]
                 if not head.startswith(msg_verb) or b"!" in head:
-                    break  # a secret key is checked by `_route`
+                    break  # a secret key is checked in `receive`
                 targets = self.index.match(head[4:-1], conn.cred.uid)
-            if targets:
-                if len(targets) > 1:
-                    break
-                t = targets[0]
-                if t.closed:
-                    pass
-                elif t.out.items:
-                    blocked = self._enqueue(conn, t, batch, i, i + 1, copies, blocked)
-                else:
-                    at = offsets[i]
-                    got = write(t.link, buf[at:at + lengths[i]])
-                    if got >= 0:
-                        sent += 1
-                    elif got == FULL:
-                        blocked = self._enqueue(conn, t, batch, i, i + 1, copies, blocked)
-                    else:
-                        self._unsent(t, got)
-            i += 1
+            if not targets:
+                continue
+            try:
+                t, = targets
+            except ValueError:
+                break  # more than one target
+            if t.closed:
+                continue
+            if t.out.items:
+                blocked = self._enqueue(conn, t, batch, i, i + 1, copies, blocked)
+                continue
+            at = offsets[i]
+            got = write(t.link, buf[at:at + lengths[i]])
+            if got >= 0:
+                sent += 1
+            elif got == FULL:
+                blocked = self._enqueue(conn, t, batch, i, i + 1, copies, blocked)
+            else:
+                self._unsent(t, got)
+        else:
+            i = start + len(heads)
         self.delivered += sent
         return i, blocked
-
-    def _route(self, conn: Client, key: bytes) -> tuple[Client, ...] | None:
-        """The targets of a publish to *key* that the route cache did not know; None if
-        the key is refused (and the client told why)."""
-        if b"!" in key and not self._key_allowed(conn, key):
-            return None
-        return self.index.match(key, conn.cred.uid)
 
     def _flush(self, conn: Client, batch, n: int, runs, blocked, hold: bool, resume: int):
         """Deliver *runs* now, or keep *batch* for a fan-out in steps if they are worth
@@ -673,11 +673,14 @@ class BrokerCore:
             return False
         return batch.heads(start, end, size).count(head) == end - start
 
-    def _key_allowed(self, conn: Client, key: bytes) -> bool:
+    def _key_allowed(self, key: bytes, conn: Client | None = None) -> bool:
+        """Whether *key* may be published to; if not, and *conn* is given, it is told why
+        (a publish is refused once what its publisher sent before it is delivered)."""
         try:
             self.rules.check_key(key)
         except KeyRefused as exc:
-            self.refuse(conn, b"msg", str(exc))
+            if conn is not None:
+                self.refuse(conn, b"msg", str(exc))
             return False
         return True
 
