@@ -312,6 +312,7 @@ class BrokerCore:
         head, head_len = None, 0  # the MSG head of the open run, to spot the same key
         misses = 0  # packets in a row whose head was not the open run's
         heads, heads_from, width = (), n, 0  # the batch's heads, for `_one_by_one`
+        takes = 2  # times they may be taken (again, for another width)
         go_on = start
         while go_on < n:
             resume = n  # where the loop goes on after `_one_by_one`, if it stops early
@@ -354,7 +355,10 @@ class BrokerCore:
                     head_len = 0
                     if len(targets) > 1 or i + 1 == n:
                         continue
-                    if width != nul + 1 - at or heads_from > i + 1:
+                    if width != nul + 1 - at:  # heads of another width: taken afresh,
+                        if not takes:  # twice a batch at most (a call costs a few µs)
+                            continue
+                        takes -= 1
                         width, heads_from = nul + 1 - at, i + 1
                         heads = self._heads(batch, i + 1, n, width)
                     if not heads:
