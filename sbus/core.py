@@ -195,7 +195,8 @@ class BrokerCore:
         self.rules = KeyRules(sep)
         limits = limits or Limits()
         self.index: RoutingIndex[Client] = RoutingIndex(
-            sep, RouteCache(sep, limits.cache_bytes, limits.cache_bytes_per_user))
+            sep, RouteCache(sep, limits.cache_bytes, limits.cache_bytes_per_user,
+                            framing=(protocol.MSG_VERB, b"\0")))
         self._whoami = protocol.WHOAMI.replace(b"/", sep)  # either spelling is answered
         self.max_message = max_message
         self.queue_limit = queue_limit
@@ -283,12 +284,13 @@ class BrokerCore:
         ==========================  ================================================
         a publish with the open     joins the open run: its head (``MSG key\\0``) is
         run's head                  compared as bytes, nothing parsed
-        a publish of another key    routed (`_route`); the same targets continue the
-                                    run, others open a new one
+        a publish of another key    routed (`RoutingIndex.match`); the same targets
+                                    continue the run, others open a new one
         the rest of the batch has   all of it joins the run at once (`_same_head`):
         that head (the usual case)  the batch is one run of one key
-        anything else               the runs before it are delivered (`_flush`), then
-                                    it is acted on (`_act_on`), in the client's order
+        anything else (a refused    the runs before it are delivered (`_flush`), then
+        publish too)                it is acted on (`_act_on`) or refused, in the
+                                    client's order
         the end of the batch        the runs are delivered (`_flush`), and the
                                     publisher is paused or goes on (`_settle`)
         ==========================  ================================================
@@ -303,28 +305,39 @@ class BrokerCore:
         """
         buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
         max_message, msg_verb = self.max_message, protocol.MSG_VERB
-        cache = self.index.cache.entries
+        framed = self.index.cache.framed
         published = 0
         runs: list[tuple[int, int, tuple[Client, ...]]] = []  # (start, end, targets)
         run_start, run_targets = start, ()  # the open run: [run_start, i), same targets
         head, head_len = None, 0  # the MSG head of the open run, to spot the same key
         misses = 0  # packets in a row whose head was not the open run's
-        for i in range(start, n):
-            size = lengths[i]
-            at = offsets[i]
-            if head_len:
-                if head_len <= size <= max_message and buf[at:at + head_len] == head:
-                    published += 1
-                    misses = 0
-                    continue
-                misses += 1
-            targets = ()  # None below: a publish refused
-            nul = buf.find(b"\0", at, at + size) if 4 < size <= max_message else -1
-            if nul > 0 and buf[at:at + 4] == msg_verb:
-                key = buf[at + 4:nul]
-                targets = cache.get(key)
-                if targets is None:
-                    targets = self._route(conn, key)
+        heads, heads_from, width = (), n, 0  # the batch's heads, for `_one_by_one`
+        takes = 2  # times they may be taken (again, for another width)
+        go_on = start
+        while go_on < n:
+            resume = n  # where the loop goes on after `_one_by_one`, if it stops early
+            for i in range(go_on, n):
+                size = lengths[i]
+                at = offsets[i]
+                if head_len:
+                    if head_len <= size <= max_message and buf[at:at + head_len] == head:
+                        published += 1
+                        misses = 0
+                        continue
+                    misses += 1
+                targets = None
+                routed = False  # a publish: routed, or refused if *targets* is None
+                nul = buf.find(b"\0", at, at + size) if 4 < size <= max_message else -1
+                if nul > 0:
+                    head = buf[at:nul + 1]
+                    targets = framed.get(head)
+                    if targets is not None:
+                        routed = True
+                    elif head.startswith(msg_verb):
+                        routed = True
+                        key = head[4:-1]
+                        if b"!" not in key or self._key_allowed(key):
+                            targets = self.index.match(key, conn.cred.uid)
                 if targets is not None:
                     published += 1
                     if targets is not run_targets:
@@ -332,27 +345,51 @@ class BrokerCore:
                             runs.append((run_start, i, run_targets))
                         run_start, run_targets = i, targets
                     if misses < 2:
-                        head = buf[at:nul + 1]
                         head_len = nul + 1 - at
                         if published == 1 and self._same_head(batch, head, i + 1, n):
                             published += n - i - 1  # the usual batch: one key throughout
                             break
-                    else:  # keys that change at every packet (many keys in turn): stop
-                        head_len = 0  # comparing heads for the rest of the batch
-                    continue
-            # not a publish (or a refused one): deliver what came before, then act on it
-            if run_targets:
-                runs.append((run_start, i, run_targets))
-            if runs:
-                job, blocked = self._flush(conn, batch, n, runs, blocked, hold,
-                                           i + (targets is None))
-                if job is not None:
-                    self.published += published  # packet i is acted on when it is done
-                    return job
-                runs = []
-            run_start, run_targets, head, head_len = i + 1, (), None, 0
-            if targets is not None and self._act_on(conn, batch, i, size):
-                break  # it is gone
+                        continue
+                    # keys that change at every packet (many keys in turn): stop comparing
+                    # heads; a packet for one target is delivered as it is routed
+                    head_len = 0
+                    if len(targets) > 1 or i + 1 == n:
+                        continue
+                    if width != nul + 1 - at:  # heads of another width: taken afresh,
+                        if not takes:  # twice a batch at most (a call costs a few µs)
+                            continue
+                        takes -= 1
+                        width, heads_from = nul + 1 - at, i + 1
+                        heads = self._heads(batch, i + 1, n, width)
+                    if not heads:
+                        continue
+                    runs.append((run_start, i + 1, run_targets))
+                    job, blocked = self._flush(conn, batch, n, runs, blocked, hold, i + 1)
+                    if job is not None:
+                        self.published += published
+                        return job
+                    runs, run_targets = [], ()
+                    resume, blocked = self._one_by_one(
+                        conn, batch, i + 1, heads[i + 1 - heads_from:], blocked)
+                    published += resume - i - 1
+                    run_start = resume
+                    break
+                # not a publish (or a refused one): deliver what came before, then act on it
+                if run_targets:
+                    runs.append((run_start, i, run_targets))
+                if runs:
+                    job, blocked = self._flush(conn, batch, n, runs, blocked, hold, i)
+                    if job is not None:
+                        self.published += published  # packet i is acted on when it is done
+                        return job
+                    runs = []
+                run_start, run_targets, head, head_len = i + 1, (), None, 0
+                if routed:  # refused (after what came before was delivered), and said why
+                    self._key_allowed(key, conn)
+                elif self._act_on(conn, batch, i, size):
+                    resume = n
+                    break  # it is gone
+            go_on = resume
         if run_targets:  # still open: it runs to the end of the batch
             runs.append((run_start, n, run_targets))
         # what was read was published, even if the publisher is gone now
@@ -364,12 +401,61 @@ class BrokerCore:
         self._settle(conn, blocked)
         return None
 
-    def _route(self, conn: Client, key: bytes) -> tuple[Client, ...] | None:
-        """The targets of a publish to *key* that the route cache did not know; None if
-        the key is refused (and the client told why)."""
-        if b"!" in key and not self._key_allowed(conn, key):
-            return None
-        return self.index.match(key, conn.cred.uid)
+    def _heads(self, batch, start: int, end: int, width: int) -> tuple[bytes, ...]:
+        """The first *width* bytes of batch packets ``start .. end-1`` (`PacketBatch.heads`,
+        one call), or () if a packet there is shorter than that or over the size limit
+        (a slot's bytes past its packet are stale)."""
+        sizes = batch.lengths[start:end]
+        if min(sizes) < width or max(sizes) > self.max_message:
+            return ()
+        return batch.heads(start, end, width)
+
+    def _one_by_one(self, conn: Client, batch, start: int, heads, blocked):
+        """Publishes from batch packet *start* on (*heads* are theirs), each delivered as
+        it is routed, for as long as each has at most one target: many keys in turn, each
+        with its subscriber (S3), cost a dict probe and a write per packet.  A head not
+        cached is parsed and routed here unless it is not a plain publish.  Returns where
+        it stopped (a packet it leaves to `receive`: not a publish, a secret key, more
+        than one target) and *blocked*."""
+        get = self.index.cache.framed.get
+        buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
+        msg_verb, write = protocol.MSG_VERB, self._write
+        copies: dict[int, bytes] = {}
+        sent = 0
+        for i, head in enumerate(heads, start):  # noqa: B007 - i is returned
+            targets = get(head)
+            if targets is None:  # not cached, or a key of another length: parse it
+                at = offsets[i]
+                nul = buf.find(b"\0", at, at + lengths[i])
+                if nul < 0:
+                    break
+                head = buf[at:nul + 1]
+                if not head.startswith(msg_verb) or b"!" in head:
+                    break  # a secret key is checked in `receive`
+                targets = self.index.match(head[4:-1], conn.cred.uid)
+            if not targets:
+                continue
+            try:
+                t, = targets
+            except ValueError:
+                break  # more than one target
+            if t.closed:
+                continue
+            if t.out.items:
+                blocked = self._enqueue(conn, t, batch, i, i + 1, copies, blocked)
+                continue
+            at = offsets[i]
+            got = write(t.link, buf[at:at + lengths[i]])
+            if got >= 0:
+                sent += 1
+            elif got == FULL:
+                blocked = self._enqueue(conn, t, batch, i, i + 1, copies, blocked)
+            else:
+                self._unsent(t, got)
+        else:
+            i = start + len(heads)
+        self.delivered += sent
+        return i, blocked
 
     def _flush(self, conn: Client, batch, n: int, runs, blocked, hold: bool, resume: int):
         """Deliver *runs* now, or keep *batch* for a fan-out in steps if they are worth
@@ -591,11 +677,14 @@ class BrokerCore:
             return False
         return batch.heads(start, end, size).count(head) == end - start
 
-    def _key_allowed(self, conn: Client, key: bytes) -> bool:
+    def _key_allowed(self, key: bytes, conn: Client | None = None) -> bool:
+        """Whether *key* may be published to; if not, and *conn* is given, it is told why
+        (a publish is refused once what its publisher sent before it is delivered)."""
         try:
             self.rules.check_key(key)
         except KeyRefused as exc:
-            self.refuse(conn, b"msg", str(exc))
+            if conn is not None:
+                self.refuse(conn, b"msg", str(exc))
             return False
         return True
 

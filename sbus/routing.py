@@ -60,6 +60,9 @@ NODE_COST = 400
 SUBSCRIPTION_COST = 400
 #: Bytes one cache entry costs besides its key and targets (dict slots, index entries).
 ENTRY_COST = 360
+#: Bytes the framed copy of an entry's key costs besides the key's bytes (`RouteCache`
+#: with *framing*: a bytes object and a dict slot).
+FRAMED_COST = 120
 #: Default byte bound of the route cache.
 CACHE_BYTES = 16 * 1024 * 1024
 
@@ -237,17 +240,26 @@ def _compact(node: _Node, sep: bytes):
 class RouteCache(Generic[C]):
     """Key -> subscribers, bounded in bytes overall and for each owner.
 
-    The broker reads `entries` directly on its hot path (one dict lookup per run of a
+    The broker reads `framed` directly on its hot path (one dict lookup per run of a
     key).  An owner over its share loses its own oldest entries first; the cache over
     its bound loses the oldest of everyone.  Entries are grouped by what a pattern can
     name without a wildcard, so that `invalidate` touches only a pattern's group.
+
+    With *framing* ``(before, after)``, every entry is also in `framed` under
+    ``before + key + after``: the broker looks a publish up by its head as received
+    (``MSG key\\0``), without cutting the key out of the packet first, and a head of
+    the same width taken blindly from a packet whose key is shorter or longer is never
+    found: no framed key holds *after* (a key that does is not framed: no publish has it).
     """
 
-    def __init__(self, sep: bytes, limit: int = CACHE_BYTES, per_owner: int | None = None):
+    def __init__(self, sep: bytes, limit: int = CACHE_BYTES, per_owner: int | None = None,
+                 framing: tuple[bytes, bytes] | None = None):
         self.sep = sep
         self.limit = limit
         self.per_owner = limit if per_owner is None else per_owner
         self.entries: dict[bytes, tuple[C, ...]] = {}
+        self.framed: dict[bytes, tuple[C, ...]] = {}
+        self._framing = framing
         self.nbytes = 0
         self._meta: dict[bytes, tuple[object, bytes, int]] = {}  # key -> owner, group, cost
         self._owned: dict[object, dict[bytes, None]] = {}  # owner -> its keys, oldest first
@@ -271,6 +283,9 @@ class RouteCache(Generic[C]):
         if key in self.entries:
             return
         cost = ENTRY_COST + len(key) + 8 * len(targets)
+        framing = self._framing
+        if framing is not None:
+            cost += FRAMED_COST + len(framing[0]) + len(key) + len(framing[1])
         if cost > self.per_owner or cost > self.limit:
             return
         owned = self._owned.setdefault(owner, {})
@@ -281,6 +296,8 @@ class RouteCache(Generic[C]):
         owned = self._owned.setdefault(owner, {})
         group = self.group(key)
         self.entries[key] = targets
+        if framing is not None and framing[1] not in key:
+            self.framed[framing[0] + key + framing[1]] = targets
         self._meta[key] = (owner, group, cost)
         owned[key] = None
         self._groups.setdefault(group, {})[key] = None
@@ -293,6 +310,8 @@ class RouteCache(Generic[C]):
             return
         owner, group, cost = meta
         del self.entries[key]
+        if self._framing is not None:
+            self.framed.pop(self._framing[0] + key + self._framing[1], None)
         owned = self._owned[owner]
         del owned[key]
         if not owned:
@@ -313,8 +332,8 @@ class RouteCache(Generic[C]):
     def clear(self, secret: bool | None = None) -> None:
         """Drop every entry (only the public ones, or only the secret ones, if asked)."""
         if secret is None:
-            for table in (self.entries, self._meta, self._owned, self._owner_bytes,
-                          self._groups):
+            for table in (self.entries, self.framed, self._meta, self._owned,
+                          self._owner_bytes, self._groups):
                 table.clear()
             self.nbytes = 0
             return

@@ -149,15 +149,17 @@ def test_index_agrees_with_brute(subs, keys, data):
 
 # -- the cache: bounded in bytes, charged to owners, invalidated where a change matters --
 
-from sbus.routing import ENTRY_COST, RouteCache  # noqa: E402
+from sbus.routing import ENTRY_COST, FRAMED_COST, RouteCache  # noqa: E402
 
 
 @settings(max_examples=200)
 @given(st.lists(st.tuples(st.sampled_from(["sub", "unsub", "match", "drop"]),
                           st.sampled_from("xyz"), pattern_st, key_st), max_size=40))
 def test_cached_answers_equal_uncached_ones(ops):
-    """With a tiny cache (evicting all the time) and without: the same answers, always."""
-    cached = RoutingIndex(cache=RouteCache(b"/", limit=3 * (ENTRY_COST + 16)))
+    """With a tiny cache (evicting all the time) and without: the same answers, always;
+    the framed copy of the cache (the broker's heads) is the cache, always."""
+    cached = RoutingIndex(cache=RouteCache(b"/", limit=3 * (ENTRY_COST + FRAMED_COST + 32),
+                                           framing=(b"<", b"/")))
     plain = RoutingIndex()
     for op, client, pattern, key in ops:
         if op == "sub":
@@ -170,6 +172,9 @@ def test_cached_answers_equal_uncached_ones(ops):
             plain.remove_client(client)
         for k in (key, pattern):
             assert set(cached.match(k, owner=client)) == set(plain.lookup(k))
+        entries = cached.cache.entries
+        assert cached.cache.framed == {b"<" + k + b"/": v for k, v in entries.items()
+                                       if b"/" not in k}
 
 
 def test_cache_is_bounded_in_bytes_and_per_owner():

@@ -4,8 +4,8 @@
 The whole-broker benchmark (tools/bench.py) measures the broker's CPU with the system
 calls in it, and on this shared 2-core machine its figures move by ±15 % between runs
 of the same code: too much to see a change of a few hundred nanoseconds per batch.
-This runs the real `Broker.serve` loop in-process on scenario S1–S4's shape (publishers
-sending full batches of 32 ``MSG k.NNN`` packets of 64-byte payload, subscribers
+This runs the real `Broker.serve` loop in-process on scenario S1–S5's shape (publishers
+sending full batches of 64 ``MSG k.NNN`` packets of 64-byte payload, subscribers
 reading everything) with the system calls replaced by no-ops: ``recvmmsg`` reports the
 batch already in the buffer, ``sendmmsg`` and ``os.write`` take everything (replaced
 before the broker is imported, so whatever the shell wraps around them is timed),
@@ -30,18 +30,35 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: name: (subscribers, keys, publishers), as in tools/bench.py
-SCENARIOS = {"S1": (1, 1, 1), "S2": (10, 1, 1), "S3": (100, 100, 1), "S4": (1, 1, 4)}
+SCENARIOS = {"S1": (1, 1, 1), "S2": (10, 1, 1), "S3": (100, 100, 1), "S4": (1, 1, 4),
+             "S5": (1000, 1, 1)}
 WARM_ROUNDS = 2000  # a new client earns its full batch over its first few turns
 
 # Runs in a child interpreter with the tree first on the path: argv = scenario, rounds.
 CHILD = r"""
 import os, select, socket, sys, time
 os.write = lambda fd, data: len(data)  # before the broker binds it: its own port is timed
-from sbus import packetio
+from sbus import broker as broker_mod, packetio
 from sbus.broker import Broker
 from sbus.flood import Hard, Order, Soft
 
-name, rounds, nsub, nkeys, npub, warm = sys.argv[1], *map(int, sys.argv[2:])
+name, rounds, nsub, nkeys, npub, warm, held = sys.argv[1], *map(int, sys.argv[2:])
+
+class Filled(packetio.PacketBatch):
+    # every batch holds a publisher's packets: a fan-out in steps keeps one and the
+    # broker reads into another meanwhile
+    def __init__(self, *args):
+        super().__init__(*args)
+        for i in range(self.slots):
+            packet = b"MSG k.%03d\0" % (i % nkeys) + b"x" * 64
+            at = self.offsets[i]
+            self.buffer[at:at + len(packet)] = packet
+            self._rmsgs[i].msg_len = len(packet)
+
+    def trim(self, n):
+        pass  # it would hand back the pages of the slots past *n*: the packets
+
+broker_mod.PacketBatch = Filled
 broker = Broker(defaults=(Soft.QUEUE, Hard.BLOCK, Order.QUEUE))
 peers = []
 
@@ -53,13 +70,10 @@ def admit():
 subs = [admit() for _ in range(nsub)]
 for i, c in enumerate(subs):
     broker.core.subscribe(c, b"k.%03d" % (i % nkeys))
+holder = admit()  # patterns that match nothing (tools/bench_scale.py's "patterns")
+for i in range(held):
+    broker.core.subscribe(holder, b"p/%d/x" % i)
 pubs = [admit() for _ in range(npub)]
-batch = broker._batch
-for i in range(batch.slots):
-    packet = b"MSG k.%03d\0" % (i % nkeys) + b"x" * 64
-    at = batch.offsets[i]
-    batch.buffer[at:at + len(packet)] = packet
-    batch._rmsgs[i].msg_len = len(packet)
 packetio._recvmmsg = lambda fd, msgs, vlen, flags, timeout: vlen
 packetio._sendmmsg = lambda fd, msgs, vlen, flags: vlen
 
@@ -94,11 +108,11 @@ print(epoll.spent / (broker.core.delivered - epoll.delivered))
 """
 
 
-def once(tree: Path, name: str, rounds: int) -> float:
+def once(tree: Path, name: str, rounds: int, held: int = 0) -> float:
     nsub, nkeys, npub = SCENARIOS[name]
     out = subprocess.run(
         [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tree)!r})\n" + CHILD,
-         name, str(rounds), str(nsub), str(nkeys), str(npub), str(WARM_ROUNDS)],
+         name, str(rounds), str(nsub), str(nkeys), str(npub), str(WARM_ROUNDS), str(held)],
         check=True, capture_output=True, text=True, cwd=tree)
     return float(out.stdout.split()[-1])
 
@@ -109,25 +123,33 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5000, help="rounds of the loop per run")
     ap.add_argument("--scenarios", default="S1,S2,S3,S4")
+    ap.add_argument("--held", type=int, default=0, metavar="N",
+                    help="N patterns that match nothing held by another client (with "
+                         "--before: the same tree with N and with none)")
     ap.add_argument("--json", metavar="FILE", help="also write the raw figures here")
     args = ap.parse_args()
-    trees = {"after": ROOT}
+    trees = {"after": (ROOT, args.held)}
     if args.before:
-        trees["before"] = args.before.resolve()
+        trees["before"] = (args.before.resolve(), args.held)
+    elif args.held:
+        trees = {"held": (ROOT, args.held), "none": (ROOT, 0)}
     results: dict[str, dict[str, list[float]]] = {t: {} for t in trees}
     for name in args.scenarios.split(","):
         for _ in range(args.runs):
-            for label, tree in trees.items():
-                results[label].setdefault(name, []).append(once(tree, name, args.rounds))
+            for label, (tree, held) in trees.items():
+                results[label].setdefault(name, []).append(
+                    once(tree, name, args.rounds, held))
     print(f"\nPython ns per delivery in the broker's loop (system calls as no-ops), "
           f"median of {args.runs}\n")
-    head = "| scenario | " + " | ".join(trees) + (" | after/before |" if args.before else " |")
+    ratio = " | after/before |" if args.before else " | held/none |" if args.held else " |"
+    head = "| scenario | " + " | ".join(trees) + ratio
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for name in args.scenarios.split(","):
         med = {t: statistics.median(results[t][name]) for t in trees}
         row = f"| {name} | " + " | ".join(f"{med[t]:.0f}" for t in trees)
-        print(row + (f" | {med['after'] / med['before']:.2f} |" if args.before else " |"))
+        first, second = trees
+        print(row + (f" | {med[first] / med[second]:.2f} |" if len(trees) > 1 else " |"))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -188,7 +188,8 @@ def _alive(s: socket.socket) -> bool:
 def part_patterns(tmp: Path, cbroker: Path, lg: Path, max_patterns: int,
                   rounds: int) -> list[dict]:
     """Patterns held by one broker; S1 on it against S1 on a twin broker holding none,
-    the two taking turns (*rounds* each) so that the machine's noise cancels."""
+    the two taking turns (*rounds* each, each going first in every other round) so that
+    the machine's noise cancels."""
     (tmp / "held").mkdir()
     (tmp / "none").mkdir()
     broker = Broker("sbus", tmp / "held", cbroker, UNLIMITED)
@@ -198,9 +199,10 @@ def part_patterns(tmp: Path, cbroker: Path, lg: Path, max_patterns: int,
         steps = [s for s in PATTERN_STEPS if s <= max_patterns]
         for g in grow(broker, steps, b"SUB p/%d/x"):
             held, none = [], []
-            for _ in range(rounds):
-                held.append(run_scenario(lg, broker, "S1", S_COUNT))
-                none.append(run_scenario(lg, twin, "S1", S_COUNT))
+            for r in range(rounds):  # each goes first in every other round: no order bias
+                pair = [(held, broker), (none, twin)]
+                for results, which in pair if r % 2 == 0 else pair[::-1]:
+                    results.append(run_scenario(lg, which, "S1", S_COUNT))
             s1, s1_none = (statistics.median(r["rate"] for r in x) for x in (held, none))
             cpu, cpu_none = (statistics.median(r["cpu_us_per_delivery"] for r in x)
                              for x in (held, none))
