@@ -60,6 +60,10 @@ NODE_COST = 400
 SUBSCRIPTION_COST = 400
 #: Bytes one cache entry costs besides its key and targets (dict slots, index entries).
 ENTRY_COST = 360
+#: Bytes a public key's place in the second-segment index costs besides the segment's
+#: bytes (at worst a dict and a bytes object of its own: every key a second segment of
+#: its own).
+SECOND_COST = 240
 #: Bytes the framed copy of an entry's key costs besides the key's bytes (`RouteCache`
 #: with *framing*: a bytes object and a dict slot).
 FRAMED_COST = 120
@@ -243,7 +247,10 @@ class RouteCache(Generic[C]):
     The broker reads `framed` directly on its hot path (one dict lookup per run of a
     key).  An owner over its share loses its own oldest entries first; the cache over
     its bound loses the oldest of everyone.  Entries are grouped by what a pattern can
-    name without a wildcard, so that `invalidate` touches only a pattern's group.
+    name without a wildcard, so that `invalidate` touches only a pattern's group: a
+    public key by its first segment and also by its second (``*/x`` names no first
+    segment, and clearing everything at each such SUB let one user's churn halve
+    another's publishing).
 
     With *framing* ``(before, after)``, every entry is also in `framed` under
     ``before + key + after``: the broker looks a publish up by its head as received
@@ -261,10 +268,12 @@ class RouteCache(Generic[C]):
         self.framed: dict[bytes, tuple[C, ...]] = {}
         self._framing = framing
         self.nbytes = 0
-        self._meta: dict[bytes, tuple[object, bytes, int]] = {}  # key -> owner, group, cost
+        # key -> owner, group, second segment (None: secret or one segment), cost
+        self._meta: dict[bytes, tuple[object, bytes, bytes | None, int]] = {}
         self._owned: dict[object, dict[bytes, None]] = {}  # owner -> its keys, oldest first
         self._owner_bytes: Counter[object] = Counter()
         self._groups: dict[bytes, dict[bytes, None]] = {}  # group -> its keys
+        self._seconds: dict[bytes, dict[bytes, None]] = {}  # second segment -> public keys
         self._secret = secret_prefix(sep)
 
     def group(self, key: bytes) -> bytes:
@@ -283,6 +292,12 @@ class RouteCache(Generic[C]):
         if key in self.entries:
             return
         cost = ENTRY_COST + len(key) + 8 * len(targets)
+        second = None
+        if not key.startswith(self._secret):
+            parts = key.split(self.sep, 2)
+            if len(parts) > 1:
+                second = parts[1]
+                cost += SECOND_COST + len(second)
         framing = self._framing
         if framing is not None:
             cost += FRAMED_COST + len(framing[0]) + len(key) + len(framing[1])
@@ -295,10 +310,12 @@ class RouteCache(Generic[C]):
             self.drop(next(iter(self.entries)))
         owned = self._owned.setdefault(owner, {})
         group = self.group(key)
+        if second is not None:
+            self._seconds.setdefault(second, {})[key] = None
         self.entries[key] = targets
         if framing is not None and framing[1] not in key:
             self.framed[framing[0] + key + framing[1]] = targets
-        self._meta[key] = (owner, group, cost)
+        self._meta[key] = (owner, group, second, cost)
         owned[key] = None
         self._groups.setdefault(group, {})[key] = None
         self._owner_bytes[owner] += cost
@@ -308,7 +325,7 @@ class RouteCache(Generic[C]):
         meta = self._meta.pop(key, None)
         if meta is None:
             return
-        owner, group, cost = meta
+        owner, group, second, cost = meta
         del self.entries[key]
         if self._framing is not None:
             self.framed.pop(self._framing[0] + key + self._framing[1], None)
@@ -320,6 +337,11 @@ class RouteCache(Generic[C]):
         del members[key]
         if not members:
             del self._groups[group]
+        if second is not None:
+            members = self._seconds[second]
+            del members[key]
+            if not members:
+                del self._seconds[second]
         self._owner_bytes[owner] -= cost
         if not self._owner_bytes[owner]:
             del self._owner_bytes[owner]
@@ -333,7 +355,7 @@ class RouteCache(Generic[C]):
         """Drop every entry (only the public ones, or only the secret ones, if asked)."""
         if secret is None:
             for table in (self.entries, self.framed, self._meta, self._owned,
-                          self._owner_bytes, self._groups):
+                          self._owner_bytes, self._groups, self._seconds):
                 table.clear()
             self.nbytes = 0
             return
@@ -358,6 +380,10 @@ class RouteCache(Generic[C]):
                 self.clear(secret=True)
         elif segments[0][0] == LITERAL:
             self.drop_group(segments[0][1])
+        elif len(segments) > 1 and segments[1][0] == LITERAL:
+            # ``*/x...``: only public keys whose second segment is x can match it
+            for key in list(self._seconds.get(segments[1][1], ())):
+                self.drop(key)
         else:
             self.clear(secret=False)
 

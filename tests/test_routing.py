@@ -178,10 +178,10 @@ def test_cached_answers_equal_uncached_ones(ops):
 
 
 def test_cache_is_bounded_in_bytes_and_per_owner():
-    index = RoutingIndex(cache=RouteCache(b"/", limit=200_000, per_owner=50_000))
+    index = RoutingIndex(cache=RouteCache(b"/", limit=200_000, per_owner=80_000))
     for i in range(10_000):
         index.match(b"attacker/%d/" % i + b"x" * 500, owner=1000)
-    assert index.cache.owner_bytes(1000) <= 50_000
+    assert index.cache.owner_bytes(1000) <= 80_000
     for i in range(100):
         index.match(b"honest/%d" % i, owner=1001)
     assert index.cache.owner_bytes(1001) > 0
@@ -203,6 +203,30 @@ def test_unrelated_subscriptions_keep_the_cache():
     index.subscribe("t", b"sensors/")  # a change that can matter drops that group
     assert not any(k in index.cache.entries for k in keys)
     assert index.match(keys[0]) in (("s", "t"), ("t", "s"))
+
+
+def test_churn_of_patterns_that_begin_with_a_wildcard_keeps_unrelated_entries():
+    """``*/x`` names no first segment: it drops only the keys whose second segment is x
+    (it used to clear every public entry, so one user's churn of ``*/N`` halved another
+    user's publishing); a change that can matter is still seen at once."""
+    index = RoutingIndex()
+    index.subscribe("s", b"tp/")
+    keys = [b"tp/k%d" % i for i in range(100)]
+    for k in keys:
+        assert index.match(k) == ("s",)
+    for i in range(1000):
+        index.subscribe("churn", b"*/%d" % i)
+        index.unsubscribe("churn", b"*/%d" % i)
+    assert all(k in index.cache.entries for k in keys)
+    index.subscribe("t", b"*/k7")  # can matter: tp/k7 is dropped and matched anew
+    assert b"tp/k7" not in index.cache.entries and b"tp/k8" in index.cache.entries
+    assert set(index.match(b"tp/k7")) == {"s", "t"} and index.match(b"tp/k8") == ("s",)
+    assert index.match(b"tp/k8/z") == ("s",)
+    index.subscribe("u", b"*/k8/")  # the keys below tp/k8 have k8 second too
+    assert b"tp/k8/z" not in index.cache.entries
+    assert set(index.match(b"tp/k8/z")) == {"s", "u"}
+    index.subscribe("v", b"*")  # no literal second segment: every public entry goes
+    assert not index.cache.entries
 
 
 def test_secret_changes_drop_only_that_process_s_keys():
