@@ -15,6 +15,7 @@ import select
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -86,14 +87,19 @@ class Peer:
             self.got.append((m.topic, m.payload, getattr(m.properties, "UserProperty", [])))
 
         self.c.on_message = take
+        self._subacks = threading.Semaphore(0)
+        self.c.on_subscribe = lambda *_: self._subacks.release()
         if auth:
             self.c.username_pw_set(*auth)
         self.c.connect(sock, 1)  # the port is ignored for a unix socket
         self.c.loop_start()
         for f in filters:
-            info = self.c.subscribe(f, qos=1)
-            assert info[0] == 0
-        time.sleep(0.2)  # the SUBACKs
+            self.subscribe(f, qos=1)
+
+    def subscribe(self, topic: str, **options) -> None:
+        """Subscribe, and wait for the broker's SUBACK (the subscription is in force)."""
+        assert self.c.subscribe(topic, **options)[0] == 0
+        assert self._subacks.acquire(timeout=10), f"no SUBACK for {topic}"
 
     def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
         self.c.publish(topic, payload, qos).wait_for_publish(5)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SBUS, stop_process, wait_for_socket
+from faultkit import until
 from mqtt_hosts import Bridge, Hosts, Mosquitto, Peer
 
 from sbus import Client
@@ -92,7 +93,7 @@ def test_export_import_refusals_and_status(hosts: Hosts) -> None:
                   ("other/x", b"not exported")])
     c = br.wait_counters(lambda c: c["exported"] + c["refused"] >= 3)
     assert (c["exported"], c["refused"]) == (1, 2)
-    time.sleep(0.3)
+    until(lambda: peer.got, "the export reached the MQTT peer")
     topics = [(t, p) for t, p, _ in peer.got]
     assert topics == [("site/a/sensors/t1", b"20.5")]
     assert ("sbus-bridge", "bridge-a") in peer.got[0][2]   # the loop marker
@@ -442,8 +443,7 @@ def test_own_message_returned_by_a_relay_is_recognised_by_its_marker(one_host: H
         client.publish(msg.topic, msg.payload, 0, properties=props)
 
     relay.c.on_message = republish
-    relay.c.subscribe("out/#", options=SubscribeOptions(qos=0, noLocal=True))
-    time.sleep(0.3)
+    relay.subscribe("out/#", options=SubscribeOptions(qos=0, noLocal=True))
     bus = hosts.bus_address(0)
     local = subscriber(bus, "out/")
     publish(bus, [("out/x", b"once")])
