@@ -418,12 +418,24 @@ def test_timeout_cat_ends_promptly(mnt):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_ends_a_blocked_cat_within_half_a_second(mnt, sig):
     proc = cat(touch(mnt, "x"))
-    time.sleep(0.2)  # well inside read()
+    wait_in_fuse(proc.pid)
     t = time.monotonic()
     proc.send_signal(sig)
     proc.wait(5)
     assert time.monotonic() - t < 0.5
     assert proc.returncode == -sig
+
+
+def wait_in_fuse(pid: int, timeout: float = 10) -> None:
+    """Until *pid* waits for a FUSE answer (the kernel's ``request_wait_answer``): inside
+    the call the test means to interrupt, without a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/wchan") as f:
+            if f.read() == "request_wait_answer":
+                return
+        assert time.monotonic() < deadline, f"{pid} never waited on the mount"
+        time.sleep(0.005)
 
 
 def proc_state(pid: int) -> str:
@@ -681,8 +693,7 @@ def test_ctrl_c_while_open_waits_for_a_silent_broker(space):
         silent.listen(64)
         proc = subprocess.Popen(["cat", m / "**"], stderr=subprocess.PIPE,
                                 preexec_fn=default_sigint)
-        time.sleep(0.5)
-        assert proc.poll() is None  # still inside open()
+        wait_in_fuse(proc.pid)  # inside open()
         t = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(5)

@@ -22,6 +22,7 @@ from test_fuse import (
     mounted,
     read_lines,
     subscriber,
+    wait_in_fuse,
     wait_open,
 )
 
@@ -231,8 +232,7 @@ def test_a_write_waiting_for_a_gone_broker_ends_at_ctrl_c(space):
         b.stop()
         writer = subprocess.Popen(["sh", "-c", f"echo lost >> {m / 'w/k'}"],
                                   stderr=subprocess.PIPE, preexec_fn=default_sigint)
-        time.sleep(0.5)
-        assert writer.poll() is None  # still inside write(), waiting for the broker
+        wait_in_fuse(writer.pid)  # inside write(), waiting for the broker
         t = time.monotonic()
         writer.send_signal(signal.SIGINT)
         writer.wait(5)
