@@ -224,23 +224,24 @@ def served(sock: socket.socket, timeout: float = 3.0, sep: bytes = b"/") -> bool
         sock.settimeout(old)
 
 
-def wait_subscribed(address: str, pattern: bytes, timeout: float = 10.0) -> None:
-    """Until the broker's status lists a client holding *pattern*: the way to know that
-    another process's subscription is in force (instead of sleeping and hoping)."""
-    deadline = time.monotonic() + timeout
+def broker_clients(address: str, timeout: float = 10.0) -> list[dict]:
+    """The clients the broker's status lists now (``CMSG broker/status``)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.settimeout(timeout)
         s.connect(address)
-        while True:
-            s.send(b"CMSG broker/status")
-            while not (p := s.recv(1 << 17)).startswith(b"CMSG broker/status\0"):
-                if not p:
-                    raise ConnectionError("the broker closed the connection")
-            clients = json.loads(p.split(b"\0", 1)[1])["clients"]
-            if any(pattern.decode() in c["patterns"] for c in clients):
-                return
-            assert time.monotonic() < deadline, f"nobody subscribed {pattern!r} in {timeout} s"
-            time.sleep(0.02)
+        s.send(b"CMSG broker/status")
+        while not (p := s.recv(1 << 17)).startswith(b"CMSG broker/status\0"):
+            if not p:
+                raise ConnectionError("the broker closed the connection")
+        return json.loads(p.split(b"\0", 1)[1])["clients"]
+
+
+def wait_subscribed(address: str, pattern: bytes | str, timeout: float = 10.0) -> None:
+    """Until the broker's status lists a client holding *pattern*: the way to know that
+    another process's subscription is in force (instead of sleeping and hoping)."""
+    text = pattern.decode() if isinstance(pattern, bytes) else pattern
+    until(lambda: any(text in c["patterns"] for c in broker_clients(address)),
+          f"a client subscribed to {text!r}", timeout, every=0.02)
 
 
 def until(condition: Callable[[], object], what: str, timeout: float = 10.0,

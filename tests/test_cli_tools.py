@@ -18,10 +18,10 @@ from importlib import metadata
 import faultkit
 import pytest
 from conftest import SBUS
+from faultkit import wait_subscribed
 
 from sbus import Client, SbusError
 from sbus.cli import build_parser
-from sbus.cmd.status import fetch
 
 
 def sbus(*args: str, input: bytes | None = None, timeout: float = 20):
@@ -31,19 +31,6 @@ def sbus(*args: str, input: bytes | None = None, timeout: float = 20):
 def start(*args: str) -> subprocess.Popen:
     return subprocess.Popen([*SBUS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL)
-
-
-def wait_subscribed(address: str, pattern: str, timeout: float = 10) -> None:
-    """Until the broker's status shows a client holding *pattern*: then a published
-    message reaches it."""
-    deadline = time.monotonic() + timeout
-    with Client(address) as bus:
-        while True:
-            state = fetch(bus, 5)
-            if any(pattern in c["patterns"] for c in state["clients"]):
-                return
-            assert time.monotonic() < deadline, f"nobody subscribed {pattern!r}"
-            time.sleep(0.02)
 
 
 def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -15,7 +15,7 @@ import threading
 import time
 
 from conftest import raw, sync, wait_for_socket
-from faultkit import SBUS, HeldSocket, open_fds, served
+from faultkit import SBUS, HeldSocket, broker_clients, open_fds, served, until
 
 SEQ = struct.Struct("!Q")
 
@@ -51,13 +51,6 @@ class Reconnecting:
         self.sock.close()
         self.reconnects += 1
         self.sock = self._connect()
-
-
-def until(condition, what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.01)
 
 
 def test_kill_9_under_load_with_socket_activation(short_tmp) -> None:
@@ -217,7 +210,8 @@ def test_subscriber_killed_mid_fanout(broker) -> None:
     sent = [0]
 
     def kill_victims() -> None:
-        time.sleep(1.0)  # by now the blocking victims hold the publisher back
+        until(lambda: any(c["publishers_paused"] for c in broker_clients(broker.address)),
+              "the blocking victims holding the publisher back", timeout=30)
         sent.append(sent[0])
         for p in victims:
             p.send_signal(signal.SIGKILL)

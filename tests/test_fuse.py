@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SBUS, BrokerProcess, raw, stop_process, sync
+from faultkit import until
 
 from sbus.routing import matches
 
@@ -426,16 +427,22 @@ def test_signal_ends_a_blocked_cat_within_half_a_second(mnt, sig):
     assert proc.returncode == -sig
 
 
+def waiting_in_fuse(pid: int) -> int:
+    """How many of *pid*'s threads wait for a FUSE answer (``request_wait_answer``)."""
+    count = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                count += f.read() == "request_wait_answer"
+        except FileNotFoundError:
+            pass  # the thread ended
+    return count
+
+
 def wait_in_fuse(pid: int, timeout: float = 10) -> None:
-    """Until *pid* waits for a FUSE answer (the kernel's ``request_wait_answer``): inside
-    the call the test means to interrupt, without a fixed sleep."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with open(f"/proc/{pid}/wchan") as f:
-            if f.read() == "request_wait_answer":
-                return
-        assert time.monotonic() < deadline, f"{pid} never waited on the mount"
-        time.sleep(0.005)
+    """Until *pid* waits for a FUSE answer: inside the call the test means to interrupt,
+    without a fixed sleep."""
+    until(lambda: waiting_in_fuse(pid), f"{pid} waiting on the mount", timeout, every=0.005)
 
 
 def proc_state(pid: int) -> str:

@@ -207,7 +207,7 @@ def test_line_streams_publish_each_line_as_written(mnt, bus):
     open(log, "w").close()
     streamer = subprocess.Popen(["sh", "-c", f"exec tail -n0 -f {log} >> {mnt / 'logs/x'}"])
     try:
-        time.sleep(0.3)  # tail -f starts at the end of the file: let it get there
+        wait_open(streamer, log)  # tail -f starts at the end of the file: let it get there
         for i in range(3):
             with open(log, "a") as f:
                 f.write(f"stream{i}\n")

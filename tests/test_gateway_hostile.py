@@ -293,12 +293,14 @@ def test_one_client_cannot_stall_the_others(gw):
             while not stop.is_set():
                 attacker.sendall(zeros)
                 attacker.sendall(churn)
+                attacking.set()
         except OSError:
             pass
 
+    attacking = threading.Event()
     t = threading.Thread(target=attack, daemon=True)
     t.start()
-    time.sleep(0.3)
+    assert attacking.wait(10), "the attacker sent nothing"
     loaded = round_trips(honest, 3.0)
     stop.set()
     attacker.close()
@@ -701,6 +703,8 @@ def test_a_broker_restart_under_remote_publishing_is_survived(hdir):
         s = gw.connect()
         s.sendall(codec.authenticate(SECRET))
         frame = codec.publish(b"load/x", b"y" * 100)
+        s.sendall(frame * 50)
+        sending.release()  # once each: all three are publishing
         while not stop.is_set():
             try:
                 s.sendall(frame * 50)
@@ -708,14 +712,16 @@ def test_a_broker_restart_under_remote_publishing_is_survived(hdir):
                 return
             time.sleep(0.001)
 
+    sending = threading.Semaphore(0)
     threads = [threading.Thread(target=publisher, daemon=True) for _ in range(3)]
     sub = gw.connect()
     try:
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        for _ in threads:
+            assert sending.acquire(timeout=10), "a publisher sent nothing"
         broker.stop()
-        time.sleep(0.3)
+        time.sleep(0.3)  # the publishers go on against a gateway without a bus a while
         broker = BrokerProcess(address).start()
         gw.wait_log("connected to the bus at", timeout=30, times=2)
         local = raw(address)
