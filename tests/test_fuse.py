@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,18 +69,29 @@ class Mount:
         return os.path.join(self.path, rel)
 
 
-@pytest.fixture(scope="module")
-def space():
-    d = tempfile.mkdtemp(prefix="sbus-fuse-", dir="/tmp")
+def space_dir(prefix: str) -> Iterator[str]:
+    """A fixture's directory under /tmp that other users can reach, removed after."""
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    os.chmod(d, 0o755)
     yield d
     subprocess.run(["rm", "-rf", d], check=False)
 
 
-@pytest.fixture(scope="module")
-def bus(space):
+def broker_in(space: str) -> Iterator[BrokerProcess]:
+    """A fixture's broker on ``SPACE/bus.sock``, stopped after."""
     b = BrokerProcess(os.path.join(space, "bus.sock")).start()
     yield b
     b.stop()
+
+
+@pytest.fixture(scope="module")
+def space():
+    yield from space_dir("sbus-fuse-")
+
+
+@pytest.fixture(scope="module")
+def bus(space):
+    yield from broker_in(space)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import os
 import select
 import signal
 import subprocess
-import tempfile
 import time
 
 import pytest
@@ -16,11 +15,13 @@ from conftest import SBUS, BrokerProcess
 from test_fuse import (
     ENV,
     Mount,
+    broker_in,
     cat,
     default_sigint,
     end,
     mounted,
     read_lines,
+    space_dir,
     subscriber,
     wait_in_fuse,
     wait_open,
@@ -33,17 +34,12 @@ LIMIT = 256 * 1024  # the broker's (and the mount's) default packet limit
 
 @pytest.fixture(scope="module")
 def space():
-    d = tempfile.mkdtemp(prefix="sbus-fuse-files-", dir="/tmp")
-    os.chmod(d, 0o755)
-    yield d
-    subprocess.run(["rm", "-rf", d], check=False)
+    yield from space_dir("sbus-fuse-files-")
 
 
 @pytest.fixture(scope="module")
 def bus(space):
-    b = BrokerProcess(os.path.join(space, "bus.sock")).start()
-    yield b
-    b.stop()
+    yield from broker_in(space)
 
 
 @pytest.fixture(scope="module")

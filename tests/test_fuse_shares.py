@@ -17,26 +17,38 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from conftest import BrokerProcess
-from test_fuse import Mount, cat, end, mounted, read_lines, subscriber, touch
+from test_fuse import (
+    Mount,
+    broker_in,
+    cat,
+    end,
+    mounted,
+    read_lines,
+    space_dir,
+    subscriber,
+    touch,
+)
 from test_fuse_files import AS_NOBODY, UserMount
 
 from sbus.client import Client
 from sbus.fuse.shares import UserShare
 
 
+def counted_as_nobody(script: str) -> tuple[int, int, subprocess.CompletedProcess]:
+    """Run *script* as nobody; it prints how far it got and the errno that stopped it."""
+    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
+                       text=True, timeout=60)
+    count, err = map(int, r.stdout.split())
+    return count, err, r
+
 @pytest.fixture(scope="module")
 def space():
-    d = tempfile.mkdtemp(prefix="sbus-fuse-shares-", dir="/tmp")
-    os.chmod(d, 0o755)
-    yield d
-    subprocess.run(["rm", "-rf", d], check=False)
+    yield from space_dir("sbus-fuse-shares-")
 
 
 @pytest.fixture(scope="module")
 def bus(space):
-    b = BrokerProcess(os.path.join(space, "bus.sock")).start()
-    yield b
-    b.stop()
+    yield from broker_in(space)
 
 
 @pytest.fixture
@@ -170,9 +182,7 @@ try:
 except OSError as e:
     print(n, e.errno)
 """
-    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
-                       text=True, timeout=60)
-    made, err = map(int, r.stdout.split())
+    made, err, r = counted_as_nobody(script)
     assert err == errno.EDQUOT and 500 < made < 2500, (made, err)
     os.mkdir(m / "d/roots")
     assert os.path.isdir(m / "d/roots")
@@ -256,9 +266,7 @@ try:
 except OSError as e:
     print(len(fds), e.errno)
 """
-    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
-                       text=True, timeout=60)
-    held, err = map(int, r.stdout.split())
+    held, err, r = counted_as_nobody(script)
     assert err == errno.EMFILE and 150 < held < 200, (held, err)
     assert len(os.listdir(m / "l")) == 1501  # and '**'
 
@@ -279,9 +287,7 @@ try:
 except OSError as e:
     print(n, e.errno)
 """
-    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
-                       text=True, timeout=60)
-    made, err = map(int, r.stdout.split())
+    made, err, r = counted_as_nobody(script)
     # (the root directory's inode is nobody's; its own '..' lookups may take a few)
     assert err == errno.EDQUOT and 2990 <= made <= 3000, (made, err, r.stderr)
     assert os.path.isdir(m / "r*fresh")
@@ -318,9 +324,7 @@ try:
 except OSError as e:
     print(len(fds), e.errno)
 """
-    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
-                       text=True, timeout=60)
-    held, err = map(int, r.stdout.split())
+    held, err, r = counted_as_nobody(script)
     assert (held, err) == (4096, errno.EMFILE), (held, err, r.stderr)
     others_go_on(m, "w2")
 
