@@ -293,8 +293,11 @@ class RouteCache(Generic[C]):
             return
         cost = ENTRY_COST + len(key) + 8 * len(targets)
         second = None
-        if not key.startswith(self._secret):
+        if key.startswith(self._secret):
+            group = self.group(key)
+        else:
             parts = key.split(self.sep, 2)
+            group = parts[0]  # `group` of a public key, split once for both
             if len(parts) > 1:
                 second = parts[1]
                 cost += SECOND_COST + len(second)
@@ -309,7 +312,6 @@ class RouteCache(Generic[C]):
         while self.nbytes + cost > self.limit and self.entries:
             self.drop(next(iter(self.entries)))
         owned = self._owned.setdefault(owner, {})
-        group = self.group(key)
         if second is not None:
             self._seconds.setdefault(second, {})[key] = None
         self.entries[key] = targets
