@@ -12,6 +12,7 @@ import time
 
 import pytest
 from conftest import SBUS, BrokerProcess
+from faultkit import until
 from test_fuse import (
     ENV,
     Mount,
@@ -25,6 +26,7 @@ from test_fuse import (
     subscriber,
     wait_in_fuse,
     wait_open,
+    waiting_in_fuse,
 )
 
 NOBODY = 65534
@@ -330,7 +332,7 @@ def block(fd):
     try:
         os.read(fd, 100)
     except OSError as e:
-        print("read", e.errno, flush=True)
+        os.write(1, b"read %d\\n" % e.errno)  # one write: the threads' lines must not mix
 print("opened", len(fds), flush=True)  # before the reads: their errors print in threads
 for fd in fds:
     threading.Thread(target=block, args=(fd,), daemon=True).start()
@@ -339,8 +341,9 @@ sys.stdin.read()
 
 
 def test_one_users_blocked_reads_do_not_stop_another_users_writes(bus, space):
-    """Another user (nobody) holds more blocked reads than the mount has tasks; root's
-    `echo > key` still goes through at once, and nobody gets EAGAIN for the excess."""
+    """Another user (nobody) tries more blocked reads than the mount has tasks: it holds
+    its share (half of the 18 the answering-at-once reserve leaves), the excess fails at
+    once with EAGAIN, and root's `echo > key` still goes through at once."""
     m = Mount(bus.address, os.path.join(space, "shares"), "--allow-other",
               "--max-tasks", "20").start()
     hog = None
@@ -350,14 +353,24 @@ def test_one_users_blocked_reads_do_not_stop_another_users_writes(bus, space):
         for p in paths:  # known keys, so that the test shows the same before the fix
             open(p, "wb").close()
         hog = subprocess.Popen([*AS_NOBODY, "python3", "-c", BLOCKERS, *paths],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        while True:
-            line = hog.stdout.readline()
-            assert line, "the blocking process ended"
-            if line.startswith("opened"):
-                assert line == "opened 30\n"
-                break
-        time.sleep(0.5)  # its reads reach the mount and wait
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        said = b""
+
+        def settled() -> bool:  # every read waits in the mount or has failed
+            nonlocal said
+            while select.select([hog.stdout], [], [], 0)[0]:
+                chunk = os.read(hog.stdout.fileno(), 4096)
+                assert chunk, "the blocking process ended"
+                said += chunk
+            if not said.startswith(b"opened 30\n"):
+                assert not said or b"\n" not in said, said
+                return False
+            lines = said.splitlines()[1:]
+            assert set(lines) <= {b"read 11"}, lines
+            return len(lines) + waiting_in_fuse(hog.pid) == len(paths)
+
+        until(settled, "nobody's 30 reads waiting or refused")
+        assert (waiting_in_fuse(hog.pid), said.count(b"read 11")) == (9, 21)
         sub = subscriber(bus.address, b"free/k")
         start = time.monotonic()
         subprocess.run(["sh", "-c", f"echo through > {m / 'free/k'}"], check=True, timeout=15)

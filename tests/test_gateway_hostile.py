@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import trustme
 from conftest import SBUS, BrokerProcess, raw, sync
-from faultkit import rss_kib
+from faultkit import rss_kib, until
 from test_gateway import (
     SECRET,
     GatewayProcess,
@@ -505,6 +505,18 @@ def test_all_outgoing_buffers_together_are_bounded(hdir, bus, local):
         g.stop()
 
 
+def gateway_side_open(client_port: int, gateway_port: int) -> bool:
+    """Whether the gateway still holds its end of the connection from *client_port*
+    (any state but LAST_ACK in /proc/net/tcp): once it closes it, the slot is given back
+    in the same step of its handler."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if (int(local.split(":")[1], 16) == gateway_port
+                and int(remote.split(":")[1], 16) == client_port and state != "09"):
+            return True
+    return False
+
+
 def echoing(conns: list[socket.socket], wait: float = 2.0) -> int:
     """How many of *conns* echo a keep-alive within *wait* seconds (are served)."""
     for c in conns:
@@ -531,8 +543,10 @@ def test_total_connection_cap(hdir, bus):
             roundtrip(c)
         extra = g.connect()
         assert not echoing([extra])  # held unserved (then closed after the delay)
-        conns.pop().close()
-        time.sleep(0.2)
+        leaving = conns.pop()
+        pair = leaving.getsockname()[1], leaving.getpeername()[1]
+        leaving.close()
+        until(lambda: not gateway_side_open(*pair), "the gateway closed its side")
         roundtrip(g.connect())  # a freed slot is taken again
         assert log_lines(g, "at the cap of 10 connections") == 1
     finally:
