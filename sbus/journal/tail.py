@@ -45,8 +45,9 @@ __all__ = ["TAIL_SUBDIR", "Piece", "Tail", "cache_dir", "cover"]
 TAIL_SUBDIR = ".tail"
 #: Pieces of one segment at most (the newest are merged to keep it).
 MAX_PIECES = 4
-#: Journal bytes a reader converts and plans on at most; rows after them are left to the
-#: ``sbus`` source (a recorder that exports holds about one open segment here).
+#: Bytes a reader plans on in pieces at most (the files it reuses, the journal blocks it
+#: converts); rows after them are left to the ``sbus`` source (a recorder that exports
+#: holds about one open segment here: 64 MiB at most by default).
 TAIL_BYTES = 256 << 20
 #: What a pieces directory holds at most before unused pieces go regardless of `GRACE`.
 CACHE_BYTES = 1 << 30
@@ -99,9 +100,11 @@ def cache_dir(journal: str | os.PathLike, export_dir: str | os.PathLike) -> Path
 
 
 def cover(journal: str | os.PathLike, segments: list[Segment], seam: int, cache: Path,
-          budget: int = TAIL_BYTES) -> Tail:
+          budget: int | None = None) -> Tail:
     """Pieces holding every row at or after *seam* of *segments* (the journal's segments
-    after its exported ones, in order), writing into *cache* what no piece holds yet."""
+    after its exported ones, in order), writing into *cache* what no piece holds yet, up
+    to *budget* bytes of journal (`TAIL_BYTES`); removes the pieces no reader needs."""
+    budget = TAIL_BYTES if budget is None else budget
     pieces, stale = _listing(cache)
     chosen: list[Piece] = []
     at, spent, more = seam, 0, False
@@ -121,6 +124,7 @@ def cover(journal: str | os.PathLike, segments: list[Segment], seam: int, cache:
             break
         if new:
             chain = _convert(journal, cache, seg, created, lo, new, chain)
+            spent += sum(b.size for b in new)
         chosen += chain
         at = chain[-1].hi if chain else lo
     _touch(chosen)

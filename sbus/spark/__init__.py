@@ -60,7 +60,7 @@ def read_journal(spark, journal: str, parquet: str | None = None,
     source = spark.read.format("sbus").schema(", ".join(f"{n} {types[n]}" for n in names))
     if not cut.files:
         return source.load(journal).select(*names)
-    cache = cache_dir(journal, parquet) if cut.rest else None
+    cache = cache_dir(journal, parquet)
     if cache is None:
         pieces, seam, more = [], cut.seam, cut.tail
     else:
