@@ -80,23 +80,28 @@ class Tail:
     more: bool  # rows at or after *end* were left out (over `TAIL_BYTES`)
 
 
-def cache_dir(journal: str | os.PathLike, export_dir: str | os.PathLike) -> Path | None:
+def cache_dir(journal: str | os.PathLike, export_dir: str | os.PathLike,
+              own: str | os.PathLike | None = None) -> Path | None:
     """Where this process keeps its pieces for *journal*: ``EXPORT/.tail`` if it may write
-    there, else its own cache; None if it can write neither (read the tail otherwise)."""
+    there, else a directory of its own for this journal under *own* (by default
+    ``$XDG_CACHE_HOME/sbus/tail``); None if it can write neither (read the tail otherwise)."""
     shared = Path(export_dir) / TAIL_SUBDIR
     if os.access(shared if shared.is_dir() else export_dir, os.W_OK | os.X_OK):
         with contextlib.suppress(OSError):
             shared.mkdir(exist_ok=True)
             if shared.is_dir() and not shared.is_symlink():
                 return shared
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if own is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                  ".cache")
+        own = os.path.join(base, "sbus", "tail")
     tag = hashlib.sha256(os.fsencode(os.path.realpath(journal))).hexdigest()[:16]
-    own = Path(base) / "sbus" / "tail" / tag
+    mine = Path(own) / tag
     try:
-        own.mkdir(parents=True, exist_ok=True, mode=0o700)
+        mine.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError:
         return None
-    return own if os.access(own, os.W_OK | os.X_OK) else None
+    return mine if os.access(mine, os.W_OK | os.X_OK) else None
 
 
 def cover(journal: str | os.PathLike, segments: list[Segment], seam: int, cache: Path,

@@ -8,7 +8,10 @@ sink (publish onto a bus), and the ``sbus analyze`` pipeline.
 
 from __future__ import annotations
 
+import logging
 import os
+
+log = logging.getLogger("sbus.spark")
 
 __all__ = ["register", "read_journal", "SCHEMA"]
 
@@ -31,7 +34,8 @@ def register(spark) -> None:
 
 
 def read_journal(spark, journal: str, parquet: str | None = None,
-                 columns: list[str] | tuple[str, ...] | None = None):
+                 columns: list[str] | tuple[str, ...] | None = None,
+                 tail_cache: str | None = None):
     """The journal as one DataFrame (columns ``seq, ts, key, key_bytes, payload``, or
     *columns* of them), each row once, as ONE Parquet scan: its sealed segments from their
     Parquet files (*parquet*, by default ``JOURNAL/parquet``, where ``sbus record`` writes
@@ -39,8 +43,9 @@ def read_journal(spark, journal: str, parquet: str | None = None,
     segment sealed but not exported yet) from small Parquet files this call writes on the
     driver with pyarrow, reusing those of earlier calls and converting only the rows
     recorded since (`sbus.journal.tail`: in ``PARQUET/.tail`` if the caller may write
-    there, else in the caller's own cache).  So Spark prunes columns and row groups
-    everywhere.  The seam comes from the files' names and footers, not from a Spark job.
+    there, else under *tail_cache*, by default ``~/.cache/sbus/tail``; on a cluster, a
+    directory the executors see as the driver does).  So Spark prunes columns and row
+    groups everywhere.  The seam comes from the files' names and footers, not from a Spark job.
     Rows the tail files cannot take (no writable place, or more than
     `sbus.journal.tail.TAIL_BYTES` of journal after the seam) are read through the
     ``sbus`` source, which builds only *columns*; so is a journal with no export.
@@ -60,12 +65,18 @@ def read_journal(spark, journal: str, parquet: str | None = None,
     source = spark.read.format("sbus").schema(", ".join(f"{n} {types[n]}" for n in names))
     if not cut.files:
         return source.load(journal).select(*names)
-    cache = cache_dir(journal, parquet)
-    if cache is None:
-        pieces, seam, more = [], cut.seam, cut.tail
-    else:
-        tail = cover(journal, cut.rest, cut.seam, cache)
-        pieces, seam, more = tail.files, tail.end, tail.more
+    pieces, seam, more = [], cut.seam, None
+    cache = cache_dir(journal, parquet, tail_cache)
+    if cache is not None:
+        try:
+            tail = cover(journal, cut.rest, cut.seam, cache)
+        except OSError as exc:  # a full disk, say: slower, through the source, but right
+            log.warning("read_journal: the tail through the sbus source, as writing its "
+                        "Parquet pieces into %s failed: %s", cache, exc)
+        else:
+            pieces, seam, more = tail.files, tail.end, tail.more
+    if more is None:
+        more = cut.tail
     sealed = _parquet(spark, parquet, cut.files, pieces).select(*names)
     if not more:
         return sealed
