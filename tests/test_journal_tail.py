@@ -249,3 +249,23 @@ def test_what_is_over_the_budget_is_left_to_the_source(tmp_path, budget):
         assert got.more
         assert got.end == (cut.seam if budget == 0 else cut.rest[1].first_seq)
         assert [s for s, *_ in rows_of(got.files)] == list(range(cut.seam, got.end))
+
+
+def test_a_segment_sealed_and_reblocked_after_it_was_listed_leaves_no_gap(tmp_path):
+    """A reader lists the open segment, the recorder seals it meanwhile (re-blocking its
+    small blocks into one, so byte positions change): the rows after the last piece are
+    found by sequence number in the sealed segment, not at the open one's position."""
+    jdir = tmp_path / "j"
+    out = sealed_and_exported(jdir)
+    cache = tail.cache_dir(jdir, out)
+    w = JournalWriter(jdir, fsync=False)
+    for _ in range(20):  # small blocks: sealing re-blocks them
+        add(w, 5)
+    check(jdir, out, cache)
+    add(w, 30)
+    listed = split(jdir, out)  # the reader's listing: the segment is open
+    assert not listed.rest[-1].sealed
+    w.close()  # sealed (re-blocked) before the reader goes on
+    got = tail.cover(jdir, listed.rest, listed.seam, cache)
+    want = [(s, k, p) for s, _, k, p in records(jdir) if s >= listed.seam]
+    assert rows_of(got.files) == want and got.end == want[-1][0] + 1

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import format as fmt
-from .store import Segment, read_seq_range, segment_blocks
+from .store import Segment, read_seq_range, scan_blocks, segment_blocks
 
 __all__ = ["TAIL_SUBDIR", "Piece", "Tail", "cache_dir", "cover"]
 
@@ -194,15 +194,19 @@ def _whole(p: Piece) -> bool:
 
 
 def _blocks_after(seg: Segment, lo: int, pos: int | None) -> list:
-    """The segment's blocks holding rows at or after *lo*; an open segment is scanned from
-    *pos* (where the last piece ended), a sealed one read from its index."""
+    """The segment's blocks holding rows at or after *lo*: an open segment scanned from
+    *pos* (where the last piece ended; blocks never move while it is open), a sealed one
+    (or one sealed since it was listed, maybe re-blocked) read from its index."""
+    if pos is not None:
+        try:
+            with open(seg.path, "rb") as f:  # still open: what it holds now, from pos on
+                return [b for b in scan_blocks(f, pos) if b.next_seq > lo]
+        except FileNotFoundError:
+            seg = Segment(seg.first_seq, seg.path.with_suffix(""), True)
     try:
-        blocks = [b for b in segment_blocks(seg, pos or fmt.FILE_HEAD.size) if b.next_seq > lo]
-        if pos and blocks and blocks[0].first_seq > lo:  # sealed (re-blocked) meanwhile
-            blocks = [b for b in segment_blocks(seg) if b.next_seq > lo]
+        return [b for b in segment_blocks(seg) if b.next_seq > lo]
     except FileNotFoundError:
         return []
-    return blocks
 
 
 def _convert(journal, cache: Path, seg: Segment, created: int, lo: int, blocks: list,
