@@ -901,8 +901,10 @@ def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):
     """``sbus record`` exports each segment it seals into ``DIR/parquet`` by default, and
     `read_journal`, taken again and again while messages are recorded, reads Parquet for
     the sealed segments and Parquet pieces it writes of the rest (`sbus.journal.tail`),
-    as one Parquet scan, with each sequence number exactly once (the publisher's own counter is the payload, so a row read twice or missed at
-    the seam shows); once everything is sealed and exported, no tail is scanned."""
+    as one Parquet scan, with each sequence number exactly once (the publisher's own
+    counter is the payload, so a row read twice or missed at the seam shows); the reads
+    go on while the publisher does; once everything is sealed and exported, no tail is
+    scanned."""
     import threading
 
     from sbus.journal.export import split
@@ -928,11 +930,19 @@ def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):
     deadline = time.monotonic() + 30
     while len(split(jdir, jdir / "parquet").files) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    writer = threading.Thread(target=publish, args=(total // 2, total))
+    stop = threading.Event()
+    published = [total // 2]
+
+    def keep_publishing() -> None:  # until the reads below met the seam (or 60,000)
+        while not stop.is_set() and published[0] < 60_000:
+            publish(published[0], published[0] + 300)
+            published[0] += 300
+
+    writer = threading.Thread(target=keep_publishing)
     writer.start()
     seams, cuts = [], []
     try:
-        while writer.is_alive() or (not seams and len(cuts) < 5):
+        while len(seams) < 3 and len(cuts) < 40:
             cut = split(jdir, jdir / "parquet")
             df = read_journal(spark, str(jdir))
             assert "RelationV2" not in plan(df)  # the tail too is read as Parquet pieces
@@ -944,10 +954,12 @@ def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):
             if cut.files and cut.tail and cut.seam <= len(seqs):
                 seams.append(cut.seam)
     finally:
+        stop.set()
         writer.join(60)
         pub.close()
         rec.send_signal(signal.SIGTERM)
         assert rec.wait(20) == 0
+    total = published[0]
     assert seams, f"no read met both exported segments and a tail: {cuts}"
     cut = split(jdir, jdir / "parquet")
     assert not cut.tail and len(cut.files) == len(list_segments(jdir)) > 2
