@@ -185,6 +185,8 @@ def main() -> int:
             w, c = t[m, q]
             print(f"| {q} | {m} | {w:.2f} ({c:.2f}) | {base / w:.2f}x ({base_cpu / c:.2f}x) |")
         base2, base2_cpu = t2["parquet", q]
+        print(f"| {q} | parquet (alternating with the open-tail cases) | {base2:.2f} "
+              f"({base2_cpu:.2f}) | 1.00x (1.00x) |")
         for m in open_makers:
             if m == "parquet":
                 continue
