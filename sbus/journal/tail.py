@@ -245,9 +245,14 @@ def _convert(journal, cache: Path, seg: Segment, created: int, lo: int, blocks: 
     name = Piece.name(seg.first_seq, created, lo, hi, blocks[-1].end)
     target = cache / name
     tmp = cache / f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    # A new file of its own (never through a link someone put there), readable by all
+    # who may read the directory, as the export's files are.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
     try:
-        pq.write_table(table, tmp, compression="zstd", row_group_size=ROW_GROUP,
-                       write_statistics=True)
+        with open(fd, "wb") as f:
+            pq.write_table(table, f, compression="zstd", row_group_size=ROW_GROUP,
+                           write_statistics=True)
         os.replace(tmp, target)
     except OSError:
         with contextlib.suppress(OSError):
