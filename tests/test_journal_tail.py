@@ -269,3 +269,23 @@ def test_a_segment_sealed_and_reblocked_after_it_was_listed_leaves_no_gap(tmp_pa
     got = tail.cover(jdir, listed.rest, listed.seam, cache)
     want = [(s, k, p) for s, _, k, p in records(jdir) if s >= listed.seam]
     assert rows_of(got.files) == want and got.end == want[-1][0] + 1
+
+
+def test_a_segment_gone_or_damaged_is_left_to_the_source(tmp_path):
+    """Pieces stop where a segment vanished after it was listed (retention) or has a
+    damaged header: the rest is the source's to read or report, never skipped."""
+    jdir = tmp_path / "j"
+    out = sealed_and_exported(jdir)
+    files = split(jdir, out).files
+    files[-1].unlink()
+    files[-2].unlink()  # two sealed segments not exported
+    cut = split(jdir, out)
+    assert len(cut.rest) == 2
+    cut.rest[0].path.unlink()  # gone after the listing
+    got = tail.cover(jdir, cut.rest, cut.seam, tail.cache_dir(jdir, out))
+    assert got.more and got.end == cut.seam and got.files == []
+    cut = split(jdir, out)
+    with open(cut.rest[-1].path, "r+b") as f:
+        f.write(b"NOTSBUS!")
+    got = tail.cover(jdir, cut.rest, cut.seam, tail.cache_dir(jdir, out))
+    assert got.more and got.end == cut.seam and got.files == []

@@ -115,23 +115,27 @@ def cover(journal: str | os.PathLike, segments: list[Segment], seam: int, cache:
     at, spent, more = seam, 0, False
     for seg in segments:
         created = _created(seg)
-        if created is None:  # gone (retention) or sealed and removed meanwhile
-            continue
+        if created is None:  # gone or damaged: the source reads (or reports) from here
+            more = True
+            break
         lo = max(at, seg.first_seq)
         mine = [p for p in pieces if p.segment == seg.first_seq and p.created == created]
         chain = _chain(mine, lo)
         lo = chain[-1].hi if chain else lo
         spent += sum(p.size for p in chain)
-        new = _blocks_after(seg, lo, chain[-1].pos if chain and not seg.sealed else None)
-        if new and spent + sum(b.size for b in new) > budget:
-            chosen += chain
-            at, more = lo, True
-            break
-        if new:
-            chain = _convert(journal, cache, seg, created, lo, new, chain)
-            spent += sum(b.size for b in new)
+        try:
+            new = _blocks_after(seg, lo, chain[-1].pos if chain and not seg.sealed else None)
+            size = sum(b.size for b in new)
+            more = bool(new) and spent + size > budget
+            if new and not more:
+                chain = _convert(journal, cache, seg, created, lo, new, chain)
+                spent += size
+        except FileNotFoundError:  # removed (retention) while we read it
+            more = True
         chosen += chain
         at = chain[-1].hi if chain else lo
+        if more:  # over the budget, or gone: the source reads (or reports) from here
+            break
     _touch(chosen)
     _clean(cache, pieces, stale, {p.path for p in chosen})
     return Tail([p.path for p in chosen], at, more)
@@ -196,17 +200,15 @@ def _whole(p: Piece) -> bool:
 def _blocks_after(seg: Segment, lo: int, pos: int | None) -> list:
     """The segment's blocks holding rows at or after *lo*: an open segment scanned from
     *pos* (where the last piece ended; blocks never move while it is open), a sealed one
-    (or one sealed since it was listed, maybe re-blocked) read from its index."""
+    (or one sealed since it was listed, maybe re-blocked) read from its index.
+    FileNotFoundError if it is gone."""
     if pos is not None:
         try:
             with open(seg.path, "rb") as f:  # still open: what it holds now, from pos on
                 return [b for b in scan_blocks(f, pos) if b.next_seq > lo]
         except FileNotFoundError:
             seg = Segment(seg.first_seq, seg.path.with_suffix(""), True)
-    try:
-        return [b for b in segment_blocks(seg) if b.next_seq > lo]
-    except FileNotFoundError:
-        return []
+    return [b for b in segment_blocks(seg) if b.next_seq > lo]
 
 
 def _convert(journal, cache: Path, seg: Segment, created: int, lo: int, blocks: list,
@@ -219,16 +221,12 @@ def _convert(journal, cache: Path, seg: Segment, created: int, lo: int, blocks: 
     schema = arrow_schema(COLUMNS, {"seq", "ts", "key", "payload"})
     hi = blocks[-1].next_seq
     batches = []
-    try:
-        for block in read_seq_range(journal, seg.first_seq, blocks[0].pos, blocks[-1].end,
-                                    lo, hi):
-            a, b = max(lo - block.first_seq, 0), min(hi - block.first_seq, block.count)
-            if a < b:
-                batch = block_batch(block, schema, None, a, b)
-                if batch is not None:
-                    batches.append(batch)
-    except FileNotFoundError:
-        return chain
+    for block in read_seq_range(journal, seg.first_seq, blocks[0].pos, blocks[-1].end, lo, hi):
+        a, b = max(lo - block.first_seq, 0), min(hi - block.first_seq, block.count)
+        if a < b:
+            batch = block_batch(block, schema, None, a, b)
+            if batch is not None:
+                batches.append(batch)
     if not batches:
         return chain
     tables = [pa.Table.from_batches(batches, schema)]
