@@ -197,7 +197,9 @@ def read_as_nobody(pipe, jdir: Path, out: Path, home: Path) -> None:
         cache = tail.cache_dir(jdir, out)
         cut = split(jdir, out)
         got = tail.cover(jdir, cut.rest, cut.seam, cache)
-        pipe.send((str(cache), [s for s, *_ in rows_of(got.files)], cut.seam, got.end))
+        chosen = tail.cache_dir(jdir, out, home / "chosen")  # read_journal's tail_cache
+        pipe.send((str(cache), [s for s, *_ in rows_of(got.files)], cut.seam, got.end,
+                   str(chosen)))
     except Exception as exc:  # noqa: BLE001 - told to the test, which fails on it
         pipe.send(repr(exc))
 
@@ -224,7 +226,8 @@ def test_a_reader_of_another_users_journal_writes_only_its_own_cache(tmp_path):
             proc.join(10)
             after = sorted(jdir.rglob("*"))
         assert isinstance(answer, tuple), answer
-        cache, seqs, seam, end = answer
+        cache, seqs, seam, end, chosen = answer
+        assert Path(chosen).parent == home / "chosen" and Path(chosen).name == Path(cache).name
         assert seqs == list(range(seam, end)) and end - seam == 300
         assert Path(cache).is_relative_to(home / ".cache" / "sbus" / "tail")
         assert [f.stat().st_uid for f in Path(cache).iterdir()] == [NOBODY]
