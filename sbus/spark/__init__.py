@@ -54,7 +54,6 @@ def read_journal(spark, journal: str, parquet: str | None = None,
     from ..journal.store import EXPORT_SUBDIR
     from ..journal.tail import cache_dir, cover
 
-    register(spark)
     names = list(COLUMNS if columns is None else columns)
     unknown = [n for n in names if n not in COLUMNS]
     if unknown or not names:
@@ -62,9 +61,18 @@ def read_journal(spark, journal: str, parquet: str | None = None,
     parquet = os.path.join(journal, EXPORT_SUBDIR) if parquet is None else parquet
     cut = split(journal, parquet)
     types = dict(f.split(" ") for f in PARQUET_SCHEMA.split(", "))
-    source = spark.read.format("sbus").schema(", ".join(f"{n} {types[n]}" for n in names))
+    # Only the columns asked for, in their order: Parquet reads just those, no select.
+    schema = ", ".join(f"{n} {types[n]}" for n in names)
+
+    def source(start: int | None = None):
+        register(spark)
+        reader = spark.read.format("sbus").schema(schema)
+        if start is not None:
+            reader = reader.option("startingSeq", str(start))
+        return reader.load(journal).select(*names)
+
     if not cut.files:
-        return source.load(journal).select(*names)
+        return source()
     pieces, seam, more = [], cut.seam, None
     cache = cache_dir(journal, parquet, tail_cache)
     if cache is not None:
@@ -77,20 +85,17 @@ def read_journal(spark, journal: str, parquet: str | None = None,
             pieces, seam, more = tail.files, tail.end, tail.more
     if more is None:
         more = cut.tail
-    sealed = _parquet(spark, parquet, cut.files, pieces).select(*names)
-    if not more:
-        return sealed
-    rest = source.option("startingSeq", str(seam)).load(journal).select(*names)
-    return sealed.unionByName(rest)
+    sealed = _parquet(spark, parquet, cut.files, pieces, schema)
+    return sealed.unionByName(source(seam)) if more else sealed
 
 
-def _parquet(spark, directory: str, files: list, pieces: list):
+def _parquet(spark, directory: str, files: list, pieces: list, schema: str = PARQUET_SCHEMA):
     """The Parquet files and the tail's pieces as one DataFrame, the files by their
     directory when they are all it holds (Spark lists more than 32 paths with a job of
     its own; it skips the pieces' dot directory), else by name."""
     extra = list(map(str, pieces))
-    df = spark.read.schema(PARQUET_SCHEMA).parquet(directory, *extra)
+    df = spark.read.schema(schema).parquet(directory, *extra)
     wanted = {f.name for f in files} | {os.path.basename(p) for p in extra}
     if {os.path.basename(f) for f in df.inputFiles()} != wanted:  # exported meanwhile
-        df = spark.read.schema(PARQUET_SCHEMA).parquet(*map(str, files), *extra)
+        df = spark.read.schema(schema).parquet(*map(str, files), *extra)
     return df
