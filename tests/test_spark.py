@@ -895,6 +895,9 @@ def test_exported_parquet_and_the_open_tail_read_as_one(spark, tmp_path, monkeyp
         assert re.sub(r"#\d+L?| ", "", built).split(",") == ["key", "seq"]
         with pytest.raises(ValueError, match="no column"):
             read_journal(spark, str(jdir), columns=["nope"])
+        alone = read_journal(spark, str(jdir), str(tmp_path / "none"), columns=["seq"])
+        assert "parquet" not in plan(alone)  # no export: the source alone
+        assert sorted(r.seq for r in alone.collect()) == list(range(1, 506))
 
 
 def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):

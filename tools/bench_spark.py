@@ -149,10 +149,10 @@ def main() -> int:
               f"{took:.2f} s", file=sys.stderr)
         open_makers = {
             "parquet": makers["parquet"],
-            "54e8480+tail": lambda cols: read_journal_54e8480(spark, j),
             "read_journal+tail": lambda cols: sbus.spark.read_journal(spark, j),
             "read_journal(columns)+tail": lambda cols: sbus.spark.read_journal(
                 spark, j, columns=cols),
+            "54e8480+tail": lambda cols: read_journal_54e8480(spark, j),
         }
         live = {(m, q): (lambda mk=mk, cols=cols, run=run: run(mk(cols)))
                 for q, (cols, run) in queries.items() for m, mk in open_makers.items()}
