@@ -292,3 +292,21 @@ def test_a_segment_gone_or_damaged_is_left_to_the_source(tmp_path):
         f.write(b"NOTSBUS!")
     got = tail.cover(jdir, cut.rest, cut.seam, tail.cache_dir(jdir, out))
     assert got.more and got.end == cut.seam and got.files == []
+
+
+def test_a_reader_converting_rows_another_has_converted_keeps_that_piece(tmp_path):
+    """Two readers that both missed the other's piece write the same name: the second
+    keeps the first's file (a query planned on it has its size), and no temporary."""
+    jdir = tmp_path / "j"
+    out = sealed_and_exported(jdir)
+    cache = tail.cache_dir(jdir, out)
+    with JournalWriter(jdir, fsync=False) as w:
+        add(w, 100)
+        cut = split(jdir, out)
+        (first,) = check(jdir, out, cache).files
+        inode = first.stat().st_ino
+        seg = cut.rest[0]
+        blocks = tail._blocks_after(seg, cut.seam, None)  # as a reader that listed before
+        (again,) = tail._convert(jdir, cache, seg, tail._created(seg), cut.seam, blocks, [])
+        assert again.path == first and first.stat().st_ino == inode
+        assert sorted(cache.iterdir()) == [first]

@@ -16,11 +16,12 @@ Pieces live in ``EXPORT/.tail`` when the caller may write the export directory (
 directory: Spark, pyarrow and DuckDB globs listing ``EXPORT`` skip it), else in a cache of
 the caller's own (``$XDG_CACHE_HOME/sbus/tail/<journal hash>``): a reader of another
 user's journal needs no write access to it.  A piece is written under a temporary name
-and renamed, so a piece that exists is whole; two readers converting the same rows write
-the same name.  Pieces no reader needs any more (their segment exported, or superseded by
-a longer piece) are removed once no reader has planned on them for `GRACE` seconds (a
-DataFrame reads its files when an action runs, not when it is made), or sooner, oldest
-first, when the directory holds more than `CACHE_BYTES`.
+and linked into place, so a piece that exists is whole; of two readers converting the
+same rows, the second keeps the first one's piece (a query may be planned on it).  Pieces
+no reader needs any more (their segment exported, or superseded by a longer piece) are
+removed once no reader has planned on them for `GRACE` seconds (a DataFrame reads its
+files when an action runs, not when it is made), or sooner, oldest first, when the
+directory holds more than `CACHE_BYTES`.
 """
 
 from __future__ import annotations
@@ -251,13 +252,21 @@ def _convert(journal, cache: Path, seg: Segment, created: int, lo: int, blocks: 
         with open(fd, "wb") as f:
             pq.write_table(table, f, compression="zstd", row_group_size=ROW_GROUP,
                            write_statistics=True)
-        os.replace(tmp, target)
-    except OSError:
+        piece = Piece(target, seg.first_seq, created, lo, hi, blocks[-1].end,
+                      tmp.stat().st_size, time.time())
+        try:
+            # Never replace a piece another reader wrote meanwhile (the same rows): a
+            # query planned on it has its size; only a damaged one is replaced.
+            os.link(tmp, target)
+        except FileExistsError:
+            if not _whole(piece):
+                os.replace(tmp, target)
+        except OSError:  # a file system without hard links
+            os.replace(tmp, target)
+    finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise
-    return [*chain, Piece(target, seg.first_seq, created, lo, hi, blocks[-1].end,
-                          target.stat().st_size, time.time())]
+    return [*chain, piece]
 
 
 def _touch(chosen: list[Piece]) -> None:
