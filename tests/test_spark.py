@@ -857,7 +857,15 @@ def test_batch_0_killed_then_retention_is_an_error_or_the_exact_count(spark, kil
     assert set(seqs.values()) == {1}  # none twice
 
 
-def test_exported_parquet_and_the_open_tail_read_as_one(spark, tmp_path):
+def plan(df) -> str:
+    return df._jdf.queryExecution().analyzed().toString()
+
+
+def test_exported_parquet_and_the_open_tail_read_as_one(spark, tmp_path, monkeypatch):
+    """The open segment's rows join the exported ones as Parquet pieces written on the
+    driver: one Parquet scan, no ``sbus`` source.  What is over the pieces' budget is read
+    through the source, which builds only the columns asked for."""
+    from sbus.journal import tail
     from sbus.journal.export import export_journal
     from sbus.spark import read_journal
 
@@ -869,23 +877,37 @@ def test_exported_parquet_and_the_open_tail_read_as_one(spark, tmp_path):
         w.flush()
         df = read_journal(spark, str(jdir), str(tmp_path / "pq"))
         assert df.columns == ["seq", "ts", "key", "key_bytes", "payload"]
+        assert "RelationV2" not in plan(df) and plan(df).count("parquet") == 1
         assert [r.seq for r in df.orderBy("seq").select("seq").collect()] == list(range(1, 503))
         assert df.where("key like 'late/%'").count() == 2
+        assert len(list((tmp_path / "pq" / ".tail").iterdir())) == 1
+        w.append(time.time_ns(), [b"late/3"], [b"z"])
+        w.flush()
+        assert read_journal(spark, str(jdir), str(tmp_path / "pq")).count() == 503
+        monkeypatch.setattr(tail, "TAIL_BYTES", 0)  # no room for new pieces: the source
+        w.append(time.time_ns(), [b"late/4", b"late/5"], [b"", b""])
+        w.flush()
         narrow = read_journal(spark, str(jdir), str(tmp_path / "pq"), columns=["key", "seq"])
-        assert narrow.columns == ["key", "seq"] and narrow.count() == 502
+        assert narrow.columns == ["key", "seq"]
+        assert sorted(r.seq for r in narrow.collect()) == list(range(1, 506))
         built = re.search(r"RelationV2\[([^]]*)\] sbus",  # what the tail's source builds
-                          narrow._jdf.queryExecution().analyzed().toString()).group(1)
+                          plan(narrow)).group(1)
         assert re.sub(r"#\d+L?| ", "", built).split(",") == ["key", "seq"]
         with pytest.raises(ValueError, match="no column"):
             read_journal(spark, str(jdir), columns=["nope"])
+        alone = read_journal(spark, str(jdir), str(tmp_path / "none"), columns=["seq"])
+        assert "parquet" not in plan(alone)  # no export: the source alone
+        assert sorted(r.seq for r in alone.collect()) == list(range(1, 506))
 
 
 def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):
     """``sbus record`` exports each segment it seals into ``DIR/parquet`` by default, and
     `read_journal`, taken again and again while messages are recorded, reads Parquet for
-    the sealed segments and the journal for the rest with each sequence number exactly
-    once (the publisher's own counter is the payload, so a row read twice or missed at
-    the seam shows); once everything is sealed and exported, no tail is scanned."""
+    the sealed segments and Parquet pieces it writes of the rest (`sbus.journal.tail`),
+    as one Parquet scan, with each sequence number exactly once (the publisher's own
+    counter is the payload, so a row read twice or missed at the seam shows); the reads
+    go on while the publisher does; once everything is sealed and exported, no tail is
+    scanned."""
     import threading
 
     from sbus.journal.export import split
@@ -911,13 +933,23 @@ def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):
     deadline = time.monotonic() + 30
     while len(split(jdir, jdir / "parquet").files) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    writer = threading.Thread(target=publish, args=(total // 2, total))
+    stop = threading.Event()
+    published = [total // 2]
+
+    def keep_publishing() -> None:  # until the reads below met the seam (or 60,000)
+        while not stop.is_set() and published[0] < 60_000:
+            publish(published[0], published[0] + 300)
+            published[0] += 300
+
+    writer = threading.Thread(target=keep_publishing)
     writer.start()
     seams, cuts = [], []
     try:
-        while writer.is_alive() or (not seams and len(cuts) < 5):
+        while len(seams) < 3 and len(cuts) < 40:
             cut = split(jdir, jdir / "parquet")
-            rows = read_journal(spark, str(jdir)).select("seq", "payload").collect()
+            df = read_journal(spark, str(jdir))
+            assert "RelationV2" not in plan(df)  # the tail too is read as Parquet pieces
+            rows = df.select("seq", "payload").collect()
             seqs = [r.seq for r in rows]
             assert sorted(seqs) == list(range(1, len(seqs) + 1))  # no gap, none twice
             assert all(int(r.payload) == r.seq - 1 for r in rows)
@@ -925,13 +957,15 @@ def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):
             if cut.files and cut.tail and cut.seam <= len(seqs):
                 seams.append(cut.seam)
     finally:
+        stop.set()
         writer.join(60)
         pub.close()
         rec.send_signal(signal.SIGTERM)
         assert rec.wait(20) == 0
+    total = published[0]
     assert seams, f"no read met both exported segments and a tail: {cuts}"
     cut = split(jdir, jdir / "parquet")
     assert not cut.tail and len(cut.files) == len(list_segments(jdir)) > 2
     df = read_journal(spark, str(jdir))
-    assert "RelationV2" not in df._jdf.queryExecution().analyzed().toString()  # no sbus scan
+    assert "RelationV2" not in plan(df)  # no sbus scan
     assert sorted(r.seq for r in df.select("seq").collect()) == list(range(1, total + 1))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Spark over a realistic journal: `sbus.spark.read_journal` (the exported Parquet files
-plus the tail through the ``sbus`` source) against plain Parquet of the same rows, with
-the ways it was read before, in one run.
+plus the open tail as Parquet pieces written on the driver) against plain Parquet of the
+same rows, with the ways it was read before, in one run.
 
     flock /work/bench.lock .venv/bin/python tools/bench_spark.py [--rows 1750000] \\
         [--repeat 5] [--tail 100000] [--cache /var/tmp/sbus-bench-spark]
@@ -20,6 +20,10 @@ Figures are rows/s relative to plain Parquet.  Cases:
 - ``read_journal+tail``: the same with an open segment of --tail more rows being recorded
   (a writer holds it open; a recorder's open segment is on average half a segment);
 - ``read_journal(columns)``: the same, asking only for the query's columns;
+- ``54e8480+tail``: read_journal as it was at 54e8480 (the rows after the export through
+  the ``sbus`` source, unioned to the Parquet scan), with the same open tail (today's
+  writes the tail as Parquet pieces on the driver, `sbus.journal.tail`: the first call
+  converts it, and each later one only what was recorded since; both costs are printed);
 - ``before``: read_journal as it was (``max(seq)`` over the Parquet by a Spark job, then
   an always-scanned tail), no tail;
 - ``sbus`` / ``sbus(schema)``: the ``sbus`` source alone, all columns / the query's.
@@ -29,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +56,21 @@ def read_journal_before(spark, journal: str, parquet: str):
     if last is not None:
         tail = tail.option("startingSeq", str(last + 1))
     return sealed.unionByName(tail.load(journal).select(*names))
+
+
+def read_journal_54e8480(spark, journal: str):
+    """`sbus.spark.read_journal` as it was at 54e8480: the tail through the source."""
+    from sbus.journal.export import split
+    from sbus.journal.store import EXPORT_SUBDIR
+    from sbus.spark import COLUMNS, _parquet
+
+    parquet = os.path.join(journal, EXPORT_SUBDIR)
+    cut = split(journal, parquet)
+    sealed = _parquet(spark, parquet, cut.files, []).select(*COLUMNS)
+    if not cut.tail:
+        return sealed
+    tail = spark.read.format("sbus").option("startingSeq", str(cut.seam)).load(journal)
+    return sealed.unionByName(tail.select(*COLUMNS))
 
 
 def build(cache: Path, rows: int) -> tuple[Path, Path]:
@@ -121,16 +142,33 @@ def main() -> int:
             writer.append(1_800_000_000 * 10**9 + lo, [keys[i % 50] for i in range(n)],
                           [b'{"v":%d}' % (lo + i) for i in range(n)])
             writer.flush()
+        took = time.perf_counter()
+        assert sbus.spark.read_journal(spark, j).count() == rows + args.tail
+        took = time.perf_counter() - took
+        print(f"first read_journal with the open tail (converts {args.tail:,} rows): "
+              f"{took:.2f} s", file=sys.stderr)
         open_makers = {
             "parquet": makers["parquet"],
             "read_journal+tail": lambda cols: sbus.spark.read_journal(spark, j),
             "read_journal(columns)+tail": lambda cols: sbus.spark.read_journal(
                 spark, j, columns=cols),
+            "54e8480+tail": lambda cols: read_journal_54e8480(spark, j),
         }
-        assert sbus.spark.read_journal(spark, j).count() == rows + args.tail
         live = {(m, q): (lambda mk=mk, cols=cols, run=run: run(mk(cols)))
                 for q, (cols, run) in queries.items() for m, mk in open_makers.items()}
         t2 = interleaved(live, args.repeat)
+        more = []  # read_journal while recording: 1,000 rows more before each call
+        for _ in range(args.repeat):
+            lo = writer.next_seq
+            writer.append(1_800_000_000 * 10**9 + lo, [keys[i % 50] for i in range(1000)],
+                          [b'{"v":%d}' % i for i in range(1000)])
+            writer.flush()
+            took = time.perf_counter()
+            df = sbus.spark.read_journal(spark, j)
+            more.append(time.perf_counter() - took)
+        print(f"read_journal (the DataFrame, no action) with 1,000 new rows in the tail: "
+              f"median {statistics.median(more) * 1e3:.0f} ms", file=sys.stderr)
+        assert df.count() == writer.next_seq - 1
     finally:
         writer.close()  # sealed: the next run exports it (and copies the rows again)
     spark.stop()
@@ -146,6 +184,8 @@ def main() -> int:
             w, c = t[m, q]
             print(f"| {q} | {m} | {w:.2f} ({c:.2f}) | {base / w:.2f}x ({base_cpu / c:.2f}x) |")
         base2, base2_cpu = t2["parquet", q]
+        print(f"| {q} | parquet (alternating with the open-tail cases) | {base2:.2f} "
+              f"({base2_cpu:.2f}) | 1.00x (1.00x) |")
         for m in open_makers:
             if m == "parquet":
                 continue

@@ -1,8 +1,10 @@
 """The recorder's journal: rotating, sealed segment files of bus messages.
 
 `format` is the pure on-disk codec, `store` the directory (writer, recovery, readers),
-`arrow` blocks as Arrow record batches, `read` the readers behind ``sbus journal``,
-`retention` the pure deletion policy, `record` the ``sbus record`` command.
+`arrow` blocks as Arrow record batches, `export` sealed segments as Parquet and `tail`
+the rows after them as Parquet pieces (for `sbus.spark.read_journal`), `read` the
+readers behind ``sbus journal``, `retention` the pure deletion policy, `record` the
+``sbus record`` command.
 """
 
 from .format import Block, BlockInfo, FormatError

@@ -74,7 +74,12 @@ class Split:
 
     files: list[Path]  # the Parquet files of the journal's first sealed segments, in order
     seam: int  # the first sequence number not in *files*: where the tail starts
-    tail: bool  # whether any row is recorded at or after *seam* (now)
+    rest: list[Segment]  # the segments after those of *files*
+
+    @property
+    def tail(self) -> bool:
+        """Whether any row is recorded at or after *seam* (now): reads the open segment."""
+        return any(segment_blocks(s) for s in self.rest)
 
 
 def split(directory: str | os.PathLike, out: str | os.PathLike) -> Split:
@@ -91,10 +96,9 @@ def split(directory: str | os.PathLike, out: str | os.PathLike) -> Split:
             break
         files.append(f)
     if not files:
-        return Split([], 0, bool(segments))
+        return Split([], 0, segments)
     seam = int(files[-1].stem) + pq.read_metadata(files[-1]).num_rows
-    rest = segments[len(files):]
-    return Split(files, seam, any(segment_blocks(s) for s in rest))
+    return Split(files, seam, segments[len(files):])
 
 
 class ExportingWriter(JournalWriter):
