@@ -3,7 +3,9 @@ for the whole run and real brokers and recorders."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -898,6 +900,37 @@ def test_exported_parquet_and_the_open_tail_read_as_one(spark, tmp_path, monkeyp
         alone = read_journal(spark, str(jdir), str(tmp_path / "none"), columns=["seq"])
         assert "parquet" not in plan(alone)  # no export: the source alone
         assert sorted(r.seq for r in alone.collect()) == list(range(1, 506))
+
+
+def test_read_journal_on_a_full_disk_reads_the_tail_through_the_source(spark, tmp_path,
+                                                                        caplog):
+    """A full disk where the pieces go (a real one: a 16 KiB tmpfs mounted there and
+    filled) costs speed, not rows: one warning, the tail through the source, each row
+    once, no half-written piece left."""
+    from sbus.journal.export import export_journal
+    from sbus.spark import read_journal
+
+    jdir, pq = tmp_path / "j", tmp_path / "pq"
+    small_journal(jdir, 300, segment_bytes=3000)
+    export_journal(jdir, pq)
+    (pq / ".tail").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(pq / ".tail")],
+                   check=True)
+    try:
+        with contextlib.suppress(OSError), open(pq / ".tail" / "filler", "wb") as f:
+            f.write(b"x" * 65536)
+        with JournalWriter(jdir, fsync=False) as w:
+            w.append(time.time_ns(), [b"late/%d" % i for i in range(200)], [b"p" * 50] * 200)
+            w.flush()
+            with caplog.at_level(logging.WARNING, logger="sbus.spark"):
+                df = read_journal(spark, str(jdir), str(pq))
+            assert "RelationV2" in plan(df)  # the tail through the source
+            assert sorted(r.seq for r in df.select("seq").collect()) == list(range(1, 501))
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "No space left" in warned[0], warned
+        assert sorted(p.name for p in (pq / ".tail").iterdir()) == ["filler"]
+    finally:
+        subprocess.run(["umount", str(pq / ".tail")], check=True)
 
 
 def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):
