@@ -59,9 +59,11 @@ _sendmmsg.restype = ctypes.c_int
 
 def _send_each_helper():
     """``sbus_send_each`` from sbus/_sendeach.c, if tools/setup.sh built it, else None."""
+    # the Debian package's dh_python3 renames it with Python's extension suffix
+    built = sorted(Path(__file__).parent.glob("_sendeach*.so"))
     try:
-        lib = ctypes.CDLL(str(Path(__file__).with_name("_sendeach.so")))
-    except OSError:
+        lib = ctypes.CDLL(str(built[0]))
+    except (IndexError, OSError):
         return None
     helper = lib.sbus_send_each
     helper.restype = ctypes.c_int
