@@ -56,7 +56,6 @@ _sendmmsg = _libc.sendmmsg
 _sendmmsg.restype = ctypes.c_int
 
 
-
 def _send_each_helper():
     """``sbus_send_each`` from sbus/_sendeach.c, if tools/setup.sh built it, else None."""
     # the Debian package's dh_python3 renames it with Python's extension suffix
