@@ -40,7 +40,7 @@ from .defaults import MAX_MESSAGE, QUEUE_LIMIT, SEPARATOR
 from .flood import DEFAULT_POLICY, Hard, Order, Soft
 from .keys import Credentials
 from .limits import Limits
-from .packetio import PacketBatch
+from .packetio import HAS_SEND_EACH, PacketBatch
 
 log = logging.getLogger("sbus.broker")
 
@@ -121,6 +121,28 @@ def _link_write(fd: int, packet, write=os.write) -> int:
         return _outcome(exc)
 
 
+def _link_write_each(batch: PacketBatch, picks: list[int], fds: list[int],
+                     write=os.write) -> int:
+    """The core's ``write_each`` port: packet ``picks[k]`` to ``fds[k]``, each in turn,
+    in one loop in C (`map`), until a write fails; how many were taken before it (the
+    core retries that one through `_link_write` and learns why).  ``list.extend`` keeps
+    what the iterator gave before it raised."""
+    buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
+    packets = [buf[offsets[i]:offsets[i] + lengths[i]] for i in picks]
+    taken: list[int] = []
+    try:
+        taken.extend(map(write, fds, packets))
+    except OSError:
+        pass  # EAGAIN, a peer gone: for the core to see packet by packet
+    return len(taken)
+
+
+def _link_send_each(batch: PacketBatch, picks: list[int], fds: list[int]) -> int:
+    """The ``write_each`` port through sbus/_sendeach.c, where it was built: the same
+    as `_link_write_each`, in one C loop of ``send`` calls (no Python between them)."""
+    return batch.send_each(picks, fds)
+
+
 def _link_send(batch: PacketBatch, fd: int, start: int, count: int) -> int:
     """The core's ``send`` port: packets of *batch* taken, or what an error means."""
     try:
@@ -168,7 +190,9 @@ class Broker:
         self._batch = PacketBatch(max(1, min(BATCH_SLOTS, BATCH_MEMORY // slot)), slot)
         self._spare_batches: list[PacketBatch] = []  # for while fan-outs hold others
         self._held = 0  # batches the core holds (`core.Fanout`)
-        self.core = BrokerCore(_link_write, _at_eof, send=_link_send, sep=sep,
+        self.core = BrokerCore(_link_write, _at_eof, send=_link_send,
+                               write_each=_link_send_each if HAS_SEND_EACH
+                               else _link_write_each, sep=sep,
                                max_message=max_message,
                                queue_limit=queue_limit, limits=limits, defaults=defaults,
                                batch_slots=self._batch.slots, user_name=_user_name,

@@ -24,7 +24,9 @@ packets: ``>= 0``) or one of the outcomes `FULL`, `GONE`, `TOO_BIG`, `FAILED`; t
 shell maps its system calls' errors onto them, so no OS error reaches the core.  A
 client's ``link`` is opaque to the core (the shell's fd), and is never written to once
 the client is `Client.closed`.  Tests pass fakes for both that model a kernel buffer
-of a chosen size, so every policy is exercised without a socket or a sleep.
+of a chosen size, so every policy is exercised without a socket or a sleep.  A third,
+optional primitive, ``write_each(batch, picks, links)`` (`WriteEach`), writes many
+packets to many links back to back (defaults to ``write`` once per packet).
 
 No client can hold the shell's loop through the core: every packet's work is bounded
 (patterns are limited in shape, lookups probe once per prefix length, cache
@@ -161,11 +163,28 @@ class Fanout:
 Write = Callable[[object, bytes], int]
 #: ``send(batch, link, start, count)``: packets taken from the batch, or an outcome.
 Send = Callable[[object, object, int, int], int]
+#: ``write_each(batch, picks, links)``: write batch packet ``picks[k]`` to ``links[k]``
+#: for each k in order, stopping at the first write that took nothing: how many were
+#: taken before it (the core writes that one and the rest again with `Write`, to learn
+#: why).
+WriteEach = Callable[[object, list, list], int]
 
 
 def send_batch(batch, link: object, start: int, count: int) -> int:
     """The default `Send`: the batch's own ``send``, for batches that speak the port."""
     return batch.send(link, start, count)
+
+
+def writes_through(write: Write) -> WriteEach:
+    """The default `WriteEach`: *write*, once per packet."""
+    def write_each(batch, picks: list, links: list) -> int:
+        buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
+        for k, (i, link) in enumerate(zip(picks, links, strict=True)):
+            at = offsets[i]
+            if write(link, buf[at:at + lengths[i]]) < 0:
+                return k
+        return len(picks)
+    return write_each
 
 
 class BrokerCore:
@@ -177,6 +196,7 @@ class BrokerCore:
         at_eof: Callable[[object], bool],
         *,
         send: Send = send_batch,
+        write_each: WriteEach | None = None,
         sep: bytes = SEPARATOR,
         max_message: int = MAX_MESSAGE,
         queue_limit: int = QUEUE_LIMIT,
@@ -188,6 +208,7 @@ class BrokerCore:
     ) -> None:
         self._write = write  # the link port (see the module's docstring)
         self._send = send
+        self._write_many = write_each or writes_through(write)
         self._at_eof = at_eof  # after an empty packet: did the peer hang up?
         self._user_name = user_name
         self.sep = sep
@@ -411,17 +432,22 @@ class BrokerCore:
         return batch.heads(start, end, width)
 
     def _one_by_one(self, conn: Client, batch, start: int, heads, blocked):
-        """Publishes from batch packet *start* on (*heads* are theirs), each delivered as
-        it is routed, for as long as each has at most one target: many keys in turn, each
-        with its subscriber (S3), cost a dict probe and a write per packet.  A head not
-        cached is parsed and routed here unless it is not a plain publish.  Returns where
-        it stopped (a packet it leaves to `receive`: not a publish, a secret key, more
-        than one target) and *blocked*."""
+        """Publishes from batch packet *start* on (*heads* are theirs), for as long as each
+        has at most one target: many keys in turn, each with its subscriber (S3), cost a
+        dict probe per packet.  They are all routed first and then written back to back
+        with one call of the `WriteEach` port (a loop in C): Python between two writes
+        left the kernel's socket and wake-up state cold, and cost the broker more kernel
+        time per write than the writes themselves (docs/performance.md, issue 26).  A
+        head not cached is parsed and routed here unless it is not a plain publish.
+        Returns where it stopped (a packet it leaves to `receive`: not a publish, a
+        secret key, more than one target) and *blocked*; what was routed before it is
+        written or queued by then, so the publisher's order holds."""
         get = self.index.cache.framed.get
         buf, offsets, lengths = batch.buffer, batch.offsets, batch.lengths
-        msg_verb, write = protocol.MSG_VERB, self._write
+        msg_verb = protocol.MSG_VERB
         copies: dict[int, bytes] = {}
-        sent = 0
+        picks: list[int] = []  # packets to write now, in order ...
+        dests: list[Client] = []  # ... and their targets (none has a queue)
         for i, head in enumerate(heads, start):  # noqa: B007 - i is returned
             targets = get(head)
             if targets is None:  # not cached, or a key of another length: parse it
@@ -441,21 +467,40 @@ class BrokerCore:
                 break  # more than one target
             if t.closed:
                 continue
+            if t.out.items:  # behind its queue (a target's queue only grows meanwhile)
+                blocked = self._enqueue(conn, t, batch, i, i + 1, copies, blocked)
+                continue
+            picks.append(i)
+            dests.append(t)
+        else:
+            i = start + len(heads)
+        if picks:
+            taken = self._write_many(batch, picks, [t.link for t in dests])
+            self.delivered += taken
+            if taken < len(picks):
+                blocked = self._write_rest(conn, batch, picks, dests, taken, copies, blocked)
+        return i, blocked
+
+    def _write_rest(self, conn: Client, batch, picks, dests, first: int, copies, blocked):
+        """`_one_by_one`'s writes from the one the link refused on, one at a time: that
+        target may be full (its packets queue behind) or gone."""
+        buf, offsets, lengths, write = batch.buffer, batch.offsets, batch.lengths, self._write
+        for n in range(first, len(picks)):
+            t, i = dests[n], picks[n]
+            if t.closed:
+                continue
             if t.out.items:
                 blocked = self._enqueue(conn, t, batch, i, i + 1, copies, blocked)
                 continue
             at = offsets[i]
             got = write(t.link, buf[at:at + lengths[i]])
             if got >= 0:
-                sent += 1
+                self.delivered += 1
             elif got == FULL:
                 blocked = self._enqueue(conn, t, batch, i, i + 1, copies, blocked)
             else:
                 self._unsent(t, got)
-        else:
-            i = start + len(heads)
-        self.delivered += sent
-        return i, blocked
+        return blocked
 
     def _flush(self, conn: Client, batch, n: int, runs, blocked, hold: bool, resume: int):
         """Deliver *runs* now, or keep *batch* for a fan-out in steps if they are worth

@@ -19,8 +19,9 @@ import os
 import socket
 import struct
 from array import array
+from pathlib import Path
 
-__all__ = ["PacketBatch"]
+__all__ = ["HAS_SEND_EACH", "PacketBatch"]
 
 # plain ints: the socket module's flags are an IntFlag, and `|` on it costs ~0.7 µs
 MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
@@ -53,6 +54,24 @@ _recvmmsg = _libc.recvmmsg
 _recvmmsg.restype = ctypes.c_int
 _sendmmsg = _libc.sendmmsg
 _sendmmsg.restype = ctypes.c_int
+
+
+def _send_each_helper():
+    """``sbus_send_each`` from sbus/_sendeach.c, if tools/setup.sh built it, else None."""
+    # the Debian package's dh_python3 renames it with Python's extension suffix
+    built = sorted(Path(__file__).parent.glob("_sendeach*.so"))
+    try:
+        lib = ctypes.CDLL(str(built[0]))
+    except (IndexError, OSError):
+        return None
+    helper = lib.sbus_send_each
+    helper.restype = ctypes.c_int
+    return helper
+
+
+_send_each = _send_each_helper()
+#: Whether `PacketBatch.send_each` is there (sbus/_sendeach.so was built).
+HAS_SEND_EACH = _send_each is not None
 
 _MMSG = ctypes.sizeof(_MMsgHdr)
 _SIZE_T = {4: "I", 8: "Q"}[ctypes.sizeof(ctypes.c_size_t)]
@@ -107,6 +126,12 @@ class PacketBatch:
         self._sendable = 0  # packets whose send length is set, since the last receive
         self._iov_set: list[int] = []  # the lengths the send iovecs were last given
         self._heads: dict[tuple[int, int], struct.Struct] = {}  # (size, count) -> layout
+        # `send_each`: which packet goes to which descriptor, as C ints
+        self._picks, self._fds = (ctypes.c_int * slots)(), (ctypes.c_int * slots)()
+        self._picks_at = ctypes.c_void_p(ctypes.addressof(self._picks))
+        self._fds_at = ctypes.c_void_p(ctypes.addressof(self._fds))
+        self._picks_view = memoryview(self._picks).cast("B").cast("i")
+        self._fds_view = memoryview(self._fds).cast("B").cast("i")
 
     def receive(self, fd: int, wait: bool = False, limit: int | None = None) -> int:
         """Receive what is waiting on *fd*, without blocking: the number of packets.
@@ -185,3 +210,13 @@ class PacketBatch:
                 return 0
             raise OSError(code, os.strerror(code))
         return n
+
+    def send_each(self, picks: list[int], fds: list[int]) -> int:
+        """Send packet ``picks[k]`` to ``fds[k]``, each in turn, without blocking, in one
+        loop in C (sbus/_sendeach.c; only if `HAS_SEND_EACH`).  Returns how many were
+        taken before the first that was not; that one's error is not told (send it again
+        alone to learn it)."""
+        n = len(picks)
+        self._picks_view[:n] = array("i", picks)
+        self._fds_view[:n] = array("i", fds)
+        return _send_each(self._rmsgs_at, n, self._picks_at, self._fds_at)

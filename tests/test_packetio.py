@@ -178,3 +178,46 @@ def test_waiting_receive_times_out_takes_a_batch_and_yields_to_signals(pairs):
             batch.receive(b.fileno(), wait=True)
     finally:
         signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("port", ["C loop", "Python"])
+def test_write_each_sends_each_packet_to_its_socket_in_order_until_one_is_refused(port):
+    """The broker's ``write_each`` port, through sbus/_sendeach.c (tools/setup.sh builds
+    it) and through Python: every packet to its own socket, in order, and nothing after
+    the first one refused (the core retries that one and the rest, and learns why)."""
+    from sbus import broker, packetio
+
+    if port == "C loop":
+        assert packetio.HAS_SEND_EACH, "sbus/_sendeach.so is not built: run tools/setup.sh"
+        write_each = broker._link_send_each
+    else:
+        write_each = broker._link_write_each
+    made = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(4)]
+    try:
+        (pub, me), (x, x_peer), (full, full_peer), (gone, gone_peer) = made
+        batch = PacketBatch(8, 101)
+        packets = [b"MSG k.%d\0%s" % (i, b"p" * i) for i in range(8)]
+        for p in packets:
+            pub.send(p)
+        assert batch.receive(me.fileno()) == 8
+        full.setblocking(False)
+        while True:  # its peer reads nothing: the kernel takes no more
+            try:
+                full.send(b"z" * 64)
+            except BlockingIOError:
+                break
+        gone_peer.close()
+        fds = [x.fileno(), full.fileno(), gone.fileno()]
+        assert write_each(batch, [0, 2, 5], [fds[0], fds[0], fds[0]]) == 3
+        assert write_each(batch, [1, 3, 4, 6], [fds[0], fds[0], fds[1], fds[0]]) == 2
+        assert write_each(batch, [7, 6], [fds[2], fds[0]]) == 0
+        x_peer.setblocking(False)
+        got = []
+        with pytest.raises(BlockingIOError):
+            while True:
+                got.append(x_peer.recv(200))
+        assert got == [packets[i] for i in (0, 2, 5, 1, 3)]  # not 6, after the refused one
+    finally:
+        for a, b in made:
+            a.close()
+            b.close()

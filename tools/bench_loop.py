@@ -8,7 +8,8 @@ This runs the real `Broker.serve` loop in-process on scenario S1–S5's shape (p
 sending full batches of 64 ``MSG k.NNN`` packets of 64-byte payload, subscribers
 reading everything) with the system calls replaced by no-ops: ``recvmmsg`` reports the
 batch already in the buffer, ``sendmmsg`` and ``os.write`` take everything (replaced
-before the broker is imported, so whatever the shell wraps around them is timed),
+before the broker is imported, so whatever the shell wraps around them is timed; the
+C loop of sbus/_sendeach.c, where built, is a no-op too),
 ``epoll`` reports every publisher readable.  What is left is the Python the broker spends per
 round, timed with the thread's CPU clock (time slices given to other processes do not
 count).
@@ -41,6 +42,8 @@ os.write = lambda fd, data: len(data)  # before the broker binds it: its own por
 from sbus import broker as broker_mod, packetio
 from sbus.broker import Broker
 from sbus.flood import Hard, Order, Soft
+if getattr(packetio, "HAS_SEND_EACH", False):  # sbus/_sendeach.c's loop: its sends too
+    packetio._send_each = lambda msgs, n, picks, fds: n
 
 name, rounds, nsub, nkeys, npub, warm, held = sys.argv[1], *map(int, sys.argv[2:])
 

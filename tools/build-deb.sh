@@ -30,7 +30,7 @@ trap 'rm -rf "$work"' EXIT
 
 copy() {  # the source tree without caches and build leftovers
     mkdir -p "$1"
-    tar -C "$repo" --exclude=__pycache__ --exclude='*.pyc' --exclude='*.egg-info' \
+    tar -C "$repo" --exclude=__pycache__ --exclude='*.pyc' --exclude='*.egg-info' --exclude='*.so' \
         -cf - sbus pyproject.toml README.md MANIFEST.in docs debian | tar -C "$1" -xf -
 }
 
