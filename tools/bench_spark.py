@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -82,6 +83,13 @@ def build(cache: Path, rows: int) -> tuple[Path, Path]:
     if not journal.exists():
         print(f"building a realistic journal of {rows:,} rows in {journal}", file=sys.stderr)
         realistic_journal(journal, rows)
+    # Each run's open tail is sealed at its end: back to the journal as built, so runs
+    # compare like with like (else each run adds a small segment and a file to scan).
+    for seg in journal.glob("*.sbj"):
+        if int(seg.stem) > rows:
+            seg.unlink()
+            (journal / EXPORT_SUBDIR / f"{seg.stem}.parquet").unlink(missing_ok=True)
+    shutil.rmtree(journal / EXPORT_SUBDIR / ".tail", ignore_errors=True)
     export_journal(journal, journal / EXPORT_SUBDIR)  # what is not exported yet
     return journal, cache / "copy.parquet"
 
