@@ -161,8 +161,9 @@ def main() -> None:
             servers["sbus before"] = lambda **kw: sbus_round(before, load, **kw)
         fanouts = [int(n) for n in args.fanout.split(",")]
         results: dict[tuple[str, int], list[dict]] = {}
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         print(f"# gateway vs getlantern/pubsub broker ({os.cpu_count()} CPUs, "
-              f"load average {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
+              f"load average {os.getloadavg()[0]:.1f}, {when})")
         print(f"# {args.messages} messages of {args.size} B per run, window {args.window}, "
               f"{args.rounds} rounds, servers in turn (order rotated each round)")
         names = list(servers)

@@ -182,10 +182,15 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> list[Frame]:
         """Frames completed by *data* (possibly none)."""
-        if self._unpacker is None and not self._pending and not data.strip(b"\x00"):
-            # the common idle case: only keep-alives, no need for an unpacker
-            self.offset += len(data)
-            return [_KEEPALIVE_EVENT] * len(data)
+        if self._unpacker is None and not self._pending:
+            # the common cases (keep-alives, publishes of bin topics and bodies) split by
+            # hand: no unpacker; it takes over from the first frame that is anything else
+            lead, used = self._split(data)
+            self.offset += used
+            if used == len(data):
+                return lead
+            if lead:
+                return lead + self.feed(data[used:])
         if len(data) > self.read_size:
             out: list[Frame] = []
             view = memoryview(data)
@@ -232,6 +237,39 @@ class FrameDecoder:
         if not pending and unpacker.tell() == self._fed:
             self._unpacker = None  # nothing buffered: let an idle connection hold none
         return frames
+
+    def _split(self, data: bytes) -> tuple[list[Frame], int]:
+        """The leading keep-alives and publish frames whose topic is a bin 8 and whose body
+        a bin 8 or bin 16 value (what the Go client sends), within the frame limit, and
+        the bytes they take; an incomplete or other frame ends the run."""
+        out: list[Frame] = []
+        i, n, limit = 0, len(data), self.max_frame
+        while i < n:
+            kind = data[i]
+            if kind == KEEP_ALIVE:
+                out.append(_KEEPALIVE_EVENT)
+                i += 1
+                continue
+            if kind != PUBLISH or i + 3 > n or data[i + 1] != 0xC4:
+                break
+            topic = i + 3
+            at = topic + data[i + 2]  # the body's header
+            if at + 2 > n:
+                break
+            if data[at] == 0xC4:
+                start = at + 2
+                size = data[at + 1]
+            elif data[at] == 0xC5 and at + 3 <= n:
+                start = at + 3
+                size = data[at + 1] << 8 | data[at + 2]
+            else:
+                break
+            end = start + size
+            if end > n or at - topic + size > limit:
+                break  # incomplete, or too large: the unpacker says which, and where
+            out.append(Publish(data[topic:at], data[start:end]))
+            i = end
+        return out, i
 
     @property
     def held(self) -> int:

@@ -64,6 +64,8 @@ FEED_SIZE = 8192
 UNAUTHENTICATED_HOLD = 16 * 1024
 #: Seconds of work for one client's input before the others get a turn.
 TURN = 0.002
+#: Keys published to whose packet heads are kept (`Gateway._head`), and their bytes.
+HEADS, HEADS_BYTES = 1024, 256 * 1024
 #: Seconds between two log lines about connections refused at the caps.
 CAP_LOG_INTERVAL = 10.0
 
@@ -177,6 +179,8 @@ class Gateway:
                              budget=bus_subscription_bytes)
         self._nursery: trio.Nursery | None = None
         self.clients: set[Remote] = set()
+        self._heads: dict[bytes, bytes] = {}  # checked keys -> packet heads (`_head`)
+        self._heads_bytes = 0
         #: Log lines about remote peers, rationed per address (reconnecting buys none).
         self.allowance = LogAllowance(burst=10, interval=10.0)
         self._cap_unlogged = 0
@@ -313,6 +317,8 @@ class Gateway:
                 self.unauthenticated.give(cost)
 
     def _separator_changed(self, sep: bytes) -> None:
+        self._heads.clear()  # checked by the rules of the old separator
+        self._heads_bytes = 0
         for rc in list(self.clients):
             for topic in list(rc.topics):  # the bridge's new index holds none of them
                 self._drop_topic(rc, topic)
@@ -429,6 +435,10 @@ class Gateway:
     async def _read(self, rc: Remote, decoder: FrameDecoder) -> None:
         receive = rc.stream.receive_some
         clock = time.perf_counter
+        checkpoint = trio.lowlevel.checkpoint
+        publish_packets = self.bridge.publish_packets
+        heads = self._heads
+        Publish = codec.Publish  # noqa: N806
         while True:
             # before authenticating, small reads: what one read allocates is bounded too
             data = await receive(READ_SIZE if rc.authenticated else UNAUTHENTICATED_HOLD)
@@ -441,29 +451,68 @@ class Gateway:
             # decoded in slices: 64 KiB of tiny frames takes ~10 ms to decode at once
             for offset in range(0, len(data), FEED_SIZE):
                 piece = data if len(data) <= FEED_SIZE else data[offset:offset + FEED_SIZE]
+                # publishes go to the bus as runs (one system call each), in stream order:
+                # any other frame, or the end of a turn, sends the run before it first
+                run: list[bytes] = []
                 # frames decoded before a bad one are not acted upon: the stream is bad
                 for frame in decoder.feed(piece):
-                    try:
-                        await self._frame(rc, frame)
-                    except FrameRefused as exc:
-                        rc.refused += 1
-                        self.refused += 1
-                        full = isinstance(exc, SharesFull) and not rc.doomed
-                        self.say(rc.host, logging.WARNING, "%r: %s%s", rc, exc,
-                                 f"; disconnecting it in {self.refusal_delay:g} s (it may "
-                                 "subscribe again then)" if full else "")
-                        if full:
-                            self._doom(rc, "a subscription over a full share")
+                    if type(frame) is Publish and rc.authenticated:
+                        head = heads.get(frame.topic)
+                        if head is None:
+                            try:
+                                head = self._head(frame.topic)
+                            except FrameRefused as exc:
+                                self._refused(rc, exc)
+                        if head is not None:
+                            run.append(head + frame.body)
+                    else:
+                        if run:
+                            await publish_packets(run)
+                            run = []
+                        try:
+                            await self._frame(rc, frame)
+                        except FrameRefused as exc:
+                            self._refused(rc, exc)
                     if clock() - start > TURN:
-                        await trio.lowlevel.checkpoint()  # others get a turn
+                        if run:
+                            await publish_packets(run)
+                            run = []
+                        await checkpoint()  # others get a turn
                         start = clock()
+                if run:
+                    await publish_packets(run)
                 if clock() - start > TURN:
-                    await trio.lowlevel.checkpoint()
+                    await checkpoint()
                     start = clock()
-            del data, piece
+            del data, piece, run
             if not rc.authenticated and decoder.held > UNAUTHENTICATED_HOLD:
                 raise FrameError(f"an incomplete frame holds {decoder.held} bytes, over "
                                  f"the {UNAUTHENTICATED_HOLD} allowed before authenticating")
+
+    def _head(self, topic: bytes) -> bytes:
+        """The start of every bus packet publishing to *topic*, once `check_key` accepted
+        it; kept (`HEADS` keys, `HEADS_BYTES` bytes: then all are forgotten), so a
+        publisher's next message to it costs a lookup."""
+        self.check_key(topic)
+        head = self.bridge.bus.session.publish_head(topic)
+        if len(self._heads) >= HEADS or self._heads_bytes + len(head) > HEADS_BYTES:
+            self._heads.clear()
+            self._heads_bytes = 0
+        self._heads[topic] = head
+        self._heads_bytes += len(head)
+        return head
+
+    def _refused(self, rc: Remote, exc: FrameRefused) -> None:
+        """A well-formed frame refused: counted, logged (rationed), the connection kept
+        unless a shared budget is full (then closed after the delay, see `_doom`)."""
+        rc.refused += 1
+        self.refused += 1
+        full = isinstance(exc, SharesFull) and not rc.doomed
+        self.say(rc.host, logging.WARNING, "%r: %s%s", rc, exc,
+                 f"; disconnecting it in {self.refusal_delay:g} s (it may "
+                 "subscribe again then)" if full else "")
+        if full:
+            self._doom(rc, "a subscription over a full share")
 
     async def _frame(self, rc: Remote, frame: codec.Frame) -> None:
         kind = type(frame)
