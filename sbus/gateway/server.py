@@ -68,6 +68,9 @@ TURN = 0.002
 #: How much later than the idle timeout an idle connection may be closed (a fraction of
 #: it: `Remote.touch` moves its deadline only when it would come sooner).
 IDLE_SLACK = 1 / 64
+#: Bytes of publishes held back (on plain TCP, while more input waits) to go to the bus
+#: as one run.
+RUN_BYTES = 64 * 1024
 #: Keys published to whose packet heads are kept (`Gateway._head`), and their bytes.
 HEADS, HEADS_BYTES = 1024, 256 * 1024
 #: Seconds between two log lines about connections refused at the caps.
@@ -458,66 +461,89 @@ class Gateway:
         Publish = codec.Publish  # noqa: N806
         fd = _plain_fd(rc.stream)
         start = clock()  # since the last turn the others had
-        while True:
-            # before authenticating, small reads: what one read allocates is bounded too
-            size = READ_SIZE if rc.authenticated else UNAUTHENTICATED_HOLD
-            if fd is None:
-                data = await receive(size)
-                start = clock()
-            else:  # plain TCP: what waits is read at once, with no turn of the loop per read
-                try:
-                    data = os.read(fd, size)
-                except BlockingIOError:
-                    await trio.lowlevel.wait_readable(fd)
+        # publishes go to the bus as runs (one system call each), in stream order: any
+        # other frame, a turn for the others, a wait for input or RUN_BYTES send the run
+        # first; so on plain TCP a run gathers what several reads found waiting
+        run: list[bytes] = []
+        held = 0  # bytes in run
+
+        async def send_run() -> None:
+            nonlocal run, held
+            packets, run, held = run, [], 0  # taken first: a cancelled send is not redone
+            await publish_packets(packets)
+
+        try:
+            while True:
+                # before authenticating, small reads: what one read allocates is bounded
+                size = READ_SIZE if rc.authenticated else UNAUTHENTICATED_HOLD
+                if fd is None:
+                    data = await receive(size)
                     start = clock()
-                    continue
-                except OSError as exc:
-                    raise trio.BrokenResourceError(exc) from exc
-            if not data:
-                if not decoder.idle:
-                    self.say(rc.host, logging.INFO, "%r closed in the middle of a frame", rc)
-                return
-            rc.touch()
-            # decoded in slices: 64 KiB of tiny frames takes ~10 ms to decode at once
-            for offset in range(0, len(data), FEED_SIZE):
-                piece = data if len(data) <= FEED_SIZE else data[offset:offset + FEED_SIZE]
-                # publishes go to the bus as runs (one system call each), in stream order:
-                # any other frame, or the end of a turn, sends the run before it first
-                run: list[bytes] = []
-                # frames decoded before a bad one are not acted upon: the stream is bad
-                for frame in decoder.feed(piece):
-                    if type(frame) is Publish and rc.authenticated:
-                        head = heads.get(frame.topic)
-                        if head is None:
+                else:  # plain TCP: what waits is read at once, with no turn of the loop
+                    try:
+                        data = os.read(fd, size)
+                    except BlockingIOError:
+                        if run:
+                            await send_run()
+                        await trio.lowlevel.wait_readable(fd)
+                        start = clock()
+                        continue
+                    except OSError as exc:
+                        raise trio.BrokenResourceError(exc) from exc
+                if not data:
+                    if not decoder.idle:
+                        self.say(rc.host, logging.INFO, "%r closed in the middle of a frame",
+                                 rc)
+                    return
+                rc.touch()
+                # decoded in slices: 64 KiB of tiny frames takes ~10 ms to decode at once
+                for offset in range(0, len(data), FEED_SIZE):
+                    piece = data if len(data) <= FEED_SIZE else data[offset:offset + FEED_SIZE]
+                    # frames decoded before a bad one are not acted upon: the stream is bad
+                    # (those of earlier pieces were: the run is sent before the error ends
+                    # the connection)
+                    for frame in decoder.feed(piece):
+                        if type(frame) is Publish and rc.authenticated:
+                            head = heads.get(frame.topic)
+                            if head is None:
+                                try:
+                                    head = self._head(frame.topic)
+                                except FrameRefused as exc:
+                                    self._refused(rc, exc)
+                            if head is not None:
+                                packet = head + frame.body
+                                run.append(packet)
+                                held += len(packet)
+                                if held > RUN_BYTES:
+                                    await send_run()
+                        else:
+                            if run:
+                                await send_run()
                             try:
-                                head = self._head(frame.topic)
+                                await self._frame(rc, frame)
                             except FrameRefused as exc:
                                 self._refused(rc, exc)
-                        if head is not None:
-                            run.append(head + frame.body)
-                    else:
-                        if run:
-                            await publish_packets(run)
-                            run = []
-                        try:
-                            await self._frame(rc, frame)
-                        except FrameRefused as exc:
-                            self._refused(rc, exc)
+                        if clock() - start > TURN:
+                            if run:
+                                await send_run()
+                            await checkpoint()  # others get a turn
+                            start = clock()
+                    if fd is None and run:  # the next read takes a turn: not held over it
+                        await send_run()
                     if clock() - start > TURN:
                         if run:
-                            await publish_packets(run)
-                            run = []
-                        await checkpoint()  # others get a turn
+                            await send_run()
+                        await checkpoint()
                         start = clock()
-                if run:
-                    await publish_packets(run)
-                if clock() - start > TURN:
-                    await checkpoint()
-                    start = clock()
-            del data, piece, run
-            if not rc.authenticated and decoder.held > UNAUTHENTICATED_HOLD:
-                raise FrameError(f"an incomplete frame holds {decoder.held} bytes, over "
-                                 f"the {UNAUTHENTICATED_HOLD} allowed before authenticating")
+                del data, piece
+                if not rc.authenticated and decoder.held > UNAUTHENTICATED_HOLD:
+                    raise FrameError(f"an incomplete frame holds {decoder.held} bytes, over "
+                                     f"the {UNAUTHENTICATED_HOLD} allowed before "
+                                     "authenticating")
+        finally:
+            if run:  # what came before the end of the stream, a bad frame or a broken read
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_GRACE):
+                    await send_run()
 
     def _head(self, topic: bytes) -> bytes:
         """The start of every bus packet publishing to *topic*, once `check_key` accepted
