@@ -69,15 +69,18 @@ def rss_kib(pid: int) -> tuple[int, int]:
 class Stack:
     """A broker and a gateway in child processes."""
 
-    def __init__(self, tls: bool, extra: list[str], root: Path = ROOT) -> None:
+    def __init__(self, tls: bool, extra: list[str], root: Path = ROOT,
+                 cpus: set[int] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="sbus-bench-gw-", dir="/tmp"))
         self.bus = str(self.dir / "bus.sock")
         self.port = free_port()
         (self.dir / "key").write_bytes(SECRET)
         (self.dir / "key").chmod(0o600)
         env = dict(os.environ, PYTHONPATH=str(root))
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         self.broker = subprocess.Popen([*SBUS, "serve", "--address", self.bus], env=env,
-                                       cwd=str(root), stderr=subprocess.DEVNULL)
+                                       cwd=str(root), stderr=subprocess.DEVNULL,
+                                       preexec_fn=pin)
         while not os.path.exists(self.bus):
             time.sleep(0.02)
         # every benchmark client comes from 127.0.0.1: lift the per-address cap
@@ -97,7 +100,8 @@ class Stack:
                      "--tls-key", str(self.dir / "tls.key")]
             self.client_ctx = ssl.create_default_context()
             ca.configure_trust(self.client_ctx)
-        self.gateway = subprocess.Popen([*SBUS, "gateway", *args], env=env, cwd=str(root))
+        self.gateway = subprocess.Popen([*SBUS, "gateway", *args], env=env, cwd=str(root),
+                                        preexec_fn=pin)
         deadline = time.monotonic() + 15
         while True:
             try:

@@ -22,7 +22,7 @@ value: the build patches common.go's `EncodeMsgpack` to write the same bytes wit
 doors").  Nothing else of the repository is changed.
 
 Usage:  .venv/bin/python tools/bench_gateway_go.py [--rounds 5] [--messages 50000]
-            [--fanout 1,10] [--before TREE] [--lantern-src GITDIR]
+            [--fanout 1,10] [--before TREE] [--lantern-src GITDIR] [--cpus 0:1]
 """
 
 from __future__ import annotations
@@ -86,14 +86,19 @@ def build(src: str, work: Path) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
+def _pinned(cpus: set[int] | None):
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
 def run_load(load: Path, port: int, servers: list[int], subscribers: int, messages: int,
-             window: int, size: int) -> dict:
+             window: int, size: int, client_cpus: set[int] | None = None) -> dict:
     """One run of the Go client; CPU of *servers* (PIDs) over the measured phase."""
     proc = subprocess.Popen(
         [str(load), "-addr", f"127.0.0.1:{port}", "-authkey", SECRET.decode(),
          "-subscribers", str(subscribers), "-messages", str(messages),
          "-window", str(window), "-size", str(size)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        preexec_fn=_pinned(client_cpus))
     try:
         assert proc.stdout is not None and proc.stdin is not None
         if proc.stdout.readline().strip() != "ready":
@@ -112,9 +117,10 @@ def run_load(load: Path, port: int, servers: list[int], subscribers: int, messag
             "us": [1e6 * c / max(delivered, 1) for c in cpu]}
 
 
-def go_round(broker: Path, load: Path, **kw) -> dict:
+def go_round(broker: Path, load: Path, server_cpus: set[int] | None = None, **kw) -> dict:
     proc = subprocess.Popen([str(broker), "-authkey", SECRET.decode()],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=_pinned(server_cpus))
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline().rsplit(":", 1)[1])
@@ -127,8 +133,8 @@ def go_round(broker: Path, load: Path, **kw) -> dict:
     return r
 
 
-def sbus_round(root: Path, load: Path, **kw) -> dict:
-    stack = Stack(False, [], root)
+def sbus_round(root: Path, load: Path, server_cpus: set[int] | None = None, **kw) -> dict:
+    stack = Stack(False, [], root, server_cpus)
     try:
         r = run_load(load, stack.port, [stack.gateway.pid, stack.broker.pid], **kw)
     finally:
@@ -150,7 +156,14 @@ def main() -> None:
                         "per-client buffer: 100)")
     p.add_argument("--size", type=int, default=100, help="body bytes")
     p.add_argument("--before", type=Path, help="another sbus tree to measure alongside")
+    p.add_argument("--cpus", default="0:1",
+                   help="SERVER:CLIENT CPU lists (comma-separated) the servers' processes "
+                        "and the Go client are pinned to, or 'none' (default: %(default)s)")
     args = p.parse_args()
+    pins: dict = {}
+    if args.cpus != "none":
+        server, client = ({int(c) for c in part.split(",")} for part in args.cpus.split(":"))
+        pins = {"server_cpus": server, "client_cpus": client}
     work = Path(tempfile.mkdtemp(prefix="sbus-bench-go-", dir="/tmp"))
     try:
         broker, load = build(args.lantern_src, work)
@@ -165,14 +178,15 @@ def main() -> None:
         print(f"# gateway vs getlantern/pubsub broker ({os.cpu_count()} CPUs, "
               f"load average {os.getloadavg()[0]:.1f}, {when})")
         print(f"# {args.messages} messages of {args.size} B per run, window {args.window}, "
-              f"{args.rounds} rounds, servers in turn (order rotated each round)")
+              f"{args.rounds} rounds, servers in turn (order rotated each round), "
+              f"CPUs server:client {args.cpus}")
         names = list(servers)
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
             for n in fanouts:
                 for name in order:
                     r = servers[name](subscribers=n, messages=args.messages,
-                                      window=args.window, size=args.size)
+                                      window=args.window, size=args.size, **pins)
                     results.setdefault((name, n), []).append(r)
                     print(f"round {rnd + 1} 1->{n} {name}: {r['rate']:,.0f} msg/s, "
                           f"{r['server_us']:.1f} us/delivery ({r['detail']}), "
