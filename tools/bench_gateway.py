@@ -14,6 +14,8 @@ process (trio, raw sockets, hand-made frames):
   topics and then only send a keep-alive; reports the gateway's resident memory
   before and after (VmRSS from /proc), and checks every connection still echoes.
 
+Against the getlantern/pubsub Go broker with the same Go client: tools/bench_gateway_go.py.
+
 Usage:  .venv/bin/python tools/bench_gateway.py [--subscribers 100] [--messages 20000]
             [--connections 10000] [--tls] [--only fanout|idle]
 """
