@@ -45,7 +45,7 @@ from .defaults import MAX_MESSAGE, RECV_BUFFER, SEND_BUFFER, default_address
 from .display import LOG_QUOTE, brief
 from .errors import ConnectError, ConnectionLost, InvalidRequest, NoResponders, Refused, SbusError
 from .keys import Credentials
-from .packetio import PacketBatch
+from .packetio import PacketBatch, PacketSender
 from .protocol import Control, Publish
 from .session import Backoff, Dropped, Event, Reach, Refusal, Session, Whoami
 
@@ -467,6 +467,7 @@ class _Shell:
                     self._ended = str(exc)  # said after these packets are taken
                 break
             batch = self._batch
+            asked = min(limit - len(out), batch.slots)
             if max(batch.lengths, default=0) >= SLOT_BYTES:  # cut ones: as drop reports
                 out += [self._raw_cut(batch.copy(i)) if size >= SLOT_BYTES else batch.copy(i)
                         for i, size in enumerate(batch.lengths)]
@@ -474,6 +475,8 @@ class _Shell:
                 copy = batch.copy
                 out += [copy(i) for i in range(n)]
             self._unpin(batch)
+            if n < asked:
+                break  # the kernel gave all it had: asking again would only say EAGAIN
         return out
 
     def _events(self, sock: socket.socket, limit: int) -> list[Received]:
@@ -1025,6 +1028,7 @@ class AsyncClient(_Shell):
         super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff,
                          on_refusal)
         self._reconnecting: anyio.Event | None = None
+        self._sender: PacketSender | None = None  # made at the first `send_packets`
 
     @classmethod
     async def connect(cls, address: str | None = None, **options) -> AsyncClient:
@@ -1104,6 +1108,28 @@ class AsyncClient(_Shell):
                 sock = await self._reconnect(_why(exc), sock)
             if self._restored(packet, made):
                 return
+
+    async def send_packets(self, packets: list[bytes]) -> None:
+        """`send_packet` for each of *packets* in order, in as few system calls as the
+        kernel takes them (``sendmmsg``): for a task with many ready at once (the
+        gateway's publishes from one read).  What the kernel does not take at once goes
+        through `send_packet` (waits for room, reconnects, errors)."""
+        done = 0
+        if len(packets) > 1:
+            sender = self._sender
+            if sender is None:
+                sender = self._sender = PacketSender(SLOTS)
+            fd = self._socket().fileno()
+            try:
+                while done < len(packets):
+                    n = sender.send(fd, packets, done)
+                    if not n:
+                        break
+                    done += n
+            except OSError:
+                pass  # named and handled below, on the packet it failed on
+        for packet in packets[done:]:
+            await self.send_packet(packet)
 
     def send_nowait(self, packet: bytes) -> bool:
         """Send one packet if the connection is up and has room, never waiting nor
@@ -1217,6 +1243,19 @@ class AsyncClient(_Shell):
             return []
         try:
             return self._events(sock, limit)
+        except (BlockingIOError, _Gone):
+            return []
+
+    def receive_packets_ready(self, limit: int = SLOTS) -> list[bytes]:
+        """The packets `receive_packets` would return that can be read without waiting;
+        [] when none wait, and when the connection ended or is being replaced
+        (`receive_packets` then waits, reconnects or raises).  For a reader that waits on
+        `fileno` itself: no turn of the loop per batch."""
+        sock = self.sock
+        if sock is None or self._reconnecting is not None:
+            return []
+        try:
+            return self._raw(sock, limit)
         except (BlockingIOError, _Gone):
             return []
 

@@ -422,3 +422,32 @@ def test_a_message_too_large_to_receive_whole_is_a_counted_drop_never_a_cut_mess
             assert Dropped(1) in got, (way, got)
         assert c.cut == 3 and c.cut_key == b"big"
         assert drops[:2] == [1, 1]  # receive_packets' caller takes its own report in
+
+
+def test_send_packets_sends_every_packet_in_order_past_a_full_socket(broker):
+    """`AsyncClient.send_packets` (one sendmmsg per run): 20,000 numbered packets, far more
+    than the socket buffer holds while the subscriber is not reading, all arrive, once,
+    in order; `receive_packets_ready` takes what waits and says [] when nothing does."""
+    count = 20000
+
+    async def main() -> list[bytes]:
+        async with AsyncClient(broker.address) as sub, AsyncClient(broker.address) as pub:
+            await sub.subscribe(b"n")
+            await sub.set_flood(hard="block")
+            await sub.sync()
+            assert sub.receive_packets_ready() == []
+            packets = [pub.session.publish(b"n", b"%d" % i) for i in range(count)]
+            got: list[bytes] = []
+            async with trio.open_nursery() as nursery:
+                async def send() -> None:
+                    for start in range(0, count, 500):
+                        await pub.send_packets(packets[start:start + 500])
+                nursery.start_soon(send)
+                with trio.fail_after(30):
+                    while len(got) < count:
+                        ready = sub.receive_packets_ready()
+                        got += ready or await sub.receive_packets()
+            return got
+
+    got = trio.run(main)
+    assert got == [b"MSG n\0%d" % i for i in range(count)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 
 import msgpack
 import pytest
@@ -84,9 +85,13 @@ def test_keepalives_need_no_unpacker():
     decoder = FrameDecoder()
     assert decoder.feed(b"\x00\x00\x00") == [KeepAlive()] * 3
     assert decoder._unpacker is None
-    decoder.feed(b"\x04\xc4\x01t")  # half a frame holds one
-    assert decoder._unpacker is not None and not decoder.idle
+    decoder.feed(b"\x04\xc4\x01t")  # half a publish frame: kept as bytes, counted
+    assert decoder._unpacker is None and not decoder.idle and decoder.held == 4
     assert decoder.feed(b"\xc4\x01b\x00") == [Publish(b"t", b"b"), KeepAlive()]
+    assert decoder.idle and decoder._unpacker is None
+    decoder.feed(b"\x02\xc4\x01t")  # half of any other frame holds one
+    assert decoder._unpacker is not None and not decoder.idle
+    assert decoder.feed(b"\xc0") == [Subscribe(b"t")]
     assert decoder.idle and decoder._unpacker is None
 
 
@@ -262,3 +267,48 @@ def test_https_secret_keys_follow_the_brokers_separator():
     doc = _doc(b"!.cred.0.0.1.x", b"x")
     assert decide(b"POST", JSON, doc, SECRET, 1024, dot).status == 400
     assert decide(b"POST", JSON, _doc(b"a.b", b"x"), SECRET, 1024, dot).status == 201
+
+
+def _mixed_stream(rng) -> bytes:
+    """Frames of every shape the decoder splits by hand or leaves to the unpacker: bin 8
+    and bin 16 bodies, nil bodies, str topics, frames over the hand-kept tail."""
+    shapes = [codec.publish(b"a/b", b"x" * 5), b"\x00", codec.publish(b"t" * 200, b"y" * 70000),
+              codec.subscribe(b"s/*"), b"\x04\xc4\x01k\xc0", codec.authenticate(b"sec"),
+              codec.publish(b"k", b"z" * 300), b"\x04\xa3abc\xc4\x01q", codec.publish(b"", b""),
+              codec.publish(b"m", b"w" * 5000)]
+    return b"".join(rng.choice(shapes) for _ in range(200))
+
+
+def test_a_stream_cut_anywhere_gives_the_same_frames():
+    rng = random.Random(26)
+    stream = _mixed_stream(rng)
+    whole = FrameDecoder().feed(stream)
+    assert len(whole) == 200  # one frame per shape, keep-alives too
+    for _ in range(20):
+        decoder, out, i = FrameDecoder(), [], 0
+        while i < len(stream):
+            step = rng.choice([1, 2, 3, 7, 50, 4096, 70000])
+            out += decoder.feed(stream[i:i + step])
+            held = decoder.held
+            assert held <= 70000 + 300  # never more than the frame being assembled
+            i += step
+        assert out == whole and decoder.idle and decoder.offset == len(stream)
+
+
+def test_bytes_of_a_publish_written_in_pieces_are_counted_as_held():
+    decoder = FrameDecoder()
+    frame = codec.publish(b"topic", b"b" * 3000)
+    for i, byte in enumerate(frame[:-1]):
+        assert decoder.feed(bytes([byte])) == []
+        assert decoder.held == i + 1 and not decoder.idle  # bounded before authenticating
+    assert decoder.feed(frame[-1:]) == [Publish(b"topic", b"b" * 3000)]
+    assert decoder.held == 0 and decoder.idle
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 100])
+def test_a_bad_frame_after_pieces_of_good_ones_is_named_where_it_is(step):
+    bad = codec.publish(b"a", b"b") * 3 + b"\x04\xc4\x01a\x91\x01"
+    decoder = FrameDecoder()
+    with pytest.raises(FrameError, match="MessagePack array at byte 25"):
+        for i in range(0, len(bad), step):
+            decoder.feed(bad[i:i + step])

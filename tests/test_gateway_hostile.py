@@ -315,6 +315,45 @@ def test_one_client_cannot_stall_the_others(gw):
     assert q[98] < 0.100, f"p99 {q[98] * 1e3:.1f} ms"
 
 
+def test_a_publishing_flood_does_not_stall_the_others(gw, local):
+    """An authenticated client floods publishes over plain TCP (read on its descriptor,
+    publishes sent to the bus in runs, no turn of the loop per read): an honest client's
+    keep-alive round trips stay fast, and the flood does reach the bus."""
+    local.send(b"SUB flood/x")
+    sync(local)
+    honest = gw.connect()
+    roundtrip(honest)
+    attacker = gw.connect()
+    attacker.sendall(codec.authenticate(SECRET))
+    roundtrip(attacker)
+    stop = threading.Event()
+    block = codec.publish(b"flood/x", b"f" * 40) * 1500
+
+    def attack() -> None:
+        try:
+            while not stop.is_set():
+                attacker.sendall(block)
+                attacking.set()
+        except OSError:
+            pass
+
+    attacking = threading.Event()
+    t = threading.Thread(target=attack, daemon=True)
+    t.start()
+    assert attacking.wait(10), "the attacker sent nothing"
+    loaded = round_trips(honest, 2.0)
+    stop.set()
+    t.join(5)
+    attacker.close()
+    q = statistics.quantiles(loaded, n=100)
+    print(f"honest round trip under a publish flood: median "
+          f"{statistics.median(loaded) * 1e3:.2f} ms, p99 {q[98] * 1e3:.1f} ms, "
+          f"max {max(loaded) * 1e3:.1f} ms ({len(loaded)} trips)")
+    assert statistics.median(loaded) < 0.030, f"median {statistics.median(loaded) * 1e3:.1f} ms"
+    assert q[98] < 0.100, f"p99 {q[98] * 1e3:.1f} ms"
+    assert local.recv(65536).startswith(b"MSG flood/x")  # it did publish
+
+
 # -- class 3: the shared publishing connection is never paused ----------------------------
 
 def test_a_blocking_local_subscriber_does_not_stall_remote_publishers(gw, bus, local):

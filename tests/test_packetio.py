@@ -14,7 +14,7 @@ import pytest
 
 from sbus.core import BrokerCore
 from sbus.keys import Credentials
-from sbus.packetio import PacketBatch
+from sbus.packetio import PacketBatch, PacketSender
 
 
 @pytest.fixture
@@ -221,3 +221,33 @@ def test_write_each_sends_each_packet_to_its_socket_in_order_until_one_is_refuse
         for a, b in made:
             a.close()
             b.close()
+
+
+def test_a_sender_sends_separate_packets_from_separate_bytes(pairs):
+    """`PacketSender`: one sendmmsg for a run of packets held as separate bytes objects,
+    each arriving as its own packet; a full socket takes part of a run, then none."""
+    (a, b), _ = pairs
+    sender = PacketSender(4)
+    packets = [b"x" * i for i in range(1, 11)]
+    assert sender.send(a.fileno(), packets) == 4  # at most `slots` per call
+    assert sender.send(a.fileno(), packets, 4) == 4
+    assert sender.send(a.fileno(), packets, 8) == 2
+    assert [b.recv(100) for _ in range(10)] == packets
+    a.setblocking(False)
+    big = [b"y" * 60000] * 4
+    taken = 0
+    while (n := sender.send(a.fileno(), big)) == 4:
+        taken += n
+    taken += n
+    assert sender.send(a.fileno(), big) == 0  # full: nothing, no error
+    b.setblocking(False)
+    got = 0
+    while True:
+        try:
+            assert b.recv(65536) == b"y" * 60000
+        except BlockingIOError:
+            break
+        got += 1
+    assert got == taken
+    with pytest.raises(OSError):
+        sender.send(-1, packets)

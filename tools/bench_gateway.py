@@ -14,6 +14,8 @@ process (trio, raw sockets, hand-made frames):
   topics and then only send a keep-alive; reports the gateway's resident memory
   before and after (VmRSS from /proc), and checks every connection still echoes.
 
+Against the getlantern/pubsub Go broker with the same Go client: tools/bench_gateway_go.py.
+
 Usage:  .venv/bin/python tools/bench_gateway.py [--subscribers 100] [--messages 20000]
             [--connections 10000] [--tls] [--only fanout|idle]
 """
@@ -69,15 +71,18 @@ def rss_kib(pid: int) -> tuple[int, int]:
 class Stack:
     """A broker and a gateway in child processes."""
 
-    def __init__(self, tls: bool, extra: list[str]) -> None:
+    def __init__(self, tls: bool, extra: list[str], root: Path = ROOT,
+                 cpus: set[int] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="sbus-bench-gw-", dir="/tmp"))
         self.bus = str(self.dir / "bus.sock")
         self.port = free_port()
         (self.dir / "key").write_bytes(SECRET)
         (self.dir / "key").chmod(0o600)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(root))
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         self.broker = subprocess.Popen([*SBUS, "serve", "--address", self.bus], env=env,
-                                       stderr=subprocess.DEVNULL)
+                                       cwd=str(root), stderr=subprocess.DEVNULL,
+                                       preexec_fn=pin)
         while not os.path.exists(self.bus):
             time.sleep(0.02)
         # every benchmark client comes from 127.0.0.1: lift the per-address cap
@@ -97,7 +102,8 @@ class Stack:
                      "--tls-key", str(self.dir / "tls.key")]
             self.client_ctx = ssl.create_default_context()
             ca.configure_trust(self.client_ctx)
-        self.gateway = subprocess.Popen([*SBUS, "gateway", *args], env=env)
+        self.gateway = subprocess.Popen([*SBUS, "gateway", *args], env=env, cwd=str(root),
+                                        preexec_fn=pin)
         deadline = time.monotonic() + 15
         while True:
             try:

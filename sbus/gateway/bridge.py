@@ -216,12 +216,30 @@ class Bridge:
     async def publish(self, key: bytes, payload: bytes) -> bool:
         """Hand a remote client's message to the bus; False if the bus is down (or the
         message is refused as too large)."""
-        if self._up and await self._send(
-                lambda: [self.bus.session.publish(key, payload)] if self._up else []):
-            self.published += 1
-            return True
-        self.lost += 1
-        return False
+        try:
+            packet = self.bus.session.publish(key, payload)
+        except SbusError as exc:  # the gateway checked the key first: too large
+            self._complain("a message for the bus was not sent: %s", exc)
+            self.lost += 1
+            return False
+        return await self.publish_packets([packet]) == 1
+
+    async def publish_packets(self, packets: list[bytes]) -> int:
+        """Hand remote clients' messages, as MSG packets (`Session.publish_head` + payload,
+        keys checked), to the bus in order as one run (one ``sendmmsg`` where the socket
+        has room): how many were sent.  The others (the bus is down, or one is over the
+        broker's limit) are counted as lost."""
+        total = len(packets)
+        limit = self.bus.session.max_message
+        if max(map(len, packets)) > limit:
+            packets = [p for p in packets if len(p) <= limit]
+            self._complain("a message for the bus was not sent: over the broker's "
+                           "%d-byte limit", limit)
+        sent = len(packets) if packets and self._up and await self._send(
+            lambda: packets if self._up else []) else 0
+        self.published += sent
+        self.lost += total - sent
+        return sent
 
     async def _send(self, build: Callable[[], list[bytes]]) -> bool:
         """Send the packets *build* makes, back to back, in call order.  They are made
@@ -235,8 +253,10 @@ class Bridge:
             await lock.acquire()
         try:
             packets = build()
-            for packet in packets:
-                await self.bus.send_packet(packet)
+            if len(packets) == 1:
+                await self.bus.send_packet(packets[0])
+            elif packets:
+                await self.bus.send_packets(packets)
             return bool(packets)
         except SbusError as exc:  # InvalidRequest (the gateway checked first) or lost
             self._complain("a packet for the bus was not sent: %s", exc)
@@ -369,11 +389,20 @@ class Bridge:
             if replaced:
                 continue
             packets: list[bytes] = []
-            async with self._lock:  # a sender that is reconnecting finishes first
+            lock = self._lock  # a sender that is reconnecting finishes first
+            try:
+                lock.acquire_nowait()  # no turn of the loop on the common path
+            except trio.WouldBlock:
+                await lock.acquire()
+            try:
                 if generation == self._generation:  # still the socket found readable
-                    with trio.CancelScope() as self._receiving:
-                        packets = await bus.receive_packets(FORWARD_BATCH)
-                    self._receiving = None
+                    # what waits, without a turn of the loop; else (nothing after all, or
+                    # the connection ended) the call that waits and reconnects
+                    packets = bus.receive_packets_ready(FORWARD_BATCH)
+                    if not packets:
+                        with trio.CancelScope() as self._receiving:
+                            packets = await bus.receive_packets(FORWARD_BATCH)
+                        self._receiving = None
                 events = [self._event(packet) for packet in packets]
                 self._settle()
                 if self._unmapped:
@@ -382,6 +411,8 @@ class Bridge:
                     if bus.session.patterns[pattern]:
                         await bus.send_packet(bus.session.unsubscribe(pattern))
                 self._stale.clear()
+            finally:
+                lock.release()
             secret = self.rules.secret_prefix
             index = self.index
             start = clock()
@@ -397,7 +428,7 @@ class Bridge:
                         if clock() - start > TURN:  # a wide fan-out: let the writers run
                             await trio.lowlevel.checkpoint()
                             start = clock()
-            await trio.lowlevel.checkpoint()
+            # no checkpoint here: the wait at the top always gives the others a turn
 
     def _event(self, packet: bytes) -> object:
         """What one packet from the bus means; control events are dealt with here (in

@@ -44,6 +44,10 @@ KEEPALIVE = b"\x00"
 #: ``MSG key\\0payload`` packet is 256 KiB, so a frame a little under it always fits.
 DEFAULT_MAX_FRAME = MAX_MESSAGE - 1024
 
+#: Bytes of an incomplete publish frame the decoder keeps itself (beyond: the unpacker,
+#: whose buffer grows without copying everything at each read).
+TAIL_BYTES = 4096
+
 #: Bytes of MessagePack headers a frame may carry beyond its topic and body.
 _OVERHEAD = 16
 
@@ -170,6 +174,7 @@ class FrameDecoder:
         self._fed = 0
         self._pending: list[object] = []  # values of the frame being assembled
         self._base = 0  # stream offset where the current unpacker started
+        self._tail = b""  # the start of a frame split by hand, awaiting its rest
         self.offset = 0  # stream offset of the next unconsumed value, for messages
 
     def _new_unpacker(self) -> msgpack.Unpacker:
@@ -182,10 +187,26 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> list[Frame]:
         """Frames completed by *data* (possibly none)."""
-        if self._unpacker is None and not self._pending and not data.strip(b"\x00"):
-            # the common idle case: only keep-alives, no need for an unpacker
-            self.offset += len(data)
-            return [_KEEPALIVE_EVENT] * len(data)
+        if self._unpacker is None and not self._pending:
+            # the common cases (keep-alives, publishes of bin topics and bodies) split by
+            # hand: no unpacker; it takes over from the first frame that is anything else
+            # (or an incomplete one over TAIL_BYTES)
+            if self._tail:
+                data = self._tail + data
+                self._tail = b""
+            lead, used, incomplete = self._split(data)
+            self.offset += used
+            if used == len(data):
+                return lead
+            rest = data[used:] if used else data
+            if incomplete and len(rest) <= TAIL_BYTES:
+                self._tail = rest  # the start of a frame written in pieces (the Go client)
+                return lead
+            return lead + self._unpack(rest) if lead else self._unpack(rest)
+        return self._unpack(data)
+
+    def _unpack(self, data: bytes) -> list[Frame]:
+        """`feed` through the unpacker."""
         if len(data) > self.read_size:
             out: list[Frame] = []
             view = memoryview(data)
@@ -233,12 +254,54 @@ class FrameDecoder:
             self._unpacker = None  # nothing buffered: let an idle connection hold none
         return frames
 
+    def _split(self, data: bytes) -> tuple[list[Frame], int, bool]:
+        """The leading keep-alives and publish frames whose topic is a bin 8 and whose body
+        a bin 8 or bin 16 value (what the Go client sends), within the frame limit; the
+        bytes they take; and whether what follows is the start of one more such frame
+        (else it is another kind of frame, for the unpacker)."""
+        out: list[Frame] = []
+        i, n, limit = 0, len(data), self.max_frame
+        while i < n:
+            kind = data[i]
+            if kind == KEEP_ALIVE:
+                out.append(_KEEPALIVE_EVENT)
+                i += 1
+                continue
+            if kind != PUBLISH:
+                return out, i, False
+            if i + 3 > n:  # the topic's header incomplete
+                return out, i, i + 1 == n or data[i + 1] == 0xC4
+            if data[i + 1] != 0xC4:
+                return out, i, False
+            topic = i + 3
+            at = topic + data[i + 2]  # the body's header
+            if at >= n:
+                return out, i, True
+            head = data[at]
+            if head == 0xC4:
+                start = at + 2
+            elif head == 0xC5:
+                start = at + 3
+            else:
+                return out, i, False
+            if start > n:
+                return out, i, True
+            size = data[at + 1] if head == 0xC4 else data[at + 1] << 8 | data[at + 2]
+            if at - topic + size > limit:
+                return out, i, False  # too large: the unpacker says so, and where
+            end = start + size
+            if end > n:
+                return out, i, True
+            out.append(Publish(data[topic:at], data[start:end]))
+            i = end
+        return out, i, False
+
     @property
     def held(self) -> int:
         """Bytes of the incomplete frame held between two `feed`s (what a peer that never
         finishes a frame makes us keep; the caller bounds it before authentication)."""
         if self._unpacker is None:
-            return 0
+            return len(self._tail)
         return (self._fed - self._unpacker.tell()
                 + sum(len(v) for v in self._pending[1:] if type(v) is bytes))
 
@@ -288,4 +351,4 @@ class FrameDecoder:
     @property
     def idle(self) -> bool:
         """True at a frame boundary with nothing buffered."""
-        return self._unpacker is None and not self._pending
+        return self._unpacker is None and not self._pending and not self._tail

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import socket
 import ssl
 import time
@@ -64,6 +65,14 @@ FEED_SIZE = 8192
 UNAUTHENTICATED_HOLD = 16 * 1024
 #: Seconds of work for one client's input before the others get a turn.
 TURN = 0.002
+#: How much later than the idle timeout an idle connection may be closed (a fraction of
+#: it: `Remote.touch` moves its deadline only when it would come sooner).
+IDLE_SLACK = 1 / 64
+#: Bytes of publishes held back (on plain TCP, while more input waits) to go to the bus
+#: as one run.
+RUN_BYTES = 64 * 1024
+#: Keys published to whose packet heads are kept (`Gateway._head`), and their bytes.
+HEADS, HEADS_BYTES = 1024, 256 * 1024
 #: Seconds between two log lines about connections refused at the caps.
 CAP_LOG_INTERVAL = 10.0
 
@@ -114,9 +123,14 @@ class Remote:
         self.doomed = False  # to be closed after the refusal delay (`Gateway._doom`)
 
     def touch(self) -> None:
-        """Any read or write resets the idle timeout."""
-        if self.scope is not None:
-            self.scope.deadline = trio.current_time() + self.idle
+        """Any read or write resets the idle timeout: the connection is closed between
+        `idle` and `idle` + 1/64 of it after the last one (moving a deadline costs ~2 µs,
+        so a busy connection moves it only that often)."""
+        scope = self.scope
+        if scope is not None:
+            due = trio.current_time() + self.idle
+            if scope.deadline < due:
+                scope.deadline = due + self.idle * IDLE_SLACK
 
     def __repr__(self) -> str:
         return f"remote {self.peer}"
@@ -129,6 +143,14 @@ def _shrink(stream: trio.abc.Stream) -> None:
         sock_stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     except (AttributeError, OSError):
         pass
+
+
+def _plain_fd(stream: trio.abc.Stream) -> int | None:
+    """The descriptor of a plain TCP connection, which the reader and the writer use
+    directly (a trio stream call takes a turn of the loop every time); None for TLS."""
+    if type(stream) is trio.SocketStream:
+        return stream.socket.fileno()
+    return None
 
 
 class Gateway:
@@ -177,6 +199,8 @@ class Gateway:
                              budget=bus_subscription_bytes)
         self._nursery: trio.Nursery | None = None
         self.clients: set[Remote] = set()
+        self._heads: dict[bytes, bytes] = {}  # checked keys -> packet heads (`_head`)
+        self._heads_bytes = 0
         #: Log lines about remote peers, rationed per address (reconnecting buys none).
         self.allowance = LogAllowance(burst=10, interval=10.0)
         self._cap_unlogged = 0
@@ -313,6 +337,8 @@ class Gateway:
                 self.unauthenticated.give(cost)
 
     def _separator_changed(self, sep: bytes) -> None:
+        self._heads.clear()  # checked by the rules of the old separator
+        self._heads_bytes = 0
         for rc in list(self.clients):
             for topic in list(rc.topics):  # the bridge's new index holds none of them
                 self._drop_topic(rc, topic)
@@ -429,41 +455,120 @@ class Gateway:
     async def _read(self, rc: Remote, decoder: FrameDecoder) -> None:
         receive = rc.stream.receive_some
         clock = time.perf_counter
-        while True:
-            # before authenticating, small reads: what one read allocates is bounded too
-            data = await receive(READ_SIZE if rc.authenticated else UNAUTHENTICATED_HOLD)
-            if not data:
-                if not decoder.idle:
-                    self.say(rc.host, logging.INFO, "%r closed in the middle of a frame", rc)
-                return
-            rc.touch()
-            start = clock()
-            # decoded in slices: 64 KiB of tiny frames takes ~10 ms to decode at once
-            for offset in range(0, len(data), FEED_SIZE):
-                piece = data if len(data) <= FEED_SIZE else data[offset:offset + FEED_SIZE]
-                # frames decoded before a bad one are not acted upon: the stream is bad
-                for frame in decoder.feed(piece):
-                    try:
-                        await self._frame(rc, frame)
-                    except FrameRefused as exc:
-                        rc.refused += 1
-                        self.refused += 1
-                        full = isinstance(exc, SharesFull) and not rc.doomed
-                        self.say(rc.host, logging.WARNING, "%r: %s%s", rc, exc,
-                                 f"; disconnecting it in {self.refusal_delay:g} s (it may "
-                                 "subscribe again then)" if full else "")
-                        if full:
-                            self._doom(rc, "a subscription over a full share")
-                    if clock() - start > TURN:
-                        await trio.lowlevel.checkpoint()  # others get a turn
-                        start = clock()
-                if clock() - start > TURN:
-                    await trio.lowlevel.checkpoint()
+        checkpoint = trio.lowlevel.checkpoint
+        publish_packets = self.bridge.publish_packets
+        heads = self._heads
+        Publish = codec.Publish  # noqa: N806
+        fd = _plain_fd(rc.stream)
+        start = clock()  # since the last turn the others had
+        # publishes go to the bus as runs (one system call each), in stream order: any
+        # other frame, a turn for the others, a wait for input or RUN_BYTES send the run
+        # first; so on plain TCP a run gathers what several reads found waiting
+        run: list[bytes] = []
+        held = 0  # bytes in run
+
+        async def send_run() -> None:
+            nonlocal run, held
+            packets, run, held = run, [], 0  # taken first: a cancelled send is not redone
+            await publish_packets(packets)
+
+        try:
+            while True:
+                # before authenticating, small reads: what one read allocates is bounded
+                size = READ_SIZE if rc.authenticated else UNAUTHENTICATED_HOLD
+                if fd is None:
+                    data = await receive(size)
                     start = clock()
-            del data, piece
-            if not rc.authenticated and decoder.held > UNAUTHENTICATED_HOLD:
-                raise FrameError(f"an incomplete frame holds {decoder.held} bytes, over "
-                                 f"the {UNAUTHENTICATED_HOLD} allowed before authenticating")
+                else:  # plain TCP: what waits is read at once, with no turn of the loop
+                    try:
+                        data = os.read(fd, size)
+                    except BlockingIOError:
+                        if run:
+                            await send_run()
+                        await trio.lowlevel.wait_readable(fd)
+                        start = clock()
+                        continue
+                    except OSError as exc:
+                        raise trio.BrokenResourceError(exc) from exc
+                if not data:
+                    if not decoder.idle:
+                        self.say(rc.host, logging.INFO, "%r closed in the middle of a frame",
+                                 rc)
+                    return
+                rc.touch()
+                # decoded in slices: 64 KiB of tiny frames takes ~10 ms to decode at once
+                for offset in range(0, len(data), FEED_SIZE):
+                    piece = data if len(data) <= FEED_SIZE else data[offset:offset + FEED_SIZE]
+                    # frames decoded before a bad one are not acted upon: the stream is bad
+                    # (those of earlier pieces were: the run is sent before the error ends
+                    # the connection)
+                    for frame in decoder.feed(piece):
+                        if type(frame) is Publish and rc.authenticated:
+                            head = heads.get(frame.topic)
+                            if head is None:
+                                try:
+                                    head = self._head(frame.topic)
+                                except FrameRefused as exc:
+                                    self._refused(rc, exc)
+                            if head is not None:
+                                packet = head + frame.body
+                                run.append(packet)
+                                held += len(packet)
+                                if held > RUN_BYTES:
+                                    await send_run()
+                        else:
+                            if run:
+                                await send_run()
+                            try:
+                                await self._frame(rc, frame)
+                            except FrameRefused as exc:
+                                self._refused(rc, exc)
+                        if clock() - start > TURN:
+                            if run:
+                                await send_run()
+                            await checkpoint()  # others get a turn
+                            start = clock()
+                    if fd is None and run:  # the next read takes a turn: not held over it
+                        await send_run()
+                    if clock() - start > TURN:
+                        if run:
+                            await send_run()
+                        await checkpoint()
+                        start = clock()
+                del data, piece
+                if not rc.authenticated and decoder.held > UNAUTHENTICATED_HOLD:
+                    raise FrameError(f"an incomplete frame holds {decoder.held} bytes, over "
+                                     f"the {UNAUTHENTICATED_HOLD} allowed before "
+                                     "authenticating")
+        finally:
+            if run:  # what came before the end of the stream, a bad frame or a broken read
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_GRACE):
+                    await send_run()
+
+    def _head(self, topic: bytes) -> bytes:
+        """The start of every bus packet publishing to *topic*, once `check_key` accepted
+        it; kept (`HEADS` keys, `HEADS_BYTES` bytes: then all are forgotten), so a
+        publisher's next message to it costs a lookup."""
+        self.check_key(topic)
+        head = self.bridge.bus.session.publish_head(topic)
+        if len(self._heads) >= HEADS or self._heads_bytes + len(head) > HEADS_BYTES:
+            self._heads.clear()
+            self._heads_bytes = 0
+        self._heads[topic] = head
+        self._heads_bytes += len(head)
+        return head
+
+    def _refused(self, rc: Remote, exc: FrameRefused) -> None:
+        """A well-formed frame refused: counted, logged (rationed), the connection kept
+        unless a shared budget is full (then closed after the delay, see `_doom`)."""
+        rc.refused += 1
+        self.refused += 1
+        full = isinstance(exc, SharesFull) and not rc.doomed
+        self.say(rc.host, logging.WARNING, "%r: %s%s", rc, exc,
+                 f"; disconnecting it in {self.refusal_delay:g} s (it may "
+                 "subscribe again then)" if full else "")
+        if full:
+            self._doom(rc, "a subscription over a full share")
 
     async def _frame(self, rc: Remote, frame: codec.Frame) -> None:
         kind = type(frame)
@@ -549,12 +654,24 @@ class Gateway:
     async def _writer(self, rc: Remote) -> None:
         out = rc.outbox
         send_all = rc.stream.send_all
+        fd = _plain_fd(rc.stream)
         try:
             while True:
                 if not out:
-                    await rc.lot.park()
+                    await rc.lot.park()  # the others' turn: this loop ends at every park
                     continue
-                await send_all(out.take())
+                data = out.take()
+                if fd is not None:  # plain TCP: what the socket takes now, without a turn
+                    try:
+                        sent = os.write(fd, data)
+                    except BlockingIOError:
+                        sent = 0
+                    except OSError as exc:
+                        raise trio.BrokenResourceError(exc) from exc
+                    if sent < len(data):
+                        await send_all(memoryview(data)[sent:])  # waits for room
+                else:
+                    await send_all(data)
                 rc.touch()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._close(rc, f"write failed: {exc.__cause__ or exc}")
