@@ -203,13 +203,7 @@ class PacketBatch:
                 self._iov_lens[:len(lengths)] = array(_SIZE_T, lengths)
                 self._iov_set = lengths
             self._sendable = len(lengths)
-        n = _sendmmsg(fd, self._smsgs_at[start], count, _SEND_FLAGS)
-        if n < 0:
-            code = ctypes.get_errno()
-            if code == errno.EAGAIN:
-                return 0
-            raise OSError(code, os.strerror(code))
-        return n
+        return _send_run(fd, self._smsgs_at[start], count)
 
     def send_each(self, picks: list[int], fds: list[int]) -> int:
         """Send packet ``picks[k]`` to ``fds[k]``, each in turn, without blocking, in one
@@ -254,10 +248,16 @@ class PacketSender:
             words[i + 1] = size
             address += size
             i += 2
-        n = _sendmmsg(fd, self._at, len(run), _SEND_FLAGS)
-        if n < 0:
-            code = ctypes.get_errno()
-            if code == errno.EAGAIN:
-                return 0
-            raise OSError(code, os.strerror(code))
-        return n
+        return _send_run(fd, self._at, len(run))
+
+
+def _send_run(fd: int, msgs, count: int) -> int:
+    """One non-blocking ``sendmmsg`` of *count* headers at *msgs*: how many the kernel
+    took, 0 when it would block; any other failure raises OSError."""
+    n = _sendmmsg(fd, msgs, count, _SEND_FLAGS)
+    if n < 0:
+        code = ctypes.get_errno()
+        if code == errno.EAGAIN:
+            return 0
+        raise OSError(code, os.strerror(code))
+    return n

@@ -277,42 +277,47 @@ def round_trips(s: socket.socket, seconds: float) -> list[float]:
     return times
 
 
+def served_promptly_under(attacker: socket.socket, blocks: list[bytes],
+                          honest: socket.socket, seconds: float, what: str) -> None:
+    """*honest*'s round trips stay fast while a thread sends *blocks* on *attacker* over
+    and over (never reading a byte); the attacker is closed after.  Issue 13 asks p99 <
+    50 ms; measured ~7-12 ms on a quiet machine.  The margins allow for 2 cores shared
+    with other work (the old gateway: median 119, p99 319 ms)."""
+    stop, attacking = threading.Event(), threading.Event()
+
+    def attack() -> None:
+        try:
+            while not stop.is_set():
+                for block in blocks:
+                    attacker.sendall(block)
+                attacking.set()
+        except OSError:
+            pass
+
+    t = threading.Thread(target=attack, daemon=True)
+    t.start()
+    assert attacking.wait(10), "the attacker sent nothing"
+    loaded = round_trips(honest, seconds)
+    stop.set()
+    attacker.close()
+    t.join(5)
+    q = statistics.quantiles(loaded, n=100)
+    print(f"honest round trip {what}: median {statistics.median(loaded) * 1e3:.2f} ms, "
+          f"p99 {q[98] * 1e3:.1f} ms, max {max(loaded) * 1e3:.1f} ms ({len(loaded)} trips)")
+    assert statistics.median(loaded) < 0.030, f"median {statistics.median(loaded) * 1e3:.1f} ms"
+    assert q[98] < 0.100, f"p99 {q[98] * 1e3:.1f} ms"
+
+
 def test_one_client_cannot_stall_the_others(gw):
     honest = gw.connect()
     roundtrip(honest)
     quiet = round_trips(honest, 1.0)
     attacker = gw.connect()
-    stop = threading.Event()
-
-    def attack() -> None:
-        # keep-alives by the 64 KiB and subscription churn, never reading a byte
-        churn = b"".join(codec.subscribe(b"c/%d" % i) + codec.unsubscribe(b"c/%d" % i)
-                         for i in range(3000))
-        zeros = bytes(65536)
-        try:
-            while not stop.is_set():
-                attacker.sendall(zeros)
-                attacker.sendall(churn)
-                attacking.set()
-        except OSError:
-            pass
-
-    attacking = threading.Event()
-    t = threading.Thread(target=attack, daemon=True)
-    t.start()
-    assert attacking.wait(10), "the attacker sent nothing"
-    loaded = round_trips(honest, 3.0)
-    stop.set()
-    attacker.close()
-    t.join(5)
-    q = statistics.quantiles(loaded, n=100)
-    print(f"honest round trip: quiet median {statistics.median(quiet) * 1e3:.2f} ms; "
-          f"under attack median {statistics.median(loaded) * 1e3:.2f} ms, "
-          f"p99 {q[98] * 1e3:.1f} ms, max {max(loaded) * 1e3:.1f} ms ({len(loaded)} trips)")
-    # issue 13 asks p99 < 50 ms; measured ~7-12 ms on a quiet machine.  The margins here
-    # allow for 2 cores shared with other work (the old gateway: median 119, p99 319 ms)
-    assert statistics.median(loaded) < 0.030, f"median {statistics.median(loaded) * 1e3:.1f} ms"
-    assert q[98] < 0.100, f"p99 {q[98] * 1e3:.1f} ms"
+    # keep-alives by the 64 KiB and subscription churn
+    churn = b"".join(codec.subscribe(b"c/%d" % i) + codec.unsubscribe(b"c/%d" % i)
+                     for i in range(3000))
+    served_promptly_under(attacker, [bytes(65536), churn], honest, 3.0,
+                          f"(quiet median {statistics.median(quiet) * 1e3:.2f} ms) under attack")
 
 
 def test_a_publishing_flood_does_not_stall_the_others(gw, local):
@@ -326,31 +331,8 @@ def test_a_publishing_flood_does_not_stall_the_others(gw, local):
     attacker = gw.connect()
     attacker.sendall(codec.authenticate(SECRET))
     roundtrip(attacker)
-    stop = threading.Event()
     block = codec.publish(b"flood/x", b"f" * 40) * 1500
-
-    def attack() -> None:
-        try:
-            while not stop.is_set():
-                attacker.sendall(block)
-                attacking.set()
-        except OSError:
-            pass
-
-    attacking = threading.Event()
-    t = threading.Thread(target=attack, daemon=True)
-    t.start()
-    assert attacking.wait(10), "the attacker sent nothing"
-    loaded = round_trips(honest, 2.0)
-    stop.set()
-    t.join(5)
-    attacker.close()
-    q = statistics.quantiles(loaded, n=100)
-    print(f"honest round trip under a publish flood: median "
-          f"{statistics.median(loaded) * 1e3:.2f} ms, p99 {q[98] * 1e3:.1f} ms, "
-          f"max {max(loaded) * 1e3:.1f} ms ({len(loaded)} trips)")
-    assert statistics.median(loaded) < 0.030, f"median {statistics.median(loaded) * 1e3:.1f} ms"
-    assert q[98] < 0.100, f"p99 {q[98] * 1e3:.1f} ms"
+    served_promptly_under(attacker, [block], honest, 2.0, "under a publish flood")
     assert local.recv(65536).startswith(b"MSG flood/x")  # it did publish
 
 
