@@ -64,6 +64,7 @@ from ..errors import InvalidRequest
 from ..limits import LogAllowance
 from ..protocol import Publish
 from ..session import Backoff, Refusal
+from .buffered import BufferedClient
 from .core import MARKER, SCOPE, STAMP, STAMP0, BridgeCore
 from .spool import Spool, StateDir
 
@@ -74,9 +75,10 @@ __all__ = ["MqttSettings", "BridgeShell", "Retry"]
 #: Messages taken from the bus per turn at most (the client hands out one receive's
 #: batch at a time, `sbus.client.SLOTS`).
 BATCH = 256
-#: QoS 1 exports unacknowledged at once; also paho's in-flight window.  paho scans its
-#: whole window on every acknowledgement, so a larger one costs more than it gains (1,000
-#: made that scan 40 µs per message; 100 keeps ~30,000 msg/s in flight at 3 ms round trips).
+#: QoS 1 exports unacknowledged at once.  Also paho's in-flight window, but only while
+#: paho holds more (after a reconnect): with a window paho scans all it holds on every
+#: acknowledgement (40 µs per message with 1,000, ~4 µs with 100), so while the bridge
+#: keeps within it paho is told to keep none (`_window`).
 WINDOW = 100
 #: Seconds the local broker may take to answer whoami on connect (then asked again).
 BUS_TIMEOUT = 5.0
@@ -220,7 +222,7 @@ class BridgeShell:
         self._stamp0_head = _PackedOnce(  # the same for QoS 0 exports (core.STAMP0)
             (MARKER, core.client_id), *((SCOPE, f) for f in core.stamp_scope(0)),
             (STAMP0, f"{core.epoch0}.{0:016x}")).pack()[:-16]
-        self._cork: socket.socket | None = None  # the MQTT socket, when TCP (TCP_CORK)
+        self._paho_window = True  # paho keeps its in-flight window (`_window`)
         self.state: StateDir | None = None
         self.spool: Spool | None = None
         #: the filters a resumed MQTT session may still hold (an earlier configuration's)
@@ -296,10 +298,10 @@ class BridgeShell:
 
     # -- MQTT client -----------------------------------------------------------------
 
-    def _make_client(self) -> mqtt.Client:
+    def _make_client(self) -> BufferedClient:
         s = self.settings
-        mq = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.core.client_id,
-                         protocol=mqtt.MQTTv5)
+        mq = BufferedClient(CallbackAPIVersion.VERSION2, client_id=self.core.client_id,
+                            protocol=mqtt.MQTTv5)
         mq.max_inflight_messages_set(WINDOW)
         mq.max_queued_messages_set(s.max_queued)
         if s.tls:
@@ -317,8 +319,9 @@ class BridgeShell:
         mq.on_subscribe = self._on_subscribe
         mq.on_socket_open = self._on_socket_open
         mq.on_socket_close = self._on_socket_close
-        # paho then queues what it sends (no write inside publish): the loop writes, and
-        # holds back the PUBACKs of imports not yet on the bus
+        # paho then queues what it sends (no write inside publish): the loop writes (one
+        # send per flush: `BufferedClient`), and holds back the PUBACKs of imports not yet
+        # on the bus
         mq.on_socket_register_write = self._on_register_write
         return mq
 
@@ -328,15 +331,13 @@ class BridgeShell:
 
     def _on_socket_open(self, mq, userdata, sock) -> None:
         """TCP_NODELAY: a lone message goes at once, not after the peer's delayed ACK
-        (paho sets nothing); bursts are coalesced by `_corked` instead.  (In the worker
-        thread of `_connect_mqtt`.)"""
-        self._cork = None
+        (paho sets nothing); a run of packets is one write already (`BufferedClient`).
+        (In the worker thread of `_connect_mqtt`.)"""
         if self.settings.nodelay:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except (OSError, AttributeError):
-                return  # not TCP (a unix socket): nothing to set
-            self._cork = sock
+                pass  # not TCP (a unix socket): nothing to set
 
     def _on_socket_close(self, mq, userdata, sock) -> None:
         """paho is about to close *sock*: wake the tasks waiting on it (a wait on a closed
@@ -348,8 +349,6 @@ class BridgeShell:
 
     def _closing(self, sock) -> None:
         anyio.notify_closing(sock)
-        if sock is self._cork:
-            self._cork = None
         self._poke()
 
     def _on_register_write(self, mq, userdata, sock) -> None:
@@ -357,15 +356,13 @@ class BridgeShell:
         `publish` and `loop_read`: every path that makes paho queue ends in `_flush`
         (or pokes the writer task), which writes unless PUBACKs must wait."""
 
-    def _corked(self, on: bool) -> None:
-        """TCP_CORK around a run of packets (a batch of exports, the PUBACKs of a read):
-        paho sends each packet by itself, which with TCP_NODELAY is a segment each; the
-        cork makes full segments of them and uncorking sends the rest at once."""
-        if self._cork is not None:
-            try:
-                self._cork.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1 if on else 0)
-            except OSError:
-                self._cork = None  # closed meanwhile: the next connection sets it again
+    def _window(self, on: bool) -> None:
+        """Give paho its in-flight window (*on*: it may hold more than `WINDOW`, after a
+        reconnect) or take it away (it holds at most `WINDOW`, all of them in flight:
+        nothing for paho's per-acknowledgement scan to find)."""
+        if on != self._paho_window:
+            self._paho_window = on
+            self.mq.set_window(WINDOW if on else 0)
 
     def _on_connect(self, mq, userdata, flags, reason, properties) -> None:
         self._connecting = False  # answered: a disconnect now is no TLS-port mystery
@@ -434,6 +431,8 @@ class BridgeShell:
     def _on_publish(self, mq, userdata, mid, reason, properties) -> None:
         self._activity += 1
         held = self._outstanding.pop(mid, None)
+        if self._paho_window and len(self._outstanding) < WINDOW:
+            self._window(False)  # (paho holds this one too until we return: <= WINDOW)
         if held is not None:
             if held[0] >= 0 and self.spool is not None:
                 self.spool.acked(held[0])
@@ -478,6 +477,7 @@ class BridgeShell:
     def _connect_mqtt(self) -> None:
         """paho's connect (it blocks: name lookup, TCP, TLS), in the worker thread."""
         s, broker = self.settings, self.broker
+        self._window(True)  # paho sends again what it holds, WINDOW at a time
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = s.session_expiry
         props.MaximumPacketSize = s.max_message + 1024  # MQTT header and properties
@@ -534,8 +534,7 @@ class BridgeShell:
                 await self._until(lambda: self.bus_up and self._mqtt_live())
                 continue
             sock = mq.socket()
-            pending = getattr(sock, "pending", None)  # TLS: decrypted bytes poll cannot see
-            buffered = bool(pending and pending())
+            buffered = mq.pending() > 0  # read already, or (TLS) decrypted: poll can't see
             if not buffered:
                 try:
                     await anyio.wait_readable(sock)
@@ -549,11 +548,7 @@ class BridgeShell:
 
     async def _read_mqtt(self) -> None:
         """Process what the MQTT socket holds, up to `READ_TURN` packets; the PUBACKs of
-        the turn are written (coalesced) once its imports are on the bus.  (Without QoS 1
-        imports a read has nothing to answer: no cork, two system calls saved.)"""
-        cork = self._acked_imports
-        if cork:
-            self._corked(True)
+        the turn are written (one write) once its imports are on the bus."""
         try:
             for _ in range(READ_TURN):
                 before = self._activity
@@ -575,8 +570,6 @@ class BridgeShell:
                 await self._import()
             self._flush()
         finally:
-            if cork:
-                self._corked(False)
             if self._exports_wait:
                 self._poke()  # acknowledged exports: room for more
 
@@ -635,7 +628,7 @@ class BridgeShell:
         mq = self.mq
         if self._holding or not self._mqtt_live() or not mq.want_write():
             return
-        mq.loop_write()
+        mq.flush()
         if self._exports_wait or mq.want_write():  # room for exports, or the writer's turn
             self._poke()
 
@@ -751,14 +744,7 @@ class BridgeShell:
     def _export(self, taken: list[tuple[str, bytes, int]]) -> None:
         """Hand what was taken to paho: QoS 0 at once (dropped, counted, without a
         connection), QoS 1 through the spool (dropped, counted, when it is full)."""
-        if len(taken) > 1:
-            self._corked(True)
-            try:
-                self._export_run(taken)
-                self._flush()
-            finally:
-                self._corked(False)
-        elif taken:
+        if taken:
             self._export_run(taken)
             self._flush()
 
@@ -963,13 +949,21 @@ class BridgeShell:
         mq = self.mq
         if self._mqtt_live() and not self._holding and not self._acks_owed:
             self.mqtt_up = False  # a goodbye, not a loss
-            mq.disconnect()
             with anyio.move_on_after(1.0):
-                while mq.want_write():
+                said = False
+                while True:
                     sock = mq.socket()
-                    if sock is None or mq.loop_write() != MQTTErrorCode.MQTT_ERR_SUCCESS:
-                        break
-                    if mq.want_write():
+                    if sock is None:
+                        break  # gone, or closed after its DISCONNECT
+                    if not mq.want_write():
+                        if said:
+                            break
+                        # what was queued has gone: the DISCONNECT then goes at once
+                        # (paho closes the socket right after writing it)
+                        mq.disconnect()
+                        said = True
+                    mq.flush()
+                    if mq.socket() is not None and mq.want_write():
                         try:
                             await anyio.wait_writable(sock)
                         except anyio.ClosedResourceError:
