@@ -4,23 +4,67 @@ body) and one ``send`` per packet.
 
 paho does all of its socket I/O through two methods, ``_sock_recv`` and ``_sock_send``;
 this subclass puts a read buffer and a write buffer behind them: every byte is still
-framed and parsed by paho.  (It also lets the shell change paho's in-flight window on a
-live connection: `set_window`.)  What paho "sends" is gathered until `push`
-(the shell's flush) writes it at once; what it "receives" comes from one large read.
-The buffers are bounded: the read buffer by `READ_CHUNK`, the write buffer by what paho
-was given to send (the shell stops taking exports while it holds anything: `want_write`).
+framed and parsed by paho.  What paho "sends" is gathered until `push` (the shell's
+flush) writes it at once; what it "receives" comes from one large read.  The buffers are
+bounded: the read buffer by `READ_CHUNK`, the write buffer by `WRITE_CHUNK` (the shell
+stops taking exports while anything waits: `want_write`).  It also lets the shell change
+paho's in-flight window on a live connection (`set_window`).
+
+paho decodes the properties of every PUBLISH and PUBACK into a `Properties`, whose
+constructor builds two tables of 27 entries each and whose ``unpack`` first clears all 27
+names one by one: a third of the bridge's time per imported message, with no property
+on it.  `QuickProperties` is the same class with those tables built once and ``clear``
+of what is set; paho's decoder is given it (`quick_properties`).  Both lean on paho's
+private names (checked by tests/test_bridge_core.py against the installed paho).
 """
 
 from __future__ import annotations
 
+import paho.mqtt._packet as paho_packet
 import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
-__all__ = ["BufferedClient", "READ_CHUNK", "WRITE_CHUNK"]
+__all__ = ["BufferedClient", "QuickProperties", "READ_CHUNK", "WRITE_CHUNK"]
 
 #: Bytes asked of the socket per read (paho asks for one packet's bytes at a time).
 READ_CHUNK = 64 * 1024
 #: Bytes gathered at most before they are written (paho keeps the rest queued).
 WRITE_CHUNK = 256 * 1024
+
+
+_TABLES = Properties(PacketTypes.PUBLISH)  # paho's tables, built once
+_OWN = frozenset(("packetType", "types", "names", "properties"))
+_IDENT = {name.replace(" ", ""): ident for name, ident in _TABLES.names.items()}
+_NAME = {ident: name for name, ident in _TABLES.names.items()}
+
+
+class QuickProperties(Properties):
+    """paho's `Properties` without rebuilding its tables per packet (module docstring):
+    they are shared (paho never changes them), names are looked up in dicts."""
+
+    def __init__(self, packetType: int) -> None:
+        object.__setattr__(self, "packetType", packetType)
+        object.__setattr__(self, "types", _TABLES.types)
+        object.__setattr__(self, "names", _TABLES.names)
+        object.__setattr__(self, "properties", _TABLES.properties)
+
+    def clear(self) -> None:
+        for name in [n for n in vars(self) if n not in _OWN]:
+            delattr(self, name)
+
+    def getIdentFromName(self, compressedName: str) -> int:
+        return _IDENT.get(compressedName, -1)
+
+    def getNameFromIdent(self, identifier: int) -> str | None:
+        return _NAME.get(identifier)
+
+
+def quick_properties() -> None:
+    """Have paho's packet decoder build `QuickProperties` (the same values, faster).  For
+    this process: the bridge's, whose only MQTT client this is."""
+    if getattr(paho_packet, "Properties", None) is Properties:
+        paho_packet.Properties = QuickProperties
 
 
 class BufferedClient(mqtt.Client):
@@ -43,7 +87,7 @@ class BufferedClient(mqtt.Client):
             if len(data) <= bufsize:
                 return data
             self._rdata, pos = data, 0
-        end = pos + bufsize
+        end = min(pos + bufsize, len(data))
         self._rpos = end
         return data[pos:end]
 
