@@ -12,16 +12,17 @@ Each path carries 64-byte messages from the C load generator's publisher (lg, in
 
 Every bridge hop is TCP on 127.0.0.1; lg talks to each broker over a unix socket; MQTT
 messages are QoS 0 end to end, except each bridge's own leg at ``--qos`` (both bridges
-at the same QoS; ``--qos 1,0`` runs every path at both).  Per run each path is set up
-fresh, then: a burst of --count messages at full speed (delivered msg/s and the share
-lost on the way), --steady msg/s for 3 s (the share lost at a rate the bridge should
-sustain), and --light messages at 1,000 msg/s (latency).  Paths take turns, --runs times;
-medians are printed, with the added latency of each bridge (its p50 minus the
-baseline's) and CPU time (user + system, from /proc) per message delivered, in the burst
-and in the steady phase, of the bridge process alone (mosquitto's: M1, broker and bridge
-in one) and of the bridging host's side (sbus: `sbus serve` + `sbus bridge`; mosquitto:
-M1).  Then the goals of issue 26 side by side: sbus against mosquitto's bridge in each
-direction, burst throughput ratio, CPU per message ratio, added p50.
+at the same QoS; ``--qos 1,0`` runs every path at both; at QoS 1 the brokers raise what
+they send a bridge to QoS 1, ``upgrade_outgoing_qos``: lg publishes at QoS 0).  Per run
+each path is set up fresh, then: a burst of --count messages at full speed (delivered
+msg/s and the share lost on the way), --steady msg/s for 3 s (the share lost at a rate
+the bridge should sustain), and --light messages at 1,000 msg/s (latency).  Paths take
+turns, --runs times; medians are printed, with the added latency of each bridge (its p50
+minus the baseline's) and CPU time (user + system, from /proc) per message delivered, in
+the burst and in the steady phase, of the bridge process alone (mosquitto's: M1, broker
+and bridge in one) and of the bridging host's side (sbus: `sbus serve` + `sbus bridge`;
+mosquitto: M1).  Then the goals of issue 26 side by side: sbus against mosquitto's
+bridge in each direction, burst throughput ratio, CPU per message ratio, added p50.
 
 ``--baseline DIR`` adds ``sbus-export@base`` and ``sbus-import@base``: the same paths with
 the sbus of another checkout (e.g. /work/main), for a before/after ratio in one run.
@@ -87,14 +88,18 @@ class Stack:
     def _start(self, path: str, qos: int) -> None:
         tmp = self.tmp
         port = free_port()
-        self.m2 = self._mosquitto("m2", [f"listener {port} 127.0.0.1"])
+        # lg publishes at QoS 0 and MQTT never raises a message's QoS on its way to a
+        # subscriber: at --qos 1 both brokers are told to (upgrade_outgoing_qos), so that
+        # every bridge's MQTT leg really is QoS 1 (acknowledged), either way
+        upgrade = ["upgrade_outgoing_qos true"] if qos else []
+        self.m2 = self._mosquitto("m2", [f"listener {port} 127.0.0.1", *upgrade])
         self.pub_addr = self.sub_addr = f"unix:{self.m2}"
         self.pub_proto = self.sub_proto = "mqtt"
         if path in ("mosquitto-export", "mosquitto-import"):
             way = "out" if path == "mosquitto-export" else "in"
             m1 = self._mosquitto("m1", ["connection to-m2", f"address 127.0.0.1:{port}",
                                         f"topic # {way} {qos}", "cleansession true",
-                                        "remote_clientid to-m2"])
+                                        "remote_clientid to-m2", *upgrade])
             self.bridge = self.procs[-1]
             self.side = [self.bridge]
             if way == "out":
