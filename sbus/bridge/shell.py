@@ -92,6 +92,10 @@ STATUS_EVERY = 0.5
 ACK_EVERY = 0.05
 #: MQTT packets processed per turn of the MQTT reader (keeps both sides served).
 READ_TURN = 512
+#: Seconds a bridge without imports lets acknowledgements of its exports gather before
+#: it reads them (a run per wake-up, not one wake-up per PUBACK at a steady rate); never
+#: while the bus reader waits for room in the window.
+ACK_RUN = 0.002
 #: Bytes of imports taken from MQTT before they are published on the bus (else at the
 #: end of the read turn).
 IMPORT_BYTES = 256 * 1024
@@ -211,6 +215,7 @@ class BridgeShell:
         self._holding = False  # imports on their way to the bus: paho's PUBACKs wait
         self._acks_owed = False  # stopped with imports unpublished: their PUBACKs never go
         self._activity = 0
+        self._acks = 0  # acknowledgements of exports read (`_on_publish`)
         self._stopping = False
         self._scope: anyio.CancelScope | None = None
         self._loop_thread: int | None = None
@@ -434,6 +439,7 @@ class BridgeShell:
 
     def _on_publish(self, mq, userdata, mid, reason, properties) -> None:
         self._activity += 1
+        self._acks += 1
         held = self._outstanding.pop(mid, None)
         if self._paho_window and len(self._outstanding) < WINDOW:
             self._window(False)  # (paho holds this one too until we return: <= WINDOW)
@@ -531,8 +537,10 @@ class BridgeShell:
         return not self._in_thread and not self._broken and self.mq.socket() is not None
 
     async def _mqtt_reader(self) -> None:
-        """Read MQTT while the bus is up: a turn of up to `READ_TURN` packets at a time."""
+        """Read MQTT while the bus is up: a turn of up to `READ_TURN` packets at a time
+        (acknowledgements only, in runs: `ACK_RUN`)."""
         mq = self.mq
+        runs = not self.core.mqtt_subscriptions()  # nothing else to come: no import waits
         while True:
             if not (self.bus_up and self._mqtt_live()):
                 await self._until(lambda: self.bus_up and self._mqtt_live())
@@ -546,8 +554,11 @@ class BridgeShell:
                     continue
                 if sock is not mq.socket() or not (self.bus_up and self._mqtt_live()):
                     continue
+            acks = self._acks
             await self._read_mqtt()
-            if buffered:
+            if runs and self._acks != acks and not self._exports_wait:
+                await anyio.sleep(ACK_RUN)  # the next acknowledgements, as a run
+            elif buffered:
                 await anyio.lowlevel.checkpoint()  # (else the wait above gives the turn)
 
     async def _read_mqtt(self) -> None:
