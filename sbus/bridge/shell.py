@@ -557,7 +557,8 @@ class BridgeShell:
             acks = self._acks
             await self._read_mqtt()
             if runs and self._acks != acks and not self._exports_wait:
-                await anyio.sleep(ACK_RUN)  # the next acknowledgements, as a run
+                # the next acknowledgements, as a run (at once if the window fills)
+                await self._until(lambda: self._exports_wait, ACK_RUN)
             elif buffered:
                 await anyio.lowlevel.checkpoint()  # (else the wait above gives the turn)
 
@@ -701,6 +702,7 @@ class BridgeShell:
         while True:
             if not self._export_ready():
                 self._exports_wait = True
+                self._poke()  # the MQTT reader reads acknowledgements now (`ACK_RUN`)
                 try:
                     await self._until(self._export_ready)
                 finally:
