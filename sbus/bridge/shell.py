@@ -76,7 +76,7 @@ __all__ = ["MqttSettings", "BridgeShell", "Retry"]
 #: batch at a time, `sbus.client.SLOTS`).
 BATCH = 256
 #: QoS 1 exports unacknowledged at once: a burst is bound by round trips below ~300
-#: (100: 12,000–32,000 msg/s, 1,000: 37,700–39,300 in alternating runs, issue 26).  Also
+#: (100: 4,400–32,300 msg/s, 1,000: 18,000–39,300 in alternating runs, issue 26).  Also
 #: paho's in-flight window, but only while paho holds more (after a reconnect): with a
 #: window paho scans all it holds on every acknowledgement (40 µs per message with
 #: 1,000), so while the bridge keeps within it paho is told to keep none (`_window`).
