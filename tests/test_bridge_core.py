@@ -518,3 +518,69 @@ def test_the_mqtt_socket_gets_tcp_nodelay() -> None:
     with socket.socket() as s:
         shell._on_socket_open(shell.mq, None, s)
         assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+def test_quick_properties_decode_as_paho_does() -> None:
+    """`QuickProperties` (paho's tables built once) reads what paho's own reads, through
+    paho's decoder, and is what that decoder builds in the bridge (issue 26)."""
+    import paho.mqtt._packet as paho_packet
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    from sbus.bridge.buffered import QuickProperties, quick_properties
+
+    sent = Properties(PacketTypes.PUBLISH)
+    sent.UserProperty = [("sbus-bridge", "a"), ("sbus-seq", "e.0000000000000001")]
+    sent.MessageExpiryInterval = 30
+    raw = sent.pack()
+    for props in (b"\0", raw):
+        theirs, ours = Properties(PacketTypes.PUBLISH), QuickProperties(PacketTypes.PUBLISH)
+        assert theirs.unpack(props + b"rest")[1] == ours.unpack(props + b"rest")[1]
+        assert str(theirs) == str(ours) and theirs.pack() == ours.pack()
+        ours.unpack(b"\0")  # cleared: nothing of the last packet left
+        assert ours.isEmpty()
+    quick_properties()
+    packet = b"\0\x03a/b\0\x07" + raw + b"payload"  # topic, packet id, properties
+    got = paho_packet.decode_publish(0x32, packet, 5)
+    assert type(got.properties) is QuickProperties
+    assert (got.topic, got.mid, got.payload) == (b"a/b", 7, b"payload")
+    assert got.properties.UserProperty == sent.UserProperty
+
+
+def test_buffered_client_reads_and_writes_in_runs() -> None:
+    """paho's many small reads come from one read of the socket, and its writes go in one
+    send at `push` (or wait, with the socket full); a closed socket drops the buffers."""
+    import socket
+
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from sbus.bridge.buffered import BufferedClient
+
+    mq = BufferedClient(CallbackAPIVersion.VERSION2, protocol=5)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    mq._sock = a  # as paho's connect leaves it
+    b.sendall(b"\x40\x02\x00\x07" * 3)
+    assert mq._sock_recv(1) == b"\x40" and mq.pending() == 11
+    assert mq._sock_recv(1) == b"\x02" and mq._sock_recv(2) == b"\x00\x07"
+    assert mq._sock_recv(100) == b"\x40\x02\x00\x07\x40\x02\x00\x07" and mq.pending() == 0
+    for _ in range(3):
+        assert mq._sock_send(b"xyz") == 3
+    assert mq.want_write()
+    try:
+        b.recv(100, socket.MSG_DONTWAIT)
+        raise AssertionError("written before push")
+    except BlockingIOError:
+        pass
+    mq.push()
+    assert not mq.want_write() and b.recv(100) == b"xyz" * 3
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    while True:  # fill the socket: what does not go waits for the next push
+        mq._sock_send(b"x" * 65536)
+        mq.push()
+        if mq.unsent():
+            break
+    held = mq.unsent()
+    mq._sock_close()
+    assert mq.unsent() == 0 and mq.pending() == 0 and held > 0
+    b.close()

@@ -5,24 +5,30 @@ Each path carries 64-byte messages from the C load generator's publisher (lg, in
 ../shared/bench) to its subscriber, which measures rate and one-way latency:
 
     mqtt-direct       lg pub -> mosquitto M2 -> lg sub                 (no bridge: baseline)
-    mosquitto-bridge  lg pub -> mosquitto M1 =bridge=> M2 -> lg sub    (mosquitto's bridge)
+    mosquitto-export  lg pub -> mosquitto M1 =bridge=> M2 -> lg sub    (mosquitto's bridge,
+    mosquitto-import  lg pub -> M2 =bridge=> mosquitto M1 -> lg sub     out / in)
     sbus-export       lg pub -> sbus serve -> sbus bridge -> M2 -> lg sub
     sbus-import       lg pub -> M2 -> sbus bridge -> sbus serve -> lg sub
 
 Every bridge hop is TCP on 127.0.0.1; lg talks to each broker over a unix socket; MQTT
-messages are QoS 0 end to end, except the bridge's own leg with ``--qos 1``.  Per run
+messages are QoS 0 end to end, except each bridge's own leg at ``--qos`` (both bridges
+at the same QoS; ``--qos 1,0`` runs every path at both; at QoS 1 the brokers raise what
+they send a bridge to QoS 1, ``upgrade_outgoing_qos``: lg publishes at QoS 0).  Per run
 each path is set up fresh, then: a burst of --count messages at full speed (delivered
 msg/s and the share lost on the way), --steady msg/s for 3 s (the share lost at a rate
-the bridge should sustain), and --light messages at 1,000 msg/s (latency).
-Paths take turns, --runs times; medians are printed, with the added latency of each
-bridge (its p50 minus the baseline's), and the sbus bridge process's CPU time per message
-delivered in the burst and in the steady phase (user + system, from /proc).
+the bridge should sustain), and --light messages at 1,000 msg/s (latency).  Paths take
+turns, --runs times; medians are printed, with the added latency of each bridge (its p50
+minus the baseline's) and CPU time (user + system, from /proc) per message delivered, in
+the burst and in the steady phase, of the bridge process alone (mosquitto's: M1, broker
+and bridge in one) and of the bridging host's side (sbus: `sbus serve` + `sbus bridge`;
+mosquitto: M1).  Then the goals of issue 26 side by side: sbus against mosquitto's
+bridge in each direction, burst throughput ratio, CPU per message ratio, added p50.
 
 ``--baseline DIR`` adds ``sbus-export@base`` and ``sbus-import@base``: the same paths with
 the sbus of another checkout (e.g. /work/main), for a before/after ratio in one run.
 
-Usage: tools/bench_bridge.py [--count N] [--steady RATE] [--light N] [--runs R] [--qos 0|1]
-                             [--baseline DIR] [--paths PATH,…]
+Usage: tools/bench_bridge.py [--count N] [--steady RATE] [--light N] [--runs R]
+                             [--qos 0|1|1,0] [--baseline DIR] [--paths PATH,…]
 Results belong in docs/performance.md with the command and the machine's load.
 """
 
@@ -46,7 +52,8 @@ import bench  # noqa: E402
 if not bench.SHARED.exists():  # a worktree below the checkout's parent (/work/wt/NAME)
     bench.SHARED = bench.ROOT.parent.parent / "shared" / "bench"
 
-PATHS = ["mqtt-direct", "mosquitto-bridge", "sbus-export", "sbus-import"]
+PATHS = ["mqtt-direct", "mosquitto-export", "sbus-export", "mosquitto-import",
+         "sbus-import"]
 
 
 def free_port() -> int:
@@ -70,7 +77,8 @@ class Stack:
         self.tmp = tmp
         self.code = baseline if path.endswith("@base") else None
         self.procs: list[subprocess.Popen] = []
-        self.bridge: subprocess.Popen | None = None  # the sbus bridge, if the path has one
+        self.bridge: subprocess.Popen | None = None  # the bridge's process, if any
+        self.side: list[subprocess.Popen] = []  # the bridging host's processes
         try:
             self._start(path.removesuffix("@base"), qos)
         except BaseException:
@@ -80,16 +88,29 @@ class Stack:
     def _start(self, path: str, qos: int) -> None:
         tmp = self.tmp
         port = free_port()
-        self.m2 = self._mosquitto("m2", [f"listener {port} 127.0.0.1"])
+        # lg publishes at QoS 0 and MQTT never raises a message's QoS on its way to a
+        # subscriber: at --qos 1 both brokers are told to (upgrade_outgoing_qos), so that
+        # every bridge's MQTT leg really is QoS 1 (acknowledged), either way
+        upgrade = ["upgrade_outgoing_qos true"] if qos else []
+        self.m2 = self._mosquitto("m2", [f"listener {port} 127.0.0.1", *upgrade])
         self.pub_addr = self.sub_addr = f"unix:{self.m2}"
         self.pub_proto = self.sub_proto = "mqtt"
-        if path == "mosquitto-bridge":
+        if path in ("mosquitto-export", "mosquitto-import"):
+            way = "out" if path == "mosquitto-export" else "in"
             m1 = self._mosquitto("m1", ["connection to-m2", f"address 127.0.0.1:{port}",
-                                        "topic # out 0", "cleansession true",
-                                        "remote_clientid to-m2"])
-            self.pub_addr = f"unix:{m1}"
+                                        f"topic # {way} {qos}", "cleansession true",
+                                        "remote_clientid to-m2", *upgrade])
+            self.bridge = self.procs[-1]
+            self.side = [self.bridge]
+            if way == "out":
+                self.pub_addr = f"unix:{m1}"
+            else:
+                self.sub_addr = f"unix:{m1}"
             log = tmp / "m2.log"
             wait_for("mosquitto's bridge", lambda: "as to-m2 (" in log.read_text())
+            if way == "in":  # its subscription in force at M2
+                wait_for("its subscription", lambda: "SUBSCRIBE from to-m2" in log.read_text()
+                         or "to-m2 #" in log.read_text())
         elif path in ("sbus-export", "sbus-import"):
             bus = str(tmp / "bus.sock")
             env = {**os.environ, "PYTHONPATH": self.code or str(bench.ROOT)}
@@ -108,6 +129,7 @@ class Stack:
                                    "--session-expiry", "0", "--client-id", f"bench{port}"],
                         env={**env, "NOTIFY_SOCKET": str(tmp / "notify")})
             self.bridge = self.procs[-1]
+            self.side = self.procs[-2:]  # sbus serve and the bridge
             notify.settimeout(15)
             while b"mqtt up" not in notify.recv(4096):
                 pass
@@ -133,6 +155,8 @@ class Stack:
                                    "log_type all", *extra,
                                    *(["user root"] if os.getuid() == 0 else [])]) + "\n")
         self._spawn(name, ["mosquitto", "-c", str(conf)])
+        if name == "m2":
+            self.m2_proc = self.procs[-1]
         wait_for(name, lambda: os.path.exists(sock))
         return sock
 
@@ -147,12 +171,24 @@ class Stack:
                 p.wait()
 
 
-def cpu_seconds(proc: subprocess.Popen | None) -> float:
-    """User + system CPU time of *proc* so far (0 without one)."""
-    if proc is None:
-        return 0.0
-    fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(*procs: subprocess.Popen | None) -> float:
+    """CPU time of *procs* so far (0 without any): the scheduler's nanoseconds of each
+    thread (/proc/PID/task/*/schedstat; the clock ticks of /proc/PID/stat are 10 ms)."""
+    total = 0
+    for proc in procs:
+        if proc is None:
+            continue
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+def cpu_of(stack: Stack) -> tuple[float, float, float]:
+    """CPU seconds so far of the bridge, of the bridging host's side, of M2."""
+    return (cpu_seconds(stack.bridge), cpu_seconds(*stack.side), cpu_seconds(stack.m2_proc))
 
 
 def measure(lg: Path, stack: Stack, count: int, rate: int) -> dict:
@@ -162,13 +198,15 @@ def measure(lg: Path, stack: Stack, count: int, rate: int) -> dict:
                             "-I", "2000"], stdout=subprocess.PIPE, text=True)
     assert sub.stdout.readline().strip() == "READY"
     time.sleep(0.3)
-    cpu = cpu_seconds(stack.bridge)
+    cpu = cpu_of(stack)
     subprocess.run([str(lg), "pub", "-p", stack.pub_proto, "-a", stack.pub_addr, "-n", "1",
                     "-c", str(count), "-K", "1", "-r", str(rate), "-T", str(budget)],
                    stdout=subprocess.DEVNULL, check=True)
     result = json.loads(sub.stdout.readline())
     sub.wait(10)
-    result["cpu_us"] = (cpu_seconds(stack.bridge) - cpu) * 1e6 / max(1, result["recv"])
+    after = cpu_of(stack)
+    for name, a, b in zip(("cpu_us", "side_us", "m2_us"), after, cpu, strict=True):
+        result[name] = (a - b) * 1e6 / max(1, result["recv"])
     return result
 
 
@@ -179,56 +217,103 @@ def main() -> int:
     ap.add_argument("--steady", type=int, default=8000, help="msg/s for 3 s (default 8000)")
     ap.add_argument("--light", type=int, default=3000, help="messages at 1,000 msg/s")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--qos", type=int, choices=(0, 1), default=0,
-                    help="QoS of the sbus bridge's MQTT leg (default 0, as mosquitto's)")
+    ap.add_argument("--qos", default="0",
+                    help="QoS of the bridges' MQTT leg: 0 (default), 1, or both (1,0)")
     ap.add_argument("--baseline", metavar="DIR",
                     help="also run the sbus paths with the sbus of checkout DIR (@base)")
     ap.add_argument("--paths", help="comma-separated subset of the paths to run")
     args = ap.parse_args()
+    levels = [int(q) for q in args.qos.split(",")]
+    if not levels or any(q not in (0, 1) for q in levels):
+        ap.error("--qos: 0, 1 or 1,0")
     _, lg = bench.build()
-    paths = PATHS + (["sbus-export@base", "sbus-import@base"] if args.baseline else [])
+    names = PATHS + (["sbus-export@base", "sbus-import@base"] if args.baseline else [])
     if args.paths:
-        paths = [p for p in paths if p in args.paths.split(",")]
-    results: dict[str, list[tuple[dict, dict, dict]]] = {p: [] for p in paths}
+        names = [p for p in names if p in args.paths.split(",")]
+    # (path, QoS): the baseline path has no bridge, so no QoS of its own
+    paths = [(p, q) for q in levels for p in names if p != "mqtt-direct" or q == levels[0]]
+    results: dict[tuple[str, int], list[tuple[dict, dict, dict]]] = {p: [] for p in paths}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    loads = []
     for run in range(args.runs):
-        for path in paths:
+        for path, qos in paths:
+            loads.append(os.getloadavg()[0])
             with tempfile.TemporaryDirectory(prefix="sbus-bb-") as d:
-                stack = Stack(path, Path(d), args.qos, args.baseline)
+                stack = Stack(path, Path(d), qos, args.baseline)
                 try:
                     burst = measure(lg, stack, args.count, 0)
                     steady = measure(lg, stack, args.steady * 3, args.steady)
                     light = measure(lg, stack, args.light, 1000)
                 finally:
                     stack.stop()
-            results[path].append((burst, steady, light))
-            print(f"run {run + 1} {path}: {burst['recv']}/{args.count} at "
+            results[path, qos].append((burst, steady, light))
+            print(f"run {run + 1} {label(path, qos)}: {burst['recv']}/{args.count} at "
                   f"{burst['rate']:.0f} msg/s; steady {steady['recv']}/{args.steady * 3}; "
                   f"p50 {light['p50_us']:.0f} us; bridge CPU {burst['cpu_us']:.1f} / "
-                  f"{steady['cpu_us']:.1f} us/msg", file=sys.stderr)
-    load = os.getloadavg()
-    print(f"\n{args.count} messages at full speed, {args.steady} msg/s for 3 s, "
-          f"{args.light} at 1,000 msg/s, 64-byte "
-          f"payloads, sbus bridge QoS {args.qos}; medians of {args.runs} alternating runs; "
-          f"load average {load[0]:.1f} on {os.cpu_count()} cores\n")
+                  f"{steady['cpu_us']:.1f} us/msg, with its host's side {burst['side_us']:.1f}"
+                  f" / {steady['side_us']:.1f}", file=sys.stderr)
+    print(f"\n{started}, {args.count} messages at full speed, {args.steady} msg/s for 3 s, "
+          f"{args.light} at 1,000 msg/s, 64-byte payloads; medians of {args.runs} "
+          f"alternating runs; load average {min(loads):.1f}–{max(loads):.1f} "
+          f"on {os.cpu_count()} cores\n")
     print(f"| path | burst msg/s | burst lost | lost at {args.steady:,} msg/s | p50 µs "
-          "| p99 µs | added p50 µs | bridge CPU µs/msg burst | steady |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    base = (statistics.median(light["p50_us"] for _, _, light in results["mqtt-direct"])
-            if results.get("mqtt-direct") else 0.0)
-    for path in paths:
-        runs = results[path]
-        rate = statistics.median(b["rate"] for b, _, _ in runs)
-        lost = statistics.median(1 - b["recv"] / args.count for b, _, _ in runs)
-        steady_lost = statistics.median(1 - s["recv"] / (args.steady * 3) for _, s, _ in runs)
-        p50 = statistics.median(light["p50_us"] for _, _, light in runs)
-        p99 = statistics.median(light["p99_us"] for _, _, light in runs)
-        added = "—" if path == "mqtt-direct" else f"{p50 - base:.0f}"
-        sbus = path.startswith("sbus-")
-        cpu_burst = f"{statistics.median(b['cpu_us'] for b, _, _ in runs):.1f}" if sbus else "—"
-        cpu_steady = f"{statistics.median(s['cpu_us'] for _, s, _ in runs):.1f}" if sbus else "—"
-        print(f"| {path} | {rate:,.0f} | {lost:.1%} | {steady_lost:.1%} | {p50:.0f} | "
-              f"{p99:.0f} | {added} | {cpu_burst} | {cpu_steady} |")
+          "| p99 µs | added p50 µs | bridge CPU µs/msg burst | steady "
+          "| bridging side µs/msg burst | steady |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    direct = [r for (p, _), rs in results.items() if p == "mqtt-direct" for r in rs]
+    base = statistics.median(light["p50_us"] for _, _, light in direct) if direct else 0.0
+    med: dict[tuple[str, int], dict[str, float]] = {}
+    for (path, qos), runs in results.items():
+        m = med[path, qos] = {
+            "rate": statistics.median(b["rate"] for b, _, _ in runs),
+            "lost": statistics.median(1 - b["recv"] / args.count for b, _, _ in runs),
+            "steady_lost": statistics.median(1 - s["recv"] / (args.steady * 3)
+                                             for _, s, _ in runs),
+            "p50": statistics.median(light["p50_us"] for _, _, light in runs),
+            "p99": statistics.median(light["p99_us"] for _, _, light in runs)}
+        for phase, i in (("burst", 0), ("steady", 1)):
+            for what in ("cpu_us", "side_us"):
+                m[f"{phase}_{what}"] = statistics.median(r[i][what] for r in runs)
+        bridged = path != "mqtt-direct"
+        added = f"{m['p50'] - base:.0f}" if bridged else "—"
+        cpu = [f"{m[k]:.1f}" if bridged else "—" for k in
+               ("burst_cpu_us", "steady_cpu_us", "burst_side_us", "steady_side_us")]
+        print(f"| {label(path, qos)} | {m['rate']:,.0f} | {m['lost']:.1%} | "
+              f"{m['steady_lost']:.1%} | {m['p50']:.0f} | {m['p99']:.0f} | {added} | "
+              f"{' | '.join(cpu)} |")
+    goals(med, base, levels)
     return 0
+
+
+def label(path: str, qos: int) -> str:
+    return path if path == "mqtt-direct" else f"{path} q{qos}"
+
+
+def goals(med: dict[tuple[str, int], dict[str, float]], base: float, levels: list[int]) -> None:
+    """Issue 26's figures: each sbus path against mosquitto's bridge in the same direction
+    at the same QoS (goals: throughput ≥ 0.8×, CPU per message ≤ 3×, added p50 ≤ 100 µs).
+    CPU: the sbus bridge alone, and with its `sbus serve`, against M1 (mosquitto's broker
+    and bridge in one process)."""
+    print("\nAgainst mosquitto's bridge (goals: throughput ≥ 0.8×, CPU per message ≤ 3×, "
+          "added p50 ≤ 100 µs); CPU ratios: the sbus bridge alone / with its sbus serve, "
+          "against mosquitto M1 (its broker and bridge)\n")
+    print("| path | burst throughput | CPU/msg burst: bridge / with serve | steady: bridge / "
+          "with serve | added p50 µs (mosquitto's) |")
+    print("|---|---|---|---|---|")
+    for qos in levels:
+        for path, m in ((p, m) for (p, q), m in med.items() if q == qos):
+            if not path.startswith("sbus-"):
+                continue
+            ref = med.get(("mosquitto-" + path.split("-")[1].removesuffix("@base"), qos))
+            if ref is None:
+                continue
+            burst = [m["burst_cpu_us"] / ref["burst_side_us"],
+                     m["burst_side_us"] / ref["burst_side_us"]]
+            steady = [m["steady_cpu_us"] / ref["steady_side_us"],
+                      m["steady_side_us"] / ref["steady_side_us"]]
+            print(f"| {label(path, qos)} | {m['rate'] / ref['rate']:.2f}× | "
+                  f"{burst[0]:.1f}× / {burst[1]:.1f}× | {steady[0]:.1f}× / {steady[1]:.1f}× | "
+                  f"{m['p50'] - base:.0f} ({ref['p50'] - base:.0f}) |")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ from ..errors import InvalidRequest
 from ..limits import LogAllowance
 from ..protocol import Publish
 from ..session import Backoff, Refusal
+from .buffered import BufferedClient, quick_properties
 from .core import MARKER, SCOPE, STAMP, STAMP0, BridgeCore
 from .spool import Spool, StateDir
 
@@ -74,10 +75,14 @@ __all__ = ["MqttSettings", "BridgeShell", "Retry"]
 #: Messages taken from the bus per turn at most (the client hands out one receive's
 #: batch at a time, `sbus.client.SLOTS`).
 BATCH = 256
-#: QoS 1 exports unacknowledged at once; also paho's in-flight window.  paho scans its
-#: whole window on every acknowledgement, so a larger one costs more than it gains (1,000
-#: made that scan 40 µs per message; 100 keeps ~30,000 msg/s in flight at 3 ms round trips).
-WINDOW = 100
+#: QoS 1 exports unacknowledged at once: a burst is bound by round trips below ~300
+#: (100: 4,400–32,300 msg/s, 1,000: 18,000–39,300 in alternating runs, issue 26).  Also
+#: paho's in-flight window, but only while paho holds more (after a reconnect): with a
+#: window paho scans all it holds on every acknowledgement (40 µs per message with
+#: 1,000), so while the bridge keeps within it paho is told to keep none (`_window`).
+#: (Like paho, the bridge does not cut it to a broker's Receive Maximum: mosquitto says
+#: 20 and acknowledges QoS 1 at once.)
+WINDOW = 1000
 #: Seconds the local broker may take to answer whoami on connect (then asked again).
 BUS_TIMEOUT = 5.0
 #: Seconds between STATUS= updates at most (one is sent when the line changed).
@@ -87,6 +92,10 @@ STATUS_EVERY = 0.5
 ACK_EVERY = 0.05
 #: MQTT packets processed per turn of the MQTT reader (keeps both sides served).
 READ_TURN = 512
+#: Seconds a bridge without imports lets acknowledgements of its exports gather before
+#: it reads them (a run per wake-up, not one wake-up per PUBACK at a steady rate); never
+#: while the bus reader waits for room in the window.
+ACK_RUN = 0.002
 #: Bytes of imports taken from MQTT before they are published on the bus (else at the
 #: end of the read turn).
 IMPORT_BYTES = 256 * 1024
@@ -206,6 +215,7 @@ class BridgeShell:
         self._holding = False  # imports on their way to the bus: paho's PUBACKs wait
         self._acks_owed = False  # stopped with imports unpublished: their PUBACKs never go
         self._activity = 0
+        self._acks = 0  # acknowledgements of exports read (`_on_publish`)
         self._stopping = False
         self._scope: anyio.CancelScope | None = None
         self._loop_thread: int | None = None
@@ -220,7 +230,7 @@ class BridgeShell:
         self._stamp0_head = _PackedOnce(  # the same for QoS 0 exports (core.STAMP0)
             (MARKER, core.client_id), *((SCOPE, f) for f in core.stamp_scope(0)),
             (STAMP0, f"{core.epoch0}.{0:016x}")).pack()[:-16]
-        self._cork: socket.socket | None = None  # the MQTT socket, when TCP (TCP_CORK)
+        self._paho_window = True  # paho keeps its in-flight window (`_window`)
         self.state: StateDir | None = None
         self.spool: Spool | None = None
         #: the filters a resumed MQTT session may still hold (an earlier configuration's)
@@ -296,10 +306,11 @@ class BridgeShell:
 
     # -- MQTT client -----------------------------------------------------------------
 
-    def _make_client(self) -> mqtt.Client:
+    def _make_client(self) -> BufferedClient:
         s = self.settings
-        mq = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.core.client_id,
-                         protocol=mqtt.MQTTv5)
+        quick_properties()
+        mq = BufferedClient(CallbackAPIVersion.VERSION2, client_id=self.core.client_id,
+                            protocol=mqtt.MQTTv5)
         mq.max_inflight_messages_set(WINDOW)
         mq.max_queued_messages_set(s.max_queued)
         if s.tls:
@@ -317,8 +328,9 @@ class BridgeShell:
         mq.on_subscribe = self._on_subscribe
         mq.on_socket_open = self._on_socket_open
         mq.on_socket_close = self._on_socket_close
-        # paho then queues what it sends (no write inside publish): the loop writes, and
-        # holds back the PUBACKs of imports not yet on the bus
+        # paho then queues what it sends (no write inside publish): the loop writes (one
+        # send per flush: `BufferedClient`), and holds back the PUBACKs of imports not yet
+        # on the bus
         mq.on_socket_register_write = self._on_register_write
         return mq
 
@@ -328,15 +340,13 @@ class BridgeShell:
 
     def _on_socket_open(self, mq, userdata, sock) -> None:
         """TCP_NODELAY: a lone message goes at once, not after the peer's delayed ACK
-        (paho sets nothing); bursts are coalesced by `_corked` instead.  (In the worker
-        thread of `_connect_mqtt`.)"""
-        self._cork = None
+        (paho sets nothing); a run of packets is one write already (`BufferedClient`).
+        (In the worker thread of `_connect_mqtt`.)"""
         if self.settings.nodelay:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except (OSError, AttributeError):
-                return  # not TCP (a unix socket): nothing to set
-            self._cork = sock
+                pass  # not TCP (a unix socket): nothing to set
 
     def _on_socket_close(self, mq, userdata, sock) -> None:
         """paho is about to close *sock*: wake the tasks waiting on it (a wait on a closed
@@ -348,8 +358,6 @@ class BridgeShell:
 
     def _closing(self, sock) -> None:
         anyio.notify_closing(sock)
-        if sock is self._cork:
-            self._cork = None
         self._poke()
 
     def _on_register_write(self, mq, userdata, sock) -> None:
@@ -357,15 +365,13 @@ class BridgeShell:
         `publish` and `loop_read`: every path that makes paho queue ends in `_flush`
         (or pokes the writer task), which writes unless PUBACKs must wait."""
 
-    def _corked(self, on: bool) -> None:
-        """TCP_CORK around a run of packets (a batch of exports, the PUBACKs of a read):
-        paho sends each packet by itself, which with TCP_NODELAY is a segment each; the
-        cork makes full segments of them and uncorking sends the rest at once."""
-        if self._cork is not None:
-            try:
-                self._cork.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1 if on else 0)
-            except OSError:
-                self._cork = None  # closed meanwhile: the next connection sets it again
+    def _window(self, on: bool) -> None:
+        """Give paho its in-flight window (*on*: it may hold more than `WINDOW`, after a
+        reconnect) or take it away (it holds at most `WINDOW`, all of them in flight:
+        nothing for paho's per-acknowledgement scan to find)."""
+        if on != self._paho_window:
+            self._paho_window = on
+            self.mq.set_window(WINDOW if on else 0)
 
     def _on_connect(self, mq, userdata, flags, reason, properties) -> None:
         self._connecting = False  # answered: a disconnect now is no TLS-port mystery
@@ -433,7 +439,10 @@ class BridgeShell:
 
     def _on_publish(self, mq, userdata, mid, reason, properties) -> None:
         self._activity += 1
+        self._acks += 1
         held = self._outstanding.pop(mid, None)
+        if self._paho_window and len(self._outstanding) < WINDOW:
+            self._window(False)  # (paho holds this one too until we return: <= WINDOW)
         if held is not None:
             if held[0] >= 0 and self.spool is not None:
                 self.spool.acked(held[0])
@@ -478,6 +487,7 @@ class BridgeShell:
     def _connect_mqtt(self) -> None:
         """paho's connect (it blocks: name lookup, TCP, TLS), in the worker thread."""
         s, broker = self.settings, self.broker
+        self._window(True)  # paho sends again what it holds, WINDOW at a time
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = s.session_expiry
         props.MaximumPacketSize = s.max_message + 1024  # MQTT header and properties
@@ -527,15 +537,16 @@ class BridgeShell:
         return not self._in_thread and not self._broken and self.mq.socket() is not None
 
     async def _mqtt_reader(self) -> None:
-        """Read MQTT while the bus is up: a turn of up to `READ_TURN` packets at a time."""
+        """Read MQTT while the bus is up: a turn of up to `READ_TURN` packets at a time
+        (acknowledgements only, in runs: `ACK_RUN`)."""
         mq = self.mq
+        runs = not self.core.mqtt_subscriptions()  # nothing else to come: no import waits
         while True:
             if not (self.bus_up and self._mqtt_live()):
                 await self._until(lambda: self.bus_up and self._mqtt_live())
                 continue
             sock = mq.socket()
-            pending = getattr(sock, "pending", None)  # TLS: decrypted bytes poll cannot see
-            buffered = bool(pending and pending())
+            buffered = mq.pending() > 0  # read already, or (TLS) decrypted: poll can't see
             if not buffered:
                 try:
                     await anyio.wait_readable(sock)
@@ -543,17 +554,17 @@ class BridgeShell:
                     continue
                 if sock is not mq.socket() or not (self.bus_up and self._mqtt_live()):
                     continue
+            acks = self._acks
             await self._read_mqtt()
-            if buffered:
+            if runs and self._acks != acks and not self._exports_wait:
+                # the next acknowledgements, as a run (at once if the window fills)
+                await self._until(lambda: self._exports_wait, ACK_RUN)
+            elif buffered:
                 await anyio.lowlevel.checkpoint()  # (else the wait above gives the turn)
 
     async def _read_mqtt(self) -> None:
         """Process what the MQTT socket holds, up to `READ_TURN` packets; the PUBACKs of
-        the turn are written (coalesced) once its imports are on the bus.  (Without QoS 1
-        imports a read has nothing to answer: no cork, two system calls saved.)"""
-        cork = self._acked_imports
-        if cork:
-            self._corked(True)
+        the turn are written (one write) once its imports are on the bus."""
         try:
             for _ in range(READ_TURN):
                 before = self._activity
@@ -575,8 +586,6 @@ class BridgeShell:
                 await self._import()
             self._flush()
         finally:
-            if cork:
-                self._corked(False)
             if self._exports_wait:
                 self._poke()  # acknowledged exports: room for more
 
@@ -635,7 +644,7 @@ class BridgeShell:
         mq = self.mq
         if self._holding or not self._mqtt_live() or not mq.want_write():
             return
-        mq.loop_write()
+        mq.flush()
         if self._exports_wait or mq.want_write():  # room for exports, or the writer's turn
             self._poke()
 
@@ -693,6 +702,7 @@ class BridgeShell:
         while True:
             if not self._export_ready():
                 self._exports_wait = True
+                self._poke()  # the MQTT reader reads acknowledgements now (`ACK_RUN`)
                 try:
                     await self._until(self._export_ready)
                 finally:
@@ -751,14 +761,7 @@ class BridgeShell:
     def _export(self, taken: list[tuple[str, bytes, int]]) -> None:
         """Hand what was taken to paho: QoS 0 at once (dropped, counted, without a
         connection), QoS 1 through the spool (dropped, counted, when it is full)."""
-        if len(taken) > 1:
-            self._corked(True)
-            try:
-                self._export_run(taken)
-                self._flush()
-            finally:
-                self._corked(False)
-        elif taken:
+        if taken:
             self._export_run(taken)
             self._flush()
 
@@ -963,13 +966,21 @@ class BridgeShell:
         mq = self.mq
         if self._mqtt_live() and not self._holding and not self._acks_owed:
             self.mqtt_up = False  # a goodbye, not a loss
-            mq.disconnect()
             with anyio.move_on_after(1.0):
-                while mq.want_write():
+                said = False
+                while True:
                     sock = mq.socket()
-                    if sock is None or mq.loop_write() != MQTTErrorCode.MQTT_ERR_SUCCESS:
-                        break
-                    if mq.want_write():
+                    if sock is None:
+                        break  # gone, or closed after its DISCONNECT
+                    if not mq.want_write():
+                        if said:
+                            break
+                        # what was queued has gone: the DISCONNECT then goes at once
+                        # (paho closes the socket right after writing it)
+                        mq.disconnect()
+                        said = True
+                    mq.flush()
+                    if mq.socket() is not None and mq.want_write():
                         try:
                             await anyio.wait_writable(sock)
                         except anyio.ClosedResourceError:

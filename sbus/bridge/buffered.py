@@ -1,0 +1,157 @@
+"""paho's client with its socket I/O batched: one ``recv`` per read turn and one ``send``
+per flush, instead of paho's three ``recv`` per packet (command byte, length bytes,
+body) and one ``send`` per packet.
+
+paho does all of its socket I/O through two methods, ``_sock_recv`` and ``_sock_send``;
+this subclass puts a read buffer and a write buffer behind them: every byte is still
+framed and parsed by paho.  What paho "sends" is gathered until `push` (the shell's
+flush) writes it at once; what it "receives" comes from one large read.  The buffers are
+bounded: the read buffer by `READ_CHUNK`, the write buffer by `WRITE_CHUNK` (the shell
+stops taking exports while anything waits: `want_write`).  It also lets the shell change
+paho's in-flight window on a live connection (`set_window`).
+
+paho decodes the properties of every PUBLISH and PUBACK into a `Properties`, whose
+constructor builds two tables of 27 entries each and whose ``unpack`` first clears all 27
+names one by one: a third of the bridge's time per imported message, with no property
+on it.  `QuickProperties` is the same class with those tables built once and ``clear``
+of what is set; paho's decoder is given it (`quick_properties`).  Both lean on paho's
+private names (checked by tests/test_bridge_core.py against the installed paho).
+"""
+
+from __future__ import annotations
+
+import paho.mqtt._packet as paho_packet
+import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+__all__ = ["BufferedClient", "QuickProperties", "READ_CHUNK", "WRITE_CHUNK"]
+
+#: Bytes asked of the socket per read (paho asks for one packet's bytes at a time).
+READ_CHUNK = 64 * 1024
+#: Bytes gathered at most before they are written (paho keeps the rest queued).
+WRITE_CHUNK = 256 * 1024
+
+
+_TABLES = Properties(PacketTypes.PUBLISH)  # paho's tables, built once
+_OWN = frozenset(("packetType", "types", "names", "properties"))
+_IDENT = {name.replace(" ", ""): ident for name, ident in _TABLES.names.items()}
+_NAME = {ident: name for name, ident in _TABLES.names.items()}
+
+
+class QuickProperties(Properties):
+    """paho's `Properties` without rebuilding its tables per packet (module docstring):
+    they are shared (paho never changes them), names are looked up in dicts."""
+
+    def __init__(self, packetType: int) -> None:
+        object.__setattr__(self, "packetType", packetType)
+        object.__setattr__(self, "types", _TABLES.types)
+        object.__setattr__(self, "names", _TABLES.names)
+        object.__setattr__(self, "properties", _TABLES.properties)
+
+    def clear(self) -> None:
+        for name in [n for n in vars(self) if n not in _OWN]:
+            delattr(self, name)
+
+    def getIdentFromName(self, compressedName: str) -> int:
+        return _IDENT.get(compressedName, -1)
+
+    def getNameFromIdent(self, identifier: int) -> str | None:
+        return _NAME.get(identifier)
+
+
+def quick_properties() -> None:
+    """Have paho's packet decoder build `QuickProperties` (the same values, faster).  For
+    this process: the bridge's, whose only MQTT client this is."""
+    if getattr(paho_packet, "Properties", None) is Properties:
+        paho_packet.Properties = QuickProperties
+
+
+class BufferedClient(mqtt.Client):
+    """`paho.mqtt.client.Client` reading and writing in runs (module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._rdata = b""  # the last read from the socket, served from `_rpos` on
+        self._rpos = 0
+        self._wbuf = bytearray()  # what paho wrote since the last `push`
+        self._wlast = 0  # a send that could not go: retried with this length (TLS)
+
+    # -- what paho calls -------------------------------------------------------------
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        data, pos = self._rdata, self._rpos
+        if pos >= len(data):
+            # the socket's errors and its end (b"") reach paho as from its own read
+            data = super()._sock_recv(max(bufsize, READ_CHUNK))
+            if len(data) <= bufsize:
+                return data
+            self._rdata, pos = data, 0
+        end = min(pos + bufsize, len(data))
+        self._rpos = end
+        return data[pos:end]
+
+    def _sock_send(self, buf: bytes | bytearray) -> int:
+        if len(self._wbuf) >= WRITE_CHUNK:
+            raise BlockingIOError  # paho keeps the packet queued: `flush` goes on
+        self._wbuf += buf
+        return len(buf)
+
+    def _sock_close(self) -> None:
+        """paho closes the socket right after writing a DISCONNECT: send what is gathered
+        first (best effort, as paho's own last write), then forget both buffers."""
+        if self._sock is not None:
+            self.push()
+        self._wbuf.clear()
+        self._wlast = 0
+        self._rdata, self._rpos = b"", 0
+        super()._sock_close()
+
+    # -- what the shell calls ----------------------------------------------------------
+
+    def set_window(self, n: int) -> None:
+        """paho's in-flight window (0: none), also on an established connection, which
+        ``max_inflight_messages_set`` refuses: paho reads the value only where it sends
+        (publish, an acknowledgement, a reconnect), so a change takes effect there."""
+        self._max_inflight_messages = n
+
+    def pending(self) -> int:
+        """Bytes read but not yet handed to paho, and (TLS) decrypted bytes the socket
+        holds: a poll of the socket would not show them."""
+        sock = self._sock
+        more = getattr(sock, "pending", None)
+        return len(self._rdata) - self._rpos + (more() if more is not None else 0)
+
+    def unsent(self) -> int:
+        return len(self._wbuf)
+
+    def want_write(self) -> bool:
+        return bool(self._wbuf) or super().want_write()
+
+    def flush(self) -> None:
+        """Have paho write what it queued, and write it to the socket, as much as the
+        socket takes now (`want_write` then says whether something waits)."""
+        while True:
+            self.loop_write()
+            self.push()
+            if self._wbuf or not super().want_write():
+                return
+
+    def push(self) -> None:
+        """Write what paho gathered, as much as the socket takes now (the rest waits for
+        the next push).  A failed connection drops it: paho's next read meets the failure
+        and says so (``on_disconnect``)."""
+        buf = self._wbuf
+        while buf:
+            size = self._wlast or len(buf)
+            try:
+                sent = super()._sock_send(buf if size >= len(buf) else buf[:size])
+            except BlockingIOError:
+                self._wlast = size  # TLS wants the same write again
+                return
+            except OSError:
+                buf.clear()
+                self._wlast = 0
+                return
+            self._wlast = 0
+            del buf[:sent]
