@@ -120,6 +120,87 @@ def test_a_hanging_mqtt_connect_blocks_nothing(broker: BrokerProcess, short_tmp:
         server.close()
 
 
+def mqtt_packets(conn: socket.socket, buffer: bytearray, until_time: float) -> list[bytes]:
+    """Whole MQTT packets read from *conn* until *until_time* (first byte: type and flags;
+    then the remaining length as a variable-length integer)."""
+    packets = []
+    while True:
+        while len(buffer) >= 2:
+            size, shift, at = 0, 0, 1
+            while at < len(buffer) and buffer[at] & 0x80:
+                size |= (buffer[at] & 0x7F) << shift
+                shift, at = shift + 7, at + 1
+            if at >= len(buffer):
+                break
+            size |= buffer[at] << shift
+            if len(buffer) < at + 1 + size:
+                break
+            packets.append(bytes(buffer[:at + 1 + size]))
+            del buffer[:at + 1 + size]
+        left = until_time - time.monotonic()
+        if left <= 0:
+            return packets
+        conn.settimeout(left)
+        try:
+            data = conn.recv(65536)
+        except TimeoutError:
+            return packets
+        if not data:
+            return packets
+        buffer += data
+
+
+def test_exports_keep_within_the_brokers_receive_maximum(broker: BrokerProcess,
+                                                        short_tmp: Path) -> None:
+    """MQTT 5 forbids more unacknowledged QoS 1 messages than the broker's Receive Maximum
+    (mosquitto announces 20 by default, and does not enforce it, so a peer that does is
+    played here: CONNACK with Receive Maximum 3, PUBACKs held back).  The bridge sends 3,
+    then one more for each acknowledgement, and all 10 in the end."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    br = Bridge(short_tmp, "rmax", broker.address,
+                f"mqtt://127.0.0.1:{server.getsockname()[1]}",
+                ["--export", "rm/", "--export-qos", "1"])
+    try:
+        br.start(wait=False)
+        server.settimeout(10)
+        conn, _ = server.accept()
+        buffer = bytearray()
+        (connect,) = mqtt_packets(conn, buffer, time.monotonic() + 5)[:1]
+        assert connect[0] == 0x10
+        conn.sendall(bytes([0x20, 6, 0, 0, 3, 0x21, 0, 3]))  # CONNACK: Receive Maximum 3
+        br.wait_status(lambda s: s.startswith("bus up, mqtt up"), timeout=10)
+        publish(broker.address, [(b"rm/%d" % i, b"m%d" % i) for i in range(10)])
+
+        def publishes(want: int) -> list[bytes]:  # *want* PUBLISH, then 0.3 s of no more
+            got: list[bytes] = []
+            deadline = time.monotonic() + 10
+            while len(got) < want and time.monotonic() < deadline:
+                got += [p for p in mqtt_packets(conn, buffer, time.monotonic() + 0.05)
+                        if p[0] >> 4 == 3]
+            return got + [p for p in mqtt_packets(conn, buffer, time.monotonic() + 0.3)
+                          if p[0] >> 4 == 3]
+
+        sent = publishes(3)
+        assert len(sent) == 3, f"{len(sent)} unacknowledged, the broker takes 3"
+        total = 3
+        while total < 10:
+            for p in sent:  # PUBACK each: its packet identifier follows the topic
+                at = 2 + (p[1] >> 7)  # a short packet: one or two length bytes
+                topic_length = int.from_bytes(p[at:at + 2], "big")
+                conn.sendall(bytes([0x40, 2]) + p[at + 2 + topic_length:at + 4 + topic_length])
+            sent = publishes(min(3, 10 - total))
+            assert len(sent) == min(3, 10 - total), len(sent)
+            total += len(sent)
+        assert total == 10
+        assert "takes at most 3 unacknowledged messages" in br.log.read_text()
+        conn.close()
+    finally:
+        br.close()
+        server.close()
+
+
 def test_async_receive_ready_never_waits_and_leaves_a_loss_to_receive_batch(
         short_tmp: Path) -> None:
     """``AsyncClient.receive_ready``: what waits, [] when nothing does or the broker went

@@ -23,7 +23,8 @@ Flow control, so that no local publisher ever waits for MQTT:
   ``blocking/dropped``, which is counted) and ``blocking/publisher/nowait`` as a
   publisher (a slow local subscriber loses imports instead of pausing the bridge).
 * The bus is read only while MQTT can take more: nothing waiting to be written to the
-  socket and, at QoS 1, fewer than `WINDOW` messages unacknowledged.  Otherwise the
+  socket and, at QoS 1, fewer than `WINDOW` messages unacknowledged (fewer if the MQTT
+  broker's Receive Maximum is lower).  Otherwise the
   messages wait in the local broker's queue for the bridge (bounded, then dropped).
 * MQTT is read only while the bus is up: imports that cannot be delivered stay with the
   MQTT broker (at QoS 1 in the bridge's session) instead of being lost here.  An import
@@ -80,8 +81,8 @@ BATCH = 256
 #: paho's in-flight window, but only while paho holds more (after a reconnect): with a
 #: window paho scans all it holds on every acknowledgement (40 µs per message with
 #: 1,000), so while the bridge keeps within it paho is told to keep none (`_window`).
-#: (Like paho, the bridge does not cut it to a broker's Receive Maximum: mosquitto says
-#: 20 and acknowledges QoS 1 at once.)
+#: A broker's Receive Maximum (CONNACK) lowers it: MQTT 5 forbids sending more
+#: unacknowledged (mosquitto says 20 unless `max_inflight_messages` is set).
 WINDOW = 1000
 #: Seconds the local broker may take to answer whoami on connect (then asked again).
 BUS_TIMEOUT = 5.0
@@ -231,6 +232,8 @@ class BridgeShell:
             (MARKER, core.client_id), *((SCOPE, f) for f in core.stamp_scope(0)),
             (STAMP0, f"{core.epoch0}.{0:016x}")).pack()[:-16]
         self._paho_window = True  # paho keeps its in-flight window (`_window`)
+        self.window = WINDOW  # at most the broker's Receive Maximum (`_on_connect`)
+        self._limited = False  # paho keeps its window always (`_on_connect`)
         self.state: StateDir | None = None
         self.spool: Spool | None = None
         #: the filters a resumed MQTT session may still hold (an earlier configuration's)
@@ -371,7 +374,7 @@ class BridgeShell:
         nothing for paho's per-acknowledgement scan to find)."""
         if on != self._paho_window:
             self._paho_window = on
-            self.mq.set_window(WINDOW if on else 0)
+            self.mq.set_window(self.window if on or self._limited else 0)
 
     def _on_connect(self, mq, userdata, flags, reason, properties) -> None:
         self._connecting = False  # answered: a disconnect now is no TLS-port mystery
@@ -387,6 +390,16 @@ class BridgeShell:
         # connection, and paho would send it again on every reconnect
         limit = getattr(properties, "MaximumPacketSize", None)
         self._max_out = limit if isinstance(limit, int) and limit > 0 else MQTT_MAX_PACKET
+        most = getattr(properties, "ReceiveMaximum", None)  # unacknowledged QoS 1 it takes
+        most = most if isinstance(most, int) and most > 0 else 65535  # (MQTT 5's default)
+        self.window = min(WINDOW, most)
+        # the bridge stops reading the bus at its window, but hands paho a whole batch:
+        # under a limit that a batch could cross, paho keeps the window itself, always
+        self._limited = most < WINDOW + BATCH
+        self.mq.set_window(self.window if self._paho_window or self._limited else 0)
+        if self.window < WINDOW:
+            log.info("MQTT broker %s takes at most %d unacknowledged messages",
+                     self.broker, self.window)
         if self._stale and flags.session_present:
             # an earlier configuration's filters: they would pull traffic the bridge
             # filters out, and deliver twice what overlaps the new ones
@@ -441,8 +454,8 @@ class BridgeShell:
         self._activity += 1
         self._acks += 1
         held = self._outstanding.pop(mid, None)
-        if self._paho_window and len(self._outstanding) < WINDOW:
-            self._window(False)  # (paho holds this one too until we return: <= WINDOW)
+        if self._paho_window and len(self._outstanding) < self.window:
+            self._window(False)  # (paho holds this one too until we return: <= window)
         if held is not None:
             if held[0] >= 0 and self.spool is not None:
                 self.spool.acked(held[0])
@@ -746,7 +759,7 @@ class BridgeShell:
             return True  # QoS 1: spooled up to max_queued; QoS 0: dropped, counted
         if self.mq.want_write():
             return False
-        return len(self._outstanding) < WINDOW
+        return len(self._outstanding) < self.window
 
     def _too_large(self, topic: str, payload: bytes) -> bool:
         """Is this export over the broker's Maximum Packet Size? (refused, counted)"""
