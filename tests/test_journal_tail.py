@@ -310,3 +310,15 @@ def test_a_reader_converting_rows_another_has_converted_keeps_that_piece(tmp_pat
         (again,) = tail._convert(jdir, cache, seg, tail._created(seg), cut.seam, blocks, [])
         assert again.path == first and first.stat().st_ino == inode
         assert sorted(cache.iterdir()) == [first]
+
+
+def test_a_symlinked_pieces_directory_is_not_followed(tmp_path):
+    """``EXPORT/.tail`` made a symlink (to a directory another user chose): the reader
+    keeps its pieces in its own cache instead, and writes nothing through the link."""
+    out, elsewhere = tmp_path / "pq", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / tail.TAIL_SUBDIR).symlink_to(elsewhere)
+    cache = tail.cache_dir(tmp_path / "j", out, tmp_path / "own")
+    assert cache is not None and cache.parent == tmp_path / "own"
+    assert list(elsewhere.iterdir()) == []
