@@ -1114,22 +1114,31 @@ class AsyncClient(_Shell):
         kernel takes them (``sendmmsg``): for a task with many ready at once (the
         gateway's publishes from one read).  What the kernel does not take at once goes
         through `send_packet` (waits for room, reconnects, errors)."""
-        done = 0
-        if len(packets) > 1:
-            sender = self._sender
-            if sender is None:
-                sender = self._sender = PacketSender(SLOTS)
-            fd = self._socket().fileno()
-            try:
-                while done < len(packets):
-                    n = sender.send(fd, packets, done)
-                    if not n:
-                        break
-                    done += n
-            except OSError:
-                pass  # named and handled below, on the packet it failed on
+        self._socket()  # (not connected: said at once)
+        done = self.send_run_nowait(packets) if len(packets) > 1 else 0
         for packet in packets[done:]:
             await self.send_packet(packet)
+
+    def send_run_nowait(self, packets: list[bytes], start: int = 0) -> int:
+        """Send as many of ``packets[start:]``, in order, as the kernel takes now, in one
+        ``sendmmsg`` per `SLOTS`, never waiting nor reconnecting: how many went.  A
+        failure is not raised: `send_packet` of the first one left names it."""
+        sock = self.sock
+        if sock is None or self._reconnecting is not None:
+            return 0
+        sender = self._sender
+        if sender is None:
+            sender = self._sender = PacketSender(SLOTS)
+        fd, done = sock.fileno(), start
+        try:
+            while done < len(packets):
+                n = sender.send(fd, packets, done)
+                if not n:
+                    break
+                done += n
+        except OSError:
+            pass
+        return done - start
 
     def send_nowait(self, packet: bytes) -> bool:
         """Send one packet if the connection is up and has room, never waiting nor

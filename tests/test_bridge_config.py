@@ -130,6 +130,10 @@ def test_config_mistakes_are_one_line(short_tmp: Path) -> None:
         "mqtt = 'mqtt://h'\nexport = [{patterns = ['a/'], qos = 2}]\n": "QoS is 0 or 1",
         "mqtt = 'mqtt://h'\nfrobnicate = 1\n": "unknown setting 'frobnicate'",
         "mqtt = 'mqtt://h'\n[[import]]\npatterns = ['a*b']\n": "can never match",
+        "mqtt = 'mqtt://h'\nlinger = '1s'\n[[export]]\npatterns = ['a/']\n":
+            "linger: at most 100ms",
+        "mqtt = 'mqtt://h'\nlinger = 'soon'\n[[export]]\npatterns = ['a/']\n":
+            "not a duration",
         "mqtt = 'mqtt://h'\n[[export]]\npatterns = ['a/']\nmap = 'a=b/'\n":
             "must be empty or end with '/'",
         "mqtt = [1\n": "not valid TOML",

@@ -18,7 +18,8 @@ each path is set up fresh, then: a burst of --count messages at full speed (deli
 msg/s and the share lost on the way), --steady msg/s for 3 s (the share lost at a rate
 the bridge should sustain), and --light messages at 1,000 msg/s (latency).  Paths take
 turns, --runs times; medians are printed, with the added latency of each bridge (its p50
-minus the baseline's) and CPU time (user + system, from /proc) per message delivered, in
+minus the baseline's; also p50 and p99 at the steady rate, where the sbus bridge's
+``--linger`` waits) and CPU time (user + system, from /proc) per message delivered, in
 the burst and in the steady phase, of the bridge process alone (mosquitto's: M1, broker
 and bridge in one) and of the bridging host's side (sbus: `sbus serve` + `sbus bridge`;
 mosquitto: M1).  Then the goals of issue 26 side by side: sbus against mosquitto's
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -73,9 +75,11 @@ def wait_for(what: str, ok, timeout: float = 15.0) -> None:
 class Stack:
     """The processes of one path, started in a private directory and stopped together."""
 
-    def __init__(self, path: str, tmp: Path, qos: int, baseline: str | None = None) -> None:
+    def __init__(self, path: str, tmp: Path, qos: int, baseline: str | None = None,
+                 extra: list[str] | None = None) -> None:
         self.tmp = tmp
         self.code = baseline if path.endswith("@base") else None
+        self.extra = extra or []  # more options of `sbus bridge`
         self.procs: list[subprocess.Popen] = []
         self.bridge: subprocess.Popen | None = None  # the bridge's process, if any
         self.side: list[subprocess.Popen] = []  # the bridging host's processes
@@ -126,7 +130,8 @@ class Stack:
             self._spawn("bridge", [sys.executable, "-m", "sbus.cli", "bridge", "--address",
                                    bus, "--mqtt", f"mqtt://127.0.0.1:{port}", *side,
                                    "--export-qos", str(qos), "--import-qos", str(qos),
-                                   "--session-expiry", "0", "--client-id", f"bench{port}"],
+                                   "--session-expiry", "0", "--client-id", f"bench{port}",
+                                   *self.extra],
                         env={**env, "NOTIFY_SOCKET": str(tmp / "notify")})
             self.bridge = self.procs[-1]
             self.side = self.procs[-2:]  # sbus serve and the bridge
@@ -222,6 +227,10 @@ def main() -> int:
     ap.add_argument("--baseline", metavar="DIR",
                     help="also run the sbus paths with the sbus of checkout DIR (@base)")
     ap.add_argument("--paths", help="comma-separated subset of the paths to run")
+    ap.add_argument("--bridge-args", default="", metavar="ARGS",
+                    help="more options of the sbus bridge, e.g. '--linger 0'")
+    ap.add_argument("--base-args", default="", metavar="ARGS",
+                    help="the same for the @base bridge (--baseline)")
     args = ap.parse_args()
     levels = [int(q) for q in args.qos.split(",")]
     if not levels or any(q not in (0, 1) for q in levels):
@@ -239,7 +248,8 @@ def main() -> int:
         for path, qos in paths:
             loads.append(os.getloadavg()[0])
             with tempfile.TemporaryDirectory(prefix="sbus-bb-") as d:
-                stack = Stack(path, Path(d), qos, args.baseline)
+                extra = args.base_args if path.endswith("@base") else args.bridge_args
+                stack = Stack(path, Path(d), qos, args.baseline, shlex.split(extra))
                 try:
                     burst = measure(lg, stack, args.count, 0)
                     steady = measure(lg, stack, args.steady * 3, args.steady)
@@ -257,9 +267,9 @@ def main() -> int:
           f"alternating runs; load average {min(loads):.1f}–{max(loads):.1f} "
           f"on {os.cpu_count()} cores\n")
     print(f"| path | burst msg/s | burst lost | lost at {args.steady:,} msg/s | p50 µs "
-          "| p99 µs | added p50 µs | bridge CPU µs/msg burst | steady "
-          "| bridging side µs/msg burst | steady |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| p99 µs | added p50 µs | p50 / p99 µs at {args.steady:,} msg/s "
+          "| bridge CPU µs/msg burst | steady | bridging side µs/msg burst | steady |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     direct = [r for (p, _), rs in results.items() if p == "mqtt-direct" for r in rs]
     base = statistics.median(light["p50_us"] for _, _, light in direct) if direct else 0.0
     med: dict[tuple[str, int], dict[str, float]] = {}
@@ -270,7 +280,9 @@ def main() -> int:
             "steady_lost": statistics.median(1 - s["recv"] / (args.steady * 3)
                                              for _, s, _ in runs),
             "p50": statistics.median(light["p50_us"] for _, _, light in runs),
-            "p99": statistics.median(light["p99_us"] for _, _, light in runs)}
+            "p99": statistics.median(light["p99_us"] for _, _, light in runs),
+            "steady_p50": statistics.median(s["p50_us"] for _, s, _ in runs),
+            "steady_p99": statistics.median(s["p99_us"] for _, s, _ in runs)}
         for phase, i in (("burst", 0), ("steady", 1)):
             for what in ("cpu_us", "side_us"):
                 m[f"{phase}_{what}"] = statistics.median(r[i][what] for r in runs)
@@ -280,6 +292,7 @@ def main() -> int:
                ("burst_cpu_us", "steady_cpu_us", "burst_side_us", "steady_side_us")]
         print(f"| {label(path, qos)} | {m['rate']:,.0f} | {m['lost']:.1%} | "
               f"{m['steady_lost']:.1%} | {m['p50']:.0f} | {m['p99']:.0f} | {added} | "
+              f"{m['steady_p50']:.0f} / {m['steady_p99']:.0f} | "
               f"{' | '.join(cpu)} |")
     goals(med, base, levels)
     return 0

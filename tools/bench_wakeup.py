@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-LOOPS = ["select", "trio", "anyio-trio", "asyncio"]
+LOOPS = ["select", "trio", "anyio-trio", "asyncio", "uvloop", "anyio-uvloop"]
 
 
 def child(loop: str, count: int, rate: float) -> None:
@@ -57,6 +57,21 @@ def child(loop: str, count: int, rate: float) -> None:
         while not done:
             select.select([a], [], [])
             drain()
+    elif loop == "anyio-uvloop":
+        import anyio
+
+        async def main_u() -> None:
+            async def beat() -> None:
+                while not done:
+                    await anyio.sleep(0.05)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(beat)
+                while not done:
+                    await anyio.wait_readable(a)
+                    drain()
+
+        anyio.run(main_u, backend="asyncio", backend_options={"use_uvloop": True})
     elif loop in ("trio", "anyio-trio"):
         import anyio
         import trio
@@ -90,7 +105,11 @@ def child(loop: str, count: int, rate: float) -> None:
             asyncio.get_running_loop().add_reader(a, ready)
             await ended
 
-        asyncio.run(main())
+        if loop == "uvloop":
+            import uvloop
+            uvloop.run(main())
+        else:
+            asyncio.run(main())
     after = resource.getrusage(resource.RUSAGE_SELF)
     os.waitpid(pid, 0)
     used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime

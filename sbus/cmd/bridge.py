@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlsplit
 
 from .. import rlimits
 from ..bridge.core import BridgeCore, Rule
+from ..bridge.linger import LINGER
 from ..bridge.topics import ConfigError, Mapping
 from ..defaults import MAX_MESSAGE, parse_duration, parse_size
 from ..display import brief, printable
@@ -41,8 +42,11 @@ DEFAULTS: dict[str, Any] = {
     "max-queued-bytes": 64 << 20, "max-message": MAX_MESSAGE, "keepalive": 30,
     "backoff-max": 30.0, "username": None, "password-file": None, "cafile": None,
     "cert": None, "key": None, "state-dir": None, "export-qos": 1, "import-qos": 1,
+    "linger": LINGER,
 }
-_DURATIONS = {"session-expiry", "backoff-max"}
+#: The longest --linger: a message held longer than this is a stall, not a batch.
+MAX_LINGER = 0.1
+_DURATIONS = {"session-expiry", "backoff-max", "linger"}
 _SIZES = {"max-queued-bytes", "max-message"}
 _INTS = {"max-queued", "keepalive", "export-qos", "import-qos"}
 _RULE_KEYS = {"patterns", "map", "qos"}
@@ -90,6 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keepalive", metavar="SECONDS", help="MQTT keep-alive (default 30)")
     p.add_argument("--backoff-max", metavar="DURATION",
                    help="longest wait between reconnect attempts, either side (default 30s)")
+    p.add_argument("--linger", metavar="DURATION",
+                   help="when messages come fast enough that waiting this long gathers "
+                        "two or more, wait that long between reads: a run per wake-up, "
+                        "each message at most this much later (default 1ms; 0: off; at "
+                        "most 100ms)")
     p.add_argument("--password-file", metavar="FILE",
                    help="MQTT password, first line of FILE (rather than in the URL)")
     p.add_argument("--cafile", metavar="FILE", help="CA certificates for mqtts:// "
@@ -124,7 +133,11 @@ def _value(name: str, value: Any, where: str) -> Any:
     """A setting from the file or the command line, checked and converted."""
     try:
         if name in _DURATIONS:
-            return parse_duration(str(value))
+            seconds = parse_duration(str(value))
+            if name == "linger" and seconds > MAX_LINGER:
+                raise ValueError(f"at most {MAX_LINGER * 1000:g}ms (a longer wait is a "
+                                 "stall, not a batch)")
+            return seconds
         if name in _SIZES:
             return parse_size(str(value))
         if name in _INTS:
@@ -285,7 +298,8 @@ def resolve(args: argparse.Namespace):
         cafile=opts["cafile"], certfile=opts["cert"], keyfile=opts["key"],
         keepalive=opts["keepalive"], session_expiry=int(opts["session-expiry"]),
         max_queued=opts["max-queued"], max_queued_bytes=opts["max-queued-bytes"],
-        max_message=opts["max-message"], state_dir=_state_dir(opts["state-dir"], client_id))
+        max_message=opts["max-message"], state_dir=_state_dir(opts["state-dir"], client_id),
+        linger=opts["linger"])
     return core, settings, max(0.2, opts["backoff-max"])
 
 

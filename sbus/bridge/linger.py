@@ -1,0 +1,42 @@
+"""When the bridge lets messages gather before it reads them: adaptive coalescing.
+
+At a steady moderate rate every message is a wake-up of the bridge's process, and a
+Python wake-up costs several times what the message itself does (docs/performance.md,
+"Bridge": 82 µs of CPU per export at 8,000 msg/s against 21 µs flat out).  Above a rate
+at which waiting `delay` seconds gathers at least two messages, a reader waits that long
+after a turn, so that the next turn takes a run: wake-ups fall with the rate, and no
+message waits more than `delay` longer.  Below it (e.g. 1,000 msg/s with the default
+1 ms) nothing waits: latency at low rates is unchanged.  Nor after a turn that took a run
+of `RUN` or more: a burst already comes in runs, and a wait would only slow it.
+``delay = 0`` turns it off.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LINGER", "Linger", "RUN"]
+
+#: The default wait (``--linger``): above 2,000 msg/s, a run per millisecond.
+LINGER = 0.001
+
+#: A turn that took this many messages is a run already: no wait after it.
+RUN = 32
+
+
+class Linger:
+    """One reader's pace: `after` each turn says how long to wait before the next."""
+
+    def __init__(self, delay: float) -> None:
+        if delay < 0:
+            raise ValueError("a linger cannot be negative")
+        self.delay = delay
+        #: messages per second above which a wait gathers two or more
+        self.above = 2 / delay if delay else float("inf")
+        self._last: float | None = None  # when the previous turn ended
+
+    def after(self, now: float, taken: int) -> float:
+        """A turn that took *taken* messages ended at *now*: seconds to wait (0: none)."""
+        last, self._last = self._last, now
+        if not self.delay or not taken or taken >= RUN or last is None:
+            return 0.0
+        gap = now - last
+        return self.delay if gap <= 0 or taken / gap > self.above else 0.0
