@@ -1119,17 +1119,18 @@ class AsyncClient(_Shell):
         for packet in packets[done:]:
             await self.send_packet(packet)
 
-    def send_run_nowait(self, packets: list[bytes], start: int = 0) -> int:
-        """Send as many of ``packets[start:]``, in order, as the kernel takes now, in one
-        ``sendmmsg`` per `SLOTS`, never waiting nor reconnecting: how many went.  A
-        failure is not raised: `send_packet` of the first one left names it."""
+    def send_run_nowait(self, packets: list[bytes]) -> int:
+        """Send as many of *packets*, in order, as the kernel takes now, in one
+        ``sendmmsg`` per `SLOTS`, never waiting nor reconnecting: how many went (for the
+        bridge's imports of one read).  A failure is not raised: `send_packet` of the
+        first one left names it."""
         sock = self.sock
         if sock is None or self._reconnecting is not None:
             return 0
         sender = self._sender
         if sender is None:
             sender = self._sender = PacketSender(SLOTS)
-        fd, done = sock.fileno(), start
+        fd, done = sock.fileno(), 0
         try:
             while done < len(packets):
                 n = sender.send(fd, packets, done)
@@ -1138,7 +1139,7 @@ class AsyncClient(_Shell):
                 done += n
         except OSError:
             pass
-        return done - start
+        return done
 
     def send_nowait(self, packet: bytes) -> bool:
         """Send one packet if the connection is up and has room, never waiting nor
