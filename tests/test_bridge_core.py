@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import paho.mqtt._packet as paho_packet
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -523,7 +524,6 @@ def test_the_mqtt_socket_gets_tcp_nodelay() -> None:
 def test_quick_properties_decode_as_paho_does() -> None:
     """`QuickProperties` (paho's tables built once) reads what paho's own reads, through
     paho's decoder, and is what that decoder builds in the bridge (issue 26)."""
-    import paho.mqtt._packet as paho_packet
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
 
@@ -584,3 +584,51 @@ def test_buffered_client_reads_and_writes_in_runs() -> None:
     mq._sock_close()
     assert mq.unsent() == 0 and mq.pending() == 0 and held > 0
     b.close()
+
+
+def test_buffered_client_takes_whole_success_pubacks_as_paho_would(monkeypatch) -> None:
+    """The PUBACK short cut (`BufferedClient._packet_read`): 4-byte PUBACKs of success in
+    the buffer reach on_publish as from paho's own reader, in order and once; a PUBACK
+    with a reason code, one split across reads, a duplicate and the PUBLISH after them are
+    paho's, and all of it comes out the same."""
+    import socket
+
+    from paho.mqtt.client import _ConnectionState
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from sbus.bridge.buffered import BufferedClient
+
+    mq = BufferedClient(CallbackAPIVersion.VERSION2, protocol=5)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    mq._sock = a
+    mq._state = _ConnectionState.MQTT_CS_CONNECTED
+    acked: list[tuple[int, int]] = []
+    got: list[tuple[str, bytes]] = []
+    mq.on_publish = lambda _c, _u, mid, reason, _p: acked.append((mid, reason.value))
+    mq.on_message = lambda _c, _u, msg: got.append((msg.topic, msg.payload))
+    decoded: list[int] = []  # PUBACKs paho's decoder saw
+    decode = paho_packet.decode_puback
+    monkeypatch.setattr(paho_packet, "decode_puback",
+                        lambda *args: decoded.append(1) or decode(*args))
+    mids = [mq.publish("t", b"%d" % i, qos=1).mid for i in range(5)]
+    assert mids == [1, 2, 3, 4, 5]
+    mq.push()
+    b.recv(65536)  # (what the broker would have read)
+    b.sendall(b"\x40\x02\x00\x01" b"\x40\x02\x00\x02"  # whole, success: the short cut
+              b"\x40\x03\x00\x03\x80"  # a reason code (unspecified error): paho's
+              b"\x40\x02\x00\x02"  # a duplicate: ignored, as paho does
+              b"\x30\x06\x00\x01x\x00hi"  # a PUBLISH (QoS 0, no properties)
+              b"\x40\x02\x00")  # the start of a PUBACK: the rest comes later
+    while mq.loop_read() == 0 and mq.pending():
+        pass
+    assert acked == [(1, 0), (2, 0), (3, 0x80)] and got == [("x", b"hi")]
+    b.sendall(b"\x04" b"\x40\x02\x00\x05")
+    while mq.loop_read() == 0 and mq.pending():
+        pass
+    assert acked[3:] == [(4, 0), (5, 0)] and not mq._out_messages
+    # paho decoded the first of each read (the buffer was empty), the one with a reason
+    # code and the split one; the short cut took 2, the duplicate and 5
+    assert len(decoded) == 3
+    b.close()
+    a.close()
