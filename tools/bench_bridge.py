@@ -5,6 +5,7 @@ Each path carries 64-byte messages from the C load generator's publisher (lg, in
 ../shared/bench) to its subscriber, which measures rate and one-way latency:
 
     mqtt-direct       lg pub -> mosquitto M2 -> lg sub                 (no bridge: baseline)
+    sbus-direct       lg pub -> sbus serve -> lg sub                   (the local hop alone)
     mosquitto-export  lg pub -> mosquitto M1 =bridge=> M2 -> lg sub    (mosquitto's bridge,
     mosquitto-import  lg pub -> M2 =bridge=> mosquitto M1 -> lg sub     out / in)
     sbus-export       lg pub -> sbus serve -> sbus bridge -> M2 -> lg sub
@@ -54,8 +55,8 @@ import bench  # noqa: E402
 if not bench.SHARED.exists():  # a worktree below the checkout's parent (/work/wt/NAME)
     bench.SHARED = bench.ROOT.parent.parent / "shared" / "bench"
 
-PATHS = ["mqtt-direct", "mosquitto-export", "sbus-export", "mosquitto-import",
-         "sbus-import"]
+PATHS = ["mqtt-direct", "sbus-direct", "mosquitto-export", "sbus-export",
+         "mosquitto-import", "sbus-import"]
 
 
 def free_port() -> int:
@@ -115,12 +116,17 @@ class Stack:
             if way == "in":  # its subscription in force at M2
                 wait_for("its subscription", lambda: "SUBSCRIBE from to-m2" in log.read_text()
                          or "to-m2 #" in log.read_text())
-        elif path in ("sbus-export", "sbus-import"):
+        elif path in ("sbus-export", "sbus-import", "sbus-direct"):
             bus = str(tmp / "bus.sock")
             env = {**os.environ, "PYTHONPATH": self.code or str(bench.ROOT)}
             self._spawn("bus", [sys.executable, "-m", "sbus.cli", "serve", "--address", bus],
                         env=env)
             wait_for("sbus serve", lambda: os.path.exists(bus))
+            if path == "sbus-direct":
+                self.pub_addr = self.sub_addr = f"unix:{bus}"
+                self.pub_proto = self.sub_proto = "sbus"
+                self.side = self.procs[-1:]
+                return
             notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             notify.bind(str(tmp / "notify"))
             side = ["--export", ""] if path == "sbus-export" else ["--import", ""]
@@ -239,8 +245,9 @@ def main() -> int:
     names = PATHS + (["sbus-export@base", "sbus-import@base"] if args.baseline else [])
     if args.paths:
         names = [p for p in names if p in args.paths.split(",")]
-    # (path, QoS): the baseline path has no bridge, so no QoS of its own
-    paths = [(p, q) for q in levels for p in names if p != "mqtt-direct" or q == levels[0]]
+    # (path, QoS): the baseline paths have no bridge, so no QoS of their own
+    paths = [(p, q) for q in levels for p in names
+             if not p.endswith("-direct") or q == levels[0]]
     results: dict[tuple[str, int], list[tuple[dict, dict, dict]]] = {p: [] for p in paths}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     loads = []
@@ -286,8 +293,8 @@ def main() -> int:
         for phase, i in (("burst", 0), ("steady", 1)):
             for what in ("cpu_us", "side_us"):
                 m[f"{phase}_{what}"] = statistics.median(r[i][what] for r in runs)
-        bridged = path != "mqtt-direct"
-        added = f"{m['p50'] - base:.0f}" if bridged else "—"
+        bridged = not path.endswith("-direct")
+        added = f"{m['p50'] - base:.0f}" if path != "mqtt-direct" else "—"
         cpu = [f"{m[k]:.1f}" if bridged else "—" for k in
                ("burst_cpu_us", "steady_cpu_us", "burst_side_us", "steady_side_us")]
         print(f"| {label(path, qos)} | {m['rate']:,.0f} | {m['lost']:.1%} | "
@@ -299,7 +306,7 @@ def main() -> int:
 
 
 def label(path: str, qos: int) -> str:
-    return path if path == "mqtt-direct" else f"{path} q{qos}"
+    return path if path.endswith("-direct") else f"{path} q{qos}"
 
 
 def goals(med: dict[tuple[str, int], dict[str, float]], base: float, levels: list[int]) -> None:
