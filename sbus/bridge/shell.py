@@ -63,11 +63,11 @@ from ..defaults import MAX_MESSAGE
 from ..display import printable
 from ..errors import InvalidRequest
 from ..limits import LogAllowance
+from ..linger import LINGER, Linger
 from ..protocol import Publish
 from ..session import Backoff, Refusal
 from .buffered import BufferedClient, quick_properties
 from .core import MARKER, SCOPE, STAMP, STAMP0, BridgeCore
-from .linger import LINGER, Linger
 from .spool import Spool, StateDir
 
 log = logging.getLogger("sbus.bridge")
@@ -137,7 +137,7 @@ class MqttSettings:
     max_message: int = MAX_MESSAGE  # largest packet the broker may send us
     state_dir: str | None = None  # the spool, the counters, the import digest
     nodelay: bool = True  # TCP_NODELAY on the MQTT socket
-    linger: float = LINGER  # seconds messages may gather above a rate (`linger.Linger`)
+    linger: float = LINGER  # seconds messages may gather above a rate (`sbus.linger.Linger`)
 
 
 class Retry:

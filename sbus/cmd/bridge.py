@@ -26,11 +26,11 @@ from urllib.parse import unquote, urlsplit
 
 from .. import rlimits
 from ..bridge.core import BridgeCore, Rule
-from ..bridge.linger import LINGER
 from ..bridge.topics import ConfigError, Mapping
 from ..defaults import MAX_MESSAGE, parse_duration, parse_size
 from ..display import brief, printable
 from ..errors import SbusError
+from ..linger import LINGER
 
 log = logging.getLogger("sbus.bridge")
 

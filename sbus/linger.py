@@ -1,6 +1,7 @@
-"""When the bridge lets messages gather before it reads them: adaptive coalescing.
+"""When a reader lets messages gather before it reads them: adaptive coalescing (the
+bridge's readers, ``sbus bridge --linger``).
 
-At a steady moderate rate every message is a wake-up of the bridge's process, and a
+At a steady moderate rate every message is a wake-up of the reading process, and a
 Python wake-up costs several times what the message itself does (docs/performance.md,
 "Bridge": 82 µs of CPU per export at 8,000 msg/s against 21 µs flat out).  Above a rate
 at which waiting `delay` seconds gathers at least two messages, a reader waits that long

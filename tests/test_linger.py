@@ -1,10 +1,10 @@
-"""The bridge's adaptive coalescing (`sbus.bridge.linger`), as a pure object."""
+"""Adaptive coalescing (`sbus.linger`), as a pure object."""
 
 from __future__ import annotations
 
 import pytest
 
-from sbus.bridge.linger import RUN, Linger
+from sbus.linger import RUN, Linger
 
 
 def test_a_slow_steady_rate_never_waits() -> None:
