@@ -478,8 +478,8 @@ def test_a_slow_reader_loses_only_its_own_messages(tight, local):
 
 def test_a_lingering_gateway_delivers_every_publish_in_order_and_holds_none(gwdir, bus):
     """``--linger``: a publisher flat out is read in runs (its reader waits after each
-    turn), yet every publish reaches the bus once and in order, and the run held when it
-    stops is sent then, not when more input comes."""
+    turn), yet every publish reaches the bus once and in order, and what it sent last
+    goes on when it stops, not when more input comes."""
     g = GatewayProcess(gwdir, bus.address, "--linger", "5ms", name="linger").start()
     local = raw(bus.address)
     try:

@@ -488,13 +488,13 @@ class Gateway:
                     try:
                         data = os.read(fd, size)
                     except BlockingIOError:
+                        if run:
+                            await send_run()
                         wait = pace.after(clock(), frames)
                         frames = 0
-                        if wait:  # coming fast: the run grows by what gathers meanwhile
+                        if wait:  # coming fast: the next read takes what gathers meanwhile
                             await trio.sleep(wait)
                         else:
-                            if run:
-                                await send_run()
                             await trio.lowlevel.wait_readable(fd)
                         start = clock()
                         continue
