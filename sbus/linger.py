@@ -1,5 +1,5 @@
 """When a reader lets messages gather before it reads them: adaptive coalescing (the
-bridge's readers, ``sbus bridge --linger``).
+bridge's readers, ``sbus bridge --linger``; the gateway's, ``sbus gateway --linger``).
 
 At a steady moderate rate every message is a wake-up of the reading process, and a
 Python wake-up costs several times what the message itself does (docs/performance.md,
@@ -14,13 +14,35 @@ of `RUN` or more: a burst already comes in runs, and a wait would only slow it.
 
 from __future__ import annotations
 
-__all__ = ["LINGER", "Linger", "RUN"]
+import argparse
 
-#: The default wait (``--linger``): above 2,000 msg/s, a run per millisecond.
+from .defaults import parse_duration
+
+__all__ = ["LINGER", "Linger", "MAX_LINGER", "RUN", "check_linger", "linger_arg"]
+
+#: The bridge's default wait (``--linger``): above 2,000 msg/s, a run per millisecond.
 LINGER = 0.001
+#: The longest wait allowed: a message held longer than this is a stall, not a batch.
+MAX_LINGER = 0.1
 
 #: A turn that took this many messages is a run already: no wait after it.
 RUN = 32
+
+
+def check_linger(seconds: float) -> float:
+    """*seconds* as a ``--linger``, or ValueError saying why not."""
+    if not 0 <= seconds <= MAX_LINGER:
+        raise ValueError(f"at most {MAX_LINGER * 1000:g}ms (a longer wait is a stall, not "
+                         "a batch)")
+    return seconds
+
+
+def linger_arg(text: str) -> float:
+    """A ``--linger`` DURATION for argparse."""
+    try:
+        return check_linger(parse_duration(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class Linger:

@@ -476,6 +476,32 @@ def test_a_slow_reader_loses_only_its_own_messages(tight, local):
 
 # -- bad command lines: one clear line, exit 1, nothing started ---------------------------
 
+def test_a_lingering_gateway_delivers_every_publish_in_order_and_holds_none(gwdir, bus):
+    """``--linger``: a publisher flat out is read in runs (its reader waits after each
+    turn), yet every publish reaches the bus once and in order, and what it sent last
+    goes on when it stops, not when more input comes."""
+    g = GatewayProcess(gwdir, bus.address, "--linger", "5ms", name="linger").start()
+    local = raw(bus.address)
+    try:
+        local.send(b"SUB lg/n")
+        sync(local)
+        pub = authenticated(g)
+        count = 3000
+        pub.sendall(b"".join(codec.publish(b"lg/n", b"%d" % i) for i in range(count)))
+        got: list[bytes] = []
+        local.settimeout(5)
+        while len(got) < count:  # nothing more is sent meanwhile
+            got.append(local.recv(1 << 16))
+        assert got == [b"MSG lg/n\0%d" % i for i in range(count)]
+        for i in range(20):  # then slowly, one by one: each at once, no wait for more
+            pub.sendall(codec.publish(b"lg/n", b"slow%d" % i))
+            assert local.recv(1 << 16) == b"MSG lg/n\0slow%d" % i
+        pub.close()
+    finally:
+        local.close()
+        g.stop()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--listen", "127.0.0.1"], "expected HOST:PORT, got '127.0.0.1'"),
     (["--listen", "127.0.0.1:0", "--address", "/nonexistent/bus.sock"],

@@ -22,13 +22,15 @@ value: the build patches common.go's `EncodeMsgpack` to write the same bytes wit
 doors").  Nothing else of the repository is changed.
 
 Usage:  .venv/bin/python tools/bench_gateway_go.py [--rounds 5] [--messages 50000]
-            [--fanout 1,10] [--before TREE] [--lantern-src GITDIR] [--cpus 0:1]
+            [--fanout 1,10] [--before TREE] [--gateway-args ARGS] [--lantern-src GITDIR]
+            [--cpus 0:1]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -133,8 +135,9 @@ def go_round(broker: Path, load: Path, server_cpus: set[int] | None = None, **kw
     return r
 
 
-def sbus_round(root: Path, load: Path, server_cpus: set[int] | None = None, **kw) -> dict:
-    stack = Stack(False, [], root, server_cpus)
+def sbus_round(root: Path, load: Path, server_cpus: set[int] | None = None,
+               extra: tuple[str, ...] = (), **kw) -> dict:
+    stack = Stack(False, list(extra), root, server_cpus)
     try:
         r = run_load(load, stack.port, [stack.gateway.pid, stack.broker.pid], **kw)
     finally:
@@ -156,6 +159,9 @@ def main() -> None:
                         "per-client buffer: 100)")
     p.add_argument("--size", type=int, default=100, help="body bytes")
     p.add_argument("--before", type=Path, help="another sbus tree to measure alongside")
+    p.add_argument("--gateway-args", action="append", default=[], metavar="ARGS",
+                   help="also this tree's gateway with these options (a row of its own; "
+                        "e.g. '--linger 1ms'); may be repeated")
     p.add_argument("--cpus", default="0:1",
                    help="SERVER:CLIENT CPU lists (comma-separated) the servers' processes "
                         "and the Go client are pinned to, or 'none' (default: %(default)s)")
@@ -169,6 +175,10 @@ def main() -> None:
         broker, load = build(args.lantern_src, work)
         servers = {"Go broker": lambda **kw: go_round(broker, load, **kw),
                    "sbus": lambda **kw: sbus_round(ROOT, load, **kw)}
+        for text in args.gateway_args:
+            extra = tuple(shlex.split(text))
+            servers[f"sbus {text}"] = (
+                lambda extra=extra, **kw: sbus_round(ROOT, load, extra=extra, **kw))
         if args.before:
             before = args.before.resolve()
             servers["sbus before"] = lambda **kw: sbus_round(before, load, **kw)

@@ -30,7 +30,7 @@ from ..bridge.topics import ConfigError, Mapping
 from ..defaults import MAX_MESSAGE, parse_duration, parse_size
 from ..display import brief, printable
 from ..errors import SbusError
-from ..linger import LINGER
+from ..linger import LINGER, check_linger
 
 log = logging.getLogger("sbus.bridge")
 
@@ -44,8 +44,6 @@ DEFAULTS: dict[str, Any] = {
     "cert": None, "key": None, "state-dir": None, "export-qos": 1, "import-qos": 1,
     "linger": LINGER,
 }
-#: The longest --linger: a message held longer than this is a stall, not a batch.
-MAX_LINGER = 0.1
 _DURATIONS = {"session-expiry", "backoff-max", "linger"}
 _SIZES = {"max-queued-bytes", "max-message"}
 _INTS = {"max-queued", "keepalive", "export-qos", "import-qos"}
@@ -134,10 +132,7 @@ def _value(name: str, value: Any, where: str) -> Any:
     try:
         if name in _DURATIONS:
             seconds = parse_duration(str(value))
-            if name == "linger" and seconds > MAX_LINGER:
-                raise ValueError(f"at most {MAX_LINGER * 1000:g}ms (a longer wait is a "
-                                 "stall, not a batch)")
-            return seconds
+            return check_linger(seconds) if name == "linger" else seconds
         if name in _SIZES:
             return parse_size(str(value))
         if name in _INTS:

@@ -41,6 +41,7 @@ from trio.lowlevel import ParkingLot
 from ..display import brief
 from ..keys import KeyRules
 from ..limits import LogAllowance
+from ..linger import Linger
 from ..routing import pattern_cost
 from . import codec
 from .admission import Caps, Peer, Pool, Tarpit, peer_of
@@ -173,11 +174,13 @@ class Gateway:
         subscription_bytes_per_address: int | None = None,
         buffer_bytes_per_address: int = BUFFER_BYTES_PER_ADDRESS,
         bus_subscription_bytes: int = BUS_SUBSCRIPTION_BYTES,
+        linger: float = 0.0,
     ) -> None:
         if not secret:
             raise ValueError("the authentication secret is empty")
         self.secret = secret
         self.idle_timeout = idle_timeout
+        self.linger = linger  # `sbus.linger.Linger` of each plain-TCP reader (0: none)
         self.buffer_messages = buffer_messages
         self.buffer_bytes = buffer_bytes
         self.max_frame = max_frame
@@ -466,6 +469,8 @@ class Gateway:
         # first; so on plain TCP a run gathers what several reads found waiting
         run: list[bytes] = []
         held = 0  # bytes in run
+        pace = Linger(self.linger)
+        frames = 0  # frames since the reader last waited
 
         async def send_run() -> None:
             nonlocal run, held
@@ -485,7 +490,12 @@ class Gateway:
                     except BlockingIOError:
                         if run:
                             await send_run()
-                        await trio.lowlevel.wait_readable(fd)
+                        wait = pace.after(clock(), frames)
+                        frames = 0
+                        if wait:  # coming fast: the next read takes what gathers meanwhile
+                            await trio.sleep(wait)
+                        else:
+                            await trio.lowlevel.wait_readable(fd)
                         start = clock()
                         continue
                     except OSError as exc:
@@ -503,6 +513,7 @@ class Gateway:
                     # (those of earlier pieces were: the run is sent before the error ends
                     # the connection)
                     for frame in decoder.feed(piece):
+                        frames += 1
                         if type(frame) is Publish and rc.authenticated:
                             head = heads.get(frame.topic)
                             if head is None:
