@@ -20,10 +20,24 @@ import pyarrow.parquet as pq
 from .store import JournalWriter, Segment, list_segments, read_blocks, segment_blocks
 
 __all__ = ["COLUMNS", "ROW_GROUP", "Exported", "Split", "export_segment", "export_journal",
-           "split", "ExportingWriter"]
+           "parquet_schema", "split", "write_parquet", "ExportingWriter"]
 
 COLUMNS = ["seq", "ts", "key", "key_bytes", "payload"]
 ROW_GROUP = 1 << 16
+
+
+def parquet_schema() -> pa.Schema:
+    """The export's Arrow schema (``key_bytes`` is the one column with nulls)."""
+    from .arrow import arrow_schema
+
+    return arrow_schema(COLUMNS, {"seq", "ts", "key", "payload"})
+
+
+def write_parquet(table: pa.Table, where) -> None:
+    """*table* as Parquet with the export's settings (module docstring): one place for
+    the sealed segments' files and the open tail's pieces alike."""
+    pq.write_table(table, where, compression="zstd", row_group_size=ROW_GROUP,
+                   write_statistics=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +50,9 @@ class Exported:
 
 def export_segment(directory: str | os.PathLike, seg: Segment, out: Path) -> Exported:
     """Write *seg* (sealed) as ``out/<name>.parquet``."""
-    from .arrow import arrow_schema, block_batch
+    from .arrow import block_batch
 
-    schema = arrow_schema(COLUMNS, {"seq", "ts", "key", "payload"})
+    schema = parquet_schema()
     blocks = segment_blocks(seg)
     batches = [block_batch(b, schema) for b in
                (read_blocks(directory, seg.first_seq, blocks[0].pos, blocks[-1].end)
@@ -46,8 +60,7 @@ def export_segment(directory: str | os.PathLike, seg: Segment, out: Path) -> Exp
     table = pa.Table.from_batches([b for b in batches if b is not None], schema)
     target = out / f"{seg.name}.parquet"
     tmp = out / f".{seg.name}.parquet.tmp"
-    pq.write_table(table, tmp, compression="zstd", row_group_size=ROW_GROUP,
-                   write_statistics=True)
+    write_parquet(table, tmp)
     os.replace(tmp, target)
     return Exported(seg.name, table.num_rows, seg.path.stat().st_size, target.stat().st_size)
 

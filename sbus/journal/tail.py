@@ -216,10 +216,10 @@ def _convert(journal, cache: Path, seg: Segment, created: int, lo: int, blocks: 
              chain: list[Piece]) -> list[Piece]:
     """Rows from *lo* to the end of *blocks* as a new piece, holding the rows of the
     chain's last pieces too while they are no larger: the chain a reader uses from now on."""
-    from .arrow import arrow_schema, block_batch
-    from .export import COLUMNS, ROW_GROUP
+    from .arrow import block_batch
+    from .export import parquet_schema, write_parquet
 
-    schema = arrow_schema(COLUMNS, {"seq", "ts", "key", "payload"})
+    schema = parquet_schema()
     hi = blocks[-1].next_seq
     batches = []
     for block in read_seq_range(journal, seg.first_seq, blocks[0].pos, blocks[-1].end, lo, hi):
@@ -250,8 +250,7 @@ def _convert(journal, cache: Path, seg: Segment, created: int, lo: int, blocks: 
                  0o644)
     try:
         with open(fd, "wb") as f:
-            pq.write_table(table, f, compression="zstd", row_group_size=ROW_GROUP,
-                           write_statistics=True)
+            write_parquet(table, f)
         piece = Piece(target, seg.first_seq, created, lo, hi, blocks[-1].end,
                       tmp.stat().st_size, time.time())
         try:
