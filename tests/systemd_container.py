@@ -13,8 +13,10 @@ reaches files inside (such as ``/run/sbus.socket``) through
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -123,6 +125,25 @@ class Container:
     def popen(self, *argv: str, user: str | None = None) -> subprocess.Popen:
         return subprocess.Popen(self.command(*argv, user=user), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    @staticmethod
+    def end(proc: subprocess.Popen, timeout: float = 10) -> None:
+        """End a `popen`: SIGTERM to what nsenter started inside, then wait for nsenter.
+        Killing nsenter alone would orphan its child to the host's init, whose zombie then
+        holds the container's halt for systemd-shutdown's 10 s."""
+        if proc.poll() is None:
+            try:
+                kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            except OSError:
+                kids = []
+            for kid in kids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(kid), signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
     def host_path(self, inside: str) -> str:
         """The host's way to the container's *inside* path."""

@@ -151,7 +151,7 @@ def test_apt_installs_it_offline_and_enables_the_socket(container: Container,
 def test_the_design_card(container: Container, installed) -> None:
     c = container
     c.run("systemctl", "start", "sbus.socket")
-    # (each reader ends by itself: killing nsenter would not end what runs inside)
+    # (`timeout`: each reader ends by itself even if this test cannot end it)
     sub = c.popen("timeout", "120", "sbus", "sub", "a/b/c", user=USER)
     cat = publisher = None
     try:
@@ -176,8 +176,7 @@ def test_the_design_card(container: Container, installed) -> None:
                 publisher.wait(timeout=30)
         for proc in (sub, cat):
             if proc is not None:
-                proc.kill()
-                proc.wait()
+                c.end(proc)
 
 
 def test_the_recorder_runs_from_the_package(container: Container, installed) -> None:

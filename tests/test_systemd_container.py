@@ -146,8 +146,7 @@ def test_container_and_host_clients_exchange_messages(container: Container, bus:
                 time.sleep(0.1)
             out, err = sub.communicate(timeout=5)
         finally:
-            if sub.poll() is None:
-                sub.kill()
+            container.end(sub)
         assert (sub.returncode, out) == (0, "news/host hello from the host\n"), err
 
 
