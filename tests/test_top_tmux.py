@@ -27,7 +27,8 @@ class Tmux:
     def __init__(self, name: str, cwd: Path) -> None:
         self.base = ["tmux", "-L", name]
         env = dict(os.environ, TERM="xterm-256color")
-        env.pop("TMUX", None)
+        for name in ("TMUX", "COLUMNS", "LINES"):  # a size in the environment would
+            env.pop(name, None)  # fix sbus-top's (rich's), whatever the pane's size
         subprocess.run([*self.base, "-f", "/dev/null", "new-session", "-d", "-s", "top",
                         "-x", "100", "-y", "30", "bash --norc --noprofile"],
                        check=True, env=env, cwd=cwd)
