@@ -5,4 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./tools/setup.sh test
 export PATH="$PWD/.venv/bin:$PATH"
-exec .venv/bin/python -m pytest "$@"
+# Two workers, a file each at a time (pytest-xdist): the suite mostly waits on the processes
+# it starts, so two halve its time on two cores; a file stays in one worker, so its
+# module fixtures (one Spark session, one container) are made once.  SBUS_TEST_WORKERS=0
+# runs it in this process.
+exec .venv/bin/python -m pytest -n "${SBUS_TEST_WORKERS:-2}" --dist loadfile "$@"
