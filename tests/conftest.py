@@ -225,3 +225,36 @@ def _fast_lane_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
     monkeypatch.setattr(os, "fork", refuse)
+
+
+# --- Tests that bound latency by the wall clock run alone, also under `-n 2` -------------
+# tools/test.sh runs two pytest workers (pytest-xdist).  A test marked `alone` (an honest
+# client's p99 under an attack) must not share the machine with another test's processes:
+# its worker waits until the other worker's current test is over, and the other worker
+# starts nothing new meanwhile.  Two locks make that a readers-writer lock that favours the
+# writer: every test passes the turnstile; others then hold the room shared, `alone` ones
+# hold the turnstile while they wait for the room, and then the room exclusively.
+def _lock_file(name: str) -> int:
+    run = os.environ["PYTEST_XDIST_TESTRUNUID"]
+    return os.open(os.path.join(tempfile.gettempdir(), f"sbus-tests-{run}.{name}"),
+                   os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing runs beside it
+        yield
+        return
+    import fcntl
+
+    turnstile, room = _lock_file("turnstile"), _lock_file("room")
+    alone = item.get_closest_marker("alone") is not None
+    try:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(room)  # (closing releases the locks)
+        os.close(turnstile)

@@ -44,6 +44,9 @@ import hostile  # noqa: E402  (tools/ is not a package)
 ATTACKER, ATTACKER2 = hostile.ATTACKERS
 HONEST, HONEST2 = hostile.HONEST
 assert ATTACKER == NOBODY
+#: Honest round trips and throughput measured against the wall clock, quiet and under
+#: attack: no other test beside them (tests/conftest.py).
+pytestmark = pytest.mark.alone
 CAP_KIB = 300 * 1024  # memory attacks stop here
 MIB = 1024
 

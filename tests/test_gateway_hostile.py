@@ -320,6 +320,7 @@ def served_promptly_under(attacker: socket.socket, blocks: list[bytes],
     assert q[98] < 0.100, f"p99 {q[98] * 1e3:.1f} ms"
 
 
+@pytest.mark.alone  # round trips against the wall clock
 def test_one_client_cannot_stall_the_others(gw):
     honest = gw.connect()
     roundtrip(honest)
@@ -332,6 +333,7 @@ def test_one_client_cannot_stall_the_others(gw):
                           f"(quiet median {statistics.median(quiet) * 1e3:.2f} ms) under attack")
 
 
+@pytest.mark.alone  # round trips against the wall clock
 @pytest.mark.parametrize("keys,linger", [(1, "0"), (3000, "0"), (1, "1ms")],
                          ids=["one-key", "key-churn", "linger"])
 def test_a_publishing_flood_does_not_stall_the_others(hdir, bus, local, keys, linger):
@@ -361,6 +363,7 @@ def test_a_publishing_flood_does_not_stall_the_others(hdir, bus, local, keys, li
 
 # -- class 3: the shared publishing connection is never paused ----------------------------
 
+@pytest.mark.alone  # round trips against the wall clock
 def test_a_blocking_local_subscriber_does_not_stall_remote_publishers(gw, bus, local):
     slow = raw(bus.address)
     slow.send(b"SUB ")  # everything, and pause publishers rather than lose messages
