@@ -632,3 +632,64 @@ def test_buffered_client_takes_whole_success_pubacks_as_paho_would(monkeypatch) 
     assert len(decoded) == 3
     b.close()
     a.close()
+
+
+def test_buffered_client_publishes_now_what_paho_would_send() -> None:
+    """`BufferedClient.publish_now` writes the bytes paho's own publish and loop_write
+    write, records the message as paho does (its PUBACK ends it), and leaves to paho what
+    must wait: no connection, the window full, messages or packets queued ahead."""
+    import socket
+
+    from paho.mqtt.client import _ConnectionState, mqtt_ms_wait_for_puback
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from sbus.bridge.buffered import BufferedClient
+
+    class Stamp:
+        def pack(self) -> bytes:
+            return b"\x0d\x26\x00\x01a\x00\x06e.0001"  # a user property, packed
+
+    def client() -> tuple[BufferedClient, socket.socket]:
+        mq = BufferedClient(CallbackAPIVersion.VERSION2, protocol=5)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        mq._sock, mq._state = a, _ConnectionState.MQTT_CS_CONNECTED
+        return mq, b
+
+    theirs, their_peer = client()
+    ours, our_peer = client()
+    acked: list[int] = []
+    ours.on_publish = lambda _c, _u, mid, reason, _p: acked.append(mid)
+    for topic, payload in ((b"a/b", b"x"), (b"t" * 200, b"y" * 70_000), (b"c", b"")):
+        info = theirs.publish(topic.decode(), payload, 1, properties=Stamp())
+        theirs.flush()
+        mine = ours.publish_now(topic, payload, Stamp())
+        ours.flush()
+        assert mine is not None and (mine.mid, mine.rc) == (info.mid, info.rc)
+        sent = their_peer.recv(100_000)
+        assert our_peer.recv(100_000) == sent and sent[0] == 0x32
+        msg = ours._out_messages[mine.mid]
+        assert (msg.topic, msg.payload, msg.qos, msg.state) == (
+            topic.decode(), payload, 1, mqtt_ms_wait_for_puback)
+    assert ours._inflight_messages == theirs._inflight_messages == 3
+    our_peer.sendall(b"\x40\x02\x00\x01")
+    while ours.loop_read() == 0 and ours.pending():
+        pass
+    assert acked == [1] and ours._inflight_messages == 2 and 1 not in ours._out_messages
+
+    ours.set_window(2)  # full: paho's path queues it, and what follows waits behind it
+    assert ours.publish_now(b"late", b"1", Stamp()) is None
+    queued = ours.publish("late", b"1", 1, properties=Stamp())
+    assert queued.rc == 0 and ours._out_messages[queued.mid].state != mqtt_ms_wait_for_puback
+    ours.set_window(10)
+    assert ours.publish_now(b"later", b"2", Stamp()) is None  # behind the queued one
+    ours._state = _ConnectionState.MQTT_CS_CONNECT_ASYNC
+    fresh, _ = client()
+    fresh._state = _ConnectionState.MQTT_CS_CONNECT_ASYNC
+    assert fresh.publish_now(b"a", b"1", Stamp()) is None  # not connected yet
+    fresh._state = _ConnectionState.MQTT_CS_CONNECTED
+    fresh._out_packet.append({"command": 0xC0, "mid": 0, "qos": 0, "pos": 0,
+                              "to_process": 2, "packet": b"\xc0\x00", "info": None})
+    assert fresh.publish_now(b"a", b"1", Stamp()) is None  # a PINGREQ queued ahead
+    for sock in (their_peer, our_peer, theirs._sock, ours._sock, fresh._sock):
+        sock.close()

@@ -3,8 +3,8 @@ per flush, instead of paho's three ``recv`` per packet (command byte, length byt
 body) and one ``send`` per packet.
 
 paho does all of its socket I/O through two methods, ``_sock_recv`` and ``_sock_send``;
-this subclass puts a read buffer and a write buffer behind them: every byte is still
-framed and parsed by paho.  What paho "sends" is gathered until `push` (the shell's
+this subclass puts a read buffer and a write buffer behind them: every byte read is
+still framed and parsed by paho.  What paho "sends" is gathered until `push` (the shell's
 flush) writes it at once; what it "receives" comes from one large read.  The buffers are
 bounded: the read buffer by `READ_CHUNK`, the write buffer by `WRITE_CHUNK` (the shell
 stops taking exports while anything waits: `want_write`).  It also lets the shell change
@@ -22,11 +22,22 @@ export.  A PUBACK of success with no properties is 4 bytes (0x40, remaining leng
 packet identifier: MQTT 5 section 3.4.2.1, what mosquitto sends); one found whole in the
 read buffer is handed to paho's own ``_do_on_publish`` as paho's reader would
 (`BufferedClient._packet_read`).  Every other packet, and a PUBACK split across reads,
-is paho's to read.  All of this leans on paho's private names (checked by
-tests/test_bridge_core.py against the installed paho, which is pinned).
+is paho's to read.
+
+Likewise on the way out: paho's ``publish`` of a QoS 1 message, then its ``loop_write``,
+cost 45–65 µs of a bridge woken for one export at 1,000 msg/s (docs/performance.md,
+"Bridge"), most of it locks, a packet queue and a copy for a message written at once.
+`BufferedClient.publish_now` writes the PUBLISH (MQTT 5 section 3.3) into the write
+buffer itself and records the message as paho's ``publish`` does (packet identifier,
+in-flight count, the message kept until its PUBACK, sent again by paho on a reconnect),
+when nothing is queued ahead of it and the window has room; otherwise paho's path takes
+it.  All of this leans on paho's private names (checked by tests/test_bridge_core.py
+against the installed paho, which is pinned).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import paho.mqtt._packet as paho_packet
 import paho.mqtt.client as mqtt
@@ -36,6 +47,14 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 __all__ = ["BufferedClient", "QuickProperties", "READ_CHUNK", "WRITE_CHUNK"]
+
+_CONNECTED = mqtt._ConnectionState.MQTT_CS_CONNECTED
+
+
+class _Packable(Protocol):
+    """What paho takes as a PUBLISH's properties: it only packs them."""
+
+    def pack(self) -> bytes: ...
 
 #: Bytes asked of the socket per read (paho asks for one packet's bytes at a time).
 READ_CHUNK = 64 * 1024
@@ -137,6 +156,47 @@ class BufferedClient(mqtt.Client):
 
     # -- what the shell calls ----------------------------------------------------------
 
+    def publish_now(self, topic: bytes, payload: bytes, properties: _Packable
+                    ) -> mqtt.MQTTMessageInfo | None:
+        """A QoS 1 PUBLISH of *topic* (valid: no wildcard, not empty) put straight into the
+        write buffer, with paho's own record of it (its packet identifier, the message in
+        flight that a PUBACK ends and a reconnect sends again), as paho's ``publish``
+        would queue it and its ``loop_write`` copy it there (module docstring).  None when
+        that path must take it: no live connection, packets or messages queued ahead of
+        it, the window full, the buffer full, or the next identifier still in flight."""
+        inflight = self._inflight_messages
+        if (self._state != _CONNECTED or self._sock is None or self._out_packet
+                or len(self._wbuf) >= WRITE_CHUNK
+                or 0 < self._max_inflight_messages <= inflight
+                or len(self._out_messages) > inflight):  # some wait for the window: first
+            return None
+        mid = self._mid_generate()
+        if mid in self._out_messages:
+            return None
+        message = mqtt.MQTTMessage(mid, topic)
+        message.timestamp = now = mqtt.time_func()
+        message.payload, message.qos, message.properties = payload, 1, properties
+        message.state = mqtt.mqtt_ms_wait_for_puback
+        with self._out_message_mutex:
+            self._out_messages[mid] = message
+            self._inflight_messages += 1
+        packed = properties.pack()
+        remaining = 4 + len(topic) + len(packed) + len(payload)
+        buf = self._wbuf
+        buf.append(0x32)  # PUBLISH, QoS 1 (MQTT 5 section 3.3.1)
+        while remaining > 0x7F:  # the remaining length (section 1.5.5)
+            buf.append(remaining & 0x7F | 0x80)
+            remaining >>= 7
+        buf.append(remaining)
+        buf += len(topic).to_bytes(2, "big")
+        buf += topic
+        buf += mid.to_bytes(2, "big")
+        buf += packed
+        buf += payload
+        self._last_msg_out = now  # (paho's keep-alive, as after its own write)
+        message.info.rc = MQTTErrorCode.MQTT_ERR_SUCCESS
+        return message.info
+
     def set_window(self, n: int) -> None:
         """paho's in-flight window (0: none), also on an established connection, which
         ``max_inflight_messages_set`` refuses: paho reads the value only where it sends
@@ -160,9 +220,10 @@ class BufferedClient(mqtt.Client):
         """Have paho write what it queued, and write it to the socket, as much as the
         socket takes now (`want_write` then says whether something waits)."""
         while True:
-            self.loop_write()
+            if self._out_packet:
+                self.loop_write()
             self.push()
-            if self._wbuf or not super().want_write():
+            if self._wbuf or not self._out_packet:
                 return
 
     def push(self) -> None:

@@ -303,8 +303,7 @@ class BridgeShell:
         """Hand paho what the last bridge had not had acknowledged (sent on connect)."""
         left, self._left = self._left, []
         for seq, topic, payload in left:  # counted as exported by the last bridge
-            self._publish(topic.decode("utf-8", "replace"), payload, seq,
-                          len(topic) + len(payload), count=False)
+            self._publish(topic, payload, seq, len(topic) + len(payload), count=False)
         if left:
             self.core.counters.resent += len(left)
             log.info("%d exports from the spool will be sent again", len(left))
@@ -819,7 +818,6 @@ class BridgeShell:
     def _export_run(self, taken: list[tuple[str, bytes, int]]) -> None:
         core, spool, head0 = self.core, self.spool, self._stamp0_head
         keep: list[tuple[bytes, bytes]] = []
-        texts: list[str] = []  # the topics of *keep*, as paho takes them
         room = 0
         for topic, payload, qos in taken:
             if qos == 0:  # numbered only if paho takes it (else dropped: no gap)
@@ -830,14 +828,14 @@ class BridgeShell:
                 else:
                     core.dropped()
             elif spool is None:  # no state directory: held in memory only
-                self._publish(topic, payload, -1, len(topic.encode("utf-8")) + len(payload))
+                data = topic.encode("utf-8")
+                self._publish(data, payload, -1, len(data) + len(payload))
             else:
                 data = topic.encode("utf-8")
                 size = len(data) + len(payload)
                 if len(spool) + len(keep) < spool.max_count and \
                         spool.held_bytes + room + size <= spool.max_bytes:
                     keep.append((data, payload))
-                    texts.append(topic)
                     room += size
                 else:
                     core.dropped()  # the spool is full: the newest go (docs/bridge.md)
@@ -850,19 +848,21 @@ class BridgeShell:
                 self._note(f"cannot write the spool in {spool.path}: {exc}; "
                            f"{len(keep)} exports dropped")
                 return
-            for seq, text, (data, payload) in zip(seqs, texts, keep, strict=True):
-                self._publish(text, payload, seq, len(data) + len(payload))
+            for seq, (data, payload) in zip(seqs, keep, strict=True):
+                self._publish(data, payload, seq, len(data) + len(payload))
 
-    def _publish(self, topic: str, payload: bytes, seq: int, size: int,
+    def _publish(self, topic: bytes, payload: bytes, seq: int, size: int,
                  count: bool = True) -> None:
         """Hand one QoS 1 export (*size*: topic and payload bytes) to paho, which queues
-        it while MQTT is away."""
+        it while MQTT is away: written at once where it can be (`publish_now`)."""
         if seq < 0 and (self._held_bytes + size > self.settings.max_queued_bytes
                         or len(self._outstanding) >= self.settings.max_queued):
             self.core.dropped()
             return
         props = self._props if seq < 0 else _Stamped(self._stamp_head + b"%016x" % seq)
-        info = self.mq.publish(topic, payload, 1, properties=props)  # type: ignore[arg-type]
+        mq = self.mq
+        info = mq.publish_now(topic, payload, props) or mq.publish(
+            topic.decode("utf-8", "replace"), payload, 1, properties=props)  # type: ignore[arg-type]
         if info.rc in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
             if count:
                 self.core.exported(size)  # without a connection: queued by paho
