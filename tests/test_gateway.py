@@ -502,6 +502,35 @@ def test_a_lingering_gateway_delivers_every_publish_in_order_and_holds_none(gwdi
         g.stop()
 
 
+@pytest.mark.alone  # a bound on the wall clock
+def test_a_lingering_reader_wakes_for_a_window_before_its_delay(gwdir, bus):
+    """``--linger`` (here its longest, 100 ms) does not hold back a client that sends a
+    window at a time and waits for its answers: the reader's wait ends once a window's
+    worth (`sbus.linger.WAKE_BYTES`) is in.  Ten windows of ten 220-byte publishes, each
+    sent when the last came back: a reader that slept its delay after each window's
+    turn would take a second; it must take under half of that."""
+    g = GatewayProcess(gwdir, bus.address, "--linger", "100ms", name="window").start()
+    local = raw(bus.address)
+    try:
+        local.send(b"SUB lw/n")
+        sync(local)
+        pub = authenticated(g)
+        local.settimeout(5)
+        body = b"x" * 220
+        started = time.monotonic()
+        for w in range(10):
+            pub.sendall(b"".join(codec.publish(b"lw/n", b"%d.%d" % (w, i) + body)
+                                 for i in range(10)))
+            for i in range(10):
+                assert local.recv(1 << 16) == b"MSG lw/n\0%d.%d" % (w, i) + body
+        took = time.monotonic() - started
+        assert took < 0.5, f"ten windows took {took:.2f} s behind a 100 ms linger"
+        pub.close()
+    finally:
+        local.close()
+        g.stop()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--listen", "127.0.0.1"], "expected HOST:PORT, got '127.0.0.1'"),
     (["--listen", "127.0.0.1:0", "--address", "/nonexistent/bus.sock"],

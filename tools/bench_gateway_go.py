@@ -158,7 +158,8 @@ def main() -> None:
                    help="messages in flight past the slowest subscriber (Go broker's "
                         "per-client buffer: 100)")
     p.add_argument("--size", type=int, default=100, help="body bytes")
-    p.add_argument("--before", type=Path, help="another sbus tree to measure alongside")
+    p.add_argument("--before", type=Path, help="another sbus tree to measure alongside "
+                   "(also with each --gateway-args)")
     p.add_argument("--gateway-args", action="append", default=[], metavar="ARGS",
                    help="also this tree's gateway with these options (a row of its own; "
                         "e.g. '--linger 1ms'); may be repeated")
@@ -182,6 +183,10 @@ def main() -> None:
         if args.before:
             before = args.before.resolve()
             servers["sbus before"] = lambda **kw: sbus_round(before, load, **kw)
+            for text in args.gateway_args:  # each variant of this tree's, before too
+                extra = tuple(shlex.split(text))
+                servers[f"sbus before {text}"] = (
+                    lambda extra=extra, **kw: sbus_round(before, load, extra=extra, **kw))
         fanouts = [int(n) for n in args.fanout.split(",")]
         results: dict[tuple[str, int], list[dict]] = {}
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

@@ -33,7 +33,7 @@ from ..gateway.server import (
     SUBSCRIPTION_POOL,
     Gateway,
 )
-from ..linger import linger_arg
+from ..linger import LINGER, linger_arg
 from ..sdnotify import notify
 
 log = logging.getLogger("sbus.gateway")
@@ -79,11 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-timeout", type=float, default=70.0, metavar="SECONDS",
                    help="disconnect clients that neither read nor write for this long "
                         "(default 70)")
-    p.add_argument("--linger", type=linger_arg, default=0.0, metavar="DURATION",
+    p.add_argument("--linger", type=linger_arg, default=LINGER, metavar="DURATION",
                    help="when a plain-TCP client publishes so fast that waiting this long "
                         "gathers two or more messages, wait that long before reading it "
-                        "again: its publishes go to the bus in runs, each at most this "
-                        "much later (default 0: off; e.g. 1ms; at most 100ms)")
+                        "again (or until 2 KiB wait): its publishes go to the bus in runs, "
+                        "each at most this much later (default 1ms; 0: off; at most 100ms)")
     p.add_argument("--buffer-messages", type=int, default=100, metavar="N",
                    help="outgoing messages buffered per client before new ones are "
                         "discarded (default 100)")

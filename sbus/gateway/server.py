@@ -41,7 +41,7 @@ from trio.lowlevel import ParkingLot
 from ..display import brief
 from ..keys import KeyRules
 from ..limits import LogAllowance
-from ..linger import Linger
+from ..linger import LINGER, WAKE_BYTES, Linger
 from ..routing import pattern_cost
 from . import codec
 from .admission import Caps, Peer, Pool, Tarpit, peer_of
@@ -154,6 +154,16 @@ def _plain_fd(stream: trio.abc.Stream) -> int | None:
     return None
 
 
+def _wake_at(stream: trio.SocketStream, size: int) -> bool:
+    """Have the kernel report the connection readable only once *size* bytes wait
+    (``SO_RCVLOWAT``; a read still takes what is there); False where it cannot."""
+    try:
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, size)
+    except OSError:
+        return False
+    return True
+
+
 class Gateway:
     def __init__(
         self,
@@ -174,7 +184,7 @@ class Gateway:
         subscription_bytes_per_address: int | None = None,
         buffer_bytes_per_address: int = BUFFER_BYTES_PER_ADDRESS,
         bus_subscription_bytes: int = BUS_SUBSCRIPTION_BYTES,
-        linger: float = 0.0,
+        linger: float = LINGER,
     ) -> None:
         if not secret:
             raise ValueError("the authentication secret is empty")
@@ -471,6 +481,7 @@ class Gateway:
         held = 0  # bytes in run
         pace = Linger(self.linger)
         frames = 0  # frames since the reader last waited
+        lowat = False  # the socket wakes the reader at WAKE_BYTES, not at one byte
 
         async def send_run() -> None:
             nonlocal run, held
@@ -490,10 +501,18 @@ class Gateway:
                     except BlockingIOError:
                         if run:
                             await send_run()
+                        # coming fast: the next read takes what gathers meanwhile, or a
+                        # run's worth if that is in sooner
                         wait = pace.after(clock(), frames)
                         frames = 0
-                        if wait:  # coming fast: the next read takes what gathers meanwhile
-                            await trio.sleep(wait)
+                        if wait and not lowat:
+                            lowat = _wake_at(rc.stream, WAKE_BYTES)
+                        elif not wait and lowat:  # (if it cannot be undone: timed waits)
+                            lowat = not _wake_at(rc.stream, 1)
+                        timeout = wait or (pace.delay if lowat else 0)
+                        if timeout:
+                            with trio.move_on_after(timeout):
+                                await trio.lowlevel.wait_readable(fd)
                         else:
                             await trio.lowlevel.wait_readable(fd)
                         start = clock()
