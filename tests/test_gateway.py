@@ -6,12 +6,14 @@ format is checked byte for byte; the local side is a raw sbus socket.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -476,30 +478,39 @@ def test_a_slow_reader_loses_only_its_own_messages(tight, local):
 
 # -- bad command lines: one clear line, exit 1, nothing started ---------------------------
 
+@contextlib.contextmanager
+def lingering(gwdir, bus, linger: str, key: bytes) -> Iterator[tuple[socket.socket,
+                                                                      socket.socket]]:
+    """A gateway with ``--linger`` *linger*: an authenticated publisher to it, and a raw
+    bus subscriber of *key* that times out after 5 s."""
+    g = GatewayProcess(gwdir, bus.address, "--linger", linger, name="linger").start()
+    local = raw(bus.address)
+    try:
+        local.send(b"SUB " + key)
+        sync(local)
+        local.settimeout(5)
+        pub = authenticated(g)
+        yield pub, local
+        pub.close()
+    finally:
+        local.close()
+        g.stop()
+
+
 def test_a_lingering_gateway_delivers_every_publish_in_order_and_holds_none(gwdir, bus):
     """``--linger``: a publisher flat out is read in runs (its reader waits after each
     turn), yet every publish reaches the bus once and in order, and what it sent last
     goes on when it stops, not when more input comes."""
-    g = GatewayProcess(gwdir, bus.address, "--linger", "5ms", name="linger").start()
-    local = raw(bus.address)
-    try:
-        local.send(b"SUB lg/n")
-        sync(local)
-        pub = authenticated(g)
+    with lingering(gwdir, bus, "5ms", b"lg/n") as (pub, local):
         count = 3000
         pub.sendall(b"".join(codec.publish(b"lg/n", b"%d" % i) for i in range(count)))
         got: list[bytes] = []
-        local.settimeout(5)
         while len(got) < count:  # nothing more is sent meanwhile
             got.append(local.recv(1 << 16))
         assert got == [b"MSG lg/n\0%d" % i for i in range(count)]
         for i in range(20):  # then slowly, one by one: each at once, no wait for more
             pub.sendall(codec.publish(b"lg/n", b"slow%d" % i))
             assert local.recv(1 << 16) == b"MSG lg/n\0slow%d" % i
-        pub.close()
-    finally:
-        local.close()
-        g.stop()
 
 
 @pytest.mark.alone  # a bound on the wall clock
@@ -509,13 +520,7 @@ def test_a_lingering_reader_wakes_for_a_window_before_its_delay(gwdir, bus):
     worth (`sbus.linger.WAKE_BYTES`) is in.  Ten windows of ten 220-byte publishes, each
     sent when the last came back: a reader that slept its delay after each window's
     turn would take a second; it must take under half of that."""
-    g = GatewayProcess(gwdir, bus.address, "--linger", "100ms", name="window").start()
-    local = raw(bus.address)
-    try:
-        local.send(b"SUB lw/n")
-        sync(local)
-        pub = authenticated(g)
-        local.settimeout(5)
+    with lingering(gwdir, bus, "100ms", b"lw/n") as (pub, local):
         body = b"x" * 220
         started = time.monotonic()
         for w in range(10):
@@ -525,10 +530,6 @@ def test_a_lingering_reader_wakes_for_a_window_before_its_delay(gwdir, bus):
                 assert local.recv(1 << 16) == b"MSG lw/n\0%d.%d" % (w, i) + body
         took = time.monotonic() - started
         assert took < 0.5, f"ten windows took {took:.2f} s behind a 100 ms linger"
-        pub.close()
-    finally:
-        local.close()
-        g.stop()
 
 
 @pytest.mark.parametrize("args, message", [
