@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import inspect
 import os
 import re
@@ -245,8 +246,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing runs beside it
         yield
         return
-    import fcntl
-
     turnstile, room = _lock_file("turnstile"), _lock_file("room")
     alone = item.get_closest_marker("alone") is not None
     try:

@@ -174,19 +174,15 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="sbus-bench-go-", dir="/tmp"))
     try:
         broker, load = build(args.lantern_src, work)
-        servers = {"Go broker": lambda **kw: go_round(broker, load, **kw),
-                   "sbus": lambda **kw: sbus_round(ROOT, load, **kw)}
-        for text in args.gateway_args:
-            extra = tuple(shlex.split(text))
-            servers[f"sbus {text}"] = (
-                lambda extra=extra, **kw: sbus_round(ROOT, load, extra=extra, **kw))
-        if args.before:
-            before = args.before.resolve()
-            servers["sbus before"] = lambda **kw: sbus_round(before, load, **kw)
-            for text in args.gateway_args:  # each variant of this tree's, before too
+        servers = {"Go broker": lambda **kw: go_round(broker, load, **kw)}
+        trees = {"sbus": ROOT, **({"sbus before": args.before.resolve()} if args.before
+                                  else {})}
+        for label, root in trees.items():  # each tree plain, then with each --gateway-args
+            for text in ["", *args.gateway_args]:
                 extra = tuple(shlex.split(text))
-                servers[f"sbus before {text}"] = (
-                    lambda extra=extra, **kw: sbus_round(before, load, extra=extra, **kw))
+                servers[f"{label} {text}".rstrip()] = (
+                    lambda root=root, extra=extra, **kw: sbus_round(root, load, extra=extra,
+                                                                    **kw))
         fanouts = [int(n) for n in args.fanout.split(",")]
         results: dict[tuple[str, int], list[dict]] = {}
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
