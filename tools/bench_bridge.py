@@ -10,6 +10,9 @@ Each path carries 64-byte messages from the C load generator's publisher (lg, in
     mosquitto-import  lg pub -> M2 =bridge=> mosquitto M1 -> lg sub     out / in)
     sbus-export       lg pub -> sbus serve -> sbus bridge -> M2 -> lg sub
     sbus-import       lg pub -> M2 -> sbus bridge -> sbus serve -> lg sub
+    floor-export      lg pub -> sbus serve -> tools/bridge_floor.py -> M2 -> lg sub
+                      (the least a Python hop does per export: the floor under
+                      sbus-export's added latency; not among the default paths)
 
 Every bridge hop is TCP on 127.0.0.1; lg talks to each broker over a unix socket; MQTT
 messages are QoS 0 end to end, except each bridge's own leg at ``--qos`` (both bridges
@@ -57,6 +60,8 @@ if not bench.SHARED.exists():  # a worktree below the checkout's parent (/work/w
 
 PATHS = ["mqtt-direct", "sbus-direct", "mosquitto-export", "sbus-export",
          "mosquitto-import", "sbus-import"]
+#: run only when named in --paths
+EXTRA_PATHS = ["floor-export"]
 
 
 def free_port() -> int:
@@ -116,7 +121,7 @@ class Stack:
             if way == "in":  # its subscription in force at M2
                 wait_for("its subscription", lambda: "SUBSCRIBE from to-m2" in log.read_text()
                          or "to-m2 #" in log.read_text())
-        elif path in ("sbus-export", "sbus-import", "sbus-direct"):
+        elif path in ("sbus-export", "sbus-import", "sbus-direct", "floor-export"):
             bus = str(tmp / "bus.sock")
             env = {**os.environ, "PYTHONPATH": self.code or str(bench.ROOT)}
             self._spawn("bus", [sys.executable, "-m", "sbus.cli", "serve", "--address", bus],
@@ -126,6 +131,16 @@ class Stack:
                 self.pub_addr = self.sub_addr = f"unix:{bus}"
                 self.pub_proto = self.sub_proto = "sbus"
                 self.side = self.procs[-1:]
+                return
+            if path == "floor-export":
+                self._spawn("bridge", [sys.executable, str(bench.ROOT / "tools" /
+                                                            "bridge_floor.py"),
+                                       "--address", bus, "--port", str(port),
+                                       "--qos", str(qos)], env=env)
+                self.bridge = self.procs[-1]
+                self.side = self.procs[-2:]
+                wait_for("bridge_floor", lambda: "READY" in (tmp / "bridge.log").read_text())
+                self.pub_addr, self.pub_proto = f"unix:{bus}", "sbus"
                 return
             notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             notify.bind(str(tmp / "notify"))
@@ -244,7 +259,7 @@ def main() -> int:
     _, lg = bench.build()
     names = PATHS + (["sbus-export@base", "sbus-import@base"] if args.baseline else [])
     if args.paths:
-        names = [p for p in names if p in args.paths.split(",")]
+        names = [p for p in names + EXTRA_PATHS if p in args.paths.split(",")]
     # (path, QoS): the baseline paths have no bridge, so no QoS of their own
     paths = [(p, q) for q in levels for p in names
              if not p.endswith("-direct") or q == levels[0]]
@@ -322,7 +337,7 @@ def goals(med: dict[tuple[str, int], dict[str, float]], base: float, levels: lis
     print("|---|---|---|---|---|")
     for qos in levels:
         for path, m in ((p, m) for (p, q), m in med.items() if q == qos):
-            if not path.startswith("sbus-"):
+            if not path.startswith(("sbus-", "floor-")):
                 continue
             ref = med.get(("mosquitto-" + path.split("-")[1].removesuffix("@base"), qos))
             if ref is None:

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""The floor of a Python hop from the bus to MQTT: the least any Python bridge does per
+export, for `tools/bench_bridge.py`'s ``floor-export`` path (not a bridge: nothing is
+kept, nothing is mapped, no reconnect, no flow control).
+
+It subscribes to *pattern* on the bus (through `sbus.client.Client`, with its whoami as
+the barrier), connects to the MQTT broker at 127.0.0.1:*port* (MQTT 3.1.1, clean
+session, ``TCP_NODELAY``), prints ``READY``, and then, blocking on the bus socket, sends
+each message as one PUBLISH on the topic of its key, at QoS 0 or 1; acknowledgements
+are read without waiting, after each send, and thrown away.  What the sbus bridge does
+beyond this per message (its event loop, the spool, paho's record of the message, the
+key's mapping) is what its added latency holds over this path's (docs/performance.md,
+"Bridge").
+
+Usage: tools/bridge_floor.py --address BUS --port PORT [--qos 0|1] [--pattern P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sbus.client import Client  # noqa: E402
+
+
+def remaining_length(n: int) -> bytes:
+    """MQTT's variable-length integer (MQTT 3.1.1 section 2.2.3)."""
+    out = bytearray()
+    while True:
+        n, digit = divmod(n, 128)
+        out.append(digit | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def mqtt_connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    client_id = b"floor%d" % os.getpid()
+    # protocol name, level 4, clean session, keep-alive 600 s, the client identifier
+    body = b"\0\4MQTT\4\2\2\x58" + len(client_id).to_bytes(2, "big") + client_id
+    sock.sendall(b"\x10" + remaining_length(len(body)) + body)
+    ack = sock.recv(4)
+    if len(ack) < 4 or ack[0] != 0x20 or ack[3] != 0:
+        raise SystemExit(f"bridge_floor: the MQTT broker refused the connection: {ack!r}")
+    return sock
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--address", required=True, help="the bus's socket")
+    ap.add_argument("--port", type=int, required=True, help="the MQTT broker's port")
+    ap.add_argument("--qos", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--pattern", default="k.000", help="what to carry (lg's key)")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    bus = Client(args.address)
+    bus.subscribe(args.pattern)
+    bus.whoami()
+    sock = bus.sock
+    sock.setblocking(True)
+    mqtt = mqtt_connect(args.port)
+    print("READY", flush=True)
+    command, mid = (0x32 if args.qos else 0x30), 0
+    while True:
+        packet = sock.recv(65536)
+        if not packet:
+            return 0
+        nul = packet.find(b"\0", 4)
+        if not packet.startswith(b"MSG ") or nul < 0:
+            continue  # control messages: not this tool's business
+        topic, payload = packet[4:nul], packet[nul + 1:]
+        head = len(topic).to_bytes(2, "big") + topic
+        if args.qos:
+            mid = mid % 0xFFFF + 1
+            head += mid.to_bytes(2, "big")
+        mqtt.sendall(bytes([command]) + remaining_length(len(head) + len(payload)) + head
+                  + payload)
+        try:
+            mqtt.recv(65536, socket.MSG_DONTWAIT)  # PUBACKs, unread
+        except BlockingIOError:
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
