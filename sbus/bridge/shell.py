@@ -15,6 +15,10 @@ Tasks: the bus reader (takes a batch, hands it to paho), the MQTT reader (a turn
 not write at once), the MQTT driver (connects, fails over, keep-alive) and the
 housekeeper (spool acknowledgements, STATUS=).  Each gives the others a turn after a
 batch (the bus reader: after each receive; the MQTT reader: after `READ_TURN` packets).
+The bus reader takes its batches in a worker thread, the export lane, which waits on
+the bus socket itself and runs each export turn while trio waits for I/O
+(`sbus.bridge.lane`: the two never run the bridge's code at once); it hands back to the
+trio task whatever needs trio (waiting for room, a reconnect).
 
 Flow control, so that no local publisher ever waits for MQTT:
 
@@ -41,6 +45,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import select
 import signal
 import socket
 import struct
@@ -51,6 +57,7 @@ from dataclasses import dataclass
 
 import anyio
 import paho.mqtt.client as mqtt
+import trio
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.exception import MQTTException
 from paho.mqtt.packettypes import PacketTypes
@@ -68,6 +75,7 @@ from ..protocol import Publish
 from ..session import Backoff, Refusal
 from .buffered import BufferedClient, quick_properties
 from .core import MARKER, SCOPE, STAMP, STAMP0, BridgeCore
+from .lane import Turns
 from .spool import Spool, StateDir
 
 log = logging.getLogger("sbus.bridge")
@@ -101,6 +109,9 @@ ACK_RUN = 0.002
 #: Bytes of imports taken from MQTT before they are published on the bus (else at the
 #: end of the read turn).
 IMPORT_BYTES = 256 * 1024
+#: Seconds the export lane waits on the bus socket before it looks again whether that is
+#: still the connection (a change wakes it at once: `_wake_lane`; this is the backstop).
+LANE_POLL = 1.0
 #: Seconds between paho's keep-alive checks (``loop_misc``) at most.
 MISC_EVERY = 1.0
 #: MQTT's largest packet, unless the broker says less (CONNACK Maximum Packet Size).
@@ -222,6 +233,11 @@ class BridgeShell:
         self._stopping = False
         self._scope: anyio.CancelScope | None = None
         self._loop_thread: int | None = None
+        self._token: trio.lowlevel.TrioToken | None = None  # (to reach trio from the lane)
+        self._turns = Turns()
+        self._lane_thread: int | None = None  # the export lane's, during its turns
+        self._lane_wake = -1  # an eventfd: the lane looks again (`_wake_lane`)
+        self.lane_turns = 0  # batches the lane exported (the rest: the trio task's)
         self._waiters: list[list] = []  # [condition, anyio.Event] of tasks in `_until`
         self._exports_wait = False  # the bus reader waits for `_export_ready`
         self._first: set[str] = set()  # sides past their first attempt (READY=1 after both)
@@ -357,6 +373,8 @@ class BridgeShell:
         descriptor would never end)."""
         if threading.get_ident() == self._loop_thread:
             self._closing(sock)
+        elif threading.get_ident() == self._lane_thread:  # (its sends never close: paho's
+            self._soon(self._closing, sock)  # writes go to the buffer, `push` keeps it)
         elif self._loop_thread is not None:  # paho's connect, in its worker thread
             anyio.from_thread.run_sync(self._closing, sock)
 
@@ -738,14 +756,16 @@ class BridgeShell:
         self.bus_up = up
         if up:
             self.core.bus_reset()  # no echo of an earlier import comes on this connection
+        self._wake_lane()  # (it waits on the connection that was)
         self._save_state()
         self._notify(f"STATUS={self.status()}")
         self._poke()
 
     async def _bus_reader(self) -> None:
-        """Take a batch from the bus whenever MQTT can take more, and hand it to paho."""
+        """Take a batch from the bus whenever MQTT can take more, and hand it to paho:
+        in the export lane while it can go on, else here, one batch at a time."""
         await self._open_bus()
-        core, pace = self.core, Linger(self.settings.linger)
+        pace = Linger(self.settings.linger)
         while True:
             if not self._export_ready():
                 self._exports_wait = True
@@ -754,25 +774,89 @@ class BridgeShell:
                     await self._until(self._export_ready)
                 finally:
                     self._exports_wait = False
+            after = await anyio.to_thread.run_sync(self._lane, pace, abandon_on_cancel=True)
+            if after == "stop":
+                await anyio.sleep_forever()  # (the housekeeper cancels us)
+            if after == "wait":
+                continue
             try:
                 events = await self._bus_batch()
-            except SbusError as exc:  # the broker sent a malformed packet: said, skipped
-                self._note(f"the bus at {self.address}: {printable(str(exc), 200)}")
+            except SbusError as exc:
+                self._bus_error(exc)
                 continue
-            taken: list[tuple[str, bytes, int]] = []
-            for event in events:
-                if type(event) is Publish:
-                    topic = core.from_bus(event.key, event.payload)
-                    if topic is None:
-                        continue
-                    if len(event.payload) + 4 * len(topic) + self._overhead > self._max_out \
-                            and self._too_large(topic, event.payload):
-                        continue
-                    taken.append((topic, event.payload, core.last_qos))
-            self._export(taken)
+            self._export_events(events)
             wait = pace.after(time.monotonic(), len(events))
             if wait:  # the next batch as a run
                 await anyio.sleep(wait)
+
+    def _lane(self, pace: Linger) -> str:
+        """The export lane (module docstring), in a worker thread: wait on the bus
+        socket, take what came and export it in a turn (`Turns`), as long as MQTT can
+        take more and the connection is the one it began with.  Returns why it ended:
+        "wait" (for room in MQTT), "trio" (the next batch is the trio task's: the
+        connection changed or ended, and `receive_batch` reconnects) or "stop"."""
+        bus, turns = self.bus, self._turns
+        sock = bus.sock
+        poller = select.poll()
+        poller.register(self._lane_wake, select.POLLIN)
+        if sock is not None:
+            poller.register(sock, select.POLLIN)
+        while True:
+            ready = poller.poll(LANE_POLL * 1000)
+            with turns:
+                if self._stopping:
+                    return "stop"
+                if not self._export_ready():
+                    return "wait"
+                if sock is None or bus.sock is not sock:
+                    return "trio"
+                self._lane_thread = threading.get_ident()
+                try:
+                    events = bus.receive_ready(BATCH)
+                    if events:
+                        self._export_events(events)
+                        self.lane_turns += 1
+                    elif any(fd != self._lane_wake for fd, _ in ready):
+                        return "trio"  # readable, but nothing: an end, or a reconnect
+                    else:
+                        _drain(self._lane_wake)
+                        continue
+                except SbusError as exc:
+                    self._bus_error(exc)
+                    continue
+                finally:
+                    self._lane_thread = None
+            wait = pace.after(time.monotonic(), len(events))
+            if wait:  # the next batch as a run
+                time.sleep(wait)
+
+    def _wake_lane(self) -> None:
+        """Have the export lane look again at once (the bus connection changed, the
+        bridge stops).  Safe from any thread and from a signal handler."""
+        if self._lane_wake >= 0:
+            try:
+                os.eventfd_write(self._lane_wake, 1)
+            except OSError:  # closed meanwhile: the lane is gone too
+                pass
+
+    def _bus_error(self, exc: SbusError) -> None:
+        """The broker sent a malformed packet: said, skipped."""
+        self._note(f"the bus at {self.address}: {printable(str(exc), 200)}")
+
+    def _export_events(self, events: list) -> None:
+        """Hand the messages of a batch from the bus to paho (`_export`)."""
+        core = self.core
+        taken: list[tuple[str, bytes, int]] = []
+        for event in events:
+            if type(event) is Publish:
+                topic = core.from_bus(event.key, event.payload)
+                if topic is None:
+                    continue
+                if len(event.payload) + 4 * len(topic) + self._overhead > self._max_out \
+                        and self._too_large(topic, event.payload):
+                    continue
+                taken.append((topic, event.payload, core.last_qos))
+        self._export(taken)
 
     async def _bus_batch(self) -> list:
         """The next batch from the bus, waited for on the socket itself (the turn of the
@@ -928,10 +1012,22 @@ class BridgeShell:
 
     def _poke(self) -> None:
         """Something a waiting task may wait for changed: wake those whose condition now
-        holds (only those: a wake-up is a turn of the loop)."""
+        holds (only those: a wake-up is a turn of the loop).  From the export lane: by
+        trio, once the lane's turn is over."""
+        if self._lane_thread is not None and threading.get_ident() == self._lane_thread:
+            self._soon(self._poke)
+            return
         for waiter in self._waiters:
             if waiter[0]():
                 waiter[1].set()
+
+    def _soon(self, fn: Callable[..., object], *args: object) -> None:
+        """Run *fn* in the trio thread as soon as it has the turn (from the export lane,
+        which holds it: waiting for trio there would never end)."""
+        try:
+            self._token.run_sync_soon(fn, *args)  # type: ignore[union-attr]
+        except trio.RunFinishedError:
+            pass  # the bridge has stopped: nothing waits any more
 
     async def _until(self, ready: Callable[[], bool], timeout: float = math.inf) -> None:
         """Wait until *ready*() (checked at each `_poke`), at most *timeout* seconds."""
@@ -986,6 +1082,7 @@ class BridgeShell:
         """End `run` (soon: the housekeeper notices).  Safe from a signal handler and
         from another thread; `run` itself ends on SIGTERM/SIGINT in the main thread."""
         self._stopping = True
+        self._wake_lane()
 
     def run(self) -> None:
         """Serve until `stop` or SIGTERM/SIGINT."""
@@ -996,6 +1093,9 @@ class BridgeShell:
 
     async def _serve(self) -> None:
         self._loop_thread = threading.get_ident()
+        self._token = trio.lowlevel.current_trio_token()
+        self._lane_wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._turns.start()
         try:
             async with anyio.create_task_group() as tg:
                 self._scope = tg.cancel_scope
@@ -1007,13 +1107,19 @@ class BridgeShell:
                 tg.start_soon(self._mqtt_reader)
                 tg.start_soon(self._mqtt_writer)
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._close()
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._close()
+            finally:
+                self._turns.end()  # a lane still waiting for its turn finds it must stop
+                wake, self._lane_wake = self._lane_wake, -1
+                os.close(wake)
 
     async def _close(self) -> None:
         """Say goodbye to MQTT (what paho holds written, 1 s at most: not when imports
         are unpublished, whose PUBACKs would go with it), close the bus, save the state."""
         self._stopping = True
+        self._wake_lane()
         mq = self.mq
         if self._mqtt_live() and not self._holding and not self._acks_owed:
             self.mqtt_up = False  # a goodbye, not a loss
@@ -1042,6 +1148,14 @@ class BridgeShell:
             self.spool.close()
         if self.state is not None:
             self.state.close()
+
+
+def _drain(fd: int) -> None:
+    """Take what an eventfd holds (nothing: fine)."""
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        pass
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

@@ -1,0 +1,66 @@
+"""Turns between the bridge's trio thread and its export lane.
+
+Woken for one export at 1,000 msg/s, the bridge spent 15–25 µs in trio's turn before
+its own code ran (docs/performance.md, "The floor of a Python hop"): trio's epoll
+returns, the task is rescheduled, its cancel scopes and checkpoints run.  A thread
+blocked in ``poll`` on the bus socket is woken by the kernel directly.  So the bridge
+reads the bus in such a thread, its *export lane* (`BridgeShell._lane`), and runs its
+export turns there.
+
+`Turns` keeps the two threads from ever running the bridge's code at once, so that its
+state needs no other lock and reads as single-threaded code: a lock the trio thread
+holds at all times except while trio waits for I/O (a trio `Instrument` lets go of it
+before each wait with a timeout and takes it back after), and that the lane holds for
+each of its turns.  trio therefore waits for a lane turn to end before it runs anything,
+and the lane waits for trio to be idle.  What the lane cannot do in a turn (wait for
+room, reconnect, wake a trio task) it hands back to trio.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import trio
+
+__all__ = ["Turns"]
+
+
+class Turns(trio.abc.Instrument):
+    """Whose turn it is to run the bridge's code: the trio thread's, except while it
+    waits for I/O; then a lane's, one ``with turns:`` block at a time (module docstring).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._trio_holds = False
+
+    def start(self) -> None:
+        """From the trio thread, inside the run: trio holds the turn from now on."""
+        self._lock.acquire()
+        self._trio_holds = True
+        trio.lowlevel.add_instrument(self)
+
+    def end(self) -> None:
+        """From the trio thread, before the run ends: nobody holds the turn for trio any
+        more (a lane still waiting for one gets it, and should find it must stop)."""
+        trio.lowlevel.remove_instrument(self)
+        if self._trio_holds:
+            self._trio_holds = False
+            self._lock.release()
+
+    def before_io_wait(self, timeout: float) -> None:
+        if timeout > 0 and self._trio_holds:  # (0: a poll between runnable tasks)
+            self._trio_holds = False
+            self._lock.release()
+
+    def after_io_wait(self, timeout: float) -> None:
+        if timeout > 0 and not self._trio_holds:
+            self._lock.acquire()
+            self._trio_holds = True
+
+    def __enter__(self) -> Turns:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()

@@ -1,0 +1,148 @@
+"""The bridge's export lane: `Turns` keeps its thread and trio's apart, and the exports
+of a running bridge are taken there, in order (sbus/bridge/lane.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import trio
+from conftest import BrokerProcess
+from mqtt_hosts import Mosquitto, Peer
+
+from sbus.bridge.core import BridgeCore
+from sbus.bridge.lane import Turns
+from sbus.bridge.shell import BridgeShell, Broker, MqttSettings
+from sbus.client import Client
+
+
+def _overlaps(lane_turns) -> tuple[int, int, int]:
+    """trio runs sections that give up the GIL midway (a `time.sleep`) between short
+    waits, while a thread runs its own such sections inside *lane_turns*: (sections of
+    each side that met the other inside, the thread's sections)."""
+    inside = {"trio": False, "lane": False}
+    met = {"trio": 0, "lane": 0}
+    done = threading.Event()
+    taken = 0
+
+    def lane() -> None:
+        nonlocal taken
+        while not done.is_set():
+            with lane_turns:
+                inside["lane"] = True
+                time.sleep(0.0002)  # the GIL goes to trio's thread meanwhile, if it can run
+                met["lane"] += inside["trio"]
+                inside["lane"] = False
+                taken += 1
+            time.sleep(0.0001)
+
+    async def main() -> None:
+        thread = threading.Thread(target=lane)
+        thread.start()
+        try:
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:
+                inside["trio"] = True
+                time.sleep(0.0002)
+                met["trio"] += inside["lane"]
+                inside["trio"] = False
+                await trio.sleep(0.0003)  # trio waits for I/O: the lane's turn
+        finally:
+            done.set()
+            await trio.to_thread.run_sync(thread.join)
+
+    turns = lane_turns if isinstance(lane_turns, Turns) else None
+
+    async def run() -> None:
+        if turns is not None:
+            turns.start()
+        try:
+            await main()
+        finally:
+            if turns is not None:
+                turns.end()
+
+    trio.run(run)
+    return met["trio"], met["lane"], taken
+
+
+def test_turns_keep_the_lane_and_trio_apart() -> None:
+    """With `Turns`, neither side ever finds the other inside its section, and the lane
+    gets turns whenever trio waits; without it (the same threads, no lock) they meet:
+    the test sees it when it happens."""
+    trio_met, lane_met, taken = _overlaps(Turns())
+    assert (trio_met, lane_met) == (0, 0)
+    assert taken > 50, f"the lane had {taken} turns in 0.5 s of trio waiting"
+    trio_met, lane_met, _ = _overlaps(contextlib.nullcontext())
+    assert trio_met + lane_met > 0
+
+
+def test_turns_end_lets_a_waiting_lane_in() -> None:
+    """A lane still waiting for its turn when the trio run ends gets it (and so learns
+    that the bridge stops) instead of waiting for ever."""
+    turns = Turns()
+    got = threading.Event()
+
+    def lane() -> None:
+        with turns:
+            got.set()
+
+    async def main() -> None:
+        turns.start()
+        thread = threading.Thread(target=lane, daemon=True)
+        try:
+            thread.start()
+            time.sleep(0.05)  # trio's thread holds the turn: no wait for I/O meanwhile
+            assert not got.is_set()
+        finally:
+            turns.end()
+
+    trio.run(main)
+    assert got.wait(2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_exports_are_taken_in_the_lane_in_order(broker: BrokerProcess, short_tmp: Path
+                                                ) -> None:
+    """A running bridge (real broker, real mosquitto, QoS 1 with a spool) takes its
+    exports in the lane: 100 one at a time and 400 in one go arrive, all and in order,
+    and the lane took the batches."""
+    port = _free_port()
+    (short_tmp / "m").mkdir()
+    m = Mosquitto(short_tmp / "m", [("127.0.0.1", port)]).start()
+    peer = Peer(m.sock, ["seq/#"])
+    shell = BridgeShell(BridgeCore([b"seq/"], [], client_id="lane"), broker.address,
+                        MqttSettings([Broker("127.0.0.1", port)],
+                                     state_dir=str(short_tmp / "state")))
+    thread = threading.Thread(target=shell.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not (shell.bus_up and shell.mqtt_up):
+            assert thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.01)
+        with Client(broker.address) as bus:
+            for n in range(100):
+                bus.publish("seq/a", b"%d" % n)
+                time.sleep(0.002)
+            for n in range(100, 500):
+                bus.publish("seq/a", b"%d" % n)
+        deadline = time.monotonic() + 10
+        while len(peer.got) < 500 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [int(p) for _, p, _ in peer.got] == list(range(500))
+        assert shell.lane_turns >= 100
+    finally:
+        shell.stop()
+        thread.join(5)
+        peer.close()
+        m.stop()
+    assert not thread.is_alive()
