@@ -4,14 +4,17 @@ of a running bridge are taken there, in order (sbus/bridge/lane.py)."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import trio
 from conftest import BrokerProcess
-from mqtt_hosts import Mosquitto, Peer
+from mqtt_hosts import Bridge, Mosquitto, Peer
 
 from sbus.bridge.core import BridgeCore
 from sbus.bridge.lane import Turns
@@ -180,3 +183,51 @@ def test_exports_are_taken_in_the_lane_in_order(broker: BrokerProcess, short_tmp
         peer.close()
         m.stop()
     assert not thread.is_alive()
+
+
+FLOOD = """
+import sys, time
+from sbus.client import Client
+bus = Client(sys.argv[1])
+payload = b"x" * 64
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    for _ in range(1000):
+        bus.publish("f/x", payload)
+"""
+
+
+def test_a_flood_of_exports_leaves_the_bridge_its_other_work(broker: BrokerProcess,
+                                                             short_tmp: Path) -> None:
+    """A local publisher floods an exported key (QoS 0: no window stops the lane) from
+    its own process: the bridge's trio side still runs (STATUS= lines keep coming, with
+    growing counts) and SIGTERM still ends it at once."""
+    port = _free_port()
+    (short_tmp / "m").mkdir()
+    m = Mosquitto(short_tmp / "m", [("127.0.0.1", port)]).start()
+    br = Bridge(short_tmp, "flood", broker.address, f"mqtt://127.0.0.1:{port}",
+                ["--export", "f/", "--export-qos", "0"])
+    flood = None
+    try:
+        br.start()
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, broker.address, "6"])
+        time.sleep(0.5)  # the flood under way
+        seen: list[int] = []
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and len(seen) < 3:
+            counts = br.wait_counters(lambda c: not seen or c["exported"] > seen[-1],
+                                      timeout=deadline - time.monotonic())
+            seen.append(counts["exported"])
+        assert len(seen) >= 3, f"STATUS= said {seen} in 3 s of flood"
+        assert flood.poll() is None, "the flood ended before the checks"
+        assert br.proc is not None
+        stopping = time.monotonic()
+        br.proc.send_signal(signal.SIGTERM)
+        assert br.proc.wait(5) == 0
+        assert time.monotonic() - stopping < 2, "SIGTERM waited for the flood"
+    finally:
+        if flood is not None:
+            flood.kill()
+            flood.wait()
+        br.close()
+        m.stop()
