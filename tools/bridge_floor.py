@@ -8,9 +8,10 @@ the barrier), connects to the MQTT broker at 127.0.0.1:*port* (MQTT 3.1.1, clean
 session, ``TCP_NODELAY``), prints ``READY``, and then, blocking on the bus socket, sends
 each message as one PUBLISH on the topic of its key, at QoS 0 or 1; acknowledgements
 are read without waiting, after each send, and thrown away.  What the sbus bridge does
-beyond this per message (its event loop, the spool, paho's record of the message, the
-key's mapping) is what its added latency holds over this path's (docs/performance.md,
-"Bridge").
+beyond this per message (the receive through the client, the key's mapping, the spool,
+paho's record of the message; before its export lane, a turn of its event loop too) is
+what its added latency holds over this path's (docs/performance.md, "The floor of a
+Python hop").
 
 Usage: tools/bridge_floor.py --address BUS --port PORT [--qos 0|1] [--pattern P]
 """
