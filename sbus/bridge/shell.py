@@ -796,10 +796,14 @@ class BridgeShell:
         "wait" (for room in MQTT), "trio" (the next batch is the trio task's: the
         connection changed or ended, and `receive_batch` reconnects) or "stop"."""
         bus, turns = self.bus, self._turns
-        sock = bus.sock
-        poller = select.poll()
-        poller.register(self._lane_wake, select.POLLIN)
-        if sock is not None:
+        with turns:  # (the socket may be mid-reconnect: closed, its descriptor -1)
+            if self._stopping:
+                return "stop"
+            sock = bus.sock
+            if sock is None or sock.fileno() < 0:
+                return "trio"
+            poller = select.poll()
+            poller.register(self._lane_wake, select.POLLIN)
             poller.register(sock, select.POLLIN)
         while True:
             ready = poller.poll(LANE_POLL * 1000)
@@ -808,7 +812,7 @@ class BridgeShell:
                     return "stop"
                 if not self._export_ready():
                     return "wait"
-                if sock is None or bus.sock is not sock:
+                if bus.sock is not sock:
                     return "trio"
                 self._lane_thread = threading.get_ident()
                 try:
