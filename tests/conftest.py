@@ -235,9 +235,26 @@ def _fast_lane_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
 # starts nothing new meanwhile.  Two locks make that a readers-writer lock that favours the
 # writer: every test passes the turnstile; others then hold the room shared, `alone` ones
 # hold the turnstile while they wait for the room, and then the room exclusively.
+# The lock files live in a directory the main pytest process makes before it starts its
+# workers (they inherit its environment) and removes when the run ends.
+_LOCKS = "SBUS_TEST_LOCKS"
+_locks_key = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ and _LOCKS not in os.environ:
+        config.stash[_locks_key] = os.environ[_LOCKS] = tempfile.mkdtemp(prefix="sbus-tests-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    made = config.stash.get(_locks_key, None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+        del os.environ[_LOCKS]
+
+
 def _lock_file(name: str) -> int:
-    run = os.environ["PYTEST_XDIST_TESTRUNUID"]
-    return os.open(os.path.join(tempfile.gettempdir(), f"sbus-tests-{run}.{name}"),
+    return os.open(os.path.join(os.environ[_LOCKS], name),
                    os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
 

@@ -26,17 +26,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sbus.bridge.buffered import remaining_length  # noqa: E402
 from sbus.client import Client  # noqa: E402
-
-
-def remaining_length(n: int) -> bytes:
-    """MQTT's variable-length integer (MQTT 3.1.1 section 2.2.3)."""
-    out = bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        out.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def mqtt_connect(port: int) -> socket.socket:

@@ -46,9 +46,21 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-__all__ = ["BufferedClient", "QuickProperties", "READ_CHUNK", "WRITE_CHUNK"]
+__all__ = ["BufferedClient", "QuickProperties", "READ_CHUNK", "WRITE_CHUNK",
+           "remaining_length"]
 
 _CONNECTED = mqtt._ConnectionState.MQTT_CS_CONNECTED
+
+
+def remaining_length(n: int) -> bytes:
+    """MQTT's Remaining Length of *n* bytes: 7 bits a byte, the high bit saying that more
+    follow (MQTT 5 section 1.5.5; 3.1.1 section 2.2.3)."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 class _Packable(Protocol):
@@ -184,10 +196,7 @@ class BufferedClient(mqtt.Client):
         remaining = 4 + len(topic) + len(packed) + len(payload)
         buf = self._wbuf
         buf.append(0x32)  # PUBLISH, QoS 1 (MQTT 5 section 3.3.1)
-        while remaining > 0x7F:  # the remaining length (section 1.5.5)
-            buf.append(remaining & 0x7F | 0x80)
-            remaining >>= 7
-        buf.append(remaining)
+        buf += remaining_length(remaining)
         buf += len(topic).to_bytes(2, "big")
         buf += topic
         buf += mid.to_bytes(2, "big")

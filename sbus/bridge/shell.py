@@ -1018,7 +1018,7 @@ class BridgeShell:
         """Something a waiting task may wait for changed: wake those whose condition now
         holds (only those: a wake-up is a turn of the loop).  From the export lane: by
         trio, once the lane's turn is over."""
-        if self._lane_thread is not None and threading.get_ident() == self._lane_thread:
+        if threading.get_ident() == self._lane_thread:
             self._soon(self._poke)
             return
         for waiter in self._waiters:
