@@ -233,7 +233,8 @@ def test_status_line_counts() -> None:
     c.dropped(5)
     c.refused_by_broker()
     assert c.status() == ("exported 1 (0 B), imported 1 (0 B), dropped 5, refused 1, "
-                          "looped 0, filtered 0, resent 0, duplicates 0, missing 0")
+                          "looped 0, filtered 0, resent 0, duplicates 0, missing 0, "
+                          "redelivered 0")
     c.exported(10)
     assert c.status().startswith("exported 2 (10 B)")
 

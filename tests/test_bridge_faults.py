@@ -139,8 +139,9 @@ def test_kill9_of_an_exporting_bridge_under_traffic(hosts: Hosts) -> None:
 
 def test_kill9_of_an_importing_bridge_loses_nothing(hosts: Hosts) -> None:
     """QoS 1 imports: the broker keeps what the killed bridge had not acknowledged; the
-    restarted one delivers it.  A message published locally whose PUBACK the crash
-    prevented comes twice (at most the one in hand)."""
+    restarted one delivers it.  Messages on the bus whose PUBACKs the crash prevented (one
+    read turn's, at most the broker's in-flight window: mosquitto's 20) come twice, and
+    the restarted bridge counts each in `redelivered` (MQTT's DUP flag)."""
     hosts.bridge(0, "--client-id", "a", "--export", "seq/")
     b = hosts.bridge(1, "--client-id", "b", "--import", "seq/")
     sub = subscriber(hosts.bus_address(1), "seq/")
@@ -153,7 +154,9 @@ def test_kill9_of_an_importing_bridge_loses_nothing(hosts: Hosts) -> None:
     sent = stream.stop()
     got = seqs(collect(sub, want=sent, quiet=1.0, timeout=20))
     assert set(got) == set(range(sent))                 # 0 lost
-    assert len(got) - sent <= 1, len(got) - sent        # at most the one in hand, twice
+    twice = len(got) - sent
+    c = b.wait_counters(lambda c: c["redelivered"] >= twice)
+    assert c["redelivered"] <= 20, c                    # the broker's window at most
 
 
 def test_restart_of_the_local_bus_under_an_exporting_bridge(hosts: Hosts) -> None:

@@ -93,6 +93,8 @@ class Counters:
     duplicates: int = 0  # arrived again from a bridge (its stamp seen before): not imported
     missing: int = 0    # numbers skipped in a bridge's stamps (QoS 1 and QoS 0): handed to
     #                     its MQTT client, never arrived
+    redelivered: int = 0  # imported with MQTT's DUP flag: the broker sent it before (to
+    #                       this run or one killed before its PUBACK), so perhaps twice
     exported_bytes: int = 0  # topic + payload bytes of the exported messages
     imported_bytes: int = 0  # key + payload bytes of the imported messages
 

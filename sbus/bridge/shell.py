@@ -513,6 +513,8 @@ class BridgeShell:
         if not self.bus_up:
             self.core.dropped()
             return
+        if msg.dup:  # its stamp, if any, was not seen: the last run may have imported it
+            self.core.counters.redelivered += 1
         self._imports.append((key, payload, msg.qos))  # published by `_import`
         self._import_bytes += len(key) + len(payload)
 
