@@ -37,6 +37,7 @@ against the installed paho, which is pinned).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import paho.mqtt._packet as paho_packet
@@ -120,6 +121,9 @@ class BufferedClient(mqtt.Client):
         # what paho's decoder gives for a 2-byte PUBACK: success, no properties (shared:
         # the bridge's on_publish only reads them)
         self._acked = (ReasonCode(PacketTypes.PUBACK), Properties(PacketTypes.PUBACK))
+        #: called with the socket paho is about to close: True if it will close it itself
+        #: (a thread that must not close a descriptor another thread's loop may wait on)
+        self.close_later: Callable[[object], bool] | None = None
 
     # -- what paho calls -------------------------------------------------------------
 
@@ -158,13 +162,21 @@ class BufferedClient(mqtt.Client):
 
     def _sock_close(self) -> None:
         """paho closes the socket right after writing a DISCONNECT: send what is gathered
-        first (best effort, as paho's own last write), then forget both buffers."""
-        if self._sock is not None:
+        first (best effort, as paho's own last write), then forget both buffers.  Where
+        `close_later` takes the socket, paho forgets it and that closes it, later."""
+        sock = self._sock
+        if sock is not None:
             self.push()
         self._wbuf.clear()
         self._wlast = 0
         self._rdata, self._rpos = b"", 0
-        super()._sock_close()
+        later = self.close_later
+        if sock is None or later is None or not later(sock):
+            super()._sock_close()
+            return
+        self._sock = None
+        self._call_socket_unregister_write(sock)
+        self._call_socket_close(sock)
 
     # -- what the shell calls ----------------------------------------------------------
 

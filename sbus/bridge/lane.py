@@ -1,11 +1,11 @@
-"""Turns between the bridge's trio thread and its export lane.
+"""Turns between the bridge's trio thread and its lanes.
 
 Woken for one export at 1,000 msg/s, the bridge spent 15–25 µs in trio's turn before
 its own code ran (docs/performance.md, "The floor of a Python hop"): trio's epoll
 returns, the task is rescheduled, its cancel scopes and checkpoints run.  A thread
-blocked in ``poll`` on the bus socket is woken by the kernel directly.  So the bridge
-reads the bus in such a thread, its *export lane* (`BridgeShell._lane`), and runs its
-export turns there.
+blocked in ``poll`` on a socket is woken by the kernel directly.  So the bridge reads
+the bus in such a thread, its *export lane* (`BridgeShell._lane`), and MQTT in another,
+its *import lane* (`BridgeShell._mqtt_lane`), and runs those turns there.
 
 `Turns` keeps the two threads from ever running the bridge's code at once, so that its
 state needs no other lock and reads as single-threaded code: a lock the trio thread

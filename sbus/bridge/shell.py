@@ -17,8 +17,9 @@ housekeeper (spool acknowledgements, STATUS=).  Each gives the others a turn aft
 batch (the bus reader: after each receive; the MQTT reader: after `READ_TURN` packets).
 The bus reader takes its batches in a worker thread, the export lane, which waits on
 the bus socket itself and runs each export turn while trio waits for I/O
-(`sbus.bridge.lane`: the two never run the bridge's code at once); it hands back to the
-trio task whatever needs trio (waiting for room, a reconnect).
+(`sbus.bridge.lane`: the threads never run the bridge's code at once); a bridge that
+imports reads MQTT likewise, in the import lane.  A lane hands back to the trio task
+whatever needs trio (waiting for room, a reconnect).
 
 Flow control, so that no local publisher ever waits for MQTT:
 
@@ -109,8 +110,8 @@ ACK_RUN = 0.002
 #: Bytes of imports taken from MQTT before they are published on the bus (else at the
 #: end of the read turn).
 IMPORT_BYTES = 256 * 1024
-#: Seconds the export lane waits on the bus socket before it looks again whether that is
-#: still the connection (a change wakes it at once: `_wake_lane`; this is the backstop).
+#: Seconds a lane waits on its socket before it looks again whether that is still the
+#: connection (a change wakes it at once: `_wake_lanes`; this is the backstop).
 LANE_POLL = 1.0
 #: Seconds between paho's keep-alive checks (``loop_misc``) at most.
 MISC_EVERY = 1.0
@@ -226,8 +227,9 @@ class BridgeShell:
         self._import_bytes = 0  # their keys and payloads
         #: QoS 1 imports: reads make PUBACKs (coalesced under TCP_CORK)
         self._acked_imports = any(q for _, q in core.mqtt_subscriptions())
-        self._holding = False  # imports on their way to the bus: paho's PUBACKs wait
-        self._acks_owed = False  # stopped with imports unpublished: their PUBACKs never go
+        #: imports on their way to the bus (`_imports`): paho's PUBACKs wait; if the bridge
+        #: stops meanwhile, they never go
+        self._holding = False
         self._activity = 0
         self._acks = 0  # acknowledgements of exports read (`_on_publish`)
         self._stopping = False
@@ -235,9 +237,11 @@ class BridgeShell:
         self._loop_thread: int | None = None
         self._token: trio.lowlevel.TrioToken | None = None  # (to reach trio from the lane)
         self._turns = Turns()
-        self._lane_thread: int | None = None  # the export lane's, during its turns
-        self._lane_wake = -1  # an eventfd: the lane looks again (`_wake_lane`)
-        self.lane_turns = 0  # batches the lane exported (the rest: the trio task's)
+        self._lane_thread: int | None = None  # a lane's, during its turns
+        self._lane_wake = -1  # an eventfd: the export lane looks again (`_wake_lanes`)
+        self._mqtt_wake = -1  # the same for the import lane
+        self.lane_turns = 0  # batches the export lane exported (the rest: the trio task's)
+        self.import_turns = 0  # read turns the import lane took (the rest: the trio task's)
         self._waiters: list[list] = []  # [condition, anyio.Event] of tasks in `_until`
         self._exports_wait = False  # the bus reader waits for `_export_ready`
         self._first: set[str] = set()  # sides past their first attempt (READY=1 after both)
@@ -343,6 +347,7 @@ class BridgeShell:
         mq.on_connect = self._on_connect
         mq.on_disconnect = self._on_disconnect
         mq.on_message = self._on_message
+        mq.close_later = self._close_later
         if 1 in self.core.export_qos_levels:  # at QoS 0 paho would build a reason and
             mq.on_publish = self._on_publish          # properties per message
         mq.on_subscribe = self._on_subscribe
@@ -373,10 +378,24 @@ class BridgeShell:
         descriptor would never end)."""
         if threading.get_ident() == self._loop_thread:
             self._closing(sock)
-        elif threading.get_ident() == self._lane_thread:  # (its sends never close: paho's
-            self._soon(self._closing, sock)  # writes go to the buffer, `push` keeps it)
+        elif threading.get_ident() == self._lane_thread:
+            pass  # trio is told before the socket closes (`_close_later`)
         elif self._loop_thread is not None:  # paho's connect, in its worker thread
             anyio.from_thread.run_sync(self._closing, sock)
+        self._wake_lanes()
+
+    def _close_later(self, sock) -> bool:
+        """paho closes *sock*: in a lane, leave it to trio (`BufferedClient.close_later`).
+        Closed there and then, its descriptor could be reused before trio forgot a wait
+        on it (the writer's), which would then never end."""
+        if threading.get_ident() != self._lane_thread:
+            return False
+        self._soon(self._close_socket, sock)
+        return True
+
+    def _close_socket(self, sock) -> None:
+        self._closing(sock)
+        sock.close()
 
     def _closing(self, sock) -> None:
         anyio.notify_closing(sock)
@@ -572,13 +591,23 @@ class BridgeShell:
 
     async def _mqtt_reader(self) -> None:
         """Read MQTT while the bus is up: a turn of up to `READ_TURN` packets at a time,
-        a run when they come fast (`Linger`; acknowledgements only: `ACK_RUN`)."""
+        a run when they come fast (`Linger`; acknowledgements only: `ACK_RUN`).  A bridge
+        that imports reads in its import lane (`_mqtt_lane`) while it can go on."""
         mq = self.mq
         runs = not self.core.mqtt_subscriptions()  # nothing else to come: no import waits
         pace = Linger(self.settings.linger)
         while True:
+            if self._imports:  # what the import lane left: they wait for room on the bus
+                await self._import()
+                self._flush()
             if not (self.bus_up and self._mqtt_live()):
                 await self._until(lambda: self.bus_up and self._mqtt_live())
+                continue
+            if not runs:
+                after = await anyio.to_thread.run_sync(self._mqtt_lane, pace,
+                                                       abandon_on_cancel=True)
+                if after == "stop":
+                    await anyio.sleep_forever()  # (the housekeeper cancels us)
                 continue
             sock = mq.socket()
             buffered = mq.pending() > 0  # read already, or (TLS) decrypted: poll can't see
@@ -590,9 +619,15 @@ class BridgeShell:
                 if sock is not mq.socket() or not (self.bus_up and self._mqtt_live()):
                     continue
             activity, acks = self._activity, self._acks
-            await self._read_mqtt()
+            try:
+                if not self._read_turn():
+                    await self._import()
+                self._flush()
+            finally:
+                if self._exports_wait:
+                    self._poke()  # acknowledged exports: room for more
             wait = pace.after(time.monotonic(), self._activity - activity)
-            if runs and self._acks != acks:
+            if self._acks != acks:
                 wait = max(wait, ACK_RUN)
             if wait and not self._exports_wait:
                 self._quick_ack(sock)
@@ -600,6 +635,50 @@ class BridgeShell:
                 await self._until(lambda: self._exports_wait, wait)
             elif buffered:
                 await anyio.lowlevel.checkpoint()  # (else the wait above gives the turn)
+
+    def _mqtt_lane(self, pace: Linger) -> str:
+        """The import lane (`sbus.bridge.lane`), in a worker thread: wait on the MQTT
+        socket, read a turn and publish its imports on the bus, as long as both sides are
+        up, the socket is the one it began with and the bus takes the imports at once.
+        Returns why it ended: "trio" (imports wait for room on the bus, or a connection
+        changed: the trio task's to handle) or "stop"."""
+        mq, turns = self.mq, self._turns
+        with turns:
+            if self._stopping:
+                return "stop"
+            sock = mq.socket()
+            if not (self.bus_up and self._mqtt_live()) or sock is None or sock.fileno() < 0:
+                return "trio"
+            poller = select.poll()
+            poller.register(self._mqtt_wake, select.POLLIN)
+            poller.register(sock, select.POLLIN)
+            buffered = mq.pending() > 0
+        while True:
+            ready = poller.poll(0 if buffered else LANE_POLL * 1000)
+            with turns:
+                if self._stopping:
+                    return "stop"
+                if not (self.bus_up and self._mqtt_live()) or mq.socket() is not sock:
+                    return "trio"
+                if not buffered and all(fd == self._mqtt_wake for fd, _ in ready):
+                    _drain(self._mqtt_wake)
+                    continue
+                activity = self._activity
+                self._lane_thread = threading.get_ident()
+                try:
+                    if not self._read_turn():
+                        return "trio"
+                    self._flush()
+                    if self._exports_wait:
+                        self._poke()  # acknowledged exports: room for more
+                finally:
+                    self._lane_thread = None
+                self.import_turns += 1
+                buffered = mq.pending() > 0
+            wait = pace.after(time.monotonic(), self._activity - activity)
+            if wait and not self._exports_wait:
+                self._quick_ack(sock)
+                select.select([self._mqtt_wake], [], [], wait)  # the next ones as a run
 
     def _quick_ack(self, sock) -> None:
         """Have the kernel acknowledge what comes while the reader waits at once, not
@@ -612,83 +691,82 @@ class BridgeShell:
         except (OSError, AttributeError):
             pass  # not TCP (a unix socket): nothing to set
 
-    async def _read_mqtt(self) -> None:
-        """Process what the MQTT socket holds, up to `READ_TURN` packets; the PUBACKs of
-        the turn are written (one write) once its imports are on the bus."""
-        try:
-            for _ in range(READ_TURN):
-                before = self._activity
-                try:
-                    rc = self.mq.loop_read()
-                except MALFORMED as exc:  # paho could not parse what the broker sent
-                    self._note(f"malformed data from the MQTT broker {self.broker}: "
-                               f"{printable(str(exc), 200)}; reconnecting")
-                    self.mqtt_up = self.subscribed = False
-                    self._broken = True  # reconnect() replaces the socket and paho's state
-                    self.mqtt_retry.failed(time.monotonic())
-                    break
-                if self._import_bytes >= IMPORT_BYTES:
-                    await self._import()
-                if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or self._activity == before \
-                        or not self.bus_up:
-                    break
-            if self._imports:
-                await self._import()
-            self._flush()
-        finally:
-            if self._exports_wait:
-                self._poke()  # acknowledged exports: room for more
-
-    async def _import(self) -> None:
-        """Publish what the last read took from MQTT on the bus, in order: runs of them in
-        one system call (`AsyncClient.send_run_nowait`).  Where the bus has no room, or
-        is lost, the next one waits inside `send_packet` (the client reconnects);
-        meanwhile the PUBACKs wait.  If the bridge stops first, the QoS 0 imports not
-        published are counted as dropped (the QoS 1 ones were not acknowledged: the MQTT
-        broker sends them again)."""
-        imports, self._imports = self._imports, []
-        self._import_bytes = 0
-        bus, core, packet = self.bus, self.core, self.bus.session.publish
-        encoded: list[bytes | InvalidRequest] = []
-        for key, payload, _ in imports:
+    def _read_turn(self) -> bool:
+        """Process what the MQTT socket holds, up to `READ_TURN` packets, and publish its
+        imports on the bus as far as it takes them now (`_import_nowait`): False when some
+        are left waiting for room (their PUBACKs with them)."""
+        for _ in range(READ_TURN):
+            before = self._activity
             try:
-                encoded.append(packet(key, payload))
-            except InvalidRequest as exc:  # too large for the bus, or a key it refuses
-                encoded.append(exc)
+                rc = self.mq.loop_read()
+            except MALFORMED as exc:  # paho could not parse what the broker sent
+                self._note(f"malformed data from the MQTT broker {self.broker}: "
+                           f"{printable(str(exc), 200)}; reconnecting")
+                self.mqtt_up = self.subscribed = False
+                self._broken = True  # reconnect() replaces the socket and paho's state
+                self.mqtt_retry.failed(time.monotonic())
+                self._poke()
+                break
+            if self._import_bytes >= IMPORT_BYTES and not self._import_nowait():
+                return False
+            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or self._activity == before \
+                    or not self.bus_up:
+                break
+        return self._import_nowait()
+
+    def _import_nowait(self) -> bool:
+        """Publish on the bus, in order, the imports it takes now: runs of them in one
+        system call (`AsyncClient.send_run_nowait`); one it refuses is counted and said.
+        True when none is left; else the rest wait in `_imports` (for `_import`) and the
+        PUBACKs with them (`_holding`)."""
+        imports = self._imports
+        self._import_bytes = 0
+        if not imports:
+            return True
+        bus, core, packet = self.bus, self.core, self.bus.session.publish
         done, count = 0, len(imports)
         self._holding = True
-        try:
-            while done < count:
-                end = done
-                while end < count and type(encoded[end]) is bytes:
-                    end += 1
-                if end > done:  # a run: what the kernel takes now, then one waited for
-                    went = bus.send_run_nowait(encoded[done:end])  # type: ignore[arg-type]
-                    for key, payload, _ in imports[done:done + went]:
-                        core.imported(len(key) + len(payload))
-                    done += went
-                    if done == end:
-                        continue
-                    key, payload, _ = imports[done]
-                    try:
-                        await bus.send_packet(encoded[done])  # type: ignore[arg-type]
-                    except SbusError as exc:
-                        core.dropped()
-                        self._note(f"not imported: {printable(str(exc), 200)}")
-                    else:
-                        core.imported(len(key) + len(payload))
-                else:
-                    core.refused_by_broker()
-                    self._note(f"not imported: {printable(str(encoded[done]), 200)}")
+        while done < count:
+            run: list[bytes] = []
+            refused = None
+            for key, payload, _ in imports[done:]:
+                try:
+                    run.append(packet(key, payload))
+                except InvalidRequest as exc:  # too large for the bus, or a key it refuses
+                    refused = exc
+                    break
+            if run:
+                went = bus.send_run_nowait(run)
+                for key, payload, _ in imports[done:done + went]:
+                    core.imported(len(key) + len(payload))
+                done += went
+                if went < len(run):
+                    break  # no room now: `_import` waits for it
+            if refused is not None:
+                core.refused_by_broker()
+                self._note(f"not imported: {printable(str(refused), 200)}")
                 done += 1
-        finally:
-            self._holding = False
-            self._acks_owed = done < count
-            lost = sum(1 for _, _, qos in imports[done:] if qos == 0)
-            if lost:
-                core.dropped(lost)
-            # the PUBACKs held meanwhile go with `_read_mqtt`'s flush (poking the writer
-            # here was a wasted turn of the loop per import)
+        del imports[:done]
+        self._holding = bool(imports)
+        return not imports
+
+    async def _import(self) -> None:
+        """Publish the imports left by `_import_nowait`, in order: the first waits inside
+        `send_packet` for room on the bus, or for the bus itself (the client reconnects);
+        meanwhile the PUBACKs wait.  If the bridge stops first, they never go (`_close`
+        counts the QoS 0 imports left as dropped; the QoS 1 ones the MQTT broker sends
+        again)."""
+        bus, core = self.bus, self.core
+        while not self._import_nowait():
+            key, payload, _ = self._imports[0]
+            try:
+                await bus.send_packet(bus.session.publish(key, payload))
+            except SbusError as exc:
+                core.dropped()
+                self._note(f"not imported: {printable(str(exc), 200)}")
+            else:
+                core.imported(len(key) + len(payload))
+            del self._imports[0]
 
     async def _mqtt_writer(self) -> None:
         """Write what paho queued and could not write at once (a full socket, or packets
@@ -758,7 +836,7 @@ class BridgeShell:
         self.bus_up = up
         if up:
             self.core.bus_reset()  # no echo of an earlier import comes on this connection
-        self._wake_lane()  # (it waits on the connection that was)
+        self._wake_lanes()  # (it waits on the connection that was)
         self._save_state()
         self._notify(f"STATUS={self.status()}")
         self._poke()
@@ -772,6 +850,7 @@ class BridgeShell:
             if not self._export_ready():
                 self._exports_wait = True
                 self._poke()  # the MQTT reader reads acknowledgements now (`ACK_RUN`)
+                self._wake_lanes(exports=False)  # (and the import lane's linger ends)
                 try:
                     await self._until(self._export_ready)
                 finally:
@@ -836,14 +915,16 @@ class BridgeShell:
             if wait:  # the next batch as a run
                 time.sleep(wait)
 
-    def _wake_lane(self) -> None:
-        """Have the export lane look again at once (the bus connection changed, the
-        bridge stops).  Safe from any thread and from a signal handler."""
-        if self._lane_wake >= 0:
-            try:
-                os.eventfd_write(self._lane_wake, 1)
-            except OSError:  # closed meanwhile: the lane is gone too
-                pass
+    def _wake_lanes(self, exports: bool = True) -> None:
+        """Have the lanes look again at once (a connection changed, the bridge stops;
+        not *exports*: the import lane only, to end its linger).  Safe from any thread
+        and from a signal handler."""
+        for fd in (self._lane_wake, self._mqtt_wake) if exports else (self._mqtt_wake,):
+            if fd >= 0:
+                try:
+                    os.eventfd_write(fd, 1)
+                except OSError:  # closed meanwhile: the lane is gone too
+                    pass
 
     def _bus_error(self, exc: SbusError) -> None:
         """The broker sent a malformed packet: said, skipped."""
@@ -1088,7 +1169,7 @@ class BridgeShell:
         """End `run` (soon: the housekeeper notices).  Safe from a signal handler and
         from another thread; `run` itself ends on SIGTERM/SIGINT in the main thread."""
         self._stopping = True
-        self._wake_lane()
+        self._wake_lanes()
 
     def run(self) -> None:
         """Serve until `stop` or SIGTERM/SIGINT."""
@@ -1101,6 +1182,7 @@ class BridgeShell:
         self._loop_thread = threading.get_ident()
         self._token = trio.lowlevel.current_trio_token()
         self._lane_wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._mqtt_wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._turns.start()
         try:
             async with anyio.create_task_group() as tg:
@@ -1118,16 +1200,21 @@ class BridgeShell:
                     await self._close()
             finally:
                 self._turns.end()  # a lane still waiting for its turn finds it must stop
-                wake, self._lane_wake = self._lane_wake, -1
-                os.close(wake)
+                wakes = self._lane_wake, self._mqtt_wake
+                self._lane_wake = self._mqtt_wake = -1
+                for fd in wakes:
+                    os.close(fd)
 
     async def _close(self) -> None:
         """Say goodbye to MQTT (what paho holds written, 1 s at most: not when imports
         are unpublished, whose PUBACKs would go with it), close the bus, save the state."""
         self._stopping = True
-        self._wake_lane()
+        self._wake_lanes()
+        lost = sum(1 for _, _, qos in self._imports if qos == 0)
+        if lost:  # (the QoS 1 ones stay unacknowledged: the MQTT broker sends them again)
+            self.core.dropped(lost)
         mq = self.mq
-        if self._mqtt_live() and not self._holding and not self._acks_owed:
+        if self._mqtt_live() and not self._holding:
             self.mqtt_up = False  # a goodbye, not a loss
             with anyio.move_on_after(1.0):
                 said = False
