@@ -24,6 +24,17 @@ read buffer is handed to paho's own ``_do_on_publish`` as paho's reader would
 (`BufferedClient._packet_read`).  Every other packet, and a PUBACK split across reads,
 is paho's to read.
 
+An importing bridge reads one PUBLISH per message, and paho's way through one cost 25 µs
+of an import at 1,000 msg/s (docs/performance.md, "The import lane"): three reads, the
+decoder, an `MQTTMessage` (whose info object builds a `threading.Condition`), a topic
+match against the per-topic callbacks, the PUBACK queued with locks.  A PUBLISH at QoS 0
+or 1 found whole in the read buffer, with no property but User Properties (MQTT 5
+section 3.3.2.3.7; what mosquitto forwards from a plain or an sbus publisher), is parsed
+here and handed to `on_quick_message` (topic and payload as bytes, QoS, DUP, the user
+properties); its PUBACK goes into the write buffer as 4 bytes, as paho's would, unless
+packets wait in paho's queue ahead of it (then paho queues it, after them).  Any other
+PUBLISH, or one that does not parse, is paho's to read (and to refuse).
+
 Likewise on the way out: paho's ``publish`` of a QoS 1 message, then its ``loop_write``,
 cost 45–65 µs of a bridge woken for one export at 1,000 msg/s (docs/performance.md,
 "Bridge"), most of it locks, a packet queue and a copy for a message written at once.
@@ -109,6 +120,19 @@ def quick_properties() -> None:
         paho_packet.Properties = QuickProperties
 
 
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """MQTT's Variable Byte Integer at *at* (1 to 4 bytes): (value, where it ends), or
+    (-1, at) if it is cut off or longer than 4 bytes."""
+    value = shift = 0
+    for i in range(at, min(at + 4, len(data))):
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i + 1
+        shift += 7
+    return -1, at
+
+
 class BufferedClient(mqtt.Client):
     """`paho.mqtt.client.Client` reading and writing in runs (module docstring)."""
 
@@ -121,6 +145,10 @@ class BufferedClient(mqtt.Client):
         # what paho's decoder gives for a 2-byte PUBACK: success, no properties (shared:
         # the bridge's on_publish only reads them)
         self._acked = (ReasonCode(PacketTypes.PUBACK), Properties(PacketTypes.PUBACK))
+        #: a PUBLISH read by the short cut (module docstring): topic, payload, QoS, DUP and
+        #: user properties; None: paho reads every PUBLISH
+        self.on_quick_message: Callable[[bytes, bytes, int, bool, list[tuple[str, str]]],
+                                        None] | None = None
         #: called with the socket paho is about to close: True if it will close it itself
         #: (a thread that must not close a descriptor another thread's loop may wait on)
         self.close_later: Callable[[object], bool] | None = None
@@ -128,19 +156,87 @@ class BufferedClient(mqtt.Client):
     # -- what paho calls -------------------------------------------------------------
 
     def _packet_read(self) -> MQTTErrorCode:
-        """paho's, but a 4-byte PUBACK of success whole in the buffer is taken here
-        (module docstring)."""
+        """paho's, but a 4-byte PUBACK of success or a plain PUBLISH whole in the buffer
+        is taken here (module docstring)."""
         data, pos = self._rdata, self._rpos
-        if len(data) - pos >= 4 and data[pos] == 0x40 and data[pos + 1] == 2 \
-                and self._in_packet["command"] == 0:
-            self._rpos = pos + 4
-            self._last_bytes_received = mqtt.time_func()  # (paho's keep-alive)
-            mid = data[pos + 2] << 8 | data[pos + 3]
-            with self._out_message_mutex:
-                if mid in self._out_messages:  # (else a duplicate: paho ignores it too)
-                    return self._do_on_publish(mid, *self._acked)
-            return MQTTErrorCode.MQTT_ERR_SUCCESS
+        if self._in_packet["command"] != 0:
+            return super()._packet_read()  # in the middle of a packet: paho's
+        if pos >= len(data):  # (read here, as paho's first read would, to look at it)
+            try:
+                data = super()._sock_recv(READ_CHUNK)
+            except BlockingIOError:
+                return MQTTErrorCode.MQTT_ERR_AGAIN
+            except OSError:
+                return MQTTErrorCode.MQTT_ERR_CONN_LOST
+            if not data:
+                return MQTTErrorCode.MQTT_ERR_CONN_LOST
+            self._rdata, self._rpos, pos = data, 0, 0
+        if len(data) - pos >= 4:
+            if data[pos] == 0x40 and data[pos + 1] == 2:
+                self._rpos = pos + 4
+                self._last_bytes_received = mqtt.time_func()  # (paho's keep-alive)
+                mid = data[pos + 2] << 8 | data[pos + 3]
+                with self._out_message_mutex:
+                    if mid in self._out_messages:  # (else a duplicate: paho ignores it)
+                        return self._do_on_publish(mid, *self._acked)
+                return MQTTErrorCode.MQTT_ERR_SUCCESS
+            if data[pos] >> 4 == 3 and self.on_quick_message is not None \
+                    and self._quick_publish(data, pos):
+                return MQTTErrorCode.MQTT_ERR_SUCCESS
         return super()._packet_read()
+
+    def _quick_publish(self, data: bytes, pos: int) -> bool:
+        """Take the PUBLISH at *pos* if it is whole and plain (module docstring): whether
+        it was taken."""
+        head = data[pos]
+        qos = head >> 1 & 3
+        if qos > 1:
+            return False
+        size, i = _varint(data, pos + 1)
+        end = i + size
+        if size < 0 or end > len(data) or i + 2 > end:
+            return False
+        at = i + 2 + (data[i] << 8 | data[i + 1])
+        if at > end:
+            return False
+        topic = data[i + 2:at]
+        mid = 0
+        if qos:
+            if at + 2 > end:
+                return False
+            mid = data[at] << 8 | data[at + 1]
+            if not mid:
+                return False
+            at += 2
+        size, at = _varint(data, at)
+        stop = at + size
+        if size < 0 or stop > end:
+            return False
+        props: list[tuple[str, str]] = []
+        try:
+            while at < stop:
+                if data[at] != 0x26:  # User Property; any other: paho's
+                    return False
+                n = data[at + 1] << 8 | data[at + 2]
+                key = data[at + 3:at + 3 + n].decode("utf-8")
+                at += 3 + n
+                m = data[at] << 8 | data[at + 1]
+                value = data[at + 2:at + 2 + m].decode("utf-8")
+                at += 2 + m
+                props.append((key, value))
+        except (IndexError, UnicodeDecodeError):
+            return False
+        if at != stop:
+            return False
+        self._rpos = end
+        self._last_bytes_received = mqtt.time_func()  # (paho's keep-alive)
+        self.on_quick_message(topic, data[stop:end], qos, bool(head & 8), props)
+        if qos:
+            if self._out_packet or len(self._wbuf) >= WRITE_CHUNK:
+                self._send_puback(mid)  # after what paho queued first
+            else:
+                self._wbuf += bytes((0x40, 2, mid >> 8, mid & 0xFF))
+        return True
 
     def _sock_recv(self, bufsize: int) -> bytes:
         data, pos = self._rdata, self._rpos

@@ -347,6 +347,7 @@ class BridgeShell:
         mq.on_connect = self._on_connect
         mq.on_disconnect = self._on_disconnect
         mq.on_message = self._on_message
+        mq.on_quick_message = self._on_quick_message
         mq.close_later = self._close_later
         if 1 in self.core.export_qos_levels:  # at QoS 0 paho would build a reason and
             mq.on_publish = self._on_publish          # properties per message
@@ -504,12 +505,19 @@ class BridgeShell:
                 self._note(f"the MQTT broker refused an exported message: {reason}")
 
     def _on_message(self, mq, userdata, msg: mqtt.MQTTMessage) -> None:
-        """One message from MQTT: whatever it holds, it is counted and never raises."""
+        """A message paho read (`_on_quick_message` takes most)."""
+        self._on_quick_message(msg._topic, msg.payload, msg.qos, bool(msg.dup),
+                               getattr(msg.properties, "UserProperty", None) or [])
+
+    def _on_quick_message(self, topic: bytes, payload: bytes, qos: int, dup: bool,
+                          props: list) -> None:
+        """One message from MQTT (from paho, or `BufferedClient`'s short cut): whatever
+        it holds, it is counted and never raises."""
         self._activity += 1
         marker = stamp = None
         numbering = 1
         scope: list[str] = []
-        for prop in getattr(msg.properties, "UserProperty", None) or ():
+        for prop in props:
             if isinstance(prop, tuple) and len(prop) == 2:
                 if prop[0] == MARKER:
                     marker = prop[1]
@@ -520,21 +528,20 @@ class BridgeShell:
                 elif prop[0] == SCOPE:
                     scope.append(prop[1])
         try:
-            topic = msg.topic.encode("utf-8")
+            topic.decode("utf-8")
         except UnicodeDecodeError:  # the broker should have refused it
             self.core.refused_by_broker()
             self._note("the MQTT broker sent a topic that is not UTF-8")
             return
-        payload = msg.payload
         key = self.core.from_mqtt(topic, payload, marker, stamp, tuple(scope), numbering)
         if key is None:
             return
         if not self.bus_up:
             self.core.dropped()
             return
-        if msg.dup:  # its stamp, if any, was not seen: the last run may have imported it
+        if dup:  # its stamp, if any, was not seen: the last run may have imported it
             self.core.counters.redelivered += 1
-        self._imports.append((key, payload, msg.qos))  # published by `_import`
+        self._imports.append((key, payload, qos))  # published by `_import`
         self._import_bytes += len(key) + len(payload)
 
     def _connect_mqtt(self) -> None:
@@ -710,8 +717,8 @@ class BridgeShell:
             if self._import_bytes >= IMPORT_BYTES and not self._import_nowait():
                 return False
             if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or self._activity == before \
-                    or not self.bus_up:
-                break
+                    or not self.bus_up or not self.mq.pending():
+                break  # (nothing read ahead: the socket's poll says when more comes)
         return self._import_nowait()
 
     def _import_nowait(self) -> bool:
