@@ -66,7 +66,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from .. import protocol, sdnotify
-from ..client import AsyncClient, SbusError
+from ..client import SLOTS, AsyncClient, SbusError
 from ..defaults import MAX_MESSAGE
 from ..display import printable
 from ..errors import InvalidRequest
@@ -717,8 +717,8 @@ class BridgeShell:
             if self._import_bytes >= IMPORT_BYTES and not self._import_nowait():
                 return False
             if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or self._activity == before \
-                    or not self.bus_up or not self.mq.pending():
-                break  # (nothing read ahead: the socket's poll says when more comes)
+                    or not self.bus_up:
+                break
         return self._import_nowait()
 
     def _import_nowait(self) -> bool:
@@ -736,7 +736,7 @@ class BridgeShell:
         while done < count:
             run: list[bytes] = []
             refused = None
-            for key, payload, _ in imports[done:]:
+            for key, payload, _ in imports[done:done + SLOTS]:  # (encoded once, mostly)
                 try:
                     run.append(packet(key, payload))
                 except InvalidRequest as exc:  # too large for the bus, or a key it refuses
