@@ -69,9 +69,10 @@ class Turns(trio.abc.Instrument):
                 self._queue.notify_all()
 
     def __enter__(self) -> Turns:
-        with self._queue:
-            while self._trio_waits:  # trio's turn first (module docstring)
-                self._queue.wait()
+        if self._trio_waits:  # (read without the lock first: a flag, under the GIL)
+            with self._queue:
+                while self._trio_waits:  # trio's turn first (module docstring)
+                    self._queue.wait()
         self._lock.acquire()
         return self
 

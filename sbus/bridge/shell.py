@@ -714,7 +714,10 @@ class BridgeShell:
                 self.mqtt_retry.failed(time.monotonic())
                 self._poke()
                 break
-            if self._import_bytes >= IMPORT_BYTES and not self._import_nowait():
+            # on the bus before the next read: what came in this one (20 µs sooner for a
+            # lone message), or a large run
+            if (self._import_bytes >= IMPORT_BYTES or not self.mq.pending()) \
+                    and not self._import_nowait():
                 return False
             if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or self._activity == before \
                     or not self.bus_up:
