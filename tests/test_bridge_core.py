@@ -648,10 +648,11 @@ def _user_property(key: str, value: str) -> bytes:
     return b"\x26" + len(k).to_bytes(2, "big") + k + len(v).to_bytes(2, "big") + v
 
 
-def _read_all(stream: bytes, quick: bool, cut: int | None = None):
-    """What a connected `BufferedClient` hands on for *stream* (in two reads if *cut*):
-    (messages as (topic, payload, qos, dup, user properties), the bytes it writes,
-    whether a read failed, how many messages paho decoded)."""
+def _read_all(stream: bytes, quick: bool, cut: int | None = None, queued: bool = False):
+    """What a connected `BufferedClient` hands on for *stream* (in two reads if *cut*;
+    with a SUBSCRIBE queued by paho first if *queued*): (messages as (topic, payload,
+    qos, dup, user properties), the bytes it writes, whether a read failed, how many
+    messages paho decoded)."""
     import socket
 
     import paho.mqtt.client as mqtt
@@ -672,6 +673,8 @@ def _read_all(stream: bytes, quick: bool, cut: int | None = None):
          list(getattr(m.properties, "UserProperty", None) or [])))
     if quick:
         mq.on_quick_message = lambda *m: got.append((*m[:4], list(m[4])))
+    if queued:
+        mq.subscribe("s", qos=1)  # in paho's queue: the PUBACKs must go after it
     failed = False
     for part in (stream,) if cut is None else (stream[:cut], stream[cut:]):
         b.sendall(part)
@@ -721,6 +724,9 @@ def test_buffered_client_takes_plain_publishes_as_paho_would() -> None:
     assert _read_all(stream, quick=True)[3] == 0  # all of them by the short cut
     for cut in (1, 2, 5, len(plain[0]) + 3, len(stream) - 2):
         assert _read_all(stream, quick=True, cut=cut)[:3] == (want, acks, False), cut
+    after = _read_all(stream, quick=False, queued=True)
+    assert after[1].endswith(acks) and len(after[1]) > len(acks)  # the SUBSCRIBE first
+    assert _read_all(stream, quick=True, queued=True)[:3] == after[:3]
     expiry = Properties(PacketTypes.PUBLISH)
     expiry.MessageExpiryInterval = 60
     paho_only = [

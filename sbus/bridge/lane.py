@@ -7,7 +7,7 @@ blocked in ``poll`` on a socket is woken by the kernel directly.  So the bridge 
 the bus in such a thread, its *export lane* (`BridgeShell._lane`), and MQTT in another,
 its *import lane* (`BridgeShell._mqtt_lane`), and runs those turns there.
 
-`Turns` keeps the two threads from ever running the bridge's code at once, so that its
+`Turns` keeps these threads from ever running the bridge's code at once, so that its
 state needs no other lock and reads as single-threaded code: a lock the trio thread
 holds at all times except while trio waits for I/O (a trio `Instrument` lets go of it
 before each wait with a timeout and takes it back after), and that the lane holds for

@@ -347,7 +347,7 @@ class BridgeShell:
         mq.on_connect = self._on_connect
         mq.on_disconnect = self._on_disconnect
         mq.on_message = self._on_message
-        mq.on_quick_message = self._on_quick_message
+        mq.on_quick_message = self._received
         mq.close_later = self._close_later
         if 1 in self.core.export_qos_levels:  # at QoS 0 paho would build a reason and
             mq.on_publish = self._on_publish          # properties per message
@@ -505,11 +505,11 @@ class BridgeShell:
                 self._note(f"the MQTT broker refused an exported message: {reason}")
 
     def _on_message(self, mq, userdata, msg: mqtt.MQTTMessage) -> None:
-        """A message paho read (`_on_quick_message` takes most)."""
-        self._on_quick_message(msg._topic, msg.payload, msg.qos, bool(msg.dup),
+        """A message paho read itself (most come by `BufferedClient`'s short cut)."""
+        self._received(msg._topic, msg.payload, msg.qos, bool(msg.dup),
                                getattr(msg.properties, "UserProperty", None) or [])
 
-    def _on_quick_message(self, topic: bytes, payload: bytes, qos: int, dup: bool,
+    def _received(self, topic: bytes, payload: bytes, qos: int, dup: bool,
                           props: list) -> None:
         """One message from MQTT (from paho, or `BufferedClient`'s short cut): whatever
         it holds, it is counted and never raises."""
