@@ -148,14 +148,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _mosquitto(tmp: Path) -> tuple[int, Mosquitto]:
+    """A mosquitto of its own on a free local port: (the port, the broker)."""
+    port = _free_port()
+    (tmp / "m").mkdir()
+    return port, Mosquitto(tmp / "m", [("127.0.0.1", port)]).start()
+
+
+def _sigterm_ends_it_at_once(br: Bridge) -> None:
+    """SIGTERM ends the bridge *br* cleanly, in under 2 s, whatever it is doing."""
+    assert br.proc is not None
+    stopping = time.monotonic()
+    br.proc.send_signal(signal.SIGTERM)
+    assert br.proc.wait(5) == 0
+    assert time.monotonic() - stopping < 2, "SIGTERM waited for the flood"
+
+
 def test_exports_are_taken_in_the_lane_in_order(broker: BrokerProcess, short_tmp: Path
                                                 ) -> None:
     """A running bridge (real broker, real mosquitto, QoS 1 with a spool) takes its
     exports in the lane: 100 one at a time and 400 in one go arrive, all and in order,
     and the lane took the batches."""
-    port = _free_port()
-    (short_tmp / "m").mkdir()
-    m = Mosquitto(short_tmp / "m", [("127.0.0.1", port)]).start()
+    port, m = _mosquitto(short_tmp)
     peer = Peer(m.sock, ["seq/#"])
     shell = BridgeShell(BridgeCore([b"seq/"], [], client_id="lane"), broker.address,
                         MqttSettings([Broker("127.0.0.1", port)],
@@ -204,9 +218,7 @@ def test_a_flood_of_exports_leaves_the_bridge_its_other_work(broker: BrokerProce
     """A local publisher floods an exported key (QoS 0: no window stops the lane) from
     its own process: the bridge's trio side still runs (STATUS= lines keep coming, with
     growing counts) and SIGTERM still ends it at once."""
-    port = _free_port()
-    (short_tmp / "m").mkdir()
-    m = Mosquitto(short_tmp / "m", [("127.0.0.1", port)]).start()
+    port, m = _mosquitto(short_tmp)
     br = Bridge(short_tmp, "flood", broker.address, f"mqtt://127.0.0.1:{port}",
                 ["--export", "f/", "--export-qos", "0"])
     flood = None
@@ -222,11 +234,7 @@ def test_a_flood_of_exports_leaves_the_bridge_its_other_work(broker: BrokerProce
             seen.append(counts["exported"])
         assert len(seen) >= 3, f"STATUS= said {seen} in 3 s of flood"
         assert flood.poll() is None, "the flood ended before the checks"
-        assert br.proc is not None
-        stopping = time.monotonic()
-        br.proc.send_signal(signal.SIGTERM)
-        assert br.proc.wait(5) == 0
-        assert time.monotonic() - stopping < 2, "SIGTERM waited for the flood"
+        _sigterm_ends_it_at_once(br)
     finally:
         if flood is not None:
             flood.kill()
@@ -254,9 +262,7 @@ def test_imports_are_taken_in_the_import_lane_in_order(broker: BrokerProcess,
     reads MQTT in its import lane: 100 imports one at a time and 400 in one go reach
     the bus, all and in order, while 300 exports go the other way, all and in order;
     the lanes took the turns."""
-    port = _free_port()
-    (short_tmp / "m").mkdir()
-    m = Mosquitto(short_tmp / "m", [("127.0.0.1", port)]).start()
+    port, m = _mosquitto(short_tmp)
     peer = Peer(m.sock, ["out/#"])
     shell = BridgeShell(BridgeCore([b"out/"], [b"in/"], client_id="lanes"),
                         broker.address, MqttSettings([Broker("127.0.0.1", port)]))
@@ -340,9 +346,7 @@ def test_a_flood_of_imports_delays_a_shared_bridges_exports_and_loses_none(
     connection, both directions"); but the bridge's own work goes on (STATUS= lines keep
     coming), the exports all go, in order, once the flood ends, and SIGTERM ends the
     bridge at once in the middle of a flood."""
-    port = _free_port()
-    (short_tmp / "m").mkdir()
-    m = Mosquitto(short_tmp / "m", [("127.0.0.1", port)]).start()
+    port, m = _mosquitto(short_tmp)
     peer = Peer(m.sock, ["out/#"])
     br = Bridge(short_tmp, "iflood", broker.address, f"mqtt://127.0.0.1:{port}",
                 ["--export", "out/", "--import", "in/", "--import-qos", "0"])
@@ -366,11 +370,7 @@ def test_a_flood_of_imports_delays_a_shared_bridges_exports_and_loses_none(
         floods.append(_mqtt_flood(m.sock, 30))
         imported = br.counters()["imported"]
         br.wait_counters(lambda c: c["imported"] > imported + 10000)
-        assert br.proc is not None
-        stopping = time.monotonic()
-        br.proc.send_signal(signal.SIGTERM)
-        assert br.proc.wait(5) == 0
-        assert time.monotonic() - stopping < 2, "SIGTERM waited for the flood"
+        _sigterm_ends_it_at_once(br)
     finally:
         for flood in floods:
             flood.kill()
@@ -384,9 +384,7 @@ def test_a_bridge_per_direction_keeps_exports_going_under_an_import_flood(
         broker: BrokerProcess, short_tmp: Path) -> None:
     """The same flood, with the exports in a bridge of their own (its own MQTT
     connection): every export arrives, in order, while the flood still lasts."""
-    port = _free_port()
-    (short_tmp / "m").mkdir()
-    m = Mosquitto(short_tmp / "m", [("127.0.0.1", port)]).start()
+    port, m = _mosquitto(short_tmp)
     peer = Peer(m.sock, ["out/#"])
     url = f"mqtt://127.0.0.1:{port}"
     importer = Bridge(short_tmp, "in", broker.address, url,
