@@ -194,7 +194,9 @@ from pyspark.sql import SparkSession
 import sbus.spark
 
 spark = (SparkSession.builder.master("local[1]").appName("sbus-killed-driver")
-         .config("spark.driver.defaultJavaOptions", sys.argv[2])
+         .config("spark.driver.defaultJavaOptions",
+                 f"{sys.argv[2]} -Djava.io.tmpdir={sys.argv[3]}")
+         .config("spark.local.dir", sys.argv[3])  # (killed: nothing of it cleans up)
          .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "1")
          .getOrCreate())
 sbus.spark.register(spark)
@@ -231,11 +233,16 @@ class DriverToKill:
                                                          strict=True)]
         script = tmp / "driver.py"
         script.write_text(STREAM_DRIVER)
+        #: the JVM's scratch directories: removed here, as the killed JVM cannot (in /tmp,
+        #: each run left three behind)
+        self.scratch = tmp / "spark-scratch"
+        self.scratch.mkdir()
         self.log = tmp / "driver.log"  # a file: nobody reads a pipe while other tests run
         self.stopped = False
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(script), json.dumps(spec), FAST_JVM], stdin=subprocess.DEVNULL,
+                [sys.executable, str(script), json.dumps(spec), FAST_JVM, str(self.scratch)],
+                stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
 
     def kill(self) -> dict[str, tuple]:
@@ -260,6 +267,7 @@ class DriverToKill:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
