@@ -4,6 +4,7 @@ imports of a running bridge are taken there, in order (sbus/bridge/lane.py)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import trio
 from conftest import BrokerProcess
+from faultkit import as_user
 from mqtt_hosts import Bridge, Mosquitto, Peer
 
 from sbus.bridge.core import BridgeCore
@@ -410,3 +412,76 @@ def test_a_bridge_per_direction_keeps_exports_going_under_an_import_flood(
         exporter.close()
         peer.close()
         m.stop()
+
+
+ATTACKER_UID, HONEST_UID = 65534, 65532
+
+
+def _flood_exports(pipe, address: str, seconds: float) -> None:
+    """Another user: publish on an exported key as fast as the bus takes it."""
+    bus = Client(address)
+    payload = b"x" * 64
+    end = time.monotonic() + seconds
+    sent = 0
+    while time.monotonic() < end:
+        for _ in range(500):
+            bus.publish("out/flood", payload)
+        sent += 500
+    pipe.send(sent)
+
+
+def _export_numbered(pipe, address: str, count: int) -> None:
+    """Another user: *count* numbered exports, one every 2 ms."""
+    with Client(address) as bus:
+        for n in range(count):
+            bus.publish("out/honest", b"%d" % n)
+            time.sleep(0.002)
+        bus.whoami()  # the broker has them all
+    pipe.send(count)
+
+
+def test_a_local_user_flooding_exports_cannot_make_anothers_losses_silent(
+        short_tmp: Path) -> None:
+    """Two other local users share one bridge: one floods an exported key from its own
+    UID as fast as the bus takes it, the other sends 300 numbered exports meanwhile.  The
+    bridge carries what it can; what the local broker had to drop from its queue for the
+    bridge is counted in `dropped` (the broker's `blocking/dropped`): the honest user's
+    messages that never reached MQTT are at most that count, those that did arrive in
+    order, and the bridge still answers SIGTERM at once."""
+    os.chmod(short_tmp, 0o755)  # the other users reach the bus socket
+    bus_broker = BrokerProcess(str(short_tmp / "bus.sock")).start()
+    port, m = _mosquitto(short_tmp)
+    peer = Peer(m.sock, ["out/honest"])
+    br = Bridge(short_tmp, "shared", bus_broker.address, f"mqtt://127.0.0.1:{port}",
+                ["--export", "out/", "--export-qos", "0"])
+    procs = []
+    try:
+        br.start()
+        flood, flood_pipe = as_user(ATTACKER_UID, _flood_exports, bus_broker.address, 4.0)
+        procs.append(flood)
+        br.wait_counters(lambda c: c["exported"] > 10000)  # the flood is going through
+        honest, honest_pipe = as_user(HONEST_UID, _export_numbered, bus_broker.address, 300)
+        procs.append(honest)
+        assert honest_pipe.poll(20) and honest_pipe.recv() == 300
+        assert flood_pipe.poll(20) and flood_pipe.recv() > 0
+        c = br.wait_counters(lambda c: True)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # until the bridge's counts stand still
+            time.sleep(0.5)
+            later = br.counters()
+            if later == c:
+                break
+            c = later
+        got = [int(p) for _, p, _ in peer.got]
+        assert got == sorted(got) and len(set(got)) == len(got)  # in order, once each
+        lost = 300 - len(got)
+        assert lost <= c["dropped"], (lost, c)
+        print(f"honest user: {len(got)} of 300 exported; bridge counters {c}")
+        _sigterm_ends_it_at_once(br)
+    finally:
+        for p in procs:
+            p.kill()
+        br.close()
+        peer.close()
+        m.stop()
+        bus_broker.stop()

@@ -293,6 +293,11 @@ class BridgeCore:
         self.counters.imported += 1
         self.counters.imported_bytes += size
 
+    def redelivered(self) -> None:
+        """An import taken that MQTT marked as sent before (DUP) and no stamp caught: it
+        may be on the bus twice (the run before a kill -9 had it there)."""
+        self.counters.redelivered += 1
+
     # -- losses ------------------------------------------------------------------
 
     def dropped(self, n: int = 1) -> None:

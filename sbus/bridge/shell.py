@@ -539,8 +539,8 @@ class BridgeShell:
         if not self.bus_up:
             self.core.dropped()
             return
-        if dup:  # its stamp, if any, was not seen: the last run may have imported it
-            self.core.counters.redelivered += 1
+        if dup:
+            self.core.redelivered()
         self._imports.append((key, payload, qos))  # published by `_import`
         self._import_bytes += len(key) + len(payload)
 
