@@ -930,11 +930,13 @@ class BrokerCore:
         (`Limits.trusted`), and never a publisher that asked not to be paused
         (`protocol.PUBLISHER_NOWAIT`).  What a blocking queue holds beyond its limit is
         charged to the publisher's user (`Client.held`), and once that user's budget is
-        spent the target loses the packet instead (counted, reported)."""
+        spent the target loses the packet instead (counted, reported).  A full queue
+        is shared by the publishers' users (`OutQueue.offer`'s *owner*): the flooder
+        loses its own packets (`Verdict.EVICTED`)."""
         out = t.out
         pub_budget = publisher.out.budget
-        may_block = not publisher.nowait and (t.cred.uid == publisher.cred.uid
-                                              or t.may_pause_others)
+        uid = publisher.cred.uid
+        may_block = not publisher.nowait and (t.cred.uid == uid or t.may_pause_others)
         for j in range(start, end):
             packet = copies.get(j)
             if packet is None:
@@ -943,9 +945,11 @@ class BrokerCore:
             if over and pub_budget is not None and \
                     pub_budget.queued + len(packet) > pub_budget.limit:
                 over = may_block = False  # its user cannot hold more: drop
-            verdict = out.offer(packet, may_block)
+            verdict = out.offer(packet, may_block, uid)
             if verdict is Verdict.DROPPED:
                 self.dropped += 1
+            elif verdict is Verdict.EVICTED:
+                self.dropped += out.evicted
             elif verdict is Verdict.BLOCK:
                 if over:
                     size = len(packet) + PACKET_OVERHEAD
@@ -1098,13 +1102,10 @@ class BrokerCore:
             if conn.closed:
                 continue
             out = conn.out
-            if isinstance(out.items, list):  # largest first: a heap of (-size, seq, packet)
-                queued = [p for _, _, p in sorted(out.items, key=lambda item: item[1])]
-            else:
-                queued = list(out.items)
             clients.append(handover.ClientState(
                 conn.id, sorted(self.index.patterns(conn).items()), out.soft.value,
-                out.hard.value, out.order.value, conn.nowait, queued, out.dropped))
+                out.hard.value, out.order.value, conn.nowait, out.arrival_order(),
+                out.dropped))
         counters = {"published": self.published, "delivered": self.delivered,
                     "dropped": self.dropped, "disconnects": self.disconnects}
         return handover.State(self.sep, counters, clients)

@@ -11,7 +11,9 @@ soft block     keep it, and pause each publisher that sends to this client
                until the client's queue is empty again
 soft error     the client is misbehaving: disconnect it
 hard discard   (default) with soft queue, a queue at its byte limit (or whose user's
-               budget of queued bytes is spent) drops new packets
+               budget of queued bytes is spent) drops a packet: the newest of the
+               user (publisher's UID) holding the most of the queue, so that a user
+               who holds less always gets in (see "A share for each user" below)
 hard block     with soft queue, a full queue pauses publishers until it is half empty
 hard error     with soft queue, a full queue disconnects the client
 order queue    (default) waiting packets leave oldest first
@@ -26,6 +28,16 @@ discard.
 
 Every queued packet is charged its length plus `PACKET_OVERHEAD` (the memory a queue
 entry costs besides the bytes), so a queue of tiny packets is bounded like any other.
+A share for each user: a full queue gives way to a publisher's user (UID) holding less of
+it than another user does.  The newest packet of the user holding the most is dropped in
+its place (counted and reported like any drop; `Verdict.EVICTED`), so one user flooding a
+subscriber loses its own packets, not everybody's, and a subscriber that carries many
+users (the bridge, a shared reader) loses only the flooder's.  The search for that packet
+looks at the last `EVICT_SCAN` packets of the queue, and at most that many give way for
+one packet; under ``order random`` (a heap) the
+arriving packet is dropped as before.  Packets the broker queues itself (`force`) and
+those handed over by a predecessor have no user and are never given way.
+
 A change of order re-sorts at most `REORDER_LIMIT` packets at once: on a longer queue
 it takes effect once the queue has drained to that length, so that flipping the order
 back and forth costs the broker next to nothing.
@@ -50,6 +62,9 @@ PACKET_OVERHEAD = 64
 HEAP_OVERHEAD = 160
 #: Packets re-sorted at most when the order changes.
 REORDER_LIMIT = 256
+#: Packets looked at, newest first, for the heaviest user's newest one to give way;
+#: and packets that give way at most for one arriving packet (a bound on its work).
+EVICT_SCAN = 64
 
 
 class Budget:
@@ -92,6 +107,7 @@ class Verdict(Enum):
     DROPPED = 1  # not kept; counted in `dropped`
     BLOCK = 2  # kept; the publisher must wait until `publisher_may_continue()`
     ERROR = 3  # the client is misbehaving and must be disconnected
+    EVICTED = 4  # kept in place of `OutQueue.evicted` packets of a heavier user (dropped)
 
 
 def parse_control(key: bytes) -> Soft | Hard | Order | None:
@@ -113,7 +129,7 @@ class OutQueue:
     """One client's waiting packets, their policy, and the byte limit of the hard policy."""
 
     __slots__ = ("limit", "soft", "hard", "_order", "_next_order", "_overhead", "items", "_seq",
-                 "nbytes", "dropped", "budget")
+                 "nbytes", "dropped", "budget", "owners", "held", "evicted")
 
     def __init__(self, limit: int, budget: Budget | None = None) -> None:
         self.limit = limit
@@ -123,10 +139,13 @@ class OutQueue:
         self._order = Order.QUEUE
         self._next_order: Order | None = None  # asked for, waiting for a short queue
         self._overhead = PACKET_OVERHEAD
-        self.items: deque[bytes] | list[tuple[int, int, bytes]] = deque()
+        self.items: deque[bytes] | list[tuple[int, int, bytes, int | None]] = deque()
+        self.owners: deque[int | None] = deque()  # beside `items` (not in a heap)
+        self.held: dict[int, int] = {}  # bytes queued per user (publisher's UID)
         self._seq = itertools.count()
         self.nbytes = 0
         self.dropped = 0  # packets dropped since last `take_dropped()`
+        self.evicted = 0  # packets the last `Verdict.EVICTED` dropped
 
     def __len__(self) -> int:
         return len(self.items)
@@ -160,21 +179,28 @@ class OutQueue:
     def _reorder(self, order: Order) -> None:
         self._next_order = None
         if self._order is Order.RANDOM:  # back to arrival order
-            packets = [p for _, _, p in sorted(self.items, key=lambda item: item[1])]
+            queued = [(p, o) for _, _, p, o in sorted(self.items, key=lambda item: item[1])]
         else:
-            packets = list(self.items)
+            queued = list(zip(self.items, self.owners, strict=True))
         self.clear()  # the re-push below charges the budget again
         self._order = order
         self._overhead = HEAP_OVERHEAD if order is Order.RANDOM else PACKET_OVERHEAD
         self.items = [] if order is Order.RANDOM else deque()
-        for packet in packets:
-            self._push(packet)
+        for packet, owner in queued:
+            self._push(packet, owner)
 
-    def offer(self, packet: bytes, may_block: bool = True) -> Verdict:
+    def arrival_order(self) -> list[bytes]:
+        """The queued packets, oldest first (what a successor is handed)."""
+        if self._order is Order.RANDOM:
+            return [p for _, _, p, _ in sorted(self.items, key=lambda item: item[1])]
+        return list(self.items)
+
+    def offer(self, packet: bytes, may_block: bool = True, owner: int | None = None) -> Verdict:
         """A packet the kernel would not take now (or that must wait behind others).
 
         *may_block*: whether this client may pause the packet's publisher; if not, a
-        blocking policy is served as soft queue, hard discard.
+        blocking policy is served as soft queue, hard discard.  *owner*: the publisher's
+        user, whose share of a full queue decides what is dropped (None: no share).
         """
         soft = self.soft
         if soft is Soft.DISCARD:
@@ -183,7 +209,7 @@ class OutQueue:
         if soft is Soft.ERROR:
             return Verdict.ERROR
         if soft is Soft.BLOCK and may_block:
-            self._push(packet)
+            self._push(packet, owner)
             return Verdict.BLOCK
         budget = self.budget
         size = len(packet) + self._overhead
@@ -193,16 +219,53 @@ class OutQueue:
             if hard is Hard.ERROR and soft is not Soft.BLOCK:
                 return Verdict.ERROR
             if hard is Hard.BLOCK and soft is not Soft.BLOCK and may_block:
-                self._push(packet)
+                self._push(packet, owner)
                 return Verdict.BLOCK
+            if owner is not None and self._give_way(owner, size):
+                self._push(packet, owner)
+                return Verdict.EVICTED
             self.dropped += 1
             return Verdict.DROPPED
-        self._push(packet)
+        self._push(packet, owner)
         return Verdict.QUEUED
 
+    def _give_way(self, owner: int, size: int) -> bool:
+        """Make room for *size* bytes of *owner* by dropping the newest packets of the
+        user holding the most, as long as that user would still hold more than *owner*;
+        whether the room is there (`evicted` says how many packets went)."""
+        held, items, owners, budget = self.held, self.items, self.owners, self.budget
+        if self._order is Order.RANDOM or len(held) < 2 and owner in held:
+            return False
+        mine = held.get(owner, 0) + size
+        evicted = 0
+        while (self.nbytes + size > self.limit or
+               budget is not None and budget.queued + size > budget.limit) and \
+                evicted < EVICT_SCAN:
+            heaviest = max(held, key=held.__getitem__, default=None)
+            if heaviest is None or heaviest == owner or held[heaviest] <= mine:
+                break
+            end = len(items)
+            for i in range(end - 1, max(end - 1 - EVICT_SCAN, -1), -1):
+                if owners[i] == heaviest:
+                    break
+            else:
+                break
+            packet = items[i]
+            del items[i]
+            del owners[i]
+            self._uncharge(len(packet) + self._overhead, heaviest)
+            evicted += 1
+        self.evicted = evicted
+        self.dropped += evicted
+        if self.nbytes + size > self.limit or \
+                budget is not None and budget.queued + size > budget.limit:
+            return False  # what went stays gone (counted): the queue is fairer for it
+        return True
+
     def force(self, packet: bytes) -> None:
-        """Queue a packet whatever the policy (the broker's own replies)."""
-        self._push(packet)
+        """Queue a packet whatever the policy (the broker's own replies): it has no user
+        and never gives way."""
+        self._push(packet, None)
 
     def publisher_may_continue(self) -> bool:
         """Whether a publisher paused by this queue may go on.
@@ -229,17 +292,27 @@ class OutQueue:
         items = self.items
         if self._order is Order.QUEUE:
             packet = items.popleft()
+            owner = self.owners.popleft()
         elif self._order is Order.STACK:
             packet = items.pop()
+            owner = self.owners.pop()
         else:
-            packet = heapq.heappop(items)[2]
-        size = len(packet) + self._overhead
-        self.nbytes -= size
-        if self.budget is not None:
-            self.budget.queued -= size
+            _, _, packet, owner = heapq.heappop(items)
+        self._uncharge(len(packet) + self._overhead, owner)
         if self._next_order is not None and len(items) <= REORDER_LIMIT:
             self._reorder(self._next_order)
         return packet
+
+    def _uncharge(self, size: int, owner: int | None) -> None:
+        self.nbytes -= size
+        if self.budget is not None:
+            self.budget.queued -= size
+        if owner is not None:
+            left = self.held[owner] - size
+            if left:
+                self.held[owner] = left
+            else:
+                del self.held[owner]
 
     def take_dropped(self) -> int:
         n, self.dropped = self.dropped, 0
@@ -249,14 +322,20 @@ class OutQueue:
         if self.budget is not None:
             self.budget.queued -= self.nbytes
         self.items.clear()
+        self.owners.clear()
+        self.held.clear()
         self.nbytes = 0
 
-    def _push(self, packet: bytes) -> None:
+    def _push(self, packet: bytes, owner: int | None) -> None:
         size = len(packet) + self._overhead
         self.nbytes += size
         if self.budget is not None:
             self.budget.queued += size
+        if owner is not None:
+            held = self.held
+            held[owner] = held.get(owner, 0) + size
         if self._order is Order.RANDOM:
-            heapq.heappush(self.items, (-len(packet), next(self._seq), packet))
+            heapq.heappush(self.items, (-len(packet), next(self._seq), packet, owner))
         else:
             self.items.append(packet)
+            self.owners.append(owner)

@@ -440,14 +440,14 @@ def _export_numbered(pipe, address: str, count: int) -> None:
     pipe.send(count)
 
 
-def test_a_local_user_flooding_exports_cannot_make_anothers_losses_silent(
-        short_tmp: Path) -> None:
+def test_a_local_user_flooding_exports_cannot_starve_another(short_tmp: Path) -> None:
     """Two other local users share one bridge: one floods an exported key from its own
     UID as fast as the bus takes it, the other sends 300 numbered exports meanwhile.  The
-    bridge carries what it can; what the local broker had to drop from its queue for the
-    bridge is counted in `dropped` (the broker's `blocking/dropped`): the honest user's
-    messages that never reached MQTT are at most that count, those that did arrive in
-    order, and the bridge still answers SIGTERM at once."""
+    local broker's queue for the bridge gives each user a share (docs/protocol.md, "A
+    share for each user"): the flooder loses its own messages, counted in the bridge's
+    `dropped` (the broker's `blocking/dropped`), while all 300 of the other user's arrive,
+    in order and once each; and the bridge still answers SIGTERM at once.  Before the
+    share, 13–26 of the 300 were lost (counted)."""
     os.chmod(short_tmp, 0o755)  # the other users reach the bus socket
     bus_broker = BrokerProcess(str(short_tmp / "bus.sock")).start()
     port, m = _mosquitto(short_tmp)
@@ -473,10 +473,8 @@ def test_a_local_user_flooding_exports_cannot_make_anothers_losses_silent(
                 break
             c = later
         got = [int(p) for _, p, _ in peer.got]
-        assert got == sorted(got) and len(set(got)) == len(got)  # in order, once each
-        lost = 300 - len(got)
-        assert lost <= c["dropped"], (lost, c)
-        print(f"honest user: {len(got)} of 300 exported; bridge counters {c}")
+        assert got == list(range(300)), f"{len(got)} of 300 exported; {c}"
+        assert c["dropped"] > 0, c  # the flood did overrun the bridge: the flooder paid
         _sigterm_ends_it_at_once(br)
     finally:
         for p in procs:

@@ -3,6 +3,7 @@
 import time
 
 from sbus.flood import (
+    EVICT_SCAN,
     HEAP_OVERHEAD,
     PACKET_OVERHEAD,
     REORDER_LIMIT,
@@ -131,3 +132,69 @@ def test_order_flips_over_a_long_queue_cost_no_re_sort():
     sizes = [len(q.pop()) for _ in range(len(q))]
     assert sizes == sorted(sizes, reverse=True)  # now largest first
     assert q.nbytes == 0
+
+
+def _fill(q: OutQueue, owner: int, packet: bytes = b"flood") -> int:
+    n = 0
+    while q.offer(packet, owner=owner) is Verdict.QUEUED:
+        n += 1
+    return n
+
+
+def test_a_full_queue_gives_way_to_a_user_holding_less():
+    q = OutQueue(limit=10 * (5 + OV))
+    assert _fill(q, owner=1000) == 10 and q.take_dropped() == 1  # one user alone: as before
+    assert q.offer(b"flood", owner=1000) is Verdict.DROPPED  # the heaviest gets no way
+    assert q.offer(b"mine", owner=2000) is Verdict.EVICTED and q.evicted == 1
+    assert q.take_dropped() == 2  # the flooder's own drop and the one given way
+    assert q.held == {1000: 9 * (5 + OV), 2000: 4 + OV}
+    assert q.offer(b"x" * 30, owner=2000) is Verdict.EVICTED and q.evicted == 2
+    packets = [q.pop() for _ in range(len(q))]
+    assert packets == [b"flood"] * 7 + [b"mine", b"x" * 30]  # arrival order kept
+    assert q.nbytes == 0 and q.held == {}
+
+
+def test_the_share_stops_where_the_users_would_hold_alike():
+    q = OutQueue(limit=10 * (5 + OV))
+    _fill(q, owner=1)
+    taken = 0
+    while q.offer(b"other", owner=2) is Verdict.EVICTED:
+        taken += 1
+    assert taken == 5 and q.held == {1: 5 * (5 + OV), 2: 5 * (5 + OV)}
+    assert q.offer(b"third", owner=3) is Verdict.EVICTED  # a third user still gets in
+    assert q.held[3] == 5 + OV and sum(q.held.values()) == q.nbytes <= q.limit
+
+
+def test_what_has_no_user_never_gives_way_and_a_heap_does_not_share():
+    q = OutQueue(limit=3 * (5 + OV))
+    for _ in range(3):
+        q.force(b"reply")
+    assert q.offer(b"mine", owner=2) is Verdict.DROPPED and q.held == {}
+    r = OutQueue(limit=3 * (5 + HEAP_OVERHEAD))
+    r.order = Order.RANDOM
+    _fill(r, owner=1)
+    assert r.offer(b"mine", owner=2) is Verdict.DROPPED
+    r.order = Order.QUEUE  # back to arrival order: the owners come along
+    _fill(r, owner=1)
+    assert r.offer(b"mine", owner=2) is Verdict.EVICTED and r.held[2] == 4 + OV
+
+
+def test_giving_way_is_bounded_per_packet_and_charges_the_budget():
+    budget = Budget(limit=1 << 20)
+    q = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV), budget=budget)
+    _fill(q, owner=1, packet=b"f")
+    big = b"x" * ((EVICT_SCAN + 10) * (1 + OV))
+    assert q.offer(big, owner=2) is Verdict.DROPPED  # would need more than EVICT_SCAN to go
+    assert q.take_dropped() == 1 + EVICT_SCAN + 1 and len(q) == EVICT_SCAN * 3
+    assert budget.queued == q.nbytes == q.held[1]
+    q.clear()
+    assert budget.queued == 0 and q.held == {}
+
+
+def test_a_user_whose_packets_are_not_near_the_end_is_not_searched_for():
+    q = OutQueue(limit=(EVICT_SCAN * 3) * (1 + OV))
+    for _ in range(EVICT_SCAN * 2):
+        q.offer(b"f", owner=1)
+    for n in range(EVICT_SCAN):
+        q.offer(b"%d" % (n % 10), owner=n + 100)  # many light users hold the end
+    assert q.offer(b"y", owner=7) is Verdict.DROPPED and q.evicted == 0

@@ -159,6 +159,47 @@ def test_queued_bytes_per_user(make_broker, open_dir) -> None:
         polite.join(5)
 
 
+def test_a_full_queue_gives_way_to_the_user_holding_less(make_broker, open_dir) -> None:
+    """One user floods a subscriber that does not read (the bridge, a shared reader);
+    another user's 50 numbered messages to it all arrive, in order, while the flooder
+    loses its own: every loss is reported to the subscriber with ``blocking/dropped``.
+    Without the share (hard discard dropping whatever arrives at a full queue), all 50
+    were lost."""
+    b = make_broker("--queue-limit", "64k")
+    sub = raw(b.address, timeout=10)
+    sub.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sub.send(b"SUB shared/")
+    sync(sub)
+    flooder, fp = as_user(NOBODY, fleet, b.address)
+    honest, hp = as_user(OTHER, fleet, b.address)
+    try:
+        assert call(fp, "connect", 1) == [True] and call(hp, "connect", 1) == [True]
+        flood = [b"MSG shared/f/%d\0" % n + b"x" * 1000 for n in range(3000)]
+        assert call(fp, "send", 0, flood[:2000])  # the queue is full, and then some
+        for n in range(50):
+            assert call(hp, "send", 0, [b"MSG shared/h/%d\0honest" % n])
+        assert call(fp, "send", 0, flood[2000:])
+        got, dropped = [], 0
+        for _ in range(2):  # the drop report follows the drained queue, and the first reply
+            sub.send(b"CMSG !/cred/whoami")
+            while not (p := sub.recv(1 << 20)).startswith(b"CMSG !/cred/whoami\0"):
+                if p.startswith(b"CMSG blocking/dropped\0"):
+                    dropped += int(p.split(b"\0")[1])
+                else:
+                    got.append(p.split(b"\0")[0])
+        mine = [k for k in got if k.startswith(b"MSG shared/h/")]
+        theirs = [k for k in got if k.startswith(b"MSG shared/f/")]
+        assert mine == [b"MSG shared/h/%d" % n for n in range(50)]
+        assert len(theirs) + dropped == 3000 and dropped > 2000
+        assert theirs == sorted(theirs, key=lambda k: int(k.rsplit(b"/", 1)[1]))
+    finally:
+        for p in (fp, hp):
+            call(p, "exit")
+        flooder.join(5)
+        honest.join(5)
+        sub.close()
+
+
 def test_the_default_connection_limit_is_a_share_of_the_descriptors() -> None:
     """docs/security.md's arithmetic: min(1024, (N - 64) // 8) of the raised limit N."""
     assert [connections_per_user_for(n) for n in (100, 1024, 2048, 4096, 65536, 1 << 20)] \

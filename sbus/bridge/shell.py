@@ -24,9 +24,10 @@ whatever needs trio (waiting for room, a reconnect).
 Flow control, so that no local publisher ever waits for MQTT:
 
 * The bus connection says ``blocking/soft/queue`` + ``blocking/hard/discard`` as a
-  subscriber (the broker queues for the bridge, then drops and reports
-  ``blocking/dropped``, which is counted) and ``blocking/publisher/nowait`` as a
-  publisher (a slow local subscriber loses imports instead of pausing the bridge).
+  subscriber (the broker queues for the bridge, then drops the newest of the local user
+  holding the most of that queue and reports ``blocking/dropped``, which is counted)
+  and ``blocking/publisher/nowait`` as a publisher (a slow local subscriber loses
+  imports instead of pausing the bridge).
 * The bus is read only while MQTT can take more: nothing waiting to be written to the
   socket and, at QoS 1, fewer than `WINDOW` messages unacknowledged (fewer if the MQTT
   broker's Receive Maximum is lower).  Otherwise the
