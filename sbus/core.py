@@ -931,7 +931,7 @@ class BrokerCore:
         (`protocol.PUBLISHER_NOWAIT`).  What a blocking queue holds beyond its limit is
         charged to the publisher's user (`Client.held`), and once that user's budget is
         spent the target loses the packet instead (counted, reported).  A full queue
-        is shared by the publishers' users (`OutQueue.offer`'s *owner*): the flooder
+        is shared by the publishers' users (`OutQueue.offer`'s *owner*): a flooder
         loses its own packets (`Verdict.EVICTED`)."""
         out = t.out
         pub_budget = publisher.out.budget

@@ -11,9 +11,10 @@ soft block     keep it, and pause each publisher that sends to this client
                until the client's queue is empty again
 soft error     the client is misbehaving: disconnect it
 hard discard   (default) with soft queue, a queue at its byte limit (or whose user's
-               budget of queued bytes is spent) drops a packet: the newest of the
-               user (publisher's UID) holding the most of the queue, so that a user
-               who holds less always gets in (see "A share for each user" below)
+               budget of queued bytes is spent) drops a packet: the new one, or the
+               oldest of a user (publisher's UID) holding over twice as much as the
+               new one's user, so that a user holding little always gets in (see
+               "A share for each user" below)
 hard block     with soft queue, a full queue pauses publishers until it is half empty
 hard error     with soft queue, a full queue disconnects the client
 order queue    (default) waiting packets leave oldest first
@@ -28,15 +29,15 @@ discard.
 
 Every queued packet is charged its length plus `PACKET_OVERHEAD` (the memory a queue
 entry costs besides the bytes), so a queue of tiny packets is bounded like any other.
-A share for each user: a full queue gives way to a publisher's user (UID) holding less of
-it than another user does.  The newest packet of the user holding the most is dropped in
-its place (counted and reported like any drop; `Verdict.EVICTED`), so one user flooding a
-subscriber loses its own packets, not everybody's, and a subscriber that carries many
-users (the bridge, a shared reader) loses only the flooder's.  The search for that packet
-looks at the last `EVICT_SCAN` packets of the queue, and at most that many give way for
-one packet; under ``order random`` (a heap) the
-arriving packet is dropped as before.  Packets the broker queues itself (`force`) and
-those handed over by a predecessor have no user and are never given way.
+A share for each user: a full queue gives way to a publisher's user (UID) holding less than
+half of what another user holds of it.  The oldest packets of users holding over twice
+what the arriving packet's user would are dropped in its place (counted and reported like
+any drop; `Verdict.EVICTED`), so one user flooding a subscriber loses its own packets, not
+everybody's, and a subscriber that carries many users (the bridge, a shared reader) loses
+only the flooder's.  The search looks at the oldest `EVICT_SCAN` packets of the queue;
+under ``order random`` (a heap) the arriving packet is dropped as before.  Packets the
+broker queues itself (`force`) and those handed over by a predecessor have no user and
+never give way.
 
 A change of order re-sorts at most `REORDER_LIMIT` packets at once: on a longer queue
 it takes effect once the queue has drained to that length, so that flipping the order
@@ -62,8 +63,7 @@ PACKET_OVERHEAD = 64
 HEAP_OVERHEAD = 160
 #: Packets re-sorted at most when the order changes.
 REORDER_LIMIT = 256
-#: Packets looked at, newest first, for the heaviest user's newest one to give way;
-#: and packets that give way at most for one arriving packet (a bound on its work).
+#: Packets looked at, oldest first, for those that give way to one arriving packet.
 EVICT_SCAN = 64
 
 
@@ -129,7 +129,7 @@ class OutQueue:
     """One client's waiting packets, their policy, and the byte limit of the hard policy."""
 
     __slots__ = ("limit", "soft", "hard", "_order", "_next_order", "_overhead", "items", "_seq",
-                 "nbytes", "dropped", "budget", "owners", "held", "evicted")
+                 "nbytes", "dropped", "budget", "owners", "held", "_top", "_stale", "evicted")
 
     def __init__(self, limit: int, budget: Budget | None = None) -> None:
         self.limit = limit
@@ -142,6 +142,8 @@ class OutQueue:
         self.items: deque[bytes] | list[tuple[int, int, bytes, int | None]] = deque()
         self.owners: deque[int | None] = deque()  # beside `items` (not in a heap)
         self.held: dict[int, int] = {}  # bytes queued per user (publisher's UID)
+        self._top: int | None = None  # the user holding the most (`_heaviest`) ...
+        self._stale = False  # ... unless its holding went down since
         self._seq = itertools.count()
         self.nbytes = 0
         self.dropped = 0  # packets dropped since last `take_dropped()`
@@ -230,37 +232,51 @@ class OutQueue:
         return Verdict.QUEUED
 
     def _give_way(self, owner: int, size: int) -> bool:
-        """Make room for *size* bytes of *owner* by dropping the newest packets of the
-        user holding the most, as long as that user would still hold more than *owner*;
-        whether the room is there (`evicted` says how many packets went)."""
-        held, items, owners, budget = self.held, self.items, self.owners, self.budget
-        if self._order is Order.RANDOM or len(held) < 2 and owner in held:
+        """Make room for *size* bytes of *owner* by dropping the oldest packets of users
+        holding over twice what *owner* would; whether the room is there (`evicted` says
+        how many went).  The factor of two ends the churn of users holding about alike
+        giving way to each other with every packet (4 µs each) once a queue never
+        drains: they lose the arriving packet instead, and a user holding little still
+        gets in.  The search starts at the oldest packet, where a flood that filled the
+        queue lies, and looks at `EVICT_SCAN` packets at most: to hide a heavy user's
+        packets behind them, that many would have to come from users holding little."""
+        heaviest = self._heaviest()
+        if heaviest is None or self._order is Order.RANDOM:
             return False
-        mine = held.get(owner, 0) + size
-        evicted = 0
-        while (self.nbytes + size > self.limit or
-               budget is not None and budget.queued + size > budget.limit) and \
-                evicted < EVICT_SCAN:
-            heaviest = max(held, key=held.__getitem__, default=None)
-            if heaviest is None or heaviest == owner or held[heaviest] <= mine:
-                break
-            end = len(items)
-            for i in range(end - 1, max(end - 1 - EVICT_SCAN, -1), -1):
-                if owners[i] == heaviest:
-                    break
-            else:
-                break
+        held = self.held
+        twice = 2 * (held.get(owner, 0) + size)
+        if held[heaviest] <= twice:
+            return False  # nobody holds that much (the flooder itself: here, at once)
+        items, owners, budget = self.items, self.owners, self.budget
+        evicted = i = 0
+        for _ in range(min(EVICT_SCAN, len(owners))):
+            victim = owners[i]
+            if victim is None or held[victim] <= twice:
+                i += 1
+                continue
             packet = items[i]
             del items[i]
             del owners[i]
-            self._uncharge(len(packet) + self._overhead, heaviest)
+            self._uncharge(len(packet) + self._overhead, victim)
             evicted += 1
+            if self.nbytes + size <= self.limit and \
+                    (budget is None or budget.queued + size <= budget.limit):
+                break
         self.evicted = evicted
         self.dropped += evicted
         if self.nbytes + size > self.limit or \
                 budget is not None and budget.queued + size > budget.limit:
             return False  # what went stays gone (counted): the queue is fairer for it
         return True
+
+    def _heaviest(self) -> int | None:
+        """The user holding the most of the queue: kept by `_push`, found again only
+        after that user's holding went down (`_uncharge`)."""
+        if self._stale:
+            held = self.held
+            self._top = max(held, key=held.__getitem__, default=None)
+            self._stale = False
+        return self._top
 
     def force(self, packet: bytes) -> None:
         """Queue a packet whatever the policy (the broker's own replies): it has no user
@@ -313,6 +329,8 @@ class OutQueue:
                 self.held[owner] = left
             else:
                 del self.held[owner]
+            if owner == self._top:
+                self._stale = True
 
     def take_dropped(self) -> int:
         n, self.dropped = self.dropped, 0
@@ -324,6 +342,7 @@ class OutQueue:
         self.items.clear()
         self.owners.clear()
         self.held.clear()
+        self._top, self._stale = None, False
         self.nbytes = 0
 
     def _push(self, packet: bytes, owner: int | None) -> None:
@@ -333,7 +352,9 @@ class OutQueue:
             self.budget.queued += size
         if owner is not None:
             held = self.held
-            held[owner] = held.get(owner, 0) + size
+            mine = held[owner] = held.get(owner, 0) + size
+            if not self._stale and mine > held.get(self._top, 0):
+                self._top = owner
         if self._order is Order.RANDOM:
             heapq.heappush(self.items, (-len(packet), next(self._seq), packet, owner))
         else:

@@ -154,15 +154,18 @@ def test_a_full_queue_gives_way_to_a_user_holding_less():
     assert q.nbytes == 0 and q.held == {}
 
 
-def test_the_share_stops_where_the_users_would_hold_alike():
+def test_the_share_stops_where_a_user_holds_half_of_the_heaviest():
     q = OutQueue(limit=10 * (5 + OV))
     _fill(q, owner=1)
     taken = 0
     while q.offer(b"other", owner=2) is Verdict.EVICTED:
         taken += 1
-    assert taken == 5 and q.held == {1: 5 * (5 + OV), 2: 5 * (5 + OV)}
+    assert taken == 3 and q.held == {1: 7 * (5 + OV), 2: 3 * (5 + OV)}
     assert q.offer(b"third", owner=3) is Verdict.EVICTED  # a third user still gets in
     assert q.held[3] == 5 + OV and sum(q.held.values()) == q.nbytes <= q.limit
+    assert q.pop() == b"flood"  # the oldest gave way: what is left keeps its order
+    assert [q.pop() for _ in range(len(q))][-5:] == [b"flood", b"other", b"other", b"other",
+                                                     b"third"]
 
 
 def test_what_has_no_user_never_gives_way_and_a_heap_does_not_share():
@@ -191,10 +194,14 @@ def test_giving_way_is_bounded_per_packet_and_charges_the_budget():
     assert budget.queued == 0 and q.held == {}
 
 
-def test_a_user_whose_packets_are_not_near_the_end_is_not_searched_for():
-    q = OutQueue(limit=(EVICT_SCAN * 3) * (1 + OV))
-    for _ in range(EVICT_SCAN * 2):
-        q.offer(b"f", owner=1)
+def test_the_search_looks_at_the_oldest_packets_only():
+    q = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV))
     for n in range(EVICT_SCAN):
-        q.offer(b"%d" % (n % 10), owner=n + 100)  # many light users hold the end
-    assert q.offer(b"y", owner=7) is Verdict.DROPPED and q.evicted == 0
+        q.offer(b"%d" % (n % 10), owner=n + 100)  # many users holding little come first
+    _fill(q, owner=1, packet=b"f")
+    assert q.offer(b"y", owner=7) is Verdict.DROPPED and q.evicted == 0  # not found
+    r = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV))
+    for n in range(EVICT_SCAN):
+        r.offer(b"%d" % (n % 10), owner=2)  # one user cannot hide the heavy one so
+    _fill(r, owner=1, packet=b"f")
+    assert r.offer(b"y", owner=7) is Verdict.EVICTED and r.held[2] == (EVICT_SCAN - 1) * (1 + OV)

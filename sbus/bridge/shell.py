@@ -24,8 +24,8 @@ whatever needs trio (waiting for room, a reconnect).
 Flow control, so that no local publisher ever waits for MQTT:
 
 * The bus connection says ``blocking/soft/queue`` + ``blocking/hard/discard`` as a
-  subscriber (the broker queues for the bridge, then drops the newest of the local user
-  holding the most of that queue and reports ``blocking/dropped``, which is counted)
+  subscriber (the broker queues for the bridge, then drops, first the messages of a local
+  user holding much of that queue, and reports ``blocking/dropped``, which is counted)
   and ``blocking/publisher/nowait`` as a publisher (a slow local subscriber loses
   imports instead of pausing the bridge).
 * The bus is read only while MQTT can take more: nothing waiting to be written to the
