@@ -143,7 +143,7 @@ class OutQueue:
         self.owners: deque[int | None] = deque()  # beside `items` (not in a heap)
         self.held: dict[int, int] = {}  # bytes queued per user (publisher's UID)
         self._top: int | None = None  # the user holding the most (`_heaviest`) ...
-        self._stale = False  # ... unless its holding went down since
+        self._stale = False  # ... unless a holding changed since
         self._seq = itertools.count()
         self.nbytes = 0
         self.dropped = 0  # packets dropped since last `take_dropped()`
@@ -223,7 +223,8 @@ class OutQueue:
             if hard is Hard.BLOCK and soft is not Soft.BLOCK and may_block:
                 self._push(packet, owner)
                 return Verdict.BLOCK
-            if owner is not None and self._give_way(owner, size):
+            if owner is not None and (owner != self._top or self._stale) and \
+                    self._give_way(owner, size):  # (the flooder itself: not even called)
                 self._push(packet, owner)
                 return Verdict.EVICTED
             self.dropped += 1
@@ -270,8 +271,8 @@ class OutQueue:
         return True
 
     def _heaviest(self) -> int | None:
-        """The user holding the most of the queue: kept by `_push`, found again only
-        after that user's holding went down (`_uncharge`)."""
+        """The user holding the most of the queue, found again only after a holding
+        changed: a full queue's drops change none (a flooder's drop costs a comparison)."""
         if self._stale:
             held = self.held
             self._top = max(held, key=held.__getitem__, default=None)
@@ -329,8 +330,7 @@ class OutQueue:
                 self.held[owner] = left
             else:
                 del self.held[owner]
-            if owner == self._top:
-                self._stale = True
+            self._stale = True
 
     def take_dropped(self) -> int:
         n, self.dropped = self.dropped, 0
@@ -352,9 +352,8 @@ class OutQueue:
             self.budget.queued += size
         if owner is not None:
             held = self.held
-            mine = held[owner] = held.get(owner, 0) + size
-            if not self._stale and mine > held.get(self._top, 0):
-                self._top = owner
+            held[owner] = held.get(owner, 0) + size
+            self._stale = True
         if self._order is Order.RANDOM:
             heapq.heappush(self.items, (-len(packet), next(self._seq), packet, owner))
         else:
