@@ -140,8 +140,10 @@ class OutQueue:
         self._next_order: Order | None = None  # asked for, waiting for a short queue
         self._overhead = PACKET_OVERHEAD
         self.items: deque[bytes] | list[tuple[int, int, bytes, int | None]] = deque()
-        self.owners: deque[int | None] = deque()  # beside `items` (not in a heap)
-        self.held: dict[int, int] = {}  # bytes queued per user (publisher's UID)
+        # beside `items` (not in a heap); both made at the first queued packet, since
+        # most clients never have one (an empty deque costs 770 bytes)
+        self.owners: deque[int | None] | None = None
+        self.held: dict[int, int] | None = None  # bytes queued per user (publisher's UID)
         self._top: int | None = None  # the user holding the most (`_heaviest`) ...
         self._stale = False  # ... unless a holding changed since
         self._seq = itertools.count()
@@ -183,7 +185,7 @@ class OutQueue:
         if self._order is Order.RANDOM:  # back to arrival order
             queued = [(p, o) for _, _, p, o in sorted(self.items, key=lambda item: item[1])]
         else:
-            queued = list(zip(self.items, self.owners, strict=True))
+            queued = list(zip(self.items, self.owners or (), strict=True))
         self.clear()  # the re-push below charges the budget again
         self._order = order
         self._overhead = HEAP_OVERHEAD if order is Order.RANDOM else PACKET_OVERHEAD
@@ -274,7 +276,7 @@ class OutQueue:
         """The user holding the most of the queue, found again only after a holding
         changed: a full queue's drops change none (a flooder's drop costs a comparison)."""
         if self._stale:
-            held = self.held
+            held = self.held or {}
             self._top = max(held, key=held.__getitem__, default=None)
             self._stale = False
         return self._top
@@ -340,8 +342,7 @@ class OutQueue:
         if self.budget is not None:
             self.budget.queued -= self.nbytes
         self.items.clear()
-        self.owners.clear()
-        self.held.clear()
+        self.owners = self.held = None
         self._top, self._stale = None, False
         self.nbytes = 0
 
@@ -352,10 +353,15 @@ class OutQueue:
             self.budget.queued += size
         if owner is not None:
             held = self.held
+            if held is None:
+                held = self.held = {}
             held[owner] = held.get(owner, 0) + size
             self._stale = True
         if self._order is Order.RANDOM:
             heapq.heappush(self.items, (-len(packet), next(self._seq), packet, owner))
         else:
             self.items.append(packet)
-            self.owners.append(owner)
+            owners = self.owners
+            if owners is None:
+                owners = self.owners = deque()
+            owners.append(owner)

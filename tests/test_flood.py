@@ -172,7 +172,7 @@ def test_what_has_no_user_never_gives_way_and_a_heap_does_not_share():
     q = OutQueue(limit=3 * (5 + OV))
     for _ in range(3):
         q.force(b"reply")
-    assert q.offer(b"mine", owner=2) is Verdict.DROPPED and q.held == {}
+    assert q.offer(b"mine", owner=2) is Verdict.DROPPED and not q.held
     r = OutQueue(limit=3 * (5 + HEAP_OVERHEAD))
     r.order = Order.RANDOM
     _fill(r, owner=1)
@@ -191,7 +191,7 @@ def test_giving_way_is_bounded_per_packet_and_charges_the_budget():
     assert q.take_dropped() == 1 + EVICT_SCAN + 1 and len(q) == EVICT_SCAN * 3
     assert budget.queued == q.nbytes == q.held[1]
     q.clear()
-    assert budget.queued == 0 and q.held == {}
+    assert budget.queued == 0 and not q.held
 
 
 def test_the_search_looks_at_the_oldest_packets_only():
