@@ -145,7 +145,7 @@ class OutQueue:
         self.owners: deque[int | None] | None = None
         self.held: dict[int, int] | None = None  # bytes queued per user (publisher's UID)
         self._top: int | None = None  # the user holding the most (`_heaviest`) ...
-        self._stale = False  # ... unless a holding changed since
+        self._stale = False  # ... unless its holding went down since
         self._seq = itertools.count()
         self.nbytes = 0
         self.dropped = 0  # packets dropped since last `take_dropped()`
@@ -225,10 +225,14 @@ class OutQueue:
             if hard is Hard.BLOCK and soft is not Soft.BLOCK and may_block:
                 self._push(packet, owner)
                 return Verdict.BLOCK
-            if owner is not None and (owner != self._top or self._stale) and \
-                    self._give_way(owner, size):  # (the flooder itself: not even called)
-                self._push(packet, owner)
-                return Verdict.EVICTED
+            if owner is not None and (owner != self._top or self._stale):  # (a flooder: no)
+                held = self.held
+                if held and self._order is not Order.RANDOM:
+                    top = self._heaviest() if self._stale else self._top
+                    if top != owner and held[top] > 2 * (held.get(owner, 0) + size) and \
+                            self._give_way(owner, size):
+                        self._push(packet, owner)
+                        return Verdict.EVICTED
             self.dropped += 1
             return Verdict.DROPPED
         self._push(packet, owner)
@@ -236,20 +240,16 @@ class OutQueue:
 
     def _give_way(self, owner: int, size: int) -> bool:
         """Make room for *size* bytes of *owner* by dropping the oldest packets of users
-        holding over twice what *owner* would; whether the room is there (`evicted` says
-        how many went).  The factor of two ends the churn of users holding about alike
-        giving way to each other with every packet (4 µs each) once a queue never
-        drains: they lose the arriving packet instead, and a user holding little still
-        gets in.  The search starts at the oldest packet, where a flood that filled the
-        queue lies, and looks at `EVICT_SCAN` packets at most: to hide a heavy user's
-        packets behind them, that many would have to come from users holding little."""
-        heaviest = self._heaviest()
-        if heaviest is None or self._order is Order.RANDOM:
-            return False
+        holding over twice what *owner* would (`offer` saw that the heaviest does);
+        whether the room is there (`evicted` says how many went).  The factor of two
+        ends the churn of users holding about alike giving way to each other with every
+        packet (4 µs each) once a queue never drains: they lose the arriving packet
+        instead, and a user holding little still gets in.  The search starts at the
+        oldest packet, where a flood that filled the queue lies, and looks at
+        `EVICT_SCAN` packets at most: to hide a heavy user's packets behind them, that
+        many would have to come from users holding little."""
         held = self.held
         twice = 2 * (held.get(owner, 0) + size)
-        if held[heaviest] <= twice:
-            return False  # nobody holds that much (the flooder itself: here, at once)
         items, owners, budget = self.items, self.owners, self.budget
         evicted = i = 0
         for _ in range(min(EVICT_SCAN, len(owners))):
@@ -273,12 +273,12 @@ class OutQueue:
         return True
 
     def _heaviest(self) -> int | None:
-        """The user holding the most of the queue, found again only after a holding
-        changed: a full queue's drops change none (a flooder's drop costs a comparison)."""
-        if self._stale:
-            held = self.held or {}
-            self._top = max(held, key=held.__getitem__, default=None)
-            self._stale = False
+        """The user holding the most of the queue, searched for again once its holding
+        went down (`_push` keeps it otherwise): a full queue's drops change nothing, so
+        at a full queue a flooder's drop costs two dictionary lookups."""
+        held = self.held or {}
+        self._top = max(held, key=held.__getitem__, default=None)
+        self._stale = False
         return self._top
 
     def force(self, packet: bytes) -> None:
@@ -332,7 +332,8 @@ class OutQueue:
                 self.held[owner] = left
             else:
                 del self.held[owner]
-            self._stale = True
+            if owner == self._top:
+                self._stale = True
 
     def take_dropped(self) -> int:
         n, self.dropped = self.dropped, 0
@@ -355,8 +356,9 @@ class OutQueue:
             held = self.held
             if held is None:
                 held = self.held = {}
-            held[owner] = held.get(owner, 0) + size
-            self._stale = True
+            mine = held[owner] = held.get(owner, 0) + size
+            if not self._stale and mine > held.get(self._top, 0):
+                self._top = owner
         if self._order is Order.RANDOM:
             heapq.heappush(self.items, (-len(packet), next(self._seq), packet, owner))
         else:
