@@ -129,7 +129,8 @@ class OutQueue:
     """One client's waiting packets, their policy, and the byte limit of the hard policy."""
 
     __slots__ = ("limit", "soft", "hard", "_order", "_next_order", "_overhead", "items", "_seq",
-                 "nbytes", "dropped", "budget", "owners", "held", "_top", "_stale", "evicted")
+                 "nbytes", "dropped", "budget", "owners", "held", "_top", "_stale", "_unowned",
+                 "evicted")
 
     def __init__(self, limit: int, budget: Budget | None = None) -> None:
         self.limit = limit
@@ -143,9 +144,13 @@ class OutQueue:
         # beside `items` (not in a heap); both made at the first queued packet, since
         # most clients never have one (an empty deque costs 770 bytes)
         self.owners: deque[int | None] | None = None
-        self.held: dict[int, int] | None = None  # bytes queued per user (publisher's UID)
+        # bytes queued per user (publisher's UID), counted once a second user's packet
+        # waits (`_count_users`): while one user holds them all, that is `nbytes` less
+        # `_unowned`, and the queued path pays nothing for the share
+        self.held: dict[int, int] | None = None
         self._top: int | None = None  # the user holding the most (`_heaviest`) ...
         self._stale = False  # ... unless its holding went down since
+        self._unowned = 0  # bytes of packets without a user (`force`)
         self._seq = itertools.count()
         self.nbytes = 0
         self.dropped = 0  # packets dropped since last `take_dropped()`
@@ -227,6 +232,8 @@ class OutQueue:
                 return Verdict.BLOCK
             if owner is not None and (owner != self._top or self._stale):  # (a flooder: no)
                 held = self.held
+                if held is None and self._top is not None:
+                    held = self._count_users()
                 if held and self._order is not Order.RANDOM:
                     top = self._heaviest() if self._stale else self._top
                     if top != owner and held[top] > 2 * (held.get(owner, 0) + size) and \
@@ -271,6 +278,14 @@ class OutQueue:
                 budget is not None and budget.queued + size > budget.limit:
             return False  # what went stays gone (counted): the queue is fairer for it
         return True
+
+    def _count_users(self) -> dict[int, int]:
+        """Start counting bytes per user: a second user's packet came.  Until now one
+        user (`_top`) held every packet that has a user."""
+        mine = self.nbytes - self._unowned
+        self.held = {self._top: mine} if mine else {}
+        self._stale = not mine  # (`_push` names the new heaviest then)
+        return self.held
 
     def _heaviest(self) -> int | None:
         """The user holding the most of the queue, searched for again once its holding
@@ -326,7 +341,9 @@ class OutQueue:
         self.nbytes -= size
         if self.budget is not None:
             self.budget.queued -= size
-        if owner is not None:
+        if owner is None:
+            self._unowned -= size
+        elif self.held is not None:
             left = self.held[owner] - size
             if left:
                 self.held[owner] = left
@@ -343,22 +360,33 @@ class OutQueue:
         if self.budget is not None:
             self.budget.queued -= self.nbytes
         self.items.clear()
-        self.owners = self.held = None
-        self._top, self._stale = None, False
-        self.nbytes = 0
+        self.owners = self.held = self._top = None
+        self._stale = False
+        self.nbytes = self._unowned = 0
 
     def _push(self, packet: bytes, owner: int | None) -> None:
         size = len(packet) + self._overhead
-        self.nbytes += size
-        if self.budget is not None:
-            self.budget.queued += size
-        if owner is not None:
+        if not self.items:  # a new backlog: nobody holds anything
+            self.held = self._top = None
+            self._stale = False
+        if owner is None:
+            self._unowned += size
+        elif self.held is not None:
             held = self.held
-            if held is None:
-                held = self.held = {}
             mine = held[owner] = held.get(owner, 0) + size
             if not self._stale and mine > held.get(self._top, 0):
                 self._top = owner
+        elif owner != self._top:
+            if self._top is None:
+                self._top = owner  # the one user, so far
+            else:
+                held = self._count_users()
+                held[owner] = size
+                if self._stale or size > held[self._top]:
+                    self._top, self._stale = owner, False
+        self.nbytes += size
+        if self.budget is not None:
+            self.budget.queued += size
         if self._order is Order.RANDOM:
             heapq.heappush(self.items, (-len(packet), next(self._seq), packet, owner))
         else:

@@ -2,6 +2,9 @@
 
 import time
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from sbus.flood import (
     EVICT_SCAN,
     HEAP_OVERHEAD,
@@ -205,3 +208,41 @@ def test_the_search_looks_at_the_oldest_packets_only():
         r.offer(b"%d" % (n % 10), owner=2)  # one user cannot hide the heavy one so
     _fill(r, owner=1, packet=b"f")
     assert r.offer(b"y", owner=7) is Verdict.EVICTED and r.held[2] == (EVICT_SCAN - 1) * (1 + OV)
+
+
+def _queued(q: OutQueue) -> list[tuple[bytes, int | None]]:
+    if q.order is Order.RANDOM and isinstance(q.items, list):
+        return [(p, o) for _, _, p, o in q.items]
+    return list(zip(q.items, q.owners or (), strict=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["offer", "force", "pop", "order"]),
+                          st.sampled_from([1, 2, 3]), st.integers(0, 300)), max_size=120))
+def test_the_bytes_each_user_holds_are_counted_exactly(steps) -> None:
+    """Whatever comes and goes, the per-user counts the share decides by are the queue's
+    own packets summed by user; while one user holds them all they are not kept."""
+    q = OutQueue(limit=12 * (100 + OV))
+    orders = [Order.QUEUE, Order.STACK, Order.RANDOM]
+    for n, (what, user, size) in enumerate(steps):
+        if what == "offer":
+            q.offer(b"x" * size, may_block=False, owner=user)
+        elif what == "force":
+            q.force(b"r" * size)
+        elif what == "pop" and q:
+            q.pop()
+        elif what == "order":
+            q.order = orders[n % 3]
+        queued = _queued(q)
+        overhead = HEAP_OVERHEAD if isinstance(q.items, list) else OV
+        assert q.nbytes == sum(len(p) + overhead for p, _ in queued)
+        mine: dict[int, int] = {}
+        for p, o in queued:
+            if o is not None:
+                mine[o] = mine.get(o, 0) + len(p) + overhead
+        if q.held is None:
+            assert set(mine) <= {q._top}  # one user holds every packet with a user
+        else:
+            assert {u: b for u, b in q.held.items() if b} == mine
+            if mine and not q._stale:
+                assert q.held[q._top] == max(mine.values())
