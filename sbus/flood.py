@@ -290,7 +290,7 @@ class OutQueue:
     def _heaviest(self) -> int | None:
         """The user holding the most of the queue, searched for again once its holding
         went down (`_push` keeps it otherwise): a full queue's drops change nothing, so
-        at a full queue a flooder's drop costs two dictionary lookups."""
+        there a flooder's drop costs two comparisons, and another user's two lookups."""
         held = self.held or {}
         self._top = max(held, key=held.__getitem__, default=None)
         self._stale = False
