@@ -223,7 +223,7 @@ class OutQueue:
         budget = self.budget
         size = len(packet) + self._overhead
         if self.nbytes + size > self.limit or \
-                budget is not None and budget.queued + size > budget.limit:
+                budget is not None and budget.queued + size > budget.limit:  # (`_fits`)
             hard = self.hard
             if hard is Hard.ERROR and soft is not Soft.BLOCK:
                 return Verdict.ERROR
@@ -257,7 +257,7 @@ class OutQueue:
         many would have to come from users holding little."""
         held = self.held
         twice = 2 * (held.get(owner, 0) + size)
-        items, owners, budget = self.items, self.owners, self.budget
+        items, owners = self.items, self.owners
         evicted = i = 0
         for _ in range(min(EVICT_SCAN, len(owners))):
             victim = owners[i]
@@ -269,15 +269,18 @@ class OutQueue:
             del owners[i]
             self._uncharge(len(packet) + self._overhead, victim)
             evicted += 1
-            if self.nbytes + size <= self.limit and \
-                    (budget is None or budget.queued + size <= budget.limit):
+            if self._fits(size):
                 break
         self.evicted = evicted
         self.dropped += evicted
-        if self.nbytes + size > self.limit or \
-                budget is not None and budget.queued + size > budget.limit:
-            return False  # what went stays gone (counted): the queue is fairer for it
-        return True
+        return self._fits(size)  # if not, what went stays gone (counted): fairer for it
+
+    def _fits(self, size: int) -> bool:
+        """Whether *size* more bytes fit under the queue's limit and its user's budget
+        (`offer` asks it inline: the queued path)."""
+        budget = self.budget
+        return self.nbytes + size <= self.limit and \
+            (budget is None or budget.queued + size <= budget.limit)
 
     def _count_users(self) -> dict[int, int]:
         """Start counting bytes per user: a second user's packet came.  Until now one
