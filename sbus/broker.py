@@ -18,7 +18,10 @@ non-blocking ``sendmmsg`` straight from the receive buffer (docs/performance.md)
 Fairness: a client's turn is at most `READS_PER_WAKE` batches or `TURN_SECONDS`, a
 writer's at most `core.WRITES_PER_TURN` packets, a round of accepts at most
 `ACCEPTS_PER_TURN`; epoll is level-triggered, so whoever still has work is served
-again in the next round, after everyone else that is ready.
+again in the next round, after everyone else that is ready.  A user (UID) whose
+clients and fan-outs took `USER_SHARE` of a round is served no more in it
+(`limits.TimeShare`): a round lasts about one share per busy user, not one turn per
+connection, so opening many connections buys no more of the loop.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from .core import FAILED, FULL, GONE, TOO_BIG, TURN_SECONDS, BrokerCore, Client
 from .defaults import MAX_MESSAGE, QUEUE_LIMIT, SEPARATOR
 from .flood import DEFAULT_POLICY, Hard, Order, Soft
 from .keys import Credentials
-from .limits import Limits
+from .limits import Limits, TimeShare
 from .packetio import HAS_SEND_EACH, PacketBatch
 
 log = logging.getLogger("sbus.broker")
@@ -64,6 +67,10 @@ ACCEPT_PAUSE = 0.1
 EARLY_DRAINS = 64
 #: Readiness events taken per round.
 EVENTS_PER_ROUND = 1024
+#: Seconds of one round a user's clients and fan-outs may take together before the
+#: user's other ready clients wait for the next round: one client's turn, so a user
+#: with one connection is served as before.
+USER_SHARE = TURN_SECONDS
 #: Receive buffers held by fan-outs in progress at most (`core.Fanout`); beyond them a
 #: costly batch is delivered at once, and its publisher read fewer packets at a time.
 HELD_BATCHES = 8
@@ -203,6 +210,7 @@ class Broker:
         self._masks: dict[int, int] = {}  # fd -> what epoll watches it for (none: absent)
         self.handing_over = False  # clients keep their sockets and state for a successor
         self.faults = 0  # internal errors caught (`_fault`): each cost one client
+        self._share = TimeShare(USER_SHARE)
         self._fault_kinds: set[tuple[str, str, int]] = set()
 
     # the figures server.py reports
@@ -239,10 +247,13 @@ class Broker:
         self._exhausted, self._refused = False, 0
         self._accept_again = 0.0  # when to accept again after ENOBUFS (0: accepting)
         clock = time.monotonic
+        timer = time.perf_counter
+        share = self._share
         next_tick = clock() + every
         try:
             self._flush()
             while True:
+                share.begin()
                 if core.fanouts:
                     self._fan_out()
                 busy = core.tidy() or bool(core.fanouts)
@@ -274,6 +285,10 @@ class Broker:
                     if c is None:
                         stop = stop or fd == wakeup
                         continue
+                    uid = c.cred.uid
+                    if share.over(uid):
+                        continue  # reported again next round
+                    started = timer()
                     try:
                         if ev & _OUT or (ev & _EITHER and c.wants_write):
                             core.writable(c)
@@ -283,6 +298,7 @@ class Broker:
                                 self._drain_early(c)
                     except Exception as exc:  # noqa: BLE001 - see _fault
                         self._fault(c, exc)
+                    share.charge(uid, timer() - started)
                     if core.gone or core.logs:
                         self._flush()
                 if stop:
@@ -354,13 +370,19 @@ class Broker:
                 break  # paused or gone, drained, or its turn is over
 
     def _fan_out(self) -> None:
-        """A turn for each fan-out in progress (`core.Fanout`), oldest first."""
-        core = self.core
+        """A turn for each fan-out in progress (`core.Fanout`), oldest first, charged to
+        its publisher's user."""
+        core, share = self.core, self._share
         clock = time.perf_counter
         for job in list(core.fanouts):
-            turn_ends = clock() + TURN_SECONDS
+            uid = job.publisher.cred.uid
+            if share.over(uid):
+                continue
+            started = clock()
+            turn_ends = started + TURN_SECONDS
             while not core.step(job) and clock() < turn_ends:
                 pass
+            share.charge(uid, clock() - started)
 
     def _drain_early(self, reader: Client) -> None:
         """After *reader*'s turn, try at once to send what it queued for its targets.

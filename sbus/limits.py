@@ -9,7 +9,9 @@ its connections (``connections_per_user`` x about 1.5 KB each), its subscription
 (``subscription_bytes_per_user``, charged by `routing.pattern_cost`), the packets
 queued for its clients plus what its paused publishers had already sent
 (``queued_bytes_per_user``, each packet with its overhead) and its share of the
-route cache (``cache_bytes_per_user``).  Root is exempt.
+route cache (``cache_bytes_per_user``).  Root is exempt.  Each user also gets a
+share of the loop's time in every round (`TimeShare`), root included: that bounds
+no holding, only who is served first.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .flood import Budget
 
-__all__ = ["Limits", "UserAccounts", "LogAllowance"]
+__all__ = ["Limits", "UserAccounts", "LogAllowance", "TimeShare"]
 
 
 @dataclass(frozen=True)
@@ -147,3 +149,33 @@ class LogAllowance:
         state[0] -= 1
         held, state[2] = state[2], 0
         return held
+
+
+class TimeShare:
+    """The loop's time in one round, per user: a user whose clients took *share* seconds
+    of this round is served no more in it.
+
+    A client's turn is bounded, but a user with a thousand connections would get a
+    thousand turns in every round, and everyone else would wait for all of them.  With a
+    share, a round lasts about one share per busy user, however many connections each
+    holds.  The shell charges what it measured and skips the clients of users who had
+    their share; epoll is level-triggered, so a skipped client is reported again in the
+    next round (after the others that are ready)."""
+
+    __slots__ = ("share", "spent")
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.spent: dict[int, float] = {}
+
+    def begin(self) -> None:
+        """A new round: every user may be served again."""
+        if self.spent:
+            self.spent.clear()
+
+    def over(self, uid: int) -> bool:
+        """Whether *uid* had its share of this round."""
+        return self.spent.get(uid, 0.0) >= self.share
+
+    def charge(self, uid: int, seconds: float) -> None:
+        self.spent[uid] = self.spent.get(uid, 0.0) + seconds

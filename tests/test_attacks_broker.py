@@ -265,7 +265,8 @@ def loop_attack(b, name: str, seconds: float = 4, **params) -> tuple[dict, dict,
     before = hostile.Role(HONEST, "prober", b.address, seconds=1.5)
     quiet = hostile.latency_figures(before.finish(10, stop=False)["latencies"])
     attack = hostile.Role(ATTACKER, name, b.address, seconds=seconds + 60, **params)
-    if name in ("order_attack", "prefix_attack", "fanout_attack", "walk_attack"):
+    if name in ("order_attack", "prefix_attack", "fanout_attack", "walk_attack",
+                "crowd_attack"):
         assert attack.wait_state(60), f"{name} never got ready: {attack.finish()}"
     probe = hostile.Role(HONEST, "prober", b.address, seconds=seconds)
     lat = probe.finish(seconds + 60, stop=False)
@@ -324,6 +325,16 @@ def test_f_lookup_walking_every_matching_pattern(start) -> None:
     b = start()
     quiet, lat, report = loop_attack(b, "walk_attack", depth=24)
     assert_fast(quiet, lat, "walk of matching patterns", report)
+
+
+def test_f_many_connections_buy_no_more_of_the_loop(start) -> None:
+    """200 connections of one user, each kept full of SUB/UNSUB of 256-segment patterns:
+    each connection's turn is bounded (~2 ms), but without a share of each round per
+    user, the user got 200 turns in every round.  19976cb: see the message."""
+    b = start()
+    quiet, lat, report = loop_attack(b, "crowd_attack", connections=200)
+    assert report["sent"] > 10_000, report  # the attack kept its connections busy
+    assert_fast(quiet, lat, "200 connections of costly packets", report)
 
 
 def test_f_accept_storm(start) -> None:

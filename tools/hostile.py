@@ -359,6 +359,37 @@ def sub_batch_attack(pipe, address: str, params: dict) -> None:
     pipe.send(("done", {"sent": n}))
 
 
+def crowd_attack(pipe, address: str, params: dict) -> None:
+    """Costly packets (SUB/UNSUB of 256-segment patterns) on *connections* connections at
+    once, each kept full: every connection's turn is bounded, so what it buys is a turn
+    per connection in every round (the loop's time per user)."""
+    clock = Clock(pipe, params)
+    conns = [connect(address, BIG_SNDBUF) for _ in range(params.get("connections", 100))]
+    for s in conns:
+        s.setblocking(False)
+    pairs = []
+    for i in range(8):
+        pattern = trie_patterns("segments-at", i)
+        pairs += [b"SUB " + pattern, b"UNSUB " + pattern]
+    n = 0
+    clock.state("connected")
+    while not clock.over():
+        before = n
+        for s in conns:
+            for p in pairs:
+                try:
+                    s.send(p)
+                except BlockingIOError:
+                    break
+                n += 1
+            drain(s)
+        if n == before:
+            time.sleep(0.002)
+    for s in conns:
+        s.close()
+    pipe.send(("done", {"sent": n, "connections": len(conns)}))
+
+
 def order_attack(pipe, address: str, params: dict) -> None:
     """Fill one's own queue with tiny packets, then flip ``order/random``/``order/queue``."""
     clock = Clock(pipe, params)
@@ -869,7 +900,7 @@ def throughput_publisher(pipe, address: str, params: dict) -> None:
 
 ROLES = {f.__name__: f for f in (
     cache_attack, trie_attack, reply_attack, paused_attack, held_attack, tiny_attack,
-    sub_batch_attack,
+    sub_batch_attack, crowd_attack,
     order_attack, prefix_attack, churn_attack, fanout_attack, walk_attack, accept_storm,
     blocker, log_attack, status_attack, descriptor_attack, storm, prober, reliable_pair,
     cross_reader, sequenced_publisher, secret_user, refusal_probe, throughput_publisher)}
