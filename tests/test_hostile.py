@@ -31,7 +31,7 @@ def test_hostile_soak_bounds_memory_and_stalls_and_loses_nothing() -> None:
     figures = result["figures"]
     assert result["problems"] == [] and proc.returncode == 0
     # the checks were not vacuous: the attacks ran and the honest users were busy
-    assert figures["attacks"] >= 14
+    assert figures["attacks"] >= 16
     assert figures["whoami_probes"] > 500
     assert figures["reliable_sent"] > 1000
     assert figures["reliable_received_in_order"] == figures["reliable_sent"]

@@ -1063,6 +1063,7 @@ def attack_plan(seconds: float) -> list[tuple[int, str, dict]]:
         (a, "log_attack", {"seconds": seconds, "reconnects": 50, "connections": 100}),
         (a, "churn_attack", {"seconds": seconds, "pattern": b"*/%d"}),
         (a, "fanout_attack", {"seconds": seconds, "subscribers": 300}),
+        (a, "crowd_attack", {"seconds": seconds, "connections": 100}),
         (b, "paused_attack", {"seconds": seconds, "publishers": 100}),
         (b, "tiny_attack", {"seconds": seconds, "count": 400_000}),
         (b, "sub_batch_attack", {"seconds": seconds}),
