@@ -19,9 +19,13 @@ Fairness: a client's turn is at most `READS_PER_WAKE` batches or `TURN_SECONDS`,
 writer's at most `core.WRITES_PER_TURN` packets, a round of accepts at most
 `ACCEPTS_PER_TURN`; epoll is level-triggered, so whoever still has work is served
 again in the next round, after everyone else that is ready.  A user (UID) whose
-clients and fan-outs took `USER_SHARE` of a round is served no more in it
-(`limits.TimeShare`): a round lasts about one share per busy user, not one turn per
-connection, so opening many connections buys no more of the loop.
+clients took `USER_SHARE` of a round is served no more in it (`limits.TimeShare`; its
+fan-outs have a share of their own, so a user's large fan-out does not keep its other
+clients waiting): a round lasts about two shares per busy user, not one turn per
+connection, so opening many connections buys no more of the loop.  epoll reports ready
+clients in the same order round after round, so the clients a share left waiting are
+served first in the next rounds, longest waiting first: each of a user's clients gets
+its turn.  The UIDs exempt from the limits (root) are exempt from the share too.
 """
 
 from __future__ import annotations
@@ -67,9 +71,9 @@ ACCEPT_PAUSE = 0.1
 EARLY_DRAINS = 64
 #: Readiness events taken per round.
 EVENTS_PER_ROUND = 1024
-#: Seconds of one round a user's clients and fan-outs may take together before the
-#: user's other ready clients wait for the next round: one client's turn, so a user
-#: with one connection is served as before.
+#: Seconds of one round a user's clients may take together before the user's other
+#: ready clients wait for the next round (and its fan-outs, apart): one client's turn,
+#: so a user with one connection is served as before.
 USER_SHARE = TURN_SECONDS
 #: Receive buffers held by fan-outs in progress at most (`core.Fanout`); beyond them a
 #: costly batch is delivered at once, and its publisher read fewer packets at a time.
@@ -210,7 +214,9 @@ class Broker:
         self._masks: dict[int, int] = {}  # fd -> what epoll watches it for (none: absent)
         self.handing_over = False  # clients keep their sockets and state for a successor
         self.faults = 0  # internal errors caught (`_fault`): each cost one client
-        self._share = TimeShare(USER_SHARE)
+        exempt = (limits or Limits()).exempt
+        self._share = TimeShare(USER_SHARE, exempt)  # of each round: clients
+        self._fanout_share = TimeShare(USER_SHARE, exempt)  # and fan-outs, per user
         self._fault_kinds: set[tuple[str, str, int]] = set()
 
     # the figures server.py reports
@@ -248,12 +254,15 @@ class Broker:
         self._accept_again = 0.0  # when to accept again after ENOBUFS (0: accepting)
         clock = time.monotonic
         timer = time.perf_counter
-        share = self._share
+        share, fanout_share = self._share, self._fanout_share
+        # clients a share left waiting, longest first: served first in the next round
+        waiting: dict[int, None] = {}
         next_tick = clock() + every
         try:
             self._flush()
             while True:
                 share.begin()
+                fanout_share.begin()
                 if core.fanouts:
                     self._fan_out()
                 busy = core.tidy() or bool(core.fanouts)
@@ -276,6 +285,10 @@ class Broker:
                 if not events:
                     continue
                 core.advance(clock())
+                if waiting:
+                    ready = dict(events)
+                    waiting = {fd: None for fd in waiting if fd in ready}
+                    events = [(fd, ready.pop(fd)) for fd in waiting] + list(ready.items())
                 stop = False
                 for fd, ev in events:
                     if fd == lfd:
@@ -287,7 +300,10 @@ class Broker:
                         continue
                     uid = c.cred.uid
                     if share.over(uid):
-                        continue  # reported again next round
+                        waiting.setdefault(fd)  # reported again next round
+                        continue
+                    if waiting:
+                        waiting.pop(fd, None)
                     started = timer()
                     try:
                         if ev & _OUT or (ev & _EITHER and c.wants_write):
@@ -371,8 +387,8 @@ class Broker:
 
     def _fan_out(self) -> None:
         """A turn for each fan-out in progress (`core.Fanout`), oldest first, charged to
-        its publisher's user."""
-        core, share = self.core, self._share
+        its publisher's user's share of fan-outs."""
+        core, share = self.core, self._fanout_share
         clock = time.perf_counter
         for job in list(core.fanouts):
             uid = job.publisher.cred.uid

@@ -9,9 +9,9 @@ its connections (``connections_per_user`` x about 1.5 KB each), its subscription
 (``subscription_bytes_per_user``, charged by `routing.pattern_cost`), the packets
 queued for its clients plus what its paused publishers had already sent
 (``queued_bytes_per_user``, each packet with its overhead) and its share of the
-route cache (``cache_bytes_per_user``).  Root is exempt.  Each user also gets a
-share of the loop's time in every round (`TimeShare`), root included: that bounds
-no holding, only who is served first.
+route cache (``cache_bytes_per_user``), and a share of the loop's time in each round
+(`TimeShare`).  Root is exempt: many system services run as root, and they are served
+as before, a turn for each connection.
 """
 
 from __future__ import annotations
@@ -160,13 +160,14 @@ class TimeShare:
     share, a round lasts about one share per busy user, however many connections each
     holds.  The shell charges what it measured and skips the clients of users who had
     their share; epoll is level-triggered, so a skipped client is reported again in the
-    next round (after the others that are ready)."""
+    next round, where the shell serves it before its user's other clients."""
 
-    __slots__ = ("share", "spent")
+    __slots__ = ("share", "spent", "exempt")
 
-    def __init__(self, share: float) -> None:
+    def __init__(self, share: float, exempt: frozenset[int] = frozenset()) -> None:
         self.share = share
         self.spent: dict[int, float] = {}
+        self.exempt = exempt  # UIDs never made to wait (`Limits.exempt`)
 
     def begin(self) -> None:
         """A new round: every user may be served again."""
@@ -178,4 +179,5 @@ class TimeShare:
         return self.spent.get(uid, 0.0) >= self.share
 
     def charge(self, uid: int, seconds: float) -> None:
-        self.spent[uid] = self.spent.get(uid, 0.0) + seconds
+        if uid not in self.exempt:
+            self.spent[uid] = self.spent.get(uid, 0.0) + seconds

@@ -337,6 +337,26 @@ def test_f_many_connections_buy_no_more_of_the_loop(start) -> None:
     assert_fast(quiet, lat, "200 connections of costly packets", report)
 
 
+def test_f_a_users_own_clients_take_turns_in_its_share(start) -> None:
+    """The crowd's user also probes on a connection of its own: its share of each round
+    goes to one crowd connection at a time, and epoll reports the ready clients in the
+    same order every round, so without serving the longest-waiting first the prober,
+    ready last, was never reached while the crowd had work (a first version of the
+    share: 0 answers)."""
+    b = start()
+    attack = hostile.Role(ATTACKER, "crowd_attack", b.address, seconds=60, connections=30)
+    assert attack.wait_state(60), f"crowd_attack never got ready: {attack.finish()}"
+    time.sleep(0.5)  # its connections full
+    probe = hostile.Role(ATTACKER, "prober", b.address, seconds=4)
+    lat = probe.finish(70, stop=False)
+    report = attack.finish()
+    assert b.proc.poll() is None, "the broker died"
+    figures = hostile.latency_figures(lat.get("latencies", []))
+    # a round of 30 turns is ~60 ms: the bound allows for a loaded machine
+    assert figures["probes"] > 10 and figures["max_ms"] < 1000, (figures, lat.get("failed"),
+                                                               report)
+
+
 def test_f_accept_storm(start) -> None:
     """Three processes connect and hang up as fast as they can: the accept loop drains the
     backlog without yielding while it is refilled.  An already connected honest client

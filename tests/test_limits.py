@@ -18,3 +18,11 @@ def test_a_user_that_had_its_share_waits_for_the_next_round() -> None:
     share.begin()
     assert not share.over(1000) and not share.over(1001)
     assert share.spent == {}
+
+
+def test_an_exempt_user_never_waits() -> None:
+    share = TimeShare(0.002, exempt=frozenset({0}))
+    share.charge(0, 1.0)
+    assert not share.over(0)
+    share.charge(1000, 1.0)
+    assert share.over(1000)
