@@ -330,7 +330,7 @@ def test_f_lookup_walking_every_matching_pattern(start) -> None:
 def test_f_many_connections_buy_no_more_of_the_loop(start) -> None:
     """200 connections of one user, each kept full of SUB/UNSUB of 256-segment patterns:
     each connection's turn is bounded (~2 ms), but without a share of each round per
-    user, the user got 200 turns in every round.  19976cb: see the message."""
+    user, the user got 200 turns in every round.  19976cb: p50 863 ms, p99 866 ms."""
     b = start()
     quiet, lat, report = loop_attack(b, "crowd_attack", connections=200)
     assert report["sent"] > 10_000, report  # the attack kept its connections busy
