@@ -45,9 +45,10 @@ def peer_of(stream: object) -> tuple[str, str]:
 
 class Peer:
     """What all connections from one peer address hold together: connections, outgoing
-    bytes queued (bounded by *queue_limit*) and the distinct patterns they subscribe."""
+    bytes queued (bounded by *queue_limit*) and the distinct patterns they subscribe,
+    and their turn (the server's lock that lets one of them work at a time)."""
 
-    __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "patterns")
+    __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "patterns", "turn")
 
     def __init__(self, host: str, queue_limit: int = 1 << 62) -> None:
         self.host = host
@@ -56,6 +57,7 @@ class Peer:
         self.queue_limit = queue_limit
         self.sub_bytes = 0  # the cost of `patterns`, each counted once
         self.patterns: Counter[bytes] = Counter()  # distinct patterns -> its clients holding
+        self.turn: object = None  # made by the server at the address's first read
 
 
 class Caps:

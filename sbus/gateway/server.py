@@ -64,7 +64,10 @@ CLOSE_GRACE = 1.0
 FEED_SIZE = 8192
 #: Bytes of an incomplete frame an unauthenticated connection may hold between reads.
 UNAUTHENTICATED_HOLD = 16 * 1024
-#: Seconds of work for one client's input before the others get a turn.
+#: Seconds of work for one client's input before the others get a turn.  The
+#: connections of one address take their turns one at a time (`Peer.turn`), so an
+#: address with hundreds of busy connections gets about one turn while every other
+#: address gets one, not one per connection.
 TURN = 0.002
 #: How much later than the idle timeout an idle connection may be closed (a fraction of
 #: it: `Remote.touch` moves its deadline only when it would come sooner).
@@ -468,11 +471,14 @@ class Gateway:
     async def _read(self, rc: Remote, decoder: FrameDecoder) -> None:
         receive = rc.stream.receive_some
         clock = time.perf_counter
-        checkpoint = trio.lowlevel.checkpoint
         publish_packets = self.bridge.publish_packets
         heads = self._heads
         Publish = codec.Publish  # noqa: N806
         fd = _plain_fd(rc.stream)
+        turn = rc.account.turn
+        if turn is None:
+            turn = rc.account.turn = trio.Lock()
+        turning = False  # this connection holds its address's turn
         start = clock()  # since the last turn the others had
         # publishes go to the bus as runs (one system call each), in stream order: any
         # other frame, a turn for the others, a wait for input or RUN_BYTES send the run
@@ -488,13 +494,23 @@ class Gateway:
             packets, run, held = run, [], 0  # taken first: a cancelled send is not redone
             await publish_packets(packets)
 
+        async def next_turn() -> None:
+            """The other addresses, and then this one's other busy connections, first."""
+            nonlocal turning
+            turn.release()
+            turning = False
+            await turn.acquire()  # (a checkpoint even when nobody else waits)
+            turning = True
+
         try:
             while True:
                 # before authenticating, small reads: what one read allocates is bounded
                 size = READ_SIZE if rc.authenticated else UNAUTHENTICATED_HOLD
                 if fd is None:
+                    if turning:
+                        turn.release()
+                        turning = False
                     data = await receive(size)
-                    start = clock()
                 else:  # plain TCP: what waits is read at once, with no turn of the loop
                     try:
                         data = os.read(fd, size)
@@ -510,15 +526,24 @@ class Gateway:
                         elif not wait and lowat:  # (if it cannot be undone: timed waits)
                             lowat = not _wake_at(rc.stream, 1)
                         timeout = wait or (pace.delay if lowat else 0)
+                        if turning:  # its siblings may work while it waits
+                            turn.release()
+                            turning = False
                         if timeout:
                             with trio.move_on_after(timeout):
                                 await trio.lowlevel.wait_readable(fd)
                         else:
                             await trio.lowlevel.wait_readable(fd)
-                        start = clock()
                         continue
                     except OSError as exc:
                         raise trio.BrokenResourceError(exc) from exc
+                if not turning:
+                    try:
+                        turn.acquire_nowait()  # no turn of the loop when nobody waits
+                    except trio.WouldBlock:
+                        await turn.acquire()  # after the address's other busy connections
+                    turning = True
+                    start = clock()
                 if not data:
                     if not decoder.idle:
                         self.say(rc.host, logging.INFO, "%r closed in the middle of a frame",
@@ -556,14 +581,14 @@ class Gateway:
                         if clock() - start > TURN:
                             if run:
                                 await send_run()
-                            await checkpoint()  # others get a turn
+                            await next_turn()  # others get a turn
                             start = clock()
                     if fd is None and run:  # the next read takes a turn: not held over it
                         await send_run()
                     if clock() - start > TURN:
                         if run:
                             await send_run()
-                        await checkpoint()
+                        await next_turn()
                         start = clock()
                 del data, piece
                 if not rc.authenticated and decoder.held > UNAUTHENTICATED_HOLD:
@@ -571,6 +596,8 @@ class Gateway:
                                      f"the {UNAUTHENTICATED_HOLD} allowed before "
                                      "authenticating")
         finally:
+            if turning:
+                turn.release()
             if run:  # what came before the end of the stream, a bad frame or a broken read
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_GRACE):
                     await send_run()
