@@ -44,10 +44,13 @@ BUILD: dict[str, str] = {}
 @pytest.fixture(scope="module")
 def deb() -> Iterator[Path]:
     out = Path(tempfile.mkdtemp(prefix="sbus-deb-", dir="/tmp"))
+    scratch = out / "tmp"  # lintian leaves a file in TMPDIR (mldbm-elf-*): removed with out
+    scratch.mkdir()
     try:
         done = subprocess.run([str(REPO / "tools" / "build-deb.sh"), str(out)],
                               capture_output=True, text=True, timeout=900,
-                              stdin=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL,
+                              env={**os.environ, "TMPDIR": str(scratch)})
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         BUILD["output"] = done.stdout + done.stderr
         debs = list(out.glob("*.deb"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import re
+import shutil
 import time
 
 import pytest
@@ -100,6 +101,7 @@ def watched(tmp_path_factory) -> tuple[TrafficModel, dict[bytes, int], str]:
         model, sent = trio.run(main)
     finally:
         broker.stop()
+        shutil.rmtree(d, ignore_errors=True)
     return model, sent, broker.address
 
 
