@@ -22,10 +22,11 @@ PLAN = {b"alpha/one": (40, b"hello alpha"), b"beta/two": (8, b"B" * 200),
 
 
 class Tmux:
-    """One private tmux server (its own socket name) running one shell in a 100×30 pane."""
+    """One private tmux server (its socket in *cwd*, so nothing is left in /tmp)
+    running one shell in a 100×30 pane."""
 
-    def __init__(self, name: str, cwd: Path) -> None:
-        self.base = ["tmux", "-L", name]
+    def __init__(self, cwd: Path) -> None:
+        self.base = ["tmux", "-S", str(cwd / "tmux.sock")]
         env = dict(os.environ, TERM="xterm-256color")
         for name in ("TMUX", "COLUMNS", "LINES"):  # a size in the environment would
             env.pop(name, None)  # fix sbus-top's (rich's), whatever the pane's size
@@ -61,7 +62,7 @@ class Tmux:
 
 @pytest.fixture
 def tmux(short_tmp: Path) -> Iterator[Tmux]:
-    t = Tmux(f"sbus-top-test-{os.getpid()}-{short_tmp.name}", short_tmp)  # one server each
+    t = Tmux(short_tmp)  # one server each
     yield t
     t.kill()
 
