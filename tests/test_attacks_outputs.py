@@ -210,7 +210,7 @@ def test_live_top_answers_keys_while_showing_long_hostile_keys(broker, short_tmp
     from test_top_tmux import Tmux
 
     os.chmod(short_tmp, 0o755)
-    tmux = Tmux(f"sbus-attack-{os.getpid()}-{short_tmp.name}", short_tmp)
+    tmux = Tmux(short_tmp)
     try:
         tmux.type_line(f"{sys.executable} -m sbus.top --address {broker.address} "
                        "--interval 0.1 --sort key")

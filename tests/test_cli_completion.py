@@ -109,7 +109,7 @@ def test_zsh_completion_typed_into_zsh(short_tmp):
     script = short_tmp / "_sbus"
     script.write_bytes(subprocess.run([*SBUS, "completion", "zsh"], capture_output=True,
                                       check=True, timeout=30).stdout)
-    base = ["tmux", "-L", f"sbus-zsh-{os.getpid()}"]
+    base = ["tmux", "-S", str(short_tmp / "tmux.sock")]  # nothing left in /tmp
     env = dict(os.environ, PATH=VENV_BIN + os.pathsep + os.environ["PATH"], HOME=str(short_tmp),
                TERM="xterm-256color")
     env.pop("TMUX", None)
