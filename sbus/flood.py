@@ -187,10 +187,7 @@ class OutQueue:
 
     def _reorder(self, order: Order) -> None:
         self._next_order = None
-        if self._order is Order.RANDOM:  # back to arrival order
-            queued = [(p, o) for _, _, p, o in sorted(self.items, key=lambda item: item[1])]
-        else:
-            queued = list(zip(self.items, self.owners or (), strict=True))
+        queued = self._arrivals()
         self.clear()  # the re-push below charges the budget again
         self._order = order
         self._overhead = HEAP_OVERHEAD if order is Order.RANDOM else PACKET_OVERHEAD
@@ -198,10 +195,16 @@ class OutQueue:
         for packet, owner in queued:
             self._push(packet, owner)
 
+    def _arrivals(self) -> list[tuple[bytes, int | None]]:
+        """The queued packets and their users, oldest first."""
+        if self._order is Order.RANDOM:  # a heap: back to arrival order
+            return [(p, o) for _, _, p, o in sorted(self.items, key=lambda item: item[1])]
+        return list(zip(self.items, self.owners or (), strict=True))
+
     def arrival_order(self) -> list[bytes]:
         """The queued packets, oldest first (what a successor is handed)."""
         if self._order is Order.RANDOM:
-            return [p for _, _, p, _ in sorted(self.items, key=lambda item: item[1])]
+            return [p for p, _ in self._arrivals()]
         return list(self.items)
 
     def offer(self, packet: bytes, may_block: bool = True, owner: int | None = None) -> Verdict:
