@@ -313,6 +313,15 @@ def test_mkdir_learned_directories_and_unknown_names(mnt, bus):
     assert os.listdir(mnt / "live/x") == ["y", "**"] and os.path.isfile(mnt / "live/x/y")
     assert sorted(os.listdir(mnt / "p/q")) == ["!", "**", "r"]  # p/q is a key and a prefix
     assert os.listdir(mnt / "live/*") == ["**"]  # wildcards list only how to read
+    # patterns are read-only: removing what `ls` shows is EACCES, not "no such file";
+    # every name below a wildcard is a pattern, so it exists (mkdir: EEXIST)
+    for remove, path in ((os.remove, "**"), (os.remove, "live/x/**"),
+                         (os.remove, "live/*/y"), (os.rmdir, "live/*")):
+        with pytest.raises(PermissionError):
+            remove(mnt / path)
+    with pytest.raises(FileExistsError):
+        os.mkdir(mnt / "live/*/new")
+    assert os.path.isfile(mnt / "live/x/y")
     proc = cat(mnt / "p/q/!")
     try:
         publish(bus.address, (b"p/q/r", b"not this"), (b"p/q", b"this"))

@@ -238,8 +238,9 @@ class MountBus:
             raise FUSEError(errno.EDQUOT if over else errno.EACCES) from None
         except (SbusError, OSError, trio.TooSlowError, TimeoutError) as exc:
             await client.aclose()
+            why = exc if str(exc) else f"no answer within {SUBSCRIBE_TIMEOUT:g} s"
             log.error("cannot subscribe to %s at %s: %s", brief(r.pattern), self.address,
-                      exc)
+                      why)
             raise FUSEError(errno.EIO) from None
         except BaseException:  # cancelled: the caller was interrupted
             await client.aclose()

@@ -100,6 +100,13 @@ def answering(op: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return answer
 
 
+def _not_a_pattern(path: mapping.Path) -> None:
+    """Patterns (a wildcard name, ``**``, or anything below a wildcard) always exist and
+    are read-only: removing one is EACCES, not a "no such file" for what ``ls`` shows."""
+    if path[-1] == mapping.TRAILING or any(mapping.is_wild(s) for s in path):
+        raise FUSEError(errno.EACCES)
+
+
 class Handle:
     """One open file.  A writer opened without ``O_APPEND`` gathers its writes in
     *pending* and publishes them as one message when the file is closed (`flush`);
@@ -502,6 +509,7 @@ class BusFS(pyfuse3.Operations):
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Ctx) -> None:
         parent = split_view(self._node(parent_inode)[0])[1]
         path = parent + (name,)
+        _not_a_pattern(path)
         if not self.tree.rmdir(path):
             raise FUSEError(errno.ENOENT)
         uid = self._made.pop(path, None)
@@ -515,6 +523,7 @@ class BusFS(pyfuse3.Operations):
         """Forget a remembered key (it comes back if it is published again)."""
         parent = split_view(self._node(parent_inode)[0])[1]
         path = parent + (name,)
+        _not_a_pattern(path)
         if name == mapping.SELF and parent:
             path = parent
         if not self.tree.forget(path):
