@@ -56,6 +56,24 @@ def test_json_snapshot_counts_real_traffic(broker):
     assert snap["history"] and len(snap["recent"]) == 10
 
 
+def test_a_window_shorter_than_a_tick_still_has_rates(broker):
+    """``--seconds 0.6`` ends before the first once-a-second tick: the rates are the
+    window's own, not 0 (the tutorial's ``--seconds 1`` met this half the time)."""
+    stop = threading.Event()
+    top = subprocess.Popen([*TOP, "--address", broker.address, "--json", "--seconds", "0.6"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "counting 0.6 s" in top.stderr.readline()
+    pub = publish_for(broker.address, 10, stop)
+    out, err = top.communicate(timeout=30)
+    stop.set()
+    pub.join()
+    assert top.returncode == 0, err
+    snap = json.loads(out)
+    fast = {r["key"]: r for r in snap["rows"]}["cli/fast"]
+    assert fast["total"] > 0 and 30 <= fast["rate"] <= 200, fast
+    assert len(snap["history"]) == 1
+
+
 def test_once_prints_the_screen_as_text(broker, short_tmp):
     stop = threading.Event()
     pub = publish_for(broker.address, 10, stop)

@@ -167,6 +167,8 @@ async def count_for(settings: Settings) -> tuple[TrafficModel, float]:
             else:
                 await trio.sleep_forever()
         nursery.cancel_scope.cancel()
+    if not model.history:  # a window shorter than a tick: its rates are the window's own
+        model.tick(time.monotonic())
     return model, time.monotonic() - start
 
 
