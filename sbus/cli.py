@@ -9,7 +9,7 @@ import importlib
 import logging
 import sys
 
-from .cmd import run_command
+from .cmd import OneLineParser, parse_command_line, run_command
 from .defaults import DEFAULT_ADDRESS
 from .extras import missing_extra, missing_extra_message
 
@@ -71,7 +71,7 @@ def build_parser(argv: list[str], *, everything: bool = False
                  ) -> tuple[argparse.ArgumentParser, dict[str, object]]:
     """The parser, with the options of the subcommand named in *argv* (of every one for
     ``--help`` or *everything*: man pages and completion)."""
-    parser = argparse.ArgumentParser(prog="sbus", description="sbus: a small, fast message bus")
+    parser = OneLineParser(prog="sbus", description="sbus: a small, fast message bus")
     parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
     parser.add_argument("-V", "--version", action=_Version, nargs=0,
                         help="print the version and exit")
@@ -108,7 +108,7 @@ def build_parser(argv: list[str], *, everything: bool = False
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, modules = build_parser(argv)
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv, "sbus")
     args.verbose += args.sub_verbose
     logging.basicConfig(
         level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],

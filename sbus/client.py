@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import select
 import socket
+import stat
 import struct
 import time
 from collections import deque
@@ -41,7 +43,7 @@ from typing import NamedTuple, TypeVar
 import anyio
 
 from . import protocol
-from .defaults import MAX_MESSAGE, RECV_BUFFER, SEND_BUFFER, default_address
+from .defaults import ANSWER_TIMEOUT, MAX_MESSAGE, RECV_BUFFER, SEND_BUFFER, default_address
 from .display import LOG_QUOTE, brief
 from .errors import ConnectError, ConnectionLost, InvalidRequest, NoResponders, Refused, SbusError
 from .keys import Credentials
@@ -128,12 +130,30 @@ def wait_for_broker(address: str | None = None, timeout: float = 10.0,
 
 
 def _connect_error(address: str, why: str, advice: bool = True) -> ConnectError:
-    """The one wording of a failed connect; with *advice*, how to get a broker there."""
+    """The one wording of a failed connect; with *advice*, how to get a broker there
+    (none where a file of another kind is in the way: ``sbus serve`` would not touch it)."""
     line = f"cannot connect to the sbus broker at {address}: {why}"
+    other = _not_a_socket(address) if advice else None
+    if other is not None:
+        return ConnectError(f"cannot connect to the sbus broker at {address}: it is "
+                            f"{other}, not a socket. Give the broker's socket with "
+                            "--address or SBUS_ADDRESS.")
     if advice:
         line += (f". Start one with 'sbus serve --address {address}' (or 'systemctl start "
                  "sbus.socket'), or set SBUS_ADDRESS.")
     return ConnectError(line)
+
+
+def _not_a_socket(address: str) -> str | None:
+    """What is at *address* if it is there and is not a socket (else None)."""
+    try:
+        mode = os.stat(address).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) \
+        else "a special file"
 
 
 def connecting(address: str, timeout: float | None = None) -> Steps[socket.socket]:
@@ -572,6 +592,10 @@ class _Shell:
         """A broker older than `protocol.REACH` refused the question: wait as before."""
         return exc.verb == "cmsg" and protocol.REACH.decode() in exc.reason
 
+    def _silent_for(self, timeout: float) -> TimeoutError:
+        return TimeoutError(f"no message from the broker at {self.address} within "
+                            f"{timeout:g} s")
+
     @staticmethod
     def _timed_out(key: bytes, timeout: float) -> TimeoutError:
         return TimeoutError(f"no reply to the request on {brief(key)} within {timeout:g} s")
@@ -676,7 +700,7 @@ class Client(_Shell):
         for packet in self.session.set_flood(soft, hard, order):
             self.send_packet(packet)
 
-    def sync(self, timeout: float | None = 5.0) -> None:
+    def sync(self, timeout: float | None = ANSWER_TIMEOUT) -> None:
         """Return once the broker has acted on everything sent before (a whoami round
         trip); raises `Refused` if it refused any of it.  Messages meanwhile are kept.
         *timeout* None waits as long as it takes (a publisher the broker paused)."""
@@ -832,8 +856,7 @@ class Client(_Shell):
             raise self._quiet(timeout)
 
     def _quiet(self, timeout: float | None) -> TimeoutError:
-        return TimeoutError(f"no message from the broker at {self.address} within "
-                            f"{timeout if timeout is not None else self._timeout} s")
+        return self._silent_for(timeout if timeout is not None else self._timeout or 0.0)
 
     def receive(self, timeout: float | None = None, flags: int = 0) -> Received:
         """The next message, drop report or control message; ``TimeoutError`` after
@@ -911,14 +934,14 @@ class Client(_Shell):
                 if type(event) is Publish:
                     yield event
 
-    def whoami(self, timeout: float = 5.0) -> bytes:
+    def whoami(self, timeout: float = ANSWER_TIMEOUT) -> bytes:
         """This connection's credentials path, e.g. ``b'!/cred/100/1000/1111'``, asked of the
         broker; messages arriving meanwhile are kept for `receive`."""
         if self.session.whoami is None:
             self.sync(timeout)
         return self._whoami()
 
-    def reach(self, key: bytes | str, timeout: float = 5.0) -> int | None:
+    def reach(self, key: bytes | str, timeout: float = ANSWER_TIMEOUT) -> int | None:
         """How many subscribers a message on *key* would reach now (None: the broker will
         not say, or does not know the question); messages meanwhile are kept."""
         key = key.encode() if isinstance(key, str) else bytes(key)
@@ -940,7 +963,7 @@ class Client(_Shell):
             self._keep(kept)
 
     def request(self, key: bytes | str, payload: bytes | str = b"",
-                timeout: float = 5.0, *, no_responders: bool = True) -> bytes:
+                timeout: float = ANSWER_TIMEOUT, *, no_responders: bool = True) -> bytes:
         """Publish a request on *key* and return the first reply's payload, received on a
         private inbox (`sbus.request`); ``TimeoutError`` after *timeout* seconds.
 
@@ -985,7 +1008,7 @@ class Client(_Shell):
                 except SbusError:  # the connection may be what failed
                     pass
 
-    def credentials(self, timeout: float = 5.0) -> Credentials:
+    def credentials(self, timeout: float = ANSWER_TIMEOUT) -> Credentials:
         return Credentials.parse(self.whoami(timeout))
 
     # -- plumbing ---------------------------------------------------------------
@@ -1184,13 +1207,16 @@ class AsyncClient(_Shell):
         for packet in self.session.set_flood(soft, hard, order):
             await self.send_packet(packet)
 
-    async def sync(self, timeout: float | None = 5.0) -> None:
+    async def sync(self, timeout: float | None = ANSWER_TIMEOUT) -> None:
         """`Client.sync`: the broker has acted on everything sent before, or `Refused`."""
         await self.send_packet(self.session.ask())
-        with anyio.fail_after(timeout):
-            while self.session.asked:
-                for event in await self._receiving(self._read, SLOTS):
-                    self._settle(event)
+        try:
+            with anyio.fail_after(timeout):
+                while self.session.asked:
+                    for event in await self._receiving(self._read, SLOTS):
+                        self._settle(event)
+        except TimeoutError:
+            raise self._silent_for(timeout) from None
         self._refused()
 
     async def _receiving(self, read, limit: int) -> list:
@@ -1284,16 +1310,16 @@ class AsyncClient(_Shell):
                 if type(event) is Publish:
                     yield event
 
-    async def whoami(self, timeout: float = 5.0) -> bytes:
+    async def whoami(self, timeout: float = ANSWER_TIMEOUT) -> bytes:
         if self.session.whoami is None:
             await self.sync(timeout)
         return self._whoami()
 
-    async def credentials(self, timeout: float = 5.0) -> Credentials:
+    async def credentials(self, timeout: float = ANSWER_TIMEOUT) -> Credentials:
         return Credentials.parse(await self.whoami(timeout))
 
     async def request(self, key: bytes | str, payload: bytes | str = b"",
-                      timeout: float = 5.0, *, no_responders: bool = True) -> bytes:
+                      timeout: float = ANSWER_TIMEOUT, *, no_responders: bool = True) -> bytes:
         """`Client.request` for async code; ``TimeoutError`` after *timeout* seconds,
         `NoResponders` at once when nobody subscribes to *key*."""
         key = key.encode() if isinstance(key, str) else bytes(key)

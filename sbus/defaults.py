@@ -29,6 +29,10 @@ DEFAULT_SOFT = b"queue"
 DEFAULT_HARD = b"discard"
 DEFAULT_ORDER = b"queue"
 
+#: Seconds a call or a command waits for the broker's answer unless told otherwise
+#: (``sync``, ``whoami``, ``request``; ``--timeout`` of ping, request, status).
+ANSWER_TIMEOUT = 5.0
+
 #: Largest packet the broker accepts and forwards (``--max-message``).
 MAX_MESSAGE = 256 * 1024
 #: Bytes the broker queues for one client before its hard policy applies (``--queue-limit``).

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import time
 
 from conftest import SBUS
 
@@ -103,6 +105,65 @@ def test_no_broker_one_clear_line(short_tmp):
         assert r.returncode == 1
         assert err.count("\n") == 1 and "Traceback" not in err
         assert missing in err and "sbus serve" in err
+
+
+def one_line(r: subprocess.CompletedProcess, status: int) -> str:
+    """The failure *r* said: exactly one line on stderr, no traceback, *status*."""
+    err = r.stderr.decode()
+    assert r.returncode == status, (r.returncode, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_broker_that_does_not_answer_is_one_line_for_every_command(broker):
+    """A stopped broker (SIGSTOP: connected, never answering) is a timeout: one line
+    naming the broker and the wait, exit status 1, for the commands that wait on it;
+    `sbus pub` and `sbus sub` keep to their --timeout."""
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGSTOP)
+    try:
+        a = broker.address
+        for args in (["ping", "-c", "1", "--timeout", "0.5"], ["status", "--timeout", "0.5"],
+                     ["sub", "-n", "1", "--timeout", "0.5", "k"],
+                     ["pub", "--timeout", "0.5", "k", "v"]):
+            started = time.monotonic()
+            err = one_line(sbus(*args, "--address", a), 1)
+            assert time.monotonic() - started < 4, args  # its own timeout, not 5 s
+            assert a in err and ("0.5 s" in err or "did not answer" in err), (args, err)
+    finally:
+        broker.proc.send_signal(signal.SIGCONT)
+    assert sbus("pub", "--timeout", "5", "k", "v", "--address", broker.address).returncode == 0
+
+
+def test_output_that_cannot_be_written_is_one_line(broker):
+    """Standard output on a full disk (/dev/full): one line and status 1, for a
+    command's output and for --help and --version (argparse would exit 0 silently)."""
+    with open("/dev/full", "wb") as full:
+        for args in (["whoami", "--address", broker.address], ["--help"], ["sub", "--help"],
+                     ["--version"], ["completion", "bash"]):
+            r = subprocess.run([*SBUS, *args], stdout=full, stderr=subprocess.PIPE,
+                               timeout=20)
+            err = one_line(r, 1)
+            assert "No space left on device" in err, (args, err)
+
+
+def test_a_wrong_command_line_is_one_line(short_tmp):
+    for args in (["gateway"], ["sub", "--count", "x", "k"], ["bogus"], ["pub", "--bogus"]):
+        err = one_line(sbus(*args), 2)
+        assert "--help" in err and "usage:" not in err, (args, err)
+    # a descriptor that is not open: said before anything else (a waiter would wait)
+    assert "--ready-fd 99: Bad file descriptor" in one_line(
+        sbus("sub", "--ready-fd", "99", "k", "--address", str(short_tmp / "none")), 2)
+
+
+def test_an_address_that_is_not_a_socket_says_so(short_tmp):
+    """No advice to start a broker where `sbus serve` would refuse to (a file of
+    another kind in the way)."""
+    (short_tmp / "file").write_bytes(b"")
+    (short_tmp / "dir").mkdir()
+    for name, kind in (("file", "a regular file"), ("dir", "a directory")):
+        err = one_line(sbus("pub", "k", "v", "--address", str(short_tmp / name)), 1)
+        assert f"it is {kind}, not a socket" in err and "sbus serve" not in err, err
 
 
 def test_address_from_environment(broker, monkeypatch):

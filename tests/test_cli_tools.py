@@ -109,8 +109,9 @@ def test_bad_values_are_named_without_internal_names():
                                                             f"argument {args[1]}")
     r = sbus("serve", "--mode", "rw-r--r--")
     assert r.returncode == 2
-    assert r.stderr.decode().splitlines()[-1] == (
-        "sbus serve: error: argument --mode: not an octal file mode: 'rw-r--r--' (e.g. 0660)")
+    assert r.stderr.decode().splitlines() == [
+        "sbus serve: error: argument --mode: not an octal file mode: 'rw-r--r--' (e.g. 0660)"
+        " (see 'sbus serve --help')"]
 
 
 # -- sbus sub ---------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import statistics
 import time
 
 from ..client import Client
-from ..defaults import count_arg, duration_arg
+from ..defaults import ANSWER_TIMEOUT, count_arg, duration_arg
 
 
 def round_trip(bus: Client, timeout: float) -> float:
@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "prints the summary)")
     p.add_argument("-i", "--interval", type=duration_arg, default=0.5, metavar="SECONDS",
                    help="pause between round trips (default 0.5)")
-    p.add_argument("--timeout", type=duration_arg, default=5.0, metavar="SECONDS",
-                   help="how long one round trip may take (default 5)")
+    p.add_argument("--timeout", type=duration_arg, default=ANSWER_TIMEOUT, metavar="SECONDS",
+                   help=f"how long one round trip may take (default {ANSWER_TIMEOUT:g})")
 
 
 def run(args: argparse.Namespace) -> int:

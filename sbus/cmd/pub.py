@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--count", type=count_arg, default=None, metavar="N",
                    help="publish N messages; '{n}' in the payload becomes 1, 2, ... N and "
                         "'{time}' the time of sending (seconds since 1970)")
+    p.add_argument("--timeout", type=duration_arg, default=None, metavar="SECONDS",
+                   help="give up (exit status 1) when the broker takes no message, or does "
+                        "not confirm the last, for this long (default: wait as long as it "
+                        "takes, as for a publisher the broker paused for a slow subscriber)")
     p.add_argument("-i", "--interval", type=duration_arg, default=0.0, metavar="SECONDS",
                    help="with --count: pause between messages (e.g. 1, 100ms; default 0); "
                         "the pace is kept, not the pause")
@@ -84,20 +88,30 @@ def run(args: argparse.Namespace) -> int:
     # lost broker and goes on (saying so); one message is one-shot: a lost broker fails it
     stream = args.count is not None or args.lines
     with Client(args.address, max_message=args.max_message, reconnect=stream,
-                on_connection=lambda up, line: _say(line)) as bus:
-        if args.lines:
-            for line in sys.stdin.buffer:
-                bus.publish(key, line.rstrip(b"\n"))
-        else:
-            payload = (read_stdin("sbus pub", "the payload", "sbus pub KEY PAYLOAD")
-                       if text_payload is None
-                       else os.fsencode(text_payload))
-            start = time.monotonic()
-            for n in range(1, (1 if args.count is None else args.count) + 1):
-                if n > 1 and args.interval:
-                    time.sleep(max(0.0, start + (n - 1) * args.interval - time.monotonic()))
-                bus.publish(key, payload if args.count is None
-                            else expand(payload, n, time.time()))
-        bus.sync(None)  # the broker took every message (or raised its refusal); a
-        # publisher it paused for a slow subscriber waits here as in its sends
+                timeout=args.timeout, on_connection=lambda up, line: _say(line)) as bus:
+        try:
+            _publish_all(bus, key, text_payload, args)
+        except TimeoutError as exc:
+            raise SbusError(f"the broker at {bus.address} did not take the messages "
+                            f"within {args.timeout:g} s") from exc
     return 0
+
+
+def _publish_all(bus: Client, key: bytes, text_payload: str | None,
+                 args: argparse.Namespace) -> None:
+    """Every message of this command, then the broker's word that it took them."""
+    if args.lines:
+        for line in sys.stdin.buffer:
+            bus.publish(key, line.rstrip(b"\n"))
+    else:
+        payload = (read_stdin("sbus pub", "the payload", "sbus pub KEY PAYLOAD")
+                   if text_payload is None
+                   else os.fsencode(text_payload))
+        start = time.monotonic()
+        for n in range(1, (1 if args.count is None else args.count) + 1):
+            if n > 1 and args.interval:
+                time.sleep(max(0.0, start + (n - 1) * args.interval - time.monotonic()))
+            bus.publish(key, payload if args.count is None
+                        else expand(payload, n, time.time()))
+    bus.sync(args.timeout)  # the broker took every message (or raised its refusal); a
+    # publisher it paused for a slow subscriber waits here as in its sends

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..client import Client, SbusError
-from ..defaults import duration_arg
+from ..defaults import ANSWER_TIMEOUT, duration_arg
 from ..display import printable
 from . import read_stdin
 
@@ -15,9 +15,10 @@ from . import read_stdin
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("key", help="routing key the replier listens on")
     p.add_argument("payload", nargs="?", help="request body (default: standard input)")
-    p.add_argument("--timeout", type=duration_arg, default=5.0, metavar="SECONDS",
-                   help="how long to wait for the reply (default 5), a lost broker "
-                        "included; none: exit status 1 (at once when nobody serves KEY)")
+    p.add_argument("--timeout", type=duration_arg, default=ANSWER_TIMEOUT, metavar="SECONDS",
+                   help=f"how long to wait for the reply (default {ANSWER_TIMEOUT:g}), a "
+                        "lost broker included; none: exit status 1 (at once when nobody "
+                        "serves KEY)")
     p.add_argument("--raw", action="store_true",
                    help="print the reply's bytes as they are also on a terminal (elsewhere "
                         "they always are; a terminal gets a newline after them if they end "

@@ -8,7 +8,7 @@ import sys
 
 from .. import protocol
 from ..client import Client, SbusError
-from ..defaults import duration_arg
+from ..defaults import ANSWER_TIMEOUT, duration_arg
 from ..display import printable
 from ..protocol import Control
 
@@ -16,8 +16,8 @@ from ..protocol import Control
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the broker's answer as one JSON object (all pages joined)")
-    p.add_argument("--timeout", type=duration_arg, default=5.0, metavar="SECONDS",
-                   help="how long to wait for each answer (default 5)")
+    p.add_argument("--timeout", type=duration_arg, default=ANSWER_TIMEOUT, metavar="SECONDS",
+                   help=f"how long to wait for each answer (default {ANSWER_TIMEOUT:g})")
 
 
 def fetch(bus: Client, timeout: float) -> dict:
@@ -46,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             state = fetch(bus, args.timeout)
         except TimeoutError:
-            raise SbusError("the broker did not answer (is it older than this client?)") \
-                from None
+            bus.sync(args.timeout)  # no answer at all: its TimeoutError says so
+            raise SbusError(f"the broker at {bus.address} answers, but not with its status "
+                            "(is it older than this client?)") from None
     if args.json:
         json.dump(state, sys.stdout, indent=1)
         print()

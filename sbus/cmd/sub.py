@@ -15,7 +15,7 @@ import time
 
 from .. import rlimits
 from ..client import Client, Publish, SbusError
-from ..defaults import duration_arg
+from ..defaults import ANSWER_TIMEOUT, duration_arg
 from ..errors import UsageError
 from ..msgformat import DIRECTIVES, FORMATS, compile_format, format_message, wildcard_hint
 from ..routing import matches
@@ -97,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
         raise SbusError("--timestamps and --pretty do not go with -F (%t is the time)")
     if (args.timestamps or args.pretty) and args.format == "raw":
         raise SbusError("--timestamps and --pretty do not go with --format raw")
+    if args.ready_fd is not None:  # checked first: a waiter on a wrong one waits forever
+        try:
+            os.fstat(args.ready_fd)
+        except OSError as exc:
+            raise UsageError(f"--ready-fd {args.ready_fd}: {exc.strerror}") from None
     patterns = [*args.patterns, *args.topics]
     if not patterns:
         raise UsageError("which keys? e.g. sbus sub 'greetings/*' ('' for everything "
@@ -117,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
         bus.set_flood(soft=args.soft, hard=hard, order=args.order)
         for pattern in patterns:
             bus.subscribe(os.fsencode(pattern), wait=False)
-        bus.sync()  # every subscription in force, or the broker's refusal raised
+        # every subscription in force, or the broker's refusal raised (--timeout bounds
+        # this wait too: a broker that does not answer is not waited for longer)
+        bus.sync(ANSWER_TIMEOUT if args.timeout is None else args.timeout)
         if args.ready_fd is not None:
             _ready(args.ready_fd)
         while args.count is None or seen < args.count:

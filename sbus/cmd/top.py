@@ -86,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``sbus-top`` command's parser (also read by the man page and completion)."""
     from ..version import version
+    from . import OneLineParser
 
-    parser = argparse.ArgumentParser(prog="sbus-top", description="live traffic monitor")
+    parser = OneLineParser(prog="sbus-top", description="live traffic monitor")
     parser.add_argument("-V", "--version", action="version", version=f"sbus-top {version()}",
                         help="print the version and exit")
     parser.add_argument("--address", default=None, metavar="PATH",
@@ -98,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``sbus-top`` console script: the same as ``sbus top``."""
-    from . import run_command
+    from . import parse_command_line, run_command
 
-    return run_command("sbus-top", run, build_parser().parse_args(argv))
+    return run_command("sbus-top", run, parse_command_line(build_parser(), argv, "sbus-top"))
 
 
 if __name__ == "__main__":
