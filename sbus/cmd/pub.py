@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             _publish_all(bus, key, text_payload, args)
         except TimeoutError as exc:
+            if args.timeout is None:
+                raise  # not ours (a reconnect's opening): said as it is
             raise SbusError(f"the broker at {bus.address} did not take the messages "
                             f"within {args.timeout:g} s") from exc
     return 0
