@@ -33,17 +33,22 @@ def publish_for(address: str, seconds: float, stop: threading.Event) -> threadin
     return t
 
 
-def test_json_snapshot_counts_real_traffic(broker):
+def json_snapshot(address: str, seconds: str) -> dict:
+    """``sbus-top --json --seconds SECONDS`` over `publish_for`'s traffic."""
     stop = threading.Event()
-    top = subprocess.Popen([*TOP, "--address", broker.address, "--json", "--seconds", "2.5"],
+    top = subprocess.Popen([*TOP, "--address", address, "--json", "--seconds", seconds],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert "counting 2.5 s" in top.stderr.readline()  # subscribed from here on
-    pub = publish_for(broker.address, 10, stop)
+    assert f"counting {seconds} s" in top.stderr.readline()  # subscribed from here on
+    pub = publish_for(address, 10, stop)
     out, err = top.communicate(timeout=30)
     stop.set()
     pub.join()
     assert top.returncode == 0, err
-    snap = json.loads(out)
+    return json.loads(out)
+
+
+def test_json_snapshot_counts_real_traffic(broker):
+    snap = json_snapshot(broker.address, "2.5")
     assert snap["state"] == "connected" and snap["address"] == broker.address
     rows = {r["key"]: r for r in snap["rows"]}
     assert set(rows) == {"cli/fast", "cli/slow"}
@@ -59,16 +64,7 @@ def test_json_snapshot_counts_real_traffic(broker):
 def test_a_window_shorter_than_a_tick_still_has_rates(broker):
     """``--seconds 0.6`` ends before the first once-a-second tick: the rates are the
     window's own, not 0 (the tutorial's ``--seconds 1`` met this half the time)."""
-    stop = threading.Event()
-    top = subprocess.Popen([*TOP, "--address", broker.address, "--json", "--seconds", "0.6"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert "counting 0.6 s" in top.stderr.readline()
-    pub = publish_for(broker.address, 10, stop)
-    out, err = top.communicate(timeout=30)
-    stop.set()
-    pub.join()
-    assert top.returncode == 0, err
-    snap = json.loads(out)
+    snap = json_snapshot(broker.address, "0.6")
     fast = {r["key"]: r for r in snap["rows"]}["cli/fast"]
     assert fast["total"] > 0 and 30 <= fast["rate"] <= 200, fast
     assert len(snap["history"]) == 1
