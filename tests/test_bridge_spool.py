@@ -1,5 +1,6 @@
 """The bridge's spool of unacknowledged exports (sbus/bridge/spool.py): what a crash leaves
-is found again, in order; a torn record is cut off; acknowledged segments go; it is bounded.
+is found again, in order; a torn record is cut off; acknowledged segments go; it is bounded;
+damage is said and set right, never a crash.
 The crash is a process that ends without closing (as ``kill -9`` does)."""
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def test_a_torn_record_at_the_end_is_cut_off(tmp_path: Path) -> None:
         f.write(b"\x02\x00\x00")     # the crash came in the middle of a header
     s = spool(tmp_path)
     assert [(t, p) for _, t, p in s.load()] == [(b"a", b"1"), (b"b", b"2")]
+    assert len(s.problems) == 1 and "the 3 bytes from there are dropped" in s.problems[0]
     assert s.append([(b"c", b"3")]) == [2]
     s.close()
     assert [(t, p) for _, t, p in spool(tmp_path).load()] == [(b"a", b"1"), (b"b", b"2"),
@@ -118,3 +120,83 @@ assert s.append([(b"c", b"3")]) == [1] and len(s) == 2
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
     assert [(t, p) for _, t, p in spool(tmp_path).load()] == [(b"a", b"1"), (b"c", b"3")]
+
+
+def recorded(tmp_path: Path, n: int, acked: int = 0) -> None:
+    """A spool holding records 0 .. n-1, the first *acked* of them acknowledged."""
+    s = spool(tmp_path)
+    s.load()
+    for seq in s.append([(b"t/%d" % i, b"p%d" % i) for i in range(n)])[:acked]:
+        s.acked(seq)
+    s.close()
+
+
+@pytest.mark.parametrize("acked", [b"\xff" * 8 + b"\x01\x02\x03\x04",     # a number past any
+                                   b"\x05" + bytes(7) + b"abcd" + b"zzzz",  # a failed check
+                                   b"garbage"])                             # a wrong size
+def test_a_damaged_acked_file_sends_everything_again_and_says_so(tmp_path: Path,
+                                                                  acked: bytes) -> None:
+    """The bridge once crashed on such a file at every start (a number past 2^64 to
+    write back); now every record left is sent again, numbered in a new epoch."""
+    recorded(tmp_path, 10, acked=4)
+    before = spool(tmp_path)
+    before.load()
+    epoch = before.epoch
+    before.close()
+    (tmp_path / "acked").write_bytes(acked)
+    s = spool(tmp_path)
+    left = s.load()
+    assert [seq for seq, _, _ in left] == list(range(10))
+    assert len(s.problems) == 1 and "acked is damaged" in s.problems[0]
+    assert s.epoch != epoch and s.next_seq == 10
+    assert s.append([(b"t/new", b"x")]) == [10]
+    s.close()
+    again = spool(tmp_path)  # and the file is whole again
+    assert [seq for seq, _, _ in again.load()] == list(range(11)) and again.problems == []
+
+
+def test_an_older_acked_file_without_its_check_is_read(tmp_path: Path) -> None:
+    recorded(tmp_path, 6, acked=2)
+    raw = (tmp_path / "acked").read_bytes()
+    (tmp_path / "acked").write_bytes(raw[:12])  # as bridges before the check wrote it
+    s = spool(tmp_path)
+    assert [seq for seq, _, _ in s.load()] == [2, 3, 4, 5] and s.problems == []
+
+
+def test_a_damaged_record_ends_its_segment_and_is_said(tmp_path: Path) -> None:
+    """A header whose number is not the next one (or whose lengths run past the file)
+    keeps the records before it; the bytes from it are dropped, and the line says so."""
+    recorded(tmp_path, 5)
+    seg = next(tmp_path.glob("*.spool"))
+    data = bytearray(seg.read_bytes())
+    second = 14 + 3 + 2  # the header, "t/0", "p0"
+    data[second:second + 8] = (2**64 - 1).to_bytes(8, "little")
+    seg.write_bytes(data)
+    s = spool(tmp_path)
+    assert [seq for seq, _, _ in s.load()] == [0]
+    assert len(s.problems) == 1 and f"at byte {second}" in s.problems[0]
+    assert f"{len(data) - second} bytes" in s.problems[0]
+    assert s.append([(b"t/n", b"x")]) == [1]  # numbering goes on from the whole records
+
+
+def test_a_segment_named_past_any_number_is_set_aside(tmp_path: Path) -> None:
+    recorded(tmp_path, 3)
+    bad = tmp_path / f"{2**64 - 1:020d}.spool"
+    bad.write_bytes(b"")
+    s = spool(tmp_path)
+    assert [seq for seq, _, _ in s.load()] == [0, 1, 2]
+    assert not bad.exists() and bad.with_name(bad.name + ".damaged").exists()
+    assert len(s.problems) == 1 and "set aside" in s.problems[0]
+
+
+def test_records_sent_again_stay_on_disk_until_acknowledged(tmp_path: Path) -> None:
+    """Two crashes in a row: the records the first restart sends again must still be on
+    disk for the second (the first restart once removed the one segment holding them,
+    so a second crash lost them, and the next exports took their numbers)."""
+    recorded(tmp_path, 10, acked=4)
+    first = spool(tmp_path)
+    assert [seq for seq, _, _ in first.load()] == list(range(4, 10))
+    del first  # the crash again, before any of them is acknowledged: no close
+    second = spool(tmp_path)
+    assert [seq for seq, _, _ in second.load()] == list(range(4, 10))
+    assert second.next_seq == 10 and second.append([(b"t/n", b"x")]) == [10]

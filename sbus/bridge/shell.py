@@ -292,6 +292,8 @@ class BridgeShell:
             except OSError as exc:
                 raise SbusError(f"cannot use the spool in {self.state.path}: "
                                 f"{exc.strerror or exc}") from None
+            for line in self.spool.problems:  # damage found and set right: said
+                log.warning("the spool: %s", line)
             template = _PackedOnce((MARKER, self.core.client_id),
                                    *((SCOPE, f) for f in self.core.stamp_scope()),
                                    (STAMP, f"{self.spool.epoch}.{0:016x}")).pack()

@@ -15,8 +15,16 @@
 Files: ``NNN.spool`` segments named by their first sequence number, each record a
 ``<QHI`` header (sequence, topic length, payload length) then the topic and payload; a
 torn record at the end (the crash came mid-write) is cut off.  ``acked`` holds the
-sequence number of the oldest unacknowledged record (8 bytes, rewritten in place) and the
-spool's epoch (4 random bytes, made with the file: a spool started afresh numbers anew).
+sequence number of the oldest unacknowledged record (8 bytes, rewritten in place), the
+spool's epoch (4 random bytes, made with the file: a spool started afresh numbers anew)
+and a CRC-32 of both.
+
+Damage is said, never a crash (`Spool.problems`, logged by the bridge): an ``acked``
+that fails its check sends every record left again under a new epoch (receivers may get
+copies, none is lost); a record that is cut short, or whose number is not the next one
+(or is past `MAX_SEQ`), ends its segment there: the bytes from it are cut off, and the
+line says how many; a segment whose name is past `MAX_SEQ` is set aside as
+``NNN.spool.damaged``.
 ``state.json`` the counters and the MQTT session's import filters.  ``lock`` is held
 (``flock``) while a bridge uses the directory.
 """
@@ -27,6 +35,7 @@ import fcntl
 import json
 import os
 import struct
+import zlib
 from collections import deque
 from pathlib import Path
 
@@ -37,6 +46,9 @@ __all__ = ["Spool", "StateDir", "SpoolFull"]
 HEADER = struct.Struct("<QHI")
 ACKED = struct.Struct("<Q")
 EPOCH = struct.Struct("<4s")  # after the sequence number in ``acked``
+CHECK = struct.Struct("<I")  # CRC-32 of the two, after them (a file without it is older)
+#: No sequence number reaches this (2^62 exports): beyond it a number is damage.
+MAX_SEQ = 1 << 62
 #: A segment is closed (and a new one begun) once it holds this many bytes.
 SEGMENT_BYTES = 4 << 20
 SUFFIX = ".spool"
@@ -44,6 +56,21 @@ SUFFIX = ".spool"
 
 class SpoolFull(Exception):
     """No room for another message (count or bytes): the caller drops it and counts it."""
+
+
+def _acked(raw: bytes) -> tuple[int, str] | None:
+    """The oldest unacknowledged number and the epoch ``acked`` holds, if it is whole
+    (with its check, or as older bridges wrote it) and the number plausible."""
+    head = ACKED.size + EPOCH.size
+    if len(raw) == head + CHECK.size:
+        if CHECK.unpack_from(raw, head)[0] != zlib.crc32(raw[:head]):
+            return None
+    elif len(raw) != head:
+        return None
+    oldest = ACKED.unpack_from(raw)[0]
+    if oldest >= MAX_SEQ:
+        return None
+    return oldest, EPOCH.unpack_from(raw, ACKED.size)[0].hex()
 
 
 class StateDir:
@@ -105,22 +132,28 @@ class Spool:
         self.epoch = ""
         self._ack_fd = os.open(path / "acked", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._ack_written = -1
+        #: what was found damaged at `load`, one line each (the bridge logs them)
+        self.problems: list[str] = []
 
     # -- start -----------------------------------------------------------------
 
     def load(self) -> list[tuple[int, bytes, bytes]]:
         """The records left unacknowledged by the last bridge, oldest first; opens the
         spool for appending."""
-        raw = os.pread(self._ack_fd, ACKED.size + EPOCH.size, 0)
-        if len(raw) == ACKED.size + EPOCH.size:
-            self.oldest = ACKED.unpack_from(raw)[0]
-            self.epoch = EPOCH.unpack_from(raw, ACKED.size)[0].hex()
+        raw = os.pread(self._ack_fd, ACKED.size + EPOCH.size + CHECK.size + 1, 0)
+        acked = _acked(raw)
+        if acked is not None:
+            self.oldest, self.epoch = acked
         else:  # a new spool (or its acknowledgements lost): numbers start again, anew
+            if raw:
+                self.problems.append(f"{self.path / 'acked'} is damaged: every record left "
+                                     "in the spool is sent again, numbered anew (receivers "
+                                     "may get copies of some)")
             self.oldest = 0
             self.epoch = os.urandom(EPOCH.size).hex()
-            os.pwrite(self._ack_fd, ACKED.pack(0) + EPOCH.pack(bytes.fromhex(self.epoch)), 0)
-        self._segments = sorted(int(p.name[:-len(SUFFIX)]) for p in self.path.glob("*" + SUFFIX)
-                                if p.name[:-len(SUFFIX)].isdigit())
+            os.ftruncate(self._ack_fd, 0)
+            self._write_acked()
+        self._segments = sorted(self._segment_names())
         left: list[tuple[int, bytes, bytes]] = []
         self.next_seq = self.oldest
         for first in self._segments:
@@ -139,6 +172,21 @@ class Spool:
         self._write_acked()
         return left
 
+    def _segment_names(self) -> list[int]:
+        """The first numbers of the segments; one past `MAX_SEQ` is set aside."""
+        out = []
+        for p in self.path.glob("*" + SUFFIX):
+            first = p.name[:-len(SUFFIX)]
+            if not first.isdigit():
+                continue
+            if int(first) >= MAX_SEQ:
+                os.replace(p, p.with_name(p.name + ".damaged"))
+                self.problems.append(f"{p}: not a number the spool gives; set aside as "
+                                     f"{p.name}.damaged")
+                continue
+            out.append(int(first))
+        return out
+
     def _read(self, first: int) -> list[tuple[int, bytes, bytes]]:
         name = self.path / f"{first:020d}{SUFFIX}"
         data = name.read_bytes()
@@ -146,12 +194,17 @@ class Spool:
         while pos + HEADER.size <= len(data):
             seq, tlen, plen = HEADER.unpack_from(data, pos)
             end = pos + HEADER.size + tlen + plen
-            if end > len(data):
+            if seq != first + len(out) or end > len(data):
                 break
             topic = data[pos + HEADER.size:pos + HEADER.size + tlen]
             out.append((seq, topic, data[pos + HEADER.size + tlen:end]))
             pos = end
-        if pos != len(data):  # a torn record: the crash came while it was written
+        if pos != len(data):
+            # torn (the crash came while it was written) or damaged: cut off, so that
+            # appending goes on after a whole record, and said
+            self.problems.append(f"{name}: record {len(out)} at byte {pos} is cut short or "
+                                 f"damaged; the {len(data) - pos} bytes from there are "
+                                 "dropped")
             os.truncate(name, pos)
         return out
 
@@ -224,7 +277,8 @@ class Spool:
     # -- internals ---------------------------------------------------------------
 
     def _write_acked(self) -> None:
-        os.pwrite(self._ack_fd, ACKED.pack(self.oldest), 0)
+        head = ACKED.pack(self.oldest) + EPOCH.pack(bytes.fromhex(self.epoch))
+        os.pwrite(self._ack_fd, head + CHECK.pack(zlib.crc32(head)), 0)
         self._ack_written = self.oldest
 
     def _new_segment(self) -> None:
@@ -245,7 +299,8 @@ class Spool:
                 os.unlink(self.path / f"{first:020d}{SUFFIX}")
             except FileNotFoundError:
                 pass
-        if len(self._segments) == 1 and self._segments[0] < oldest and self._fd < 0:
+        if len(self._segments) == 1 and self._segments[0] < oldest and self._fd < 0 \
+                and oldest >= self.next_seq:  # (records not yet acknowledged stay on disk)
             first = self._segments.pop(0)  # at start: all done, begin afresh
             try:
                 os.unlink(self.path / f"{first:020d}{SUFFIX}")
