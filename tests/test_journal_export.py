@@ -212,10 +212,11 @@ def test_the_writer_exports_what_was_sealed_before_export_was_on(tmp_path):
         [s.name for s in list_segments(jdir)]
 
 
-def test_split_uses_exported_segments_from_the_first_on(tmp_path):
+def test_split_uses_exported_segments_from_the_first_on(tmp_path, caplog):
     """`split`: Parquet for the run of exported sealed segments that starts at the
     journal's first one; the seam from the last file's name and row count; the tail is
-    everything after it, and is empty when nothing follows."""
+    everything after it, and is empty when nothing follows.  A damaged Parquet file ends
+    the run (Spark skipped an empty one without a word: its rows were lost)."""
     jdir, out = tmp_path / "j", tmp_path / "pq"
     journal(jdir, 3000, segment_bytes=4000)
     export_journal(jdir, out)
@@ -228,6 +229,17 @@ def test_split_uses_exported_segments_from_the_first_on(tmp_path):
     cut = split(jdir, out)
     assert [f.stem for f in cut.files] == [s.name for s in segs[:3]]
     assert cut.seam == segs[3].first_seq and cut.tail
+    (out / f"{segs[3].name}.parquet").write_bytes(b"")  # emptied by a crash: said, and
+    cut = split(jdir, out)                               # its rows read from the journal
+    assert [f.stem for f in cut.files] == [s.name for s in segs[:3]]
+    assert cut.seam == segs[3].first_seq and cut.tail
+    with open(out / f"{segs[1].name}.parquet", "r+b") as f:
+        f.truncate(100)  # cut short: the same, from there on
+    assert [f.stem for f in split(jdir, out).files] == [segs[0].name]
+    assert sum("is damaged" in r.getMessage() for r in caplog.records) == 2
+    export_journal(jdir, out, force=True)
+    assert len(split(jdir, out).files) == len(segs)
+    (out / f"{segs[3].name}.parquet").unlink()
     segs[0].path.unlink()  # removed (retention) but its Parquet file left: not read
     cut = split(jdir, out)
     assert [f.stem for f in cut.files] == [s.name for s in segs[1:3]]

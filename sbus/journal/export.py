@@ -10,6 +10,7 @@ A file is written under a temporary name and renamed, so a file that exists is c
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .store import JournalWriter, Segment, list_segments, read_blocks, segment_blocks
+
+log = logging.getLogger(__name__)
+#: The four bytes a Parquet file begins and ends with (its format's magic).
+PARQUET_MAGIC = b"PAR1"
 
 __all__ = ["COLUMNS", "ROW_GROUP", "Exported", "Split", "export_segment", "export_journal",
            "parquet_schema", "split", "write_parquet", "ExportingWriter"]
@@ -107,11 +112,27 @@ def split(directory: str | os.PathLike, out: str | os.PathLike) -> Split:
         f = out / f"{seg.name}.parquet"
         if not seg.sealed or not f.is_file():
             break
+        if not _whole_parquet(f):  # its rows are read from the segment: none lost
+            log.warning("%s is damaged (cut short or empty): its segment is read from the "
+                        "journal instead; 'sbus journal export --force' writes it again", f)
+            break
         files.append(f)
     if not files:
         return Split([], 0, segments)
     seam = int(files[-1].stem) + pq.read_metadata(files[-1]).num_rows
     return Split(files, seam, segments[len(files):])
+
+
+def _whole_parquet(path: Path) -> bool:
+    """Does *path* begin and end with Parquet's magic?  A file a crash emptied or cut
+    short does not, and Spark would skip an empty one without a word (rows lost)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            f.seek(-4, os.SEEK_END)
+            return head == PARQUET_MAGIC and f.read(4) == PARQUET_MAGIC
+    except OSError:  # shorter than the magic, or unreadable
+        return False
 
 
 class ExportingWriter(JournalWriter):
