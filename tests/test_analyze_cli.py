@@ -109,6 +109,27 @@ def test_ctrl_c_is_one_line_and_leaves_no_half_report(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["j"]  # no temporary report left
 
 
+def test_a_damaged_block_is_one_line_naming_the_segment(tmp_path):
+    """A flipped payload byte fails the block's checksum inside a Spark worker: one line
+    saying so (it was the worker's 50-line traceback), status 1, no report."""
+    jdir, out = tmp_path / "j", tmp_path / "report"
+    journal(jdir, 20_000)
+    seg = next(jdir.glob("*.sbj"))
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    seg.write_bytes(data)
+    env = dict(os.environ,
+               PYSPARK_SUBMIT_ARGS=f"--conf spark.driver.defaultJavaOptions={FAST_JVM} "
+                                   "pyspark-shell")
+    done = subprocess.run([*SBUS, "analyze", str(jdir), "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"sbus analyze: reading {jdir} failed: ") and seg.name in last, last
+    assert "checksum" in last and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert not out.exists()
+
+
 def test_without_the_spark_extra_one_friendly_line(tmp_path):
     journal(tmp_path / "j", 10)
     code = ("import sys; sys.modules['pyspark'] = None; from sbus.cli import main; "

@@ -567,6 +567,8 @@ def run(journal: str, *, out: str | None = None, pattern: str | None = None,
             handler.addFilter(lambda r: "py4j" not in r.pathname)
         logging.getLogger("py4j").setLevel(logging.CRITICAL)
         warnings.filterwarnings("ignore", module="pyspark")
+    from pyspark.errors import PythonException
+
     progress = Progress()
     spark = None
     try:
@@ -591,11 +593,22 @@ def run(journal: str, *, out: str | None = None, pattern: str | None = None,
                           "last": str(summary["last"]),
                           "seconds": round(time.monotonic() - progress.started, 1)}))
         return 0
+    except PythonException as exc:  # a worker's error, e.g. a damaged journal block
+        raise SbusError(f"reading {journal} failed: {_worker_error(exc)}") from None
     except KeyboardInterrupt:
         _quiet_stop(spark)
         print("sbus analyze: interrupted; no report written" if not stream else
               "sbus analyze: interrupted", file=sys.stderr)
         return 130
+
+
+def _worker_error(exc: Exception) -> str:
+    """The line of a Python worker's traceback that says what failed (ours: an
+    `SbusError` such as a damaged block), briefly and printable; else its last line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    ours = [line for line in lines if re.match(r"[\w.]*(JournalError|SbusError): ", line)]
+    line = (ours or lines or [type(exc).__name__])[-1]
+    return printable(line.split(": ", 1)[1] if ours else line, 300)
 
 
 def _quiet_stop(spark) -> None:
