@@ -166,6 +166,16 @@ def test_journal_lag_reads_a_checkpoint_and_refuses_what_is_not_one(tmp_path):
                 text=True)
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
     assert "holds no offsets of a streaming query" in done.stderr
+    # a damaged offset file: one line naming it, never a traceback (nor "inf rows")
+    for damaged in (b"v1\n" + meta.encode() + b'\n{"seq":801,"lost":"x"}',
+                    b"v1\n" + meta.encode() + b'\n{"seq":801,"lost":1e400}',
+                    b"v1\n" + meta.encode() + b'\n{"seq":801,"lost":[1]}', b"\xff\xfe\n"):
+        (ck / "offsets" / "1").write_bytes(damaged)
+        for json_flag in ((), ("--json",)):
+            done = sbus("journal", "lag", str(jdir), "--checkpoint", str(ck), *json_flag,
+                        text=True)
+            assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+            assert str(ck / "offsets" / "1") in done.stderr and done.stdout == ""
 
 
 def test_no_export_records_without_parquet(broker, tmp_path):

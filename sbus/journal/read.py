@@ -85,14 +85,28 @@ def _source_offsets(path: Path) -> list[dict]:
     """The ``sbus`` source offsets in one file of a checkpoint's offset log (``v1``, the
     batch's metadata, then one line per source of the query)."""
     found = []
-    for line in path.read_text().splitlines()[2:]:
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise SbusError(f"{printable(str(path))}: not a checkpoint's offset file (not "
+                        "text)") from None
+    for line in text.splitlines()[2:]:
         try:
             doc = json.loads(line)
         except ValueError:
             continue
-        if isinstance(doc, dict) and isinstance(doc.get("seq"), int):
+        if isinstance(doc, dict) and _count(doc.get("seq")):
+            lost = doc.get("lost", 0)
+            if not _count(lost):
+                raise SbusError(f"{printable(str(path))}: its rows lost are not a count: "
+                                f"{printable(repr(lost), 40)}")
             found.append(doc)
     return found
+
+
+def _count(value: object) -> bool:
+    """A whole number of rows (JSON may hold a float, a string, a list, a boolean...)."""
+    return type(value) is int and value >= 0
 
 
 def checkpoint_lag(directory: str, checkpoint: str) -> dict:
