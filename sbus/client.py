@@ -236,6 +236,8 @@ def _why(exc: OSError) -> str:
     """How a lost connection reads in a message."""
     if exc.errno in _CLOSED:
         return "closed the connection"
+    if exc.errno == errno.EBADF:  # ours, closed when a reconnect was given up on
+        return "was not back when an earlier call gave up waiting"
     return f"failed: {exc.strerror or exc}"
 
 
@@ -344,8 +346,10 @@ class _Shell:
         A generator: it does every non-blocking step itself and yields what to wait for
         -- ``(_READ, sock)``, ``(_WRITE, sock)``, ``(_SLEEP, seconds)`` -- for its shell
         to wait blocking or async.  On its end the new connection is attached and the
-        opening answered (flood policy, nowait, every subscription in force)."""
-        if self.sock is not None:
+        opening answered (flood policy, nowait, every subscription in force).  Given up
+        (a request's or a sync's deadline), the closed socket stays: the next use fails on
+        it, as on any lost connection, and reconnects (or raises) then."""
+        if self.sock is not None and self.sock.fileno() >= 0:
             self._closing(self.sock)
             self.sock.close()
         self._ended = None
@@ -382,7 +386,6 @@ class _Shell:
                     sock.close()
                 delay = self.session.retry_in()
                 if self._give_up_at is not None and time.monotonic() + delay > self._give_up_at:
-                    self.sock = None
                     raise self._lost(f"{why}, and did not come back in time") from None
                 yield _SLEEP, delay
             except BaseException:  # abandoned mid-attempt (cancelled, a signal's exception)
@@ -612,7 +615,8 @@ class Client(_Shell):
     *timeout* bounds each send and each receive that is not given its own (then
     ``TimeoutError``); None waits as long as it takes.  Connecting never hangs: a broker
     whose accept backlog stays full is a `ConnectError` after `CONNECT_TIMEOUT` (or
-    *timeout*, if shorter).
+    *timeout*, if shorter).  One thread per client: two reading one connection would
+    take each other's replies.
     """
 
     sock: socket.socket
@@ -703,12 +707,19 @@ class Client(_Shell):
     def sync(self, timeout: float | None = ANSWER_TIMEOUT) -> None:
         """Return once the broker has acted on everything sent before (a whoami round
         trip); raises `Refused` if it refused any of it.  Messages meanwhile are kept.
-        *timeout* None waits as long as it takes (a publisher the broker paused)."""
-        self.send_packet(self.session.ask())
+        *timeout* None waits as long as it takes (a publisher the broker paused); it
+        bounds a reconnect on the way too (then `ConnectionLost`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.session.asked:  # a packet at a time: what follows stays unread
-            for event in self._until(self._read, 1, deadline, timeout):
-                self._settle(event)
+        outer = self._give_up_at  # (a request's, around its whoami)
+        if deadline is not None:
+            self._give_up_at = deadline if outer is None else min(outer, deadline)
+        try:
+            self.send_packet(self.session.ask())
+            while self.session.asked:  # a packet at a time: what follows stays unread
+                for event in self._until(self._read, 1, deadline, timeout):
+                    self._settle(event)
+        finally:
+            self._give_up_at = outer
         self._refused()
 
     # -- receiving ---------------------------------------------------------------
@@ -1000,13 +1011,13 @@ class Client(_Shell):
                 if got is not None:
                     return got
         finally:
-            self._give_up_at = None
             self._keep(kept)
             if inbox is not None:
-                try:
+                try:  # (within the deadline still: a broker gone is not waited for here)
                     self.unsubscribe(inbox)
                 except SbusError:  # the connection may be what failed
                     pass
+            self._give_up_at = None
 
     def credentials(self, timeout: float = ANSWER_TIMEOUT) -> Credentials:
         return Credentials.parse(self.whoami(timeout))
@@ -1350,14 +1361,14 @@ class AsyncClient(_Shell):
         except TimeoutError:
             raise self._timed_out(key, timeout) from None
         finally:
-            self._give_up_at = None
             self._keep(kept)
             if inbox is not None:
                 with anyio.CancelScope(shield=True):
-                    try:
+                    try:  # (within the deadline still, as in `Client.request`)
                         await self.unsubscribe(inbox)
                     except SbusError:
                         pass
+            self._give_up_at = None
 
     def fileno(self) -> int:
         return self._socket().fileno()

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import select
 import signal
 import socket
 import threading
+import time
 
 import anyio
 import pytest
 import trio
 
 from sbus import AsyncClient, Client, ConnectError, Dropped, Publish, SbusError
-from sbus.errors import Refused
+from sbus.errors import ConnectionLost, Refused
 from sbus.keys import Credentials
 
 
@@ -241,6 +243,49 @@ def test_a_subscription_sent_across_a_reconnect_is_held_once(broker):
         bus.unsubscribe(b"c/")
         bus.sync()  # no refusal of an UNSUB of a pattern the new connection never had
         assert _patterns(broker.address) == ([["a/", "b/"]], 2)
+
+
+def test_a_call_that_gave_up_on_a_reconnect_leaves_the_client_usable(broker):
+    """`request` and `sync` give up on a broker that does not come back within their
+    timeout (`ConnectionLost`, in about that time: sync once waited on for good); the
+    client then reconnects at its next use (it was left without a socket: every later
+    call failed with an AttributeError)."""
+    with contextlib.ExitStack() as stack:
+        bus = stack.enter_context(Client(broker.address, reconnect=True,
+                                         on_connection=lambda up, line: None))
+        bus.subscribe(b"a/")
+        broker.stop()
+        for call in (lambda: bus.request(b"x/y", timeout=1.0), lambda: bus.sync(1.0)):
+            started = time.monotonic()
+            with pytest.raises(ConnectionLost, match="did not come back in time"):
+                call()
+            assert time.monotonic() - started < 3
+        broker.start()
+        other = stack.enter_context(Client(broker.address))
+        bus.publish(b"z", b"reconnects here")
+        bus.sync()
+        assert _patterns(broker.address)[0] == [["a/"]]  # restored by the reconnect
+        other.publish(b"a/b", b"after")
+        assert bus.receive(timeout=5) == Publish(b"a/b", b"after")
+
+
+def test_an_async_request_that_gave_up_leaves_the_client_usable(broker):
+    """The same for `AsyncClient`: it said "not connected: use 'async with'" inside its
+    own ``async with`` after a request gave up."""
+    async def main() -> None:
+        async with AsyncClient(broker.address, reconnect=True,
+                               on_connection=lambda up, line: None) as bus:
+            await bus.subscribe(b"a/")
+            broker.stop()
+            started = time.monotonic()
+            with pytest.raises(ConnectionLost, match="did not come back in time"):
+                await bus.request(b"x/y", timeout=1.0)
+            assert time.monotonic() - started < 3
+            broker.start()
+            await bus.publish(b"z", b"reconnects here")
+            await bus.sync()
+            assert _patterns(broker.address)[0] == [["a/"]]
+    trio.run(main)
 
 
 def test_async_subscription_across_a_reconnect_is_held_once(broker):
