@@ -141,6 +141,44 @@ def test_a_sparse_segment_claiming_a_gib_costs_no_gib(tmp_path, sealed):
         assert returncode == 0 and not lines, lines
 
 
+def test_rows_numbered_again_are_damage_not_copies(tmp_path):
+    """A block head whose first number goes back, a segment copied under another name,
+    a sealed segment's header: each would have given rows under numbers already read
+    (``journal cat`` printed them twice, Spark counted them); now a clear error."""
+    path = sealed_journal(tmp_path)
+    original = bytes(path.read_bytes())
+    at = fmt.FILE_HEAD.size
+    count, first, klen, plen, _ = fmt.decode_block_head(original, at)
+    second = at + fmt.block_size(count, klen, plen)
+    damaged = bytearray(original)
+    struct.pack_into("<q", damaged, second + 8, first)  # the second block starts over
+    path.write_bytes(damaged)
+    with pytest.raises(JournalError, match=f"{path}: block at byte {second}: it starts at "
+                                           f"seq {first}, before seq {first + count}"):
+        read_all(tmp_path)
+    damaged = bytearray(original)
+    damaged[0] ^= 0xFF  # the header's magic, never read for a sealed segment before
+    path.write_bytes(damaged)
+    with pytest.raises(JournalError, match="bad magic"):
+        read_all(tmp_path)
+    path.write_bytes(original)
+    copy = path.with_name(f"{first + 1000:020d}.sbj")
+    copy.write_bytes(original)
+    with pytest.raises(JournalError, match=f"{copy}.*header says it starts at seq {first}"):
+        read_all(tmp_path)
+    copy.unlink()
+    assert read_all(tmp_path) == ROWS
+    done = subprocess.run([*SBUS, "journal", "cat", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    struct.pack_into("<q", damaged := bytearray(original), second + 8, first)
+    path.write_bytes(damaged)
+    done = subprocess.run([*SBUS, "journal", "cat", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "before seq" in done.stderr
+
+
 def test_a_truncated_segment_is_a_clear_error(tmp_path):
     path = sealed_journal(tmp_path)
     data = path.read_bytes()

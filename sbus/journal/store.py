@@ -191,11 +191,12 @@ def segment_blocks(segment: Segment, start: int = fmt.FILE_HEAD.size) -> list[Bl
         with open(segment.path, "rb") as f:
             if segment.sealed:
                 try:
+                    _check_header(f.read(fmt.FILE_HEAD.size), segment.first_seq)
                     return [b for b in _sealed_blocks(f, segment.path) if b.pos >= start]
                 except FormatError as exc:
                     raise JournalError(f"sealed segment {segment.path} is corrupt: {exc}") from None
             try:
-                fmt.decode_header(f.read(fmt.FILE_HEAD.size))
+                _check_header(f.read(fmt.FILE_HEAD.size), segment.first_seq)
             except FormatError as exc:
                 raise JournalError(f"unsealed segment {segment.path} is damaged: "
                                    f"{exc}") from None
@@ -272,9 +273,33 @@ def _open(directory: str | os.PathLike, first_seq: int) -> tuple[Segment, int]:
                             f"in {directory} (removed by retention?)")
 
 
+def _check_header(data: bytes, first_seq: int) -> None:
+    """FormatError unless *data* is a segment header naming *first_seq* (a segment copied
+    under another name would repeat the rows of the one it came from)."""
+    named = fmt.decode_header(data)[0]
+    if named != first_seq:
+        raise FormatError(f"its header says it starts at seq {named}, its name at {first_seq}")
+
+
+def _after(path: Path) -> int:
+    """The first sequence number a segment's name gives: no block of it starts before."""
+    return int(path.name.split(".", 1)[0])
+
+
+def _in_turn(first_seq: int, count: int, after: int) -> int:
+    """The number after a block of *count* rows from *first_seq*, which must not start
+    before *after* (the end of the block before it, or the segment's first number): a
+    number going back is damage, and would repeat rows."""
+    if first_seq < after:
+        raise FormatError(f"it starts at seq {first_seq}, before seq {after}, where the "
+                          "rows before it end")
+    return first_seq + count
+
+
 def _blocks_from(fd: int, path: Path, start: int, end: int, verify: bool) -> Iterator[Block]:
     file_end = os.fstat(fd).st_size
     pos = start
+    after = _after(path)
     while pos < end:
         size = _block_head(fd, path, pos, file_end)[5]  # checked before the allocation
         try:
@@ -283,6 +308,7 @@ def _blocks_from(fd: int, path: Path, start: int, end: int, verify: bool) -> Ite
             if os.preadv(fd, [data], pos) != size:
                 raise FormatError("truncated block")
             block, _ = fmt.decode_block(data, 0, verify)
+            after = _in_turn(block.first_seq, block.count, after)
         except FormatError as exc:
             raise JournalError(f"damaged journal segment {path}: block at byte "
                                f"{pos}: {exc}") from None
@@ -316,6 +342,7 @@ def _merged_from(fd: int, path: Path, start: int, end: int, verify: bool, rows: 
     merged columns stay below 2 GiB each, as Arrow's int32 offsets need."""
     file_end = os.fstat(fd).st_size
     pos = start
+    after = _after(path)
     while pos < end:
         heads = []
         n = klen = plen = 0
@@ -325,6 +352,11 @@ def _merged_from(fd: int, path: Path, start: int, end: int, verify: bool, rows: 
             if heads and (head[1] != heads[0][2] + n or
                           max(klen + head[2], plen + head[3]) > fmt.MAX_COLUMN_BYTES):
                 break
+            try:
+                after = _in_turn(head[1], head[0], after)
+            except FormatError as exc:
+                raise JournalError(f"damaged journal segment {path}: block at byte {at}: "
+                                   f"{exc}") from None
             heads.append((at, *head))
             n, klen, plen = n + head[0], klen + head[2], plen + head[3]
             at += head[5]
