@@ -99,7 +99,14 @@ Event = Publish | Dropped | Whoami | Refusal | Reach | Control
 
 
 def _b(value: bytes | str) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
+    """A key, pattern or payload as bytes: text is UTF-8; anything else that is not
+    bytes-like is a TypeError (``bytes(7)`` would be seven NULs, ``bytes([1])`` one)."""
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"keys, patterns and payloads are bytes or str, not "
+                    f"{type(value).__name__}")
 
 
 def _encode(event: protocol.Event) -> bytes:
@@ -252,6 +259,7 @@ class Session:
         """Ask how many subscribers a message on *key* would reach (answered by a
         `Reach` event; a broker that does not know the question refuses the CMSG)."""
         key = _b(key)
+        _encode(Publish(key, b""))  # the key as a publish on it is checked (no NUL)
         self.rules.check_key(key)
         return _encode(Control(REACH, key))
 

@@ -73,6 +73,15 @@ def test_keys_sizes_and_flood_values_are_checked():
     with pytest.raises(InvalidRequest, match="not subscribed"):
         s.unsubscribe(b"never")
     assert not s.flood and not s.patterns
+    # what is not bytes or text is a TypeError, not bytes(7) = seven NULs sent
+    for key, payload in ((b"k", 7), (b"k", [1, 2]), (5, b"x"), (b"k", {1: 2})):
+        with pytest.raises(TypeError, match="bytes or str, not"):
+            s.publish(key, payload)
+    with pytest.raises(TypeError):
+        s.subscribe(3)
+    assert s.publish(bytearray(b"k"), memoryview(b"v")) == s.publish("k", "v")
+    with pytest.raises(InvalidRequest, match="NUL"):  # a reach question checks its key too
+        s.ask_reach(b"a\0b")
 
 
 def test_packets_become_events():
