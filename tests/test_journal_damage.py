@@ -179,6 +179,18 @@ def test_rows_numbered_again_are_damage_not_copies(tmp_path):
     assert "before seq" in done.stderr
 
 
+def test_a_fifo_named_as_a_segment_is_a_clear_error_not_a_hang(tmp_path):
+    sealed_journal(tmp_path)
+    fifo = tmp_path / f"{10**6:020d}.sbj"
+    os.mkfifo(fifo)
+    with pytest.raises(JournalError, match=f"{fifo} is named as a segment but is not a "
+                                           "regular file"):
+        read_all(tmp_path)
+    done = subprocess.run([*SBUS, "journal", "cat", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+
+
 def test_a_truncated_segment_is_a_clear_error(tmp_path):
     path = sealed_journal(tmp_path)
     data = path.read_bytes()

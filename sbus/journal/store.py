@@ -77,6 +77,10 @@ def list_segments(directory: str | os.PathLike) -> list[Segment]:
         else:
             continue
         if stem.isdigit():
+            if not entry.is_file() and not entry.is_dir():  # (a directory: said on open)
+                # a FIFO would block every reader in its open, for good
+                raise JournalError(f"{entry.path} is named as a segment but is not a "
+                                   "regular file")
             out.append(Segment(int(stem), Path(entry.path), sealed))
     out.sort(key=lambda s: (s.first_seq, not s.sealed))
     # A crash between re-blocking's rename and its unlink leaves a sealed file and its open
