@@ -74,6 +74,8 @@ SLOT_BYTES = RECV_BUFFER + 4096
 _CUT_REPORT = protocol.encode(Control(protocol.DROPPED, b"1"))
 #: A batch holding a packet larger than this gives its pages back once decoded.
 RELEASE_FROM = 64 * 1024
+#: A wait this long or longer is no limit: ``poll`` counts milliseconds in a C int.
+POLL_FOREVER = (2**31 - 1) / 1000
 #: Seconds a new connection has to answer its opening before it counts as failed.
 OPENING_TIMEOUT = 5.0
 
@@ -628,7 +630,7 @@ class Client(_Shell):
                  on_refusal: Callable[[Refusal], None] | None = None) -> None:
         super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff,
                          on_refusal)
-        self._timeout = timeout
+        self._timeout = None if timeout is not None and timeout >= POLL_FOREVER else timeout
         self._rcvtimeo: tuple[socket.socket, int] | None = None  # `_receive_timeout`
         # the first connection must work (within `CONNECT_TIMEOUT`, or *timeout* if less)
         limit = CONNECT_TIMEOUT if timeout is None else min(timeout, CONNECT_TIMEOUT)
@@ -1038,10 +1040,12 @@ class Client(_Shell):
 
 
 def _wait(sock: socket.socket, read: bool, timeout: float | None) -> bool:
-    """Whether *sock* became readable (or writable) within *timeout* seconds."""
+    """Whether *sock* became readable (or writable) within *timeout* seconds (beyond
+    what ``poll`` can count, e.g. ``math.inf``: as long as it takes)."""
     poller = select.poll()
     poller.register(sock, select.POLLIN if read else select.POLLOUT)
-    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))
+    forever = timeout is None or timeout >= POLL_FOREVER
+    return bool(poller.poll(None if forever else max(0, int(timeout * 1000 + 0.999))))
 
 
 class AsyncClient(_Shell):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import select
 import signal
@@ -17,7 +18,7 @@ import pytest
 import trio
 
 from sbus import AsyncClient, Client, ConnectError, Dropped, Publish, SbusError
-from sbus.errors import ConnectionLost, Refused
+from sbus.errors import ConnectionLost, NoResponders, Refused
 from sbus.keys import Credentials
 
 
@@ -267,6 +268,18 @@ def test_a_call_that_gave_up_on_a_reconnect_leaves_the_client_usable(broker):
         assert _patterns(broker.address)[0] == [["a/"]]  # restored by the reconnect
         other.publish(b"a/b", b"after")
         assert bus.receive(timeout=5) == Publish(b"a/b", b"after")
+
+
+def test_an_infinite_timeout_is_no_limit(broker):
+    """``math.inf`` anywhere a timeout is taken waits as long as it takes (poll and
+    ``settimeout`` refused it: OverflowError)."""
+    with Client(broker.address, timeout=math.inf) as bus, Client(broker.address) as sub:
+        sub.subscribe(b"a")
+        bus.publish(b"a", b"x")
+        bus.sync(math.inf)
+        assert sub.receive(timeout=math.inf) == Publish(b"a", b"x")
+        with pytest.raises(NoResponders):
+            bus.request(b"nobody/here", timeout=math.inf)
 
 
 def test_an_async_request_that_gave_up_leaves_the_client_usable(broker):
