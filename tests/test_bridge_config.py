@@ -138,6 +138,9 @@ def test_config_mistakes_are_one_line(short_tmp: Path) -> None:
             "must be empty or end with '/'",
         "mqtt = [1\n": "not valid TOML",
         "mqtt = 'ftp://h'\n[[export]]\npatterns = ['a/']\n": "must be mqtt://",
+        # a broker hangs up on it, and the bridge retried for ever blaming the port
+        "mqtt = 'mqtt://h'\nclient-id = \"x\\u001b[2Jy\"\n[[export]]\npatterns = ['a/']\n":
+            "--client-id x\\x1b[2Jy: MQTT takes no control characters",
     }
     for text, why in cases.items():
         (short_tmp / "c.toml").write_text(text)

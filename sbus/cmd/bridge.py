@@ -275,6 +275,12 @@ def resolve(args: argparse.Namespace):
     if tls:
         _check_tls_files(opts["cafile"], opts["cert"], opts["key"])
     client_id = opts["client-id"] or f"sbus-bridge-{socket.gethostname()}"
+    if any(c < " " or "\x7f" <= c <= "\x9f" for c in client_id) or \
+            len(client_id.encode()) > 65535:
+        # MQTT's strings: a broker hangs up on control characters (mosquitto: a protocol
+        # error), and the bridge would retry for ever, blaming the port
+        raise SbusError(f"--client-id {printable(client_id, 60)}: MQTT takes no control "
+                        "characters in a client id, and at most 65,535 bytes")
     try:
         core = BridgeCore(
             [p.encode() for p in args.export], [p.encode() for p in args.imports],
