@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 
 from sbus.journal import format as fmt
 from sbus.journal.format import FormatError
-from sbus.journal.store import JournalError, JournalWriter, list_segments, records
+from sbus.journal.store import (
+    JournalError,
+    JournalWriter,
+    UnreadableSegment,
+    list_segments,
+    records,
+)
 
 ROWS = [(b"k/%d" % (i % 7), b"payload %d " % i + bytes(range(i % 50))) for i in range(60)]
 
@@ -189,6 +195,21 @@ def test_a_fifo_named_as_a_segment_is_a_clear_error_not_a_hang(tmp_path):
     done = subprocess.run([*SBUS, "journal", "cat", str(tmp_path)], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_an_unreadable_segment_is_a_journal_error_and_not_moved_aside(tmp_path):
+    """The Python API says JournalError for what it cannot read (it raised the raw
+    IsADirectoryError); the recorder stops on it with that line rather than taking it
+    for damage and moving it aside."""
+    sealed_journal(tmp_path)
+    odd = tmp_path / f"{10**6:020d}.sbj"
+    odd.mkdir()
+    with pytest.raises(UnreadableSegment, match=f"cannot read journal segment {odd}: Is a "
+                                                "directory"):
+        read_all(tmp_path)
+    with pytest.raises(UnreadableSegment):
+        JournalWriter(tmp_path, fsync=False)
+    assert odd.is_dir() and not list(tmp_path.glob("*.corrupt"))
 
 
 def test_a_truncated_segment_is_a_clear_error(tmp_path):

@@ -28,8 +28,9 @@ from .columns import Columns
 from .format import Block, BlockInfo, FormatError
 from .retention import SegmentAge, expired
 
-__all__ = ["Segment", "JournalWriter", "JournalError", "list_segments", "segment_blocks",
-           "read_blocks", "read_seq_range", "records", "resolve", "SUFFIX", "OPEN_SUFFIX"]
+__all__ = ["Segment", "JournalWriter", "JournalError", "UnreadableSegment", "list_segments",
+           "segment_blocks", "read_blocks", "read_seq_range", "records", "resolve", "SUFFIX",
+           "OPEN_SUFFIX"]
 
 log = logging.getLogger("sbus.journal")
 
@@ -45,6 +46,11 @@ IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 class JournalError(SbusError):
     """A journal directory that cannot be used (locked, unreadable, corrupt sealed segment)."""
+
+
+class UnreadableSegment(JournalError):
+    """A segment the system will not let us read (permissions, a directory): not damage,
+    so the recorder stops and says so rather than moving it aside."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +217,9 @@ def segment_blocks(segment: Segment, start: int = fmt.FILE_HEAD.size) -> list[Bl
             if moved.exists():
                 return segment_blocks(Segment(segment.first_seq, moved, True), start)
         raise
+    except OSError as exc:  # unreadable: a directory, no permission, a symlink loop
+        raise UnreadableSegment(f"cannot read journal segment {segment.path}: "
+                           f"{exc.strerror or exc}") from None
 
 
 def read_blocks(directory: str | os.PathLike, first_seq: int, start: int, end: int,
@@ -273,6 +282,9 @@ def _open(directory: str | os.PathLike, first_seq: int) -> tuple[Segment, int]:
             return seg, os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             continue
+        except OSError as exc:  # as in `segment_blocks`
+            raise UnreadableSegment(f"cannot read journal segment {seg.path}: "
+                               f"{exc.strerror or exc}") from None
     raise FileNotFoundError(f"journal segment {_name(first_seq)} no longer exists "
                             f"in {directory} (removed by retention?)")
 
@@ -461,6 +473,8 @@ class JournalWriter:
         for seg in list_segments(self.dir):
             try:
                 blocks = segment_blocks(seg) if seg.sealed else self._recover_open(seg)
+            except UnreadableSegment:
+                raise
             except JournalError as exc:
                 next_seq = max(next_seq, self._quarantine(seg, exc))
                 continue
