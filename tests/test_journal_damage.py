@@ -330,6 +330,26 @@ def test_an_unsealed_segment_with_a_damaged_header_is_kept_aside_not_deleted(tmp
     assert (tmp_path / (seg.path.name + ".corrupt")).read_bytes() == bytes(data)
 
 
+def test_an_unsealed_segment_whose_first_block_is_damaged_is_kept_aside_not_deleted(
+        tmp_path):
+    """No whole block after the header, but bytes: a first block torn or damaged (all
+    the blocks after it with it).  It was deleted as "empty"; now it is moved aside and
+    the numbering goes on past anything it could hold (no number used twice)."""
+    w = JournalWriter(tmp_path, fsync=False)
+    for n in range(3):
+        w.append(1 + n, [b"a"] * 10, [b"x"] * 10)
+        w.flush()
+    (seg,) = list_segments(tmp_path)
+    assert not seg.sealed
+    data = bytearray(seg.path.read_bytes())
+    data[fmt.FILE_HEAD.size + fmt.BLOCK_HEAD.size + 2] ^= 0xFF  # the first block's body
+    seg.path.write_bytes(data)
+    w._lock.close()  # as if the recorder had died: a new one recovers
+    with JournalWriter(tmp_path, fsync=False) as again:
+        assert again.next_seq > 30
+    assert (tmp_path / (seg.path.name + ".corrupt")).read_bytes() == bytes(data)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=600), st.integers(0, 5), st.integers(0, 2**32 - 1),
        st.integers(0, 700), st.booleans())

@@ -518,6 +518,10 @@ class JournalWriter:
                                        f"header: {exc}") from None
                 blocks = []
             if not blocks:
+                data = os.fstat(f.fileno()).st_size - fmt.FILE_HEAD.size
+                if data > 0:  # a first block torn or damaged: kept aside, never deleted
+                    raise JournalError(f"unsealed segment {seg.path} holds {data} bytes "
+                                       "after its header but no whole block")
                 log.warning("removing empty unsealed segment %s", seg.path)
                 seg.path.unlink()
                 return []
