@@ -150,7 +150,8 @@ def test_a_sparse_segment_claiming_a_gib_costs_no_gib(tmp_path, sealed):
 def test_rows_numbered_again_are_damage_not_copies(tmp_path):
     """A block head whose first number goes back, a segment copied under another name,
     a sealed segment's header: each would have given rows under numbers already read
-    (``journal cat`` printed them twice, Spark counted them); now a clear error."""
+    (``journal cat`` printed them twice, Spark counted them); a number moved forward a
+    gap that is not one (the sealed index says otherwise); now each is a clear error."""
     path = sealed_journal(tmp_path)
     original = bytes(path.read_bytes())
     at = fmt.FILE_HEAD.size
@@ -159,8 +160,15 @@ def test_rows_numbered_again_are_damage_not_copies(tmp_path):
     damaged = bytearray(original)
     struct.pack_into("<q", damaged, second + 8, first)  # the second block starts over
     path.write_bytes(damaged)
-    with pytest.raises(JournalError, match=f"{path}: block at byte {second}: it starts at "
-                                           f"seq {first}, before seq {first + count}"):
+    with pytest.raises(JournalError, match=f"{path}: block at byte {second}: its head says "
+                                           f"seq {first} .*, the index seq {first + count}"):
+        read_all(tmp_path)
+    damaged = bytearray(original)
+    struct.pack_into("<q", damaged, second + 8, first + count + 5)  # forward: a "gap"
+    path.write_bytes(damaged)
+    with pytest.raises(JournalError, match=f"block at byte {second}: its head says seq "
+                                           f"{first + count + 5} .*, the index seq "
+                                           f"{first + count}"):
         read_all(tmp_path)
     damaged = bytearray(original)
     damaged[0] ^= 0xFF  # the header's magic, never read for a sealed segment before
@@ -182,7 +190,27 @@ def test_rows_numbered_again_are_damage_not_copies(tmp_path):
     done = subprocess.run([*SBUS, "journal", "cat", str(tmp_path)], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
-    assert "before seq" in done.stderr
+    assert "its head says" in done.stderr
+
+
+def test_an_open_segments_block_numbered_back_is_a_clear_error(tmp_path):
+    """An open segment has no index: a block whose first number goes back is caught by
+    the order of the numbers themselves."""
+    w = JournalWriter(tmp_path, fsync=False)
+    for n in range(2):
+        w.append(1 + n, [b"a"] * 10, [b"x"] * 10)
+        w.flush()
+    (seg,) = list_segments(tmp_path)
+    assert not seg.sealed
+    data = bytearray(seg.path.read_bytes())
+    count, first, klen, plen, _ = fmt.decode_block_head(data, fmt.FILE_HEAD.size)
+    second = fmt.FILE_HEAD.size + fmt.block_size(count, klen, plen)
+    struct.pack_into("<q", data, second + 8, first)
+    seg.path.write_bytes(data)
+    with pytest.raises(JournalError, match=f"block at byte {second}: it starts at seq "
+                                           f"{first}, before seq {first + count}"):
+        read_all(tmp_path)
+    w._lock.close()
 
 
 def test_a_fifo_named_as_a_segment_is_a_clear_error_not_a_hang(tmp_path):

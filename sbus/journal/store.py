@@ -253,6 +253,7 @@ def read_seq_range(directory: str | os.PathLike, first_seq: int, start: int, end
     seg, fd = _open(directory, first_seq)
     try:
         verify = verify is not False
+        by_pos = None
         if seg.sealed:
             with open(fd, "rb", closefd=False) as f:
                 try:
@@ -263,10 +264,11 @@ def read_seq_range(directory: str | os.PathLike, first_seq: int, start: int, end
             if not wanted:
                 return
             start, end = wanted[0].pos, wanted[-1].end
+            by_pos = {b.pos: b for b in wanted}
         if merge is None:
-            yield from _blocks_from(fd, seg.path, start, end, verify)
+            yield from _blocks_from(fd, seg.path, start, end, verify, by_pos)
         else:
-            yield from _merged_from(fd, seg.path, start, end, verify, *merge)
+            yield from _merged_from(fd, seg.path, start, end, verify, *merge, by_pos)
     finally:
         os.close(fd)
 
@@ -302,6 +304,18 @@ def _after(path: Path) -> int:
     return int(path.name.split(".", 1)[0])
 
 
+def _as_indexed(index: dict[int, BlockInfo] | None, pos: int, first_seq: int,
+                count: int) -> None:
+    """FormatError unless the block at *pos* says what the sealed segment's index (which
+    its CRC guards) says of it: a number moved forward in a head would read as a gap."""
+    if index is None:
+        return
+    info = index.get(pos)
+    if info is None or (info.first_seq, info.count) != (first_seq, count):
+        said = "no block" if info is None else f"seq {info.first_seq} ({info.count} rows)"
+        raise FormatError(f"its head says seq {first_seq} ({count} rows), the index {said}")
+
+
 def _in_turn(first_seq: int, count: int, after: int) -> int:
     """The number after a block of *count* rows from *first_seq*, which must not start
     before *after* (the end of the block before it, or the segment's first number): a
@@ -312,7 +326,8 @@ def _in_turn(first_seq: int, count: int, after: int) -> int:
     return first_seq + count
 
 
-def _blocks_from(fd: int, path: Path, start: int, end: int, verify: bool) -> Iterator[Block]:
+def _blocks_from(fd: int, path: Path, start: int, end: int, verify: bool,
+                 index: dict[int, BlockInfo] | None = None) -> Iterator[Block]:
     file_end = os.fstat(fd).st_size
     pos = start
     after = _after(path)
@@ -324,6 +339,7 @@ def _blocks_from(fd: int, path: Path, start: int, end: int, verify: bool) -> Ite
             if os.preadv(fd, [data], pos) != size:
                 raise FormatError("truncated block")
             block, _ = fmt.decode_block(data, 0, verify)
+            _as_indexed(index, pos, block.first_seq, block.count)
             after = _in_turn(block.first_seq, block.count, after)
         except FormatError as exc:
             raise JournalError(f"damaged journal segment {path}: block at byte "
@@ -349,7 +365,7 @@ def _block_head(fd: int, path: Path, pos: int, file_end: int) -> tuple[int, int,
 
 
 def _merged_from(fd: int, path: Path, start: int, end: int, verify: bool, rows: int,
-                 nbytes: int) -> Iterator[Block]:
+                 nbytes: int, index: dict[int, BlockInfo] | None = None) -> Iterator[Block]:
     """The blocks in ``[start, end)`` merged into Blocks of at least *rows* rows or *nbytes*
     of keys and payloads (the last may be smaller; a gap in the sequence numbers ends one
     early), so a reader gets large batches without concatenating: each block's columns
@@ -369,6 +385,7 @@ def _merged_from(fd: int, path: Path, start: int, end: int, verify: bool, rows: 
                           max(klen + head[2], plen + head[3]) > fmt.MAX_COLUMN_BYTES):
                 break
             try:
+                _as_indexed(index, at, head[1], head[0])
                 after = _in_turn(head[1], head[0], after)
             except FormatError as exc:
                 raise JournalError(f"damaged journal segment {path}: block at byte {at}: "
