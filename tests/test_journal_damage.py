@@ -23,6 +23,7 @@ from sbus.journal.format import FormatError
 from sbus.journal.store import (
     JournalError,
     JournalWriter,
+    Segment,
     UnreadableSegment,
     list_segments,
     records,
@@ -43,6 +44,18 @@ def sealed_journal(directory: Path) -> Path:
     (seg,) = list_segments(directory)
     assert seg.sealed
     return seg.path
+
+
+def open_journal(directory: Path, blocks: int) -> tuple[JournalWriter, Segment]:
+    """A writer left open with *blocks* blocks of ten rows written: its unsealed segment
+    (close ``w._lock`` to let another writer recover it, as after a crash)."""
+    w = JournalWriter(directory, fsync=False)
+    for n in range(blocks):
+        w.append(1 + n, [b"a"] * 10, [b"x"] * 10)
+        w.flush()
+    (seg,) = list_segments(directory)
+    assert not seg.sealed
+    return w, seg
 
 
 def read_all(directory: Path) -> list[tuple[bytes, bytes]]:
@@ -196,12 +209,7 @@ def test_rows_numbered_again_are_damage_not_copies(tmp_path):
 def test_an_open_segments_block_numbered_back_is_a_clear_error(tmp_path):
     """An open segment has no index: a block whose first number goes back is caught by
     the order of the numbers themselves."""
-    w = JournalWriter(tmp_path, fsync=False)
-    for n in range(2):
-        w.append(1 + n, [b"a"] * 10, [b"x"] * 10)
-        w.flush()
-    (seg,) = list_segments(tmp_path)
-    assert not seg.sealed
+    w, seg = open_journal(tmp_path, 2)
     data = bytearray(seg.path.read_bytes())
     count, first, klen, plen, _ = fmt.decode_block_head(data, fmt.FILE_HEAD.size)
     second = fmt.FILE_HEAD.size + fmt.block_size(count, klen, plen)
@@ -363,12 +371,7 @@ def test_an_unsealed_segment_whose_first_block_is_damaged_is_kept_aside_not_dele
     """No whole block after the header, but bytes: a first block torn or damaged (all
     the blocks after it with it).  It was deleted as "empty"; now it is moved aside and
     the numbering goes on past anything it could hold (no number used twice)."""
-    w = JournalWriter(tmp_path, fsync=False)
-    for n in range(3):
-        w.append(1 + n, [b"a"] * 10, [b"x"] * 10)
-        w.flush()
-    (seg,) = list_segments(tmp_path)
-    assert not seg.sealed
+    w, seg = open_journal(tmp_path, 3)
     data = bytearray(seg.path.read_bytes())
     data[fmt.FILE_HEAD.size + fmt.BLOCK_HEAD.size + 2] ^= 0xFF  # the first block's body
     seg.path.write_bytes(data)
