@@ -110,6 +110,34 @@ def test_kill9_of_an_exporting_bridge_loses_nothing_it_had_taken(hosts: Hosts) -
     assert c["exported_bytes"] == sum(len("seq/x") + len(b"%d" % i) for i in range(300))
 
 
+def test_two_kill9_in_a_row_lose_nothing_the_bridge_had_taken(hosts: Hosts) -> None:
+    """kill -9, restart while the MQTT broker is still away, kill -9 again before any
+    PUBACK: the first restart once removed the spool's segment holding the records it
+    was to send again, so the second crash lost all 300.  Counted by sequence number."""
+    a = hosts.bridge(0, "--client-id", "a", "--export", "seq/")
+    b = hosts.bridge(1, "--client-id", "b", "--import", "seq/")
+    sub = subscriber(hosts.bus_address(1), "seq/")
+    publish(hosts.bus_address(0), [("seq/x", b"%d" % i) for i in range(100)])
+    assert seqs(collect(sub, want=100, quiet=0.5)) == list(range(100))
+    a.wait_counters(lambda c: c["spooled"] == 0)  # acknowledged: the spool's start moves
+    hosts.mosquitto.stop()
+    a.wait_status(lambda s: "mqtt down" in s)
+    publish(hosts.bus_address(0), [("seq/x", b"%d" % i) for i in range(100, 400)])
+    a.wait_counters(lambda c: c["exported"] == 400 and c["spooled"] == 300)
+    kill9(a)
+    a.start(wait=False)  # the spool read again; the broker still away: nothing acked
+    a.wait_counters(lambda c: c["spooled"] == 300 and c["resent"] == 300)
+    kill9(a)
+    hosts.mosquitto.start()
+    b.wait_status(lambda s: "mqtt up" in s)
+    a.start()
+    got = seqs(collect(sub, want=300, quiet=0.5))
+    assert got == list(range(100, 400))                 # 0 lost, 0 twice, in order
+    assert b.wait_counters(lambda c: c["imported"] == 400)["missing"] == 0
+    c = a.wait_counters(lambda c: c["spooled"] == 0)
+    assert (c["exported"], c["dropped"]) == (400, 0), c
+
+
 def test_kill9_of_an_exporting_bridge_under_traffic(hosts: Hosts) -> None:
     """kill -9 mid-stream (1,000 msg/s), restart: nothing the bridge took is lost. What
     local publishers sent while no bridge was subscribed is lost (one gap, sbus keeps
