@@ -101,6 +101,8 @@ Event = Publish | Dropped | Whoami | Refusal | Reach | Control
 def _b(value: bytes | str) -> bytes:
     """A key, pattern or payload as bytes: text is UTF-8; anything else that is not
     bytes-like is a TypeError (``bytes(7)`` would be seven NULs, ``bytes([1])`` one)."""
+    if type(value) is bytes:  # the usual case, first: no copy, no other check
+        return value
     if isinstance(value, str):
         return value.encode()
     if isinstance(value, bytes | bytearray | memoryview):

@@ -148,9 +148,11 @@ def test_output_that_cannot_be_written_is_one_line(broker):
 
 
 def test_a_wrong_command_line_is_one_line(short_tmp):
-    for args in (["gateway"], ["sub", "--count", "x", "k"], ["bogus"], ["pub", "--bogus"]):
+    for args in (["gateway"], ["sub", "--count", "x", "k"], ["bogus"], ["pub", "--bogus"],
+                 ["pub", "k", "v", "z\x1b[2J"]):
         err = one_line(sbus(*args), 2)
         assert "--help" in err and "usage:" not in err, (args, err)
+        assert "\x1b" not in err, err  # echoed arguments are escaped
     # a descriptor that is not open: said before anything else (a waiter would wait)
     assert "--ready-fd 99: Bad file descriptor" in one_line(
         sbus("sub", "--ready-fd", "99", "k", "--address", str(short_tmp / "none")), 2)

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from ..display import printable
 from ..errors import SbusError, UsageError
 from ..extras import missing_extra_message
 
@@ -17,6 +18,8 @@ class OneLineParser(argparse.ArgumentParser):
     is what ``--help`` is for); exit status 2 as before."""
 
     def error(self, message: str):  # type: ignore[override]
+        if not message.isprintable():  # (argparse quotes most values with repr already)
+            message = printable(message)
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
     def print_help(self, file=None) -> None:
