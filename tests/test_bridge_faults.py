@@ -88,21 +88,32 @@ def one_gap(got: list[int], sent: int) -> tuple[int, int]:
     return (a, b)
 
 
+def held_while_away(hosts: Hosts, a: Bridge, first: int, n: int) -> None:
+    """The MQTT broker stopped, then seq/FIRST .. FIRST+n-1 published: all in a's spool."""
+    hosts.mosquitto.stop()
+    a.wait_status(lambda s: "mqtt down" in s)
+    publish(hosts.bus_address(0), [("seq/x", b"%d" % i) for i in range(first, first + n)])
+    a.wait_counters(lambda c: c["exported"] == first + n and c["spooled"] == n)
+
+
+def back_and_delivered(hosts: Hosts, a: Bridge, b: Bridge, sub, want: int) -> list[int]:
+    """The MQTT broker back, the (killed) exporting bridge a started again: the sequence
+    numbers *sub* then gets (*want* of them, unless some are lost)."""
+    hosts.mosquitto.start()
+    b.wait_status(lambda s: "mqtt up" in s)
+    a.start()
+    return seqs(collect(sub, want=want, quiet=0.5))
+
+
 def test_kill9_of_an_exporting_bridge_loses_nothing_it_had_taken(hosts: Hosts) -> None:
     """The MQTT broker is away, so the bridge holds every export; kill -9; the restarted
     bridge sends them all from its spool: 0 lost, 0 twice, counters carried over."""
     a = hosts.bridge(0, "--client-id", "a", "--export", "seq/")
     b = hosts.bridge(1, "--client-id", "b", "--import", "seq/")
     sub = subscriber(hosts.bus_address(1), "seq/")
-    hosts.mosquitto.stop()
-    a.wait_status(lambda s: "mqtt down" in s)
-    publish(hosts.bus_address(0), [("seq/x", b"%d" % i) for i in range(300)])
-    a.wait_counters(lambda c: c["exported"] == 300 and c["spooled"] == 300)
+    held_while_away(hosts, a, 0, 300)
     kill9(a)
-    hosts.mosquitto.start()
-    b.wait_status(lambda s: "mqtt up" in s)
-    a.start()
-    got = seqs(collect(sub, want=300, quiet=0.5))
+    got = back_and_delivered(hosts, a, b, sub, 300)
     assert got == list(range(300))                      # 0 lost, 0 twice, in order
     assert b.wait_counters(lambda c: c["imported"] == 300)["missing"] == 0
     c = a.wait_counters(lambda c: c["spooled"] == 0)
@@ -120,18 +131,12 @@ def test_two_kill9_in_a_row_lose_nothing_the_bridge_had_taken(hosts: Hosts) -> N
     publish(hosts.bus_address(0), [("seq/x", b"%d" % i) for i in range(100)])
     assert seqs(collect(sub, want=100, quiet=0.5)) == list(range(100))
     a.wait_counters(lambda c: c["spooled"] == 0)  # acknowledged: the spool's start moves
-    hosts.mosquitto.stop()
-    a.wait_status(lambda s: "mqtt down" in s)
-    publish(hosts.bus_address(0), [("seq/x", b"%d" % i) for i in range(100, 400)])
-    a.wait_counters(lambda c: c["exported"] == 400 and c["spooled"] == 300)
+    held_while_away(hosts, a, 100, 300)
     kill9(a)
     a.start(wait=False)  # the spool read again; the broker still away: nothing acked
     a.wait_counters(lambda c: c["spooled"] == 300 and c["resent"] == 300)
     kill9(a)
-    hosts.mosquitto.start()
-    b.wait_status(lambda s: "mqtt up" in s)
-    a.start()
-    got = seqs(collect(sub, want=300, quiet=0.5))
+    got = back_and_delivered(hosts, a, b, sub, 300)
     assert got == list(range(100, 400))                 # 0 lost, 0 twice, in order
     assert b.wait_counters(lambda c: c["imported"] == 400)["missing"] == 0
     c = a.wait_counters(lambda c: c["spooled"] == 0)
