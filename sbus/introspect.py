@@ -15,7 +15,7 @@ import json
 
 from . import protocol
 
-__all__ = ["answer", "ANSWER_BYTES", "PATTERNS_SHOWN"]
+__all__ = ["answer", "entry_bytes", "ANSWER_BYTES", "PATTERNS_SHOWN"]
 
 #: Bytes of JSON in one answer at most (well under the smallest --max-message in use).
 ANSWER_BYTES = 60 * 1024
@@ -31,18 +31,35 @@ REQUEST_BYTES = 64
 
 def _text(data: bytes) -> str:
     """At most `ENTRY_BYTES` of client bytes for JSON: UTF-8 as it is (JSON escapes
-    control bytes), and from the first byte that is not, every byte outside printable
-    ASCII as ``\\xNN`` (escaped in one C call: an error handler called per invalid byte
-    took ~36 µs per entry, 1.6 ms per answer); a cut entry says how much it left out."""
+    control bytes) with each backslash doubled, and from the first byte that is not UTF-8,
+    every byte outside printable ASCII as ``\\xNN`` (escaped in one C call: an error
+    handler called per invalid byte took ~36 µs per entry, 1.6 ms per answer); a cut entry
+    says how much it left out.  Doubling the backslash keeps a byte 0xFF and the four
+    characters ``\\xff`` apart: `entry_bytes` gives back the bytes."""
     cut = data[:ENTRY_BYTES]
     try:
         text = cut.decode("utf-8")
     except UnicodeDecodeError as exc:
         tail = codecs.escape_encode(cut[exc.start:])[0].decode("ascii").replace("\\'", "'")
-        text = cut[:exc.start].decode("utf-8") + tail
+        text = cut[:exc.start].decode("utf-8").replace("\\", "\\\\") + tail
+    else:
+        text = text.replace("\\", "\\\\")
     if len(data) > ENTRY_BYTES:
         text += f"…(+{len(data) - ENTRY_BYTES} bytes)"
     return text
+
+
+def entry_bytes(text: str) -> bytes:
+    """The client bytes an answer's pattern or status stands for (`_text` undone), for a
+    view to escape as it escapes every client byte.  A broker older than the doubled
+    backslash may send an escape that does not parse: then the text as it is."""
+    raw = text.encode("utf-8")
+    if b"\\" not in raw:
+        return raw
+    try:
+        return codecs.escape_decode(raw)[0]
+    except ValueError:
+        return raw
 
 
 def _after(payload: bytes | None) -> int:

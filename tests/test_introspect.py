@@ -9,7 +9,9 @@ import os
 from conftest import raw, sync
 from faultkit import NOBODY, as_user
 
-from sbus.introspect import ANSWER_BYTES
+import pytest
+
+from sbus.introspect import ANSWER_BYTES, ENTRY_BYTES, _text, entry_bytes
 
 STATUS = b"CMSG broker/status"
 
@@ -96,3 +98,33 @@ def test_sbus_status_and_ping_from_the_shell(broker):
     gone = subprocess.run([*SBUS, "ping", "--address", "/nonexistent/bus.sock"],
                           capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
     assert gone.returncode == 1 and len(gone.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("data", [b"plain/key", b"a\\xff", b"a\xff", b"a\\\xff\\", b"\x1b[2J\\n",
+                                  "caf\u00e9/\\x41".encode(), b"'q'\x00\x80'", b"x" * 300])
+def test_an_entry_gives_back_the_bytes_it_shows(data):
+    text = _text(data)
+    json.loads(json.dumps(text))  # always JSON text
+    back = entry_bytes(text)
+    if len(data) <= ENTRY_BYTES:
+        assert back == data
+    else:
+        assert back.startswith(data[:ENTRY_BYTES]) and back.endswith(b"(+100 bytes)")
+
+
+def test_sbus_status_tells_a_byte_from_its_escape(broker):
+    """A raw 0xFF and the four characters backslash-x-f-f were shown alike."""
+    import subprocess
+
+    from conftest import SBUS
+
+    holder = raw(broker.address)
+    holder.send(b"SUB odd/\xff")
+    holder.send(b"SUB odd/\\xff")
+    sync(holder)
+    shown = [json.dumps(p) for c in ask(holder)["clients"] for p in c["patterns"]]
+    assert len(set(shown)) == 2
+    out = subprocess.run([*SBUS, "status", "--address", broker.address], capture_output=True,
+                         text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    assert "odd/\\xff, odd/\\\\xff" in out.stdout, out.stdout

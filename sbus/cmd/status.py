@@ -10,6 +10,7 @@ from .. import protocol
 from ..client import Client, SbusError
 from ..defaults import ANSWER_TIMEOUT, duration_arg
 from ..display import printable
+from ..introspect import entry_bytes
 from ..protocol import Control
 
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     for c in state["clients"]:
         me = "*" if c["id"] == b["you"] else " "
         flood = f"{c['soft']}/{c['hard']}/{c['order']}" + (" nowait" if c["nowait"] else "")
-        patterns = ", ".join(printable(p, 60) for p in c["patterns"][:5])
+        patterns = ", ".join(printable(entry_bytes(p), 60) for p in c["patterns"][:5])
         more = c["subscriptions"] - min(len(c["patterns"]), 5)
         if more > 0:
             patterns += f" (+{more})"
@@ -72,5 +73,5 @@ def run(args: argparse.Namespace) -> int:
               f"{c['queued']:>8} {c['queued_bytes']:>10} {drops:>7} "
               f"{c.get('publishers_paused', 0):>6} {flood:<22} {patterns}")
         if c.get("status"):  # the client's own words: escaped, on a line of their own
-            print(f"{'':>7} status: {printable(c['status'], 200)}")
+            print(f"{'':>7} status: {printable(entry_bytes(c['status']), 200)}")
     return 0

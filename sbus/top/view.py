@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..display import printable
+from ..introspect import entry_bytes
 from .controls import FOOTER_KEYS, HELP
 from .model import CLIENT_SORT, CLIENTS_PANE, Row, Snapshot, SortBy, client_value, preview
 
@@ -220,12 +221,12 @@ def _client_cells(c: dict) -> list[Text | str]:
     if c.get("nowait"):
         flood += " nowait"
     patterns = c.get("patterns") if isinstance(c.get("patterns"), list) else []
-    shown = ", ".join(printable(str(p), 60) or "''" for p in patterns[:8])
+    shown = ", ".join(printable(entry_bytes(str(p)), 60) or "''" for p in patterns[:8])
     more = (c.get("subscriptions") or 0) - min(len(patterns), 8)
     if isinstance(more, int) and more > 0:
         shown += f" (+{more})"
     if c.get("status"):  # the client's own status line (a bridge's counters), escaped
-        shown += f"  [{printable(str(c['status']), 120)}]"
+        shown += f"  [{printable(entry_bytes(str(c['status'])), 120)}]"
     me = "*" if c.get("you") else ""
     return [Text(_plain(c.get("id")) + me, style="cyan"), _plain(c.get("pid")),
             _plain(c.get("uid")), _number(c.get("subscriptions")), _number(c.get("queued")),
