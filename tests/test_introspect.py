@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from conftest import raw, sync
 from faultkit import NOBODY, as_user
-
-import pytest
 
 from sbus.introspect import ANSWER_BYTES, ENTRY_BYTES, _text, entry_bytes
 

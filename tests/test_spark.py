@@ -407,10 +407,14 @@ def test_analyze_end_to_end(spark, recorded, tmp_path, capsys):
     prefixes = {r.prefix: r.messages
                 for r in spark.read.parquet(str(out / "prefixes.parquet")).collect()}
     assert prefixes == {"sensors": 3 * ROUNDS, "logs": ROUNDS, "\ufffd\ufffd": ROUNDS}
+    exact = {bytes(r.prefix_bytes) for r in spark.read.parquet(str(out / "prefixes.parquet"))
+             .where("prefix_bytes IS NOT NULL").collect()}
+    assert exact == {b"\xff\xfe"}  # the key's own bytes, not Spark's U+FFFD
     windows = spark.read.parquet(str(out / "windows.parquet"))
     assert windows.agg(F.sum("messages")).first()[0] == len(EXPECTED)
     report = (out / "report.md").read_text()
     assert "`sensors`" in report and "sensors/a/temp" in report and "traffic.png" in report
+    assert "`\\xff\\xfe`" in report and "`\\xff\\xfe/bin`" in report and "\ufffd" not in report
     assert f"Messages: {len(EXPECTED):,}," in report  # thousands separators
     assert "## Stale keys" in report and "No sequence gaps" in report
     assert summary["window"] == "1 minute"

@@ -31,9 +31,17 @@ STATS_PREFIX = "stats/"
 
 
 def with_prefix(df, depth: int):
+    """A key's first *depth* segments as ``prefix``; when the key is not UTF-8 and those
+    segments are not either, their exact bytes as ``prefix_bytes`` (null otherwise), as
+    the source gives ``key_bytes`` beside ``key``.  `substring_index` works on the bytes."""
     from pyspark.sql import functions as F
 
-    return df.withColumn("prefix", F.array_join(F.slice(F.split("key", "/", -1), 1, depth), "/"))
+    prefix = F.substring_index("key", "/", depth)
+    df = df.withColumn("prefix", prefix)
+    if "key_bytes" not in df.columns:
+        return df
+    exact = F.substring_index(F.col("key_bytes").cast("string"), "/", depth).cast("binary")
+    return df.withColumn("prefix_bytes", F.when(exact != F.encode(prefix, "UTF-8"), exact))
 
 
 def group_stats(df, *by: str):
@@ -62,10 +70,10 @@ def window_stats(df, window: str):
     """Traffic per time window and prefix."""
     from pyspark.sql import functions as F
 
-    return (df.groupBy(F.window("ts", window).alias("w"), "prefix")
+    return (df.groupBy(F.window("ts", window).alias("w"), "prefix", "prefix_bytes")
             .agg(F.count("*").alias("messages"), F.sum(F.length("payload")).alias("bytes"))
             .select(F.col("w.start").alias("window_start"), F.col("w.end").alias("window_end"),
-                    "prefix", "messages", "bytes"))
+                    "prefix", "prefix_bytes", "messages", "bytes"))
 
 
 def rollups(df, window: str, late: str):
@@ -204,7 +212,8 @@ def analyze(spark, journal: str, out: str | os.PathLike, *, pattern: str | None 
             say(f"per-key statistics of {facts['rows']:,} messages")
             group_stats(df, "key", "key_bytes").write.parquet(str(work / "keys.parquet"))
             say("per-prefix statistics")
-            group_stats(df, "prefix").write.parquet(str(work / "prefixes.parquet"))
+            group_stats(df, "prefix", "prefix_bytes").write.parquet(
+                str(work / "prefixes.parquet"))
             say(f"traffic per {wtext}")
             window_stats(df, f"{seconds} seconds").write.parquet(str(work / "windows.parquet"))
             say("the longest pause between messages")
@@ -298,7 +307,7 @@ def window_series(traffic: list, seconds: int, first_last: tuple) -> dict:
     nbytes = [0.0] * n
     for r in traffic:
         i = int((r["window_start"] - t0).total_seconds() // step)
-        counts.setdefault(r["prefix"], [0.0] * n)[i] += r["messages"]
+        counts.setdefault(exact(r, "prefix"), [0.0] * n)[i] += r["messages"]
         try:
             nbytes[i] += r["bytes"] or 0
         except (KeyError, ValueError):  # a traffic row without bytes
@@ -414,11 +423,21 @@ def _seconds(value: float) -> str:
     return f"{value:,.3f} s" if value < 10 else f"{value:,.1f} s"
 
 
+def exact(row, name: str) -> str | bytes:
+    """A key's or prefix's exact bytes where it is not UTF-8 (``NAME_bytes``), else its
+    text: a report shows ``\\xff``, not the U+FFFD that Spark's string holds."""
+    try:
+        raw = row[name + "_bytes"]
+    except (KeyError, ValueError):  # a table without the column (a Row says ValueError)
+        raw = None
+    return bytes(raw) if raw is not None else row[name]
+
+
 def _row(cols: list) -> str:
     return "| " + " | ".join(str(c) for c in cols) + " |"
 
 
-def _code(text: str, limit: int = 120) -> str:
+def _code(text: str | bytes, limit: int = 120) -> str:
     """Client text as a code span that stays inside its table cell: control bytes and
     newlines escaped (`printable`), pipes escaped, and a fence longer than any run of
     backticks in it, so a key cannot end the span, split the row or leave the table."""
@@ -429,7 +448,7 @@ def _code(text: str, limit: int = 120) -> str:
     return f"{fence}{pad}{shown}{pad}{fence}"
 
 
-def _label(text: str) -> str:
+def _label(text: str | bytes) -> str:
     """A legend label: escaped, short, and with ``$`` taken literally (not mathtext)."""
     return printable(text, 40).replace("$", r"\$") or "(empty)"
 
@@ -463,15 +482,16 @@ def render_report(summary: dict, keys: list, prefixes: list, window: str,
                 _n(r["p90_size"]), _n(r["p99_size"]), _n(r["max_size"])]
 
     lines += ["## Busiest prefixes", "", _row(["prefix", *head]), _row(["---"] * 8)]
-    lines += [_row([_code(r["prefix"]), *stats(r)]) for r in prefixes]
+    lines += [_row([_code(exact(r, "prefix")), *stats(r)]) for r in prefixes]
     lines += ["", "## Busiest keys", "", _row(["key", *head]), _row(["---"] * 8)]
-    lines += [_row([_code(r["key"]), *stats(r)]) for r in keys]
+    lines += [_row([_code(exact(r, "key")), *stats(r)]) for r in keys]
     lines += ["", "## Stale keys", ""]
     if stale:
         lines += [f"Keys with no message in the last {window_text(round(stale_after))} of "
                   "the recording (oldest first):", "",
                   _row(["key", "last message (UTC)", "messages"]), _row(["---"] * 3)]
-        lines += [_row([_code(r["key"]), r["last_ts"], _n(r["messages"])]) for r in stale]
+        lines += [_row([_code(exact(r, "key")), r["last_ts"], _n(r["messages"])])
+                  for r in stale]
     else:
         lines += ["None: every key sent a message near the end of the recording."]
     lines += ["", "## Drops and gaps", ""]
