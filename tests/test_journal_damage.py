@@ -206,19 +206,26 @@ def test_rows_numbered_again_are_damage_not_copies(tmp_path):
     assert "its head says" in done.stderr
 
 
-def test_an_open_segments_block_numbered_back_is_a_clear_error(tmp_path):
-    """An open segment has no index: a block whose first number goes back is caught by
-    the order of the numbers themselves."""
-    w, seg = open_journal(tmp_path, 2)
+@pytest.mark.parametrize("moved", [-10, 5])
+def test_an_open_segments_block_numbered_out_of_turn_is_a_clear_error(tmp_path, moved):
+    """An open segment has no index: a block whose first number goes back, or forward
+    (it read as a gap), is caught by the order of the numbers themselves, and a recorder
+    starting on it sets the segment aside rather than sealing the damage in."""
+    w, seg = open_journal(tmp_path, 3)
     data = bytearray(seg.path.read_bytes())
     count, first, klen, plen, _ = fmt.decode_block_head(data, fmt.FILE_HEAD.size)
     second = fmt.FILE_HEAD.size + fmt.block_size(count, klen, plen)
-    struct.pack_into("<q", data, second + 8, first)
+    struct.pack_into("<q", data, second + 8, first + count + moved)
     seg.path.write_bytes(data)
+    where = "before" if moved < 0 else "after"
     with pytest.raises(JournalError, match=f"block at byte {second}: it starts at seq "
-                                           f"{first}, before seq {first + count}"):
+                                           f"{first + count + moved}, {where} seq "
+                                           f"{first + count}"):
         read_all(tmp_path)
-    w._lock.close()
+    w._lock.close()  # as if the recorder had died: a new one recovers
+    with JournalWriter(tmp_path, fsync=False) as again:
+        assert again.next_seq > 3 * count + moved
+    assert (tmp_path / (seg.path.name + ".corrupt")).read_bytes() == bytes(data)
 
 
 def test_a_fifo_named_as_a_segment_is_a_clear_error_not_a_hang(tmp_path):

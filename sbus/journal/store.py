@@ -316,12 +316,15 @@ def _as_indexed(index: dict[int, BlockInfo] | None, pos: int, first_seq: int,
         raise FormatError(f"its head says seq {first_seq} ({count} rows), the index {said}")
 
 
-def _in_turn(first_seq: int, count: int, after: int) -> int:
-    """The number after a block of *count* rows from *first_seq*, which must not start
-    before *after* (the end of the block before it, or the segment's first number): a
-    number going back is damage, and would repeat rows."""
-    if first_seq < after:
-        raise FormatError(f"it starts at seq {first_seq}, before seq {after}, where the "
+def _in_turn(first_seq: int, count: int, after: int, exact: bool = True) -> int:
+    """The number after a block of *count* rows from *first_seq*, which must start at
+    *after* (the end of the block before it, or the segment's first number; only not
+    before it for the first block of a read that starts inside a segment, not *exact*):
+    a writer numbers a segment's blocks in turn, so a number going back is damage that
+    would repeat rows, and one going forward damage that would read as a gap."""
+    if first_seq < after or (exact and first_seq != after):
+        where = "before" if first_seq < after else "after"
+        raise FormatError(f"it starts at seq {first_seq}, {where} seq {after}, where the "
                           "rows before it end")
     return first_seq + count
 
@@ -330,7 +333,7 @@ def _blocks_from(fd: int, path: Path, start: int, end: int, verify: bool,
                  index: dict[int, BlockInfo] | None = None) -> Iterator[Block]:
     file_end = os.fstat(fd).st_size
     pos = start
-    after = _after(path)
+    after, exact = _after(path), start == fmt.FILE_HEAD.size
     while pos < end:
         size = _block_head(fd, path, pos, file_end)[5]  # checked before the allocation
         try:
@@ -340,7 +343,7 @@ def _blocks_from(fd: int, path: Path, start: int, end: int, verify: bool,
                 raise FormatError("truncated block")
             block, _ = fmt.decode_block(data, 0, verify)
             _as_indexed(index, pos, block.first_seq, block.count)
-            after = _in_turn(block.first_seq, block.count, after)
+            after, exact = _in_turn(block.first_seq, block.count, after, exact), True
         except FormatError as exc:
             raise JournalError(f"damaged journal segment {path}: block at byte "
                                f"{pos}: {exc}") from None
@@ -374,7 +377,7 @@ def _merged_from(fd: int, path: Path, start: int, end: int, verify: bool, rows: 
     merged columns stay below 2 GiB each, as Arrow's int32 offsets need."""
     file_end = os.fstat(fd).st_size
     pos = start
-    after = _after(path)
+    after, exact = _after(path), start == fmt.FILE_HEAD.size
     while pos < end:
         heads = []
         n = klen = plen = 0
@@ -386,7 +389,7 @@ def _merged_from(fd: int, path: Path, start: int, end: int, verify: bool, rows: 
                 break
             try:
                 _as_indexed(index, at, head[1], head[0])
-                after = _in_turn(head[1], head[0], after)
+                after, exact = _in_turn(head[1], head[0], after, exact), True
             except FormatError as exc:
                 raise JournalError(f"damaged journal segment {path}: block at byte {at}: "
                                    f"{exc}") from None
@@ -542,6 +545,13 @@ class JournalWriter:
                 log.warning("removing empty unsealed segment %s", seg.path)
                 seg.path.unlink()
                 return []
+            after = seg.first_seq
+            for b in blocks:  # whole blocks, each with its CRC, but numbered out of turn
+                try:
+                    after = _in_turn(b.first_seq, b.count, after)
+                except FormatError as exc:
+                    raise JournalError(f"unsealed segment {seg.path}: block at byte "
+                                       f"{b.pos}: {exc}") from None
             end = blocks[-1].end
             lost = os.fstat(f.fileno()).st_size - end
             if lost:
