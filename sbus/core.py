@@ -97,7 +97,8 @@ class Client:
     """One client as the core sees it: identity, queue, flood state, who it pauses."""
 
     __slots__ = ("id", "link", "cred", "out", "closed", "subscriptions",
-                 "subscription_bytes", "status", "nowait", "may_pause_others", "held", "slots",
+                 "subscription_bytes", "status", "nowait", "owner", "may_pause_others", "held",
+                 "slots",
                  "waiting_on", "paused", "own_full", "fanout", "__weakref__")
 
     def __init__(self, cid: int, link: object, cred: Credentials, queue_limit: int):
@@ -110,6 +111,7 @@ class Client:
         self.subscription_bytes = 0
         self.status = b""  # its own one-line status (protocol.CLIENT_STATUS), bounded
         self.nowait = False  # asked never to be paused as a publisher (a shared connection)
+        self.owner = cred.uid  # whose share of full queues its messages take (PUBLISHER_FOR)
         self.may_pause_others = False  # its `block` may pause other users' publishers
         self.held = 0  # bytes it sent beyond full queues while paused, charged to its user
         self.slots = FIRST_SLOTS  # packets read at once: fewer while its packets cost much
@@ -644,6 +646,9 @@ class BrokerCore:
         if plain == protocol.PUBLISHER_NOWAIT:
             conn.nowait = True
             return
+        if plain == protocol.PUBLISHER_FOR:
+            self._publish_for(conn, payload or b"")
+            return
         if plain == protocol.STATUS:
             self.reply(conn, introspect.answer(self, conn, payload))
             return
@@ -662,6 +667,23 @@ class BrokerCore:
                 self.logs.append((logging.DEBUG, f"{conn!r}: flood control {setting}"))
             return
         self.refuse(conn, b"cmsg", f"control message {brief(key)} not understood")
+
+    def _publish_for(self, conn: Client, payload: bytes) -> None:
+        """`protocol.PUBLISHER_FOR`: a trusted connection that carries many users' messages
+        (a mount, a gateway) names whose the next ones are, so that each of those users
+        has its own share of a full queue instead of one for them all."""
+        if not self._trusted(conn.cred.uid):
+            self.refuse(conn, b"cmsg", "only a trusted user (root, sbus serve --trusted) may "
+                                       "publish for another user")
+            return
+        if not payload:
+            conn.owner = conn.cred.uid
+            return
+        if not (payload.isdigit() and len(payload) < 20 and
+                int(payload) < protocol.OWNER_LIMIT):
+            self.refuse(conn, b"cmsg", f"publishing for {brief(payload)}: not a user number")
+            return
+        conn.owner = int(payload)
 
     def _reach(self, conn: Client, key: bytes) -> None:
         """`protocol.REACH`: how many clients a message of *conn* on *key* would reach
@@ -935,8 +957,9 @@ class BrokerCore:
         loses its own packets (`Verdict.EVICTED`)."""
         out = t.out
         pub_budget = publisher.out.budget
-        uid = publisher.cred.uid
-        may_block = not publisher.nowait and (t.cred.uid == uid or t.may_pause_others)
+        uid = publisher.owner
+        may_block = not publisher.nowait and (t.cred.uid == publisher.cred.uid or
+                                              t.may_pause_others)
         for j in range(start, end):
             packet = copies.get(j)
             if packet is None:
@@ -1105,7 +1128,7 @@ class BrokerCore:
             clients.append(handover.ClientState(
                 conn.id, sorted(self.index.patterns(conn).items()), out.soft.value,
                 out.hard.value, out.order.value, conn.nowait, out.arrival_order(),
-                out.dropped))
+                out.dropped, None if conn.owner == conn.cred.uid else conn.owner))
         counters = {"published": self.published, "delivered": self.delivered,
                     "dropped": self.dropped, "disconnects": self.disconnects}
         return handover.State(self.sep, counters, clients)
@@ -1131,6 +1154,8 @@ class BrokerCore:
             out.apply(Hard(c.hard))
             out.apply(Order(c.order))
             conn.nowait = c.nowait
+            if c.owner is not None and conn.may_pause_others:  # still trusted
+                conn.owner = c.owner
             for pattern, count in c.patterns:
                 for _ in range(count):
                     held = conn.subscriptions
@@ -1163,7 +1188,9 @@ class BrokerCore:
             if not all(type(p) is bytes and type(n) is int and 0 < n <= RESTORED_COPIES
                        for p, n in c.patterns) or \
                     not all(type(q) is bytes for q in c.queued) or \
-                    type(c.dropped) is not int or c.dropped < 0:
+                    type(c.dropped) is not int or c.dropped < 0 or \
+                    not (c.owner is None or
+                         (type(c.owner) is int and 0 <= c.owner < protocol.OWNER_LIMIT)):
                 raise handover.HandoverError(f"client {c.id}'s state is damaged")
 
     # -- reporting ---------------------------------------------------------------------

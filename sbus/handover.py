@@ -49,6 +49,7 @@ class ClientState:
     nowait: bool = False
     queued: list[bytes] = field(default_factory=list)  # oldest first
     dropped: int = 0  # not yet reported with blocking/dropped
+    owner: int | None = None  # whose share its messages take, if not its own (9th entry)
 
 
 @dataclass
@@ -65,7 +66,8 @@ def is_handover_name(name: str) -> bool:
 
 def encode(state: State) -> bytes:
     clients = [[c.id, [[p, n] for p, n in c.patterns], c.soft, c.hard, c.order, c.nowait,
-                c.queued, c.dropped] for c in state.clients]
+                c.queued, c.dropped, *(() if c.owner is None else (c.owner,))]
+               for c in state.clients]
     return msgpack.packb([FORMAT, state.sep, state.counters, clients], use_bin_type=True)
 
 
@@ -80,8 +82,9 @@ def decode(data: bytes) -> State:
         return State(_bytes(sep), {str(k): int(v) for k, v in counters.items()}, [
             ClientState(int(cid), [(_bytes(p), int(n)) for p, n in patterns], _bytes(soft),
                         _bytes(hard), _bytes(order), bool(nowait),
-                        [_bytes(q) for q in queued], int(dropped))
-            for cid, patterns, soft, hard, order, nowait, queued, dropped in clients])
+                        [_bytes(q) for q in queued], int(dropped),
+                        *(int(o) for o in owner[:1]))
+            for cid, patterns, soft, hard, order, nowait, queued, dropped, *owner in clients])
     except (ValueError, TypeError, AttributeError, OverflowError) as exc:
         raise HandoverError(f"the snapshot is damaged: {exc}") from None
 

@@ -33,6 +33,8 @@ __all__ = [
     "DROPPED",
     "REFUSED",
     "PUBLISHER_NOWAIT",
+    "PUBLISHER_FOR",
+    "OWNER_LIMIT",
     "STATUS",
     "REACH",
     "parse_batch",
@@ -56,6 +58,12 @@ REFUSED = b"refused"
 #: client -> broker: this connection publishes for many parties (a gateway, a mount):
 #: never pause it; a subscriber that would block it loses the message (counted) instead.
 PUBLISHER_NOWAIT = b"blocking/publisher/nowait"
+#: client -> broker, from a trusted user only (root, ``sbus serve --trusted``):
+#: ``PUBLISHER_FOR\0N``, "my next messages are user N's" (a mount's writer, a gateway's
+#: remote client): each user's share of a full queue is then that user's; an empty
+#: payload, the connection's own UID again.  N: decimal, below `OWNER_LIMIT`.
+PUBLISHER_FOR = b"blocking/publisher/for"
+OWNER_LIMIT = 1 << 62
 #: client -> broker: "tell me about yourself" (payload optional: ``{"after": ID}``);
 #: broker -> client: a JSON object (sbus/introspect.py, docs/protocol.md).
 STATUS = b"broker/status"

@@ -135,6 +135,8 @@ class Session:
         #: Flood settings asked for ("soft"/"hard"/"order" -> value), re-sent on reconnect.
         self.flood: dict[str, bytes] = {}
         self.nowait = False
+        #: The user whose share the messages take, if not this connection's (`publish_for`).
+        self.publishing_for: int | None = None
         #: Whoami questions sent and not yet answered (the barrier).
         self.asked = 0
         #: The last whoami answer, and its parse when it is a credentials path.
@@ -180,6 +182,8 @@ class Session:
         out = [_flood(name, value) for name, value in self.flood.items()]
         if self.nowait:
             out.append(_encode(Control(protocol.PUBLISHER_NOWAIT)))
+        if self.publishing_for is not None:
+            out.append(self._for(self.publishing_for))
         return out
 
     def subscribe(self, pattern: bytes | str) -> bytes:
@@ -244,6 +248,19 @@ class Session:
         """Ask never to be paused as a publisher (a connection publishing for many)."""
         self.nowait = True
         return _encode(Control(protocol.PUBLISHER_NOWAIT))
+
+    def publish_for(self, owner: int | None) -> bytes:
+        """Name the user whose share of full queues the next messages take (a trusted
+        connection carrying many users' messages: a mount's writers); None: this
+        connection's own again.  Remembered, and said again after a reconnect."""
+        if owner is not None and not 0 <= owner < protocol.OWNER_LIMIT:
+            raise InvalidRequest(f"publishing for {owner}: not a user number")
+        self.publishing_for = owner
+        return self._for(owner)
+
+    @staticmethod
+    def _for(owner: int | None) -> bytes:
+        return _encode(Control(protocol.PUBLISHER_FOR, b"" if owner is None else b"%d" % owner))
 
     def ask(self) -> bytes:
         """A whoami question: its answer is also the barrier for everything before it."""

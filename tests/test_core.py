@@ -533,3 +533,51 @@ def test_a_packet_too_large_for_its_socket_is_dropped_and_reported_not_retried()
     assert bus.read(sub) == [b"MSG k\0small", b"CMSG blocking/dropped\0" + b"1"]
     assert not sub.closed and not sub.wants_write and bus.core.dropped == 1
     assert any("too large" in line for line in bus.lines())
+
+
+def test_a_trusted_connection_publishing_for_its_users_gives_each_a_share():
+    """One connection carrying two users' messages (a root mount's writers) to a full
+    queue: without ``publisher/for`` they are one user, and the flood takes everyone's
+    place; with it, the flooder loses its own messages and the other's all arrive."""
+    def run(name_users: bool) -> tuple[list[bytes], int]:
+        bus = Bus(queue_limit=10_000)
+        sub, mount = bus.connect(uid=1000, room=0), bus.connect(uid=0)
+        bus.send(sub, b"SUB k/")
+        bus.send(mount, b"CMSG blocking/publisher/nowait")
+        for i in range(200):
+            if name_users:
+                bus.send(mount, b"CMSG blocking/publisher/for\x002001")
+            bus.send(mount, b"MSG k/flood\0" + b"f" * 100)
+            if i % 10 == 0:
+                if name_users:
+                    bus.send(mount, b"CMSG blocking/publisher/for\x002002")
+                bus.send(mount, b"MSG k/quiet\0%d" % i)
+        bus.kernel.room[sub.link] = 10**6
+        got = msgs(bus.drain(sub))
+        return [p for p in got if p.startswith(b"MSG k/quiet")], bus.core.dropped
+
+    quiet, dropped = run(name_users=True)
+    assert quiet == [b"MSG k/quiet\0%d" % i for i in range(0, 200, 10)] and dropped > 100
+    quiet, _ = run(name_users=False)
+    assert len(quiet) < 10  # one share for both: the quiet user's messages were lost
+
+
+def test_only_a_trusted_user_publishes_for_another():
+    bus = Bus(limits=Limits(trusted=frozenset({2000})))
+    plain, trusted, root = bus.connect(uid=1000), bus.connect(uid=2000), bus.connect(uid=0)
+    bus.send(plain, b"CMSG blocking/publisher/for\x002001")
+    assert plain.owner == 1000 and b"only a trusted user" in bus.read(plain)[0]
+    bus.send(trusted, b"CMSG blocking/publisher/for\x002001")
+    bus.send(root, b"CMSG blocking/publisher/for\x00-1", b"CMSG blocking/publisher/for\x00x")
+    assert trusted.owner == 2001 and root.owner == 0
+    assert [p.split(b"\0")[1] for p in bus.read(root)] == [
+        b"publishing for '-1': not a user number", b"publishing for 'x': not a user number"]
+    bus.send(trusted, b"CMSG blocking/publisher/for")  # an empty payload: its own again
+    assert trusted.owner == 2000
+    bus.send(root, b"CMSG blocking/publisher/for\x002001")
+    state = handover.decode(handover.encode(bus.core.snapshot()))
+    assert [c.owner for c in state.clients] == [None, None, 2001]
+    old = handover.msgpack.unpackb(handover.encode(state))  # a predecessor's 8 entries
+    old[3] = [c[:8] for c in old[3]]
+    assert [c.owner for c in handover.decode(handover.msgpack.packb(old)).clients] == \
+        [None] * 3

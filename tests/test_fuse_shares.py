@@ -638,3 +638,48 @@ def test_callers_that_lock_their_own_memory_pin_only_their_share(mount, bus, spa
         share = UserShare().intent_threads
         wait_until(lambda: stuck_threads(m.proc.pid) == share,
                    f"not {share} of the mount's threads stuck in nobody's memory", 2)
+
+
+# Appends *count* messages to the file given, one per write: with a size, of that many
+# bytes each, as fast as it can; else numbered lines, one every 2 ms.
+WRITER = """
+import os, sys, time
+path, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+for n in range(count):
+    os.write(fd, b"f" * size if size else b"q%05d" % n)
+    if not size:
+        time.sleep(0.002)
+os.close(fd)
+"""
+
+
+def test_a_writer_flooding_a_slow_subscriber_loses_its_own_messages_not_others(mount, bus):
+    """Two users of other UIDs write through one root mount to a subscriber that does
+    not read: the mount tells the broker whose each message is (``publisher/for``), so
+    the broker's share of the full queue is per writer, not one for the whole mount.
+    The quiet writer's 300 numbered messages all arrive, in order; the flooder's are
+    dropped (counted).  Before, the mount's writers held one share: most of the quiet
+    writer's messages were lost with the flood's."""
+    m = mount("writers")
+    os.makedirs(m / "w", exist_ok=True)
+    slow = subscriber(bus.address, b"w/")
+    flood = subprocess.Popen([*AS_NOBODY, "python3", "-c", WRITER, str(m / "w/flood"),
+                              "3000", "4000"])
+    time.sleep(0.5)  # the queue is full by now
+    quiet = subprocess.run(["setpriv", "--reuid=65532", "--regid=65532", "--clear-groups",
+                            "python3", "-c", WRITER, str(m / "w/quiet"), "300", "0"],
+                           timeout=60, capture_output=True, text=True)
+    assert quiet.returncode == 0, quiet.stderr
+    assert flood.wait(120) == 0
+    got, dropped = [], 0
+    slow.settimeout(2)
+    with contextlib.suppress(TimeoutError):
+        while True:
+            p = slow.recv(1 << 16)
+            if p.startswith(b"MSG w/quiet\0"):
+                got.append(p.split(b"\0", 1)[1])
+            elif p.startswith(b"CMSG blocking/dropped\0"):
+                dropped += int(p.split(b"\0")[1])
+    assert got == [b"q%05d" % n for n in range(300)], f"{len(got)} of 300 arrived"
+    assert dropped > 500  # the flood's, reported

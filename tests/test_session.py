@@ -30,11 +30,17 @@ def test_a_reconnect_restores_policy_patterns_then_asks():
     s.set_flood(hard="block")
     s.set_flood(hard="error")  # the most recent setting wins
     s.publisher_nowait()
+    assert s.publish_for(2001) == b"CMSG blocking/publisher/for\x002001"
     s.ask()  # lost with the old connection
     assert s.connected() == [b"CMSG blocking/hard/error", b"CMSG blocking/publisher/nowait",
+                             b"CMSG blocking/publisher/for\x002001",
                              b"SUB x", b"SUB x", b"SUB y/", b"CMSG !/cred/whoami"]
     assert s.asked == 1  # only the new question counts
     assert s.connections == 2
+    assert s.publish_for(None) == b"CMSG blocking/publisher/for\x00"
+    assert b"CMSG blocking/publisher/for" not in b" ".join(s.connected())
+    with pytest.raises(InvalidRequest, match="not a user number"):
+        s.publish_for(-1)
 
 
 @pytest.mark.parametrize("pattern, why", [

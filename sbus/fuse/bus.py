@@ -359,18 +359,29 @@ class MountBus:
 
     # -- publishing ------------------------------------------------------------------
 
-    def publish_nowait(self, packet: bytes) -> bool:
-        """Send one ``MSG`` packet now if nothing waits to go before it and the socket
-        takes it: the common case, without a timer or a checkpoint.  False: nothing
-        was sent (a full socket, a reconnect, an error), `publish` it."""
+    def _owner(self, publisher: AsyncClient, uid: int) -> int | None | bool:
+        """Whose share of full queues a message *uid* writes takes at the broker: *uid*'s
+        own (`Session.publish_for`), so that one writer flooding a slow subscriber
+        through the mount loses its own messages, not the other writers'.  Only a root
+        mount may say so (the broker trusts no one else with it).  False: no change."""
+        if self.cred is None or self.cred.uid != 0:
+            return False
+        owner = None if uid == self.cred.uid else uid
+        return False if publisher.session.publishing_for == owner else owner
+
+    def publish_nowait(self, packet: bytes, uid: int) -> bool:
+        """Send one ``MSG`` packet that user *uid* wrote now if nothing waits to go
+        before it, it is the same user's as the last, and the socket takes it: the common
+        case, without a timer or a checkpoint.  False: nothing was sent (a full socket, a
+        reconnect, an error, another user), `publish` it."""
         publisher = self._publisher
         return (publisher is not None and not self._publish_lock.locked()
-                and publisher.send_nowait(packet))
+                and self._owner(publisher, uid) is False and publisher.send_nowait(packet))
 
-    async def publish(self, packet: bytes) -> None:
-        """One ``MSG`` packet (checked against the broker's limit by the caller) on the
-        shared publisher, in order; EMSGSIZE if refused as too large, EIO if no broker
-        comes back within `reconnect_timeout`."""
+    async def publish(self, packet: bytes, uid: int) -> None:
+        """One ``MSG`` packet that user *uid* wrote (checked against the broker's limit by
+        the caller) on the shared publisher, in order; EMSGSIZE if refused as too large,
+        EIO if no broker comes back within `reconnect_timeout`."""
         publisher = self._publisher
         if publisher is None:
             raise FUSEError(errno.EIO)
@@ -382,6 +393,9 @@ class MountBus:
                 await lock.acquire()
             try:
                 with trio.fail_after(self.reconnect_timeout or 0.001):
+                    owner = self._owner(publisher, uid)
+                    if owner is not False:  # (said again by the session after a reconnect)
+                        await publisher.send_packet(publisher.session.publish_for(owner))
                     await publisher.send_packet(packet)
             finally:
                 lock.release()

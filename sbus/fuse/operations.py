@@ -704,14 +704,14 @@ class BusFS(pyfuse3.Operations):
         if len(h.head) + len(payload) > self.max_message:
             raise FUSEError(errno.EMSGSIZE)
         packet = h.head + payload
-        if self.bus.publish_nowait(packet):  # the common case: no timer, no await
+        if self.bus.publish_nowait(packet, h.uid):  # the common case: no timer, no await
             return
         with trio.move_on_after(SIGNAL_POLL) as quick:
-            await self.bus.publish(packet)
+            await self.bus.publish(packet, h.uid)
         if quick.cancelled_caught:  # the broker pushes back or is away: wait, but
             # answer EINTR to a signal, in a slot of the waiting requests' pool
             async with self._slot(h.uid):
-                await guarded(h.pid, lambda: self.bus.publish(packet), h.group())
+                await guarded(h.pid, lambda: self.bus.publish(packet, h.uid), h.group())
 
     def _drop_pending(self, h: Handle, too_big: bool = False) -> bytes:
         data = bytes(h.pending or b"")
