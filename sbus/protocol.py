@@ -35,6 +35,7 @@ __all__ = [
     "PUBLISHER_NOWAIT",
     "PUBLISHER_FOR",
     "OWNER_LIMIT",
+    "FIRST_NON_UID",
     "STATUS",
     "REACH",
     "parse_batch",
@@ -64,6 +65,9 @@ PUBLISHER_NOWAIT = b"blocking/publisher/nowait"
 #: payload, the connection's own UID again.  N: decimal, below `OWNER_LIMIT`.
 PUBLISHER_FOR = b"blocking/publisher/for"
 OWNER_LIMIT = 1 << 62
+#: The first owner number that is no UID (UIDs are 32-bit): for users a carrier tells
+#: apart itself, such as the gateway's peer addresses.
+FIRST_NON_UID = 1 << 32
 #: client -> broker: "tell me about yourself" (payload optional: ``{"after": ID}``);
 #: broker -> client: a JSON object (sbus/introspect.py, docs/protocol.md).
 STATUS = b"broker/status"

@@ -416,3 +416,66 @@ def test_an_address_is_charged_once_per_distinct_pattern_its_clients_hold():
         assert gw.unauthenticated.used == 0 and gw.subscriptions.used == 0
 
     trio.run(main)
+
+
+def _flood(port: int, source: str, stop) -> None:
+    s = connect(port, source)
+    s.sendall(codec.authenticate(SECRET))
+    frame = codec.publish(b"g/flood", b"f" * 8000) * 8
+    while not stop.is_set():
+        s.sendall(frame)
+    s.close()
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_a_remote_publisher_flooding_a_slow_local_subscriber_loses_its_own(sdir, trusted):
+    """Two remote publishers from two addresses, one flooding a local subscriber that does
+    not read, the other sending 300 numbered messages meanwhile.  A gateway the broker
+    trusts (``--trusted-user``) names each address's publishes as its own
+    (``blocking/publisher/for``), so the broker drops the flooder's messages and the
+    300 all arrive, in order.  Untrusted, every remote publisher shares the gateway
+    user's one share, and most of the 300 are lost with the flood (counted)."""
+    import threading
+
+    args = ("--trusted-user", str(GATEWAY_UID)) if trusted else ()
+    bus = BrokerProcess(str(sdir / "bus.sock"), *args).start()
+    gw = start(sdir, bus)
+    stop = threading.Event()
+    try:
+        gw.wait_log("share of its own" if trusted else "not trusted by the broker")
+        slow = raw(bus.address)
+        slow.send(b"SUB g/")
+        sync(slow)
+        flooder = threading.Thread(target=_flood, args=(gw.port, next_loopback(), stop))
+        flooder.start()
+        time.sleep(1)  # the subscriber's queue is full by now
+        quiet = connect(gw.port, next_loopback())
+        quiet.sendall(codec.authenticate(SECRET))
+        for n in range(300):
+            quiet.sendall(codec.publish(b"g/quiet", b"q%05d" % n))
+            time.sleep(0.002)
+        echo(quiet)  # the gateway has read them all
+        time.sleep(0.2)
+        stop.set()
+        flooder.join(30)
+        got, dropped = [], 0
+        slow.settimeout(2)
+        try:
+            while True:
+                p = slow.recv(1 << 16)
+                if p.startswith(b"MSG g/quiet\0"):
+                    got.append(p.split(b"\0", 1)[1])
+                elif p.startswith(b"CMSG blocking/dropped\0"):
+                    dropped += int(p.split(b"\0")[1])
+        except TimeoutError:
+            pass
+        assert dropped > 100  # the flood's, reported to the subscriber
+        if trusted:
+            assert got == [b"q%05d" % n for n in range(300)], f"{len(got)} of 300 arrived"
+        else:
+            assert len(got) < 150, f"{len(got)} of 300 arrived: one share, yet no loss?"
+        quiet.close()
+    finally:
+        stop.set()
+        gw.stop()
+        bus.stop()

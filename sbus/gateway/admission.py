@@ -12,7 +12,10 @@ plus the pools, and one host cannot take what the others need.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 from collections import Counter
+
+from ..protocol import FIRST_NON_UID
 
 __all__ = ["Caps", "Peer", "Pool", "Tarpit", "peer_group", "peer_of"]
 
@@ -43,15 +46,22 @@ def peer_of(stream: object) -> tuple[str, str]:
     return peer_group(host), (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
 
+#: Owner numbers for peers, none a UID: a new one for each `Peer` made.
+_owners = itertools.count(FIRST_NON_UID)
+
+
 class Peer:
     """What all connections from one peer address hold together: connections, outgoing
     bytes queued (bounded by *queue_limit*) and the distinct patterns they subscribe,
     and their turn (the server's lock that lets one of them work at a time)."""
 
-    __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "patterns", "turn")
+    __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "patterns", "turn",
+                 "owner")
 
     def __init__(self, host: str, queue_limit: int = 1 << 62) -> None:
         self.host = host
+        #: whose share of a full local queue its publishes take (`Bridge.publish_packets`)
+        self.owner = next(_owners)
         self.conns = 0
         self.queued = 0
         self.queue_limit = queue_limit

@@ -47,7 +47,7 @@ from ..display import brief
 from ..errors import SbusError
 from ..keys import KeyRules
 from ..limits import Limits, LogAllowance
-from ..protocol import ProtocolError, Publish
+from ..protocol import PUBLISHER_FOR, ProtocolError, Publish
 from ..routing import CACHE_BYTES, RouteCache, RoutingIndex
 from ..session import Backoff, Dropped, Refusal
 from .admission import Pool
@@ -115,6 +115,9 @@ class Bridge:
         self._waiting: trio.CancelScope | None = None  # the receiver's wait for the socket
         self._receiving: trio.CancelScope | None = None  # its receive, under the lock
         self._up = False
+        #: the broker lets us name whose each publish is (`publish_packets`): we are trusted
+        self.for_peers = False
+        self._for_refused = False
         self._stale: list[bytes] = []  # patterns of another separator, to drop on the bus
         #: SUBs sent whose fate the broker has not told yet: [pattern, question number,
         #: refusal reason or None], oldest first; questions are numbered per connection.
@@ -213,22 +216,24 @@ class Bridge:
 
     # -- publishing ---------------------------------------------------------------
 
-    async def publish(self, key: bytes, payload: bytes) -> bool:
+    async def publish(self, key: bytes, payload: bytes, owner: int | None = None) -> bool:
         """Hand a remote client's message to the bus; False if the bus is down (or the
-        message is refused as too large)."""
+        message is refused as too large).  *owner*: as for `publish_packets`."""
         try:
             packet = self.bus.session.publish(key, payload)
         except SbusError as exc:  # the gateway checked the key first: too large
             self._complain("a message for the bus was not sent: %s", exc)
             self.lost += 1
             return False
-        return await self.publish_packets([packet]) == 1
+        return await self.publish_packets([packet], owner) == 1
 
-    async def publish_packets(self, packets: list[bytes]) -> int:
+    async def publish_packets(self, packets: list[bytes], owner: int | None = None) -> int:
         """Hand remote clients' messages, as MSG packets (`Session.publish_head` + payload,
         keys checked), to the bus in order as one run (one ``sendmmsg`` where the socket
         has room): how many were sent.  The others (the bus is down, or one is over the
-        broker's limit) are counted as lost."""
+        broker's limit) are counted as lost.  *owner*: the peer address's number
+        (`admission.Peer.owner`), whose share of a full local queue they take where the
+        broker trusts the gateway; None, the gateway's own."""
         total = len(packets)
         limit = self.bus.session.max_message
         if max(map(len, packets)) > limit:
@@ -236,10 +241,19 @@ class Bridge:
             self._complain("a message for the bus was not sent: over the broker's "
                            "%d-byte limit", limit)
         sent = len(packets) if packets and self._up and await self._send(
-            lambda: packets if self._up else []) else 0
+            lambda: self._for(owner) + packets if self._up else []) else 0
         self.published += sent
         self.lost += total - sent
         return sent
+
+    def _for(self, owner: int | None) -> list[bytes]:
+        """The packet that makes the next publishes *owner*'s (`PUBLISHER_FOR`), unless
+        they are already, or the broker does not trust us with it: then one share for
+        every remote publisher.  Made under the lock, in the order of the wire."""
+        session = self.bus.session
+        if not self.for_peers or session.publishing_for == owner:
+            return []
+        return [session.publish_for(owner)]
 
     async def _send(self, build: Callable[[], list[bytes]]) -> bool:
         """Send the packets *build* makes, back to back, in call order.  They are made
@@ -288,6 +302,9 @@ class Bridge:
                  len(self.patterns))
 
     def _refusal(self, event: Refusal) -> None:
+        if event.verb == "cmsg" and not self._up:  # the question in `run`: not trusted
+            self._for_refused = True
+            return
         if event.verb == "sub":
             if not self._up:
                 self._unmapped += 1  # refused while the session restored its patterns
@@ -353,6 +370,8 @@ class Bridge:
         await bus.open()  # a gateway that never reached its bus is misconfigured
         try:
             await bus.send_packet(bus.session.publisher_nowait())
+            # may we name whose each publish is?  (refused before the whoami answer if not)
+            await bus.send_packet(bus.session.control(PUBLISHER_FOR, b""))
             await bus.set_flood(soft="queue", hard="discard")
             me = await bus.whoami(CONTROL_TIMEOUT)
         except TimeoutError:
@@ -360,8 +379,13 @@ class Bridge:
         if not me.startswith(b"!") or len(me) < 2:
             raise SbusError(f"the broker answered whoami with {brief(me)}")
         self._set_separator(me[1:2])
+        self.for_peers = not self._for_refused
         self._up = True
-        log.info("connected to the bus at %s (%d patterns)", self.address, len(self.patterns))
+        log.info("connected to the bus at %s (%d patterns); towards a slow local subscriber "
+                 "%s", self.address, len(self.patterns),
+                 "each remote address has a share of its own" if self.for_peers else
+                 "remote publishers share the gateway user's share (not trusted by the "
+                 "broker: sbus serve --trusted-user)")
         task_status.started()
         try:
             await self._forward()

@@ -201,7 +201,8 @@ async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
                 return  # idle
             if answer.status == 201:
                 assert answer.topic is not None and answer.body is not None
-                if not await gw.bridge.publish(answer.topic, answer.body):
+                if not await gw.bridge.publish(answer.topic, answer.body,
+                                               gw.caps.peer(host).owner):
                     answer = Answer(503, "the bus is not available; try again")
             elif answer.status == 401 and "wrong" in answer.text:
                 gw.say(host, logging.WARNING, "HTTPS %s: wrong authentication key",

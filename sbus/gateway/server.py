@@ -472,6 +472,7 @@ class Gateway:
         receive = rc.stream.receive_some
         clock = time.perf_counter
         publish_packets = self.bridge.publish_packets
+        owner = rc.account.owner
         heads = self._heads
         Publish = codec.Publish  # noqa: N806
         fd = _plain_fd(rc.stream)
@@ -492,7 +493,7 @@ class Gateway:
         async def send_run() -> None:
             nonlocal run, held
             packets, run, held = run, [], 0  # taken first: a cancelled send is not redone
-            await publish_packets(packets)
+            await publish_packets(packets, owner)
 
         async def next_turn() -> None:
             """The other addresses, and then this one's other busy connections, first."""
@@ -634,7 +635,7 @@ class Gateway:
                 raise FrameRefused(f"publish to {brief(frame.topic)} before authenticating "
                               "dropped")
             self.check_key(frame.topic)
-            await self.bridge.publish(frame.topic, frame.body)
+            await self.bridge.publish(frame.topic, frame.body, rc.account.owner)
         elif kind is codec.KeepAlive:
             rc.outbox.force(codec.KEEPALIVE)
             rc.lot.unpark()
