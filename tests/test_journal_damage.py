@@ -255,6 +255,14 @@ def test_an_unreadable_segment_is_a_journal_error_and_not_moved_aside(tmp_path):
     assert odd.is_dir() and not list(tmp_path.glob("*.corrupt"))
 
 
+def test_a_lock_file_that_cannot_be_opened_is_named(tmp_path):
+    """A directory named ``.lock`` was reported as the journal directory itself."""
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(JournalError, match=f"cannot open the journal's lock file "
+                                           f"{tmp_path / '.lock'}: Is a directory"):
+        JournalWriter(tmp_path, fsync=False)
+
+
 def test_a_truncated_segment_is_a_clear_error(tmp_path):
     path = sealed_journal(tmp_path)
     data = path.read_bytes()

@@ -459,11 +459,16 @@ class JournalWriter:
         self.keep_seconds = keep_seconds
         self.keep_bytes = keep_bytes
         self.fsync = fsync
+        lock = self.dir / ".lock"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._lock = open(self.dir / ".lock", "a")
         except OSError as exc:
             raise JournalError(f"cannot use journal directory {self.dir}: "
+                               f"{exc.strerror or exc}") from None
+        try:
+            self._lock = open(lock, "a")
+        except OSError as exc:  # a directory or a file another user owns, named .lock
+            raise JournalError(f"cannot open the journal's lock file {lock}: "
                                f"{exc.strerror or exc}") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
