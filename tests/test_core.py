@@ -574,6 +574,12 @@ def test_only_a_trusted_user_publishes_for_another():
         b"publishing for '-1': not a user number", b"publishing for 'x': not a user number"]
     bus.send(trusted, b"CMSG blocking/publisher/for")  # an empty payload: its own again
     assert trusted.owner == 2000
+    named = Bus(limits=Limits(trusted=frozenset({"sbus-gateway"})),  # a DynamicUser=
+                user_name=lambda uid: "sbus-gateway" if uid == 61_000 else None)
+    gateway, stranger = named.connect(uid=61_000), named.connect(uid=61_001)
+    named.send(gateway, b"CMSG blocking/publisher/for\x00%d" % (1 << 32))
+    named.send(stranger, b"CMSG blocking/publisher/for\x00%d" % (1 << 32))
+    assert gateway.owner == 1 << 32 and stranger.owner == 61_001
     bus.send(root, b"CMSG blocking/publisher/for\x002001")
     state = handover.decode(handover.encode(bus.core.snapshot()))
     assert [c.owner for c in state.clients] == [None, None, 2001]
