@@ -109,6 +109,24 @@ def raw(address: str, timeout: float = 5.0) -> socket.socket:
     return s
 
 
+def read_until_quiet(s: socket.socket, key: bytes, quiet: float = 2.0) -> tuple[list[bytes], int]:
+    """What a raw subscriber that has not been reading holds: the payloads of the
+    messages on *key*, in order, and the drops the broker reported, read until nothing
+    comes for *quiet* seconds."""
+    got, dropped = [], 0
+    head = b"MSG " + key + b"\0"
+    s.settimeout(quiet)
+    try:
+        while True:
+            p = s.recv(1 << 16)
+            if p.startswith(head):
+                got.append(p[len(head):])
+            elif p.startswith(b"CMSG blocking/dropped\0"):
+                dropped += int(p.split(b"\0")[1])
+    except TimeoutError:
+        return got, dropped
+
+
 def sync(s: socket.socket) -> None:
     """Wait until the broker has processed everything *s* sent before (whoami round trip)."""
     s.send(b"CMSG !/cred/whoami")
