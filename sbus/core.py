@@ -673,8 +673,8 @@ class BrokerCore:
         (a mount, a gateway) names whose the next ones are, so that each of those users
         has its own share of a full queue instead of one for them all."""
         if not self._trusted(conn.cred.uid):
-            self.refuse(conn, b"cmsg", "only a trusted user (root, sbus serve --trusted) may "
-                                       "publish for another user")
+            self.refuse(conn, b"cmsg", "only a trusted user (root, sbus serve --trusted-user) "
+                                       "may publish for another user")
             return
         if not payload:
             conn.owner = conn.cred.uid

@@ -302,8 +302,12 @@ class Bridge:
                  len(self.patterns))
 
     def _refusal(self, event: Refusal) -> None:
-        if event.verb == "cmsg" and not self._up:  # the question in `run`: not trusted
-            self._for_refused = True
+        if event.verb == "cmsg":  # the one control it may refuse: we are not trusted
+            if self.for_peers:  # (a broker restarted with other settings)
+                log.warning("the broker no longer lets the gateway name whose each publish "
+                            "is: remote publishers now share the gateway user's share")
+            self.for_peers, self._for_refused = False, True
+            self.bus.session.publishing_for = None  # the broker kept our own
             return
         if event.verb == "sub":
             if not self._up:
