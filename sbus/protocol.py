@@ -59,7 +59,7 @@ REFUSED = b"refused"
 #: client -> broker: this connection publishes for many parties (a gateway, a mount):
 #: never pause it; a subscriber that would block it loses the message (counted) instead.
 PUBLISHER_NOWAIT = b"blocking/publisher/nowait"
-#: client -> broker, from a trusted user only (root, ``sbus serve --trusted``):
+#: client -> broker, from a trusted user only (root, ``sbus serve --trusted-user``):
 #: ``PUBLISHER_FOR\0N``, "my next messages are user N's" (a mount's writer, a gateway's
 #: remote client): each user's share of a full queue is then that user's; an empty
 #: payload, the connection's own UID again.  N: decimal, below `OWNER_LIMIT`.

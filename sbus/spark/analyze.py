@@ -38,8 +38,8 @@ def with_prefix(df, depth: int):
 
     prefix = F.substring_index("key", "/", depth)
     df = df.withColumn("prefix", prefix)
-    if "key_bytes" not in df.columns:
-        return df
+    if "key_bytes" not in df.columns:  # (a schema without it: every key exact)
+        return df.withColumn("prefix_bytes", F.lit(None).cast("binary"))
     exact = F.substring_index(F.col("key_bytes").cast("string"), "/", depth).cast("binary")
     return df.withColumn("prefix_bytes", F.when(exact != F.encode(prefix, "UTF-8"), exact))
 
