@@ -84,6 +84,7 @@ def _client(conn, index) -> dict:
         "queued": len(out), "queued_bytes": out.nbytes, "dropped_unreported": out.dropped,
         "soft": out.soft.value.decode(), "hard": out.hard.value.decode(),
         "order": out.order.value.decode(), "nowait": conn.nowait,
+        "publishing_for": None if conn.owner == conn.cred.uid else conn.owner,
         "publishers_paused": len(conn.paused), "status": _text(conn.status),
     }
 

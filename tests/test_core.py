@@ -581,6 +581,9 @@ def test_only_a_trusted_user_publishes_for_another():
     named.send(stranger, b"CMSG blocking/publisher/for\x00%d" % (1 << 32))
     assert gateway.owner == 1 << 32 and stranger.owner == 61_001
     bus.send(root, b"CMSG blocking/publisher/for\x002001")
+    bus.send(root, b"CMSG broker/status")
+    shown = json.loads(bus.read(root)[0].split(b"\0", 1)[1])["clients"]
+    assert [c["publishing_for"] for c in shown] == [None, None, 2001]
     state = handover.decode(handover.encode(bus.core.snapshot()))
     assert [c.owner for c in state.clients] == [None, None, 2001]
     old = handover.msgpack.unpackb(handover.encode(state))  # a predecessor's 8 entries

@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     for c in state["clients"]:
         me = "*" if c["id"] == b["you"] else " "
         flood = f"{c['soft']}/{c['hard']}/{c['order']}" + (" nowait" if c["nowait"] else "")
+        if c.get("publishing_for") is not None:  # a carrier naming whose messages go
+            flood += f" for {c['publishing_for']}"
         patterns = ", ".join(printable(entry_bytes(p), 60) for p in c["patterns"][:5])
         more = c["subscriptions"] - min(len(c["patterns"]), 5)
         if more > 0:
