@@ -119,6 +119,10 @@ def test_kill9_of_an_exporting_bridge_loses_nothing_it_had_taken(hosts: Hosts) -
     c = a.wait_counters(lambda c: c["spooled"] == 0)
     assert (c["exported"], c["resent"], c["dropped"]) == (300, 300, 0), c
     assert c["exported_bytes"] == sum(len("seq/x") + len(b"%d" % i) for i in range(300))
+    a.stop()  # a clean stop with every export acknowledged (the spool empty), and back:
+    a.start()  # the counters carry over as they were (an empty spool once saved as 0)
+    again = a.wait_counters(lambda c: c["spooled"] == 0)
+    assert (again["exported"], again["exported_bytes"]) == (300, c["exported_bytes"]), again
 
 
 def test_two_kill9_in_a_row_lose_nothing_the_bridge_had_taken(hosts: Hosts) -> None:
@@ -168,6 +172,7 @@ def test_kill9_of_an_exporting_bridge_under_traffic(hosts: Hosts) -> None:
     assert cb["missing"] == 0, cb    # the restarted sender's numbers go on: no false gap
     assert gap[0] > 0 and gap[1] < sent, gap     # before and after the crash delivered
     assert got[-1] == sent - 1
+    assert c["exported"] == len(got), c  # exact after kill -9 (was the last save's more)
 
 
 def test_kill9_of_an_importing_bridge_loses_nothing(hosts: Hosts) -> None:

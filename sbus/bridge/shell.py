@@ -318,7 +318,7 @@ class BridgeShell:
         self.state.save_state({
             "counters": self.core.counters.saved(),
             "filters": self.core.mqtt_filters() + self._stale,
-            "spooled": self.spool.next_seq if self.spool else 0,
+            "spooled": self.spool.next_seq if self.spool is not None else 0,  # (len 0: empty)
             "clean_exit": clean_exit,
             **({"senders": self.core.senders_saved()} if clean_exit else {})})
 
