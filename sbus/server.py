@@ -199,6 +199,10 @@ def exec_successor(listener: socket.socket, passed: list[tuple[str, int]]) -> No
     os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)),
                       LISTEN_FDNAMES=":".join(names))
     logging.shutdown()
+    # exec resets the handlers, not the mask: a second SIGUSR2 (or SIGTERM) before the
+    # successor's `run` takes the signals would end it with their default action (no
+    # broker left, no word); blocked, they wait for its handlers (`run` unblocks them)
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
@@ -368,6 +372,7 @@ def run(
     wake_w.setblocking(False)
     previous = {s: signal.signal(s, _noted) for s in SIGNALS}
     old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # held since a predecessor's exec
     try:
         timers = _Timers(broker, exit_idle)
         log.info("sbus broker listening on %s (pid %d)", where, os.getpid())

@@ -129,6 +129,29 @@ def test_sigusr2_hands_every_client_over_under_load(make_broker):
     assert not os.path.exists(broker.address)  # the successor still cleans up the socket
 
 
+def test_signals_right_after_a_re_exec_wait_for_the_successor(make_broker):
+    """A second SIGUSR2 sent while the re-executed broker was still starting ended it
+    with the signal's default action: no broker, no word.  Now the signals wait, blocked
+    across the exec, and are acted on once it serves."""
+    broker = make_broker()
+    client = raw(broker.address, timeout=30)
+    client.send(b"SUB kept/")
+    sync(client)
+    pid = broker.proc.pid
+    for _ in range(3):
+        broker.proc.send_signal(signal.SIGUSR2)
+        time.sleep(0.02)  # inside the successor's start-up (0.1 s or more here)
+        broker.proc.send_signal(signal.SIGUSR2)
+        time.sleep(1)
+        assert broker.proc.poll() is None and broker.proc.pid == pid
+    publisher = raw(broker.address)
+    publisher.send(b"MSG kept/x\0still here")
+    sync(publisher)
+    assert client.recv(1 << 16) == b"MSG kept/x\0still here"  # the same connection
+    log = broker.stop()
+    assert log.count("took over") >= 6, log
+
+
 def _alive(pid: int) -> bool:
     """Whether *pid* runs (a zombie left to whoever adopted it does not)."""
     try:
