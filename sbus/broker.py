@@ -355,9 +355,21 @@ class Broker:
 
     def close_all(self) -> None:
         """Disconnect every client (shutting down without a successor), once what they
-        published has been delivered or queued."""
-        self.core.finish_fanouts()
-        for c in list(self._clients.values()):
+        published has been delivered or queued, and what their sockets take of their
+        queues written; the rest is lost, and said so (counted in ``dropped``)."""
+        core = self.core
+        core.finish_fanouts()
+        clients = list(self._clients.values())
+        for c in clients:
+            if c.wants_write:
+                core.writable(c)  # without waiting: as much as its socket takes now
+        left = [len(c.out) for c in clients if not c.closed and len(c.out)]
+        if left:
+            core.dropped += sum(left)
+            log.warning("shutting down with %d messages queued for %d clients that had not "
+                        "read them: lost (a hand-over keeps them: SIGUSR2, or systemctl "
+                        "restart)", sum(left), len(left))
+        for c in clients:
             self._close(c)
 
     def _read(self, c: Client) -> None:

@@ -10,6 +10,7 @@ tests/test_systemd_user.py and tests/test_systemd_container.py.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -150,6 +151,30 @@ def test_signals_right_after_a_re_exec_wait_for_the_successor(make_broker):
     assert client.recv(1 << 16) == b"MSG kept/x\0still here"  # the same connection
     log = broker.stop()
     assert log.count("took over") >= 6, log
+
+
+def test_a_stop_without_hand_over_says_what_queued_messages_it_loses(make_broker):
+    """SIGTERM outside systemd hands nothing over: the messages queued for a subscriber
+    that had not read them were thrown away without a word."""
+    broker = make_broker()
+    slow = raw(broker.address)
+    slow.send(b"SUB q/")
+    sync(slow)
+    pub = raw(broker.address)
+    for i in range(20_000):
+        pub.send(b"MSG q/x\0%d" % i)
+    sync(pub)
+    pub.send(b"CMSG broker/status")
+    while not (p := pub.recv(1 << 20)).startswith(b"CMSG broker/status\0"):
+        pass
+    queued = json.loads(p.split(b"\0", 1)[1])["clients"][0]["queued"]
+    assert queued > 1000
+    log = broker.stop()
+    got = 0
+    while slow.recv(1 << 16):  # what its socket held, then the end
+        got += 1
+    lost = int(re.search(r"shutting down with (\d+) messages queued for 1 clients", log)[1])
+    assert got + lost == 20_000, (got, lost, queued)
 
 
 def _alive(pid: int) -> bool:
