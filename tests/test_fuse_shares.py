@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import BrokerProcess, read_until_quiet
+from conftest import BrokerProcess, raw, read_until_quiet
 from test_fuse import (
     Mount,
     broker_in,
@@ -675,3 +675,58 @@ def test_a_writer_flooding_a_slow_subscriber_loses_its_own_messages_not_others(m
     got, dropped = read_until_quiet(slow, b"w/quiet")
     assert got == [b"q%05d" % n for n in range(300)], f"{len(got)} of 300 arrived"
     assert dropped > 500  # the flood's, reported
+
+
+def test_a_cancelled_naming_is_made_again_before_the_next_users_message(space):
+    """The mount's publisher named a writer (``publisher/for``) and recorded it before
+    the packet went; a write cancelled while the socket was full (the broker stalled)
+    left the broker counting the previous writer, and the next writes of the new one
+    were charged to that other user.  Driven on `MountBus` itself against a real broker
+    stopped with SIGSTOP; the broker's status says whose the publisher's messages are."""
+    import json
+    import signal
+
+    import trio
+
+    from sbus.fuse.bus import MountBus
+    from sbus.fuse.mapping import KnownTree
+
+    bus = broker_in(tempfile.mkdtemp(dir=space))  # a broker of its own: it is stopped
+    broker = next(bus)
+    victim, attacker = 65532, 65534
+
+    def publishing_for() -> int | None:
+        s = raw(broker.address)
+        s.send(b"CMSG broker/status")
+        while not (p := s.recv(1 << 20)).startswith(b"CMSG broker/status\0"):
+            pass
+        s.close()
+        return next(c["publishing_for"] for c in json.loads(p.split(b"\0", 1)[1])["clients"]
+                    if c["nowait"])
+
+    async def main() -> int | None:
+        mb = MountBus(broker.address, "raw", KnownTree(), 256 << 10, 5.0)
+        async with trio.open_nursery() as nursery:
+            await mb.start(nursery)
+            await mb.publish(b"MSG t/v\0first", victim)
+            broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                big = b"MSG t/v\0" + b"v" * 100_000
+                for _ in range(100):  # until the mount's socket is full: cancelled
+                    with trio.move_on_after(0.05) as late:
+                        await mb.publish(big, victim)
+                    if late.cancelled_caught:
+                        break
+                with trio.move_on_after(0.05):  # waits on the full socket: cancelled
+                    await mb.publish(b"MSG t/a\0mine", attacker)
+            finally:
+                broker.proc.send_signal(signal.SIGCONT)
+            await mb.publish(b"MSG t/a\0mine again", attacker)
+            named = await trio.to_thread.run_sync(publishing_for)
+            nursery.cancel_scope.cancel()
+        return named
+
+    try:
+        assert trio.run(main) == attacker
+    finally:
+        next(bus, None)

@@ -469,3 +469,57 @@ def test_a_remote_publisher_flooding_a_slow_local_subscriber_loses_its_own(sdir,
         stop.set()
         gw.stop()
         bus.stop()
+
+
+def test_a_cancelled_naming_is_made_again_before_the_next_address_publishes(sdir):
+    """The gateway's bus connection named an address (``publisher/for``) and recorded
+    it before the packet went: a run cancelled while the socket was full (the broker
+    stalled; the remote client gone) would leave the broker counting the previous
+    address.  Driven on `Bridge` itself (run as root: trusted) against a real broker
+    stopped with SIGSTOP; the broker's status says whose the messages are."""
+    import json
+    import signal
+
+    import trio
+
+    from sbus.gateway.bridge import Bridge
+
+    bus = BrokerProcess(str(sdir / "bus.sock")).start()
+    first, second = (1 << 32) + 1, (1 << 32) + 2
+
+    def publishing_for() -> int | None:
+        s = raw(bus.address)
+        s.send(b"CMSG broker/status")
+        while not (p := s.recv(1 << 20)).startswith(b"CMSG broker/status\0"):
+            pass
+        s.close()
+        return next(c["publishing_for"] for c in json.loads(p.split(b"\0", 1)[1])["clients"]
+                    if c["nowait"])
+
+    async def main() -> int | None:
+        br = Bridge(bus.address, deliver=lambda *a: None, on_refused=lambda *a: None)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(br.run)
+            assert br.for_peers
+            assert await br.publish_packets([b"MSG g/a\0one"], first) == 1
+            bus.proc.send_signal(signal.SIGSTOP)
+            try:
+                big = [b"MSG g/a\0" + b"a" * 100_000]
+                for _ in range(100):  # until the bus socket is full: cancelled
+                    with trio.move_on_after(0.05) as late:
+                        await br.publish_packets(big, first)
+                    if late.cancelled_caught:
+                        break
+                with trio.move_on_after(0.05):  # waits on the full socket: cancelled
+                    await br.publish_packets([b"MSG g/b\0mine"], second)
+            finally:
+                bus.proc.send_signal(signal.SIGCONT)
+            assert await br.publish_packets([b"MSG g/b\0mine again"], second) == 1
+            named = await trio.to_thread.run_sync(publishing_for)
+            nursery.cancel_scope.cancel()
+        return named
+
+    try:
+        assert trio.run(main) == second
+    finally:
+        bus.stop()

@@ -144,6 +144,9 @@ class MountBus:
         self.readers: set[Reader] = set()
         self._publisher: AsyncClient | None = None
         self._publish_lock = trio.Lock()
+        #: a `publish_for` packet went out cut short (a cancelled send): whose share the
+        #: broker counts is unknown until the next one is sent whole
+        self._owner_unsure = False
 
     def _client(self, **options) -> AsyncClient:
         return AsyncClient(self.address, reconnect=True, **options)
@@ -367,7 +370,8 @@ class MountBus:
         if self.cred is None or self.cred.uid != 0:
             return False
         owner = None if uid == self.cred.uid else uid
-        return False if publisher.session.publishing_for == owner else owner
+        same = publisher.session.publishing_for == owner and not self._owner_unsure
+        return False if same else owner
 
     def publish_nowait(self, packet: bytes, uid: int) -> bool:
         """Send one ``MSG`` packet that user *uid* wrote now if nothing waits to go
@@ -395,7 +399,9 @@ class MountBus:
                 with trio.fail_after(self.reconnect_timeout or 0.001):
                     owner = self._owner(publisher, uid)
                     if owner is not False:  # (said again by the session after a reconnect)
+                        self._owner_unsure = True  # until sent whole: a cancel leaves it
                         await publisher.send_packet(publisher.session.publish_for(owner))
+                        self._owner_unsure = False
                     await publisher.send_packet(packet)
             finally:
                 lock.release()

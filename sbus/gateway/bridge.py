@@ -118,6 +118,9 @@ class Bridge:
         #: the broker lets us name whose each publish is (`publish_packets`): we are trusted
         self.for_peers = False
         self._for_refused = False
+        #: a `publish_for` packet may have gone out cut short (a cancelled or failed send):
+        #: the broker's idea of whose our publishes are is unknown until one goes whole
+        self._for_unsure = False
         self._stale: list[bytes] = []  # patterns of another separator, to drop on the bus
         #: SUBs sent whose fate the broker has not told yet: [pattern, question number,
         #: refusal reason or None], oldest first; questions are numbered per connection.
@@ -240,8 +243,17 @@ class Bridge:
             packets = [p for p in packets if len(p) <= limit]
             self._complain("a message for the bus was not sent: over the broker's "
                            "%d-byte limit", limit)
-        sent = len(packets) if packets and self._up and await self._send(
-            lambda: self._for(owner) + packets if self._up else []) else 0
+        switch: list[bytes] = []
+
+        def build() -> list[bytes]:
+            if not self._up:
+                return []
+            switch[:] = self._for(owner)
+            return switch + packets
+
+        sent = len(packets) if packets and self._up and await self._send(build) else 0
+        if sent and switch:
+            self._for_unsure = False  # it went whole, with the run
         self.published += sent
         self.lost += total - sent
         return sent
@@ -251,8 +263,9 @@ class Bridge:
         they are already, or the broker does not trust us with it: then one share for
         every remote publisher.  Made under the lock, in the order of the wire."""
         session = self.bus.session
-        if not self.for_peers or session.publishing_for == owner:
+        if not self.for_peers or (session.publishing_for == owner and not self._for_unsure):
             return []
+        self._for_unsure = True  # until `publish_packets` sees it sent
         return [session.publish_for(owner)]
 
     async def _send(self, build: Callable[[], list[bytes]]) -> bool:
