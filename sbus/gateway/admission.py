@@ -11,13 +11,14 @@ plus the pools, and one host cannot take what the others need.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
-import itertools
+import os
 from collections import Counter
 
 from ..protocol import FIRST_NON_UID
 
-__all__ = ["Caps", "Peer", "Pool", "Tarpit", "peer_group", "peer_of"]
+__all__ = ["Caps", "Peer", "Pool", "Tarpit", "owner_of", "peer_group", "peer_of"]
 
 
 def peer_group(host: str) -> str:
@@ -46,8 +47,19 @@ def peer_of(stream: object) -> tuple[str, str]:
     return peer_group(host), (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
 
-#: Owner numbers for peers, none a UID: a new one for each `Peer` made.
-_owners = itertools.count(FIRST_NON_UID)
+#: The key of `owner_of`'s hash: this process's own, so no address can be chosen to
+#: share another's number.
+_OWNER_KEY = os.urandom(16)
+
+
+def owner_of(host: str) -> int:
+    """The number under which the broker counts a peer address's publishes (its share of
+    a full local queue): the same for the address as long as the gateway runs, whether
+    its connections come and go (a new number per connection would give a flooder a
+    fresh share with each reconnect), and none a UID (from `FIRST_NON_UID`).  A keyed
+    hash: nothing is kept per address."""
+    digest = hashlib.blake2b(host.encode(), key=_OWNER_KEY, digest_size=7).digest()
+    return FIRST_NON_UID + int.from_bytes(digest, "big")
 
 
 class Peer:
@@ -61,7 +73,7 @@ class Peer:
     def __init__(self, host: str, queue_limit: int = 1 << 62) -> None:
         self.host = host
         #: whose share of a full local queue its publishes take (`Bridge.publish_packets`)
-        self.owner = next(_owners)
+        self.owner = owner_of(host)
         self.conns = 0
         self.queued = 0
         self.queue_limit = queue_limit
