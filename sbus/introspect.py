@@ -22,9 +22,11 @@ ANSWER_BYTES = 60 * 1024
 #: Patterns listed per client at most (the count is always given).
 PATTERNS_SHOWN = 50
 #: Bytes of one pattern or status shown at most: every entry then has a size bounded
-#: before it is encoded (50 x 4 x 200 bytes of JSON < ANSWER_BYTES), so one client's long
-#: or invalid patterns cannot make an answer costly, nor end the paging early.
+#: before it is encoded (at most 6 JSON characters a byte), so one client's long or
+#: invalid patterns cannot make an answer costly; `ENTRY_JSON` keeps it within a page.
 ENTRY_BYTES = 200
+#: Bytes of one client's JSON at most (`_entry`): a page always holds its first entry.
+ENTRY_JSON = ANSWER_BYTES // 2
 #: Bytes of a request's payload (``{"after": ID}``) read at most; a longer one is ignored.
 REQUEST_BYTES = 64
 
@@ -75,9 +77,22 @@ def _after(payload: bytes | None) -> int:
     return after if type(after) is int else 0
 
 
-def _client(conn, index) -> dict:
+def _entry(conn, index) -> str:
+    """One client's JSON, at most `ENTRY_JSON` bytes: control bytes take 6 characters
+    each in JSON (``\\u0001``), so 50 patterns of 200 could outgrow a page, and a page
+    that could not hold its first entry ended the listing for everyone after it; the
+    patterns that would not fit are left out (`subscriptions` still counts them)."""
+    shown = PATTERNS_SHOWN
+    while True:
+        entry = json.dumps(_client(conn, index, shown))
+        if len(entry) <= ENTRY_JSON or not shown:
+            return entry
+        shown //= 2
+
+
+def _client(conn, index, shown_at_most: int) -> dict:
     out = conn.out
-    shown = [_text(p) for p in index.first_patterns(conn, PATTERNS_SHOWN)]
+    shown = [_text(p) for p in index.first_patterns(conn, shown_at_most)]
     return {
         "id": conn.id, "pid": conn.cred.pid, "uid": conn.cred.uid, "gid": conn.cred.gid,
         "subscriptions": conn.subscriptions, "patterns": shown,
@@ -106,7 +121,7 @@ def answer(broker, asker, payload: bytes | None) -> bytes:
     for conn in mine:
         if conn.id <= after:
             continue
-        entry = json.dumps(_client(conn, broker.index))
+        entry = _entry(conn, broker.index)
         size += len(entry) + 1
         if size > ANSWER_BYTES:
             more = True

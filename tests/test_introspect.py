@@ -127,3 +127,26 @@ def test_sbus_status_tells_a_byte_from_its_escape(broker):
                          text=True, timeout=30, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr
     assert "odd/\\xff, odd/\\\\xff" in out.stdout, out.stdout
+
+
+def test_a_client_of_control_byte_patterns_cannot_end_the_listing(broker):
+    """Control bytes take 6 JSON characters each: 50 patterns of 200 of them made one
+    entry larger than a page, and the answer stopped there ("more" without "next"),
+    hiding every later client from root.  Now such an entry shows fewer patterns."""
+    big = raw(broker.address)
+    for i in range(60):
+        big.send(b"SUB " + b"\x01" * 200 + b"%04d" % i + b"x" * 800)  # cut: a suffix
+    big.send(b"CMSG client/status\0" + b"\x01" * 200)
+    sync(big)
+    later = raw(broker.address)
+    sync(later)
+    seen, request = [], None
+    while True:
+        answer = ask(later, request)
+        seen += [c["id"] for c in answer["clients"]]
+        if not answer["more"]:
+            break
+        request = json.dumps(answer["next"]).encode()
+    assert len(seen) == answer["broker"]["clients"] == 2  # the asker too
+    mine = next(c for c in ask(big)["clients"] if c["subscriptions"] == 60)
+    assert 0 < len(mine["patterns"]) < 50
