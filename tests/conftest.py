@@ -127,6 +127,55 @@ def read_until_quiet(s: socket.socket, key: bytes, quiet: float = 2.0) -> tuple[
         return got, dropped
 
 
+def carrier_publishes_for(address: str) -> int | None:
+    """Whom the broker counts the messages of its one ``nowait`` connection (a mount's
+    or a gateway's publisher) for, by its status (`publishing_for`)."""
+    import json
+
+    s = raw(address)
+    s.send(b"CMSG broker/status")
+    while not (p := s.recv(1 << 20)).startswith(b"CMSG broker/status\0"):
+        pass
+    s.close()
+    clients = json.loads(p.split(b"\0", 1)[1])["clients"]
+    return next(c["publishing_for"] for c in clients if c["nowait"])
+
+
+def named_after_a_cut_send(proc: subprocess.Popen, address: str, open_carrier, publish,
+                           first: int, second: int) -> int | None:
+    """Whom the broker *proc* counts a carrier's messages for (`carrier_publishes_for`)
+    after this: a message of user *first*; the broker stopped (SIGSTOP), *first*'s large
+    messages until one is cut short (its socket full: cancelled after 50 ms), then one
+    of *second*'s cut short the same way, as a writer's signal or a remote client's
+    hang-up cuts it; the broker back, one more of *second*'s.  *open_carrier*(nursery)
+    starts the carrier; *publish*(carrier, payload, user) sends through it."""
+    import signal
+
+    import trio
+
+    async def main() -> int | None:
+        async with trio.open_nursery() as nursery:
+            carrier = await open_carrier(nursery)
+            await publish(carrier, b"first", first)
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                for _ in range(100):
+                    with trio.move_on_after(0.05) as late:
+                        await publish(carrier, b"x" * 100_000, first)
+                    if late.cancelled_caught:
+                        break
+                with trio.move_on_after(0.05):
+                    await publish(carrier, b"mine", second)
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            await publish(carrier, b"mine again", second)
+            named = await trio.to_thread.run_sync(carrier_publishes_for, address)
+            nursery.cancel_scope.cancel()
+        return named
+
+    return trio.run(main)
+
+
 def sync(s: socket.socket) -> None:
     """Wait until the broker has processed everything *s* sent before (whoami round trip)."""
     s.send(b"CMSG !/cred/whoami")

@@ -16,7 +16,11 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import BrokerProcess, raw, read_until_quiet
+from conftest import (
+    BrokerProcess,
+    named_after_a_cut_send,
+    read_until_quiet,
+)
 from test_fuse import (
     Mount,
     broker_in,
@@ -683,11 +687,6 @@ def test_a_cancelled_naming_is_made_again_before_the_next_users_message(space):
     left the broker counting the previous writer, and the next writes of the new one
     were charged to that other user.  Driven on `MountBus` itself against a real broker
     stopped with SIGSTOP; the broker's status says whose the publisher's messages are."""
-    import json
-    import signal
-
-    import trio
-
     from sbus.fuse.bus import MountBus
     from sbus.fuse.mapping import KnownTree
 
@@ -695,38 +694,15 @@ def test_a_cancelled_naming_is_made_again_before_the_next_users_message(space):
     broker = next(bus)
     victim, attacker = 65532, 65534
 
-    def publishing_for() -> int | None:
-        s = raw(broker.address)
-        s.send(b"CMSG broker/status")
-        while not (p := s.recv(1 << 20)).startswith(b"CMSG broker/status\0"):
-            pass
-        s.close()
-        return next(c["publishing_for"] for c in json.loads(p.split(b"\0", 1)[1])["clients"]
-                    if c["nowait"])
-
-    async def main() -> int | None:
+    async def open_mount_bus(nursery) -> MountBus:
         mb = MountBus(broker.address, "raw", KnownTree(), 256 << 10, 5.0)
-        async with trio.open_nursery() as nursery:
-            await mb.start(nursery)
-            await mb.publish(b"MSG t/v\0first", victim)
-            broker.proc.send_signal(signal.SIGSTOP)
-            try:
-                big = b"MSG t/v\0" + b"v" * 100_000
-                for _ in range(100):  # until the mount's socket is full: cancelled
-                    with trio.move_on_after(0.05) as late:
-                        await mb.publish(big, victim)
-                    if late.cancelled_caught:
-                        break
-                with trio.move_on_after(0.05):  # waits on the full socket: cancelled
-                    await mb.publish(b"MSG t/a\0mine", attacker)
-            finally:
-                broker.proc.send_signal(signal.SIGCONT)
-            await mb.publish(b"MSG t/a\0mine again", attacker)
-            named = await trio.to_thread.run_sync(publishing_for)
-            nursery.cancel_scope.cancel()
-        return named
+        await mb.start(nursery)
+        return mb
 
     try:
-        assert trio.run(main) == attacker
+        assert named_after_a_cut_send(
+            broker.proc, broker.address, open_mount_bus,
+            lambda mb, body, uid: mb.publish(b"MSG t/x\0" + body, uid),
+            victim, attacker) == attacker
     finally:
         next(bus, None)

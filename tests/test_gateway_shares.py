@@ -21,7 +21,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BrokerProcess, raw, read_until_quiet, sync
+from conftest import (
+    BrokerProcess,
+    named_after_a_cut_send,
+    raw,
+    read_until_quiet,
+    sync,
+)
 from faultkit import as_user
 from test_gateway import SECRET, GatewayProcess, next_loopback, read_exactly
 
@@ -486,49 +492,21 @@ def test_a_cancelled_naming_is_made_again_before_the_next_address_publishes(sdir
     stalled; the remote client gone) would leave the broker counting the previous
     address.  Driven on `Bridge` itself (run as root: trusted) against a real broker
     stopped with SIGSTOP; the broker's status says whose the messages are."""
-    import json
-    import signal
-
-    import trio
-
     from sbus.gateway.bridge import Bridge
 
     bus = BrokerProcess(str(sdir / "bus.sock")).start()
     first, second = (1 << 32) + 1, (1 << 32) + 2
 
-    def publishing_for() -> int | None:
-        s = raw(bus.address)
-        s.send(b"CMSG broker/status")
-        while not (p := s.recv(1 << 20)).startswith(b"CMSG broker/status\0"):
-            pass
-        s.close()
-        return next(c["publishing_for"] for c in json.loads(p.split(b"\0", 1)[1])["clients"]
-                    if c["nowait"])
-
-    async def main() -> int | None:
+    async def open_bridge(nursery) -> Bridge:
         br = Bridge(bus.address, deliver=lambda *a: None, on_refused=lambda *a: None)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(br.run)
-            assert br.for_peers
-            assert await br.publish_packets([b"MSG g/a\0one"], first) == 1
-            bus.proc.send_signal(signal.SIGSTOP)
-            try:
-                big = [b"MSG g/a\0" + b"a" * 100_000]
-                for _ in range(100):  # until the bus socket is full: cancelled
-                    with trio.move_on_after(0.05) as late:
-                        await br.publish_packets(big, first)
-                    if late.cancelled_caught:
-                        break
-                with trio.move_on_after(0.05):  # waits on the full socket: cancelled
-                    await br.publish_packets([b"MSG g/b\0mine"], second)
-            finally:
-                bus.proc.send_signal(signal.SIGCONT)
-            assert await br.publish_packets([b"MSG g/b\0mine again"], second) == 1
-            named = await trio.to_thread.run_sync(publishing_for)
-            nursery.cancel_scope.cancel()
-        return named
+        await nursery.start(br.run)
+        assert br.for_peers
+        return br
 
     try:
-        assert trio.run(main) == second
+        assert named_after_a_cut_send(
+            bus.proc, bus.address, open_bridge,
+            lambda br, body, owner: br.publish_packets([b"MSG g/x\0" + body], owner),
+            first, second) == second
     finally:
         bus.stop()
