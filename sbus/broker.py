@@ -358,8 +358,9 @@ class Broker:
 
     def close_all(self) -> None:
         """Disconnect every client (shutting down without a successor), once what they
-        had sent is read (one turn each) and delivered or queued, and what their sockets
-        take of their queues written; the rest is lost, and said so (in ``dropped``)."""
+        had sent is read (for `CLOSING_SECONDS` at most) and delivered or queued, and
+        what their sockets take of their queues written; the rest is lost, and said so
+        (counted in ``dropped``)."""
         core = self.core
         clients = list(self._clients.values())
         ends = time.monotonic() + CLOSING_SECONDS
