@@ -364,11 +364,14 @@ class Broker:
         core = self.core
         clients = list(self._clients.values())
         ends = time.monotonic() + CLOSING_SECONDS
-        while time.monotonic() < ends:  # what they sent before the end reaches the others
+        clock = time.monotonic
+        while clock() < ends:  # what they sent before the end reaches the others
             published = core.published
-            for c in clients:
-                if c.wants_read:
+            for c in clients:  # paused publishers too: what they sent is counted then
+                if not (c.closed or c.fanout):
                     self._read(c)
+                    if clock() >= ends:
+                        break
             core.finish_fanouts()
             if core.published == published:
                 break

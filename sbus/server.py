@@ -389,9 +389,11 @@ def run(
                 broker.close_all()  # ended by exit-on-idle
                 return
             if signum == signal.SIGHUP:  # reload: make the next broker, serve meanwhile
+                if next_broker is not None and next_broker.gone():
+                    next_broker = None
                 if next_broker is None:
                     env = {"SBUS_CREATED_SOCKET": address} if created is not None else {}
-                    next_broker = successor.Successor(listener, env)
+                    next_broker = successor.Successor(listener, env, SIGNALS)
                 continue
             if signum == successor.READY_SIGNAL:
                 if next_broker is not None and next_broker.ready():
@@ -400,9 +402,12 @@ def run(
                     next_broker = None  # it failed: said; a later reload starts another
                 continue
             break
+        again = signum == signal.SIGUSR2
+        if again:  # what comes from here on is the successor's: held across the exec
+            signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+            _pending_again(wake_r)
         if next_broker is not None:
             next_broker.abandon()
-        again = signum == signal.SIGUSR2
         under_systemd = bool(os.environ.get("NOTIFY_SOCKET"))
         log.info("%s: %s", signal.Signals(signum).name,
                  "handing over to a new broker" if again else "shutting down")
@@ -418,6 +423,18 @@ def run(
         wake_r.close()
         wake_w.close()
         _release(listener, address, created)
+
+
+def _pending_again(wake_r: socket.socket) -> None:
+    """Signals noted since the loop stopped, whose bytes would end with the exec (a
+    SIGTERM during a SIGUSR2's hand-over was lost): raised again while blocked, so they
+    wait for the successor."""
+    try:
+        noted = wake_r.recv(64)
+    except BlockingIOError:
+        return
+    for signum in dict.fromkeys(noted):
+        os.kill(os.getpid(), signum)
 
 
 def _noted(signum: int, frame: object) -> None:

@@ -50,7 +50,8 @@ _NAMES_BYTES = 4096
 class Successor:
     """The next broker, started while this one serves (step 1 of the module docstring)."""
 
-    def __init__(self, listener: socket.socket, env: dict[str, str]) -> None:
+    def __init__(self, listener: socket.socket, env: dict[str, str],
+                 signals: tuple[signal.Signals, ...] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.pair = ours
         lfd = listener.fileno()
@@ -58,11 +59,16 @@ class Successor:
                      LISTENER_FD_ENV: str(lfd), PARENT_ENV: str(os.getpid())}
         for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
             child_env.pop(name, None)
+        # started with the broker's signals blocked (the mask is inherited; its `run`
+        # unblocks them once its handlers are in place): a SIGTERM or SIGHUP meeting it
+        # before then ended it with the default action, and the clients with it
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         try:
             self.proc = subprocess.Popen([sys.executable, *sys.orig_argv[1:]],
                                          pass_fds=(theirs.fileno(), lfd), env=child_env,
                                          stdin=subprocess.DEVNULL)
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             theirs.close()
         self.pair.setblocking(False)
         log.info("reload: started the next broker (pid %d); serving until it is ready",
@@ -70,6 +76,16 @@ class Successor:
 
     def fileno(self) -> int:
         return self.pair.fileno()
+
+    def gone(self) -> bool:
+        """Whether it ended before saying it is ready (then said, and reaped): a dead
+        successor must not hold off every later reload."""
+        if self.proc.poll() is None:
+            return False
+        log.warning("reload: the next broker exited (status %s) before it was ready; "
+                    "serving on", self.proc.returncode)
+        self.pair.close()
+        return True
 
     def ready(self) -> bool:
         """Whether the successor said it is ready (False: it failed, and was reaped)."""
@@ -110,8 +126,10 @@ class Successor:
         sdnotify.barrier()
 
     def abandon(self) -> None:
-        """End a successor that is not wanted any more (this broker is stopping)."""
-        self.proc.terminate()
+        """End a successor that is not wanted any more (this broker is stopping).  It
+        serves nobody yet, and holds its signals until it would (`run`): a SIGTERM would
+        wait out its wait for the hand-over, so it is killed."""
+        self.proc.kill()
         self.proc.wait()
         self.pair.close()
 
@@ -136,7 +154,11 @@ def await_hand_over() -> dict[str, int]:
         pair.send(b"r")
         if parent and os.getppid() == parent:  # never signal whoever adopted us
             os.kill(parent, READY_SIGNAL)
-        if not select.select([pair], [], [], HAND_OVER_TIMEOUT)[0]:
+        # poll, not select: the pair's number is the predecessor's, above 1023 with a
+        # thousand clients (select raised, after the predecessor had handed over)
+        poller = select.poll()
+        poller.register(pair, select.POLLIN)
+        if not poller.poll(HAND_OVER_TIMEOUT * 1000):
             log.warning("reload: no hand-over from the previous broker in %g s; serving "
                         "its listener alone", HAND_OVER_TIMEOUT)
             return {}

@@ -154,6 +154,32 @@ def test_signals_right_after_a_re_exec_wait_for_the_successor(make_broker):
     assert log.count("took over") >= 6, log
 
 
+def test_a_sigterm_during_a_sigusr2_hand_over_waits_for_the_successor(make_broker):
+    """A SIGTERM noted while the broker was handing over (its snapshot of 600 clients
+    taking a few ms) was lost with the wake-up bytes at the exec: the broker served on.
+    Now it is raised again, blocked, and the successor shuts down."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    broker = make_broker()
+    clients = [raw(broker.address, timeout=30) for _ in range(600)]
+    for c in clients:
+        for j in range(10):
+            c.send(b"SUB held/%d/" % j + b"x" * 100)
+    sync(clients[-1])
+    broker.proc.send_signal(signal.SIGUSR2)
+    time.sleep(0.002)
+    broker.proc.send_signal(signal.SIGTERM)
+    try:
+        assert broker.proc.wait(15) == 0
+    finally:
+        for c in clients:
+            c.close()
+    log = broker.stop()
+    assert "SIGUSR2: handing over" in log and "SIGTERM: shutting down" in log, log
+
+
 def test_a_stop_without_hand_over_says_what_queued_messages_it_loses(make_broker):
     """SIGTERM outside systemd hands nothing over: the messages queued for a subscriber
     that had not read them were thrown away without a word."""
@@ -208,6 +234,32 @@ def test_a_stop_without_hand_over_delivers_what_was_sent_before_it(make_broker):
     assert got == list(range(len(got))) and len(got) + lost == sent, (len(got), lost, sent)
 
 
+def test_a_stop_without_hand_over_counts_what_a_paused_publisher_had_sent(make_broker):
+    """A publisher paused by a subscriber's ``hard/block`` is not read: at a plain
+    SIGTERM what waited in its socket was neither delivered nor counted."""
+    broker = make_broker("--queue-limit", "64k")
+    sub = raw(broker.address)
+    sub.send(b"CMSG blocking/hard/block")
+    sub.send(b"SUB p/")
+    sync(sub)
+    pub = raw(broker.address)
+    pub.setblocking(False)
+    sent, stuck = 0, 0
+    while stuck < 20:  # until the broker stops reading it (paused) and its socket is full
+        try:
+            pub.send(b"MSG p/x\0%d" % sent)
+            sent, stuck = sent + 1, 0
+        except BlockingIOError:
+            stuck += 1
+            time.sleep(0.02)
+    log = broker.stop()
+    got = 0
+    while sub.recv(1 << 16):
+        got += 1
+    lost = int(re.search(r"shutting down with (\d+) messages for 1 clients", log)[1])
+    assert got + lost == sent, (got, lost, sent)
+
+
 def _alive(pid: int) -> bool:
     """Whether *pid* runs (a zombie left to whoever adopted it does not)."""
     try:
@@ -255,6 +307,54 @@ def test_sighup_reload_starts_the_next_broker_before_handing_over(make_broker):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not os.path.exists(broker.address)  # the socket file went with its new owner
+
+
+def _successor_pid(broker, nth: int = 1, timeout: float = 15) -> int:
+    """The pid of the *nth* next broker a reload started, from the log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = Path(broker.logfile.name).read_text(errors="replace")
+        pids = re.findall(r"reload: started the next broker \(pid (\d+)\)", log)
+        if len(pids) >= nth:
+            return int(pids[nth - 1])
+        time.sleep(0.01)
+    raise AssertionError("no reload started")
+
+
+def test_a_reload_with_a_thousand_clients_and_its_hazards(make_broker):
+    """Three faults of the make-before-break reload, found by an audit:
+    the successor waited on its predecessor with select(), whose descriptor is above
+    1023 with a thousand clients: it raised after the predecessor had handed over, and
+    the bus was gone; a successor that died before it was ready held off every later
+    reload; a successor met by a signal before its handlers were in place died of it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    broker = make_broker()
+    clients = [raw(broker.address, timeout=30) for _ in range(1100)]
+    sync(clients[-1])
+    broker.proc.send_signal(signal.SIGHUP)  # a successor that dies at once
+    os.kill(_successor_pid(broker), signal.SIGKILL)
+    time.sleep(0.5)
+    broker.proc.send_signal(signal.SIGHUP)  # no longer held off: another starts
+    second = _successor_pid(broker, 2)
+    os.kill(second, signal.SIGHUP)  # at once, before its handlers: it must not die
+    assert broker.proc.wait(30) == 0  # the old broker handed over and left
+    clients[0].send(b"SUB still/")
+    sync(clients[0])
+    clients[-1].send(b"MSG still/here\0yes")
+    assert clients[0].recv(4096) == b"MSG still/here\0yes"  # the same connections
+    log = Path(broker.logfile.name).read_text(errors="replace")
+    assert "exited (status -9) before it was ready" in log, log
+    assert "took over 1100 clients" in log, log
+    for c in clients:
+        c.close()
+    os.kill(second, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while _alive(second) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _alive(second)
 
 
 def test_a_snapshot_of_another_format_is_refused_with_one_line(short_tmp):
