@@ -23,10 +23,11 @@ ANSWER_BYTES = 60 * 1024
 PATTERNS_SHOWN = 50
 #: Bytes of one pattern or status shown at most: every entry then has a size bounded
 #: before it is encoded (at most 6 JSON characters a byte), so one client's long or
-#: invalid patterns cannot make an answer costly; `ENTRY_JSON` keeps it within a page.
+#: invalid patterns cannot make an answer costly; `_entry` keeps it within half a page.
 ENTRY_BYTES = 200
-#: Bytes of one client's JSON at most (`_entry`): a page always holds its first entry.
-ENTRY_JSON = ANSWER_BYTES // 2
+#: Bytes of the broker's packet left for other than the page (header, totals) when
+#: ``--max-message`` is below `ANSWER_BYTES`: a page then fits what the broker may send.
+PAGE_MARGIN = 1024
 #: Bytes of a request's payload (``{"after": ID}``) read at most; a longer one is ignored.
 REQUEST_BYTES = 64
 
@@ -77,15 +78,15 @@ def _after(payload: bytes | None) -> int:
     return after if type(after) is int else 0
 
 
-def _entry(conn, index) -> str:
-    """One client's JSON, at most `ENTRY_JSON` bytes: control bytes take 6 characters
-    each in JSON (``\\u0001``), so 50 patterns of 200 could outgrow a page, and a page
-    that could not hold its first entry ended the listing for everyone after it; the
-    patterns that would not fit are left out (`subscriptions` still counts them)."""
+def _entry(conn, index, limit: int) -> str:
+    """One client's JSON, at most *limit* bytes (half a page): control bytes take 6
+    characters each in JSON (``\\u0001``), so 50 patterns of 200 could outgrow a page,
+    and a page that could not hold its first entry ended the listing for everyone after
+    it; the patterns that would not fit are left out (`subscriptions` counts them)."""
     shown = PATTERNS_SHOWN
     while True:
         entry = json.dumps(_client(conn, index, shown))
-        if len(entry) <= ENTRY_JSON or not shown:
+        if len(entry) <= limit or not shown:
             return entry
         shown //= 2
 
@@ -118,12 +119,13 @@ def answer(broker, asker, payload: bytes | None) -> bytes:
     # each entry is encoded once, and the page is joined from them: the answer costs
     # what it holds (`ENTRY_BYTES` per shown string), whatever the clients hold
     entries, ids, size, more = [], [], 0, False
+    page = min(ANSWER_BYTES, max(broker.max_message - PAGE_MARGIN, 4 * PAGE_MARGIN))
     for conn in mine:
         if conn.id <= after:
             continue
-        entry = _entry(conn, broker.index)
+        entry = _entry(conn, broker.index, page // 2)
         size += len(entry) + 1
-        if size > ANSWER_BYTES:
+        if size > page:
             more = True
             break
         entries.append(entry)

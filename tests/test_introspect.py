@@ -150,3 +150,22 @@ def test_a_client_of_control_byte_patterns_cannot_end_the_listing(broker):
     assert len(seen) == answer["broker"]["clients"] == 2  # the asker too
     mine = next(c for c in ask(big)["clients"] if c["subscriptions"] == 60)
     assert 0 < len(mine["patterns"]) < 50
+
+
+def test_a_page_fits_a_broker_of_small_packets(make_broker):
+    """With ``--max-message 16k`` a 60 KiB page was dropped by the broker itself
+    ("too large for its socket"), and ``sbus status`` said the broker did not answer."""
+    import subprocess
+
+    from conftest import SBUS
+
+    small = make_broker("--max-message", "16k")
+    clients = [raw(small.address) for _ in range(300)]
+    for c in clients[:3]:
+        c.send(b"SUB many/" + b"p" * 150)
+    sync(clients[0])
+    out = subprocess.run([*SBUS, "status", "--address", small.address], capture_output=True,
+                         text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    assert "broker: 301 clients" in out.stdout  # and the asker
+    assert len([line for line in out.stdout.splitlines() if "/" in line]) >= 3

@@ -4,6 +4,7 @@ keys and the screen layout — driven with made-up times, no broker needed."""
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 from rich.console import Console
@@ -342,3 +343,27 @@ def test_clients_pane_from_the_broker_answer():
     m.take_status(b"not json")
     snap = m.snapshot(1.0, ViewOptions(pane="clients"), limit=5)
     assert snap.clients == [] and snap.clients_note == "the broker's status answer was not JSON"
+
+
+def test_the_clients_pane_takes_every_page_of_the_answer():
+    """A client of many strange patterns fills a page alone: the pane showed the first
+    page only, so one user could hide every later client from root."""
+    m = TrafficModel(0.0)
+    assert m.status_round()
+    first = {"broker": {"you": 3}, "clients": [{"id": 1}], "more": True, "next": {"after": 1}}
+    assert m.take_status(json.dumps(first).encode()) == b'{"after": 1}'
+    assert not m.status_round()  # not while the pages are coming
+    last = {"broker": {"you": 3}, "clients": [{"id": 2}, {"id": 3}], "more": False}
+    assert m.take_status(json.dumps(last).encode()) is None
+    snap = m.snapshot(1.0, ViewOptions(pane="clients"), limit=5)
+    assert sorted(c["id"] for c in snap.clients) == [1, 2, 3] and snap.clients_note == ""
+    assert m.status_round()
+    for i in range(100):  # an endless answer: cut, and said
+        page = {"clients": [{"id": i}], "more": True, "next": {"after": i}}
+        if m.take_status(json.dumps(page).encode()) is None:
+            break
+    snap = m.snapshot(1.0, ViewOptions(pane="clients"), limit=100)
+    assert snap.client_count == 32 and "first 32 pages" in snap.clients_note
+    assert m.status_round()
+    m.take_status(json.dumps(first).encode())  # a page, then the connection lost
+    assert not any(m.status_round() for _ in range(5)) and m.status_round()

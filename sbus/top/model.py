@@ -62,6 +62,10 @@ def client_value(client: dict, name: str) -> object:
 PREVIEW_BYTES = 2048
 #: Bytes a key's counters cost besides its key and packet (KeyStats, dict entry).
 KEY_COST = 300
+#: Pages of one status answer taken at most (about 60 KiB each), and rounds of asking
+#: skipped while one is still coming before it is given up (a lost connection).
+STATUS_PAGES = 32
+STATUS_PATIENCE = 5
 #: Bytes of a recent message's key kept (the pane shows far fewer): the recent messages are
 #: not charged to *max_bytes*, and fifty 256 KB keys would hold 12.5 MB beyond it.
 RECENT_KEY_BYTES = 1024
@@ -224,6 +228,8 @@ class TrafficModel:
         self.problem = ""  # why the reader is not connected (shown while it retries)
         self.clients: list[dict] = []
         self.clients_note = "asking the broker…"
+        self._pages: list[list[dict]] | None = None  # an answer's pages so far (`take_status`)
+        self._waited = 0  # status rounds not asked for while its pages were coming
         self._history_len = history
         self._recent_len = recent
         self.clear(now)
@@ -312,22 +318,44 @@ class TrafficModel:
         """`feed_packets` for events (tests, callers that already parsed)."""
         return self.feed_packets([encode(ev) for ev in events], now)
 
-    def take_status(self, payload: bytes | None) -> None:
-        """The broker's answer to ``CMSG broker/status``: keep its clients (what a page of
-        the answer holds; only dicts, so a strange answer cannot break the screen)."""
+    def status_round(self) -> bool:
+        """Whether to ask the broker for its status now: not while the pages of the last
+        answer are still coming (`take_status`), unless they stopped coming."""
+        if self._pages is not None and self._waited < STATUS_PATIENCE:
+            self._waited += 1
+            return False
+        self._pages, self._waited = [], 0
+        return True
+
+    def take_status(self, payload: bytes | None) -> bytes | None:
+        """A page of the broker's answer to ``CMSG broker/status``: its clients are kept
+        (only dicts, so a strange answer cannot break the screen) until the last page,
+        then shown.  Returns the request for the next page, if any: a client of many or
+        strange patterns fills a page by itself, and the first page alone let one user
+        hide every later client from root's pane.  `STATUS_PAGES` pages at most."""
+        pages = self._pages if self._pages is not None else []
         try:
             answer = json.loads(payload or b"{}")
             clients = [c for c in answer.get("clients", []) if isinstance(c, dict)]
         except (ValueError, AttributeError, TypeError, RecursionError):
             self.clients, self.clients_note = [], "the broker's status answer was not JSON"
-            return
-        self.clients = clients
+            self._pages = None
+            return None
         you = answer.get("broker", {}).get("you") if isinstance(answer.get("broker"), dict) \
             else None
         for c in clients:
             c["you"] = c.get("id") == you
-        more = " (the first page of the broker's answer)" if answer.get("more") else ""
-        self.clients_note = ("no clients visible to you" if not clients else "") + more
+        pages.append(clients)
+        after = answer.get("next")
+        if answer.get("more") and isinstance(after, dict) and len(pages) < STATUS_PAGES:
+            self._pages = pages
+            return json.dumps(after).encode()
+        self._pages = None
+        self.clients = [c for page in pages for c in page]
+        more = f" (the first {len(pages)} pages of the broker's answer)" \
+            if answer.get("more") else ""
+        self.clients_note = ("no clients visible to you" if not self.clients else "") + more
+        return None
 
     def _control(self, ev: Control) -> bool:
         """Take in a drop report (True), or say this control message is not one."""

@@ -84,7 +84,9 @@ class Reader:
             while True:  # reconnects inside receive_packets
                 for ev in feed(await bus.receive_packets(BATCH), clock()):
                     if ev.key == STATUS:
-                        model.take_status(ev.payload)
+                        page = model.take_status(ev.payload)
+                        if page is not None:  # the next page of the answer
+                            bus.control_nowait(STATUS, page)
                     elif ev.key == REFUSED + b"/cmsg" and STATUS in (ev.payload or b""):
                         model.clients_note = "this broker does not answer broker/status"
         finally:
@@ -97,7 +99,7 @@ class Reader:
         never waits: a lost connection is the reading task's to notice and restore."""
         while True:
             bus = self.bus
-            if bus is not None:
+            if bus is not None and self.model.status_round():
                 bus.control_nowait(STATUS)
             await trio.sleep(interval)
 
