@@ -364,6 +364,9 @@ def test_the_clients_pane_takes_every_page_of_the_answer():
             break
     snap = m.snapshot(1.0, ViewOptions(pane="clients"), limit=100)
     assert snap.client_count == 32 and "first 32 pages" in snap.clients_note
+    text = Console(width=100, height=60, file=io.StringIO(), record=True)
+    text.print(render(snap, 100, 60))
+    assert "(the first 32 pages" in text.export_text()  # said, under the rows
     assert m.status_round()
     m.take_status(json.dumps(first).encode())  # a page, then the connection lost
     assert not any(m.status_round() for _ in range(5)) and m.status_round()

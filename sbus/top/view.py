@@ -251,9 +251,10 @@ def _clients_table(snap: Snapshot, width: int, nrows: int) -> Table:
     rows = snap.clients[:nrows]
     for c in rows:
         table.add_row(*_client_cells(c))
-    if not rows and snap.clients_note:
-        table.add_row(*[""] * len(_CLIENT_COLUMNS), Text(snap.clients_note, style="dim"))
-        rows = [{}]
+    if snap.clients_note and len(rows) < nrows:  # (why none, or that pages were left)
+        table.add_row(*[""] * len(_CLIENT_COLUMNS), Text(snap.clients_note.strip(),
+                                                          style="dim"))
+        rows = [*rows, {}]
     for _ in range(nrows - len(rows)):
         table.add_row("")
     return table
