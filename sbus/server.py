@@ -199,10 +199,7 @@ def exec_successor(listener: socket.socket, passed: list[tuple[str, int]]) -> No
     os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)),
                       LISTEN_FDNAMES=":".join(names))
     logging.shutdown()
-    # exec resets the handlers, not the mask: a second SIGUSR2 (or SIGTERM) before the
-    # successor's `run` takes the signals would end it with their default action (no
-    # broker left, no word); blocked, they wait for its handlers (`run` unblocks them)
-    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    # (the signals are blocked since the hand-over began, `run`: exec keeps the mask)
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
@@ -403,7 +400,9 @@ def run(
                 continue
             break
         again = signum == signal.SIGUSR2
-        if again:  # what comes from here on is the successor's: held across the exec
+        if again:  # what comes from here on is the successor's: held across the exec,
+            # which resets the handlers but keeps the mask (a default action would end
+            # the successor, with no word); its `run` unblocks them once it can take them
             signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
             _pending_again(wake_r)
         if next_broker is not None:

@@ -82,10 +82,13 @@ class Successor:
         successor must not hold off every later reload."""
         if self.proc.poll() is None:
             return False
-        log.warning("reload: the next broker exited (status %s) before it was ready; "
-                    "serving on", self.proc.returncode)
-        self.pair.close()
+        self._ended(self.proc.returncode)
         return True
+
+    def _ended(self, code: int) -> None:
+        log.warning("reload: the next broker exited (status %s) before it was ready; "
+                    "serving on", code)
+        self.pair.close()
 
     def ready(self) -> bool:
         """Whether the successor said it is ready (False: it failed, and was reaped)."""
@@ -97,10 +100,7 @@ class Successor:
             said = b""
         if said == b"r":
             return True
-        code = self.proc.wait()
-        log.warning("reload: the next broker exited (status %s) before it was ready; "
-                    "serving on", code)
-        self.pair.close()
+        self._ended(self.proc.wait())
         return False
 
     def hand_over(self, passed: list[tuple[str, int]]) -> None:
