@@ -137,6 +137,9 @@ class Session:
         self.nowait = False
         #: The user whose share the messages take, if not this connection's (`publish_for`).
         self.publishing_for: int | None = None
+        #: Ask in every opening whether the broker lets this connection name users (a
+        #: carrier that follows the broker's trust across restarts): a refusal says no.
+        self.ask_for_trust = False
         #: Whoami questions sent and not yet answered (the barrier).
         self.asked = 0
         #: The last whoami answer, and its parse when it is a credentials path.
@@ -182,7 +185,7 @@ class Session:
         out = [_flood(name, value) for name, value in self.flood.items()]
         if self.nowait:
             out.append(_encode(Control(protocol.PUBLISHER_NOWAIT)))
-        if self.publishing_for is not None:
+        if self.publishing_for is not None or self.ask_for_trust:
             out.append(self._for(self.publishing_for))
         return out
 

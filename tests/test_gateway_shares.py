@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     BrokerProcess,
+    carrier_publishes_for,
     named_after_a_cut_send,
     raw,
     read_until_quiet,
@@ -509,4 +510,40 @@ def test_a_cancelled_naming_is_made_again_before_the_next_address_publishes(sdir
             lambda br, body, owner: br.publish_packets([b"MSG g/x\0" + body], owner),
             first, second) == second
     finally:
+        bus.stop()
+
+
+def test_the_gateway_follows_the_brokers_trust_across_its_restarts(sdir):
+    """The gateway asks whether it may name addresses in every opening, not only at
+    start: a broker restarted with ``--trusted-user`` for it gets each address named
+    (its status says whose the publishes are), and one restarted without it is
+    followed back to one share; each change is logged once."""
+    address = str(sdir / "bus.sock")
+    bus = BrokerProcess(address).start()
+    gw = start(sdir, bus)
+    remote = None
+
+    def publish_once(n: int) -> None:
+        remote.sendall(codec.publish(b"t/x", b"%d" % n))
+        echo(remote)  # the gateway has read it, so sent it on
+        time.sleep(0.2)
+
+    try:
+        gw.wait_log("not trusted by the broker")
+        for trusted, line in ((True, "the broker now lets"), (False, "no longer lets")):
+            bus.stop()
+            bus = BrokerProcess(address, *(("--trusted-user", str(GATEWAY_UID))
+                                           if trusted else ())).start()
+            gw.wait_log(line, timeout=30)
+            remote = remote or connect(gw.port, next_loopback())
+            if trusted:
+                remote.sendall(codec.authenticate(SECRET))
+            publish_once(0)
+            owner = carrier_publishes_for(address)
+            assert (owner is not None and owner >= 1 << 32) if trusted else owner is None
+        assert gw.log().count("the broker now lets") == 1
+    finally:
+        if remote is not None:
+            remote.close()
+        gw.stop()
         bus.stop()

@@ -39,6 +39,8 @@ def test_a_reconnect_restores_policy_patterns_then_asks():
     assert s.connections == 2
     assert s.publish_for(None) == b"CMSG blocking/publisher/for\x00"
     assert b"CMSG blocking/publisher/for" not in b" ".join(s.connected())
+    s.ask_for_trust = True  # a carrier asks again in every opening, its own number
+    assert b"CMSG blocking/publisher/for\x00" in s.connected()
     with pytest.raises(InvalidRequest, match="not a user number"):
         s.publish_for(-1)
 

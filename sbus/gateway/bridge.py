@@ -47,7 +47,7 @@ from ..display import brief
 from ..errors import SbusError
 from ..keys import KeyRules
 from ..limits import Limits, LogAllowance
-from ..protocol import PUBLISHER_FOR, ProtocolError, Publish
+from ..protocol import ProtocolError, Publish
 from ..routing import CACHE_BYTES, RouteCache, RoutingIndex
 from ..session import Backoff, Dropped, Refusal
 from .admission import Pool
@@ -75,6 +75,13 @@ TURN = 0.002
 #: the first packet while holding the lock (then it is given up and the wait resumes
 #: outside the lock).
 REOPEN_WAIT = 0.05
+#: Whose share of a full local queue remote publishes take, as the log says it, by
+#: whether the broker trusts the gateway to name each address (``--trusted-user``).
+_SHARES = {True: "each remote address has a share of its own",
+           False: "remote publishers share the gateway user's share (not trusted by the "
+                  "broker: sbus serve --trusted-user)"}
+_TRUST = {True: "now lets the gateway name whose each publish is: " + _SHARES[True],
+          False: "no longer lets the gateway name whose each publish is: " + _SHARES[False]}
 
 
 class Bridge:
@@ -115,9 +122,11 @@ class Bridge:
         self._waiting: trio.CancelScope | None = None  # the receiver's wait for the socket
         self._receiving: trio.CancelScope | None = None  # its receive, under the lock
         self._up = False
-        #: the broker lets us name whose each publish is (`publish_packets`): we are trusted
+        #: the broker lets us name whose each publish is (`publish_packets`): we are trusted.
+        #: Asked again in each opening (`Session.ask_for_trust`): a broker restarted with
+        #: other settings may trust us, or no longer.
         self.for_peers = False
-        self._for_refused = False
+        self._trusted_before = False  # on the connection before this one
         #: a `publish_for` packet may have gone out cut short (a cancelled or failed send):
         #: the broker's idea of whose our publishes are is unknown until one goes whole
         self._for_unsure = False
@@ -297,6 +306,7 @@ class Bridge:
         if not up:
             self._up = False
             log.warning("lost the bus: %s", line)
+            self._trusted_before, self.for_peers = self.for_peers, True  # until refused
             self._unconfirmed.clear()  # questions on the old connection: never answered
             self._in_flight.clear()
             self._asked = 0
@@ -313,13 +323,12 @@ class Bridge:
                                            trio.current_time() + REOPEN_WAIT)
         log.info("connected to the bus at %s (%d patterns)", self.address,
                  len(self.patterns))
+        if self.for_peers != self._trusted_before:  # (the opening's question is answered)
+            log.warning("the broker %s", _TRUST[self.for_peers])
 
     def _refusal(self, event: Refusal) -> None:
         if event.verb == "cmsg":  # the one control it may refuse: we are not trusted
-            if self.for_peers:  # (a broker restarted with other settings)
-                log.warning("the broker no longer lets the gateway name whose each publish "
-                            "is: remote publishers now share the gateway user's share")
-            self.for_peers, self._for_refused = False, True
+            self.for_peers = False  # (said once the connection is up: `_connection`)
             self.bus.session.publishing_for = None  # the broker kept our own
             return
         if event.verb == "sub":
@@ -387,8 +396,10 @@ class Bridge:
         await bus.open()  # a gateway that never reached its bus is misconfigured
         try:
             await bus.send_packet(bus.session.publisher_nowait())
-            # may we name whose each publish is?  (refused before the whoami answer if not)
-            await bus.send_packet(bus.session.control(PUBLISHER_FOR, b""))
+            # may we name whose each publish is?  (refused before the whoami answer if not;
+            # asked again in every opening)
+            self.for_peers = bus.session.ask_for_trust = True
+            await bus.send_packet(bus.session.publish_for(None))
             await bus.set_flood(soft="queue", hard="discard")
             me = await bus.whoami(CONTROL_TIMEOUT)
         except TimeoutError:
@@ -396,13 +407,9 @@ class Bridge:
         if not me.startswith(b"!") or len(me) < 2:
             raise SbusError(f"the broker answered whoami with {brief(me)}")
         self._set_separator(me[1:2])
-        self.for_peers = not self._for_refused
         self._up = True
         log.info("connected to the bus at %s (%d patterns); towards a slow local subscriber "
-                 "%s", self.address, len(self.patterns),
-                 "each remote address has a share of its own" if self.for_peers else
-                 "remote publishers share the gateway user's share (not trusted by the "
-                 "broker: sbus serve --trusted-user)")
+                 "%s", self.address, len(self.patterns), _SHARES[self.for_peers])
         task_status.started()
         try:
             await self._forward()
