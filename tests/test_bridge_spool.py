@@ -200,3 +200,42 @@ def test_records_sent_again_stay_on_disk_until_acknowledged(tmp_path: Path) -> N
     second = spool(tmp_path)
     assert [seq for seq, _, _ in second.load()] == list(range(4, 10))
     assert second.next_seq == 10 and second.append([(b"t/n", b"x")]) == [10]
+
+
+@pytest.mark.parametrize("damage", ["emptied", "removed"])
+def test_records_missing_from_the_spool_are_said_counted_and_not_numbered_again(
+        tmp_path: Path, damage: str) -> None:
+    """A segment emptied or removed (by hand, or lost with the page cache) took records
+    no acknowledgement had ended.  The numbers the last bridge gave (``state.json``'s
+    ``spooled``) show it: the loss is said and counted, and new records do not take the
+    lost numbers (receivers would drop them as copies of what they had)."""
+    recorded(tmp_path, 10, acked=3)
+    seg = next(tmp_path.glob("*.spool"))
+    if damage == "emptied":
+        seg.write_bytes(b"")
+    else:
+        seg.unlink()
+    s = spool(tmp_path)
+    assert s.load(given=10) == []
+    assert s.lost == 7 and len(s.problems) == 1
+    assert "7 records numbered 3 to 9 are missing" in s.problems[0]
+    assert s.append([(b"t/new", b"x")]) == [10]
+    s.close()
+    again = spool(tmp_path)  # said once: the next start finds the spool whole
+    assert [seq for seq, _, _ in again.load(given=11)] == [10] and again.problems == []
+
+
+def test_a_damaged_state_file_is_said_and_a_failed_save_too(tmp_path: Path) -> None:
+    state = StateDir(tmp_path)
+    assert state.load_state() == ({}, "")
+    assert state.save_state({"spooled": 3}) == ""
+    assert state.load_state() == ({"spooled": 3}, "")
+    (tmp_path / "state.json").write_text("{not json")
+    assert state.load_state()[1].endswith("state.json cannot be read (not JSON)")
+    (tmp_path / "state.json").write_text("[1, 2]")
+    assert "is not what the bridge saves" in state.load_state()[1]
+    (tmp_path / "state.json").unlink()
+    (tmp_path / "state.json").mkdir()
+    assert "cannot be read" in state.load_state()[1]
+    assert state.save_state({"spooled": 4}).startswith(f"cannot save {tmp_path}/state.json")
+    state.close()

@@ -48,6 +48,7 @@ against the installed paho, which is pinned).
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from typing import Protocol
 
@@ -152,6 +153,11 @@ class BufferedClient(mqtt.Client):
         #: called with the socket paho is about to close: True if it will close it itself
         #: (a thread that must not close a descriptor another thread's loop may wait on)
         self.close_later: Callable[[object], bool] | None = None
+        #: the Maximum Packet Size announced in CONNECT: a larger packet ends the
+        #: connection before its body is read (MQTT 5 section 3.1.2.11.4)
+        self.max_in = 1 << 28
+        #: why the last connection was ended here (`_refused`), for the shell to say
+        self.refusal = ""
 
     # -- what paho calls -------------------------------------------------------------
 
@@ -194,7 +200,7 @@ class BufferedClient(mqtt.Client):
             return False
         size, i = _varint(data, pos + 1)
         end = i + size
-        if size < 0 or end > len(data) or i + 2 > end:
+        if size < 0 or end > len(data) or i + 2 > end or end - pos > self.max_in:
             return False
         at = i + 2 + (data[i] << 8 | data[i + 1])
         if at > end:
@@ -238,7 +244,26 @@ class BufferedClient(mqtt.Client):
                 self._wbuf += bytes((0x40, 2, mid >> 8, mid & 0xFF))
         return True
 
+    def _refused(self, command: int, length: int, header: int) -> str:
+        """Why a packet whose fixed header paho has read so far must not be read on (an
+        error that ends the connection), or "": a PUBLISH at QoS 2, which the bridge
+        never asks for (paho would hold each until its PUBREL, without a bound), or one
+        over `max_in` (its body would be held whole)."""
+        if command >> 4 == 3 and command & 6 == 4:
+            return "the MQTT broker sent a PUBLISH at QoS 2, which the bridge never asks for"
+        if header + length > self.max_in:
+            return (f"the MQTT broker sent a packet of {header + length} bytes, over the maximum "
+                    f"of {self.max_in} the bridge announced")
+        return ""
+
     def _sock_recv(self, bufsize: int) -> bytes:
+        packet = self._in_packet
+        if packet["have_remaining"]:  # paho reads a body: is it one to read?
+            why = self._refused(packet["command"], packet["remaining_length"],
+                                1 + len(packet["remaining_count"]))
+            if why:
+                self.refusal = why
+                raise OSError(errno.EPROTO, why)
         data, pos = self._rdata, self._rpos
         if pos >= len(data):
             # the socket's errors and its end (b"") reach paho as from its own read
@@ -313,6 +338,23 @@ class BufferedClient(mqtt.Client):
         self._last_msg_out = now  # (paho's keep-alive, as after its own write)
         message.info.rc = MQTTErrorCode.MQTT_ERR_SUCCESS
         return message.info
+
+    def drop_over(self, limit: int) -> list[int]:
+        """Forget the messages held for sending whose PUBLISH would be over *limit*
+        bytes (a broker's Maximum Packet Size, learnt in its CONNACK: it would close the
+        connection on each, and paho send it again on every reconnect); their packet
+        identifiers.  Called from ``on_connect``, before paho sends what it holds, when
+        none is in flight."""
+        over = []
+        with self._out_message_mutex:
+            for mid, m in self._out_messages.items():
+                props = m.properties.pack() if m.properties is not None else b"\0"
+                body = 2 + len(m._topic) + (2 if m.qos else 0) + len(props) + len(m.payload)
+                if 1 + len(remaining_length(body)) + body > limit:
+                    over.append(mid)
+            for mid in over:
+                del self._out_messages[mid]
+        return over
 
     def set_window(self, n: int) -> None:
         """paho's in-flight window (0: none), also on an established connection, which

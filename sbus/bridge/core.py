@@ -260,6 +260,8 @@ class BridgeCore:
                 self._seen_before((marker, numbering), stamp, scope):
             self.counters.duplicates += 1
             return None
+        if not topic:  # (a topic alias is never set up: MQTT 5 section 3.3.2.1)
+            return self._refuse(topic, "an empty topic, which MQTT does not allow")
         if self._one_import:
             key = self.import_map.to_local(topic)
             if key is not None and not any(f.matches(key) for f in self.filters):

@@ -78,7 +78,8 @@ from ..session import Backoff, Refusal
 from .buffered import BufferedClient, quick_properties
 from .core import MARKER, SCOPE, STAMP, STAMP0, BridgeCore
 from .lane import Turns
-from .spool import Spool, StateDir
+from .spool import MAX_SEQ, Spool, StateDir
+from .topics import topic_problem
 
 log = logging.getLogger("sbus.bridge")
 
@@ -258,6 +259,7 @@ class BridgeShell:
         self.window = WINDOW  # at most the broker's Receive Maximum (`_on_connect`)
         self._limited = False  # paho keeps its window always (`_on_connect`)
         self.state: StateDir | None = None
+        self._save_failed = ""  # why the last save of the state failed, if it did
         self.spool: Spool | None = None
         #: the filters a resumed MQTT session may still hold (an earlier configuration's)
         self._stale: list[str] = []
@@ -276,7 +278,10 @@ class BridgeShell:
 
     def _open_state(self, path: str) -> None:
         self.state = StateDir(path)
-        saved = self.state.load_state()
+        saved, damage = self.state.load_state()
+        if damage:
+            log.warning("%s: the counters start from 0, and the MQTT session's import "
+                        "filters of an earlier configuration are not unsubscribed", damage)
         counters = saved.get("counters")
         if isinstance(counters, dict):
             self.core.counters.restore(counters)
@@ -285,23 +290,25 @@ class BridgeShell:
             self._stale = [f for f in old if isinstance(f, str)
                            and f not in self.core.mqtt_filters()]
         if 1 in self.core.export_qos_levels:
+            # the numbers the last bridge gave (before saves that had it: none known)
+            since = saved.get("spooled")
+            since = since if type(since) is int and 0 <= since < MAX_SEQ else None
             try:
                 self.spool = Spool(self.state.path, self.settings.max_queued,
                                    self.settings.max_queued_bytes)
-                self._left = self.spool.load()
+                self._left = self.spool.load(since or 0)
             except OSError as exc:
                 raise SbusError(f"cannot use the spool in {self.state.path}: "
                                 f"{exc.strerror or exc}") from None
             for line in self.spool.problems:  # damage found and set right: said
                 log.warning("the spool: %s", line)
+            self.core.dropped(self.spool.lost)
             template = _PackedOnce((MARKER, self.core.client_id),
                                    *((SCOPE, f) for f in self.core.stamp_scope()),
                                    (STAMP, f"{self.spool.epoch}.{0:016x}")).pack()
             self._stamp_head = template[:-16]
             # exports spooled after the last save of the counters were counted by nobody
-            since = saved.get("spooled", self.spool.next_seq)
-            since = since if isinstance(since, int) else self.spool.next_seq
-            if self.spool.next_seq > since:
+            if since is not None and self.spool.next_seq > since:
                 self.core.counters.exported += self.spool.next_seq - since
                 self.core.counters.exported_bytes += sum(
                     len(t) + len(p) for seq, t, p in self._left if seq >= since)
@@ -315,18 +322,36 @@ class BridgeShell:
     def _save_state(self, clean_exit: bool = False) -> None:
         if self.state is None:
             return
-        self.state.save_state({
+        failed = self.state.save_state({
             "counters": self.core.counters.saved(),
             "filters": self.core.mqtt_filters() + self._stale,
             "spooled": self.spool.next_seq if self.spool is not None else 0,  # (len 0: empty)
             "clean_exit": clean_exit,
             **({"senders": self.core.senders_saved()} if clean_exit else {})})
+        if failed != self._save_failed:  # said once, until it changes
+            if failed:
+                log.warning("%s", failed)
+            self._save_failed = failed
 
     def _replay(self) -> None:
         """Hand paho what the last bridge had not had acknowledged (sent on connect)."""
-        left, self._left = self._left, []
-        for seq, topic, payload in left:  # counted as exported by the last bridge
-            self._publish(topic, payload, seq, len(topic) + len(payload), count=False)
+        left, self._left = [], self._left
+        damaged = []
+        for seq, topic, payload in self._left:  # counted as exported by the last bridge
+            if topic_problem(topic) is None:
+                left.append(seq)
+                self._publish(topic, payload, seq, len(topic) + len(payload), count=False)
+            else:  # the bridge spools none such: damage
+                damaged.append(seq)
+        self._left = []
+        if damaged:
+            assert self.spool is not None
+            for seq in damaged:
+                self.spool.acked(seq)
+            self.core.dropped(len(damaged))
+            log.warning("the spool: %d records (the first numbered %d) have a topic no MQTT "
+                        "broker takes, so they are damaged: dropped", len(damaged),
+                        damaged[0])
         if left:
             self.core.counters.resent += len(left)
             log.info("%d exports from the spool will be sent again", len(left))
@@ -432,6 +457,7 @@ class BridgeShell:
         # connection, and paho would send it again on every reconnect
         limit = getattr(properties, "MaximumPacketSize", None)
         self._max_out = limit if isinstance(limit, int) and limit > 0 else MQTT_MAX_PACKET
+        self._refuse_held_over(mq.drop_over(self._max_out))
         most = getattr(properties, "ReceiveMaximum", None)  # unacknowledged QoS 1 it takes
         most = most if isinstance(most, int) and most > 0 else 65535  # (MQTT 5's default)
         self.window = min(WINDOW, most)
@@ -459,6 +485,21 @@ class BridgeShell:
                                                retainHandling=2))
                           for f, q in subscriptions])
 
+    def _refuse_held_over(self, mids: list[int]) -> None:
+        """Exports held while MQTT was away (or from the spool) that are over the
+        broker's Maximum Packet Size: refused, counted and said, as one over it is when
+        exported (`_too_large`), instead of ending every connection."""
+        for mid in mids:
+            seq, size = self._outstanding.pop(mid, (-1, 0))
+            if seq >= 0 and self.spool is not None:
+                self.spool.acked(seq)
+            elif seq < 0:
+                self._held_bytes -= size
+            self.core.refused_by_broker()
+        if mids:
+            self._note(f"not exported: {len(mids)} held while MQTT was away are over the "
+                       f"broker's maximum packet size of {self._max_out}")
+
     def _on_subscribe(self, mq, userdata, mid, reasons, properties) -> None:
         self.subscribed = True
         for f, reason in zip(self.core.mqtt_filters(), reasons, strict=False):
@@ -467,10 +508,13 @@ class BridgeShell:
 
     def _on_disconnect(self, mq, userdata, flags, reason, properties) -> None:
         now = time.monotonic()
+        refusal, mq.refusal = mq.refusal, ""
+        if refusal:  # (a packet read is not counted in any other way)
+            self.core.refused_by_broker()
         if self._stopping:
             pass  # our own goodbye
         elif self.mqtt_up:
-            log.warning("lost the MQTT broker %s: %s", self.broker, reason)
+            log.warning("lost the MQTT broker %s: %s", self.broker, refusal or reason)
             self._broker = 0  # the first address is preferred: start there again
             self.mqtt_retry.failed(now)
         elif self._connecting:  # closed before any CONNACK
@@ -553,7 +597,7 @@ class BridgeShell:
         self._window(True)  # paho sends again what it holds, WINDOW at a time
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = s.session_expiry
-        props.MaximumPacketSize = s.max_message + 1024  # MQTT header and properties
+        props.MaximumPacketSize = self.mq.max_in = s.max_message + 1024  # with headers
         self.mq.connect_async(broker.host, broker.port, s.keepalive,
                               clean_start=s.session_expiry == 0, properties=props)
         self.mq.reconnect()

@@ -92,20 +92,31 @@ class StateDir:
             raise SbusError(f"another bridge uses the state directory {self.path} "
                             "(give each bridge its own --client-id or --state-dir)") from None
 
-    def load_state(self) -> dict:
+    def load_state(self) -> tuple[dict, str]:
+        """What the last bridge saved, and why it cannot be used if it cannot (damage:
+        the bridge starts from nothing, and says so)."""
+        path = self.path / "state.json"
         try:
-            data = json.loads((self.path / "state.json").read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}, ""
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not JSON"
+            return {}, f"{path} cannot be read ({why})"
+        if not isinstance(data, dict):
+            return {}, f"{path} is not what the bridge saves"
+        return data, ""
 
-    def save_state(self, state: dict) -> None:
+    def save_state(self, state: dict) -> str:
+        """Save *state*; "" or why it could not be (the next save tries again; the
+        counters are also in STATUS=)."""
         tmp = self.path / "state.json.new"
         try:
             tmp.write_text(json.dumps(state))
             os.replace(tmp, self.path / "state.json")
-        except OSError:
-            pass  # the next save tries again; the counters are also in STATUS=
+        except OSError as exc:
+            return f"cannot save {self.path / 'state.json'}: {exc.strerror or exc}"
+        return ""
 
     def close(self) -> None:
         os.close(self._lock)
@@ -134,17 +145,22 @@ class Spool:
         self._ack_written = -1
         #: what was found damaged at `load`, one line each (the bridge logs them)
         self.problems: list[str] = []
+        self.lost = 0  # records found missing at `load`
 
     # -- start -----------------------------------------------------------------
 
-    def load(self) -> list[tuple[int, bytes, bytes]]:
+    def load(self, given: int = 0) -> list[tuple[int, bytes, bytes]]:
         """The records left unacknowledged by the last bridge, oldest first; opens the
-        spool for appending."""
+        spool for appending.  *given*: the numbers the last bridge had given, as it last
+        saved them (``state.json``); records past the spool's end up to there were lost
+        with a segment cut short or removed: said, counted in `lost`, and their numbers
+        not given again (a receiver would take a new export under one for a copy)."""
         raw = os.pread(self._ack_fd, ACKED.size + EPOCH.size + CHECK.size + 1, 0)
         acked = _acked(raw)
         if acked is not None:
             self.oldest, self.epoch = acked
         else:  # a new spool (or its acknowledgements lost): numbers start again, anew
+            given = 0
             if raw:
                 self.problems.append(f"{self.path / 'acked'} is damaged: every record left "
                                      "in the spool is sent again, numbered anew (receivers "
@@ -161,8 +177,13 @@ class Spool:
                 self.next_seq = max(self.next_seq, seq + 1)
                 if seq >= self.oldest:
                     left.append((seq, topic, payload))
-        if left:
-            self.oldest = left[0][0]
+        if given > self.next_seq:
+            self.lost = given - self.next_seq
+            self.problems.append(f"{self.lost} records numbered {self.next_seq} to "
+                                 f"{given - 1} are missing from the spool (a segment cut "
+                                 "short or removed): lost")
+            self.next_seq = given
+        self.oldest = left[0][0] if left else self.next_seq
         for seq, topic, payload in left:
             size = len(topic) + len(payload)
             self._held.append((seq, size))
