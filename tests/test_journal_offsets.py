@@ -329,3 +329,32 @@ def test_merged_reads_give_the_blocks_rows_in_large_blocks(tmp_path):
     # only the blocks holding rows 100..199 are read, from the index of the sealed segment
     got = list(read_seq_range(tmp_path, seg.first_seq, 0, 0, 100, 200, merge=(10**6, 10**9)))
     assert got[0].first_seq == 100 - 100 % 3 + 1 and got[0].count == 102
+
+
+def test_a_journal_that_went_back_under_a_query_is_an_error_or_counted(tmp_path):
+    """The recorder lost its last rows (a power loss: the open segment is fsynced only
+    at its seal; or a journal put back from an older copy) and numbers new rows from its
+    end again, below the offset a query had reached: the query skipped them without a
+    word (300 in the audit).  Now that is an error, or counted once."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    _journal_of_segments(tmp_path)
+    r = _reader(tmp_path, "true")
+    end = r.latestOffset(r.initialOffset(), ReadAllAvailable())
+    assert end == {"seq": 201, "from": 1}
+    last = list_segments(tmp_path)[-1]
+    last.path.unlink()  # the rows the machine lost
+    with JournalWriter(tmp_path, segment_bytes=2000, fsync=False) as w:
+        for i in range(5):  # numbered from the journal's end again
+            w.append(2 * 10**18 + i, [b"k"], [b"new"])
+    back = last.first_seq + 5
+    with pytest.raises(DataLoss, match=f"the journal ends at seq {back}, before this "
+                                       f"query's offset 201: .* skips {201 - back} new rows"):
+        _reader(tmp_path, "true").latestOffset(end, ReadAllAvailable())
+    skip = _reader(tmp_path, "false")
+    nxt = skip.latestOffset(end, ReadAllAvailable())
+    assert nxt == {"seq": 201, "from": 201, "lost": 201 - back}
+    assert skip.latestOffset(nxt, ReadAllAvailable()) == nxt  # counted once
+    skip.stop()
+    fresh = _reader(tmp_path, "true", startingOffsets='{"seq": 300}')  # a start not yet
+    assert fresh.latestOffset({"seq": 300}, ReadAllAvailable()) == {"seq": 300}  # recorded

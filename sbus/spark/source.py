@@ -469,6 +469,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._late: dict[tuple[int, int, int], int] = {}
         self._reports = LossReports() if not opts.fail_on_data_loss else None
         self._consumed: int | None = None  # the last end offset planned (for the lag)
+        self._back: int | None = None  # an offset found past the journal's end (counted)
 
     def _view(self) -> View:
         try:
@@ -504,7 +505,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         targets = [t for t in (self._target, self._end(view)) if t is not None]
         end = advance(view, s, max_rows, min(targets) if targets else None)
         lost = _check_loss(gaps(view, s.seq, end.seq), self.opts.fail_on_data_loss,
-                           "streaming query: ")
+                           "streaming query: ") + self._went_back(view, s.seq)
         for key in [k for k in self._late if k[0] < s.seq]:  # counted by an earlier batch
             del self._late[key]
         late = self._late.get(s.key(), 0)
@@ -514,6 +515,27 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         origin = s.seq if s.seq != START.seq else (first_seq(view) or s.seq)
         moved = s.moved(end.seq, lost + late, late)
         return Offset(moved.seq, moved.lost, moved.after_planning, origin).to_dict()
+
+    def _went_back(self, view: View, start: int) -> int:
+        """Rows this query will skip because the journal now ends before *start*, an
+        offset it had reached: the recorder lost its last rows (a power loss: the open
+        segment is fsynced only at its seal; or a journal put back from an older copy)
+        and numbers the rows it records next from its end again.  An error, or counted
+        once (failOnDataLoss=false).  Not for a start the query was given (a sequence
+        number not yet recorded is where it waits)."""
+        end = advance(view, START).seq
+        if start <= end or start == self._back or \
+                start == seq_at(self.opts.path, view, self.opts.starting):
+            return 0
+        text = (f"the journal ends at seq {end}, before this query's offset {start}: the "
+                f"rows it had up to there are gone (the recorder lost them: a power loss, "
+                f"or a journal put back from an older copy), and it numbers new rows from "
+                f"{end} again, so the query skips {start - end:,} new rows")
+        if self.opts.fail_on_data_loss:
+            raise DataLoss(f"streaming query: {text}{_HINT}")
+        log.warning("streaming query: %s; counted as lost (failOnDataLoss=false)", text)
+        self._back = start
+        return start - end
 
     def reportLatestOffset(self) -> dict:
         """The journal's end, shown as the source's ``latestOffset`` in the query's
