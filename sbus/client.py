@@ -396,7 +396,9 @@ class _Shell:
                 raise
         self.session.restored()
         self._attach(sock)
-        self._say(True, f"reconnected to the broker at {self.address}")
+        self._say(True, f"reconnected to the broker at {self.address}" + (
+            " (messages published while it was away were not received)"
+            if self.session.patterns else ""))
 
     # -- receiving: batches -> events ---------------------------------------------------
 

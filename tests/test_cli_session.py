@@ -200,7 +200,8 @@ def test_sub_reconnects_after_a_broker_restart_and_says_so(broker):
                                          "connection; reconnecting\n").encode()
         broker.start()
         assert sub.stderr.readline() == f"sbus sub: reconnected to the broker at " \
-                                        f"{broker.address}\n".encode()
+                                        f"{broker.address} (messages published while it " \
+                                        "was away were not received)\n".encode()
         run("pub", "--address", broker.address, "r/2", "after")  # subscribed again by now
         out, _ = sub.communicate(timeout=10)
         assert sub.returncode == 0
@@ -382,7 +383,8 @@ def test_reply_reconnects_after_a_broker_restart_and_says_so(broker):
                                              "closed the connection; reconnecting\n").encode()
         broker.start()
         assert replier.stderr.readline() == (f"sbus reply: reconnected to the broker at "
-                                             f"{broker.address}\n").encode()
+                                             f"{broker.address} (messages published while "
+                                             "it was away were not received)\n").encode()
         with Client(broker.address) as bus:  # subscribed again by now: nothing lost
             assert [bus.request(b"svc", b"%d" % n, timeout=10) for n in range(2, 6)] == \
                 [b"2", b"3", b"4", b"5"]

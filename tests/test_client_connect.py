@@ -174,4 +174,4 @@ def test_async_reconnect_facing_a_full_backlog_lets_other_tasks_run(broker):
     assert got == [Publish(b"k", b"after")]
     assert connections == 2
     assert any("reconnecting" in line for line in lines)
-    assert lines[-1] == f"reconnected to the broker at {broker.address}"
+    assert lines[-1].startswith(f"reconnected to the broker at {broker.address} (messages")

@@ -70,6 +70,7 @@ class _Stopper:
     def __init__(self) -> None:
         self.stop = False
         self.reconnecting = False
+        self.reconnects = 0  # made so far: the summary says what they cost
 
     def __call__(self, signum, frame) -> None:
         self.stop = True
@@ -86,9 +87,10 @@ def _connect(address: str | None, patterns: list[bytes], block: bool,
 
     def said(up: bool, line: str) -> None:
         stopper.reconnecting = False
-        log.warning("%s", line)
         print(f"sbus record: {line}", file=sys.stderr, flush=True)
-        if not up:
+        if up:
+            stopper.reconnects += 1
+        else:
             writer.flush()  # what was received is written before the wait
             if stopper.stop:
                 raise _Stopped
@@ -158,6 +160,8 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     n = writer.next_seq - first_seq
     print(f"sbus record: {n} messages in {took:.1f} s (seq {first_seq}..{writer.next_seq - 1})"
           + (f", broker dropped {dropped}" if dropped else "")
+          + (f", {stopper.reconnects} reconnect(s): what was published while the broker "
+             "was away is not in the journal" if stopper.reconnects else "")
           + (f", {cut} over {RECV_LIMIT} bytes not recorded" if cut else "")
           + (f", {writer.export_failures} Parquet export(s) failed (logged)"
              if writer.export_failures else ""), file=sys.stderr)
