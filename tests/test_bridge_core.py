@@ -357,6 +357,34 @@ def test_gaps_in_a_senders_stamps_are_counted_as_missing() -> None:
     assert "duplicates 1, missing 10" in c.status()
 
 
+def test_each_run_of_a_sender_numbers_in_its_own_epoch() -> None:
+    """A sender's runs each have an epoch and its numbers go on across them; what an
+    earlier run spooled keeps its stamp when a later one sends it again, and stays a copy
+    after restarts in a row.  A run whose numbers went back (its spool did: a power loss,
+    an older copy put back) is new: under one epoch its exports were taken for copies."""
+    c = core(exports=[], imports=[b""])
+    scope = ("#",)
+
+    def take(n: int, epoch: str) -> bool:
+        return c.from_mqtt(b"k", b"%d" % n, "a", _stamp(n, epoch), scope) == b"k"
+
+    assert all(take(n, "e1") for n in range(5))
+    assert not take(3, "e1") and not take(4, "e1")        # run 2 sends run 1's again
+    assert take(5, "e2") and take(6, "e2")                # then its own, going on
+    assert not take(6, "e2") and take(7, "e3")            # run 3: the same
+    assert not take(6, "e2") and not take(4, "e1")        # run 4 sends run 2's again
+    assert c.counters.duplicates == 5 and c.counters.missing == 0
+    assert take(3, "e5") and take(4, "e5")                # a spool that went back: new
+    assert take(10, "e6") and c.counters.missing == 5     # a gap across runs: 5 .. 9
+    assert take(7, "e5") and c.counters.missing == 4      # run 5's, late: no longer missing
+    saved = c.senders_saved()
+    again = core(exports=[], imports=[b""])
+    again.restore_senders(saved)
+    assert again.from_mqtt(b"k", b"4", "a", _stamp(4, "e5"), scope) is None  # remembered
+    again.restore_senders([[s[:5] for s in saved][0]])   # as older bridges saved it
+    assert again.senders_saved()[0][5] == []
+
+
 def test_a_number_that_arrives_late_is_imported_not_taken_for_a_copy() -> None:
     """Out of order (a lower number after a higher one, e.g. through another node of a
     cluster): the stamp was never seen, so it is imported and no longer missing; only a

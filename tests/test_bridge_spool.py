@@ -239,3 +239,40 @@ def test_a_damaged_state_file_is_said_and_a_failed_save_too(tmp_path: Path) -> N
     assert "cannot be read" in state.load_state()[1]
     assert state.save_state({"spooled": 4}).startswith(f"cannot save {tmp_path}/state.json")
     state.close()
+
+
+def test_each_run_stamps_in_its_own_epoch_and_records_keep_theirs(tmp_path: Path) -> None:
+    """A new epoch per run (a spool that went back would otherwise give its numbers again
+    under the epoch receivers had seen them in); records left by an earlier run keep the
+    epoch they were first sent in, over restarts in a row, until acknowledged."""
+    first = spool(tmp_path)
+    first.load()
+    first.append([(b"t/%d" % i, b"p") for i in range(5)])
+    for seq in (0, 1):
+        first.acked(seq)
+    first.flush()
+    e1 = first.epoch
+    second = spool(tmp_path)  # a crash: no close
+    assert [seq for seq, _, _ in second.load()] == [2, 3, 4]
+    e2 = second.epoch
+    assert e2 != e1 and [second.epoch_of(n) for n in (2, 4)] == [e1, e1]
+    assert second.append([(b"t/5", b"p"), (b"t/6", b"p")]) == [5, 6]
+    third = spool(tmp_path)  # another crash
+    assert [seq for seq, _, _ in third.load()] == [2, 3, 4, 5, 6]
+    assert [third.epoch_of(n) for n in (2, 5, 6, 7)] == [e1, e2, e2, third.epoch]
+    for seq in range(2, 5):
+        third.acked(seq)
+    third.close()
+    fourth = spool(tmp_path)
+    assert [seq for seq, _, _ in fourth.load()] == [5, 6]
+    assert fourth.epochs == [(5, e2), (7, fourth.epoch)]  # run 1's is forgotten
+    fourth.close()
+    (tmp_path / "epochs").write_text("[[5, 1]]")
+    damaged = spool(tmp_path)
+    assert [seq for seq, _, _ in damaged.load()] == [5, 6]
+    assert damaged.epoch_of(5) == damaged.epoch and "epochs is damaged" in damaged.problems[0]
+    damaged.close()
+    (tmp_path / "epochs").unlink()  # as spools before runs had epochs: the one in acked
+    older = spool(tmp_path)
+    older.load()
+    assert older.epoch_of(5) == damaged.epoch != older.epoch

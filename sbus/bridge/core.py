@@ -21,7 +21,8 @@ risking a loop. The memory is bounded in entries and in the bytes of their keys
 (`ECHO_LIMIT`, `ECHO_BYTES`).
 
 What never arrived, counted. A sending bridge stamps each export: a spooled (QoS 1) one
-with `STAMP` (the spool's epoch and a sequence number that grows by one per export), a
+with `STAMP` (the epoch of the run that spooled it and a sequence number that grows by
+one per export across runs; a record sent again after a restart keeps its stamp), a
 QoS 0 one with `STAMP0` (an epoch of this run and its own sequence, numbered only when the
 MQTT client takes the message, so that what the sender counts as ``dropped`` is no gap),
 and names the MQTT filters that cover every topic it stamps in that numbering (`SCOPE`).
@@ -31,7 +32,9 @@ late (out of order, e.g. through another node of a cluster). A receiver that tak
 part of a sender's topics would see gaps that are no loss: it counts none for that
 sender, but still remembers the gaps, so that a late number is imported rather than
 taken for a copy. What a receiver remembers survives its clean restart (`senders_saved`),
-so that what was published while it was away is counted too.
+so that what was published while it was away is counted too. Of a sender's earlier
+epochs it keeps the highest number of each (`EPOCHS_KEPT`), so that a record an earlier
+run spooled and a later one sends again is still known as a copy.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ SCOPE_BYTES = 1024
 #: heard forgotten first), and the bytes of their ids at most.
 STAMP_SENDERS = 4096
 STAMP_BYTES = 1 << 20
+#: A sender's earlier epochs remembered (their highest number each): its records sent
+#: again by later runs, after as many restarts in a row, are still known as copies.
+EPOCHS_KEPT = 4
 #: Gaps (ranges of numbers not seen) remembered per sender; beyond, the oldest is
 #: forgotten: its numbers stay counted as missing, and arriving late would be taken for
 #: copies.
@@ -360,7 +366,10 @@ class BridgeCore:
         exports carry numbers that grow by one; a number above the last one is new, and the
         numbers it skips are a gap: counted as ``missing`` if we cover the sender's *scope*
         (module docstring).  A number not above the last one is a copy sent again after a
-        reconnect or a restart, unless it lies in a gap: then it came late, and is new."""
+        reconnect or a restart, unless it lies in a gap: then it came late, and is new.
+        A new epoch (the sender's next run) whose numbers go on from the last one's keeps
+        the gaps; one whose numbers went back (its spool did: a power loss, an older copy)
+        starts over, and the numbers it gives again are new."""
         epoch, _, number = stamp.partition(".")
         if len(number) > 16 or len(epoch) > 16:
             return False
@@ -371,10 +380,24 @@ class BridgeCore:
         if seq < 0:
             return False
         known = self._stamps.get(sender)
-        if known is None or known.epoch != epoch:  # a new sender or a new spool: start
+        if known is None:  # a new sender: start
             self._remember(sender, _Sender(epoch, seq))
             return False
         self._stamps.move_to_end(sender)
+        if known.epoch != epoch:
+            for i, (old, last) in enumerate(known.before):
+                if old == epoch:  # an earlier run's record, sent again by a later one
+                    if self._late(known, seq):
+                        return False
+                    if seq <= last:
+                        return True
+                    known.before[i] = (old, seq)
+                    return False
+            known.before = [(known.epoch, known.last), *known.before][:EPOCHS_KEPT]
+            known.epoch = epoch
+            if seq <= known.last:  # numbered again from below: start over
+                known.last, known.gaps = seq, []
+                return False
         if seq > known.last:
             if seq > known.last + 1:
                 counted = self._covers(scope)
@@ -385,16 +408,20 @@ class BridgeCore:
                     del known.gaps[0]
             known.last = seq
             return False
+        return not self._late(known, seq)
+
+    def _late(self, known: _Sender, seq: int) -> bool:
+        """Is *seq* in a gap of *known* (it arrived late: new, and no longer missing)?"""
         for i, (first, end, counted) in enumerate(known.gaps):
-            if first <= seq < end:  # arrived late: new, and no longer missing
+            if first <= seq < end:
                 known.gaps[i:i + 1] = [(a, b, counted) for a, b in ((first, seq), (seq + 1, end))
                                        if a < b]
                 if len(known.gaps) > GAP_RANGES:
                     del known.gaps[0]
                 if counted:
                     self.counters.missing -= 1
-                return False
-        return True
+                return True
+        return False
 
     def _remember(self, sender: tuple[str, int], entry: _Sender) -> None:
         old = self._stamps.pop(sender, None)
@@ -409,8 +436,8 @@ class BridgeCore:
     def senders_saved(self) -> list:
         """What this receiver remembers of senders, for the state directory at a clean
         exit: a restarted receiver then counts what was published while it was away."""
-        return [[sender, numbering, s.epoch, s.last, [list(g) for g in s.gaps]]
-                for (sender, numbering), s in self._stamps.items()]
+        return [[sender, numbering, s.epoch, s.last, [list(g) for g in s.gaps],
+                 [list(b) for b in s.before]] for (sender, numbering), s in self._stamps.items()]
 
     def restore_senders(self, saved: object) -> None:
         """Take back `senders_saved` (from our own state file: anything else in it, as
@@ -419,14 +446,17 @@ class BridgeCore:
             return
         for item in saved[-STAMP_SENDERS:]:
             try:
-                sender, numbering, epoch, last, gaps = item
+                sender, numbering, epoch, last, gaps, *before = item  # (older: no before)
                 entry = _Sender(epoch, last)
                 entry.gaps = [(a, b, c) for a, b, c in gaps[-GAP_RANGES:]]
+                entry.before = [(e, n) for e, n in (before[0] if before else [])][:EPOCHS_KEPT]
             except (TypeError, ValueError):
                 continue
-            ints = [last, *(n for g in entry.gaps for n in g[:2])]
-            if isinstance(sender, str) and numbering in (0, 1) and isinstance(epoch, str) \
-                    and len(epoch) <= 16 and all(type(n) is int and n >= 0 for n in ints) \
+            ints = [last, *(n for g in entry.gaps for n in g[:2]), *(n for _, n in entry.before)]
+            epochs = [epoch, *(e for e, _ in entry.before)]
+            if isinstance(sender, str) and numbering in (0, 1) and \
+                    all(isinstance(e, str) and len(e) <= 16 for e in epochs) \
+                    and all(type(n) is int and n >= 0 for n in ints) \
                     and all(a < b <= last and type(c) is bool for a, b, c in entry.gaps):
                 self._remember((sender, numbering), entry)
 
@@ -453,14 +483,16 @@ class BridgeCore:
 
 
 class _Sender:
-    """What a receiver remembers of one sending bridge: its spool's epoch, the highest
-    number seen, and the gaps below it (first, end, counted as missing), oldest first."""
+    """What a receiver remembers of one sending bridge: its run's epoch, the highest
+    number seen, the gaps below it (first, end, counted as missing), oldest first, and
+    the highest number of each earlier epoch, the newest first."""
 
-    __slots__ = ("epoch", "last", "gaps")
+    __slots__ = ("epoch", "last", "gaps", "before")
 
     def __init__(self, epoch: str, last: int) -> None:
         self.epoch, self.last = epoch, last
         self.gaps: list[tuple[int, int, bool]] = []
+        self.before: list[tuple[str, int]] = []
 
 
 def covers(wide: str, narrow: str) -> bool:

@@ -303,10 +303,7 @@ class BridgeShell:
             for line in self.spool.problems:  # damage found and set right: said
                 log.warning("the spool: %s", line)
             self.core.dropped(self.spool.lost)
-            template = _PackedOnce((MARKER, self.core.client_id),
-                                   *((SCOPE, f) for f in self.core.stamp_scope()),
-                                   (STAMP, f"{self.spool.epoch}.{0:016x}")).pack()
-            self._stamp_head = template[:-16]
+            self._stamp_head = self._stamp_template(self.spool.epoch)
             # exports spooled after the last save of the counters were counted by nobody
             if since is not None and self.spool.next_seq > since:
                 self.core.counters.exported += self.spool.next_seq - since
@@ -318,6 +315,13 @@ class BridgeShell:
             log.warning("the last bridge did not stop cleanly: counters other than exported "
                         "may miss its last %.1f s", STATUS_EVERY)
         self._save_state(clean_exit=False)
+
+    def _stamp_template(self, epoch: str) -> bytes:
+        """The marker, the scope and a `STAMP` in *epoch*, packed, without the 16 hex
+        digits of the sequence number that end it."""
+        return _PackedOnce((MARKER, self.core.client_id),
+                           *((SCOPE, f) for f in self.core.stamp_scope()),
+                           (STAMP, f"{epoch}.{0:016x}")).pack()[:-16]
 
     def _save_state(self, clean_exit: bool = False) -> None:
         if self.state is None:
@@ -337,10 +341,16 @@ class BridgeShell:
         """Hand paho what the last bridge had not had acknowledged (sent on connect)."""
         left, self._left = [], self._left
         damaged = []
+        heads: dict[str, bytes] = {}  # stamp templates of the runs that wrote them
         for seq, topic, payload in self._left:  # counted as exported by the last bridge
             if topic_problem(topic) is None:
+                assert self.spool is not None
+                epoch = self.spool.epoch_of(seq)
+                if epoch not in heads:
+                    heads[epoch] = self._stamp_template(epoch)
                 left.append(seq)
-                self._publish(topic, payload, seq, len(topic) + len(payload), count=False)
+                self._publish(topic, payload, seq, len(topic) + len(payload), count=False,
+                              head=heads[epoch])
             else:  # the bridge spools none such: damage
                 damaged.append(seq)
         self._left = []
@@ -1080,14 +1090,16 @@ class BridgeShell:
                 self._publish(data, payload, seq, len(data) + len(payload))
 
     def _publish(self, topic: bytes, payload: bytes, seq: int, size: int,
-                 count: bool = True) -> None:
+                 count: bool = True, head: bytes | None = None) -> None:
         """Hand one QoS 1 export (*size*: topic and payload bytes) to paho, which queues
-        it while MQTT is away: written at once where it can be (`publish_now`)."""
+        it while MQTT is away: written at once where it can be (`publish_now`).  *head*:
+        the stamp's template, if not this run's (a record an earlier run spooled)."""
         if seq < 0 and (self._held_bytes + size > self.settings.max_queued_bytes
                         or len(self._outstanding) >= self.settings.max_queued):
             self.core.dropped()
             return
-        props = self._props if seq < 0 else _Stamped(self._stamp_head + b"%016x" % seq)
+        props = self._props if seq < 0 else _Stamped((head or self._stamp_head)
+                                                     + b"%016x" % seq)
         mq = self.mq
         info = mq.publish_now(topic, payload, props) or mq.publish(
             topic.decode("utf-8", "replace"), payload, 1, properties=props)  # type: ignore[arg-type]

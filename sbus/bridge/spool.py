@@ -16,8 +16,10 @@ Files: ``NNN.spool`` segments named by their first sequence number, each record 
 ``<QHI`` header (sequence, topic length, payload length) then the topic and payload; a
 torn record at the end (the crash came mid-write) is cut off.  ``acked`` holds the
 sequence number of the oldest unacknowledged record (8 bytes, rewritten in place), the
-spool's epoch (4 random bytes, made with the file: a spool started afresh numbers anew)
-and a CRC-32 of both.
+epoch of this run (4 random bytes, new each run: a spool that went back gives numbers
+again, and receivers must not take those exports for copies) and a CRC-32 of both.
+``epochs`` (JSON) holds the first number and the epoch of each run whose records are
+left, so that a record sent again keeps the stamp it was first sent with.
 
 Damage is said, never a crash (`Spool.problems`, logged by the bridge): an ``acked``
 that fails its check sends every record left again under a new epoch (receivers may get
@@ -31,9 +33,11 @@ line says how many; a segment whose name is past `MAX_SEQ` is set aside as
 
 from __future__ import annotations
 
+import bisect
 import fcntl
 import json
 import os
+import re
 import struct
 import zlib
 from collections import deque
@@ -49,6 +53,7 @@ EPOCH = struct.Struct("<4s")  # after the sequence number in ``acked``
 CHECK = struct.Struct("<I")  # CRC-32 of the two, after them (a file without it is older)
 #: No sequence number reaches this (2^62 exports): beyond it a number is damage.
 MAX_SEQ = 1 << 62
+_EPOCH = re.compile(rf"[0-9a-f]{{{2 * EPOCH.size}}}")  # as the bridge writes one
 #: A segment is closed (and a new one begun) once it holds this many bytes.
 SEGMENT_BYTES = 4 << 20
 SUFFIX = ".spool"
@@ -138,9 +143,13 @@ class Spool:
         self._size = 0
         self.next_seq = 0
         self.oldest = 0  # every record before this one is acknowledged
-        #: names this spool's numbering: receivers drop a sequence number from the same
-        #: epoch they saw before (a resent duplicate), and start over on a new epoch
+        #: names this run's numbering: receivers drop a sequence number from an epoch
+        #: they saw it in before (a resent duplicate), and start over on a new epoch.  A
+        #: new one each run: a spool that went back (a power loss, an older copy) gives
+        #: its numbers again, and under the old epoch they would be taken for copies.
         self.epoch = ""
+        #: (first sequence number, epoch) of each run whose records are left, in order
+        self.epochs: list[tuple[int, str]] = []
         self._ack_fd = os.open(path / "acked", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._ack_written = -1
         #: what was found damaged at `load`, one line each (the bridge logs them)
@@ -157,8 +166,10 @@ class Spool:
         not given again (a receiver would take a new export under one for a copy)."""
         raw = os.pread(self._ack_fd, ACKED.size + EPOCH.size + CHECK.size + 1, 0)
         acked = _acked(raw)
+        self.epoch = os.urandom(EPOCH.size).hex()  # this run's
         if acked is not None:
-            self.oldest, self.epoch = acked
+            self.oldest, last = acked
+            self.epochs = self._read_epochs(last)
         else:  # a new spool (or its acknowledgements lost): numbers start again, anew
             given = 0
             if raw:
@@ -166,7 +177,6 @@ class Spool:
                                      "in the spool is sent again, numbered anew (receivers "
                                      "may get copies of some)")
             self.oldest = 0
-            self.epoch = os.urandom(EPOCH.size).hex()
             os.ftruncate(self._ack_fd, 0)
             self._write_acked()
         self._segments = sorted(self._segment_names())
@@ -190,8 +200,45 @@ class Spool:
             self.held_bytes += size
         self._drop_segments(self.oldest if left else self.next_seq)
         self._new_segment()
+        # the runs whose records are left (a record before every run's first: this one's)
+        runs = []
+        if left:
+            runs = [run for run in self.epochs if run[0] <= self.oldest][-1:]
+            runs += [run for run in self.epochs if self.oldest < run[0] < self.next_seq]
+        self.epochs = runs + [(self.next_seq, self.epoch)]
+        self._write_epochs()
         self._write_acked()
         return left
+
+    def epoch_of(self, seq: int) -> str:
+        """The epoch record *seq* is stamped with: that of the run that wrote it."""
+        i = bisect.bisect_right(self.epochs, seq, key=lambda run: run[0]) - 1
+        return self.epochs[i][1] if i >= 0 else self.epoch
+
+    def _read_epochs(self, last: str) -> list[tuple[int, str]]:
+        """The runs of the records on disk (``epochs``); a spool written before there
+        were runs has one epoch, the one ``acked`` holds (*last*).  A damaged file: the
+        records left go under this run's epoch (receivers may get copies, lose none)."""
+        path = self.path / "epochs"
+        try:
+            runs = json.loads(path.read_text())
+        except FileNotFoundError:
+            return [(0, last)]
+        except (OSError, ValueError):
+            runs = None
+        if isinstance(runs, list) and all(
+                isinstance(r, list) and len(r) == 2 and type(r[0]) is int
+                and 0 <= r[0] < MAX_SEQ and isinstance(r[1], str) and _EPOCH.fullmatch(r[1])
+                for r in runs) and [r[0] for r in runs] == sorted(r[0] for r in runs):
+            return [(first, epoch) for first, epoch in runs]
+        self.problems.append(f"{path} is damaged: the records left are sent again under "
+                             "a new epoch (receivers may get copies of some)")
+        return []
+
+    def _write_epochs(self) -> None:
+        tmp = self.path / "epochs.new"
+        tmp.write_text(json.dumps([list(run) for run in self.epochs]))
+        os.replace(tmp, self.path / "epochs")
 
     def _segment_names(self) -> list[int]:
         """The first numbers of the segments; one past `MAX_SEQ` is set aside."""
