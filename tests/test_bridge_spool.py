@@ -95,6 +95,8 @@ def test_one_bridge_per_state_directory(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(SbusError, match="cannot use the state directory"):
         StateDir(tmp_path / "file" / "st")
+    with pytest.raises(SbusError, match="file: it is not a directory"):
+        StateDir(tmp_path / "file")
     assert os.path.exists(tmp_path / "st" / "lock")
 
 

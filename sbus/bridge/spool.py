@@ -88,8 +88,9 @@ class StateDir:
             self._lock = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
                                  0o600)
         except OSError as exc:
-            raise SbusError(f"cannot use the state directory {self.path}: "
-                            f"{exc.strerror or exc}") from None
+            why = "it is not a directory" if self.path.exists() and not self.path.is_dir() \
+                else exc.strerror or exc
+            raise SbusError(f"cannot use the state directory {self.path}: {why}") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
