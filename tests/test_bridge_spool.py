@@ -278,3 +278,18 @@ def test_each_run_stamps_in_its_own_epoch_and_records_keep_theirs(tmp_path: Path
     older = spool(tmp_path)
     older.load()
     assert older.epoch_of(5) == damaged.epoch != older.epoch
+
+
+def test_a_segment_overlapping_the_one_before_is_set_aside(tmp_path: Path) -> None:
+    """Two records under one number would both be sent: a segment whose numbers another
+    one holds is damage (not something the bridge writes), set aside and said."""
+    recorded(tmp_path, 6)
+    seg = next(tmp_path.glob("*.spool"))
+    data = seg.read_bytes()
+    start = 3 * (14 + 3 + 2)  # records 3 .. 5 of the first segment, as a segment of its own
+    extra = tmp_path / f"{3:020d}.spool"
+    extra.write_bytes(data[start:])
+    s = spool(tmp_path)
+    assert [seq for seq, _, _ in s.load()] == list(range(6))
+    assert extra.with_name(extra.name + ".damaged").exists()
+    assert len(s.problems) == 1 and "overlap the segment before it" in s.problems[0]

@@ -183,11 +183,21 @@ class Spool:
         self._segments = sorted(self._segment_names())
         left: list[tuple[int, bytes, bytes]] = []
         self.next_seq = self.oldest
-        for first in self._segments:
-            for seq, topic, payload in self._read(first):
+        read_end = 0  # past the records of the segments read so far
+        for first in list(self._segments):
+            records = self._read(first)
+            if records and first < read_end:  # numbers another segment holds: not ours
+                name = self.path / f"{first:020d}{SUFFIX}"
+                os.replace(name, name.with_name(name.name + ".damaged"))
+                self._segments.remove(first)
+                self.problems.append(f"{name}: numbers {first}.. overlap the segment before "
+                                     f"it; set aside as {name.name}.damaged")
+                continue
+            for seq, topic, payload in records:
                 self.next_seq = max(self.next_seq, seq + 1)
                 if seq >= self.oldest:
                     left.append((seq, topic, payload))
+            read_end = max(read_end, first + len(records))
         if given > self.next_seq:
             self.lost = given - self.next_seq
             self.problems.append(f"{self.lost} records numbered {self.next_seq} to "
