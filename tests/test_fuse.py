@@ -392,7 +392,9 @@ def test_long_message_continues_in_the_next_read(mnt, bus):
 def test_slow_reader_is_held_back_by_the_broker_flood_policy(mnt, bus):
     """A reader that does not read: the mount buffers 4 MiB, then stops reading, the
     broker queues its 4 MiB and then discards (the default policy) and says so; what
-    the reader gets is in order, without duplicates, starting at the first message."""
+    the reader gets is in order, without duplicates, starting at the first message, and
+    the read that reaches the place of the loss fails once with ENOBUFS (the reader was
+    not told before: only the mount's log said it), the next going on after it."""
     fd = os.open(touch(mnt, "slow"), os.O_RDONLY)
     try:
         n = 20_000  # 14 MB: more than the mount (4 MiB) and the broker (4 MiB) keep
@@ -400,17 +402,55 @@ def test_slow_reader_is_held_back_by_the_broker_flood_policy(mnt, bus):
         for i in range(n):
             s.send(b"MSG slow\0%06d" % i + b"." * 693)
         sync(s)
-        got = b""
+        got, told = [b""], []
         while select.select([fd], [], [], 1.0)[0]:
-            got += os.read(fd, 1 << 17)
-        numbers = [int(x[:6]) for x in got.split()]
+            try:
+                got[-1] += os.read(fd, 1 << 17)
+            except OSError as exc:
+                assert exc.errno == errno.ENOBUFS
+                told.append(len(got))
+                got.append(b"")
+        parts = [[int(x[:6]) for x in part.split()] for part in got]
+        numbers = [m for part in parts for m in part]
         assert numbers[0] == 0
         assert all(a < b for a, b in zip(numbers, numbers[1:], strict=False))
         assert 4 * 1024 * 1024 // 700 < len(numbers) < n  # buffered a lot, dropped some
+        assert told, "the loss was not told to the reader"
+        # each place it was told is a place of loss, and every loss was told there
+        gaps = [i for i, (a, b) in enumerate(zip(numbers, numbers[1:], strict=False))
+                if b != a + 1]
+        gaps += [len(numbers) - 1] if numbers[-1] != n - 1 else []  # (the last ones lost)
+        assert [sum(map(len, parts[:k])) - 1 for k in told] == gaps
         deadline = time.monotonic() + 5
         while "dropped" not in mnt.log():
             assert time.monotonic() < deadline, "the broker's drop report was not logged"
             time.sleep(0.05)
+    finally:
+        os.close(fd)
+
+
+def test_a_slow_jsonl_reader_finds_a_line_where_messages_were_dropped(mnt, bus):
+    """The ``jsonl`` view has room to say it in the stream: ``{"dropped": N, …}`` stands
+    where the broker dropped N messages for the reader, and N is exactly what is
+    missing."""
+    import json
+
+    touch(mnt, "slowj")
+    fd = os.open(mnt / ".jsonl/slowj", os.O_RDONLY)
+    try:
+        n = 20_000
+        s = raw(bus.address)
+        for i in range(n):
+            s.send(b"MSG slowj\0%06d" % i + b"." * 693)
+        sync(s)
+        got = b""
+        while select.select([fd], [], [], 1.0)[0]:
+            got += os.read(fd, 1 << 17)
+        records = [json.loads(line) for line in got.splitlines()]
+        numbers = [int(r["payload"][:6]) for r in records if "payload" in r]
+        dropped = sum(r["dropped"] for r in records if "dropped" in r)
+        assert dropped > 0 and len(numbers) + dropped == n
+        assert numbers == sorted(set(numbers))
     finally:
         os.close(fd)
 

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sbus.fuse import mapping
-from sbus.fuse.framing import Outbox, frame
+from sbus.fuse.framing import Outbox, dropped_frame, frame
 from sbus.fuse.mapping import Kind, KnownTree, Refused, lookup, pattern_of
 from sbus.fuse.signals import interrupted, pending_from_status, unblocked_pending
 from sbus.routing import matches
@@ -233,6 +233,26 @@ def test_outbox_loses_and_reorders_nothing(messages, sizes) -> None:
         i += 1
     assert b"".join(out) == b"".join(messages)
     assert box.nbytes == 0
+
+
+def test_a_gap_stops_the_read_that_reaches_it_and_is_told_once() -> None:
+    """Messages the broker dropped for a reader: the reads before the place deliver what
+    came before it (never across it), the read there learns of the gap (ENOBUFS in the
+    mount), and the next one goes on after it; gaps in a row are told as one."""
+    for box in (Outbox(), Outbox(one_per_read=True)):
+        box.push(b"a\n")
+        box.push_gap(3)
+        box.push_gap(2)
+        box.push(b"b\n")
+        assert box.take(100) == b"a\n"
+        assert box and box.take(100) == b"" and box.nbytes == 2
+        assert box.gap() == 5 and box.gap() == 0
+        assert box.take(100) == b"b\n" and not box
+    box = Outbox()
+    box.push(b"long message\n")
+    box.push_gap(1)
+    assert box.take(4) == b"long" and box.take(100) == b" message\n" and box.gap() == 1
+    assert dropped_frame(7, 1.5) == b'{"dropped": 7, "time": 1.5}\n'
 
 
 # -- signals ---------------------------------------------------------------------

@@ -34,9 +34,9 @@ from ..display import brief
 from ..errors import ConnectError, ConnectionLost, InvalidRequest, Refused, SbusError
 from ..keys import Credentials
 from ..protocol import Publish
-from ..session import Refusal
+from ..session import Dropped, Refusal
 from . import mapping
-from .framing import Outbox, frame
+from .framing import Outbox, dropped_frame, frame
 from .shares import Account, Accounts, UserShare
 
 log = logging.getLogger("sbus.fuse")
@@ -293,7 +293,12 @@ class MountBus:
                                 push(payload if payload[-1:] == b"\n" else payload + b"\n")
                             else:
                                 push(frame(fmt, event.key, payload, now))
-                        # drops and refusals went to the reader's callbacks
+                        elif type(event) is Dropped:  # where they were (also logged)
+                            if fmt == "jsonl":
+                                push(dropped_frame(event.count, now))
+                            else:
+                                r.out.push_gap(event.count)
+                        # refusals went to the reader's callback
                     r.settle()
                     r.wake()
                     if len(events) >= PUMP_SMALL:

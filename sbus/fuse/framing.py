@@ -16,6 +16,12 @@ Formats (``sbus mount --format``):
   the mount received it), for programs that need keys of pattern subscriptions.
 
 In every format a message longer than the reader's buffer continues in the next read.
+
+Messages the broker dropped for a reader (it fell behind) are never skipped without a
+word: in ``jsonl`` a line ``{"dropped": N, "time": T}`` stands where they were; in the
+other formats, which have no room for it, the read that reaches that place fails
+once with ENOBUFS ("No buffer space available") and the next one goes on after it
+(`Outbox.push_gap`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import base64
 import json
 from collections import deque
 
-__all__ = ["FORMATS", "frame", "Outbox"]
+__all__ = ["FORMATS", "frame", "dropped_frame", "Outbox"]
 
 FORMATS = ("lines", "raw", "keyed", "jsonl")
 
@@ -48,18 +54,32 @@ def frame(fmt: str, key: bytes, payload: bytes, when: float) -> bytes:
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
+def dropped_frame(count: int, when: float) -> bytes:
+    """The ``jsonl`` line standing where *count* messages were dropped."""
+    return json.dumps({"dropped": count, "time": round(when, 6)}).encode() + b"\n"
+
+
+class _Gap:
+    """Where messages were dropped, and how many (`Outbox.push_gap`)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
 class Outbox:
-    """Framed messages waiting for ``read(2)``.
+    """Framed messages waiting for ``read(2)``, and the places where some were dropped.
 
     *one_per_read* keeps message boundaries (``raw``): a read returns the rest of
-    one message at most.  Otherwise reads are filled across messages.
+    one message at most.  Otherwise reads are filled across messages, up to a gap.
     """
 
     __slots__ = ("one_per_read", "_items", "_offset", "nbytes")
 
     def __init__(self, one_per_read: bool = False) -> None:
         self.one_per_read = one_per_read
-        self._items: deque[bytes] = deque()
+        self._items: deque[bytes | _Gap] = deque()
         self._offset = 0  # bytes of _items[0] already read
         self.nbytes = 0
 
@@ -74,10 +94,26 @@ class Outbox:
             self._items.append(data)
             self.nbytes += len(data)
 
-    def take(self, size: int) -> bytes:
-        """Up to *size* bytes (at least one unless empty)."""
+    def push_gap(self, count: int) -> None:
+        """*count* messages were dropped here: the read that reaches this place learns
+        of it (`gap`), once for gaps in a row."""
         items = self._items
-        if not items or size <= 0:
+        if items and type(items[-1]) is _Gap:
+            items[-1].count += count
+        else:
+            items.append(_Gap(count))
+
+    def gap(self) -> int:
+        """The messages dropped at the head (then gone from it), or 0."""
+        items = self._items
+        if items and type(items[0]) is _Gap:
+            return items.popleft().count
+        return 0
+
+    def take(self, size: int) -> bytes:
+        """Up to *size* bytes (at least one unless empty or at a gap), up to a gap."""
+        items = self._items
+        if not items or size <= 0 or type(items[0]) is _Gap:
             return b""
         first = items[0]
         rest = len(first) - self._offset
@@ -90,11 +126,11 @@ class Outbox:
         items.popleft()
         self._offset = 0
         room = size - rest
-        while items and len(items[0]) <= room:
+        while items and type(items[0]) is not _Gap and len(items[0]) <= room:
             item = items.popleft()
             parts.append(item)
             room -= len(item)
-        if items and room:
+        if items and room and type(items[0]) is not _Gap:
             parts.append(items[0][:room])
             self._offset = room
             room = 0

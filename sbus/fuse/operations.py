@@ -641,6 +641,11 @@ class BusFS(pyfuse3.Operations):
                     with trio.move_on_after(SIGNAL_POLL):
                         await r.lot.park()
         if r.out:
+            lost = r.out.gap()
+            if lost:  # messages dropped here (the reader fell behind): said, once
+                log.info("a reader of %s is told of %d messages dropped for it (ENOBUFS)",
+                         brief(r.pattern), lost)
+                raise FUSEError(errno.ENOBUFS)
             data = r.out.take(size)
             self.bus.took(r)
             h.served = off + len(data)
