@@ -27,6 +27,7 @@ from test_fuse import (
     cat,
     end,
     mounted,
+    publish,
     read_lines,
     space_dir,
     subscriber,
@@ -310,6 +311,30 @@ for n in range(500):
     os.stat({m.path!r} + '/v*%d' % n)
 """
     subprocess.run([*AS_NOBODY, "python3", "-c", script], check=True, timeout=30)
+
+
+def test_lookups_below_wildcards_cost_little_however_many_keys_are_remembered(mount, bus):
+    """6,000 remembered keys ``t/A/B/C``: nobody's 1,000 lookups of fresh names
+    ``t/*/*/*/xN`` are answered from the index of directory names (each walked
+    every matching key twice: 6,000 keys cost about 10 s for the 1,000)."""
+    m = mount("wide")
+    for start in range(0, 6000, 60):  # as fast as the mount's monitor learns
+        publish(bus.address, *((b"t/A%d/B%d/C" % (i, i), b"")
+                               for i in range(start, start + 60)))
+        time.sleep(0.05)
+    deadline = time.monotonic() + 20
+    while len(os.listdir(m / "t")) < 5500:
+        assert time.monotonic() < deadline, len(os.listdir(m / "t"))
+        time.sleep(0.1)
+    script = f"""
+import os, time
+t = time.monotonic()
+for n in range(1000):
+    os.stat({m.path!r} + '/t/*/*/*/x%d' % n)
+print(1000, int(1000 * (time.monotonic() - t)))
+"""
+    count, ms, r = counted_as_nobody(script)
+    assert count == 1000 and ms < 3000, (ms, r.stderr)
 
 
 def test_files_one_user_holds_open_are_bounded(mount):
