@@ -190,6 +190,25 @@ def test_directories_below_wildcards_are_what_the_remembered_names_make(ops) -> 
             assert tree.is_dir(pattern) is want, (pattern, keys, made)
 
 
+def test_wildcard_paths_end_where_a_subscription_pattern_must() -> None:
+    """A pattern has at most 256 segments, so a wildcard path of more names is
+    ENAMETOOLONG (which bounds how deep ``cd '*'`` goes); '!' in the deepest wildcard
+    directory still reads its pattern, and deeper keys keep their plain paths."""
+    tree = KnownTree()
+    stars = "/".join(["*"] * 255)
+    assert decide(tree, stars, "*") is Kind.DIR  # 256 names
+    assert decide(tree, stars, "x") is Kind.FILE
+    assert decide(tree, stars, "**") is Kind.FILE  # pattern of 256 segments
+    assert decide(tree, stars + "/*", "!") is Kind.FILE
+    for name in ("*", "x", "**"):
+        assert refused(tree, stars + "/*", name) == errno.ENAMETOOLONG
+    assert refused(tree, "a/" + stars, "x") == errno.ENAMETOOLONG
+    deep = [f"k{i}" for i in range(300)]
+    tree.learn(p("/".join(deep)))
+    assert decide(tree, "/".join(deep[:280]), "k280") is Kind.DIR
+    assert decide(tree, "/".join(deep[:299]), "k299") is Kind.FILE
+
+
 def test_key_that_is_also_a_prefix_is_reached_through_self_name() -> None:
     tree = KnownTree()
     tree.learn(p("p/q"))

@@ -17,6 +17,10 @@ knowing what comes after it.  The rules (documented for users in docs/fuse.md):
   are files: a pattern never needs creating.  (An unknown name on the way to a file
   being created is answered as a directory by `sbus.fuse.operations`, which asks
   the caller's open call in ``/proc``: `sbus.fuse.intent`.)
+* A wildcard path (one name containing ``*``) has at most `MAX_SEGMENTS` names, as
+  a subscription pattern has at most that many segments: a deeper name is
+  ENAMETOOLONG (but ``!``, the deepest directory's own pattern), so ``cd '*'`` cannot
+  go on for ever.  Plain paths (keys) have no such limit.
 * ``.keyed`` and ``.jsonl`` at the root are *views*: the whole tree again, read in
   that format whatever the mount's ``--format`` (`split_view`).  A key whose first
   segment is one of them is reachable below a view (``.keyed/.keyed/x``).
@@ -33,6 +37,7 @@ from collections.abc import Iterator
 from enum import Enum
 
 from ..errors import Refused  # a name that cannot be used; .errno answers the kernel
+from ..keys import MAX_SEGMENTS
 
 __all__ = ["VIEWS", "split_view", "SEP", "SELF", "TRAILING", "Kind", "Refused", "KnownTree",
            "pattern_of", "is_pattern", "key_cost", "lookup", "creatable", "secret_owner",
@@ -449,6 +454,11 @@ def lookup(tree: KnownTree, parent: Path, name: bytes, own: Path | None,
         if depth == 5 and name == SELF:
             raise Refused("a secret key needs a name after its credentials", errno=errno.ENOENT)
     wild = is_wild(name) or any(is_wild(s) for s in parent)
+    if wild and len(parent) >= MAX_SEGMENTS and name != SELF:
+        # a pattern's file at this depth would have more segments than any
+        # subscription may: refused before the path is even made
+        raise Refused(f"a pattern has at most {MAX_SEGMENTS} segments",
+                      errno=errno.ENAMETOOLONG)
     if name in (TRAILING, SELF):
         return Kind.FILE
     if is_wild(name):
