@@ -107,6 +107,108 @@ def test_names_below_wildcards_are_files_unless_known_as_prefix() -> None:
     assert tree.entries(p("a/*")) == [(b"**", Kind.FILE)]  # wildcard directories: only how to read
 
 
+def test_a_fresh_name_below_wildcards_is_decided_without_walking_the_keys() -> None:
+    """10,000 remembered keys all match ``t/*/*/*``: a name none of them has below is a
+    file at once, and known prefixes are still found at once (the work is counted)."""
+    tree = KnownTree(max_bytes=64 << 20)
+    for i in range(10000):
+        tree.learn(p(f"t/A{i}/B{i}/C"))
+    assert len(tree) == 10000
+    before = tree.visited
+    for n in range(100):
+        assert decide(tree, "t/*/*/*", f"x{n}") is Kind.FILE
+        assert decide(tree, "t/*/*", "C") is Kind.FILE  # a key, no prefix
+    assert tree.visited == before
+    assert decide(tree, "t/*", "B7") is Kind.DIR
+    assert decide(tree, "t/A*", "B7") is Kind.DIR
+    assert decide(tree, "*/*", "B7") is Kind.DIR
+    assert decide(tree, "t/B*", "B7") is Kind.FILE
+    assert decide(tree, "*", "B7") is Kind.FILE
+    assert decide(tree, "t/*/*", "B7") is Kind.FILE
+    assert tree.visited - before < 50
+
+
+def test_the_work_of_one_lookup_below_wildcards_is_bounded() -> None:
+    """Keys laid out so that neither way is short (5,000 directories named 'n' below
+    'a', 5,000 names below 'u'): one lookup of 'u/*/n' looks at no more than twice
+    LOOKUP_WORK nodes and answers a directory, whose '!' still reads 'u/*/n'."""
+    tree = KnownTree(max_bytes=64 << 20)
+    for i in range(5000):
+        tree.learn(p(f"a/X{i}/n/z"))
+        tree.learn(p(f"u/Y{i}/q"))
+    before = tree.visited
+    assert decide(tree, "u/*", "n") is Kind.DIR
+    assert 0 < tree.visited - before <= 2 * mapping.LOOKUP_WORK
+    assert decide(tree, "u/*/n", "!") is Kind.FILE
+    before = tree.visited
+    assert decide(tree, "a/*", "n") is Kind.DIR  # found by either way: exact
+    assert decide(tree, "a/*", "q") is Kind.FILE  # no directory 'q' anywhere
+    assert tree.visited - before < 10
+
+
+WILD_SEGS = ["a", "b", "ab", "*", "a*", "*b"]
+
+
+def _fits(pattern: tuple[bytes, ...], path: tuple[bytes, ...]) -> bool:
+    for want, seg in zip(pattern, path, strict=True):
+        head, star, tail = want.partition(b"*")
+        if not star and want != seg:
+            return False
+        if star and (tail.strip(b"*") or not seg.startswith(head)):
+            return False
+    return True
+
+
+@given(st.lists(st.tuples(st.sampled_from(["learn", "forget", "mkdir", "rmdir"]),
+                          st.lists(st.sampled_from(["a", "b", "ab"]), min_size=1, max_size=3)),
+                max_size=40))
+def test_directories_below_wildcards_are_what_the_remembered_names_make(ops) -> None:
+    """Through learning, forgetting (also the oldest, at capacity), mkdir and rmdir, a
+    path with wildcards is a directory exactly when a remembered key goes on below a
+    match of it or a made directory is (or is below) one."""
+    import itertools
+
+    tree = KnownTree(capacity=4)
+    made: set[tuple[bytes, ...]] = set()
+    for op, segs in ops:
+        path = tuple(s.encode() for s in segs)
+        if op == "learn":
+            tree.learn(path)
+        elif op == "forget":
+            tree.forget(path)
+        elif op == "mkdir":
+            tree.mkdir(path)
+            made.add(path)
+        elif tree.rmdir(path):
+            made.discard(path)
+    keys = list(tree._keys)
+    for depth in (1, 2, 3):
+        for segs in itertools.product(WILD_SEGS, repeat=depth):
+            pattern = tuple(s.encode() for s in segs)
+            want = (any(len(k) > depth and _fits(pattern, k[:depth]) for k in keys)
+                    or any(len(d) >= depth and _fits(pattern, d[:depth]) for d in made))
+            assert tree.is_dir(pattern) is want, (pattern, keys, made)
+
+
+def test_wildcard_paths_end_where_a_subscription_pattern_must() -> None:
+    """A pattern has at most 256 segments, so a wildcard path of more names is
+    ENAMETOOLONG (which bounds how deep ``cd '*'`` goes); '!' in the deepest wildcard
+    directory still reads its pattern, and deeper keys keep their plain paths."""
+    tree = KnownTree()
+    stars = "/".join(["*"] * 255)
+    assert decide(tree, stars, "*") is Kind.DIR  # 256 names
+    assert decide(tree, stars, "x") is Kind.FILE
+    assert decide(tree, stars, "**") is Kind.FILE  # pattern of 256 segments
+    assert decide(tree, stars + "/*", "!") is Kind.FILE
+    for name in ("*", "x", "**"):
+        assert refused(tree, stars + "/*", name) == errno.ENAMETOOLONG
+    assert refused(tree, "a/" + stars, "x") == errno.ENAMETOOLONG
+    deep = [f"k{i}" for i in range(300)]
+    tree.learn(p("/".join(deep)))
+    assert decide(tree, "/".join(deep[:280]), "k280") is Kind.DIR
+    assert decide(tree, "/".join(deep[:299]), "k299") is Kind.FILE
+
+
 def test_key_that_is_also_a_prefix_is_reached_through_self_name() -> None:
     tree = KnownTree()
     tree.learn(p("p/q"))

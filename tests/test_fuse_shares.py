@@ -27,6 +27,7 @@ from test_fuse import (
     cat,
     end,
     mounted,
+    publish,
     read_lines,
     space_dir,
     subscriber,
@@ -35,6 +36,7 @@ from test_fuse import (
 from test_fuse_files import AS_NOBODY, UserMount
 
 from sbus.client import Client
+from sbus.fuse.operations import inode_cost
 from sbus.fuse.shares import UserShare
 
 
@@ -310,6 +312,100 @@ for n in range(500):
     os.stat({m.path!r} + '/v*%d' % n)
 """
     subprocess.run([*AS_NOBODY, "python3", "-c", script], check=True, timeout=30)
+
+
+def test_a_walk_down_wildcard_directories_ends_at_a_patterns_depth_and_its_bytes(mount):
+    """nobody goes down ``cd '*'`` as far as it can: ENAMETOOLONG below the 256
+    names a pattern may have (no depth limit before: 6,000 deep held 411 MB).  Just
+    above, it looks up fresh names until EDQUOT, since each deep name is charged for its path
+    (about 2.5 KB at this depth): the mount grew by about its 32 MiB share, not by
+    the 65,536-name count share times the depth."""
+    m = mount("deep")
+    before = rss(m.proc.pid)
+    script = f"""
+import os
+os.chdir({m.path!r})
+depth = 0
+try:
+    while depth < 1000:
+        os.chdir('*')
+        depth += 1
+except OSError as e:
+    deep_err = e.errno
+else:
+    deep_err = 0
+os.chdir('..')  # names below 255 wildcards are patterns of 256 segments
+n = 0
+try:
+    for n in range(40000):
+        os.stat('x%d' % n)
+except OSError as e:
+    print(depth, deep_err, n, e.errno)
+else:
+    print(depth, deep_err, n, 0)
+"""
+    r = subprocess.run([*AS_NOBODY, "python3", "-c", script], capture_output=True,
+                       text=True, timeout=120)
+    depth, deep_err, made, err = map(int, r.stdout.split())
+    assert (depth, deep_err) == (256, errno.ENAMETOOLONG), r.stderr
+    share = UserShare.inode_bytes
+    cost = inode_cost((b"*",) * 255 + (b"x10000",))
+    assert err == errno.EDQUOT and 0.9 * share / cost < made < share / cost, (made, err)
+    grown = rss(m.proc.pid) - before
+    assert grown < 1.5 * share, grown
+    assert os.path.isdir(m / "r*fresh")  # root still looks names up
+
+
+def test_inodes_cost_what_they_are_charged():
+    """What the mount holds for an inode (tracemalloc: its tables, and its path as a
+    lookup builds it from the parent's) stays within `inode_cost`, shallow or deep."""
+    import gc
+    import tracemalloc
+
+    from sbus.fuse.mapping import Kind
+    from sbus.fuse.operations import BusFS
+
+    for depth in (1, 50, 1000):
+        fs = BusFS("/nonexistent", share=UserShare(inodes=1 << 30, inode_bytes=1 << 40))
+        parent: tuple[bytes, ...] = ()
+        for _ in range(depth - 1):
+            parent += (b"*",)
+            fs._lookups[fs._inode(parent, Kind.DIR, 1)] += 1
+        charged = fs._inode_bytes[1]
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for n in range(5000):
+                fs._lookups[fs._inode(parent + (b"x%d" % n,), Kind.FILE, 1)] += 1
+            used = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert used <= fs._inode_bytes[1] - charged, (depth, used)
+
+
+def test_lookups_below_wildcards_cost_little_however_many_keys_are_remembered(mount, bus):
+    """6,000 remembered keys ``t/A/B/C``: nobody's 1,000 lookups of fresh names
+    ``t/*/*/*/xN`` are answered from the index of directory names (each walked
+    every matching key twice: 6,000 keys cost about 10 s for the 1,000)."""
+    m = mount("wide")
+    for start in range(0, 6000, 60):  # as fast as the mount's monitor learns
+        publish(bus.address, *((b"t/A%d/B%d/C" % (i, i), b"")
+                               for i in range(start, start + 60)))
+        time.sleep(0.05)
+    deadline = time.monotonic() + 20
+    while len(os.listdir(m / "t")) < 5500:
+        assert time.monotonic() < deadline, len(os.listdir(m / "t"))
+        time.sleep(0.1)
+    script = f"""
+import os, time
+t = time.monotonic()
+for n in range(1000):
+    os.stat({m.path!r} + '/t/*/*/*/x%d' % n)
+print(1000, int(1000 * (time.monotonic() - t)))
+"""
+    count, ms, r = counted_as_nobody(script)
+    assert count == 1000 and ms < 3000, (ms, r.stderr)
 
 
 def test_files_one_user_holds_open_are_bounded(mount):

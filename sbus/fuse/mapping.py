@@ -17,6 +17,10 @@ knowing what comes after it.  The rules (documented for users in docs/fuse.md):
   are files: a pattern never needs creating.  (An unknown name on the way to a file
   being created is answered as a directory by `sbus.fuse.operations`, which asks
   the caller's open call in ``/proc``: `sbus.fuse.intent`.)
+* A wildcard path (one name containing ``*``) has at most `MAX_SEGMENTS` names, as
+  a subscription pattern has at most that many segments: a deeper name is
+  ENAMETOOLONG (but ``!``, the deepest directory's own pattern), so ``cd '*'`` cannot
+  go on for ever.  Plain paths (keys) have no such limit.
 * ``.keyed`` and ``.jsonl`` at the root are *views*: the whole tree again, read in
   that format whatever the mount's ``--format`` (`split_view`).  A key whose first
   segment is one of them is reachable below a view (``.keyed/.keyed/x``).
@@ -33,10 +37,11 @@ from collections.abc import Iterator
 from enum import Enum
 
 from ..errors import Refused  # a name that cannot be used; .errno answers the kernel
+from ..keys import MAX_SEGMENTS
 
 __all__ = ["VIEWS", "split_view", "SEP", "SELF", "TRAILING", "Kind", "Refused", "KnownTree",
            "pattern_of", "is_pattern", "key_cost", "lookup", "creatable", "secret_owner",
-           "key_segments"]
+           "key_segments", "LOOKUP_WORK"]
 
 SEP = b"/"
 SELF = b"!"
@@ -106,12 +111,15 @@ def secret_owner(path: Path) -> Path | None:
 
 
 class _Node:
-    __slots__ = ("children", "key", "explicit")
+    __slots__ = ("children", "key", "explicit", "parent", "name", "indexed")
 
-    def __init__(self) -> None:
+    def __init__(self, parent: _Node | None = None, name: bytes = b"") -> None:
         self.children: dict[bytes, _Node] = {}
         self.key = False  # a remembered key ends here
         self.explicit = False  # made by mkdir
+        self.parent = parent  # None: the root
+        self.name = name  # its key in the parent's children
+        self.indexed = False  # in `KnownTree._dirs`
 
     def is_dir(self) -> bool:
         return self.explicit or bool(self.children)
@@ -123,7 +131,12 @@ class _Node:
 #: Bytes a remembered key is charged besides its segments' bytes: its entry and, as if
 #: none were shared, a node per segment (measured: tests/test_fuse_mapping.py).
 KEY_COST = 200
-SEGMENT_COST = 400
+SEGMENT_COST = 450
+
+#: Nodes one question about a path below wildcard directories may look at, in each of
+#: its two ways (`KnownTree.is_dir`): about a millisecond each, however many keys are
+#: remembered.  Beyond, the name is taken to be a directory.
+LOOKUP_WORK = 2000
 
 
 def key_cost(path: Path) -> int:
@@ -139,7 +152,11 @@ class KnownTree:
     A key learned for a user (created through the mount, not seen on the bus) is
     charged to that user until the bus shows it: at most *user_bytes* per user, its
     own oldest forgotten first, so one user's ``touch`` loop cannot push everyone
-    else's keys out."""
+    else's keys out.
+
+    Directories are also indexed by their last name (`_dirs`), so a question about a
+    name below wildcard directories starts from the few directories of that name (none
+    for a fresh name) instead of every remembered key the wildcards match."""
 
     def __init__(self, capacity: int = 10000, max_bytes: int = 16 << 20,
                  user_bytes: int | None = None) -> None:
@@ -154,6 +171,10 @@ class KnownTree:
         self.created_bytes: dict[int, int] = {}
         self._root = _Node()
         self._keys: OrderedDict[Path, None] = OrderedDict()
+        # directory nodes by name: one node, or (for a name shared) a dict used as a set
+        self._dirs: dict[bytes, _Node | dict[_Node, None]] = {}
+        #: nodes looked at by the questions so far (what tests count)
+        self.visited = 0
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -173,7 +194,7 @@ class KnownTree:
         self.held += key_cost(path)
         node = self._root
         for seg in path:
-            node = node.children.setdefault(seg, _Node())
+            node = self._child(node, seg)
         node.key = True
         if uid is not None and self.user_bytes is not None:
             self._charge(path, uid)
@@ -214,8 +235,9 @@ class KnownTree:
     def mkdir(self, path: Path) -> None:
         node = self._root
         for seg in path:
-            node = node.children.setdefault(seg, _Node())
+            node = self._child(node, seg)
         node.explicit = True
+        self._index(node)
 
     def rmdir(self, path: Path) -> bool:
         """Drop a ``mkdir`` mark; False if there was none."""
@@ -233,10 +255,40 @@ class KnownTree:
                 return
             trail.append(nxt)
         setattr(trail[-1], flag, False)
+        self._index(trail[-1])
         for depth in range(len(path), 0, -1):
             if not trail[depth].empty():
                 break
             del trail[depth - 1].children[path[depth - 1]]
+            self._index(trail[depth - 1])
+
+    def _child(self, node: _Node, seg: bytes) -> _Node:
+        child = node.children.get(seg)
+        if child is None:
+            child = node.children[seg] = _Node(node, seg)
+            self._index(node)
+        return child
+
+    def _index(self, node: _Node) -> None:
+        """Keep *node* in `_dirs` exactly while it is a directory (the root never)."""
+        want = node.is_dir() and node.parent is not None
+        if want == node.indexed:
+            return
+        node.indexed = want
+        held = self._dirs.get(node.name)
+        if want:
+            if held is None:
+                self._dirs[node.name] = node
+            elif isinstance(held, _Node):
+                self._dirs[node.name] = {held: None, node: None}
+            else:
+                held[node] = None
+        elif held is node:
+            del self._dirs[node.name]
+        elif isinstance(held, dict):
+            del held[node]
+            if len(held) == 1:
+                self._dirs[node.name] = next(iter(held))
 
     # -- questions ---------------------------------------------------------------
 
@@ -248,33 +300,100 @@ class KnownTree:
                 return None
         return node
 
-    def _matching(self, path: Path) -> Iterator[_Node]:
-        """Nodes whose path matches *path*, whose segments may be wildcards."""
-        stack = [(self._root, 0)]
-        while stack:
-            node, i = stack.pop()
-            if i == len(path):
-                yield node
-                continue
-            seg = path[i]
-            star = seg.find(b"*")
-            if star < 0:
-                child = node.children.get(seg)
-                if child is not None:
-                    stack.append((child, i + 1))
-                continue
-            if seg[star:].strip(b"*"):
-                continue  # 'a*b' can never match a key segment
-            prefix = seg[:star]
-            for name, child in node.children.items():
-                if name.startswith(prefix):
-                    stack.append((child, i + 1))
-
     def is_dir(self, path: Path) -> bool:
-        return any(n.is_dir() for n in self._matching(path))
+        """Whether a known directory matches *path*, whose segments may be wildcards.
+
+        Below wildcards the work is bounded (`LOOKUP_WORK`): first the directories
+        of the path's last name are followed up to the root, then, if there were too
+        many, the tree is walked down along the path.  If both give up, the answer is
+        True: a directory still reads as the pattern it names (its ``!``), while a
+        file could not be entered."""
+        if not any(is_wild(s) for s in path):
+            node = self._find(path)
+            return node is not None and node.is_dir()
+        tests = _segment_tests(path)
+        if tests is None:
+            return False  # 'a*b' can never match a key segment
+        if not is_wild(path[-1]):
+            found = self._up_from_dirs(path[-1], tests)
+            if found is not None:
+                return found
+        found = self._down(tests)
+        return True if found is None else found
+
+    def _up_from_dirs(self, name: bytes, tests: list[tuple[bytes, bool]]) -> bool | None:
+        """Whether a directory named *name* has ancestors matching *tests*; None if
+        that takes more than `LOOKUP_WORK` nodes."""
+        held = self._dirs.get(name)
+        if held is None:
+            return False
+        budget = LOOKUP_WORK
+        root = self._root
+        for node in (held,) if isinstance(held, _Node) else held:
+            i = len(tests) - 1
+            while True:
+                budget -= 1
+                if budget < 0:
+                    self.visited += LOOKUP_WORK
+                    return None
+                node = node.parent  # type: ignore[assignment]
+                if i == 0:
+                    if node is root:
+                        self.visited += LOOKUP_WORK - budget
+                        return True
+                    break
+                i -= 1
+                if node is root:
+                    break
+                want, prefix = tests[i]
+                if not (node.name.startswith(want) if prefix else node.name == want):
+                    break
+        self.visited += LOOKUP_WORK - budget
+        return False
+
+    def _down(self, tests: list[tuple[bytes, bool]]) -> bool | None:
+        """Whether a directory matches *tests*, walking down from the root; None if
+        that takes more than `LOOKUP_WORK` nodes."""
+        budget = LOOKUP_WORK
+        last = len(tests) - 1
+        stack = [self._matching_children(self._root, tests[0])]
+        try:
+            while stack:
+                child = next(stack[-1], False)
+                if child is False:
+                    stack.pop()
+                    continue
+                budget -= 1
+                if budget < 0:
+                    return None
+                if child is None:
+                    continue  # a name not matching: counted, not followed
+                if len(stack) > last:
+                    if child.is_dir():
+                        return True
+                    continue
+                stack.append(self._matching_children(child, tests[len(stack)]))
+            return False
+        finally:
+            self.visited += LOOKUP_WORK - max(budget, 0)
+
+    @staticmethod
+    def _matching_children(node: _Node, test: tuple[bytes, bool]) -> Iterator[_Node | None]:
+        """*node*'s children that match, and None for each that does not."""
+        want, prefix = test
+        if not prefix:
+            child = node.children.get(want)
+            if child is not None:
+                yield child
+            return
+        for name, child in node.children.items():
+            yield child if name.startswith(want) else None
 
     def is_key(self, path: Path) -> bool:
-        return any(n.key for n in self._matching(path))
+        """Whether *path* (without wildcards: below them every name is a file anyway)
+        is a remembered key."""
+        node = self._find(path)
+        return node is not None and node.key
 
     def entries(self, path: Path) -> list[tuple[bytes, Kind]]:
         """What ``ls`` shows in a directory: the known names sorted (a key that is also
@@ -293,6 +412,20 @@ class KnownTree:
             out.append((SELF, Kind.FILE))
         out.sort()
         return out + hint
+
+
+def _segment_tests(path: Path) -> list[tuple[bytes, bool]] | None:
+    """Each segment as (bytes, is a prefix); None if one can match nothing (``a*b``)."""
+    tests = []
+    for seg in path:
+        star = seg.find(b"*")
+        if star < 0:
+            tests.append((seg, False))
+        elif seg[star:].strip(b"*"):
+            return None
+        else:
+            tests.append((seg[:star], True))
+    return tests
 
 
 def lookup(tree: KnownTree, parent: Path, name: bytes, own: Path | None,
@@ -320,6 +453,12 @@ def lookup(tree: KnownTree, parent: Path, name: bytes, own: Path | None,
         _check_owner(parent[2:5], own, caller_may_read_own)
         if depth == 5 and name == SELF:
             raise Refused("a secret key needs a name after its credentials", errno=errno.ENOENT)
+    wild = is_wild(name) or any(is_wild(s) for s in parent)
+    if wild and len(parent) >= MAX_SEGMENTS and name != SELF:
+        # a pattern's file at this depth would have more segments than any
+        # subscription may: refused before the path is even made
+        raise Refused(f"a pattern has at most {MAX_SEGMENTS} segments",
+                      errno=errno.ENAMETOOLONG)
     if name in (TRAILING, SELF):
         return Kind.FILE
     if is_wild(name):
@@ -327,7 +466,7 @@ def lookup(tree: KnownTree, parent: Path, name: bytes, own: Path | None,
     path = parent + (name,)
     if tree.is_dir(path):
         return Kind.DIR
-    if tree.is_key(path) or any(is_wild(s) for s in parent):
+    if wild or tree.is_key(path):
         return Kind.FILE
     raise Refused("not a known key or directory", errno=errno.ENOENT)
 

@@ -44,6 +44,19 @@ Attrs = pyfuse3.EntryAttributes
 SIGNAL_POLL = 0.05
 #: Seconds the kernel may cache a name's lookup (and attributes).
 ENTRY_TIMEOUT = 1.0
+#: Bytes an inode holds here besides its path (its entries in the inode tables and
+#: lookup counts; measured: tests/test_fuse_mapping.py), and per name in its path (a
+#: pointer in its own path tuple: names are shared with the parent's).
+INODE_COST = 500
+INODE_SEGMENT_COST = 8
+
+
+def inode_cost(path: Path) -> int:
+    """What an inode of *path* is charged: deep paths cost what they hold, so depth
+    cannot multiply what a user's share of inodes holds."""
+    return INODE_COST + INODE_SEGMENT_COST * len(path) + (len(path[-1]) if path else 0)
+
+
 #: How long a question about a caller may take (`BusFS._ask_caller`): a lookup miss
 #: asking whether its caller creates below it, an open whether its caller follows.
 INTENT_TIMEOUT = 0.5
@@ -186,6 +199,7 @@ class BusFS(pyfuse3.Operations):
         self._next_ino = pyfuse3.ROOT_INODE + 1
         self._ino_uid: dict[int, int] = {}  # whose lookup made an inode
         self._inodes: Counter[int] = Counter()  # inodes per user
+        self._inode_bytes: Counter[int] = Counter()  # and their bytes (`inode_cost`)
         self._reclaimed: dict[int, float] = {}  # when each user's names were last reclaimed
         self._handles: dict[int, Handle] = {}
         self._files: Counter[int] = Counter()  # open handles per user
@@ -221,12 +235,9 @@ class BusFS(pyfuse3.Operations):
         ino = self._ino_of.get((path, kind))
         if ino is None:
             if uid is not None:
-                if self._inodes[uid] >= self.share.inodes:
-                    log.info("uid %d holds %d inodes (its share); answering EDQUOT",
-                             uid, self._inodes[uid])
-                    self._reclaim(uid)
-                    raise FUSEError(errno.EDQUOT)
+                self._check_inode_share(uid, path)
                 self._inodes[uid] += 1
+                self._inode_bytes[uid] += inode_cost(path)
             ino = self._next_ino
             self._next_ino += 1
             self._ino_of[path, kind] = ino
@@ -234,6 +245,15 @@ class BusFS(pyfuse3.Operations):
             if uid is not None:
                 self._ino_uid[ino] = uid
         return ino
+
+    def _check_inode_share(self, uid: int, path: Path) -> None:
+        """EDQUOT if a new inode of *path* would take *uid* beyond its share."""
+        if (self._inodes[uid] >= self.share.inodes
+                or self._inode_bytes[uid] + inode_cost(path) > self.share.inode_bytes):
+            log.info("uid %d holds %d inodes of %d bytes (its share); answering EDQUOT",
+                     uid, self._inodes[uid], self._inode_bytes[uid])
+            self._reclaim(uid)
+            raise FUSEError(errno.EDQUOT)
 
     def _reclaim(self, uid: int) -> None:
         """Ask the kernel to forget the older half of *uid*'s names (at most once a
@@ -245,7 +265,7 @@ class BusFS(pyfuse3.Operations):
         self._reclaimed[uid] = now
         if len(self._reclaimed) > 4096:
             self._reclaimed.clear()
-        todo = self.share.inodes // 2
+        todo = self._inodes[uid] // 2
         for ino, owner in self._ino_uid.items():  # oldest first
             if todo <= 0:
                 break
@@ -374,8 +394,12 @@ class BusFS(pyfuse3.Operations):
         elif name == b"..":
             ino = self._inode(parent[:-1], Kind.DIR)
         else:
+            path = parent + (name,)
+            if (path, Kind.DIR) not in self._ino_of and (path, Kind.FILE) not in self._ino_of:
+                # a user at its share is refused before any work is done for it
+                self._check_inode_share(ctx.uid, path)
             kind, implicit = await self._decide(parent, name, ctx)
-            ino = self._inode(parent + (name,), kind, ctx.uid)
+            ino = self._inode(path, kind, ctx.uid)
         self._lookups[ino] += 1
         attrs = self._attrs(ino)
         if implicit:
@@ -402,8 +426,9 @@ class BusFS(pyfuse3.Operations):
         uid = self._ino_uid.pop(ino, None)
         if uid is not None:
             self._inodes[uid] -= 1
+            self._inode_bytes[uid] -= inode_cost(node[0]) if node is not None else 0
             if self._inodes[uid] <= 0:
-                del self._inodes[uid]
+                del self._inodes[uid], self._inode_bytes[uid]
 
     @answering
     async def getattr(self, inode: int, ctx: Ctx) -> Attrs:

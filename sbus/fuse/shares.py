@@ -54,9 +54,13 @@ class UserShare:
     #: ``opendir`` keeps its listing, about 70 bytes an entry, until closed).
     #: Beyond: EMFILE at opendir.
     listed: int = 1 << 18
-    #: Inodes (names the kernel holds, about 400 bytes each here) the user's lookups
-    #: made, until the kernel forgets them.  Beyond: EDQUOT for a new name.
+    #: Inodes (names the kernel holds) the user's lookups made, until the kernel
+    #: forgets them.  Beyond: EDQUOT for a new name.
     inodes: int = 1 << 16
+    #: Bytes those inodes hold here (`operations.inode_cost`: about 500 each, and 8
+    #: more per name in the path, so a walk down ``*/*/…`` pays for its depth).
+    #: Beyond: EDQUOT for a new name.
+    inode_bytes: int = 32 << 20
     #: Threads reading the user's callers' open calls and command lines in /proc at
     #: once (each may be stuck for good in a caller's memory, see `BusFS._ask_caller`).
     intent_threads: int = 2
