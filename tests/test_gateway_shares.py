@@ -213,6 +213,58 @@ def test_unauthenticated_subscribers_cannot_take_the_brokers_budget_for_the_gate
         bus.stop()
 
 
+def same_patterns(pipe, port: int, source: str, conns: int) -> None:
+    """*conns* unauthenticated connections from *source*, each subscribing to the same
+    patterns costing exactly one client's budget (256 KiB), then idle."""
+    from sbus.routing import pattern_cost
+
+    patterns = [b"p%06d" % i for i in range(319)]
+    rest = 256 * 1024 - sum(map(pattern_cost, patterns)) - 800  # one 1-segment pattern
+    patterns.append(b"q" * (rest // 2))
+    assert sum(map(pattern_cost, patterns)) == 256 * 1024
+    frames = b"".join(map(codec.subscribe, patterns))
+    held = []
+    for _ in range(conns):
+        s = connect(port, source)
+        s.sendall(frames)
+        echo(s)
+        held.append(s)
+    pipe.send("ready")
+    pipe.recv()
+
+
+@pytest.mark.parametrize("authenticate", [False, True])
+def test_one_address_cannot_take_the_subscription_pool(sdir, authenticate):
+    """40 unauthenticated connections of one address, each subscribing to the same
+    256 KiB of patterns, against an 8 MiB --subscription-pool: its address's share of the
+    bus budget holds them once, but the pool is charged per client.  An honest subscriber
+    of another address, with or without the key, still gets all 5 messages (before: the
+    pool was full after 32 clients, its SUB was refused and it was disconnected: 0)."""
+    bus = BrokerProcess(str(sdir / "bus.sock")).start()
+    gw = start(sdir, bus, "--subscription-pool", "8m", "--refusal-delay", "0.5")
+    procs = []
+    try:
+        local = raw(bus.address)
+        proc, pipe = as_user(ATTACKER_UID, same_patterns, gw.port, next_loopback(), 40)
+        procs.append((proc, pipe))
+        assert pipe.recv() == "ready"
+        proc, hpipe = as_user(HONEST_UID, honest, gw.port, next_loopback(), b"honest/",
+                              5, authenticate)
+        procs.append((proc, hpipe))
+        wait_honest(hpipe, local, b"honest/probe")
+        publish_numbered(local, b"honest/x", 5)
+        got = hpipe.recv()
+        print(f"honest subscriber got {got} of 5")
+        assert got == 5, gw.log()
+        assert "bytes of the gateway's subscription pool, its share is 524288" in gw.log()
+        local.close()
+    finally:
+        for proc, _ in procs:
+            proc.kill()
+        gw.stop()
+        bus.stop()
+
+
 def test_a_subscription_the_broker_refuses_leaves_no_phantom(sdir):
     """A gateway configured with more than the broker grants: the broker's refusal reaches
     the gateway, which drops the pattern (its status says so) and disconnects the client
@@ -419,8 +471,9 @@ def test_an_address_is_charged_once_per_distinct_pattern_its_clients_hold():
         for rc in nat:
             for topic in list(rc.topics):
                 gw._drop_topic(rc, topic)
-        assert account.sub_bytes == 0 and not account.patterns
+        assert account.sub_bytes == 0 and not account.patterns and not account.pool_bytes
         assert gw.unauthenticated.used == 0 and gw.subscriptions.used == 0
+        assert gw.unauthenticated_pool.used == 0
 
     trio.run(main)
 

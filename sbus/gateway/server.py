@@ -92,9 +92,11 @@ REFUSAL_DELAY = 5.0
 #: cap (a host redialing 1,000 clients against a cap of 256 has them all held).
 TARPIT_PER_CAP = 4
 #: Shares of one peer address (all its connections together): of the broker's budget
-#: for the gateway (`--bus-subscription-bytes`) one address may take 1/16, all
-#: unauthenticated clients together 1/2, so 8 addresses are needed to fill the
-#: unauthenticated half and a client with the key always finds room.
+#: for the gateway (`--bus-subscription-bytes`) and of the gateway's subscription pool
+#: (`--subscription-pool`) one address may take 1/16, all unauthenticated clients
+#: together 1/2 of each, so 8 addresses are needed to fill the unauthenticated half and
+#: a client with the key always finds room.  (The pool is charged per client: 256
+#: clients of one address holding the same 256 KiB of patterns filled all 64 MiB.)
 ADDRESS_SHARE, UNAUTHENTICATED_SHARE = 16, 2
 BUFFER_BYTES_PER_ADDRESS = 32 * 1024 * 1024
 
@@ -206,6 +208,8 @@ class Gateway:
         self.tarpit = Tarpit(max_clients, TARPIT_PER_CAP * max_clients_per_address)
         self.buffers = Pool(buffer_pool)
         self.subscriptions = Pool(subscription_pool)  # the gateway's own memory
+        self.pool_per_address = subscription_pool // ADDRESS_SHARE
+        self.unauthenticated_pool = Pool(subscription_pool // UNAUTHENTICATED_SHARE)
         #: Unauthenticated clients together may take at most half of the broker's budget
         #: for the gateway: a subscriber with the key always finds room.
         self.unauthenticated = Pool(bus_subscription_bytes // UNAUTHENTICATED_SHARE)
@@ -333,14 +337,19 @@ class Gateway:
         `Bridge` charges that per distinct pattern)."""
         cost = rc.topics.pop(topic)  # as charged (the separator may have changed since)
         rc.sub_bytes -= cost
-        self.subscriptions.give(cost)
         self._release_shares(rc, topic, cost)
 
     def _release_shares(self, rc: Remote, topic: bytes, cost: int) -> None:
-        """*rc* no longer holds *topic*: its address's share (charged once per distinct
-        pattern its clients hold) and, unauthenticated, the unauthenticated clients'
-        share (the same, over all of them) give it back with the last holder."""
+        """*rc* no longer holds *topic*: the pool and its address's and (unauthenticated)
+        the unauthenticated clients' parts of it give back what *rc* was charged; its
+        address's share of the bus budget (charged once per distinct pattern its clients
+        hold) and the unauthenticated clients' one (the same, over all of them) give it
+        back with the last holder."""
         account = rc.account
+        self.subscriptions.give(cost)
+        account.pool_bytes -= cost
+        if not rc.authenticated:
+            self.unauthenticated_pool.give(cost)
         account.patterns[topic] -= 1
         if not account.patterns[topic]:
             del account.patterns[topic]
@@ -415,7 +424,6 @@ class Gateway:
         finally:
             self.clients.discard(rc)
             rc.outbox.clear()
-            self.subscriptions.give(rc.sub_bytes)
             rc.sub_bytes = 0
             for topic, cost in rc.topics.items():
                 self._release_shares(rc, topic, cost)
@@ -651,10 +659,12 @@ class Gateway:
             self._check_shares(rc, topic, cost)
             self.subscriptions.take(cost)
             account = rc.account
+            account.pool_bytes += cost
             if not account.patterns[topic]:
                 account.sub_bytes += cost
             account.patterns[topic] += 1
             if not rc.authenticated:
+                self.unauthenticated_pool.take(cost)
                 if not self._unauth_patterns[topic]:
                     self.unauthenticated.take(cost)
                 self._unauth_patterns[topic] += 1
@@ -676,6 +686,7 @@ class Gateway:
                     if not held[topic]:
                         del held[topic]
                         self.unauthenticated.give(cost)
+                self.unauthenticated_pool.give(rc.sub_bytes)
                 rc.authenticated = True
                 log.debug("%r authenticated", rc)
 
@@ -684,9 +695,11 @@ class Gateway:
         its own doing, the connection stays); its address's and the unauthenticated
         clients' shares of the broker's budget for the gateway, each charged once per
         distinct pattern held (the bus holds each once: many clients behind one address
-        subscribing to the same topics cost its share once), the gateway's memory and
-        that budget itself (`SharesFull`: the client is disconnected after the delay,
-        and retries).  So the broker never has to refuse what the gateway accepted."""
+        subscribing to the same topics cost its share once), their shares of the
+        gateway's memory (the pool, charged per client: each holds its own entries),
+        that memory and that budget themselves (`SharesFull`: the client is disconnected
+        after the delay, and retries).  So the broker never has to refuse what the
+        gateway accepted."""
         what = f"subscription to {brief(topic)} ignored"
         if rc.sub_bytes + cost > self.subscription_bytes:
             raise FrameRefused(f"{what}: over its {self.subscription_bytes}-byte subscription "
@@ -701,6 +714,14 @@ class Gateway:
                 and not self.unauthenticated.fits(cost):
             raise SharesFull(f"{what}: unauthenticated clients hold their whole share "
                           f"({self.unauthenticated.limit} bytes) of the broker's budget")
+        if account.pool_bytes + cost > self.pool_per_address:
+            raise SharesFull(f"{what}: its address's clients hold {account.pool_bytes} "
+                             "bytes of the gateway's subscription pool, its share is "
+                             f"{self.pool_per_address} bytes")
+        if not rc.authenticated and not self.unauthenticated_pool.fits(cost):
+            raise SharesFull(f"{what}: unauthenticated clients hold their whole share "
+                             f"({self.unauthenticated_pool.limit} bytes) of the gateway's "
+                             "subscription pool")
         if not self.subscriptions.fits(cost):
             raise SharesFull(f"{what}: the gateway's {self.subscriptions.limit}-byte "
                           "subscription pool is full")
