@@ -13,6 +13,7 @@ from __future__ import annotations
 import encodings.idna  # noqa: F401  (imported before the fork: see UnprivilegedGateway)
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -30,7 +31,13 @@ from conftest import (
     sync,
 )
 from faultkit import as_user
-from test_gateway import SECRET, GatewayProcess, next_loopback, read_exactly
+from test_gateway import (
+    SECRET,
+    GatewayProcess,
+    closed_by_gateway,
+    next_loopback,
+    read_exactly,
+)
 
 import sbus.cmd.gateway  # noqa: F401
 from sbus import cli
@@ -598,5 +605,135 @@ def test_the_gateway_follows_the_brokers_trust_across_its_restarts(sdir):
     finally:
         if remote is not None:
             remote.close()
+        gw.stop()
+        bus.stop()
+
+
+# -- a restarting bus ------------------------------------------------------------------------
+
+def _collect(sock: socket.socket, key: bytes, got: list[int]) -> None:
+    """Append the numbers of the messages on *key* that arrive on a raw subscriber until
+    its broker closes it (or the test does)."""
+    head = b"MSG " + key + b"\0"
+    sock.settimeout(None)
+    try:
+        while p := sock.recv(1 << 16):
+            if p.startswith(head):
+                got.append(int(p[len(head):]))
+    except OSError:
+        pass
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_remote_publishes_wait_for_a_restarting_bus(sdir, how):
+    """A remote client publishes numbered messages (200/s) while the broker is stopped
+    (SIGTERM, or kill -9) and started again; a local subscriber follows it to the new
+    broker before the gateway may reach it (the directory closed to the gateway's user
+    meanwhile).  The gateway stops reading the publisher while the bus is away, so
+    every number arrives (before: 56-440 consecutive ones were dropped, said nowhere
+    but STATUS=).  A client that only subscribes is answered meanwhile and served
+    after."""
+    import threading
+
+    address = str(sdir / "bus.sock")
+    bus = BrokerProcess(address).start()
+    gw = start(sdir, bus)
+    stop = threading.Event()
+    got: list[int] = []
+    sent = [0]
+    threads = []
+    locals_ = []
+
+    def publish(s: socket.socket) -> None:
+        while not stop.is_set():
+            s.sendall(codec.publish(b"r/seq", b"%d" % sent[0]))  # waits while not read
+            sent[0] += 1
+            time.sleep(0.005)
+
+    def subscriber() -> None:
+        local = raw(address)
+        local.send(b"SUB r/")
+        sync(local)
+        locals_.append(local)
+        threads.append(threading.Thread(target=_collect, args=(local, b"r/seq", got)))
+        threads[-1].start()
+
+    try:
+        subscriber()
+        listener = connect(gw.port, next_loopback())
+        listener.sendall(codec.subscribe(b"quiet/"))
+        echo(listener)
+        publisher = connect(gw.port, next_loopback())
+        publisher.sendall(codec.authenticate(SECRET))
+        threads.append(threading.Thread(target=publish, args=(publisher,)))
+        threads[-1].start()
+        time.sleep(1)
+        if how == "SIGKILL":
+            bus.proc.kill()
+        else:
+            bus.proc.terminate()
+        bus.proc.wait()
+        gw.wait_log("lost the bus")
+        os.chmod(sdir, 0o700)  # the gateway's user cannot reach the new broker yet
+        bus = BrokerProcess(address).start()
+        subscriber()
+        echo(listener)  # keep-alives are answered while the bus is away
+        os.chmod(sdir, 0o755)
+        gw.wait_log("connected to the bus", timeout=20, times=2)
+        time.sleep(1)
+        stop.set()
+        threads[1].join(20)
+        echo(publisher)  # the gateway has read (and sent on) every publish
+        local = raw(address)  # the listener's subscription is back on the bus
+        local.send(b"MSG quiet/x\0hello")
+        expected = codec.publish(b"quiet/x", b"hello")
+        assert read_exactly(listener, len(expected)) == expected
+        time.sleep(0.5)
+        for s in locals_:
+            s.shutdown(socket.SHUT_RDWR)
+        missing = sorted(set(range(sent[0])) - set(got))
+        print(f"{how}: {sent[0]} published, {len(missing)} missing")
+        assert not missing, f"{len(missing)} of {sent[0]} lost: {missing[:5]}... {gw.log()}"
+        assert "dropped" not in gw.log()
+        local.close()
+    finally:
+        stop.set()
+        for s in locals_:
+            s.close()
+        gw.stop()
+        bus.stop()
+
+
+def test_publishes_dropped_when_the_bus_stays_away_are_said_and_their_publisher_told(sdir):
+    """The bus stays away longer than --bus-wait: the waiting publishes are dropped, the
+    log says so once for the outage and counts them when the bus is back, and their
+    publisher is disconnected (the protocol has no error frame); a client that only
+    subscribes stays, and is served when the bus is back."""
+    address = str(sdir / "bus.sock")
+    bus = BrokerProcess(address).start()
+    gw = start(sdir, bus, "--bus-wait", "1", "--refusal-delay", "0.5")
+    try:
+        listener = connect(gw.port, next_loopback())
+        listener.sendall(codec.subscribe(b"quiet/"))
+        echo(listener)
+        bus.stop()
+        gw.wait_log("lost the bus")
+        publisher = connect(gw.port, next_loopback())
+        publisher.sendall(codec.authenticate(SECRET)
+                          + b"".join(codec.publish(b"r/seq", b"%d" % n) for n in range(50)))
+        assert closed_by_gateway(publisher, 10)
+        time.sleep(1.5)
+        echo(listener)
+        bus = BrokerProcess(address).start()
+        log = gw.wait_log("remote publishes were dropped while the bus was away", timeout=20)
+        assert log.count("the bus has been away for 1 s") == 1, log
+        assert re.search(r"([1-9]\d*) remote publishes were dropped", log), log
+        assert "publishes dropped: the bus has been away" in log
+        local = raw(address)
+        expected = codec.publish(b"quiet/x", b"hello")
+        local.send(b"MSG quiet/x\0hello")
+        assert read_exactly(listener, len(expected)) == expected
+        local.close()
+    finally:
         gw.stop()
         bus.stop()

@@ -20,7 +20,7 @@ import trio
 from .. import rlimits
 from ..defaults import size_arg
 from ..errors import SbusError
-from ..gateway.bridge import BUS_SUBSCRIPTION_BYTES
+from ..gateway.bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT
 from ..gateway.codec import DEFAULT_MAX_FRAME
 from ..gateway.server import (
     BUFFER_BYTES_PER_ADDRESS,
@@ -120,6 +120,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "it below the broker's budget for the gateway's user)")
     p.add_argument("--route-cache", type=size_arg, default=ROUTE_CACHE, metavar="BYTES",
                    help="bytes of the cache of routing answers (default 4m)")
+    p.add_argument("--bus-wait", type=float, default=BUS_WAIT, metavar="SECONDS",
+                   help="while the bus is away (a broker restart), remote publishers are "
+                        "not read (TCP holds their sends back) for up to this long after it "
+                        "went; then their publishes are dropped, counted and logged, and "
+                        f"they are disconnected (default {BUS_WAIT:g})")
     p.add_argument("--refusal-delay", type=float, default=REFUSAL_DELAY, metavar="SECONDS",
                    help="a connection turned away (wrong key, malformed input, TLS failure, "
                         "over the caps, HTTPS 4xx) is held unread this long before "
@@ -175,6 +180,8 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
             raise SbusError(f"{name} must be positive")
     if args.refusal_delay < 0:
         raise SbusError("--refusal-delay must not be negative")
+    if args.bus_wait < 0:
+        raise SbusError("--bus-wait must not be negative")
     if args.https_listen:  # needs the 'gateway' extra (h11): say so before serving anyone
         from ..gateway.https import serve_https
     gw = Gateway(secret, address=args.address, idle_timeout=args.idle_timeout,
@@ -187,7 +194,8 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
                  refusal_delay=args.refusal_delay,
                  subscription_bytes_per_address=args.subscription_bytes_per_address,
                  buffer_bytes_per_address=args.buffer_bytes_per_address,
-                 bus_subscription_bytes=args.bus_subscription_bytes, linger=args.linger)
+                 bus_subscription_bytes=args.bus_subscription_bytes, linger=args.linger,
+                 bus_wait=args.bus_wait)
     try:
         listeners: list[trio.abc.Listener] = await trio.open_tcp_listeners(
             port, host=host or None, backlog=4096)

@@ -45,7 +45,7 @@ from ..linger import LINGER, WAKE_BYTES, Linger
 from ..routing import pattern_cost
 from . import codec
 from .admission import Caps, Peer, Pool, Tarpit, peer_of
-from .bridge import BUS_SUBSCRIPTION_BYTES, Bridge
+from .bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT, Bridge
 from .checks import FrameRefused, SharesFull, check_key, check_pattern
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
 from .outbox import Outbox, Shared
@@ -102,6 +102,12 @@ BUFFER_BYTES_PER_ADDRESS = 32 * 1024 * 1024
 
 class Disconnect(Exception):
     """Something abnormal: the connection is closed after the refusal delay."""
+
+
+class BusAway(Disconnect):
+    """Publishes of this client were dropped: the bus stayed away longer than the gateway
+    waits for it.  The protocol has no error frame: closing (after the refusal delay, so
+    a client that redials at once does not storm) is how the client is told."""
 
 
 class Remote:
@@ -190,6 +196,7 @@ class Gateway:
         buffer_bytes_per_address: int = BUFFER_BYTES_PER_ADDRESS,
         bus_subscription_bytes: int = BUS_SUBSCRIPTION_BYTES,
         linger: float = LINGER,
+        bus_wait: float = BUS_WAIT,
     ) -> None:
         if not secret:
             raise ValueError("the authentication secret is empty")
@@ -216,7 +223,7 @@ class Gateway:
         self._unauth_patterns: Counter[bytes] = Counter()  # held by unauthenticated clients
         self.bridge = Bridge(address, self._deliver, self._refused_by_broker,
                              cache_bytes=route_cache, on_separator=self._separator_changed,
-                             budget=bus_subscription_bytes)
+                             budget=bus_subscription_bytes, bus_wait=bus_wait)
         self._nursery: trio.Nursery | None = None
         self.clients: set[Remote] = set()
         self._heads: dict[bytes, bytes] = {}  # checked keys -> packet heads (`_head`)
@@ -448,10 +455,11 @@ class Gateway:
         if rc.scope is not None:
             rc.scope.cancel()
 
-    async def _refuse_and_close(self, rc: Remote, reason: str) -> None:
-        """A wrong key or a broken stream: log (rationed), read nothing for the refusal
-        delay, then close; a client that reconnects at once waits that long first."""
-        self.closed += 1
+    async def _refuse_and_close(self, rc: Remote, reason: str, junk: bool = True) -> None:
+        """A wrong key or a broken stream (*junk*: counted as such), or publishes dropped:
+        log (rationed), read nothing for the refusal delay, then close; a client that
+        reconnects at once waits that long first."""
+        self.closed += junk
         rc.reason = reason
         self.say(rc.host, logging.WARNING, "disconnecting %r in %g s: %s", rc,
                  self.refusal_delay, reason)
@@ -461,9 +469,12 @@ class Gateway:
 
     async def _reader(self, rc: Remote) -> None:
         decoder: FrameDecoder | None = FrameDecoder(self.max_frame, read_size=READ_SIZE)
+        junk = True
         try:
             await self._read(rc, decoder)
             return
+        except BusAway as exc:
+            reason, junk = str(exc), False
         except FrameError as exc:
             reason = f"malformed input: {exc}"
         except Disconnect as exc:
@@ -474,7 +485,7 @@ class Gateway:
                 return
             reason = f"TLS failed: {exc.__cause__}"  # e.g. plaintext: a misconfigured client
         decoder = None  # what it buffered is not kept through the delay  # noqa: F841
-        await self._refuse_and_close(rc, reason)
+        await self._refuse_and_close(rc, reason, junk)
 
     async def _read(self, rc: Remote, decoder: FrameDecoder) -> None:
         receive = rc.stream.receive_some
@@ -498,10 +509,22 @@ class Gateway:
         frames = 0  # frames since the reader last waited
         lowat = False  # the socket wakes the reader at WAKE_BYTES, not at one byte
 
+        bridge = self.bridge
+
         async def send_run() -> None:
-            nonlocal run, held
+            nonlocal run, held, turning
             packets, run, held = run, [], 0  # taken first: a cancelled send is not redone
-            await publish_packets(packets, owner)
+            waits = turning and not bridge.up  # for the bus: its siblings work meanwhile
+            if waits:
+                turn.release()
+                turning = False
+            sent = await publish_packets(packets, owner)
+            if sent < len(packets) and not bridge.up:
+                raise BusAway(f"{len(packets) - sent} publishes dropped: the bus has been "
+                              f"away for more than {bridge.bus_wait:g} s")
+            if waits:
+                await turn.acquire()
+                turning = True
 
         async def next_turn() -> None:
             """The other addresses, and then this one's other busy connections, first."""
@@ -607,9 +630,13 @@ class Gateway:
         finally:
             if turning:
                 turn.release()
+                turning = False
             if run:  # what came before the end of the stream, a bad frame or a broken read
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_GRACE):
-                    await send_run()
+                    try:
+                        await send_run()
+                    except BusAway:
+                        pass  # (counted, and said when the bus is back; the end stands)
 
     def _head(self, topic: bytes) -> bytes:
         """The start of every bus packet publishing to *topic*, once `check_key` accepted
