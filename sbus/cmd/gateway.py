@@ -31,6 +31,7 @@ from ..gateway.server import (
     ROUTE_CACHE,
     SUBSCRIPTION_BYTES,
     SUBSCRIPTION_POOL,
+    TLS_HANDSHAKE_TIMEOUT,
     Gateway,
 )
 from ..linger import LINGER, linger_arg
@@ -74,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where remote clients connect ([::]:PORT for IPv6)")
     p.add_argument("--tls-cert", metavar="FILE", help="certificate chain (PEM): serve TLS")
     p.add_argument("--tls-key", metavar="FILE", help="private key (PEM) for --tls-cert")
+    p.add_argument("--tls-handshake-timeout", type=float, default=TLS_HANDSHAKE_TIMEOUT,
+                   metavar="SECONDS", help="a TLS handshake not done this long after it "
+                   f"began is dropped (default {TLS_HANDSHAKE_TIMEOUT:g}); 8 of one "
+                   "address and 512 in all are made at once, the others wait")
     p.add_argument("--auth-key-file", required=True, metavar="FILE",
                    help="file holding the secret publishers authenticate with")
     p.add_argument("--idle-timeout", type=float, default=70.0, metavar="SECONDS",
@@ -165,6 +170,7 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
     for name, value in (("--buffer-messages", args.buffer_messages),
                         ("--buffer-bytes", args.buffer_bytes),
                         ("--idle-timeout", args.idle_timeout), ("--max-frame", args.max_frame),
+                        ("--tls-handshake-timeout", args.tls_handshake_timeout),
                         ("--max-clients", args.max_clients),
                         ("--max-clients-per-address", args.max_clients_per_address),
                         ("--buffer-pool", args.buffer_pool),
@@ -195,7 +201,7 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
                  subscription_bytes_per_address=args.subscription_bytes_per_address,
                  buffer_bytes_per_address=args.buffer_bytes_per_address,
                  bus_subscription_bytes=args.bus_subscription_bytes, linger=args.linger,
-                 bus_wait=args.bus_wait)
+                 bus_wait=args.bus_wait, tls_handshake_timeout=args.tls_handshake_timeout)
     try:
         listeners: list[trio.abc.Listener] = await trio.open_tcp_listeners(
             port, host=host or None, backlog=4096)

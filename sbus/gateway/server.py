@@ -88,6 +88,14 @@ SUBSCRIPTION_POOL = 64 * 1024 * 1024
 BUFFER_POOL = 256 * 1024 * 1024
 ROUTE_CACHE = 4 * 1024 * 1024
 REFUSAL_DELAY = 5.0
+#: TLS handshakes (`Gateway.handshake`): one not done this long after it began is dropped
+#: (`--tls-handshake-timeout`); at most HANDSHAKES_PER_ADDRESS of one address and
+#: HANDSHAKES in all are in progress at once, the others wait unread (up to the idle
+#: timeout) for their turn.  A stalled handshake makes OpenSSL hold a ClientHello of up to
+#: 128 KiB (~300 KB of RSS each, measured), which no other bound counts: 256 of one
+#: address took 77 MB, 5,000 of 20 addresses 1.5 GB; now at most ~150 MB in all.
+TLS_HANDSHAKE_TIMEOUT = 5.0
+HANDSHAKES_PER_ADDRESS, HANDSHAKES = 8, 512
 #: Connections over the caps one address may have held in the tarpit, per slot of its
 #: cap (a host redialing 1,000 clients against a cap of 256 has them all held).
 TARPIT_PER_CAP = 4
@@ -197,6 +205,7 @@ class Gateway:
         bus_subscription_bytes: int = BUS_SUBSCRIPTION_BYTES,
         linger: float = LINGER,
         bus_wait: float = BUS_WAIT,
+        tls_handshake_timeout: float = TLS_HANDSHAKE_TIMEOUT,
     ) -> None:
         if not secret:
             raise ValueError("the authentication secret is empty")
@@ -208,6 +217,8 @@ class Gateway:
         self.max_frame = max_frame
         self.subscription_bytes = subscription_bytes
         self.refusal_delay = refusal_delay
+        self.tls_handshake_timeout = tls_handshake_timeout
+        self._handshakes = trio.Semaphore(HANDSHAKES)  # in progress, all addresses
         self.subscription_bytes_per_address = (
             bus_subscription_bytes // ADDRESS_SHARE if subscription_bytes_per_address is None
             else subscription_bytes_per_address)
@@ -238,6 +249,7 @@ class Gateway:
         self.dropped = 0  # frames discarded because a client's buffer was full
         self.refused = 0  # frames refused (connection kept)
         self.closed = 0  # connections closed for a wrong key or malformed input
+        self.handshakes_expired = 0  # TLS handshakes not done in time
         self.crashes = 0  # clients dropped because their handling raised (a bug)
         self._crash_places: set[tuple[str, str, int]] = set()
 
@@ -285,6 +297,41 @@ class Gateway:
             finally:
                 self.tarpit.give(host)
         await trio.aclose_forcefully(stream)
+
+    async def handshake(self, stream: trio.abc.Stream, host: str, peer: str) -> bool:
+        """Make the TLS handshake of an admitted connection before anything else (else
+        it happens inside the first read, bounded by the idle timeout only): whether it
+        was made.  It waits, unread, for one of its address's and one of all
+        addresses' places (`HANDSHAKES_PER_ADDRESS`, `HANDSHAKES`), up to the idle
+        timeout, then has `tls_handshake_timeout`; a handshake not made in time is closed
+        at once, one that fails (plaintext on the TLS port) after the refusal delay,
+        keeping its places meanwhile: what handshakes hold is bounded by those places."""
+        if not isinstance(stream, trio.SSLStream):
+            return True
+        account = self.caps.peer(host)
+        mine = account.handshakes
+        if mine is None:
+            mine = account.handshakes = trio.Semaphore(HANDSHAKES_PER_ADDRESS)
+        failed: BaseException | None = None
+        with trio.move_on_after(self.idle_timeout):
+            async with mine, self._handshakes:
+                with trio.move_on_after(self.tls_handshake_timeout):
+                    try:
+                        await stream.do_handshake()
+                        return True
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                        failed = exc
+                if isinstance(getattr(failed, "__cause__", None), ssl.SSLError):
+                    self.closed += 1
+                    self.say(host, logging.WARNING, "disconnecting %s in %g s: TLS failed: %s",
+                             peer, self.refusal_delay, failed.__cause__)
+                    await trio.sleep(self.refusal_delay)
+                elif failed is None:
+                    self.handshakes_expired += 1
+                    self.say(host, logging.INFO, "%s: TLS handshake not done in %g s; closed",
+                             peer, self.tls_handshake_timeout)
+        await trio.aclose_forcefully(stream)
+        return False
 
     # -- fan-out from the bus ---------------------------------------------------------
 
@@ -386,7 +433,8 @@ class Gateway:
             return
         host, peer = admitted
         try:
-            await self._serve(stream, host, peer)
+            if await self.handshake(stream, host, peer):
+                await self._serve(stream, host, peer)
         except Exception as exc:  # the one top-level guard: see `crashed`
             self.crashed(peer, exc)
         finally:
@@ -796,6 +844,7 @@ class Gateway:
                 f"{b.published} published, {self.delivered} delivered, "
                 f"{self.dropped} discarded (buffers full), {b.lost} lost (bus down), "
                 f"{self.refused} frames refused, {self.closed} closed (wrong key, junk), "
+                f"{self.handshakes_expired} TLS handshakes not done in time, "
                 f"{self.crashes} dropped on an internal error, "
                 f"{self.caps.refused} connections refused at the caps "
                 f"({self.tarpit.held} held, {self.tarpit.overflow} closed at once), "
