@@ -97,6 +97,68 @@ def wait_for(predicate, timeout: float = 10, what: str = "condition") -> None:
 
 # -- TLS ---------------------------------------------------------------------------------
 
+def _stalled_client_hello(port: int, source: str) -> socket.socket:
+    """A connection that sends 120 KiB of a fragmented ClientHello claiming 131,000 bytes,
+    then nothing: OpenSSL holds what came while it waits for the rest."""
+    hello = b"\x01" + (131000).to_bytes(3, "big") + b"\x03\x03" + bytes(120 * 1024)
+    records = b"".join(b"\x16\x03\x01" + len(hello[i:i + 16384]).to_bytes(2, "big")
+                       + hello[i:i + 16384] for i in range(0, len(hello), 16384))
+    s = socket.socket()
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    s.setblocking(False)
+    try:
+        s.send(records)  # what fits: one that waits for its turn is not read
+    except BlockingIOError:
+        pass
+    return s
+
+
+def _closed(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_stalled_tls_handshakes_are_dropped_in_time_and_capped_per_address(tlsdir, tls_bus,
+                                                                           ca, client_ctx):
+    """24 connections of one address stall their handshakes: 8 at a time are made (the
+    others wait unread), each dropped 2 s (--tls-handshake-timeout) after it began, so
+    they go in waves of 8 at ~2, ~4 and ~6 s; another address's client is served at
+    once meanwhile.  Before, the handshake ran inside the first read, under the idle
+    timeout only (70 s), each holding ~300 KB: 256 of one address took 77 MB."""
+    from test_gateway import next_loopback
+
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    certfile, keyfile = tlsdir / "stall-cert.pem", tlsdir / "stall-key.pem"
+    certfile.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    gw = GatewayProcess(tlsdir, tls_bus.address, "--tls-cert", str(certfile), "--tls-key",
+                        str(keyfile), "--tls-handshake-timeout", "2", name="stall").start()
+    stalled = []
+    try:
+        source = next_loopback()
+        start = time.monotonic()
+        stalled = [_stalled_client_hello(gw.port, source) for _ in range(24)]
+        good = tls_connect(gw, client_ctx)  # another address: its handshake is made at once
+        roundtrip(good)
+        assert time.monotonic() - start < 1.5
+        time.sleep(max(0.0, start + 3 - time.monotonic()))
+        assert sum(map(_closed, stalled)) == 8  # the first 8, at their deadline
+        wait_for(lambda: all(map(_closed, stalled)), timeout=10, what="the last waves")
+        assert time.monotonic() - start > 5.5  # three waves, not all at once
+        roundtrip(good)
+        gw.wait_log("TLS handshake not done in 2 s")
+        good.close()
+    finally:
+        for s in stalled:
+            s.close()
+        gw.stop()
+
+
 def test_tls_frames_are_byte_exact(tls_gw, client_ctx, local):
     remote = tls_connect(tls_gw, client_ctx)
     remote.sendall(codec.subscribe(b"topic"))

@@ -20,17 +20,20 @@ import trio
 from .. import rlimits
 from ..defaults import size_arg
 from ..errors import SbusError
-from ..gateway.bridge import BUS_SUBSCRIPTION_BYTES
+from ..gateway.bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT
 from ..gateway.codec import DEFAULT_MAX_FRAME
 from ..gateway.server import (
     BUFFER_BYTES_PER_ADDRESS,
     BUFFER_POOL,
+    HANDSHAKES,
+    HANDSHAKES_PER_ADDRESS,
     MAX_CLIENTS,
     MAX_CLIENTS_PER_ADDRESS,
     REFUSAL_DELAY,
     ROUTE_CACHE,
     SUBSCRIPTION_BYTES,
     SUBSCRIPTION_POOL,
+    TLS_HANDSHAKE_TIMEOUT,
     Gateway,
 )
 from ..linger import LINGER, linger_arg
@@ -74,6 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where remote clients connect ([::]:PORT for IPv6)")
     p.add_argument("--tls-cert", metavar="FILE", help="certificate chain (PEM): serve TLS")
     p.add_argument("--tls-key", metavar="FILE", help="private key (PEM) for --tls-cert")
+    p.add_argument("--tls-handshake-timeout", type=float, default=TLS_HANDSHAKE_TIMEOUT,
+                   metavar="SECONDS", help="a TLS handshake not done this long after it "
+                   f"began is dropped (default {TLS_HANDSHAKE_TIMEOUT:g}); "
+                   f"{HANDSHAKES_PER_ADDRESS} of one address and {HANDSHAKES} in all are "
+                   "made at once, the others wait")
     p.add_argument("--auth-key-file", required=True, metavar="FILE",
                    help="file holding the secret publishers authenticate with")
     p.add_argument("--idle-timeout", type=float, default=70.0, metavar="SECONDS",
@@ -120,6 +128,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "it below the broker's budget for the gateway's user)")
     p.add_argument("--route-cache", type=size_arg, default=ROUTE_CACHE, metavar="BYTES",
                    help="bytes of the cache of routing answers (default 4m)")
+    p.add_argument("--bus-wait", type=float, default=BUS_WAIT, metavar="SECONDS",
+                   help="while the bus is away (a broker restart), remote publishers are "
+                        "not read (TCP holds their sends back) for up to this long after it "
+                        "went; then their publishes are dropped, counted and logged, and "
+                        f"they are disconnected (default {BUS_WAIT:g})")
     p.add_argument("--refusal-delay", type=float, default=REFUSAL_DELAY, metavar="SECONDS",
                    help="a connection turned away (wrong key, malformed input, TLS failure, "
                         "over the caps, HTTPS 4xx) is held unread this long before "
@@ -160,6 +173,7 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
     for name, value in (("--buffer-messages", args.buffer_messages),
                         ("--buffer-bytes", args.buffer_bytes),
                         ("--idle-timeout", args.idle_timeout), ("--max-frame", args.max_frame),
+                        ("--tls-handshake-timeout", args.tls_handshake_timeout),
                         ("--max-clients", args.max_clients),
                         ("--max-clients-per-address", args.max_clients_per_address),
                         ("--buffer-pool", args.buffer_pool),
@@ -175,6 +189,8 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
             raise SbusError(f"{name} must be positive")
     if args.refusal_delay < 0:
         raise SbusError("--refusal-delay must not be negative")
+    if args.bus_wait < 0:
+        raise SbusError("--bus-wait must not be negative")
     if args.https_listen:  # needs the 'gateway' extra (h11): say so before serving anyone
         from ..gateway.https import serve_https
     gw = Gateway(secret, address=args.address, idle_timeout=args.idle_timeout,
@@ -187,7 +203,8 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
                  refusal_delay=args.refusal_delay,
                  subscription_bytes_per_address=args.subscription_bytes_per_address,
                  buffer_bytes_per_address=args.buffer_bytes_per_address,
-                 bus_subscription_bytes=args.bus_subscription_bytes, linger=args.linger)
+                 bus_subscription_bytes=args.bus_subscription_bytes, linger=args.linger,
+                 bus_wait=args.bus_wait, tls_handshake_timeout=args.tls_handshake_timeout)
     try:
         listeners: list[trio.abc.Listener] = await trio.open_tcp_listeners(
             port, host=host or None, backlog=4096)

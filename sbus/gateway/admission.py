@@ -64,11 +64,13 @@ def owner_of(host: str) -> int:
 
 class Peer:
     """What all connections from one peer address hold together: connections, outgoing
-    bytes queued (bounded by *queue_limit*) and the distinct patterns they subscribe,
-    and their turn (the server's lock that lets one of them work at a time)."""
+    bytes queued (bounded by *queue_limit*), the distinct patterns they subscribe, what
+    their subscriptions take of the gateway's subscription pool, their turn (the
+    server's lock that lets one of them work at a time) and their TLS handshakes in
+    progress (the server's semaphore)."""
 
-    __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "patterns", "turn",
-                 "owner")
+    __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "patterns",
+                 "pool_bytes", "turn", "handshakes", "owner")
 
     def __init__(self, host: str, queue_limit: int = 1 << 62) -> None:
         self.host = host
@@ -79,7 +81,9 @@ class Peer:
         self.queue_limit = queue_limit
         self.sub_bytes = 0  # the cost of `patterns`, each counted once
         self.patterns: Counter[bytes] = Counter()  # distinct patterns -> its clients holding
+        self.pool_bytes = 0  # its clients' subscriptions, each client's counted in full
         self.turn: object = None  # made by the server at the address's first read
+        self.handshakes: object = None  # made by the server at its first TLS handshake
 
 
 class Caps:

@@ -14,9 +14,11 @@ holds the distinct patterns, the flood policy (``soft=queue, hard=discard``: the
 drops for a lagging gateway rather than blocking local publishers, and says how many)
 and ``nowait`` as a publisher (one slow local ``block`` subscriber never stalls every
 remote publisher), and restores all of them when the broker comes back; remote
-clients stay connected meanwhile.  Messages remote clients publish while the bus is
-down are discarded and counted, in line with the pubsub design's lack of delivery
-guarantees.
+clients stay connected meanwhile.  A remote publish made while the bus is down waits
+for it (`wait_up`), up to *bus_wait* seconds after it went away: the server reads no
+more of that publisher meanwhile, so TCP holds its sends back and a restart loses
+nothing.  Only if the bus stays away longer are publishes dropped; that is counted and
+said in the log once per outage (and the server disconnects their publishers).
 
 The broker's whoami answer (``!/cred/G/U/P``, or ``!.cred.G.U.P`` for a
 ``--separator .`` broker) tells the separator, so the index routes and the
@@ -63,6 +65,11 @@ BUS_SUBSCRIPTION_BYTES = Limits().subscription_bytes_per_user * 3 // 4
 BUS_PATTERNS = Limits().subscriptions_per_user * 3 // 4
 #: Reconnect backoff to the local broker (seconds): it is local, so retry briskly.
 BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX = 0.1, 5.0
+#: Seconds after the bus went away during which remote publishes wait for it to come
+#: back (`Bridge.wait_up`): a broker restart (SIGTERM, kill -9 and start) takes a second or
+#: two and the reconnect backoff a few more; within the idle timeout (70 s) and the
+#: client library's dead_after (60 s), so a held publisher is not taken for dead.
+BUS_WAIT = 10.0
 #: Seconds the first whoami may take before the gateway gives up starting.
 CONTROL_TIMEOUT = 10.0
 #: Messages taken from the bus before the clients' writers get a turn: well under
@@ -99,7 +106,7 @@ class Bridge:
                  cache_bytes: int = CACHE_BYTES,
                  on_separator: Callable[[bytes], None] | None = None,
                  budget: int = BUS_SUBSCRIPTION_BYTES,
-                 max_patterns: int = BUS_PATTERNS) -> None:
+                 max_patterns: int = BUS_PATTERNS, bus_wait: float = BUS_WAIT) -> None:
         self.deliver = deliver
         self.on_refused = on_refused
         self.cache_bytes = cache_bytes
@@ -122,6 +129,11 @@ class Bridge:
         self._waiting: trio.CancelScope | None = None  # the receiver's wait for the socket
         self._receiving: trio.CancelScope | None = None  # its receive, under the lock
         self._up = False
+        self.bus_wait = bus_wait
+        self._back = trio.Event()  # set when the bus is up; a new one at each outage
+        self._down_since: float | None = None  # (trio clock) when the bus went away
+        self._outage_lost = 0  # publishes dropped in this outage (said when it ends)
+        self._outage_said = False  # that publishes are being dropped
         #: the broker lets us name whose each publish is (`publish_packets`): we are trusted.
         #: Asked again in each opening (`Session.ask_for_trust`): a broker restarted with
         #: other settings may trust us, or no longer.
@@ -140,7 +152,7 @@ class Bridge:
         self._unmapped = 0  # SUB refusals during a reconnect: their patterns are unknown
         # counters
         self.published = 0  # remote publishes handed to the bus
-        self.lost = 0  # remote publishes discarded because the bus was down
+        self.lost = 0  # remote publishes not sent: the bus stayed away, or over its limit
         self.received = 0  # messages from the bus
         self.bus_dropped = 0  # messages the broker reported dropping for us
         self.refused = 0  # distinct patterns the broker refused
@@ -242,11 +254,14 @@ class Bridge:
     async def publish_packets(self, packets: list[bytes], owner: int | None = None) -> int:
         """Hand remote clients' messages, as MSG packets (`Session.publish_head` + payload,
         keys checked), to the bus in order as one run (one ``sendmmsg`` where the socket
-        has room): how many were sent.  The others (the bus is down, or one is over the
+        has room): how many were sent.  While the bus is away this waits for it
+        (`wait_up`); the packets not sent (it stayed away longer, or one is over the
         broker's limit) are counted as lost.  *owner*: the peer address's number
         (`admission.Peer.owner`), whose share of a full local queue they take where the
         broker trusts the gateway; None, the gateway's own."""
         total = len(packets)
+        if not total:
+            return 0
         limit = self.bus.session.max_message
         if max(map(len, packets)) > limit:
             packets = [p for p in packets if len(p) <= limit]
@@ -260,12 +275,49 @@ class Bridge:
             switch[:] = self._for(owner)
             return switch + packets
 
-        sent = len(packets) if packets and self._up and await self._send(build) else 0
+        sent = 0
+        try:
+            while packets:
+                if not self._up and not await self.wait_up():
+                    break
+                if await self._send(build):
+                    sent = len(packets)
+                    break
+                if self._up:  # not sent for another reason than the bus (complained)
+                    break
+        except trio.Cancelled:
+            if not self._up:  # its client went while it waited: lost, and counted
+                self._dropped_away(total)
+            raise
         if sent and switch:
             self._for_unsure = False  # it went whole, with the run
         self.published += sent
-        self.lost += total - sent
+        if not self._up:
+            self._dropped_away(total - sent)
+        else:
+            self.lost += total - sent
         return sent
+
+    async def wait_up(self) -> bool:
+        """Wait for the bus, at most until `bus_wait` seconds after it went away: whether
+        it is up.  After that, once per outage, the log says remote publishes are being
+        dropped (their count is said when the bus comes back)."""
+        if self._up:
+            return True
+        if self._down_since is not None:
+            with trio.move_on_at(self._down_since + self.bus_wait):
+                await self._back.wait()
+        if self._up:
+            return True
+        if not self._outage_said and self._down_since is not None:
+            self._outage_said = True
+            log.warning("the bus has been away for %g s: remote publishes are dropped until "
+                        "it is back, and their publishers disconnected", self.bus_wait)
+        return False
+
+    def _dropped_away(self, count: int) -> None:
+        self.lost += count
+        self._outage_lost += count
 
     def _for(self, owner: int | None) -> list[bytes]:
         """The packet that makes the next publishes *owner*'s (`PUBLISHER_FOR`), unless
@@ -305,7 +357,10 @@ class Bridge:
     def _connection(self, up: bool, line: str) -> None:
         if not up:
             self._up = False
-            log.warning("lost the bus: %s", line)
+            self._back = trio.Event()
+            self._down_since = trio.current_time()
+            log.warning("lost the bus: %s; remote publishers wait for it up to %g s",
+                        line, self.bus_wait)
             self._trusted_before, self.for_peers = self.for_peers, True  # until refused
             self._unconfirmed.clear()  # questions on the old connection: never answered
             self._in_flight.clear()
@@ -314,6 +369,13 @@ class Bridge:
                 self._waiting.cancel()
             return
         self._up = True
+        self._back.set()
+        if self._outage_lost:
+            log.warning("%d remote publishes were dropped while the bus was away (%.1f s; "
+                        "publishers wait for it up to %g s)", self._outage_lost,
+                        trio.current_time() - (self._down_since or 0.0), self.bus_wait)
+        self._outage_lost = 0
+        self._outage_said = False
         self._generation += 1
         whoami = self.bus.session.whoami or b""
         if whoami.startswith(b"!") and len(whoami) > 1:
@@ -408,6 +470,7 @@ class Bridge:
             raise SbusError(f"the broker answered whoami with {brief(me)}")
         self._set_separator(me[1:2])
         self._up = True
+        self._back.set()
         log.info("connected to the bus at %s (%d patterns); towards a slow local subscriber "
                  "%s", self.address, len(self.patterns), _SHARES[self.for_peers])
         task_status.started()
@@ -415,6 +478,7 @@ class Bridge:
             await self._forward()
         finally:
             self._up = False  # senders stop here, not at a closed client
+            self._down_since = None  # (and wait for nothing)
             with trio.CancelScope(shield=True):
                 await bus.aclose()
 

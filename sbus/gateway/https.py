@@ -129,7 +129,8 @@ async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
         await gw.turn_away(stream, admitted)
         return
     try:
-        await _serve(gw, stream, admitted[0])
+        if await gw.handshake(stream, *admitted):
+            await _serve(gw, stream, admitted[0])
     except Exception as exc:  # the one top-level guard: see `Gateway.crashed`
         gw.crashed(admitted[1], exc)
     finally:

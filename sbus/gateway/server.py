@@ -45,7 +45,7 @@ from ..linger import LINGER, WAKE_BYTES, Linger
 from ..routing import pattern_cost
 from . import codec
 from .admission import Caps, Peer, Pool, Tarpit, peer_of
-from .bridge import BUS_SUBSCRIPTION_BYTES, Bridge
+from .bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT, Bridge
 from .checks import FrameRefused, SharesFull, check_key, check_pattern
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
 from .outbox import Outbox, Shared
@@ -88,18 +88,34 @@ SUBSCRIPTION_POOL = 64 * 1024 * 1024
 BUFFER_POOL = 256 * 1024 * 1024
 ROUTE_CACHE = 4 * 1024 * 1024
 REFUSAL_DELAY = 5.0
+#: TLS handshakes (`Gateway.handshake`): one not done this long after it began is dropped
+#: (`--tls-handshake-timeout`); at most HANDSHAKES_PER_ADDRESS of one address and
+#: HANDSHAKES in all are in progress at once, the others wait unread (up to the idle
+#: timeout) for their turn.  A stalled handshake makes OpenSSL hold a ClientHello of up to
+#: 128 KiB (~300 KB of RSS each, measured), which no other bound counts: 256 of one
+#: address took 77 MB, 5,000 of 20 addresses 1.5 GB; now at most ~150 MB in all.
+TLS_HANDSHAKE_TIMEOUT = 5.0
+HANDSHAKES_PER_ADDRESS, HANDSHAKES = 8, 512
 #: Connections over the caps one address may have held in the tarpit, per slot of its
 #: cap (a host redialing 1,000 clients against a cap of 256 has them all held).
 TARPIT_PER_CAP = 4
 #: Shares of one peer address (all its connections together): of the broker's budget
-#: for the gateway (`--bus-subscription-bytes`) one address may take 1/16, all
-#: unauthenticated clients together 1/2, so 8 addresses are needed to fill the
-#: unauthenticated half and a client with the key always finds room.
+#: for the gateway (`--bus-subscription-bytes`) and of the gateway's subscription pool
+#: (`--subscription-pool`) one address may take 1/16, all unauthenticated clients
+#: together 1/2 of each, so 8 addresses are needed to fill the unauthenticated half and
+#: a client with the key always finds room.  (The pool is charged per client: 256
+#: clients of one address holding the same 256 KiB of patterns filled all 64 MiB.)
 ADDRESS_SHARE, UNAUTHENTICATED_SHARE = 16, 2
 BUFFER_BYTES_PER_ADDRESS = 32 * 1024 * 1024
 
 class Disconnect(Exception):
     """Something abnormal: the connection is closed after the refusal delay."""
+
+
+class BusAway(Disconnect):
+    """Publishes of this client were dropped: the bus stayed away longer than the gateway
+    waits for it.  The protocol has no error frame: closing (after the refusal delay, so
+    a client that redials at once does not storm) is how the client is told."""
 
 
 class Remote:
@@ -188,6 +204,8 @@ class Gateway:
         buffer_bytes_per_address: int = BUFFER_BYTES_PER_ADDRESS,
         bus_subscription_bytes: int = BUS_SUBSCRIPTION_BYTES,
         linger: float = LINGER,
+        bus_wait: float = BUS_WAIT,
+        tls_handshake_timeout: float = TLS_HANDSHAKE_TIMEOUT,
     ) -> None:
         if not secret:
             raise ValueError("the authentication secret is empty")
@@ -199,6 +217,8 @@ class Gateway:
         self.max_frame = max_frame
         self.subscription_bytes = subscription_bytes
         self.refusal_delay = refusal_delay
+        self.tls_handshake_timeout = tls_handshake_timeout
+        self._handshakes = trio.Semaphore(HANDSHAKES)  # in progress, all addresses
         self.subscription_bytes_per_address = (
             bus_subscription_bytes // ADDRESS_SHARE if subscription_bytes_per_address is None
             else subscription_bytes_per_address)
@@ -206,13 +226,15 @@ class Gateway:
         self.tarpit = Tarpit(max_clients, TARPIT_PER_CAP * max_clients_per_address)
         self.buffers = Pool(buffer_pool)
         self.subscriptions = Pool(subscription_pool)  # the gateway's own memory
+        self.pool_per_address = subscription_pool // ADDRESS_SHARE
+        self.unauthenticated_pool = Pool(subscription_pool // UNAUTHENTICATED_SHARE)
         #: Unauthenticated clients together may take at most half of the broker's budget
         #: for the gateway: a subscriber with the key always finds room.
         self.unauthenticated = Pool(bus_subscription_bytes // UNAUTHENTICATED_SHARE)
         self._unauth_patterns: Counter[bytes] = Counter()  # held by unauthenticated clients
         self.bridge = Bridge(address, self._deliver, self._refused_by_broker,
                              cache_bytes=route_cache, on_separator=self._separator_changed,
-                             budget=bus_subscription_bytes)
+                             budget=bus_subscription_bytes, bus_wait=bus_wait)
         self._nursery: trio.Nursery | None = None
         self.clients: set[Remote] = set()
         self._heads: dict[bytes, bytes] = {}  # checked keys -> packet heads (`_head`)
@@ -227,6 +249,7 @@ class Gateway:
         self.dropped = 0  # frames discarded because a client's buffer was full
         self.refused = 0  # frames refused (connection kept)
         self.closed = 0  # connections closed for a wrong key or malformed input
+        self.handshakes_expired = 0  # TLS handshakes not done in time
         self.crashes = 0  # clients dropped because their handling raised (a bug)
         self._crash_places: set[tuple[str, str, int]] = set()
 
@@ -274,6 +297,41 @@ class Gateway:
             finally:
                 self.tarpit.give(host)
         await trio.aclose_forcefully(stream)
+
+    async def handshake(self, stream: trio.abc.Stream, host: str, peer: str) -> bool:
+        """Make the TLS handshake of an admitted connection before anything else (else
+        it happens inside the first read, bounded by the idle timeout only): whether it
+        was made.  It waits, unread, for one of its address's and one of all
+        addresses' places (`HANDSHAKES_PER_ADDRESS`, `HANDSHAKES`), up to the idle
+        timeout, then has `tls_handshake_timeout`; a handshake not made in time is closed
+        at once, one that fails (plaintext on the TLS port) after the refusal delay,
+        keeping its places meanwhile: what handshakes hold is bounded by those places."""
+        if not isinstance(stream, trio.SSLStream):
+            return True
+        account = self.caps.peer(host)
+        mine = account.handshakes
+        if mine is None:
+            mine = account.handshakes = trio.Semaphore(HANDSHAKES_PER_ADDRESS)
+        failed: BaseException | None = None
+        with trio.move_on_after(self.idle_timeout):
+            async with mine, self._handshakes:
+                with trio.move_on_after(self.tls_handshake_timeout):
+                    try:
+                        await stream.do_handshake()
+                        return True
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                        failed = exc
+                if isinstance(getattr(failed, "__cause__", None), ssl.SSLError):
+                    self.closed += 1
+                    self.say(host, logging.WARNING, "disconnecting %s in %g s: TLS failed: %s",
+                             peer, self.refusal_delay, failed.__cause__)
+                    await trio.sleep(self.refusal_delay)
+                elif failed is None:
+                    self.handshakes_expired += 1
+                    self.say(host, logging.INFO, "%s: TLS handshake not done in %g s; closed",
+                             peer, self.tls_handshake_timeout)
+        await trio.aclose_forcefully(stream)
+        return False
 
     # -- fan-out from the bus ---------------------------------------------------------
 
@@ -333,14 +391,19 @@ class Gateway:
         `Bridge` charges that per distinct pattern)."""
         cost = rc.topics.pop(topic)  # as charged (the separator may have changed since)
         rc.sub_bytes -= cost
-        self.subscriptions.give(cost)
         self._release_shares(rc, topic, cost)
 
     def _release_shares(self, rc: Remote, topic: bytes, cost: int) -> None:
-        """*rc* no longer holds *topic*: its address's share (charged once per distinct
-        pattern its clients hold) and, unauthenticated, the unauthenticated clients'
-        share (the same, over all of them) give it back with the last holder."""
+        """*rc* no longer holds *topic*: the pool and its address's and (unauthenticated)
+        the unauthenticated clients' parts of it give back what *rc* was charged; its
+        address's share of the bus budget (charged once per distinct pattern its clients
+        hold) and the unauthenticated clients' one (the same, over all of them) give it
+        back with the last holder."""
         account = rc.account
+        self.subscriptions.give(cost)
+        account.pool_bytes -= cost
+        if not rc.authenticated:
+            self.unauthenticated_pool.give(cost)
         account.patterns[topic] -= 1
         if not account.patterns[topic]:
             del account.patterns[topic]
@@ -370,7 +433,8 @@ class Gateway:
             return
         host, peer = admitted
         try:
-            await self._serve(stream, host, peer)
+            if await self.handshake(stream, host, peer):
+                await self._serve(stream, host, peer)
         except Exception as exc:  # the one top-level guard: see `crashed`
             self.crashed(peer, exc)
         finally:
@@ -415,7 +479,6 @@ class Gateway:
         finally:
             self.clients.discard(rc)
             rc.outbox.clear()
-            self.subscriptions.give(rc.sub_bytes)
             rc.sub_bytes = 0
             for topic, cost in rc.topics.items():
                 self._release_shares(rc, topic, cost)
@@ -440,10 +503,11 @@ class Gateway:
         if rc.scope is not None:
             rc.scope.cancel()
 
-    async def _refuse_and_close(self, rc: Remote, reason: str) -> None:
-        """A wrong key or a broken stream: log (rationed), read nothing for the refusal
-        delay, then close; a client that reconnects at once waits that long first."""
-        self.closed += 1
+    async def _refuse_and_close(self, rc: Remote, reason: str, junk: bool = True) -> None:
+        """A wrong key or a broken stream (*junk*: counted as such), or publishes dropped:
+        log (rationed), read nothing for the refusal delay, then close; a client that
+        reconnects at once waits that long first."""
+        self.closed += junk
         rc.reason = reason
         self.say(rc.host, logging.WARNING, "disconnecting %r in %g s: %s", rc,
                  self.refusal_delay, reason)
@@ -453,9 +517,12 @@ class Gateway:
 
     async def _reader(self, rc: Remote) -> None:
         decoder: FrameDecoder | None = FrameDecoder(self.max_frame, read_size=READ_SIZE)
+        junk = True
         try:
             await self._read(rc, decoder)
             return
+        except BusAway as exc:
+            reason, junk = str(exc), False
         except FrameError as exc:
             reason = f"malformed input: {exc}"
         except Disconnect as exc:
@@ -466,7 +533,7 @@ class Gateway:
                 return
             reason = f"TLS failed: {exc.__cause__}"  # e.g. plaintext: a misconfigured client
         decoder = None  # what it buffered is not kept through the delay  # noqa: F841
-        await self._refuse_and_close(rc, reason)
+        await self._refuse_and_close(rc, reason, junk)
 
     async def _read(self, rc: Remote, decoder: FrameDecoder) -> None:
         receive = rc.stream.receive_some
@@ -490,10 +557,22 @@ class Gateway:
         frames = 0  # frames since the reader last waited
         lowat = False  # the socket wakes the reader at WAKE_BYTES, not at one byte
 
+        bridge = self.bridge
+
         async def send_run() -> None:
-            nonlocal run, held
+            nonlocal run, held, turning
             packets, run, held = run, [], 0  # taken first: a cancelled send is not redone
-            await publish_packets(packets, owner)
+            waits = turning and not bridge.up  # for the bus: its siblings work meanwhile
+            if waits:
+                turn.release()
+                turning = False
+            sent = await publish_packets(packets, owner)
+            if sent < len(packets) and not bridge.up:
+                raise BusAway(f"{len(packets) - sent} publishes dropped: the bus has been "
+                              f"away for more than {bridge.bus_wait:g} s")
+            if waits:
+                await turn.acquire()
+                turning = True
 
         async def next_turn() -> None:
             """The other addresses, and then this one's other busy connections, first."""
@@ -599,9 +678,13 @@ class Gateway:
         finally:
             if turning:
                 turn.release()
+                turning = False
             if run:  # what came before the end of the stream, a bad frame or a broken read
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_GRACE):
-                    await send_run()
+                    try:
+                        await send_run()
+                    except BusAway:
+                        pass  # (counted, and said when the bus is back; the end stands)
 
     def _head(self, topic: bytes) -> bytes:
         """The start of every bus packet publishing to *topic*, once `check_key` accepted
@@ -651,10 +734,12 @@ class Gateway:
             self._check_shares(rc, topic, cost)
             self.subscriptions.take(cost)
             account = rc.account
+            account.pool_bytes += cost
             if not account.patterns[topic]:
                 account.sub_bytes += cost
             account.patterns[topic] += 1
             if not rc.authenticated:
+                self.unauthenticated_pool.take(cost)
                 if not self._unauth_patterns[topic]:
                     self.unauthenticated.take(cost)
                 self._unauth_patterns[topic] += 1
@@ -676,6 +761,7 @@ class Gateway:
                     if not held[topic]:
                         del held[topic]
                         self.unauthenticated.give(cost)
+                self.unauthenticated_pool.give(rc.sub_bytes)
                 rc.authenticated = True
                 log.debug("%r authenticated", rc)
 
@@ -684,9 +770,11 @@ class Gateway:
         its own doing, the connection stays); its address's and the unauthenticated
         clients' shares of the broker's budget for the gateway, each charged once per
         distinct pattern held (the bus holds each once: many clients behind one address
-        subscribing to the same topics cost its share once), the gateway's memory and
-        that budget itself (`SharesFull`: the client is disconnected after the delay,
-        and retries).  So the broker never has to refuse what the gateway accepted."""
+        subscribing to the same topics cost its share once), their shares of the
+        gateway's memory (the pool, charged per client: each holds its own entries),
+        that memory and that budget themselves (`SharesFull`: the client is disconnected
+        after the delay, and retries).  So the broker never has to refuse what the
+        gateway accepted."""
         what = f"subscription to {brief(topic)} ignored"
         if rc.sub_bytes + cost > self.subscription_bytes:
             raise FrameRefused(f"{what}: over its {self.subscription_bytes}-byte subscription "
@@ -701,6 +789,14 @@ class Gateway:
                 and not self.unauthenticated.fits(cost):
             raise SharesFull(f"{what}: unauthenticated clients hold their whole share "
                           f"({self.unauthenticated.limit} bytes) of the broker's budget")
+        if account.pool_bytes + cost > self.pool_per_address:
+            raise SharesFull(f"{what}: its address's clients hold {account.pool_bytes} "
+                             "bytes of the gateway's subscription pool, its share is "
+                             f"{self.pool_per_address} bytes")
+        if not rc.authenticated and not self.unauthenticated_pool.fits(cost):
+            raise SharesFull(f"{what}: unauthenticated clients hold their whole share "
+                             f"({self.unauthenticated_pool.limit} bytes) of the gateway's "
+                             "subscription pool")
         if not self.subscriptions.fits(cost):
             raise SharesFull(f"{what}: the gateway's {self.subscriptions.limit}-byte "
                           "subscription pool is full")
@@ -748,6 +844,7 @@ class Gateway:
                 f"{b.published} published, {self.delivered} delivered, "
                 f"{self.dropped} discarded (buffers full), {b.lost} lost (bus down), "
                 f"{self.refused} frames refused, {self.closed} closed (wrong key, junk), "
+                f"{self.handshakes_expired} TLS handshakes not done in time, "
                 f"{self.crashes} dropped on an internal error, "
                 f"{self.caps.refused} connections refused at the caps "
                 f"({self.tarpit.held} held, {self.tarpit.overflow} closed at once), "
