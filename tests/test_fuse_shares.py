@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,7 @@ from test_fuse import (
 from test_fuse_files import AS_NOBODY, UserMount
 
 from sbus.client import Client
-from sbus.fuse.operations import inode_cost
+from sbus.fuse.operations import RECLAIM_BATCH, inode_cost
 from sbus.fuse.shares import UserShare
 
 
@@ -312,6 +313,10 @@ for n in range(500):
     os.stat({m.path!r} + '/v*%d' % n)
 """
     subprocess.run([*AS_NOBODY, "python3", "-c", script], check=True, timeout=30)
+    # half of its names at most, and at most a batch at once: the loop's work is bounded
+    asked = [int(n) for n in re.findall(r"asked the kernel to forget (\d+) of uid 65534",
+                                        m.log())]
+    assert asked and max(asked) == RECLAIM_BATCH, asked
 
 
 def test_a_walk_down_wildcard_directories_ends_at_a_patterns_depth_and_its_bytes(mount):
