@@ -323,7 +323,7 @@ def test_a_walk_down_wildcard_directories_ends_at_a_patterns_depth_and_its_bytes
     """nobody goes down ``cd '*'`` as far as it can: ENAMETOOLONG below the 256
     names a pattern may have (no depth limit before: 6,000 deep held 411 MB).  Just
     above, it looks up fresh names until EDQUOT, since each deep name is charged for its path
-    (about 2.5 KB at this depth): the mount grew by about its 32 MiB share, not by
+    (about 2.9 KB at this depth): the mount grew by about its 32 MiB share, not by
     the 65,536-name count share times the depth."""
     m = mount("deep")
     before = rss(m.proc.pid)

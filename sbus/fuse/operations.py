@@ -46,10 +46,11 @@ SIGNAL_POLL = 0.05
 #: Seconds the kernel may cache a name's lookup (and attributes).
 ENTRY_TIMEOUT = 1.0
 #: Bytes an inode holds here besides its path (its entries in the inode tables and
-#: lookup counts; measured: tests/test_fuse_mapping.py), and per name in its path (a
-#: pointer in its own path tuple: names are shared with the parent's).
-INODE_COST = 500
-INODE_SEGMENT_COST = 8
+#: lookup counts, its place among its user's; measured: tests/test_fuse_shares.py),
+#: and per name in its path (a pointer in its own path tuple: names are shared with
+#: the parent's).
+INODE_COST = 600
+INODE_SEGMENT_COST = 9
 #: Names a user at its share has the kernel forget per reclaim (at most one a second):
 #: a bound on the loop's work there (half of a 65,536-inode share at once took 68 ms).
 RECLAIM_BATCH = 1024
