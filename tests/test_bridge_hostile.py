@@ -15,6 +15,8 @@ from mqtt_hosts import Bridge
 from test_bridge import publish
 from test_bridge_shell import mqtt_packets
 
+from sbus.bridge.buffered import remaining_length
+
 #: CONNACK, success, no properties (MQTT 5 section 3.2).
 CONNACK = bytes([0x20, 3, 0, 0, 0])
 
@@ -22,15 +24,6 @@ CONNACK = bytes([0x20, 3, 0, 0, 0])
 def connack_with_limit(limit: int) -> bytes:
     """CONNACK, success, with a Maximum Packet Size (property 0x27)."""
     return bytes([0x20, 8, 0, 0, 5, 0x27]) + limit.to_bytes(4, "big")
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def listener() -> socket.socket:
@@ -127,7 +120,7 @@ def test_a_packet_over_the_announced_size_ends_the_connection_before_it_is_held(
     def send(conn: socket.socket) -> None:
         nonlocal sent
         size = 200 << 20
-        conn.sendall(bytes([0x30]) + varint(size) + b"\x00\x04in/x\x00")
+        conn.sendall(bytes([0x30]) + remaining_length(size) + b"\x00\x04in/x\x00")
         chunk = bytes(1 << 20)
         conn.settimeout(5)
         try:
@@ -157,7 +150,7 @@ def test_a_publish_at_qos2_ends_the_connection_instead_of_waiting_in_memory(
     PUBREL that a hostile peer never sends (3,000 of 100 KB: 340 MB in the audit)."""
     def send(conn: socket.socket) -> None:
         body = b"\x00\x04in/x" + b"\x00\x07" + b"\x00" + b"q" * 100
-        conn.sendall(bytes([0x34]) + varint(len(body)) + body)
+        conn.sendall(bytes([0x34]) + remaining_length(len(body)) + body)
         conn.settimeout(5)
         try:
             while conn.recv(4096):

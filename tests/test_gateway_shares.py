@@ -173,6 +173,15 @@ def start(sdir: Path, bus: BrokerProcess, *args: str) -> GatewayProcess:
     return UnprivilegedGateway(sdir, bus.address, *args, quick=False, verbose=False).start()
 
 
+def reaches(address: str, remote: socket.socket, key: bytes, payload: bytes) -> None:
+    """A message published on the bus at *address* reaches the *remote* subscriber."""
+    local = raw(address)
+    expected = codec.publish(key, payload)
+    local.send(b"MSG " + key + b"\0" + payload)
+    assert read_exactly(remote, len(expected)) == expected
+    local.close()
+
+
 def publish_numbered(local: socket.socket, key: bytes, n: int) -> None:
     for i in range(n):
         local.send(b"MSG " + key + b"\0%d" % i)
@@ -297,11 +306,7 @@ def test_a_subscription_the_broker_refuses_leaves_no_phantom(sdir):
         s2 = connect(gw.port, next_loopback())
         s2.sendall(codec.subscribe(b"after/"))
         echo(s2)
-        local = raw(bus.address)
-        expected = codec.publish(b"after/x", b"0")
-        local.send(b"MSG after/x\x000")
-        assert read_exactly(s2, len(expected)) == expected
-        local.close()
+        reaches(bus.address, s2, b"after/x", b"0")
     finally:
         gw.stop()
         bus.stop()
@@ -420,11 +425,7 @@ def test_patterns_a_restarted_broker_refuses_leave_no_phantom(sdir):
         s2 = connect(gw.port, next_loopback())  # what is left is what the broker holds
         s2.sendall(codec.subscribe(b"after/"))
         echo(s2)
-        local = raw(address)
-        expected = codec.publish(b"after/x", b"0")
-        local.send(b"MSG after/x\x000")
-        assert read_exactly(s2, len(expected)) == expected
-        local.close()
+        reaches(address, s2, b"after/x", b"0")
     finally:
         gw.stop()
         bus.stop()
@@ -734,11 +735,7 @@ def test_publishes_dropped_when_the_bus_stays_away_are_said_and_their_publisher_
         assert log.count("the bus has been away for 1 s") == 1, log
         assert re.search(r"([1-9]\d*) remote publishes were dropped", log), log
         assert "publishes dropped: the bus has been away" in log
-        local = raw(address)
-        expected = codec.publish(b"quiet/x", b"hello")
-        local.send(b"MSG quiet/x\0hello")
-        assert read_exactly(listener, len(expected)) == expected
-        local.close()
+        reaches(address, listener, b"quiet/x", b"hello")
     finally:
         gw.stop()
         bus.stop()

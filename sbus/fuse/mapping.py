@@ -38,6 +38,7 @@ from enum import Enum
 
 from ..errors import Refused  # a name that cannot be used; .errno answers the kernel
 from ..keys import MAX_SEGMENTS
+from ..routing import PREFIX, compile_pattern
 
 __all__ = ["VIEWS", "split_view", "SEP", "SELF", "TRAILING", "Kind", "Refused", "KnownTree",
            "pattern_of", "is_pattern", "key_cost", "lookup", "creatable", "secret_owner",
@@ -415,17 +416,12 @@ class KnownTree:
 
 
 def _segment_tests(path: Path) -> list[tuple[bytes, bool]] | None:
-    """Each segment as (bytes, is a prefix); None if one can match nothing (``a*b``)."""
-    tests = []
-    for seg in path:
-        star = seg.find(b"*")
-        if star < 0:
-            tests.append((seg, False))
-        elif seg[star:].strip(b"*"):
-            return None
-        else:
-            tests.append((seg[:star], True))
-    return tests
+    """Each segment of a non-empty *path* as (bytes, is a prefix), as the broker's
+    routing reads a pattern; None if one can match nothing (``a*b``)."""
+    compiled = compile_pattern(SEP.join(path), SEP)
+    if compiled is None:
+        return None
+    return [(seg, kind == PREFIX) for kind, seg in compiled[0]]
 
 
 def lookup(tree: KnownTree, parent: Path, name: bytes, own: Path | None,
