@@ -23,7 +23,7 @@ from sbus.gateway.codec import (
     Unsubscribe,
 )
 from sbus.gateway.https import decide
-from sbus.gateway.outbox import Outbox, Shared
+from sbus.gateway.outbox import Outbox, Shared, make_room
 from sbus.keys import KeyRules
 
 # -- encoding -----------------------------------------------------------------------
@@ -144,9 +144,8 @@ def S(data: bytes) -> Shared:
 def test_outbox_discards_new_messages_beyond_its_count():
     box = Outbox(max_messages=3, max_bytes=1000)
     assert [box.offer(S(b"%d" % i)) for i in range(5)] == [1, 2, 2, 0, 0]  # 1: was empty
-    assert box.dropped == box.dropped_total == 2
+    assert box.dropped == 2 and box.dropped_by == [2, 0, 0]  # its own bound
     assert box.take() == b"012"  # the oldest are kept, the new ones discarded
-    assert box.take_dropped() == 2 and box.dropped == 0 and box.dropped_total == 2
     assert box.offer(S(b"x")) and len(box) == 1
 
 
@@ -185,12 +184,57 @@ def test_the_clients_of_one_address_share_a_queued_bytes_bound():
     assert a.offer(S(b"x" * 60)) and b.offer(S(b"y" * 30))
     assert peer.queued == 90
     assert not a.offer(S(b"z" * 20)) and not b.offer(S(b"z" * 20))  # the address is full
-    assert a.dropped == b.dropped == 1
+    assert a.dropped_by == b.dropped_by == [0, 1, 0] and peer.dropped == [0, 2, 0]
     other = Outbox(10, 1000, Peer("10.0.0.2", queue_limit=100))
     assert other.offer(S(b"z" * 20))  # another address is not
     a.take()
     b.clear()
     assert peer.queued == 0
+
+
+def test_a_partly_written_frame_stays_whole_in_the_stream():
+    pool = Pool(1000)
+    box = Outbox(10, 1000)
+    for data in (b"abc", b"def"):
+        frame = S(data)
+        box.offer(frame)
+        frame.hold(pool)
+    assert box.peek() == b"abcdef" and len(box) == 2  # (left queued, and charged)
+    box.done(4)  # "abcd" written
+    assert box.size == 2 and box.peer.queued == 2 and pool.used == 2  # "ef", charged
+    box.force(b"\x00")
+    late = S(b"ghi")
+    box.offer(late)
+    late.hold(pool)
+    assert box.evict() and box.dropped_by == [0, 0, 1]  # "ghi": the rest and echo stay
+    assert not box.evict()
+    assert box.take() == b"ef\x00" and pool.used == 0 and box.size == 0
+
+
+def test_a_full_pool_takes_room_from_the_heaviest_address_not_a_prompt_reader():
+    """Finding B: while the pool is full, a client of a light address gets a frame in
+    place of the oldest of the address holding the most; nobody is scanned per frame."""
+    pool = Pool(1000)
+    heavy, other, light = Peer("h"), Peer("o"), Peer("l")
+    peers = [heavy, other, light]
+    boxes = {p: [Outbox(100, 10_000, p) for _ in range(3)] for p in (heavy, other)}
+    for p in (heavy, other):
+        p.conns = 3
+        p.boxes = boxes[p]
+    for i in range(10):  # 6 distinct frames for heavy, 4 for other: the pool is full
+        frame = S(b"h%02d" % i + bytes(97)) if i < 6 else S(b"o%02d" % i + bytes(97))
+        for box in boxes[heavy if i < 6 else other]:
+            box.offer(frame)
+        frame.hold(pool)
+    assert pool.used == 1000
+    fair = pool.limit // len(peers)
+    assert not make_room(pool, 100, lambda: peers, fair=heavy.queued)  # none above fair
+    assert make_room(pool, 100, lambda: peers, fair)
+    assert pool.used == 900 and pool.heaviest is heavy
+    dropped = [box.dropped_by for box in boxes[heavy]]
+    assert dropped == [[0, 0, 1]] * 3 and heavy.dropped == [0, 0, 3]  # said as the pool's
+    assert all(box.peek().startswith(b"h01") for box in boxes[heavy])  # the oldest went
+    assert other.dropped == [0, 0, 0] and light.dropped == [0, 0, 0]
 
 
 def test_caps_per_address_and_in_total():

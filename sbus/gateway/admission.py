@@ -15,6 +15,7 @@ import hashlib
 import ipaddress
 import os
 from collections import Counter
+from collections.abc import Iterable
 
 from ..protocol import FIRST_NON_UID
 
@@ -66,11 +67,14 @@ class Peer:
     """What all connections from one peer address hold together: connections, outgoing
     bytes queued (bounded by *queue_limit*), the distinct patterns they subscribe, what
     their subscriptions take of the gateway's subscription pool, their turn (the
-    server's lock that lets one of them work at a time) and their TLS handshakes in
-    progress (the server's semaphore)."""
+    server's lock that lets one of them work at a time), their TLS handshakes in
+    progress (the server's semaphore), their outgoing buffers (`boxes`: where
+    `outbox.make_room` takes frames from an address holding too much of the pool) and
+    the messages discarded for them since the last line said so, by cause."""
 
     __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "patterns",
-                 "pool_bytes", "turn", "handshakes", "owner")
+                 "pool_bytes", "turn", "handshakes", "owner", "boxes", "evict_at",
+                 "dropped")
 
     def __init__(self, host: str, queue_limit: int = 1 << 62) -> None:
         self.host = host
@@ -84,6 +88,9 @@ class Peer:
         self.pool_bytes = 0  # its clients' subscriptions, each client's counted in full
         self.turn: object = None  # made by the server at the address's first read
         self.handshakes: object = None  # made by the server at its first TLS handshake
+        self.boxes: list = []  # its clients' `Outbox`es
+        self.evict_at = 0  # the last of `boxes` evicted from
+        self.dropped = [0, 0, 0]  # discarded for its clients, by `outbox.CAUSES`
 
 
 class Caps:
@@ -120,6 +127,10 @@ class Caps:
         """The account of an admitted address."""
         return self._by_peer[host]
 
+    def accounts(self) -> Iterable[Peer]:
+        """The accounts of the addresses with connections."""
+        return self._by_peer.values()
+
     def release(self, host: str) -> None:
         self.open -= 1
         peer = self._by_peer[host]
@@ -134,11 +145,12 @@ class Caps:
 class Pool:
     """Bytes shared by every connection (e.g. all outgoing buffers together)."""
 
-    __slots__ = ("limit", "used")
+    __slots__ = ("limit", "used", "heaviest")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self.heaviest: Peer | None = None  # of the buffer pool: `outbox.make_room`
 
     def fits(self, n: int) -> bool:
         return self.used + n <= self.limit

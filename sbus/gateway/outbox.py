@@ -12,15 +12,33 @@ client alive.  A frame fanned out to many clients is one `Shared` object: the
 gateway's pool (`--buffer-pool`) is charged its bytes once, when the first outbox
 takes it, and given them back when the last outbox lets it go, so the pool counts
 the bytes really held, not one copy per subscriber.
+
+While the pool is full, a frame offered to a client whose address holds less than a
+fair part of it (`make_room`) takes the place of the oldest frames queued for the
+address holding the most, as the broker's flood policy drops the heaviest user's
+first: a prompt reader is not starved by hosts whose clients never read.  Every
+discard is counted by the bound that caused it (`OWN`, `SHARE`, `POOL`), per client and
+per address.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 
 from .admission import Peer, Pool
 
-__all__ = ["Outbox", "Shared"]
+__all__ = ["CAUSES", "OWN", "POOL", "SHARE", "Outbox", "Shared", "make_room"]
+
+#: Why a message was discarded for a client: its own buffer was full, its address's
+#: share of queued bytes, or the gateway's pool (`Outbox.dropped_by`, `Peer.dropped`).
+OWN, SHARE, POOL = 0, 1, 2
+CAUSES = ("its buffer full", "its address's share full", "the buffer pool full")
+#: Frames dropped from other queues to make room for one frame, at most: past that the
+#: frame is discarded instead (the work for one frame stays small).
+EVICT_MAX = 256
+#: Frames looked at from the oldest for one to evict (echoes and a `Rest` are not).
+EVICT_LOOK = 4
 
 
 class Shared:
@@ -45,9 +63,15 @@ class Shared:
             self.pool = None
 
 
+class Rest(Shared):
+    """The unwritten end of a frame partly written: its client's own copy, charged to the
+    pool as the frame was, never evicted (the stream would break)."""
+
+    __slots__ = ()
+
+
 class Outbox:
-    __slots__ = ("max_messages", "max_bytes", "frames", "size", "dropped", "dropped_total",
-                 "peer")
+    __slots__ = ("max_messages", "max_bytes", "frames", "size", "dropped_by", "peer")
 
     def __init__(self, max_messages: int = 100, max_bytes: int = 1 << 20,
                  peer: Peer | None = None) -> None:
@@ -57,9 +81,9 @@ class Outbox:
         self.max_bytes = max_bytes
         self.frames: deque[Shared] = deque()
         self.size = 0
-        #: Discarded since the last `take_dropped`, and ever.
-        self.dropped = 0
-        self.dropped_total = 0
+        #: Discarded ever, by cause (`OWN`, `SHARE`, `POOL`); the only count kept, as a
+        #: client that never reads is counted here for every message.
+        self.dropped_by = [0, 0, 0]
         #: The peer address this client shares a queued-bytes bound with.
         self.peer = peer if peer is not None else Peer("")
 
@@ -76,21 +100,50 @@ class Outbox:
         n = len(frames)
         size = len(frame.data)
         peer = self.peer
-        if n and (n >= self.max_messages or self.size + size > self.max_bytes
-                  or peer.queued + size > peer.queue_limit):
-            self.dropped += 1
-            self.dropped_total += 1
-            return 0
+        if n:
+            if n >= self.max_messages or self.size + size > self.max_bytes:
+                cause = OWN
+            elif peer.queued + size > peer.queue_limit:
+                cause = SHARE
+            else:
+                cause = -1
+            if cause >= 0:  # (inline: a client that never reads comes here per message)
+                self.dropped_by[cause] += 1
+                peer.dropped[cause] += 1
+                return 0
         frame.refs += 1
         frames.append(frame)
         self.size += size
         peer.queued += size
         return 2 if n else 1
 
-    def discard(self) -> None:
-        """Count a frame discarded for this client by the caller (the pool was full)."""
-        self.dropped += 1
-        self.dropped_total += 1
+    def fits(self, size: int) -> bool:
+        """Whether `offer` would queue a frame of *size* bytes."""
+        n = len(self.frames)
+        return not n or (n < self.max_messages and self.size + size <= self.max_bytes
+                         and self.peer.queued + size <= self.peer.queue_limit)
+
+    def discard(self, cause: int = POOL) -> None:
+        """Count a frame discarded for this client, and for its address, by *cause*."""
+        self.dropped_by[cause] += 1
+        self.peer.dropped[cause] += 1
+
+    def evict(self) -> bool:
+        """Drop the oldest queued message to make room in the full pool, counted as
+        discarded for this client; False if none of the first few is one (echoes, and
+        the `Rest` of a frame partly written, stay: the stream needs them)."""
+        frames = self.frames
+        for i in range(min(len(frames), EVICT_LOOK)):
+            frame = frames[i]
+            if frame.pool is not None and type(frame) is not Rest:
+                del frames[i]
+                size = len(frame.data)
+                self.size -= size
+                self.peer.queued -= size
+                frame.release()
+                self.discard(POOL)
+                return True
+        return False
 
     def force(self, data: bytes) -> bool:
         """Queue *data* even when the buffer is full of messages (keep-alive echoes),
@@ -105,23 +158,49 @@ class Outbox:
         self.peer.queued += len(data)
         return True
 
-    def take(self, limit: int = 256 * 1024) -> bytes:
-        """Remove and return queued frames joined, about *limit* bytes at most (at least one)."""
+    def peek(self, limit: int = 256 * 1024) -> bytes:
+        """The queued frames from the oldest, joined, about *limit* bytes at most (at least
+        one), left queued: `done` removes what was written of them."""
         frames = self.frames
+        first = frames[0].data
+        if len(frames) == 1 or len(first) >= limit:
+            return first
         out = []
         n = 0
-        while frames and (not out or n < limit):
-            frame = frames.popleft()
+        for frame in frames:
             data = frame.data
             if n and n + len(data) > limit:
-                frames.appendleft(frame)
                 break
-            frame.release()
             out.append(data)
             n += len(data)
+        return b"".join(out)
+
+    def done(self, n: int) -> None:
+        """The first *n* bytes of `peek` were written: their whole frames are removed, a
+        frame partly written is replaced by its unwritten `Rest` (at most one per client)."""
+        frames = self.frames
         self.size -= n
         self.peer.queued -= n
-        return out[0] if len(out) == 1 else b"".join(out)
+        while n:
+            frame = frames[0]
+            size = len(frame.data)
+            if size > n:
+                rest = Rest(frame.data[n:])
+                rest.refs = 1
+                if frame.pool is not None:
+                    rest.hold(frame.pool)
+                frames[0] = rest
+                frame.release()
+                return
+            frames.popleft()
+            frame.release()
+            n -= size
+
+    def take(self, limit: int = 256 * 1024) -> bytes:
+        """Remove and return queued frames joined, about *limit* bytes at most (at least one)."""
+        data = self.peek(limit)
+        self.done(len(data))
+        return data
 
     def clear(self) -> None:
         """Forget every queued frame (the connection is gone) and give their bytes back."""
@@ -131,12 +210,49 @@ class Outbox:
         self.frames.clear()
         self.size = 0
 
-    def take_dropped(self) -> int:
-        n, self.dropped = self.dropped, 0
-        return n
+    @property
+    def dropped(self) -> int:
+        """Messages discarded for this client, ever."""
+        return sum(self.dropped_by)
 
     def __len__(self) -> int:
         return len(self.frames)
 
     def __bool__(self) -> bool:
         return bool(self.frames)
+
+
+def make_room(pool: Pool, size: int, peers: Callable[[], Iterable[Peer]], fair: int) -> bool:
+    """Make *size* bytes of room in the full *pool* for a client whose address holds less
+    than *fair* bytes queued, by evicting the oldest frames queued for the address that
+    holds the most (round robin over its clients), while it holds more than *fair*:
+    whether there is room now.  The heaviest address is remembered in the pool and
+    looked for again (over *peers*, the addresses: not per frame, only when the one
+    remembered is down to its fair part); at most `EVICT_MAX` frames go per call."""
+    for _ in range(EVICT_MAX):
+        if pool.used + size <= pool.limit:
+            return True
+        heavy = pool.heaviest
+        if heavy is None or heavy.queued <= fair or not heavy.conns:
+            heavy = pool.heaviest = max(peers(), key=_queued, default=None)
+            if heavy is None or heavy.queued <= fair:
+                pool.heaviest = None
+                return False
+        if not _evict_one(heavy):
+            pool.heaviest = None  # nothing of it can go: another is looked for next time
+            return False
+    return pool.used + size <= pool.limit
+
+
+def _queued(peer: Peer) -> int:
+    return peer.queued
+
+
+def _evict_one(peer: Peer) -> bool:
+    """Evict the oldest frame of the next of *peer*'s clients that has one."""
+    boxes = peer.boxes
+    for _ in range(len(boxes)):
+        peer.evict_at = (peer.evict_at + 1) % len(boxes)
+        if boxes[peer.evict_at].evict():
+            return True
+    return False

@@ -38,7 +38,7 @@ from collections import Counter
 import trio
 from trio.lowlevel import ParkingLot
 
-from ..display import brief
+from ..display import brief, printable
 from ..keys import KeyRules
 from ..limits import LogAllowance
 from ..linger import LINGER, WAKE_BYTES, Linger
@@ -48,7 +48,7 @@ from .admission import Caps, Peer, Pool, Tarpit, peer_of
 from .bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT, Bridge
 from .checks import FrameRefused, SharesFull, check_key, check_pattern
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
-from .outbox import Outbox, Shared
+from .outbox import CAUSES, OWN, POOL, Outbox, Shared, make_room
 
 log = logging.getLogger("sbus.gateway")
 
@@ -79,6 +79,8 @@ RUN_BYTES = 64 * 1024
 HEADS, HEADS_BYTES = 1024, 256 * 1024
 #: Seconds between two log lines about connections refused at the caps.
 CAP_LOG_INTERVAL = 10.0
+#: Seconds between two log lines about the messages discarded for one address's clients.
+DISCARD_LOG_INTERVAL = 10.0
 
 #: Defaults of the bounds (docs/gateway.md, docs/security.md).
 MAX_CLIENTS = 10000
@@ -123,7 +125,7 @@ class Remote:
 
     __slots__ = ("stream", "host", "peer", "account", "outbox", "lot", "scope",
                  "authenticated", "topics", "sub_bytes", "idle", "reason",
-                 "refused", "doomed", "__weakref__")
+                 "refused", "doomed", "fd", "parked", "__weakref__")
 
     def __init__(self, stream: trio.abc.Stream, host: str, peer: str, account: Peer,
                  outbox: Outbox, idle: float) -> None:
@@ -141,6 +143,9 @@ class Remote:
         self.reason = ""
         self.refused = 0  # frames refused on this connection
         self.doomed = False  # to be closed after the refusal delay (`Gateway._doom`)
+        self.fd = _plain_fd(stream)  # None: TLS (or closed)
+        #: Its writer waits at `lot` with nothing in hand: `Gateway._flush` may write for it.
+        self.parked = False
 
     def touch(self) -> None:
         """Any read or write resets the idle timeout: the connection is closed between
@@ -154,6 +159,17 @@ class Remote:
 
     def __repr__(self) -> str:
         return f"remote {self.peer}"
+
+
+def _causes(counts: list[int], gw: Gateway | None = None) -> str:
+    """*counts* of discards by `outbox.CAUSES`, said (with the bounds, given *gw*)."""
+    bounds = ("", "", "")
+    if gw is not None:
+        bounds = (f" (--buffer-messages {gw.buffer_messages}, --buffer-bytes "
+                  f"{gw.buffer_bytes})", f" ({gw.caps.queue_limit} bytes)",
+                  f" ({gw.buffers.limit} bytes)")
+    said = zip(counts, CAUSES, bounds, strict=True)
+    return ", ".join(f"{n} {cause}{bound}" for n, cause, bound in said if n)
 
 
 def _shrink(stream: trio.abc.Stream) -> None:
@@ -232,11 +248,12 @@ class Gateway:
         #: for the gateway: a subscriber with the key always finds room.
         self.unauthenticated = Pool(bus_subscription_bytes // UNAUTHENTICATED_SHARE)
         self._unauth_patterns: Counter[bytes] = Counter()  # held by unauthenticated clients
-        self.bridge = Bridge(address, self._deliver, self._refused_by_broker,
+        self.bridge = Bridge(address, self._deliver, self._refused_by_broker, self._flush,
                              cache_bytes=route_cache, on_separator=self._separator_changed,
                              budget=bus_subscription_bytes, bus_wait=bus_wait)
         self._nursery: trio.Nursery | None = None
         self.clients: set[Remote] = set()
+        self._dirty: list[Remote] = []  # queued for by `_deliver`, to `_flush`
         self._heads: dict[bytes, bytes] = {}  # checked keys -> packet heads (`_head`)
         self._heads_bytes = 0
         #: Log lines about remote peers, rationed per address (reconnecting buys none).
@@ -337,25 +354,76 @@ class Gateway:
 
     def _deliver(self, targets: tuple[Remote, ...], key: bytes, payload: bytes) -> None:
         """Offer one frame to every matching client.  The pool is charged the frame's
-        bytes once (what is really held), however many clients queue it."""
+        bytes once (what is really held), however many clients queue it.  While it is
+        full, the frame is discarded for clients of addresses holding more than a fair
+        part of it (the pool over the addresses connected); for another, room is made
+        by discarding the oldest frames of the address holding the most
+        (`outbox.make_room`).  Only queued here: a plain-TCP client whose writer waits
+        is written to by `_flush`, after the batch, with no task switch."""
         frame = Shared(codec.publish(key, payload))
+        size = len(frame.data)
         pool = self.buffers
+        tight = pool.used + size > pool.limit
+        fair = pool.limit // max(1, self.caps.peers())
+        dirty = self._dirty
         dropped = 0
-        if pool.used + len(frame.data) > pool.limit:  # full: discarded for everyone
-            for rc in targets:
-                rc.outbox.discard()
-            dropped = len(targets)
-        else:
-            for rc in targets:
-                queued = rc.outbox.offer(frame)
-                if queued == 1:
-                    rc.lot.unpark()  # only the writer of an empty outbox waits
-                elif not queued:
+        for rc in targets:
+            out = rc.outbox
+            if len(out.frames) >= out.max_messages:  # full (`Outbox.offer`, inline: a
+                out.dropped_by[OWN] += 1  # client that never reads comes here for
+                rc.account.dropped[OWN] += 1  # every message)
+                dropped += 1
+                continue
+            if tight and not frame.refs:  # not charged yet: room is needed for it
+                if not (rc.account.queued < fair and out.fits(size)
+                        and make_room(pool, size, self.caps.accounts, fair)):
+                    out.discard(POOL)
                     dropped += 1
-            if frame.refs:
+                    continue
+                out.offer(frame)
                 frame.hold(pool)
+                queued = 1 if len(out) == 1 else 2
+            else:
+                queued = out.offer(frame)
+            if queued == 1:  # only the writer of an empty outbox waits
+                if rc.parked and rc.fd is not None:
+                    dirty.append(rc)
+                else:
+                    rc.lot.unpark()
+            elif not queued:
+                dropped += 1
+        if frame.refs and frame.pool is None:
+            frame.hold(pool)
         self.delivered += len(targets) - dropped
         self.dropped += dropped
+
+    async def _flush(self) -> None:
+        """Write what `_deliver` queued for plain-TCP clients whose writers wait, one
+        write each (what the batch brought them, together), in the forwarding task: no
+        wake-up and task switch per message and client.  What the socket does not take
+        is left to the writer, which waits for room.  The others get a turn every
+        `TURN` (a fan-out to thousands of clients is thousands of writes)."""
+        dirty, self._dirty = self._dirty, []
+        clock = time.perf_counter
+        start = clock()
+        for i, rc in enumerate(dirty):
+            fd = rc.fd
+            out = rc.outbox
+            if not rc.parked or fd is None or not out:  # its writer took over meanwhile
+                continue
+            data = out.peek()
+            try:
+                sent = os.write(fd, data)
+            except OSError:  # full (the writer waits for room), or broken (it says so)
+                sent = 0
+            if sent:
+                out.done(sent)
+                rc.touch()
+            if sent < len(data):
+                rc.lot.unpark()
+            if not i % 64 and clock() - start > TURN:
+                await trio.lowlevel.checkpoint()
+                start = clock()
 
     def _refused_by_broker(self, pattern: bytes, reason: str) -> None:
         """The broker refused the SUB of *pattern*: every client holding it loses it (its
@@ -465,6 +533,7 @@ class Gateway:
                     self.idle_timeout)
         self.accepted += 1
         self.clients.add(rc)
+        account.boxes.append(rc.outbox)
         log.debug("%r connected", rc)
         try:
             with trio.CancelScope(deadline=trio.current_time() + self.idle_timeout) as scope:
@@ -478,21 +547,25 @@ class Gateway:
                 log.debug("disconnecting %r: %s", rc, rc.reason)  # routine: not rationed
         finally:
             self.clients.discard(rc)
-            rc.outbox.clear()
+            rc.fd = None  # (`_flush` writes to no closed or reused descriptor)
             rc.sub_bytes = 0
             for topic, cost in rc.topics.items():
                 self._release_shares(rc, topic, cost)
             with trio.CancelScope(shield=True):
                 await self.bridge.remove_client(rc)
+                # only now: it is matched until the bridge forgets its last pattern, and
+                # what was queued for it after a clear would hold the pool for ever
+                rc.outbox.clear()
+                account.boxes.remove(rc.outbox)
                 with trio.move_on_after(CLOSE_GRACE):
                     try:
                         await stream.aclose()
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
-            if rc.outbox.dropped_total or rc.refused:
-                self.say(host, logging.INFO, "%r: %d messages were discarded for it (buffer "
-                         "full), %d of its frames refused", rc, rc.outbox.dropped_total,
-                         rc.refused)
+            if rc.outbox.dropped or rc.refused:
+                self.say(host, logging.INFO, "%r: %d messages were discarded for it (%s), "
+                         "%d of its frames refused", rc, rc.outbox.dropped,
+                         _causes(rc.outbox.dropped_by), rc.refused)
             log.debug("%r disconnected: %s", rc, rc.reason or "closed by peer")
 
     def _close(self, rc: Remote, reason: str) -> None:
@@ -808,25 +881,32 @@ class Gateway:
     async def _writer(self, rc: Remote) -> None:
         out = rc.outbox
         send_all = rc.stream.send_all
-        fd = _plain_fd(rc.stream)
+        fd = rc.fd
         try:
             while True:
                 if not out:
-                    await rc.lot.park()  # the others' turn: this loop ends at every park
+                    rc.parked = True
+                    try:
+                        await rc.lot.park()  # the others' turn: this loop ends at every park
+                    finally:
+                        rc.parked = False
                     continue
-                data = out.take()
                 if fd is not None:  # plain TCP: what the socket takes now, without a turn
+                    data = out.peek()  # (what waits for room stays queued, and charged)
                     try:
                         sent = os.write(fd, data)
                     except BlockingIOError:
                         sent = 0
                     except OSError as exc:
                         raise trio.BrokenResourceError(exc) from exc
+                    if sent:
+                        out.done(sent)
+                        rc.touch()
                     if sent < len(data):
-                        await send_all(memoryview(data)[sent:])  # waits for room
+                        await trio.lowlevel.wait_writable(fd)
                 else:
-                    await send_all(data)
-                rc.touch()
+                    await send_all(out.take())
+                    rc.touch()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._close(rc, f"write failed: {exc.__cause__ or exc}")
 
@@ -857,4 +937,20 @@ class Gateway:
             self._nursery = nursery
             await nursery.start(self.bridge.run)
             await nursery.start(trio.serve_listeners, self.handle, listeners)
+            nursery.start_soon(self._say_discards)
             task_status.started()
+
+    async def _say_discards(self) -> None:
+        """Every `DISCARD_LOG_INTERVAL`, one line per address for which messages were
+        discarded meanwhile, with their counts by cause (the lines rationed per address
+        as the others): a loss is said while it happens, not only at disconnect."""
+        while True:
+            await trio.sleep(DISCARD_LOG_INTERVAL)
+            for account in list(self.caps.accounts()):
+                counts = account.dropped
+                if not any(counts):
+                    continue
+                account.dropped = [0, 0, 0]
+                self.say(account.host, logging.WARNING, "%s: %d messages discarded for its "
+                         "%d client(s) in %g s (%s)", printable(account.host), sum(counts),
+                         account.conns, DISCARD_LOG_INTERVAL, _causes(counts, self))
