@@ -263,7 +263,7 @@ class Gateway:
         # counters
         self.accepted = 0
         self.delivered = 0  # frames queued for remote clients
-        self.dropped = 0  # frames discarded because a client's buffer was full
+        self.dropped = 0  # frames discarded: a buffer, an address's share or the pool full
         self.refused = 0  # frames refused (connection kept)
         self.closed = 0  # connections closed for a wrong key or malformed input
         self.handshakes_expired = 0  # TLS handshakes not done in time
@@ -922,7 +922,8 @@ class Gateway:
         b = self.bridge
         return (f"{len(self.clients)} clients, {len(b.patterns)} patterns, "
                 f"{b.published} published, {self.delivered} delivered, "
-                f"{self.dropped} discarded (buffers full), {b.lost} lost (bus down), "
+                f"{self.dropped} discarded (a buffer or the pool full), "
+                f"{b.lost} lost (the bus away too long, or too large), "
                 f"{self.refused} frames refused, {self.closed} closed (wrong key, junk), "
                 f"{self.handshakes_expired} TLS handshakes not done in time, "
                 f"{self.crashes} dropped on an internal error, "
