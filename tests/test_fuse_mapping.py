@@ -610,3 +610,17 @@ def test_the_path_is_read_without_touching_a_byte_past_it(monkeypatch):
         monkeypatch.undo()
         del base
         area.close()
+
+
+def test_a_key_too_large_to_remember_pushes_out_nothing() -> None:
+    """A key costing more than a sixteenth of what the tree may hold is not learned:
+    it once pushed out every other key and then stayed alone over the bound."""
+    from sbus.fuse.mapping import LARGEST_KEY_PART, key_cost, raw_key_cost
+
+    tree = KnownTree(max_bytes=1 << 20)
+    assert tree.learn(p("a/b"))
+    huge = tuple(b"x" for _ in range((1 << 20) // LARGEST_KEY_PART // 450))
+    assert not tree.fits(key_cost(huge)) and not tree.learn(huge)
+    assert tree.is_key(p("a/b")) and tree.held == key_cost(p("a/b"))
+    key = b"/".join(huge)
+    assert raw_key_cost(key) >= key_cost(huge)

@@ -807,3 +807,35 @@ def test_a_cancelled_naming_is_made_again_before_the_next_users_message(space):
             victim, attacker) == attacker
     finally:
         next(bus, None)
+
+
+def test_keys_too_large_to_remember_are_not_remembered_nor_held(mount, bus):
+    """Any user of the bus publishes keys of 80,000 segments: each cost 36 MB of the
+    mount's 16 MiB of remembered keys, so one pushed out every other key and stayed,
+    and the monitor's cache of split keys held 3.7 MB for each (40 took the mount from
+    43 to 222 MB).  Now such a key is not remembered (nor even split): root's own keys
+    stay, and the mount holds what it held."""
+    m = mount("bigkeys")
+    os.makedirs(m / "mine", exist_ok=True)
+    open(m / "mine/k", "wb").close()
+    publish(bus.address, (b"mine/k", b"seen on the bus"))
+    deadline = time.monotonic() + 5
+    while not os.path.exists(m / "mine/k"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    before = rss(m.proc.pid)
+    script = f"""
+import socket
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect({bus.address!r})
+for n in range(40):
+    s.send(b"MSG " + b"/".join(b"%d" % (n % 10) for _ in range(80000)) + b"\\0x")
+s.send(b"CMSG !/cred/whoami")
+s.recv(100)
+print(40, 0)
+"""
+    assert counted_as_nobody(script)[:2] == (40, 0)
+    time.sleep(1.5)  # the monitor has seen them all
+    grown = rss(m.proc.pid) - before
+    assert grown < 30 << 20, grown
+    assert os.path.exists(m / "mine/k")  # remembered still (was pushed out)

@@ -53,6 +53,10 @@ SUBSCRIBE_TIMEOUT = 5.0
 #: (the broker discards the rest for it) instead of competing with readers for CPU.
 MONITOR_BATCH = 64
 MONITOR_PAUSE = 0.05
+#: The monitor's cache of keys already split into paths: at most this many, and this
+#: many bytes by `mapping.raw_key_cost` (each a path as the tree's own keys cost).
+SEEN_KEYS = 4096
+SEEN_BYTES = 4 * 1024 * 1024
 #: A pump that found only a few messages waits this long before looking again, so a
 #: steady stream is handled in batches (fewer wakeups, fewer FUSE round trips) at the
 #: price of at most this much latency; the first message after a quiet spell goes
@@ -195,8 +199,10 @@ class MountBus:
 
     async def _monitor(self, monitor: AsyncClient) -> None:
         """Learn live keys: everything public, and our own secrets."""
-        learn = self.tree.learn
-        seen: dict[bytes, mapping.Path | None] = {}
+        tree = self.tree
+        learn, fits, raw_cost = tree.learn, tree.fits, mapping.raw_key_cost
+        seen: dict[bytes, mapping.Path | None] = {}  # parsed keys, bounded as the tree is
+        seen_bytes = 0
         while True:
             try:
                 events = await monitor.receive_batch(MONITOR_BATCH)
@@ -210,9 +216,14 @@ class MountBus:
                 if key in seen:
                     path = seen[key]
                 else:
-                    if len(seen) >= 4096:
+                    cost = raw_cost(key)
+                    if not fits(cost):  # too large to remember: not even split
+                        continue
+                    if len(seen) >= SEEN_KEYS or seen_bytes + cost > SEEN_BYTES:
                         seen.clear()
+                        seen_bytes = 0
                     path = seen[key] = mapping.key_segments(key)
+                    seen_bytes += cost
                 if path is not None:
                     learn(path)
             await trio.sleep(MONITOR_PAUSE)

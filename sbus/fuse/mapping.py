@@ -140,8 +140,20 @@ SEGMENT_COST = 450
 LOOKUP_WORK = 2000
 
 
+#: A key is remembered only if it costs at most this part of what the tree may hold:
+#: one that costs more would push out every other (a key of 80,000 segments cost 36 MB
+#: of a 16 MiB tree, which it then held alone).
+LARGEST_KEY_PART = 16
+
+
 def key_cost(path: Path) -> int:
     return KEY_COST + sum(SEGMENT_COST + 2 * len(seg) for seg in path)
+
+
+def raw_key_cost(key: bytes) -> int:
+    """At least `key_cost` of *key*'s path (its separators counted as bytes too), without
+    splitting it: cheap for any key."""
+    return KEY_COST + (key.count(SEP) + 1) * SEGMENT_COST + 2 * len(key)
 
 
 class KnownTree:
@@ -182,15 +194,22 @@ class KnownTree:
 
     # -- changes ---------------------------------------------------------------
 
-    def learn(self, path: Path, uid: int | None = None) -> None:
+    def fits(self, cost: int) -> bool:
+        """May a key of *cost* be remembered (`LARGEST_KEY_PART`)?"""
+        return cost <= self.max_bytes // LARGEST_KEY_PART
+
+    def learn(self, path: Path, uid: int | None = None) -> bool:
         """Remember a key (as a path), refreshing it if known; *uid*: a user created
-        it (charged to that user), None: it was seen on the bus."""
+        it (charged to that user), None: it was seen on the bus.  False if it costs too
+        much to be remembered (`fits`)."""
         keys = self._keys
         if path in keys:
             keys.move_to_end(path)
             if uid is None:
                 self._uncharge(path)
-            return
+            return True
+        if not self.fits(key_cost(path)):
+            return False
         keys[path] = None
         self.held += key_cost(path)
         node = self._root
@@ -204,6 +223,7 @@ class KnownTree:
             self.held -= key_cost(old)
             self._uncharge(old)
             self._clear(old, "key")
+        return True
 
     def _charge(self, path: Path, uid: int) -> None:
         mine = self._created.setdefault(uid, OrderedDict())

@@ -592,6 +592,8 @@ class BusFS(pyfuse3.Operations):
             raise FUSEError(exc.errno) from None
         path = parent + (name,)
         self._check_key(mapping.pattern_of(path))
+        if not self.tree.fits(mapping.key_cost(path)):
+            raise FUSEError(errno.ENAMETOOLONG)  # more than the mount may remember of it
         ino = self._inode(full + (name,), Kind.FILE, ctx.uid)
         self.tree.learn(path, ctx.uid)
         info = await self._open(ino, flags, ctx)
