@@ -341,8 +341,8 @@ def _stamp(seq: int, epoch: str = "e1") -> str:
 
 def test_gaps_in_a_senders_stamps_are_counted_as_missing() -> None:
     """A receiver that imports everything the sender stamps (its scope) counts each number
-    skipped exactly once; a new epoch (a new spool) starts over, and so does a sender
-    heard for the first time."""
+    skipped exactly once; a new epoch whose numbers went back (a new spool) is new,
+    without gaps counted, and so is a sender heard for the first time."""
     c = core(exports=[], imports=[b"seq/"])
     scope = ("seq/#",)
     got = [c.from_mqtt(b"seq/x", b"%d" % n, "a", _stamp(n), scope) for n in (7, 8, 9, 12)]
@@ -353,6 +353,8 @@ def test_gaps_in_a_senders_stamps_are_counted_as_missing() -> None:
     assert c.from_mqtt(b"seq/x", b"1", "a", _stamp(1, "e2"), scope)
     assert c.from_mqtt(b"seq/x", b"5", "b", _stamp(5), scope)            # first from b
     assert c.from_mqtt(b"seq/x", b"3", "a", _stamp(3, "e2"), scope)
+    assert c.from_mqtt(b"seq/x", b"6", "b", _stamp(6), scope)            # b's own go on
+    assert c.from_mqtt(b"seq/x", b"8", "b", _stamp(8), scope)            # 7 missing
     assert (c.counters.missing, c.counters.duplicates) == (10, 1)
     assert "duplicates 1, missing 10" in c.status()
 
@@ -375,14 +377,36 @@ def test_each_run_of_a_sender_numbers_in_its_own_epoch() -> None:
     assert not take(6, "e2") and not take(4, "e1")        # run 4 sends run 2's again
     assert c.counters.duplicates == 5 and c.counters.missing == 0
     assert take(3, "e5") and take(4, "e5")                # a spool that went back: new
-    assert take(10, "e6") and c.counters.missing == 5     # a gap across runs: 5 .. 9
-    assert take(7, "e5") and c.counters.missing == 4      # run 5's, late: no longer missing
+    assert not take(4, "e5") and c.counters.duplicates == 6
+    assert take(10, "e6") and c.counters.missing == 2     # a gap across runs: 8, 9
+    assert take(9, "e6") and c.counters.missing == 1      # late: no longer missing
     saved = c.senders_saved()
     again = core(exports=[], imports=[b""])
     again.restore_senders(saved)
     assert again.from_mqtt(b"k", b"4", "a", _stamp(4, "e5"), scope) is None  # remembered
     again.restore_senders([[s[:5] for s in saved][0]])   # as older bridges saved it
     assert again.senders_saved()[0][5] == []
+
+
+def test_restarts_in_a_row_each_sending_every_earlier_runs_records_again() -> None:
+    """A sender whose PUBACKs never come restarts again and again: each run sends again
+    every record left by the runs before it, in their epochs, and adds its own.  All of
+    them are copies but the first, for as many runs as `EPOCHS_KEPT`; an epoch older
+    than that must not make the newer ones forgotten (after five restarts every record
+    came three times)."""
+    from sbus.bridge.core import EPOCHS_KEPT
+
+    c = core(exports=[], imports=[b""])
+    scope = ("#",)
+    runs = EPOCHS_KEPT + 3
+    for run in range(runs):
+        for earlier in range(run + 1):  # the earlier runs' records, then its own
+            for seq in (2 * earlier, 2 * earlier + 1):
+                c.from_mqtt(b"k", b"x", "a", _stamp(seq, f"e{earlier}"), scope)
+    copies = sum(2 * run for run in range(runs))  # the first of each record is new
+    passed = copies - c.counters.duplicates
+    assert passed <= 2 * (runs - EPOCHS_KEPT), (passed, c.counters)  # the oldest ones only
+    assert c.counters.missing == 0
 
 
 def test_a_number_that_arrives_late_is_imported_not_taken_for_a_copy() -> None:

@@ -145,6 +145,7 @@ def test_two_kill9_in_a_row_lose_nothing_the_bridge_had_taken(hosts: Hosts) -> N
     assert b.wait_counters(lambda c: c["imported"] == 400)["missing"] == 0
     c = a.wait_counters(lambda c: c["spooled"] == 0)
     assert (c["exported"], c["dropped"]) == (400, 0), c
+    assert c["resent"] == 300, c  # each record once, found again by two restarts
 
 
 def test_a_state_directory_put_back_from_an_older_copy_loses_no_new_export(

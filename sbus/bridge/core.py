@@ -71,8 +71,9 @@ SCOPE_BYTES = 1024
 STAMP_SENDERS = 4096
 STAMP_BYTES = 1 << 20
 #: A sender's earlier epochs remembered (their highest number each): its records sent
-#: again by later runs, after as many restarts in a row, are still known as copies.
-EPOCHS_KEPT = 4
+#: again by later runs, after as many restarts in a row with records still
+#: unacknowledged, are still known as copies.
+EPOCHS_KEPT = 16
 #: Gaps (ranges of numbers not seen) remembered per sender; beyond, the oldest is
 #: forgotten: its numbers stay counted as missing, and arriving late would be taken for
 #: copies.
@@ -368,8 +369,8 @@ class BridgeCore:
         (module docstring).  A number not above the last one is a copy sent again after a
         reconnect or a restart, unless it lies in a gap: then it came late, and is new.
         A new epoch (the sender's next run) whose numbers go on from the last one's keeps
-        the gaps; one whose numbers went back (its spool did: a power loss, an older copy)
-        starts over, and the numbers it gives again are new."""
+        the gaps; one whose numbers went back (its spool did: a power loss, an older
+        copy; or an epoch forgotten) is new and remembered as an earlier one."""
         epoch, _, number = stamp.partition(".")
         if len(number) > 16 or len(epoch) > 16:
             return False
@@ -393,11 +394,17 @@ class BridgeCore:
                         return True
                     known.before[i] = (old, seq)
                     return False
+            if seq <= known.last:  # an epoch forgotten (sent again after more restarts
+                # than are kept), or a spool that went back: new, and remembered in the
+                # oldest place, so that no newer epoch is forgotten for it (else each
+                # pushed out the next one sent again, and every copy passed)
+                if len(known.before) < EPOCHS_KEPT:
+                    known.before.append((epoch, seq))
+                else:
+                    known.before[-1] = (epoch, seq)
+                return False
             known.before = [(known.epoch, known.last), *known.before][:EPOCHS_KEPT]
             known.epoch = epoch
-            if seq <= known.last:  # numbered again from below: start over
-                known.last, known.gaps = seq, []
-                return False
         if seq > known.last:
             if seq > known.last + 1:
                 counted = self._covers(scope)

@@ -264,6 +264,7 @@ class BridgeShell:
         #: the filters a resumed MQTT session may still hold (an earlier configuration's)
         self._stale: list[str] = []
         self._left: list[tuple[int, bytes, bytes]] = []  # spooled by the last bridge
+        self._resent_upto = 0  # records before this one were counted in `resent` once
         self._max_out = MQTT_MAX_PACKET  # the broker's Maximum Packet Size (CONNACK)
         # a PUBLISH's bytes besides topic and payload: fixed header, topic length, packet
         # id, our properties and their length
@@ -309,6 +310,8 @@ class BridgeShell:
                 self.core.counters.exported += self.spool.next_seq - since
                 self.core.counters.exported_bytes += sum(
                     len(t) + len(p) for seq, t, p in self._left if seq >= since)
+        upto = saved.get("resent_upto")
+        self._resent_upto = upto if type(upto) is int and upto >= 0 else 0
         if saved.get("clean_exit"):  # else what it remembers may be older than it saw
             self.core.restore_senders(saved.get("senders"))
         if saved and not saved.get("clean_exit"):
@@ -330,6 +333,7 @@ class BridgeShell:
             "counters": self.core.counters.saved(),
             "filters": self.core.mqtt_filters() + self._stale,
             "spooled": self.spool.next_seq if self.spool is not None else 0,  # (len 0: empty)
+            "resent_upto": self._resent_upto,
             "clean_exit": clean_exit,
             **({"senders": self.core.senders_saved()} if clean_exit else {})})
         if failed != self._save_failed:  # said once, until it changes
@@ -362,8 +366,9 @@ class BridgeShell:
             log.warning("the spool: %d records (the first numbered %d) have a topic no MQTT "
                         "broker takes, so they are damaged: dropped", len(damaged),
                         damaged[0])
-        if left:
-            self.core.counters.resent += len(left)
+        if left:  # each counted once, however many restarts find it still there
+            self.core.counters.resent += sum(seq >= self._resent_upto for seq in left)
+            self._resent_upto = max(self._resent_upto, left[-1] + 1)
             log.info("%d exports from the spool will be sent again", len(left))
 
     # -- MQTT client -----------------------------------------------------------------
