@@ -348,13 +348,18 @@ def test_a_gap_stops_the_read_that_reaches_it_and_is_told_once() -> None:
         box.push(b"b\n")
         assert box.take(100) == b"a\n"
         assert box and box.take(100) == b"" and box.nbytes == 2
-        assert box.gap() == 5 and box.gap() == 0
+        assert box.gap() == 5 and box.gap() is False
         assert box.take(100) == b"b\n" and not box
+    box = Outbox()
+    box.push_gap(None)  # a reconnect: how many were missed is not known
+    box.push_gap(2)
+    assert box.gap() is None and box.gap() is False
     box = Outbox()
     box.push(b"long message\n")
     box.push_gap(1)
     assert box.take(4) == b"long" and box.take(100) == b" message\n" and box.gap() == 1
     assert dropped_frame(7, 1.5) == b'{"dropped": 7, "time": 1.5}\n'
+    assert dropped_frame(None, 2) == b'{"dropped": null, "time": 2}\n'
 
 
 # -- signals ---------------------------------------------------------------------

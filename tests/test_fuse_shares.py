@@ -30,6 +30,7 @@ from test_fuse import (
     mounted,
     publish,
     read_lines,
+    read_on,
     space_dir,
     subscriber,
     touch,
@@ -436,8 +437,9 @@ except OSError as e:
 
 def test_a_subscription_refused_after_a_reconnect_fails_the_reads(space):
     """Two readers on a mount of nobody's; the broker comes back allowing uid 65534 one
-    subscription, so at least one reader's re-subscription is refused: that `cat`
-    fails with EIO instead of waiting on a file subscribed to nothing."""
+    subscription, so at least one reader's re-subscription is refused: its reads fail
+    with EIO instead of waiting on a file subscribed to nothing (after the place of the
+    reconnect, told to both as a drop is, ENOBUFS: they read on past it)."""
     b = BrokerProcess(os.path.join(space, "again.sock"),
                       "--max-subscriptions-per-user", "4").start()
     m = UserMount(b.address, os.path.join(space, "again"), "--reconnect-timeout", "30")
@@ -445,7 +447,7 @@ def test_a_subscription_refused_after_a_reconnect_fails_the_reads(space):
     try:
         m.start()
         subprocess.run([*AS_NOBODY, "sh", "-c", f": > {m / 'k'}"], check=True, timeout=10)
-        readers = [cat(m / "k", *AS_NOBODY) for _ in range(2)]
+        readers = [read_on(m / "k", *AS_NOBODY) for _ in range(2)]
         b.stop()
         b.args = ("--max-subscriptions-per-user", "1")
         b.start()

@@ -266,7 +266,13 @@ class MountBus:
 
     def _reader_connection(self, r: Reader, up: bool, line: str) -> None:
         log.warning("reader of %s: %s", brief(r.pattern), line)
-        if up:
+        if up:  # what was published meanwhile it missed: the reader learns of it there
+            if r.fmt == "jsonl":
+                r.out.push(dropped_frame(None, time.time()))
+            else:
+                r.out.push_gap(None)
+            r.settle()
+            r.wake()
             r.down = None
             if r.watch is not None:
                 r.watch.cancel()

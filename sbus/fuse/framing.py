@@ -17,10 +17,12 @@ Formats (``sbus mount --format``):
 
 In every format a message longer than the reader's buffer continues in the next read.
 
-Messages the broker dropped for a reader (it fell behind) are never skipped without a
-word: in ``jsonl`` a line ``{"dropped": N, "time": T}`` stands where they were; in the
-other formats, which have no room for it, the read that reaches that place fails
-once with ENOBUFS ("No buffer space available") and the next one goes on after it
+Messages the broker dropped for a reader (it fell behind), or that it may have missed
+(its connection was lost and made again: a broker restart that was no hand-over), are
+never skipped without a word: in ``jsonl`` a line ``{"dropped": N, "time": T}`` stands
+where they were (N null after a reconnect: the broker does not say how many); in the
+other formats, which have no room for it, the read that reaches that place fails once
+with ENOBUFS ("No buffer space available") and the next one goes on after it
 (`Outbox.push_gap`).
 """
 
@@ -54,17 +56,18 @@ def frame(fmt: str, key: bytes, payload: bytes, when: float) -> bytes:
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-def dropped_frame(count: int, when: float) -> bytes:
-    """The ``jsonl`` line standing where *count* messages were dropped."""
+def dropped_frame(count: int | None, when: float) -> bytes:
+    """The ``jsonl`` line standing where *count* messages were dropped (None: some may
+    have been, how many is not known)."""
     return json.dumps({"dropped": count, "time": round(when, 6)}).encode() + b"\n"
 
 
 class _Gap:
-    """Where messages were dropped, and how many (`Outbox.push_gap`)."""
+    """Where messages were dropped, and how many (None: not known) (`Outbox.push_gap`)."""
 
     __slots__ = ("count",)
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int | None) -> None:
         self.count = count
 
 
@@ -94,21 +97,23 @@ class Outbox:
             self._items.append(data)
             self.nbytes += len(data)
 
-    def push_gap(self, count: int) -> None:
-        """*count* messages were dropped here: the read that reaches this place learns
-        of it (`gap`), once for gaps in a row."""
+    def push_gap(self, count: int | None) -> None:
+        """*count* messages were dropped here (None: some may have been): the read that
+        reaches this place learns of it (`gap`), once for gaps in a row."""
         items = self._items
         if items and type(items[-1]) is _Gap:
-            items[-1].count += count
+            last = items[-1]
+            last.count = None if last.count is None or count is None else last.count + count
         else:
             items.append(_Gap(count))
 
-    def gap(self) -> int:
-        """The messages dropped at the head (then gone from it), or 0."""
+    def gap(self) -> int | None | bool:
+        """Whether a gap is at the head: False if not, else how many were dropped there
+        (None: not known), and it is gone from the head."""
         items = self._items
         if items and type(items[0]) is _Gap:
             return items.popleft().count
-        return 0
+        return False
 
     def take(self, size: int) -> bytes:
         """Up to *size* bytes (at least one unless empty or at a gap), up to a gap."""

@@ -687,9 +687,12 @@ class BusFS(pyfuse3.Operations):
                         await r.lot.park()
         if r.out:
             lost = r.out.gap()
-            if lost:  # messages dropped here (the reader fell behind): said, once
-                log.info("a reader of %s is told of %d messages dropped for it (ENOBUFS)",
-                         brief(r.pattern), lost)
+            if lost is not False and r.failed and not self.closing:
+                raise FUSEError(errno.EIO)  # (no more to come: that says more)
+            if lost is not False:  # messages dropped (or missed) here: said, once
+                log.info("a reader of %s is told of %s messages %s (ENOBUFS)",
+                         brief(r.pattern), "some" if lost is None else lost,
+                         "missed in a reconnect" if lost is None else "dropped for it")
                 raise FUSEError(errno.ENOBUFS)
             data = r.out.take(size)
             self.bus.took(r)
