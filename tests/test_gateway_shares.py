@@ -182,6 +182,14 @@ def reaches(address: str, remote: socket.socket, key: bytes, payload: bytes) -> 
     local.close()
 
 
+def stop_all(procs: list, gw: GatewayProcess, bus: BrokerProcess) -> None:
+    """End the attackers' and the honest client's processes, the gateway and the bus."""
+    for proc, _ in procs:
+        proc.kill()
+    gw.stop()
+    bus.stop()
+
+
 def publish_numbered(local: socket.socket, key: bytes, n: int) -> None:
     for i in range(n):
         local.send(b"MSG " + key + b"\0%d" % i)
@@ -223,10 +231,7 @@ def test_unauthenticated_subscribers_cannot_take_the_brokers_budget_for_the_gate
         assert "the broker refused" not in log, log  # never by the broker
         local.close()
     finally:
-        for proc, _ in procs:
-            proc.kill()
-        gw.stop()
-        bus.stop()
+        stop_all(procs, gw, bus)
 
 
 def same_patterns(pipe, port: int, source: str, conns: int) -> None:
@@ -275,10 +280,7 @@ def test_one_address_cannot_take_the_subscription_pool(sdir, authenticate):
         assert "bytes of the gateway's subscription pool, its share is 524288" in gw.log()
         local.close()
     finally:
-        for proc, _ in procs:
-            proc.kill()
-        gw.stop()
-        bus.stop()
+        stop_all(procs, gw, bus)
 
 
 def test_a_subscription_the_broker_refuses_leaves_no_phantom(sdir):
@@ -344,10 +346,7 @@ def test_a_frame_shared_by_many_slow_readers_is_charged_to_the_pool_once(sdir):
         assert got == 100
         local.close()
     finally:
-        for proc, _ in procs:
-            proc.kill()
-        gw.stop()
-        bus.stop()
+        stop_all(procs, gw, bus)
 
 
 def test_a_subscriber_refused_for_a_full_share_is_told_and_served_once_there_is_room(sdir):
