@@ -237,6 +237,43 @@ def test_a_full_pool_takes_room_from_the_heaviest_address_not_a_prompt_reader():
     assert other.dropped == [0, 0, 0] and light.dropped == [0, 0, 0]
 
 
+def test_echoes_queued_behind_a_frame_do_not_keep_the_messages_after_them():
+    """A client that never reads but sends keep-alives queues echoes: only the first few
+    frames were looked at for one to evict, so its messages behind the echoes stayed,
+    the pool stayed full, and prompt readers lost everything (the re-audit)."""
+    pool = Pool(10_000)
+    box = Outbox(100, 10_000)
+    for _ in range(6):
+        box.force(b"\x00")
+    frames = [S(b"m%d" % i) for i in range(3)]
+    for frame in frames:
+        box.offer(frame)
+        frame.hold(pool)
+    assert box.evict() and box.dropped_by == [0, 0, 1]
+    assert box.take() == b"\x00" * 6 + b"m1m2"  # the oldest message went, echoes stay
+
+
+def test_making_room_searches_for_the_heaviest_twice_at_most():
+    """Each search looks at every address: making room for one frame, and then for every
+    target of it after a failure, searched again and again (1.3 s of the loop for one
+    fan-out to 5,000 addresses, in the re-audit)."""
+    from sbus.gateway.outbox import SEARCHES
+
+    pool = Pool(1000)
+    peers = [Peer("p%d" % i) for i in range(50)]
+    for i, p in enumerate(peers):  # each holds a frame no eviction can free: a Rest
+        box = Outbox(100, 10_000, p)
+        p.conns, p.boxes = 1, [box]
+        frame = S(bytes(20))
+        box.offer(frame)
+        frame.hold(pool)
+        box.done(5)  # partly written: the rest of it is never evicted
+    pool.used = pool.limit
+    searches = []
+    assert not make_room(pool, 100, lambda: searches.append(1) or peers, fair=0)
+    assert len(searches) <= SEARCHES
+
+
 def test_caps_per_address_and_in_total():
     caps = Caps(total=3, per_peer=2)
     assert caps.admit("a") is None and caps.admit("a") is None

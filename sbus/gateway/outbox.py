@@ -37,8 +37,8 @@ CAUSES = ("its buffer full", "its address's share full", "the buffer pool full")
 #: Frames dropped from other queues to make room for one frame, at most: past that the
 #: frame is discarded instead (the work for one frame stays small).
 EVICT_MAX = 256
-#: Frames looked at from the oldest for one to evict (echoes and a `Rest` are not).
-EVICT_LOOK = 4
+#: Searches for the address holding the most, at most, in making room for one frame.
+SEARCHES = 2
 
 
 class Shared:
@@ -130,10 +130,12 @@ class Outbox:
 
     def evict(self) -> bool:
         """Drop the oldest queued message to make room in the full pool, counted as
-        discarded for this client; False if none of the first few is one (echoes, and
-        the `Rest` of a frame partly written, stay: the stream needs them)."""
+        discarded for this client; False if it holds none (echoes, and the `Rest` of a
+        frame partly written, stay: the stream needs them).  The whole queue is looked
+        at (at most twice the message bound): echoes a client that never reads queues
+        behind its messages once made them all stay."""
         frames = self.frames
-        for i in range(min(len(frames), EVICT_LOOK)):
+        for i in range(len(frames)):
             frame = frames[i]
             if frame.pool is not None and type(frame) is not Rest:
                 del frames[i]
@@ -228,12 +230,17 @@ def make_room(pool: Pool, size: int, peers: Callable[[], Iterable[Peer]], fair: 
     holds the most (round robin over its clients), while it holds more than *fair*:
     whether there is room now.  The heaviest address is remembered in the pool and
     looked for again (over *peers*, the addresses: not per frame, only when the one
-    remembered is down to its fair part); at most `EVICT_MAX` frames go per call."""
+    remembered is down to its fair part); at most `EVICT_MAX` frames go and `SEARCHES`
+    searches are made per call."""
+    searches = 0
     for _ in range(EVICT_MAX):
         if pool.used + size <= pool.limit:
             return True
         heavy = pool.heaviest
         if heavy is None or heavy.queued <= fair or not heavy.conns:
+            searches += 1
+            if searches > SEARCHES:
+                return False
             heavy = pool.heaviest = max(peers(), key=_queued, default=None)
             if heavy is None or heavy.queued <= fair:
                 pool.heaviest = None

@@ -79,8 +79,10 @@ RUN_BYTES = 64 * 1024
 HEADS, HEADS_BYTES = 1024, 256 * 1024
 #: Seconds between two log lines about connections refused at the caps.
 CAP_LOG_INTERVAL = 10.0
-#: Seconds between two log lines about the messages discarded for one address's clients.
+#: Seconds between two log lines about the messages discarded for one address's clients,
+#: and the addresses said apart each time at most (the rest in one line).
 DISCARD_LOG_INTERVAL = 10.0
+DISCARD_LINES = 16
 
 #: Defaults of the bounds (docs/gateway.md, docs/security.md).
 MAX_CLIENTS = 10000
@@ -355,9 +357,9 @@ class Gateway:
     def _deliver(self, targets: tuple[Remote, ...], key: bytes, payload: bytes) -> None:
         """Offer one frame to every matching client.  The pool is charged the frame's
         bytes once (what is really held), however many clients queue it.  While it is
-        full, the frame is discarded for clients of addresses holding more than a fair
-        part of it (the pool over the addresses connected); for another, room is made
-        by discarding the oldest frames of the address holding the most
+        full, the frame is discarded for clients holding more than a fair part of it
+        themselves (the pool over the clients connected); for another, room is made (once
+        per frame) by discarding the oldest frames of the address holding the most
         (`outbox.make_room`).  Only queued here: a plain-TCP client whose writer waits
         is written to by `_flush`, after the batch, with no task switch."""
         frame = Shared(codec.publish(key, payload))
@@ -365,6 +367,8 @@ class Gateway:
         pool = self.buffers
         tight = pool.used + size > pool.limit
         fair = pool.limit // max(1, self.caps.peers())
+        mine = pool.limit // max(1, len(self.clients))  # a client's fair part of it
+        tried = False  # to make room for this frame, and failed
         dirty = self._dirty
         dropped = 0
         for rc in targets:
@@ -375,8 +379,12 @@ class Gateway:
                 dropped += 1
                 continue
             if tight and not frame.refs:  # not charged yet: room is needed for it
-                if not (rc.account.queued < fair and out.fits(size)
-                        and make_room(pool, size, self.caps.accounts, fair)):
+                # room is made once per frame at most (a failed try is not made again
+                # for each target), and for a client holding less than its fair part
+                # itself (its address's copies of shared frames are no measure of that)
+                if out.size >= mine or not out.fits(size) or tried or \
+                        not make_room(pool, size, self.caps.accounts, fair):
+                    tried = tried or (out.size < mine and out.fits(size))
                     out.discard(POOL)
                     dropped += 1
                     continue
@@ -947,11 +955,20 @@ class Gateway:
         as the others): a loss is said while it happens, not only at disconnect."""
         while True:
             await trio.sleep(DISCARD_LOG_INTERVAL)
+            said = more = more_count = 0
             for account in list(self.caps.accounts()):
                 counts = account.dropped
                 if not any(counts):
                     continue
                 account.dropped = [0, 0, 0]
+                if said >= DISCARD_LINES:  # many addresses: one line for the rest
+                    more += 1
+                    more_count += sum(counts)
+                    continue
+                said += 1
                 self.say(account.host, logging.WARNING, "%s: %d messages discarded for its "
                          "%d client(s) in %g s (%s)", printable(account.host), sum(counts),
                          account.conns, DISCARD_LOG_INTERVAL, _causes(counts, self))
+            if more:
+                log.warning("and %d messages discarded for the clients of %d more addresses "
+                            "in %g s", more_count, more, DISCARD_LOG_INTERVAL)
