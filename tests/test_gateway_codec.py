@@ -260,8 +260,8 @@ def test_making_room_searches_for_the_heaviest_twice_at_most():
     from sbus.gateway.outbox import SEARCHES
 
     pool = Pool(1000)
-    peers = [Peer("p%d" % i) for i in range(50)]
-    for i, p in enumerate(peers):  # each holds a frame no eviction can free: a Rest
+    peers = [Peer(f"p{i}") for i in range(50)]
+    for p in peers:  # each holds a frame no eviction can free: a Rest
         box = Outbox(100, 10_000, p)
         p.conns, p.boxes = 1, [box]
         frame = S(bytes(20))
