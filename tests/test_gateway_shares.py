@@ -738,3 +738,34 @@ def test_publishes_dropped_when_the_bus_stays_away_are_said_and_their_publisher_
     finally:
         gw.stop()
         bus.stop()
+
+
+def test_a_fan_out_into_a_full_pool_tries_to_make_room_once(monkeypatch):
+    """The pool is full of what no eviction can free (the rests of partly written frames),
+    and a message goes to 500 prompt readers of 500 addresses: room was tried for each
+    of them, each try a search of every address (1.3 s of the loop for 5,000 in the
+    re-audit); now once for the message, then it is discarded for the rest, counted."""
+    from sbus.gateway.outbox import SEARCHES, Shared
+    from sbus.gateway.server import Gateway
+
+    gw = Gateway(SECRET, address="/nonexistent", buffer_pool=10_000)
+    heavy = _remote(gw, "10.0.0.1")
+    heavy.account.boxes.append(heavy.outbox)
+    while gw.buffers.used < gw.buffers.limit:
+        frame = Shared(codec.publish(b"k", bytes(100)))
+        heavy.outbox.offer(frame)
+        frame.hold(gw.buffers)
+    heavy.outbox.done(5)  # the head partly written: a rest, kept
+    while len(heavy.outbox.frames) > 1:  # the others written out, as rests too
+        heavy.outbox.frames.pop()
+    gw.buffers.used = gw.buffers.limit
+    readers = [_remote(gw, f"10.1.{i // 250}.{i % 250}") for i in range(500)]
+    gw.clients.update(readers)
+    from sbus.gateway import outbox
+
+    looked = []  # addresses looked at by the searches for the heaviest
+    queued = outbox._queued
+    monkeypatch.setattr(outbox, "_queued", lambda peer: looked.append(1) or queued(peer))
+    gw._deliver(tuple(readers), b"k", b"x" * 50)
+    assert len(looked) <= SEARCHES * gw.caps.peers(), len(looked)
+    assert sum(rc.outbox.dropped for rc in readers) == 500  # discarded, counted
