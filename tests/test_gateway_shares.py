@@ -769,3 +769,35 @@ def test_a_fan_out_into_a_full_pool_tries_to_make_room_once(monkeypatch):
     gw._deliver(tuple(readers), b"k", b"x" * 50)
     assert len(looked) <= SEARCHES * gw.caps.peers(), len(looked)
     assert sum(rc.outbox.dropped for rc in readers) == 500  # discarded, counted
+
+
+def test_many_prompt_readers_of_one_address_are_not_taken_for_the_heaviest():
+    """Twenty prompt readers behind one address each hold copies of the same few frames
+    (one object each, charged to the pool once): their address's queued bytes count
+    every copy, and measured against a fair part of the pool they made it look heavy,
+    so a full pool discarded its messages (24 % lost in the re-audit).  A client's own
+    queue is the measure now: they get the message, in place of the heavy address's."""
+    from sbus.gateway.outbox import Shared
+    from sbus.gateway.server import Gateway
+
+    gw = Gateway(SECRET, address="/nonexistent", buffer_pool=20_000)
+    heavy = _remote(gw, "10.0.0.1")
+    heavy.account.boxes.append(heavy.outbox)
+    readers = [_remote(gw, "10.0.0.2") for _ in range(20)]
+    for rc in readers:
+        rc.account.boxes.append(rc.outbox)
+    gw.clients.update([heavy, *readers])
+    shared = [Shared(codec.publish(b"k", bytes(200))) for _ in range(3)]
+    for frame in shared:  # the readers' few copies
+        for rc in readers:
+            rc.outbox.offer(frame)
+        frame.hold(gw.buffers)
+    size = len(codec.publish(b"k", b"x" * 200))
+    while gw.buffers.used + size <= gw.buffers.limit:  # the rest: the heavy one's own
+        frame = Shared(codec.publish(b"h", bytes(200)))
+        heavy.outbox.offer(frame)
+        frame.hold(gw.buffers)
+    assert readers[0].account.queued > gw.buffers.limit // gw.caps.peers()  # copies
+    gw._deliver(tuple(readers), b"k", b"x" * 200)
+    assert all(len(rc.outbox) == 4 for rc in readers)  # each got it
+    assert heavy.outbox.dropped > 0  # made room: the heavy address's oldest went
