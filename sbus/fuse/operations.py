@@ -687,9 +687,9 @@ class BusFS(pyfuse3.Operations):
                         await r.lot.park()
         if r.out:
             lost = r.out.gap()
-            if lost is not False and r.failed and not self.closing:
-                raise FUSEError(errno.EIO)  # (no more to come: that says more)
             if lost is not False:  # messages dropped (or missed) here: said, once
+                if r.failed and not self.closing:
+                    raise FUSEError(errno.EIO)  # (no more to come: that says more)
                 log.info("a reader of %s is told of %s messages %s (ENOBUFS)",
                          brief(r.pattern), "some" if lost is None else lost,
                          "missed in a reconnect" if lost is None else "dropped for it")

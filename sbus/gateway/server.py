@@ -382,9 +382,10 @@ class Gateway:
                 # room is made once per frame at most (a failed try is not made again
                 # for each target), and for a client holding less than its fair part
                 # itself (its address's copies of shared frames are no measure of that)
-                if out.size >= mine or not out.fits(size) or tried or \
-                        not make_room(pool, size, self.caps.accounts, fair):
-                    tried = tried or (out.size < mine and out.fits(size))
+                ok = out.size < mine and out.fits(size) and not tried
+                if ok and not make_room(pool, size, self.caps.accounts, fair):
+                    tried, ok = True, False
+                if not ok:
                     out.discard(POOL)
                     dropped += 1
                     continue
