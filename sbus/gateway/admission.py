@@ -150,7 +150,8 @@ class Pool:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        self.heaviest: Peer | None = None  # of the buffer pool: `outbox.make_room`
+        #: The addresses holding the most of the buffer pool: `outbox.make_room`.
+        self.heaviest: list[Peer] = []
 
     def fits(self, n: int) -> bool:
         return self.used + n <= self.limit

@@ -23,8 +23,10 @@ per address.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable, Iterable
+from operator import attrgetter
 
 from .admission import Peer, Pool
 
@@ -37,8 +39,10 @@ CAUSES = ("its buffer full", "its address's share full", "the buffer pool full")
 #: Frames dropped from other queues to make room for one frame, at most: past that the
 #: frame is discarded instead (the work for one frame stays small).
 EVICT_MAX = 256
-#: Searches for the address holding the most, at most, in making room for one frame.
+#: Searches for the addresses holding the most, at most, in making room for one frame.
 SEARCHES = 2
+#: Addresses taken from in turn, at most, found by one search: the heaviest.
+CANDIDATES = 16
 
 
 class Shared:
@@ -228,27 +232,35 @@ def make_room(pool: Pool, size: int, peers: Callable[[], Iterable[Peer]], fair: 
     """Make *size* bytes of room in the full *pool* for a client whose address holds less
     than *fair* bytes queued, by evicting the oldest frames queued for the address that
     holds the most (round robin over its clients), while it holds more than *fair*:
-    whether there is room now.  The heaviest address is remembered in the pool and
-    looked for again (over *peers*, the addresses: not per frame, only when the one
-    remembered is down to its fair part); at most `EVICT_MAX` frames go and `SEARCHES`
-    searches are made per call."""
+    whether there is room now.
+
+    A frame fanned out is freed only when every client holding it let it go, so the
+    frames go from the heaviest of up to `CANDIDATES` addresses above their fair part,
+    each time from the one holding the most: addresses holding the same frames lose
+    them in turn.  The candidates are found by one search of *peers* (the addresses) and
+    remembered in the pool, searched for again only when none is left above its fair
+    part; at most `EVICT_MAX` frames go and `SEARCHES` searches are made per call."""
+    heavy = [p for p in pool.heaviest if p.queued > fair and p.conns]
     searches = 0
     for _ in range(EVICT_MAX):
         if pool.used + size <= pool.limit:
-            return True
-        heavy = pool.heaviest
-        if heavy is None or heavy.queued <= fair or not heavy.conns:
+            break
+        if not heavy:
             searches += 1
             if searches > SEARCHES:
-                return False
-            heavy = pool.heaviest = max(peers(), key=_queued, default=None)
-            if heavy is None or heavy.queued <= fair:
-                pool.heaviest = None
-                return False
-        if not _evict_one(heavy):
-            pool.heaviest = None  # nothing of it can go: another is looked for next time
-            return False
+                break
+            heavy = heapq.nlargest(CANDIDATES, (p for p in peers() if p.conns), key=_queued)
+            heavy = [p for p in heavy if p.queued > fair]
+            if not heavy:
+                break
+        victim = max(heavy, key=_HOLDS)
+        if victim.queued <= fair or not _evict_one(victim):
+            heavy.remove(victim)  # down to its fair part, or nothing of it can go
+    pool.heaviest = heavy
     return pool.used + size <= pool.limit
+
+
+_HOLDS = attrgetter("queued")
 
 
 def _queued(peer: Peer) -> int:
