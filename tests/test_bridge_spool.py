@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sbus.bridge.spool import Spool, StateDir
+from sbus.bridge.spool import HEADER, MAGIC, RECORD, Spool, StateDir
 from sbus.errors import SbusError
 
 
@@ -171,7 +171,7 @@ def test_a_damaged_record_ends_its_segment_and_is_said(tmp_path: Path) -> None:
     recorded(tmp_path, 5)
     seg = next(tmp_path.glob("*.spool"))
     data = bytearray(seg.read_bytes())
-    second = 14 + 3 + 2  # the header, "t/0", "p0"
+    second = len(MAGIC) + RECORD.size + 3 + 2  # the header, "t/0", "p0"
     data[second:second + 8] = (2**64 - 1).to_bytes(8, "little")
     seg.write_bytes(data)
     s = spool(tmp_path)
@@ -286,10 +286,57 @@ def test_a_segment_overlapping_the_one_before_is_set_aside(tmp_path: Path) -> No
     recorded(tmp_path, 6)
     seg = next(tmp_path.glob("*.spool"))
     data = seg.read_bytes()
-    start = 3 * (14 + 3 + 2)  # records 3 .. 5 of the first segment, as a segment of its own
+    start = len(MAGIC) + 3 * (RECORD.size + 3 + 2)  # records 3 .. 5, as a segment of its own
     extra = tmp_path / f"{3:020d}.spool"
-    extra.write_bytes(data[start:])
+    extra.write_bytes(MAGIC + data[start:])
     s = spool(tmp_path)
     assert [seq for seq, _, _ in s.load()] == list(range(6))
     assert extra.with_name(extra.name + ".damaged").exists()
     assert len(s.problems) == 1 and "overlap the segment before it" in s.problems[0]
+
+
+def test_a_record_changed_on_disk_is_dropped_and_said_not_sent(tmp_path: Path) -> None:
+    """A byte changed in a record's payload was sent as it was, to every receiver.  Each
+    record carries a CRC-32 now: the damaged one is dropped, counted as lost and said,
+    and the records after it (whole, checked) are kept."""
+    recorded(tmp_path, 5)
+    seg = next(tmp_path.glob("*.spool"))
+    data = bytearray(seg.read_bytes())
+    third = len(MAGIC) + 2 * (RECORD.size + 3 + 2)
+    data[third + RECORD.size + 4] ^= 1  # "p2" becomes "p3"
+    seg.write_bytes(data)
+    s = spool(tmp_path)
+    assert [(seq, p) for seq, _, p in s.load()] == [(0, b"p0"), (1, b"p1"), (3, b"p3"),
+                                                    (4, b"p4")]
+    assert s.lost == 1 and len(s.problems) == 1
+    assert f"record 2 at byte {third} fails its check" in s.problems[0]
+    assert s.append([(b"t/n", b"x")]) == [5]  # its number is not given again
+
+
+def test_a_record_whose_lengths_changed_ends_its_segment(tmp_path: Path) -> None:
+    """A changed length makes the records after it unfindable: the segment is cut there."""
+    recorded(tmp_path, 5)
+    seg = next(tmp_path.glob("*.spool"))
+    data = bytearray(seg.read_bytes())
+    third = len(MAGIC) + 2 * (RECORD.size + 3 + 2)
+    data[third + 10] -= 1  # the topic length: 3 becomes 2
+    seg.write_bytes(data)
+    s = spool(tmp_path)
+    assert [seq for seq, _, _ in s.load()] == [0, 1]
+    assert len(s.problems) == 1 and f"at byte {third} is cut short or damaged" in s.problems[0]
+
+
+def test_a_segment_of_an_older_bridge_is_read_without_checks(tmp_path: Path) -> None:
+    """Segments written before records had checks (no magic, 14-byte headers) are read;
+    what is appended after them goes into a new segment, with checks."""
+    recorded(tmp_path, 1)
+    seg = next(tmp_path.glob("*.spool"))
+    seg.unlink()
+    (tmp_path / f"{0:020d}.spool").write_bytes(b"".join(
+        HEADER.pack(i, 3, 2) + b"t/%d" % i + b"p%d" % i for i in range(3)))
+    s = spool(tmp_path)
+    assert [(seq, p) for seq, _, p in s.load()] == [(0, b"p0"), (1, b"p1"), (2, b"p2")]
+    assert s.problems == [] and s.append([(b"t/3", b"p3")]) == [3]
+    s.close()
+    assert (tmp_path / f"{3:020d}.spool").read_bytes().startswith(MAGIC)
+    assert [seq for seq, _, _ in spool(tmp_path).load()] == [0, 1, 2, 3]

@@ -12,9 +12,11 @@
 * **The import filters of the MQTT session**: a bridge whose imports changed unsubscribes
   the old ones, so they neither pull traffic nor deliver twice.
 
-Files: ``NNN.spool`` segments named by their first sequence number, each record a
-``<QHI`` header (sequence, topic length, payload length) then the topic and payload; a
-torn record at the end (the crash came mid-write) is cut off.  ``acked`` holds the
+Files: ``NNN.spool`` segments named by their first sequence number, beginning with
+`MAGIC`, each record a ``<QHII`` header (sequence, topic length, payload length, CRC-32
+of those three and the record's bytes) then the topic and payload (segments of older
+bridges have no `MAGIC` and ``<QHI`` headers, no check: read as they are); a torn
+record at the end (the crash came mid-write) is cut off.  ``acked`` holds the
 sequence number of the oldest unacknowledged record (8 bytes, rewritten in place), the
 epoch of this run (4 random bytes, new each run: a spool that went back gives numbers
 again, and receivers must not take those exports for copies) and a CRC-32 of both.
@@ -25,8 +27,10 @@ Damage is said, never a crash (`Spool.problems`, logged by the bridge): an ``ack
 that fails its check sends every record left again under a new epoch (receivers may get
 copies, none is lost); a record that is cut short, or whose number is not the next one
 (or is past `MAX_SEQ`), ends its segment there: the bytes from it are cut off, and the
-line says how many; a segment whose name is past `MAX_SEQ` is set aside as
-``NNN.spool.damaged``.
+line says how many; a record that fails its check is dropped and counted as lost (a byte
+changed on disk: it is not sent as it is), or ends its segment there if the next record
+does not follow it whole (its lengths may be the damaged bytes); a segment whose name is
+past `MAX_SEQ` is set aside as ``NNN.spool.damaged``.
 ``state.json`` the counters and the MQTT session's import filters.  ``lock`` is held
 (``flock``) while a bridge uses the directory.
 """
@@ -47,7 +51,10 @@ from ..errors import SbusError
 
 __all__ = ["Spool", "StateDir", "SpoolFull"]
 
-HEADER = struct.Struct("<QHI")
+#: Begins a segment whose records carry a check (`RECORD`): older ones have `HEADER`s.
+MAGIC = b"sbus-spool 2\n"
+HEADER = struct.Struct("<QHI")  # sequence number, topic length, payload length
+RECORD = struct.Struct("<QHII")  # and the CRC-32 of those and of the topic and payload
 ACKED = struct.Struct("<Q")
 EPOCH = struct.Struct("<4s")  # after the sequence number in ``acked``
 CHECK = struct.Struct("<I")  # CRC-32 of the two, after them (a file without it is older)
@@ -76,6 +83,22 @@ def _acked(raw: bytes) -> tuple[int, str] | None:
     if oldest >= MAX_SEQ:
         return None
     return oldest, EPOCH.unpack_from(raw, ACKED.size)[0].hex()
+
+
+def _record(data: memoryview, pos: int, seq: int, checked: bool) -> tuple[int, bool] | tuple[()]:
+    """Where the record numbered *seq* at *pos* ends and whether it passes its check (one
+    without a check passes), or ``()`` if there is no whole record numbered *seq* there."""
+    body = pos + (RECORD.size if checked else HEADER.size)
+    if body > len(data):
+        return ()
+    number, tlen, plen = HEADER.unpack_from(data, pos)
+    end = body + tlen + plen
+    if number != seq or end > len(data):
+        return ()
+    if not checked:
+        return end, True
+    crc = zlib.crc32(data[body:end], zlib.crc32(data[pos:pos + HEADER.size]))
+    return end, crc == CHECK.unpack_from(data, pos + HEADER.size)[0]
 
 
 class StateDir:
@@ -155,7 +178,7 @@ class Spool:
         self._ack_written = -1
         #: what was found damaged at `load`, one line each (the bridge logs them)
         self.problems: list[str] = []
-        self.lost = 0  # records found missing at `load`
+        self.lost = 0  # records found missing or damaged at `load`
 
     # -- start -----------------------------------------------------------------
 
@@ -185,7 +208,7 @@ class Spool:
         self.next_seq = self.oldest
         read_end = 0  # past the records of the segments read so far
         for first in list(self._segments):
-            records = self._read(first)
+            records, end = self._read(first)
             if records and first < read_end:  # numbers another segment holds: not ours
                 name = self.path / f"{first:020d}{SUFFIX}"
                 os.replace(name, name.with_name(name.name + ".damaged"))
@@ -194,12 +217,12 @@ class Spool:
                                      f"it; set aside as {name.name}.damaged")
                 continue
             for seq, topic, payload in records:
-                self.next_seq = max(self.next_seq, seq + 1)
                 if seq >= self.oldest:
                     left.append((seq, topic, payload))
-            read_end = max(read_end, first + len(records))
+            self.next_seq = max(self.next_seq, end)
+            read_end = max(read_end, end)
         if given > self.next_seq:
-            self.lost = given - self.next_seq
+            self.lost += given - self.next_seq
             self.problems.append(f"{self.lost} records numbered {self.next_seq} to "
                                  f"{given - 1} are missing from the spool (a segment cut "
                                  "short or removed): lost")
@@ -266,26 +289,39 @@ class Spool:
             out.append(int(first))
         return out
 
-    def _read(self, first: int) -> list[tuple[int, bytes, bytes]]:
+    def _read(self, first: int) -> tuple[list[tuple[int, bytes, bytes]], int]:
+        """The whole records of segment *first* and the number after its last; what is
+        damaged is cut off or dropped, and said (module docstring)."""
         name = self.path / f"{first:020d}{SUFFIX}"
         data = name.read_bytes()
-        out, pos = [], 0
-        while pos + HEADER.size <= len(data):
-            seq, tlen, plen = HEADER.unpack_from(data, pos)
-            end = pos + HEADER.size + tlen + plen
-            if seq != first + len(out) or end > len(data):
-                break
-            topic = data[pos + HEADER.size:pos + HEADER.size + tlen]
-            out.append((seq, topic, data[pos + HEADER.size + tlen:end]))
-            pos = end
+        view = memoryview(data)
+        checked = data.startswith(MAGIC)
+        body = RECORD.size if checked else HEADER.size
+        pos = len(MAGIC) if checked else 0
+        out: list[tuple[int, bytes, bytes]] = []
+        seq = first
+        while found := _record(view, pos, seq, checked):
+            end, intact = found
+            if not intact:  # sent as it is, it would carry the damage to every receiver
+                if end != len(data) and _record(view, end, seq + 1, checked)[1:] != (True,):
+                    break  # its lengths may be what changed: the rest cannot be trusted
+                if seq >= self.oldest:
+                    self.lost += 1
+                    self.problems.append(f"{name}: record {seq} at byte {pos} fails its "
+                                         "check (changed on disk): dropped")
+            else:
+                tlen = HEADER.unpack_from(data, pos)[1]
+                out.append((seq, data[pos + body:pos + body + tlen],
+                            data[pos + body + tlen:end]))
+            pos, seq = end, seq + 1
         if pos != len(data):
             # torn (the crash came while it was written) or damaged: cut off, so that
             # appending goes on after a whole record, and said
-            self.problems.append(f"{name}: record {len(out)} at byte {pos} is cut short or "
-                                 f"damaged; the {len(data) - pos} bytes from there are "
+            self.problems.append(f"{name}: record {seq - first} at byte {pos} is cut short "
+                                 f"or damaged; the {len(data) - pos} bytes from there are "
                                  "dropped")
             os.truncate(name, pos)
-        return out
+        return out, seq
 
     # -- running ---------------------------------------------------------------
 
@@ -298,7 +334,9 @@ class Spool:
         blob = bytearray()
         first = self.next_seq
         for seq, (topic, payload) in enumerate(records, first):
-            blob += HEADER.pack(seq, len(topic), len(payload))
+            head = HEADER.pack(seq, len(topic), len(payload))
+            blob += head
+            blob += CHECK.pack(zlib.crc32(payload, zlib.crc32(topic, zlib.crc32(head))))
             blob += topic
             blob += payload
         if not blob:
@@ -367,6 +405,9 @@ class Spool:
         name = self.path / f"{first:020d}{SUFFIX}"
         self._fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self._size = os.fstat(self._fd).st_size
+        if not self._size:  # (one that is not empty is ours: its records are all before
+            os.write(self._fd, MAGIC)  # *first*, and `load` cut off what was not whole)
+            self._size = len(MAGIC)
         if first not in self._segments:
             self._segments.append(first)
 
