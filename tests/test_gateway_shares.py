@@ -801,3 +801,28 @@ def test_many_prompt_readers_of_one_address_are_not_taken_for_the_heaviest():
     gw._deliver(tuple(readers), b"k", b"x" * 200)
     assert all(len(rc.outbox) == 4 for rc in readers)  # each got it
     assert heavy.outbox.dropped > 0  # made room: the heavy address's oldest went
+
+
+def test_discards_of_many_addresses_are_said_in_a_bounded_number_of_lines(caplog):
+    """500 addresses whose clients lost messages in one interval made 500 log lines every
+    10 s (the re-audit): 16 are said apart, the rest in one line, counted."""
+    import logging
+
+    from sbus.gateway.outbox import POOL
+    from sbus.gateway.server import DISCARD_LINES, Gateway
+
+    gw = Gateway(SECRET, address="/nonexistent")
+    readers = [_remote(gw, f"10.2.{i // 250}.{i % 250}") for i in range(40)]
+    for rc in readers:
+        rc.outbox.discard(POOL)
+        rc.outbox.discard(POOL)
+    with caplog.at_level(logging.WARNING, logger="sbus.gateway"):
+        gw._say_discarded()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == DISCARD_LINES + 1, lines
+    assert all("2 messages discarded for its 1 client(s)" in line for line in lines[:-1])
+    assert lines[-1].startswith(f"and {2 * (40 - DISCARD_LINES)} messages discarded for "
+                                f"the clients of {40 - DISCARD_LINES} more addresses")
+    caplog.clear()
+    gw._say_discarded()  # said once: nothing new, nothing said
+    assert not caplog.records

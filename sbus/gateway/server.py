@@ -956,20 +956,24 @@ class Gateway:
         as the others): a loss is said while it happens, not only at disconnect."""
         while True:
             await trio.sleep(DISCARD_LOG_INTERVAL)
-            said = more = more_count = 0
-            for account in list(self.caps.accounts()):
-                counts = account.dropped
-                if not any(counts):
-                    continue
-                account.dropped = [0, 0, 0]
-                if said >= DISCARD_LINES:  # many addresses: one line for the rest
-                    more += 1
-                    more_count += sum(counts)
-                    continue
-                said += 1
-                self.say(account.host, logging.WARNING, "%s: %d messages discarded for its "
-                         "%d client(s) in %g s (%s)", printable(account.host), sum(counts),
-                         account.conns, DISCARD_LOG_INTERVAL, _causes(counts, self))
-            if more:
-                log.warning("and %d messages discarded for the clients of %d more addresses "
-                            "in %g s", more_count, more, DISCARD_LOG_INTERVAL)
+            self._say_discarded()
+
+    def _say_discarded(self) -> None:
+        """The lines of `_say_discards`: `DISCARD_LINES` addresses said apart at most."""
+        said = more = more_count = 0
+        for account in list(self.caps.accounts()):
+            counts = account.dropped
+            if not any(counts):
+                continue
+            account.dropped = [0, 0, 0]
+            if said >= DISCARD_LINES:  # many addresses: one line for the rest
+                more += 1
+                more_count += sum(counts)
+                continue
+            said += 1
+            self.say(account.host, logging.WARNING, "%s: %d messages discarded for its "
+                     "%d client(s) in %g s (%s)", printable(account.host), sum(counts),
+                     account.conns, DISCARD_LOG_INTERVAL, _causes(counts, self))
+        if more:
+            log.warning("and %d messages discarded for the clients of %d more addresses "
+                        "in %g s", more_count, more, DISCARD_LOG_INTERVAL)
