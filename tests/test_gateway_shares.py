@@ -745,6 +745,7 @@ def test_a_fan_out_into_a_full_pool_tries_to_make_room_once(monkeypatch):
     and a message goes to 500 prompt readers of 500 addresses: room was tried for each
     of them, each try a search of every address (1.3 s of the loop for 5,000 in the
     re-audit); now once for the message, then it is discarded for the rest, counted."""
+    from sbus.gateway.admission import Caps
     from sbus.gateway.outbox import SEARCHES, Shared
     from sbus.gateway.server import Gateway
 
@@ -761,11 +762,10 @@ def test_a_fan_out_into_a_full_pool_tries_to_make_room_once(monkeypatch):
     gw.buffers.used = gw.buffers.limit
     readers = [_remote(gw, f"10.1.{i // 250}.{i % 250}") for i in range(500)]
     gw.clients.update(readers)
-    from sbus.gateway import outbox
-
     looked = []  # addresses looked at by the searches for the heaviest
-    queued = outbox._queued
-    monkeypatch.setattr(outbox, "_queued", lambda peer: looked.append(1) or queued(peer))
+    accounts = Caps.accounts
+    monkeypatch.setattr(Caps, "accounts",
+                        lambda caps: (looked.append(1) or peer for peer in accounts(caps)))
     gw._deliver(tuple(readers), b"k", b"x" * 50)
     assert len(looked) <= SEARCHES * gw.caps.peers(), len(looked)
     assert sum(rc.outbox.dropped for rc in readers) == 500  # discarded, counted

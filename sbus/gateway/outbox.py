@@ -26,7 +26,6 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable
-from operator import attrgetter
 
 from .admission import Peer, Pool
 
@@ -253,14 +252,11 @@ def make_room(pool: Pool, size: int, peers: Callable[[], Iterable[Peer]], fair: 
             heavy = [p for p in heavy if p.queued > fair]
             if not heavy:
                 break
-        victim = max(heavy, key=_HOLDS)
+        victim = max(heavy, key=_queued)
         if victim.queued <= fair or not _evict_one(victim):
             heavy.remove(victim)  # down to its fair part, or nothing of it can go
     pool.heaviest = heavy
     return pool.used + size <= pool.limit
-
-
-_HOLDS = attrgetter("queued")
 
 
 def _queued(peer: Peer) -> int:
