@@ -9,9 +9,11 @@ client's round trip, the number of log lines and reconnects a refusal causes.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
 import select
 import shutil
+import signal
 import socket
 import ssl
 import statistics
@@ -919,6 +921,43 @@ def test_subscribers_that_never_read_cost_little_and_stall_nobody(hdir, bus, loc
     assert len(got) == 3000
     assert statistics.median(lat) < 0.100, f"median latency {statistics.median(lat):.3f} s"
     assert q[98] < 0.050, f"round trip p99 {q[98] * 1e3:.1f} ms"
+
+
+def test_a_backlog_larger_than_one_write_reaches_a_prompt_reader(hdir, bus, local):
+    """The gateway was not scheduled for a moment (a busy machine) while 1 MB came for a
+    prompt reader: its batch queued more than one write takes, the write took all it was
+    given, and the writer was not woken for the rest; later messages found the queue
+    not empty and woke nobody either, so the client got nothing ever again (600 of 600
+    lost in a CI run; found by a helper session, which made this reproduction)."""
+    g = start(hdir, bus)
+    stop = threading.Event()
+    got: dict[int, float] = {}
+    body = b"z" * 50_000
+    try:
+        honest = g.connect()
+        subscribe_bridged(honest, b"bulk/", local, b"bulk/probe")
+        reader = threading.Thread(target=_count_numbered, args=(honest, stop, got))
+        reader.start()
+        local.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        for n in range(200):  # the reader's socket buffers grow to take a big write
+            local.send(b"MSG bulk/x\0%d 0 " % n + body)
+            time.sleep(0.002)
+        time.sleep(0.5)
+        os.kill(g.proc.pid, signal.SIGSTOP)
+        try:
+            for n in range(200, 220):
+                local.send(b"MSG bulk/x\0%d 0 " % n + body)
+            time.sleep(0.2)
+        finally:
+            os.kill(g.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while len(got) < 220 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        missing = [n for n in range(220) if n not in got]
+        assert not missing, f"{len(missing)} of 220 never came, from {missing[0]}"
+    finally:
+        stop.set()
+        g.stop()
 
 
 def test_a_full_buffer_pool_is_taken_from_the_heaviest_not_a_prompt_reader(hdir, bus, local):

@@ -428,8 +428,9 @@ class Gateway:
             if sent:
                 out.done(sent)
                 rc.touch()
-            if sent < len(data):
-                rc.lot.unpark()
+            if out:  # what the socket did not take, or more than one `peek` held: the
+                rc.lot.unpark()  # writer's (it was woken for less: the next message found
+                # the queue not empty and woke nobody, and the client got nothing again)
             if not i % 64 and clock() - start > TURN:
                 await trio.lowlevel.checkpoint()
                 start = clock()
