@@ -78,6 +78,11 @@ FORWARD_BATCH = 32
 #: Seconds of fan-out (or of dropping a client's subscriptions) before other tasks get
 #: a turn: the loop never runs much longer than this for any one cause.
 TURN = 0.002
+#: Seconds of a wide fan-out between two writes of what it queued (*flush*), at least:
+#: each write to a client whose socket still takes data costs a system call, and
+#: 1,000 non-readers' kernel buffers took ~1,000 writes each when every turn wrote,
+#: which kept the gateway behind the bus for seconds.
+FLUSH_EVERY = 0.010
 #: After the client reconnected inside a receive, how long that receive may wait for
 #: the first packet while holding the lock (then it is given up and the wait resumes
 #: outside the lock).
@@ -101,10 +106,11 @@ class Bridge:
     *deliver(targets, key, payload)* is called for every message from the bus that
     matches remote subscriptions, with the matching clients; the server encodes the
     frame once and offers it to each client's outbox.  *flush()* is awaited after each
-    batch of messages and before other tasks get a turn: the server writes out what
-    the batch queued (a fan-out behind the bus then costs one write per client per
-    batch, not per message).  *on_refused(pattern, reason)* is called when the broker
-    refused a pattern; it calls `forget` for each holder.
+    batch of messages and, within a wide fan-out, every `FLUSH_EVERY` (other tasks get
+    a turn every `TURN`): the server writes out what was queued (a fan-out behind the
+    bus then costs one write per client per batch, not per message).
+    *on_refused(pattern, reason)* is called when the broker refused a pattern; it
+    calls `forget` for each holder.
     """
 
     def __init__(self, address: str | None,
@@ -537,7 +543,7 @@ class Bridge:
                 lock.release()
             secret = self.rules.secret_prefix
             index = self.index
-            start = clock()
+            start = flushed = clock()
             for event in events:
                 if type(event) is Publish:
                     self.received += 1
@@ -548,7 +554,9 @@ class Bridge:
                     if targets:
                         deliver(targets, key, event.payload)
                         if clock() - start > TURN:  # a wide fan-out: let the others run
-                            await flush()
+                            if clock() - flushed > FLUSH_EVERY:
+                                await flush()
+                                flushed = clock()
                             await trio.lowlevel.checkpoint()
                             start = clock()
             await flush()  # (no checkpoint: the wait at the top gives the others a turn)
