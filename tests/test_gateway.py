@@ -101,8 +101,8 @@ _loopbacks = itertools.count(1)
 
 def next_loopback() -> str:
     """A fresh source address in 127.0.0.0/8 (all of it is loopback on Linux)."""
-    n = next(_loopbacks)
-    return f"127.{(os.getpid() >> 8) & 255}.{n >> 8 & 255}.{n & 255 or 1}"
+    n = next(_loopbacks)  # (the last byte 1..255: "n & 255 or 1" gave x.1.1 twice)
+    return f"127.{(os.getpid() >> 8) & 255}.{n // 255 & 255}.{n % 255 + 1}"
 
 
 def read_exactly(s: socket.socket, n: int) -> bytes:
