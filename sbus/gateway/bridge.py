@@ -75,8 +75,9 @@ CONTROL_TIMEOUT = 10.0
 #: Messages taken from the bus before the clients' writers get a turn: well under
 #: the default per-client buffer, so a burst does not overflow a client that keeps up.
 FORWARD_BATCH = 32
-#: Seconds of fan-out (or of dropping a client's subscriptions) before other tasks get
-#: a turn: the loop never runs much longer than this for any one cause.
+#: Seconds of fan-out (or of dropping a client's subscriptions, or of one client's
+#: input: `server`) before other tasks get a turn: the loop never runs much longer
+#: than this for any one cause.
 TURN = 0.002
 #: Seconds of a wide fan-out between two writes of what it queued (*flush*), at least:
 #: each write to a client whose socket still takes data costs a system call, and

@@ -45,7 +45,7 @@ from ..linger import LINGER, WAKE_BYTES, Linger
 from ..routing import pattern_cost
 from . import codec
 from .admission import Caps, Peer, Pool, Tarpit, peer_of
-from .bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT, Bridge
+from .bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT, TURN, Bridge
 from .checks import FrameRefused, SharesFull, check_key, check_pattern
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
 from .outbox import CAUSES, OWN, POOL, Outbox, Shared, make_room
@@ -64,11 +64,10 @@ CLOSE_GRACE = 1.0
 FEED_SIZE = 8192
 #: Bytes of an incomplete frame an unauthenticated connection may hold between reads.
 UNAUTHENTICATED_HOLD = 16 * 1024
-#: Seconds of work for one client's input before the others get a turn.  The
-#: connections of one address take their turns one at a time (`Peer.turn`), so an
-#: address with hundreds of busy connections gets about one turn while every other
-#: address gets one, not one per connection.
-TURN = 0.002
+# `TURN` (the loop's turn) also bounds the work for one client's input.  The
+# connections of one address take their turns one at a time (`Peer.turn`), so an
+# address with hundreds of busy connections gets about one turn while every other
+# address gets one, not one per connection.
 #: How much later than the idle timeout an idle connection may be closed (a fraction of
 #: it: `Remote.touch` moves its deadline only when it would come sooner).
 IDLE_SLACK = 1 / 64
