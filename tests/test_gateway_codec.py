@@ -230,7 +230,7 @@ def test_a_full_pool_takes_room_from_the_heaviest_address_not_a_prompt_reader():
     fair = pool.limit // len(peers)
     assert not make_room(pool, 100, lambda: peers, fair=heavy.queued)  # none above fair
     assert make_room(pool, 100, lambda: peers, fair)
-    assert pool.used == 900 and pool.heaviest[0] is heavy
+    assert pool.used == 900 and heavy in pool.heaviest
     dropped = [box.dropped_by for box in boxes[heavy]]
     assert dropped == [[0, 0, 1]] * 3 and heavy.dropped == [0, 0, 3]  # said as the pool's
     assert all(box.peek().startswith(b"h01") for box in boxes[heavy])  # the oldest went
@@ -238,12 +238,12 @@ def test_a_full_pool_takes_room_from_the_heaviest_address_not_a_prompt_reader():
 
 
 def test_room_is_made_from_frames_that_several_heavy_addresses_hold():
-    """Clients of five addresses that never read hold the same frames (one object each,
+    """Clients of 100 addresses that never read hold the same frames (one object each,
     charged once): a frame goes from the pool only when all of them let it go.  Room
     was taken from the two heaviest addresses at most, which freed nothing, and a prompt
-    reader lost every message while the pool was full (600 of 600 in CI)."""
+    reader lost messages while the pool was full."""
     pool = Pool(1000)
-    heavy = [Peer(f"h{i}") for i in range(5)]
+    heavy = [Peer(f"h{i}") for i in range(100)]
     light = Peer("l")
     for p in heavy:
         p.conns, p.boxes = 1, [Outbox(100, 10_000, p)]
@@ -255,7 +255,7 @@ def test_room_is_made_from_frames_that_several_heavy_addresses_hold():
     peers = [*heavy, light]
     assert pool.used == 1000 and all(p.queued == 1000 for p in heavy)
     assert make_room(pool, 100, lambda: peers, fair=pool.limit // len(peers))
-    assert pool.used == 900  # the oldest frame went from all five, said to each
+    assert pool.used == 900  # the oldest frame went from all of them, said to each
     assert all(p.dropped == [0, 0, 1] and p.boxes[0].peek().startswith(b"f01")
                for p in heavy)
 

@@ -145,13 +145,15 @@ class Caps:
 class Pool:
     """Bytes shared by every connection (e.g. all outgoing buffers together)."""
 
-    __slots__ = ("limit", "used", "heaviest")
+    __slots__ = ("limit", "used", "heaviest", "left_out")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        #: The addresses holding the most of the buffer pool: `outbox.make_room`.
+        #: The addresses holding the most of the buffer pool, and the most held by one
+        #: left out of them when they were found: `outbox.make_room`.
         self.heaviest: list[Peer] = []
+        self.left_out = 0
 
     def fits(self, n: int) -> bool:
         return self.used + n <= self.limit

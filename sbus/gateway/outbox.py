@@ -40,8 +40,10 @@ CAUSES = ("its buffer full", "its address's share full", "the buffer pool full")
 EVICT_MAX = 256
 #: Searches for the addresses holding the most, at most, in making room for one frame.
 SEARCHES = 2
-#: Addresses taken from in turn, at most, found by one search: the heaviest.
-CANDIDATES = 16
+#: Addresses taken from in turn, at most, found by one search: the heaviest.  Room is
+#: made from messages that up to `SEARCHES` times as many addresses hold (past that,
+#: the frame is discarded, counted and said).
+CANDIDATES = 64
 
 
 class Shared:
@@ -233,29 +235,34 @@ def make_room(pool: Pool, size: int, peers: Callable[[], Iterable[Peer]], fair: 
     holds the most (round robin over its clients), while it holds more than *fair*:
     whether there is room now.
 
-    A frame fanned out is freed only when every client holding it let it go, so the
-    frames go from the heaviest of up to `CANDIDATES` addresses above their fair part,
-    each time from the one holding the most: addresses holding the same frames lose
+    A frame fanned out is freed only when every client holding it let it go, so frames
+    go from the heaviest of up to `CANDIDATES` addresses above their fair part, each
+    time from the one holding the most (a heap): addresses holding the same frames lose
     them in turn.  The candidates are found by one search of *peers* (the addresses) and
-    remembered in the pool, searched for again only when none is left above its fair
-    part; at most `EVICT_MAX` frames go and `SEARCHES` searches are made per call."""
-    heavy = [p for p in pool.heaviest if p.queued > fair and p.conns]
+    remembered in the pool with the most an address left out held; the search is made
+    again when none is left above its fair part, or none above that.  At most
+    `EVICT_MAX` frames go and `SEARCHES` searches are made per call."""
+    heap = [(-p.queued, id(p), p) for p in pool.heaviest if p.queued > fair and p.conns]
+    heapq.heapify(heap)
     searches = 0
     for _ in range(EVICT_MAX):
         if pool.used + size <= pool.limit:
             break
-        if not heavy:
+        if not heap or -heap[0][0] < pool.left_out:
             searches += 1
             if searches > SEARCHES:
                 break
-            heavy = heapq.nlargest(CANDIDATES, (p for p in peers() if p.conns), key=_queued)
-            heavy = [p for p in heavy if p.queued > fair]
-            if not heavy:
+            heavy = heapq.nlargest(CANDIDATES + 1, (p for p in peers() if p.conns),
+                                   key=_queued)
+            pool.left_out = heavy.pop().queued if len(heavy) > CANDIDATES else 0
+            heap = [(-p.queued, id(p), p) for p in heavy if p.queued > fair]
+            heapq.heapify(heap)
+            if not heap:
                 break
-        victim = max(heavy, key=_queued)
-        if victim.queued <= fair or not _evict_one(victim):
-            heavy.remove(victim)  # down to its fair part, or nothing of it can go
-    pool.heaviest = heavy
+        victim = heapq.heappop(heap)[2]
+        if _evict_one(victim) and victim.queued > fair:  # (else down to its fair part,
+            heapq.heappush(heap, (-victim.queued, id(victim), victim))  # or all kept)
+    pool.heaviest = [entry[2] for entry in heap]
     return pool.used + size <= pool.limit
 
 
