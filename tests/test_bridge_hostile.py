@@ -37,7 +37,7 @@ def listener() -> socket.socket:
 def accept_connect(server: socket.socket) -> tuple[socket.socket, bytearray]:
     conn, _ = server.accept()
     buffer = bytearray()
-    packets = mqtt_packets(conn, buffer, time.monotonic() + 5)
+    packets = mqtt_packets(conn, buffer, time.monotonic() + 5, want=1)
     assert packets and packets[0][0] == 0x10, "no CONNECT"
     return conn, buffer
 
@@ -94,7 +94,7 @@ def _hostile(broker: BrokerProcess, short_tmp: Path, name: str, send) -> Bridge:
         br.start(wait=False)
         conn, buffer = accept_connect(server)
         conn.sendall(CONNACK)
-        (subscribe,) = mqtt_packets(conn, buffer, time.monotonic() + 5)[:1]
+        (subscribe,) = mqtt_packets(conn, buffer, time.monotonic() + 5, want=1)[:1]
         assert subscribe[0] == 0x82
         at = 2 + (subscribe[1] >> 7)  # its packet identifier, after the length
         conn.sendall(bytes([0x90, 4]) + subscribe[at:at + 2] + b"\x00\x01")  # SUBACK

@@ -120,9 +120,11 @@ def test_a_hanging_mqtt_connect_blocks_nothing(broker: BrokerProcess, short_tmp:
         server.close()
 
 
-def mqtt_packets(conn: socket.socket, buffer: bytearray, until_time: float) -> list[bytes]:
-    """Whole MQTT packets read from *conn* until *until_time* (first byte: type and flags;
-    then the remaining length as a variable-length integer)."""
+def mqtt_packets(conn: socket.socket, buffer: bytearray, until_time: float,
+                 want: int = 0) -> list[bytes]:
+    """Whole MQTT packets read from *conn* until *until_time*, or until *want* of them
+    came (first byte: type and flags; then the remaining length as a variable-length
+    integer)."""
     packets = []
     while True:
         while len(buffer) >= 2:
@@ -138,7 +140,7 @@ def mqtt_packets(conn: socket.socket, buffer: bytearray, until_time: float) -> l
             packets.append(bytes(buffer[:at + 1 + size]))
             del buffer[:at + 1 + size]
         left = until_time - time.monotonic()
-        if left <= 0:
+        if left <= 0 or want and len(packets) >= want:
             return packets
         conn.settimeout(left)
         try:
@@ -167,7 +169,7 @@ def test_exports_keep_within_the_brokers_receive_maximum(broker: BrokerProcess,
         server.settimeout(10)
         conn, _ = server.accept()
         buffer = bytearray()
-        (connect,) = mqtt_packets(conn, buffer, time.monotonic() + 5)[:1]
+        (connect,) = mqtt_packets(conn, buffer, time.monotonic() + 5, want=1)[:1]
         assert connect[0] == 0x10
         conn.sendall(bytes([0x20, 6, 0, 0, 3, 0x21, 0, 3]))  # CONNACK: Receive Maximum 3
         br.wait_status(lambda s: s.startswith("bus up, mqtt up"), timeout=10)
