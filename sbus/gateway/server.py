@@ -408,8 +408,8 @@ class Gateway:
     async def _flush(self) -> None:
         """Write what `_deliver` queued for plain-TCP clients whose writers wait, one
         write each (what the batch brought them, together), in the forwarding task: no
-        wake-up and task switch per message and client.  What the socket does not take
-        is left to the writer, which waits for room.  The others get a turn every
+        wake-up and task switch per message and client.  What the socket does not take,
+        or one write does not hold, is left to the writer, woken for it.  The others get a turn every
         `TURN` (a fan-out to thousands of clients is thousands of writes)."""
         dirty, self._dirty = self._dirty, []
         clock = time.perf_counter
@@ -427,9 +427,9 @@ class Gateway:
             if sent:
                 out.done(sent)
                 rc.touch()
-            if out:  # what the socket did not take, or more than one `peek` held: the
-                rc.lot.unpark()  # writer's (it was woken for less: the next message found
-                # the queue not empty and woke nobody, and the client got nothing again)
+            if out:  # what the socket did not take, or more than one `peek`: the writer's
+                rc.lot.unpark()  # (else nobody writes it: later messages find the queue
+                # not empty and wake nobody)
             if not i % 64 and clock() - start > TURN:
                 await trio.lowlevel.checkpoint()
                 start = clock()
