@@ -409,8 +409,8 @@ class Gateway:
         """Write what `_deliver` queued for plain-TCP clients whose writers wait, one
         write each (what the batch brought them, together), in the forwarding task: no
         wake-up and task switch per message and client.  What the socket does not take,
-        or one write does not hold, is left to the writer, woken for it.  The others get a turn every
-        `TURN` (a fan-out to thousands of clients is thousands of writes)."""
+        or one write does not hold, is left to the writer, woken for it.  The others get
+        a turn every `TURN` (a fan-out to thousands of clients is thousands of writes)."""
         dirty, self._dirty = self._dirty, []
         clock = time.perf_counter
         start = clock()
