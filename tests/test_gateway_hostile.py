@@ -960,6 +960,58 @@ def test_a_backlog_larger_than_one_write_reaches_a_prompt_reader(hdir, bus, loca
         g.stop()
 
 
+def test_unwritten_ends_held_by_clients_that_never_read_do_not_keep_the_pool(hdir, bus,
+                                                                             local):
+    """One address's 250 subscribers that never read each held the unwritten end of a
+    60 KB message (their sockets took part of it): ends charged to the pool that no
+    eviction could take, so the 4 MiB pool stayed full and a prompt reader got nothing
+    (300 of 300 lost in the audit).  A client whose socket took nothing for a second
+    gives its place when it is needed: its connection ends, and the line says why."""
+    g = start(hdir, bus, "--buffer-pool", "4m")
+    crowd = []
+    stop = threading.Event()
+    sent = [0]
+
+    def publish() -> None:
+        pub = raw(bus.address)
+        pub.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        body = b"z" * 60_000
+        start_at = time.perf_counter()
+        while not stop.is_set():  # 3.6 MB/s
+            pub.send(b"MSG bulk/x\0%d 0 " % sent[0] + body)
+            sent[0] += 1
+            time.sleep(max(0.0, start_at + sent[0] / 60 - time.perf_counter()))
+        pub.close()
+
+    try:
+        honest = g.connect()
+        subscribe_bridged(honest, b"bulk/", local, b"bulk/probe")
+        got: dict[int, float] = {}
+        reader = threading.Thread(target=_count_numbered, args=(honest, stop, got))
+        reader.start()
+        source = next_loopback()
+        for _ in range(250):
+            s = g.connect(rcvbuf=4096, source=source)
+            s.sendall(codec.subscribe(b""))
+            crowd.append(s)
+        publisher = threading.Thread(target=publish)
+        publisher.start()
+        time.sleep(2.5)
+        first = sent[0]
+        time.sleep(3.0)
+        last = sent[0]
+        time.sleep(1.0)
+        missed = [n for n in range(first, last) if n not in got]
+        assert not missed, f"the prompt reader missed {len(missed)} of {last - first}"
+        g.wait_log("it read nothing for 1 s and held the unwritten end of a message in "
+                   "the full buffer pool (4194304 bytes)")
+    finally:
+        stop.set()
+        for s in crowd:
+            s.close()
+        g.stop()
+
+
 def test_a_full_buffer_pool_is_taken_from_the_heaviest_not_a_prompt_reader(hdir, bus, local):
     """Finding B: the subscribers to everything of 8 addresses never read and join one
     after another, so each holds other frames: together they fill the pool (4 MiB, 1 MiB

@@ -805,24 +805,31 @@ def test_many_prompt_readers_of_one_address_are_not_taken_for_the_heaviest():
 
 def test_discards_of_many_addresses_are_said_in_a_bounded_number_of_lines(caplog):
     """500 addresses whose clients lost messages in one interval made 500 log lines every
-    10 s (the re-audit): 16 are said apart, the rest in one line, counted."""
+    10 s (the re-audit): 16 are said apart, the rest in one line, counted.  The address
+    a full pool made lose a few is named, not only those of the clients that never
+    read and connected first (the audit: the victim was in the line for the rest)."""
     import logging
 
-    from sbus.gateway.outbox import POOL
+    from sbus.gateway.outbox import OWN, POOL
     from sbus.gateway.server import DISCARD_LINES, Gateway
 
     gw = Gateway(SECRET, address="/nonexistent")
-    readers = [_remote(gw, f"10.2.{i // 250}.{i % 250}") for i in range(40)]
-    for rc in readers:
+    crowd = [_remote(gw, f"10.2.{i // 250}.{i % 250}") for i in range(40)]
+    for rc in crowd:  # they never read: they lose most, by their own bound
+        for _ in range(50):
+            rc.outbox.discard(OWN)
         rc.outbox.discard(POOL)
-        rc.outbox.discard(POOL)
+    victim = _remote(gw, "10.3.0.1")  # connected last, lost 2 to the full pool
+    victim.outbox.discard(POOL)
+    victim.outbox.discard(POOL)
     with caplog.at_level(logging.WARNING, logger="sbus.gateway"):
         gw._say_discarded()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == DISCARD_LINES + 1, lines
-    assert all("2 messages discarded for its 1 client(s)" in line for line in lines[:-1])
-    assert lines[-1].startswith(f"and {2 * (40 - DISCARD_LINES)} messages discarded for "
-                                f"the clients of {40 - DISCARD_LINES} more addresses")
+    assert lines[0].startswith("10.3.0.1: 2 messages discarded for its 1 client(s)")
+    assert all("51 messages discarded for its 1 client(s)" in line for line in lines[1:-1])
+    assert lines[-1].startswith(f"and {51 * (41 - DISCARD_LINES)} messages discarded for "
+                                f"the clients of {41 - DISCARD_LINES} more addresses")
     caplog.clear()
     gw._say_discarded()  # said once: nothing new, nothing said
     assert not caplog.records

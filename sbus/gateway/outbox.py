@@ -24,12 +24,13 @@ per address.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
 from .admission import Peer, Pool
 
-__all__ = ["CAUSES", "OWN", "POOL", "SHARE", "Outbox", "Shared", "make_room"]
+__all__ = ["CAUSES", "OWN", "POOL", "SHARE", "Echo", "Outbox", "Shared", "make_room"]
 
 #: Why a message was discarded for a client: its own buffer was full, its address's
 #: share of queued bytes, or the gateway's pool (`Outbox.dropped_by`, `Peer.dropped`).
@@ -40,6 +41,9 @@ CAUSES = ("its buffer full", "its address's share full", "the buffer pool full")
 EVICT_MAX = 256
 #: Searches for the addresses holding the most, at most, in making room for one frame.
 SEARCHES = 2
+#: Seconds a client's socket took nothing, at least, before the unwritten end of a frame
+#: it holds in the full pool is taken by ending its connection (`Outbox.cut`).
+STALLED = 1.0
 #: Addresses taken from in turn, at most, found by one search: the heaviest.  Room is
 #: made from messages that up to `SEARCHES` times as many addresses hold (past that,
 #: the frame is discarded, counted and said).
@@ -75,8 +79,16 @@ class Rest(Shared):
     __slots__ = ()
 
 
+class Echo(Shared):
+    """A keep-alive echo: queued past the bounds (`Outbox.force`), never charged nor
+    evicted."""
+
+    __slots__ = ()
+
+
 class Outbox:
-    __slots__ = ("max_messages", "max_bytes", "frames", "size", "dropped_by", "peer")
+    __slots__ = ("max_messages", "max_bytes", "frames", "size", "dropped_by", "peer",
+                 "messages", "progress", "cut")
 
     def __init__(self, max_messages: int = 100, max_bytes: int = 1 << 20,
                  peer: Peer | None = None) -> None:
@@ -91,6 +103,11 @@ class Outbox:
         self.dropped_by = [0, 0, 0]
         #: The peer address this client shares a queued-bytes bound with.
         self.peer = peer if peer is not None else Peer("")
+        self.messages = 0  # queued whole, which `evict` may take (not echoes nor a rest)
+        self.progress = time.monotonic()  # when its socket last took something
+        #: Ends the connection (the server's), to free the unwritten end of a frame its
+        #: socket took nothing of for `STALLED` seconds while the pool is full.
+        self.cut: Callable[[], None] | None = None
 
     def offer(self, frame: Shared) -> int:
         """Queue *frame* if there is room: 1 if the buffer was empty (wake the writer),
@@ -118,6 +135,7 @@ class Outbox:
                 return 0
         frame.refs += 1
         frames.append(frame)
+        self.messages += 1
         self.size += size
         peer.queued += size
         return 2 if n else 1
@@ -135,15 +153,25 @@ class Outbox:
 
     def evict(self) -> bool:
         """Drop the oldest queued message to make room in the full pool, counted as
-        discarded for this client; False if it holds none (echoes, and the `Rest` of a
-        frame partly written, stay: the stream needs them).  The whole queue is looked
-        at (at most twice the message bound): echoes a client that never reads queues
-        behind its messages once made them all stay."""
+        discarded for this client; False if it holds none.  Echoes stay (any message
+        behind them may go: echoes a client that never reads queues once made them all
+        stay), and so does the `Rest` of a frame partly written (the stream needs it),
+        unless the socket took nothing for `STALLED` seconds: then the connection is
+        `cut` (one non-reader's rests of 60 KB frames held the whole 4 MiB pool, and a
+        prompt reader got nothing)."""
         frames = self.frames
+        if not self.messages:
+            if frames and type(frames[0]) is Rest and self.cut is not None \
+                    and time.monotonic() - self.progress > STALLED:
+                self.discard(POOL)
+                self.cut()
+                return True
+            return False
         for i in range(len(frames)):
             frame = frames[i]
-            if frame.pool is not None and type(frame) is not Rest:
+            if type(frame) is Shared and frame.pool is not None:
                 del frames[i]
+                self.messages -= 1
                 size = len(frame.data)
                 self.size -= size
                 self.peer.queued -= size
@@ -158,7 +186,7 @@ class Outbox:
         reads must not grow the buffer without end.  False (not counted) if refused."""
         if len(self.frames) >= 2 * self.max_messages:
             return False
-        frame = Shared(data)
+        frame = Echo(data)
         frame.refs = 1
         self.frames.append(frame)
         self.size += len(data)
@@ -188,9 +216,11 @@ class Outbox:
         frames = self.frames
         self.size -= n
         self.peer.queued -= n
+        self.progress = time.monotonic()
         while n:
             frame = frames[0]
             size = len(frame.data)
+            self.messages -= type(frame) is Shared
             if size > n:
                 rest = Rest(frame.data[n:])
                 rest.refs = 1
@@ -216,6 +246,7 @@ class Outbox:
         self.peer.queued -= self.size
         self.frames.clear()
         self.size = 0
+        self.messages = 0
 
     @property
     def dropped(self) -> int:

@@ -48,7 +48,7 @@ from .admission import Caps, Peer, Pool, Tarpit, peer_of
 from .bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT, TURN, Bridge
 from .checks import FrameRefused, SharesFull, check_key, check_pattern
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
-from .outbox import CAUSES, OWN, POOL, Outbox, Shared, make_room
+from .outbox import CAUSES, OWN, POOL, SHARE, STALLED, Outbox, Shared, make_room
 
 log = logging.getLogger("sbus.gateway")
 
@@ -540,6 +540,8 @@ class Gateway:
         rc = Remote(stream, host, peer, account,
                     Outbox(self.buffer_messages, self.buffer_bytes, account),
                     self.idle_timeout)
+        if rc.fd is not None:  # (only a plain-TCP client's frames are written in parts)
+            rc.outbox.cut = lambda: self._cut(rc)
         self.accepted += 1
         self.clients.add(rc)
         account.boxes.append(rc.outbox)
@@ -576,6 +578,19 @@ class Gateway:
                          "%d of its frames refused", rc, rc.outbox.dropped,
                          _causes(rc.outbox.dropped_by), rc.refused)
             log.debug("%r disconnected: %s", rc, rc.reason or "closed by peer")
+
+    def _cut(self, rc: Remote) -> None:
+        """*rc*'s socket took nothing for `outbox.STALLED` seconds, and the unwritten end
+        of a frame it holds is needed in the full buffer pool: its queue is freed now and
+        its connection ends (the stream cannot go on mid-frame), said."""
+        out = rc.outbox
+        out.clear()
+        out.max_messages = 0  # nothing more is queued for it (`_deliver`, `force`)
+        rc.fd = None  # nor written by `_flush`
+        reason = (f"it read nothing for {STALLED:g} s and held the unwritten end of a "
+                  f"message in the full buffer pool ({self.buffers.limit} bytes)")
+        self.say(rc.host, logging.WARNING, "disconnecting %r: %s", rc, reason)
+        self._close(rc, reason)
 
     def _close(self, rc: Remote, reason: str) -> None:
         """End *rc*'s session now (from its reader or writer) and say why."""
@@ -959,12 +974,16 @@ class Gateway:
             self._say_discarded()
 
     def _say_discarded(self) -> None:
-        """The lines of `_say_discards`: `DISCARD_LINES` addresses said apart at most."""
+        """The lines of `_say_discards`: `DISCARD_LINES` addresses said apart at most,
+        those that lost to a shared bound (the pool, their address's share) first and,
+        among them, those that lost fewest: the clients that never read lose the most,
+        by their own bound, and were named first when they connected first (the
+        prompt reader they made lose was in the line for the rest)."""
         said = more = more_count = 0
-        for account in list(self.caps.accounts()):
+        lost = [account for account in self.caps.accounts() if any(account.dropped)]
+        lost.sort(key=lambda a: (not (a.dropped[POOL] or a.dropped[SHARE]), sum(a.dropped)))
+        for account in lost:
             counts = account.dropped
-            if not any(counts):
-                continue
             account.dropped = [0, 0, 0]
             if said >= DISCARD_LINES:  # many addresses: one line for the rest
                 more += 1
