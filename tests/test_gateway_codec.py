@@ -416,3 +416,27 @@ def test_a_bad_frame_after_pieces_of_good_ones_is_named_where_it_is(step):
     with pytest.raises(FrameError, match="MessagePack array at byte 25"):
         for i in range(0, len(bad), step):
             decoder.feed(bad[i:i + step])
+
+
+def test_an_outbox_gives_messages_then_a_stalled_rest_by_ending_the_connection():
+    """What `evict` may take is counted (queues of echoes only are passed over at once);
+    the unwritten end of a frame goes only with the connection, once the socket took
+    nothing for `STALLED` seconds."""
+    from sbus.gateway.outbox import STALLED
+
+    pool = Pool(10_000)
+    box = Outbox(100, 10_000)
+    for frame in (S(b"abc"), S(b"def")):
+        box.offer(frame)
+        frame.hold(pool)
+    box.force(b"\x00")
+    assert box.messages == 2
+    box.done(2)  # "ab" written: "c" is a rest
+    assert box.messages == 1
+    assert box.evict() and box.messages == 0  # "def" went; the rest and the echo stay
+    assert not box.evict()
+    cut: list[int] = []
+    box.cut = lambda: cut.append(1)
+    assert not box.evict() and not cut  # its socket took something just now
+    box.progress -= STALLED + 0.1
+    assert box.evict() and cut == [1] and box.dropped_by == [0, 0, 2]
