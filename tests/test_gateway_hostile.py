@@ -871,6 +871,31 @@ def _count_numbered(s: socket.socket, stop: threading.Event, got: dict[int, floa
                 got[int(n)] = now - float(sent)
 
 
+def _prompt_reader(g: GatewayProcess, local: socket.socket,
+                   stop: threading.Event) -> dict[int, float]:
+    """A remote subscriber to ``bulk/`` that reads at once, in a thread until *stop*:
+    when each numbered message came (`_count_numbered`)."""
+    honest = g.connect()
+    subscribe_bridged(honest, b"bulk/", local, b"bulk/probe")
+    got: dict[int, float] = {}
+    threading.Thread(target=_count_numbered, args=(honest, stop, got)).start()
+    return got
+
+
+def _publish_numbered(bus: BrokerProcess, stop: threading.Event, sent: list[int],
+                      body: bytes, rate: float) -> None:
+    """Publish numbered messages (``<n> 0 <body>``) on ``bulk/x`` at *rate* a second until
+    *stop*; *sent*[0] counts them."""
+    pub = raw(bus.address)
+    pub.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    start_at = time.perf_counter()
+    while not stop.is_set():
+        pub.send(b"MSG bulk/x\0%d 0 " % sent[0] + body)
+        sent[0] += 1
+        time.sleep(max(0.0, start_at + sent[0] / rate - time.perf_counter()))
+    pub.close()
+
+
 @pytest.mark.alone  # latency against the wall clock
 def test_subscribers_that_never_read_cost_little_and_stall_nobody(hdir, bus, local):
     """Finding A: 1,000 subscribers to everything from 4 addresses never read (4 KiB
@@ -890,11 +915,7 @@ def test_subscribers_that_never_read_cost_little_and_stall_nobody(hdir, bus, loc
                 s.sendall(codec.subscribe(b""))
                 crowd.append(s)
         roundtrip(crowd[-1])
-        honest = g.connect()
-        subscribe_bridged(honest, b"bulk/", local, b"bulk/probe")
-        got: dict[int, float] = {}
-        reader = threading.Thread(target=_count_numbered, args=(honest, stop, got))
-        reader.start()
+        got = _prompt_reader(g, local, stop)
         pinger = g.connect()
         trips: list[float] = []
         pings = threading.Thread(target=lambda: trips.extend(round_trips(pinger, 3.5)))
@@ -972,23 +993,11 @@ def test_unwritten_ends_held_by_clients_that_never_read_do_not_keep_the_pool(hdi
     stop = threading.Event()
     sent = [0]
 
-    def publish() -> None:
-        pub = raw(bus.address)
-        pub.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        body = b"z" * 60_000
-        start_at = time.perf_counter()
-        while not stop.is_set():  # 3.6 MB/s
-            pub.send(b"MSG bulk/x\0%d 0 " % sent[0] + body)
-            sent[0] += 1
-            time.sleep(max(0.0, start_at + sent[0] / 60 - time.perf_counter()))
-        pub.close()
+    def publish() -> None:  # 3.6 MB/s
+        _publish_numbered(bus, stop, sent, b"z" * 60_000, 60)
 
     try:
-        honest = g.connect()
-        subscribe_bridged(honest, b"bulk/", local, b"bulk/probe")
-        got: dict[int, float] = {}
-        reader = threading.Thread(target=_count_numbered, args=(honest, stop, got))
-        reader.start()
+        got = _prompt_reader(g, local, stop)
         source = next_loopback()
         for _ in range(250):
             s = g.connect(rcvbuf=4096, source=source)
@@ -1025,22 +1034,11 @@ def test_a_full_buffer_pool_is_taken_from_the_heaviest_not_a_prompt_reader(hdir,
     body = b"z" * 50_000
     sent = [0]
 
-    def publish() -> None:
-        pub = raw(bus.address)
-        pub.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        start_at = time.perf_counter()
-        while not stop.is_set():  # 5 MB/s: a prompt reader may lag 50 ms (its fair part)
-            pub.send(b"MSG bulk/x\0%d 0 " % sent[0] + body)
-            sent[0] += 1
-            time.sleep(max(0.0, start_at + sent[0] / 100 - time.perf_counter()))
-        pub.close()
+    def publish() -> None:  # 5 MB/s: a prompt reader may lag 50 ms (its fair part)
+        _publish_numbered(bus, stop, sent, body, 100)
 
     try:
-        honest = g.connect()
-        subscribe_bridged(honest, b"bulk/", local, b"bulk/probe")
-        got: dict[int, float] = {}
-        reader = threading.Thread(target=_count_numbered, args=(honest, stop, got))
-        reader.start()
+        got = _prompt_reader(g, local, stop)
         publisher = threading.Thread(target=publish)
         publisher.start()
         attackers = [next_loopback() for _ in range(8)]
