@@ -554,8 +554,9 @@ class Bridge:
                     targets = index.match(key)
                     if targets:
                         deliver(targets, key, event.payload)
-                        if clock() - start > TURN:  # a wide fan-out: let the others run
-                            if clock() - flushed > FLUSH_EVERY:
+                        now = clock()
+                        if now - start > TURN:  # a wide fan-out: let the others run
+                            if now - flushed > FLUSH_EVERY:
                                 await flush()
                                 flushed = clock()
                             await trio.lowlevel.checkpoint()

@@ -104,7 +104,7 @@ class Outbox:
         #: The peer address this client shares a queued-bytes bound with.
         self.peer = peer if peer is not None else Peer("")
         self.messages = 0  # queued whole, which `evict` may take (not echoes nor a rest)
-        self.progress = time.monotonic()  # when its socket last took something
+        self.progress = 0.0  # when a frame was last partly written: its `Rest` made
         #: Ends the connection (the server's), to free the unwritten end of a frame its
         #: socket took nothing of for `STALLED` seconds while the pool is full.
         self.cut: Callable[[], None] | None = None
@@ -162,7 +162,7 @@ class Outbox:
         frames = self.frames
         if not self.messages:
             if frames and type(frames[0]) is Rest and self.cut is not None \
-                    and time.monotonic() - self.progress > STALLED:
+                    and time.monotonic() - self.progress > STALLED:  # (`done`)
                 self.discard(POOL)
                 self.cut()
                 return True
@@ -216,12 +216,12 @@ class Outbox:
         frames = self.frames
         self.size -= n
         self.peer.queued -= n
-        self.progress = time.monotonic()
         while n:
             frame = frames[0]
             size = len(frame.data)
             self.messages -= type(frame) is Shared
-            if size > n:
+            if size > n:  # a rest: the socket took nothing more while it is at the head
+                self.progress = time.monotonic()  # (one written in part is made anew)
                 rest = Rest(frame.data[n:])
                 rest.refs = 1
                 if frame.pool is not None:
