@@ -163,7 +163,9 @@ def _sigterm_ends_it_at_once(br: Bridge) -> None:
     stopping = time.monotonic()
     br.proc.send_signal(signal.SIGTERM)
     assert br.proc.wait(5) == 0
-    assert time.monotonic() - stopping < 2, "SIGTERM waited for the flood"
+    took = time.monotonic() - stopping
+    assert took < 2, f"SIGTERM took {took:.2f} s; the bridge's log ends:\n" + "\n".join(
+        br.log.read_text().splitlines()[-15:])  # (0.06 s usually; 2.6 s once in CI)
 
 
 def test_exports_are_taken_in_the_lane_in_order(broker: BrokerProcess, short_tmp: Path
