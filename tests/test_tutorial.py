@@ -34,6 +34,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def last_steps(tmp_path: Path, trace: Path) -> str:
+    """The end of the command trace and of every log the tutorial wrote."""
+    parts = ["--- last commands:", *trace.read_text(errors="replace").splitlines()[-25:]]
+    for log in sorted(tmp_path.glob("sbus-tutorial-*/*.log")):
+        parts += [f"--- {log.name}:", *log.read_text(errors="replace").splitlines()[-10:]]
+    return "\n".join(parts)
+
+
 def test_the_blocks_are_found():
     blocks = shell_blocks(TUTORIAL.read_text())
     assert len(blocks) >= 10 and blocks[0].startswith("export WORK=")
@@ -42,24 +50,33 @@ def test_the_blocks_are_found():
 
 @pytest.mark.skipif(not all(map(shutil.which, NEEDS)), reason=f"needs {', '.join(NEEDS)}")
 def test_tutorial_runs_end_to_end(tmp_path: Path):
-    script = "set -euo pipefail\n" + "\n".join(shell_blocks(TUTORIAL.read_text()))
+    trace = tmp_path / "trace"  # each command as it runs: a hang or a failure names its step
+    script = (f"exec 9>>{trace}; BASH_XTRACEFD=9; set -x; set -euo pipefail\n"
+              + "\n".join(shell_blocks(TUTORIAL.read_text())))
     env = dict(os.environ, TMPDIR=str(tmp_path), GATEWAY_PORT=str(free_port()),
                MQTT_PORT=str(free_port()),
                PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
     env.pop("SBUS_ADDRESS", None)
-    proc = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, env=env, text=True,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    # The output goes to a file and the test waits for the shell, not for the end of its
+    # output: a step that fails leaves the background servers holding that output open.
+    printed = tmp_path / "printed"
+    with printed.open("wb") as sink:
+        proc = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, env=env,
+                                stdin=subprocess.DEVNULL, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=240)
+        rc = proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        rc = "none: still running after 240 s"
     finally:  # whatever the script left behind: its process group, a mount
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        for mnt in tmp_path.glob("sbus-tutorial-*/mnt"):
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
-    assert proc.returncode == 0, out
+        for work in tmp_path.glob("sbus-tutorial-*"):  # no stat of a dead mount
+            subprocess.run(["fusermount3", "-u", "-z", str(work / "mnt")], capture_output=True)
+    out = printed.read_text(errors="replace")
+    assert rc == 0, f"{out}\n--- exit status {rc}\n{last_steps(tmp_path, trace)}"
     for said in ["greetings/world hello", "HELLO", "sensors/kitchen/temp 21.5",
                  "19.5\n19.6\n", "ticks/a", "sensors/garden/temp 12.0",
                  "sensors/roof/wind 7"]:
