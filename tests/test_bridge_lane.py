@@ -158,14 +158,15 @@ def _mosquitto(tmp: Path) -> tuple[int, Mosquitto]:
 
 
 def _sigterm_ends_it_at_once(br: Bridge) -> None:
-    """SIGTERM ends the bridge *br* cleanly, in under 2 s, whatever it is doing."""
+    """SIGTERM ends the bridge *br* cleanly, in under 3 s, whatever it is doing: its
+    MQTT goodbye is given 1 s at most (0.06 s in all usually; 2.6 s once in CI)."""
     assert br.proc is not None
     stopping = time.monotonic()
     br.proc.send_signal(signal.SIGTERM)
-    assert br.proc.wait(5) == 0
+    assert br.proc.wait(6) == 0
     took = time.monotonic() - stopping
-    assert took < 2, f"SIGTERM took {took:.2f} s; the bridge's log ends:\n" + "\n".join(
-        br.log.read_text().splitlines()[-15:])  # (0.06 s usually; 2.6 s once in CI)
+    assert took < 3, f"SIGTERM took {took:.2f} s; the bridge's log ends:\n" + "\n".join(
+        br.log.read_text().splitlines()[-15:])
 
 
 def test_exports_are_taken_in_the_lane_in_order(broker: BrokerProcess, short_tmp: Path
@@ -420,9 +421,12 @@ ATTACKER_UID, HONEST_UID = 65534, 65532
 
 
 def _flood_exports(pipe, address: str, seconds: float) -> None:
-    """Another user: publish on an exported key as fast as the bus takes it."""
+    """Another user: publish on an exported key as fast as the bus takes it, messages of
+    4 KiB: each costs the bridge a copy to MQTT and the flooder one send, so the flood
+    overruns the bridge even when the flooder gets little CPU (64 bytes did not, 2 of 18
+    runs beside two busy loops)."""
     bus = Client(address)
-    payload = b"x" * 64
+    payload = b"x" * 4096
     end = time.monotonic() + seconds
     sent = 0
     while time.monotonic() < end:
