@@ -273,8 +273,7 @@ def make_room(pool: Pool, size: int, peers: Callable[[], Iterable[Peer]], fair: 
     remembered in the pool with the most an address left out held; the search is made
     again when none is left above its fair part, or none above that.  At most
     `EVICT_MAX` frames go and `SEARCHES` searches are made per call."""
-    heap = [(-p.queued, id(p), p) for p in pool.heaviest if p.queued > fair and p.conns]
-    heapq.heapify(heap)
+    heap = _heaviest_first(pool.heaviest, fair)
     searches = 0
     for _ in range(EVICT_MAX):
         if pool.used + size <= pool.limit:
@@ -286,8 +285,7 @@ def make_room(pool: Pool, size: int, peers: Callable[[], Iterable[Peer]], fair: 
             heavy = heapq.nlargest(CANDIDATES + 1, (p for p in peers() if p.conns),
                                    key=_queued)
             pool.left_out = heavy.pop().queued if len(heavy) > CANDIDATES else 0
-            heap = [(-p.queued, id(p), p) for p in heavy if p.queued > fair]
-            heapq.heapify(heap)
+            heap = _heaviest_first(heavy, fair)
             if not heap:
                 break
         victim = heapq.heappop(heap)[2]
@@ -295,6 +293,13 @@ def make_room(pool: Pool, size: int, peers: Callable[[], Iterable[Peer]], fair: 
             heapq.heappush(heap, (-victim.queued, id(victim), victim))  # or all kept)
     pool.heaviest = [entry[2] for entry in heap]
     return pool.used + size <= pool.limit
+
+
+def _heaviest_first(peers: Iterable[Peer], fair: int) -> list[tuple[int, int, Peer]]:
+    """A heap of the connected *peers* holding more than *fair*, the most first."""
+    heap = [(-p.queued, id(p), p) for p in peers if p.queued > fair and p.conns]
+    heapq.heapify(heap)
+    return heap
 
 
 def _queued(peer: Peer) -> int:
