@@ -122,12 +122,12 @@ def test_order_flips_over_a_long_queue_cost_no_re_sort():
     q = OutQueue(limit=1 << 30)
     for i in range(50_000):
         q.offer(b"MSG k\0%d" % (i % 7))
-    started = time.perf_counter()
+    started = time.process_time()  # (CPU time: a descheduled test is not a slow one)
     for _ in range(1000):
         q.order = Order.RANDOM
         q.order = Order.QUEUE
     q.order = Order.RANDOM
-    assert time.perf_counter() - started < 0.05  # a re-sort of 50,000 packets takes ~10 ms
+    assert time.process_time() - started < 0.05  # a re-sort of 50,000 packets takes ~10 ms
     assert q.order is Order.RANDOM
     assert q.pop() == b"MSG k\x000"  # still the old order until the queue is short
     while len(q) > REORDER_LIMIT:
