@@ -326,7 +326,9 @@ def test_record_reconnects_through_the_client_and_stops_while_waiting(broker, tm
         started = time.monotonic()
         rec.send_signal(signal.SIGTERM)
         assert rec.wait(10) == 0
-        assert time.monotonic() - started < 3  # not after a reconnect that never comes
+        # not after a reconnect that never comes: the stop seals and exports the open
+        # segment (pyarrow's import, a Parquet write), 3.5 s once beside four busy loops
+        assert time.monotonic() - started < 6
         assert all(s.sealed for s in list_segments(jdir))
         summary = said("messages in")
         assert "600 messages" in summary
