@@ -242,6 +242,12 @@ def test_record_keeps_runs_many_keys_and_large_payloads_in_order(broker, tmp_pat
     pub.close()
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of *pid* is stopped (SIGSTOP acted on, not just sent)."""
+    return all(Path(t, "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
+               for t in Path(f"/proc/{pid}/task").iterdir())
+
+
 @pytest.mark.parametrize("block", [False, True])
 def test_record_behind_by_more_than_the_queue_limit(make_broker, tmp_path: Path, block: bool):
     """A stopped recorder and a 3 MB burst against a 256 KiB queue limit: by default the
@@ -257,8 +263,7 @@ def test_record_behind_by_more_than_the_queue_limit(make_broker, tmp_path: Path,
     # runs, and a recorder woken late in recvmmsg first takes what the broker had already
     # written, so room opens after the broker began dropping and the record has a gap.
     deadline = time.monotonic() + 10
-    while not all(Path(t, "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
-                  for t in Path(f"/proc/{rec.pid}/task").iterdir()):
+    while not _stopped(rec.pid):
         assert time.monotonic() < deadline, "the recorder did not stop"
         time.sleep(0.005)
     try:
@@ -283,6 +288,35 @@ def test_record_behind_by_more_than_the_queue_limit(make_broker, tmp_path: Path,
         lost = len(sent) - len(got)
         assert lost > 0 and f"broker dropped {lost}" in tail
         assert payloads == [p[len(b"MSG burst\0"):] for p in sent][:len(got)]
+    pub.close()
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_a_stopped_recorder_records_what_the_broker_held_for_it(broker, tmp_path: Path,
+                                                                block: bool):
+    """SIGTERM while the broker holds a backlog for the recorder (the recorder was
+    stopped while 5,000 messages came): the recorder unsubscribes, takes what was queued
+    for it up to the broker's answer to a whoami, and only then seals; every message is
+    in the journal, in order, and the exit line counts them."""
+    jdir = tmp_path / "journal"
+    rec = start_recorder(broker.address, jdir, *(["--block"] if block else []))
+    rec.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while not _stopped(rec.pid):
+        assert time.monotonic() < deadline, "the recorder did not stop"
+        time.sleep(0.005)
+    try:
+        pub = raw(broker.address)
+        for i in range(5000):
+            pub.send(b"MSG held/%d\0seq %d" % (i % 3, i))
+        sync(pub)  # all of it routed: in the recorder's socket and its queue at the broker
+        rec.send_signal(signal.SIGTERM)  # acted on as soon as it runs again
+    finally:
+        rec.send_signal(signal.SIGCONT)
+    assert rec.wait(20) == 0
+    tail = rec.stderr.read()
+    assert [r[3] for r in records(jdir)] == [b"seq %d" % i for i in range(5000)], tail
+    assert "sbus record: 5000 messages in" in tail and "dropped" not in tail
     pub.close()
 
 

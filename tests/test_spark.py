@@ -956,7 +956,6 @@ def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):
     import threading
 
     from sbus.journal.export import split
-    from sbus.journal.read import _next_seq
     from sbus.spark import read_journal
 
     jdir = tmp_path / "j"
@@ -1006,12 +1005,7 @@ def test_read_journal_while_recording_has_each_row_once(spark, bus, tmp_path):
         stop.set()
         writer.join(60)
         pub.close()
-        # The recorder stops at once, and what the broker had queued for it stays unread:
-        # it is stopped once it has written all that was published (it lagged under load).
-        deadline = time.monotonic() + 30
-        while _next_seq(str(jdir)) <= published[0] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        rec.send_signal(signal.SIGTERM)
+        rec.send_signal(signal.SIGTERM)  # it records what the broker still holds for it
         assert rec.wait(20) == 0
     assert not writer.is_alive()
     total = published[0]

@@ -8,7 +8,8 @@ blocks of about a megabyte, written with one ``writev`` each.  The broker is ask
 soft *queue* mode so bursts are queued for us rather than dropped; ``--block`` also asks
 for hard *block*, so publishers wait rather than lose messages once that queue is full.
 A block is written (to the OS) at least every ``--flush`` seconds, so ``kill -9`` loses
-at most that much; SIGTERM/SIGINT flush and seal.  If the broker goes away the client
+at most that much; SIGTERM/SIGINT record what the broker still holds for us, flush and
+seal.  If the broker goes away the client
 reconnects and re-subscribes (``reconnect=True``: the recorder has no connection code of
 its own); a refused pattern, or a journal write that fails (disk full), ends it with one
 line, leaving what was written readable.
@@ -57,6 +58,8 @@ class _Oversized:
             self.told, self.told_at = bus.cut, now
 #: Seconds the receive waits at most, so a stop asked for by a signal is seen promptly.
 WAKE = 0.25
+#: Seconds a stop waits for the broker to hand over what it holds for the recorder.
+REST_TIMEOUT = 5.0
 
 
 class _Stopped(Exception):
@@ -137,6 +140,7 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
               file=sys.stderr, flush=True)
         try:
             _loop(bus, writer, flush, stopper)
+            _record_the_rest(bus, writer, patterns)
         except _Stopped:
             pass
         finally:
@@ -208,6 +212,24 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
             writer.flush()
             writer.tick(now)
             next_flush = now + interval
+
+
+def _record_the_rest(bus: Client, writer: JournalWriter, patterns: list[bytes]) -> None:
+    """At a stop, what the broker holds for the recorder is recorded too (with ``--block``
+    a paused publisher's messages are in that queue, and nothing may be lost): its
+    patterns are unsubscribed, and every message before the broker's answer to a whoami
+    (at most its queue for us) is written.  A broker that does not answer within
+    `REST_TIMEOUT` seconds (gone, reconnecting) leaves them unrecorded: the exit line's
+    range says where the journal ends."""
+    try:
+        for pattern in patterns:
+            bus.unsubscribe(pattern)
+        bus.sync(REST_TIMEOUT)  # what arrives meanwhile is kept by the client
+        frames = bus.receive_frames(RECV_SLOTS, timeout=0.001)
+    except (SbusError, TimeoutError):
+        return
+    if frames.kept:
+        _append_events(writer, time.time_ns(), frames.kept)
 
 
 def _messages(bus: Client, frames: Frames) -> list:
