@@ -151,12 +151,16 @@ def test_sub_says_how_many_messages_were_dropped(make_broker):
         while len(lines) - 1 + sum(dropped) < 20000 and time.monotonic() < deadline:
             select.select([sub.stderr], [], [], 0.1)
             read_reports()
+        # (2 of 6 full CI-size runs: reports [88] and no second one; the broker's own
+        # view of its clients then says whether it still holds the count)
+        state = b"" if len(lines) - 1 + sum(dropped) == 20000 else run(
+            "status", "--address", b.address, "--json").stdout
     finally:
         sub.terminate()
     _, err = sub.communicate(timeout=10)
     assert err == b""
     assert sum(dropped) > 0
-    assert len(lines) - 1 + sum(dropped) == 20000
+    assert len(lines) - 1 + sum(dropped) == 20000, (len(lines), dropped, state.decode())
 
 
 def test_sub_block_loses_nothing(make_broker, short_tmp):

@@ -219,17 +219,21 @@ def _record_the_rest(bus: Client, writer: JournalWriter, patterns: list[bytes]) 
     a paused publisher's messages are in that queue, and nothing may be lost): its
     patterns are unsubscribed, and every message before the broker's answer to a whoami
     (at most its queue for us) is written.  A broker that does not answer within
-    `REST_TIMEOUT` seconds (gone, reconnecting) leaves them unrecorded: the exit line's
-    range says where the journal ends."""
+    `REST_TIMEOUT` seconds leaves them unrecorded, said on stderr (the exit line's range
+    says where the journal ends); one that is gone ends the wait (`_Stopped`)."""
     try:
         for pattern in patterns:
             bus.unsubscribe(pattern)
         bus.sync(REST_TIMEOUT)  # what arrives meanwhile is kept by the client
-        frames = bus.receive_frames(RECV_SLOTS, timeout=0.001)
-    except (SbusError, TimeoutError):
+    except (SbusError, TimeoutError) as exc:
+        print(f"sbus record: what the broker still held for the recorder is not recorded: "
+              f"{exc}", file=sys.stderr, flush=True)
         return
-    if frames.kept:
-        _append_events(writer, time.time_ns(), frames.kept)
+    try:
+        frames = bus.receive_frames(RECV_SLOTS, timeout=0.001)
+    except TimeoutError:
+        return  # nothing was kept: the broker held nothing more for us
+    _append_events(writer, time.time_ns(), frames.kept)
 
 
 def _messages(bus: Client, frames: Frames) -> list:
