@@ -242,10 +242,15 @@ def test_record_keeps_runs_many_keys_and_large_payloads_in_order(broker, tmp_pat
     pub.close()
 
 
-def _stopped(pid: int) -> bool:
-    """Whether every thread of *pid* is stopped (SIGSTOP acted on, not just sent)."""
-    return all(Path(t, "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
-               for t in Path(f"/proc/{pid}/task").iterdir())
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGSTOP *proc* and wait until every thread of it is stopped (acted on, not just
+    sent)."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while not all(Path(t, "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
+                  for t in Path(f"/proc/{proc.pid}/task").iterdir()):
+        assert time.monotonic() < deadline, "the recorder did not stop"
+        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("block", [False, True])
@@ -258,14 +263,10 @@ def test_record_behind_by_more_than_the_queue_limit(make_broker, tmp_path: Path,
     rec = start_recorder(broker.address, jdir, *(["--block"] if block else []))
     pub = raw(broker.address, timeout=30)
     sent = [b"MSG burst\0%d\0" % i + bytes(30_000) for i in range(100)]
-    rec.send_signal(signal.SIGSTOP)
     # Stopped for real before the burst: a signal is acted on only when the recorder next
     # runs, and a recorder woken late in recvmmsg first takes what the broker had already
     # written, so room opens after the broker began dropping and the record has a gap.
-    deadline = time.monotonic() + 10
-    while not _stopped(rec.pid):
-        assert time.monotonic() < deadline, "the recorder did not stop"
-        time.sleep(0.005)
+    _stop(rec)
     try:
         publisher = threading.Thread(target=lambda: [pub.send(p) for p in sent])
         publisher.start()
@@ -300,11 +301,7 @@ def test_a_stopped_recorder_records_what_the_broker_held_for_it(broker, tmp_path
     in the journal, in order, and the exit line counts them."""
     jdir = tmp_path / "journal"
     rec = start_recorder(broker.address, jdir, *(["--block"] if block else []))
-    rec.send_signal(signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while not _stopped(rec.pid):
-        assert time.monotonic() < deadline, "the recorder did not stop"
-        time.sleep(0.005)
+    _stop(rec)
     try:
         pub = raw(broker.address)
         for i in range(5000):
