@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import publish_to_recorder, recorded_pairs, sync
+from faultkit import until
 from restart_load import Audience
 from systemd_usermgr import UserManager
 
@@ -384,10 +385,8 @@ def test_reload_makes_the_next_broker_before_breaking(manager: UserManager, bus:
             serves on: the load goes on until the successor has taken the clients over
             (its start-up took over a second on a loaded machine)."""
             manager.systemctl("reload", "sbus.service")
-            deadline = time.monotonic() + 30
-            while "took over 4 clients" not in broker_log.read_text()[mark:]:
-                assert time.monotonic() < deadline, broker_log.read_text()[mark:]
-                time.sleep(0.05)
+            until(lambda: "took over 4 clients" in broker_log.read_text()[mark:],
+                  "the successor took the clients over", timeout=30)
 
         report = audience.across(reload)
         print("systemctl reload under load:", report)

@@ -9,10 +9,10 @@ soft *queue* mode so bursts are queued for us rather than dropped; ``--block`` a
 for hard *block*, so publishers wait rather than lose messages once that queue is full.
 A block is written (to the OS) at least every ``--flush`` seconds, so ``kill -9`` loses
 at most that much; SIGTERM/SIGINT record what the broker still holds for us, flush and
-seal.  If the broker goes away the client
-reconnects and re-subscribes (``reconnect=True``: the recorder has no connection code of
-its own); a refused pattern, or a journal write that fails (disk full), ends it with one
-line, leaving what was written readable.
+seal.  If the broker goes away the client reconnects and re-subscribes
+(``reconnect=True``: the recorder has no connection code of its own); a refused pattern,
+or a journal write that fails (disk full), ends it with one line, leaving what was
+written readable.
 """
 
 from __future__ import annotations
