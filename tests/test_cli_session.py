@@ -158,9 +158,10 @@ def test_sub_says_how_many_messages_were_dropped(make_broker):
             out.take()
             err.take()
 
+    out, err = _Lines(sub.stdout), _Lines(sub.stderr)
     try:
-        assert sub.stdout.readline() == b"ready\n"
-        out, err = _Lines(sub.stdout), _Lines(sub.stderr)
+        wait_for(lambda: out.lines)
+        assert out.lines.pop() == b"ready"
         _flood(b.address, 20000, b"y" * 1000)  # nobody reads the pipe meanwhile
         wait_for(lambda: err.lines)  # once the broker's queue for the reader has drained
         with Client(b.address) as pub:
