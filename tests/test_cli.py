@@ -71,23 +71,13 @@ def test_sub_json_and_raw(broker):
         ("raw", lambda out: out == b"text\xff\0"),
     ]:
         sub = subprocess.Popen([*SBUS, "sub", "--address", broker.address, "--count", "2",
-                                "--format", fmt, "j"], stdout=subprocess.PIPE)
-        with Client(broker.address) as pub, Client(broker.address) as probe:
-            probe.subscribe(b"j")  # once the probe sees a message the CLI's SUB is older
-            while True:
-                pub.publish(b"warmup", b"")
-                probe.publish(b"sync", b"")
-                if sub.poll() is None:
-                    break
-            # the subscriber may not be subscribed yet: retry until two arrive
-            for _ in range(100):
-                pub.publish(b"j", b"text")
-                pub.publish(b"j", b"\xff\0")
-                try:
-                    out, _ = sub.communicate(timeout=0.1)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
+                                "--format", fmt, "j", "--ready-fd", "2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert sub.stderr.readline() == b"ready\n"  # subscribed
+        with Client(broker.address) as pub:
+            pub.publish(b"j", b"text")
+            pub.publish(b"j", b"\xff\0")
+        out, _ = sub.communicate(timeout=20)
         assert check(out), out
 
 

@@ -118,26 +118,38 @@ def _flood(address: str, count: int, payload: bytes) -> None:
 
 
 class _Lines:
-    """The whole lines a pipe has given so far, read straight from its descriptor: a
-    buffered ``readline`` may take two lines at once, and ``select`` on the descriptor
-    then never reports the one left in the buffer."""
+    """The whole lines a pipe has given so far (without their newline), read straight
+    from its descriptor: a buffered ``readline`` may take two lines at once, and
+    ``select`` on the descriptor then never reports the one left in the buffer."""
 
     def __init__(self, pipe) -> None:
         self.fd = pipe.fileno()
         os.set_blocking(self.fd, False)
         self.lines: list[bytes] = []
+        self.ended = False
         self._part = b""
 
     def take(self) -> None:
-        while True:
+        while not self.ended:
             try:
                 chunk = os.read(self.fd, 1 << 16)
             except BlockingIOError:
                 return
-            if not chunk:
-                return
+            self.ended = not chunk
             *whole, self._part = (self._part + chunk).split(b"\n")
             self.lines += whole
+
+    def until(self, last: bytes, timeout: float = 30) -> list[bytes]:
+        """The lines up to one equal to *last* (included), taken out."""
+        deadline = time.monotonic() + timeout
+        while last not in self.lines:
+            assert not self.ended, f"end of output after {self.lines[-5:]}"
+            assert time.monotonic() < deadline, self.lines[-5:]
+            select.select([self.fd], [], [], 0.5)
+            self.take()
+        end = self.lines.index(last) + 1
+        got, self.lines[:end] = self.lines[:end], []
+        return got
 
 
 def test_sub_says_how_many_messages_were_dropped(make_broker):
@@ -362,21 +374,6 @@ def test_readme_python_examples_run_as_written(broker, short_tmp, index):
     assert p.stdout == b"Publish(key=b'sensors/kitchen/temp', payload=b'21.5')\n"
 
 
-def _lines_until(proc: subprocess.Popen, stream, last: bytes, timeout: float = 30) -> list[bytes]:
-    """Lines of *stream* (a pipe of *proc*) until one equal to *last* (included)."""
-    deadline = time.monotonic() + timeout
-    got = []
-    while not got or got[-1] != last:
-        assert time.monotonic() < deadline, got[-5:]
-        if not select.select([stream], [], [], 0.5)[0]:
-            assert proc.poll() is None, f"exited {proc.returncode}: {got[-5:]}"
-            continue
-        line = stream.readline()
-        assert line, f"end of output after {got[-5:]}"
-        got.append(line)
-    return got
-
-
 def test_pub_count_reconnects_and_loses_nothing_once_back(broker):
     """`sbus pub -c` across a broker restart: it says so and goes on; a reconnecting `sbus
     sub` counts the sequence numbers: one gap (the restart), nothing lost or repeated
@@ -389,10 +386,11 @@ def test_pub_count_reconnects_and_loses_nothing_once_back(broker):
         pub = subprocess.Popen([*SBUS, "pub", "--address", broker.address, "seq/n", "{n}",
                                 "-c", "300", "-i", "10ms"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        got = _lines_until(sub, sub.stdout, b"seq/n 50\n")
+        out = _Lines(sub.stdout)
+        got = out.until(b"seq/n 50")
         broker.stop()
         broker.start()
-        got += _lines_until(sub, sub.stdout, b"seq/n 300\n")
+        got += out.until(b"seq/n 300")
         assert pub.wait(30) == 0
         err = pub.stderr.read().decode()
         assert f"sbus pub: the broker at {broker.address} " in err and "; reconnecting\n" in err

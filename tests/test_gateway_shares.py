@@ -690,7 +690,9 @@ def test_remote_publishes_wait_for_a_restarting_bus(sdir, how):
         assert read_exactly(listener, len(expected)) == expected
         time.sleep(0.5)
         for s in locals_:
-            s.shutdown(socket.SHUT_RDWR)
+            s.shutdown(socket.SHUT_RDWR)  # each collector takes what its socket holds, ends
+        for t in threads[::2]:
+            t.join(10)
         missing = sorted(set(range(sent[0])) - set(got))
         print(f"{how}: {sent[0]} published, {len(missing)} missing")
         # kill -9 loses what the broker had taken and not yet delivered (the gateway

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from conftest import raw, sync
+from faultkit import until
 
 from sbus import handover, server
 from sbus.handover import ClientState, HandoverError, State
@@ -140,18 +141,23 @@ def test_signals_right_after_a_re_exec_wait_for_the_successor(make_broker):
     client.send(b"SUB kept/")
     sync(client)
     pid = broker.proc.pid
-    for _ in range(3):
+
+    def logged(pattern: str) -> int:
+        with open(broker.logfile.name, errors="replace") as f:
+            return len(re.findall(pattern, f.read()))
+
+    for done in range(0, 6, 2):  # (two signals 20 ms apart merged when it was not scheduled)
         broker.proc.send_signal(signal.SIGUSR2)
-        time.sleep(0.02)  # inside the successor's start-up (0.1 s or more here)
-        broker.proc.send_signal(signal.SIGUSR2)
-        time.sleep(1)
+        until(lambda n=done: logged(r"handing over \d+ clients") > n, "the hand-over began")
+        broker.proc.send_signal(signal.SIGUSR2)  # inside the exec or the start-up after it
+        until(lambda n=done: logged("took over") == n + 2, "both hand-overs", 30)
         assert broker.proc.poll() is None and broker.proc.pid == pid
     publisher = raw(broker.address)
     publisher.send(b"MSG kept/x\0still here")
     sync(publisher)
     assert client.recv(1 << 16) == b"MSG kept/x\0still here"  # the same connection
     log = broker.stop()
-    assert log.count("took over") >= 6, log
+    assert log.count("took over") == 6, log
 
 
 def test_a_sigterm_during_a_sigusr2_hand_over_waits_for_the_successor(make_broker):
