@@ -220,7 +220,7 @@ def test_one_address_gets_at_most_its_cap_of_connections(gw):
             conns.append(gw.connect(source=source))
         except OSError:
             break
-    served = echoing(conns)
+    served = echoing(conns, wait=5)  # (300 connects just before: a loaded gateway lags)
     try:
         assert served == 256, f"{served} of 300 connections served"
         roundtrip(conns[0])  # the first ones are served
