@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import resource
+import select
 import signal
 import socket
 import subprocess
@@ -253,3 +254,50 @@ def until(condition: Callable[[], object], what: str, timeout: float = 10.0,
         assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
         time.sleep(every)
     return result
+
+
+class PipeLines:
+    """The whole lines a child's pipe has given so far (without their newline), read
+    straight from its descriptor: a buffered ``readline`` may take two lines at once,
+    and ``select`` on the descriptor then never reports the one left in Python's buffer
+    (a test waited in vain for a drop report it had already read)."""
+
+    def __init__(self, pipe) -> None:
+        self.fd = pipe.fileno()
+        self.lines: list[bytes] = []
+        self.ended = False
+        self._part = b""
+
+    def take(self, timeout: float = 0) -> bool:
+        """Read what the pipe holds, waiting up to *timeout* for the first bytes; whether
+        anything came (the end included)."""
+        came = False
+        while not self.ended and select.select([self.fd], [], [], timeout)[0]:
+            chunk = os.read(self.fd, 1 << 16)
+            self.ended = not chunk
+            *whole, self._part = (self._part + chunk).split(b"\n")
+            self.lines += whole
+            came, timeout = True, 0
+        return came
+
+    def next(self, n: int, timeout: float = 10) -> list[bytes]:
+        """The next *n* lines, taken out."""
+        deadline = time.monotonic() + timeout
+        while len(self.lines) < n:
+            if self.ended:
+                raise EOFError(f"the pipe ended after {self.lines[-3:]}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(self.lines)} of {n} lines: {self.lines[-3:]}")
+            self.take(left)
+        got, self.lines[:n] = self.lines[:n], []
+        return got
+
+    def until(self, last: bytes, timeout: float = 30) -> list[bytes]:
+        """The lines up to one equal to *last* (included), taken out."""
+        deadline = time.monotonic() + timeout
+        while last not in self.lines:
+            assert not self.ended, f"the pipe ended after {self.lines[-5:]}"
+            assert time.monotonic() < deadline, self.lines[-5:]
+            self.take(0.5)
+        return self.next(self.lines.index(last) + 1)

@@ -13,6 +13,7 @@ import time
 import pytest
 import trio
 from conftest import SBUS, stop_process
+from faultkit import PipeLines
 
 import sbus
 from sbus import AsyncClient, Client, InvalidRequest, Publish, Refused
@@ -117,41 +118,6 @@ def _flood(address: str, count: int, payload: bytes) -> None:
         pub.sync(30)
 
 
-class _Lines:
-    """The whole lines a pipe has given so far (without their newline), read straight
-    from its descriptor: a buffered ``readline`` may take two lines at once, and
-    ``select`` on the descriptor then never reports the one left in the buffer."""
-
-    def __init__(self, pipe) -> None:
-        self.fd = pipe.fileno()
-        os.set_blocking(self.fd, False)
-        self.lines: list[bytes] = []
-        self.ended = False
-        self._part = b""
-
-    def take(self) -> None:
-        while not self.ended:
-            try:
-                chunk = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                return
-            self.ended = not chunk
-            *whole, self._part = (self._part + chunk).split(b"\n")
-            self.lines += whole
-
-    def until(self, last: bytes, timeout: float = 30) -> list[bytes]:
-        """The lines up to one equal to *last* (included), taken out."""
-        deadline = time.monotonic() + timeout
-        while last not in self.lines:
-            assert not self.ended, f"end of output after {self.lines[-5:]}"
-            assert time.monotonic() < deadline, self.lines[-5:]
-            select.select([self.fd], [], [], 0.5)
-            self.take()
-        end = self.lines.index(last) + 1
-        got, self.lines[:end] = self.lines[:end], []
-        return got
-
-
 def test_sub_says_how_many_messages_were_dropped(make_broker):
     """A reader that falls behind loses messages once the broker's queue for it is full;
     stderr says how many, and received + dropped is exactly what was published."""
@@ -170,7 +136,7 @@ def test_sub_says_how_many_messages_were_dropped(make_broker):
             out.take()
             err.take()
 
-    out, err = _Lines(sub.stdout), _Lines(sub.stderr)
+    out, err = PipeLines(sub.stdout), PipeLines(sub.stderr)
     try:
         wait_for(lambda: out.lines)
         assert out.lines.pop() == b"ready"
@@ -386,7 +352,7 @@ def test_pub_count_reconnects_and_loses_nothing_once_back(broker):
         pub = subprocess.Popen([*SBUS, "pub", "--address", broker.address, "seq/n", "{n}",
                                 "-c", "300", "-i", "10ms"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        out = _Lines(sub.stdout)
+        out = PipeLines(sub.stdout)
         got = out.until(b"seq/n 50")
         broker.stop()
         broker.start()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SBUS, BrokerProcess, raw, stop_process, sync
-from faultkit import until
+from faultkit import PipeLines, until
 
 from sbus.routing import matches
 
@@ -182,28 +182,24 @@ def read_on(path: str, *args: str) -> subprocess.Popen:
     return proc
 
 
+def _stdout(proc: subprocess.Popen) -> PipeLines:
+    lines = getattr(proc, "lines", None)
+    if lines is None:
+        lines = proc.lines = PipeLines(proc.stdout)
+    return lines
+
+
 def read_lines(proc: subprocess.Popen, n: int, timeout: float = 10) -> list[bytes]:
-    """The next *n* lines *proc* prints (unused bytes are kept for the next call)."""
-    buf: bytes = getattr(proc, "pending", b"")
-    fd = proc.stdout.fileno()
-    deadline = time.monotonic() + timeout
-    while buf.count(b"\n") < n:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            got = buf.count(b"\n")
-            raise TimeoutError(f"got {got} of {n} lines: {buf[-40:]!r}")
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            raise EOFError(f"reader ended: {buf[-40:]!r} {proc.stderr.read()!r}")
-        buf += chunk
-    *lines, rest = buf.split(b"\n", n)
-    proc.pending = rest
-    return [line + b"\n" for line in lines]
+    """The next *n* lines *proc* prints (what came after them is kept for the next call)."""
+    try:
+        return [line + b"\n" for line in _stdout(proc).next(n, timeout)]
+    except EOFError as exc:
+        raise EOFError(f"{exc}; its stderr: {proc.stderr.read()!r}") from None
 
 
 def readable(proc: subprocess.Popen, timeout: float) -> bool:
-    return bool(getattr(proc, "pending", b"")) or \
-        bool(select.select([proc.stdout.fileno()], [], [], timeout)[0])
+    lines = _stdout(proc)
+    return bool(lines.lines) or lines.take(timeout)
 
 
 def touch(m: Mount, rel: str) -> str:
