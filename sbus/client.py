@@ -28,6 +28,7 @@ event each, nothing raised).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -285,6 +286,19 @@ class _Shell:
         self._refusals: list[Refusal] = []
         #: While set (monotonic seconds), reconnecting gives up at that time (`request`).
         self._give_up_at: float | None = None
+
+    @contextlib.contextmanager
+    def _giving_up_in(self, timeout: float | None) -> Iterator[None]:
+        """Within: a reconnect gives up (`ConnectionLost`) once it cannot be made within
+        *timeout* seconds (None: no bound of its own), or by an outer bound if sooner."""
+        outer = self._give_up_at
+        if timeout is not None:
+            at = time.monotonic() + timeout
+            self._give_up_at = at if outer is None else min(outer, at)
+        try:
+            yield
+        finally:
+            self._give_up_at = outer
 
     @property
     def backoff(self) -> Backoff:
@@ -656,7 +670,8 @@ class Client(_Shell):
 
     def send_packet(self, packet: bytes, flags: int = 0) -> None:
         """Send one packet (``send(2)`` flags passed through); with *reconnect*, a lost
-        broker is waited for and the packet sent on the new connection."""
+        broker is waited for (within the client's *timeout*, if it has one: then
+        `ConnectionLost`) and the packet sent on the new connection."""
         made = self.session.connections
         while True:
             try:
@@ -667,7 +682,8 @@ class Client(_Shell):
             except OSError as exc:
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
-                self._reconnect(_why(exc))
+                with self._giving_up_in(self._timeout):
+                    self._reconnect(_why(exc))
                 if self._restored(packet, made):
                     return
 
@@ -714,16 +730,11 @@ class Client(_Shell):
         *timeout* None waits as long as it takes (a publisher the broker paused); it
         bounds a reconnect on the way too (then `ConnectionLost`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        outer = self._give_up_at  # (a request's, around its whoami)
-        if deadline is not None:
-            self._give_up_at = deadline if outer is None else min(outer, deadline)
-        try:
+        with self._giving_up_in(timeout):  # (within a request's, around its whoami)
             self.send_packet(self.session.ask())
             while self.session.asked:  # a packet at a time: what follows stays unread
                 for event in self._until(self._read, 1, deadline, timeout):
                     self._settle(event)
-        finally:
-            self._give_up_at = outer
         self._refused()
 
     # -- receiving ---------------------------------------------------------------

@@ -370,6 +370,38 @@ def test_pub_count_reconnects_and_loses_nothing_once_back(broker):
         stop_process(pub)
 
 
+@pytest.mark.parametrize("back", [False, True])
+def test_pub_count_timeout_bounds_the_wait_for_a_lost_broker(broker, back):
+    """`--timeout S` bounds each send, a send that waits for a lost broker too: a broker
+    gone for S seconds is one line and exit status 1 (before, `-c` waited without end);
+    one back within S is a reconnect, and the command goes on to its end."""
+    pub = subprocess.Popen([*SBUS, "pub", "--address", broker.address, "seq/n", "{n}",
+                            "-c", "300", "-i", "10ms", "--timeout", "3"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        err = PipeLines(pub.stderr)
+        time.sleep(0.5)  # (a few messages: then the broker goes)
+        broker.stop()
+        if back:
+            broker.start()  # well within the 3 s
+        gone = time.monotonic()
+        code = pub.wait(20)
+        err.take()
+    finally:
+        stop_process(pub)
+    said = [line.decode() for line in err.lines]
+    assert said[0] == f"sbus pub: the broker at {broker.address} closed the connection; " \
+                      "reconnecting"
+    if back:
+        assert code == 0 and said[1:] == [f"sbus pub: reconnected to the broker at "
+                                          f"{broker.address}"]
+    else:
+        assert code == 1 and said[1:] == [f"sbus pub: the broker at {broker.address} closed "
+                                          "the connection, and did not come back in time"]
+        # no later than its 3 s (sooner if the next try would come after them), not -c's
+        assert 1.0 < time.monotonic() - gone < 10
+
+
 def test_reply_reconnects_after_a_broker_restart_and_says_so(broker):
     replier = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "-n", "5",
                                 "svc", "--", "cat"], stdout=subprocess.DEVNULL,
