@@ -284,7 +284,8 @@ class _Shell:
         self._ended: str | None = None  # an end of file seen after a batch's last packet
         self._pending: deque[Received] = deque()
         self._refusals: list[Refusal] = []
-        #: While set (monotonic seconds), reconnecting gives up at that time (`request`).
+        #: While set (monotonic seconds), reconnecting gives up at that time
+        #: (`_giving_up_in`: a request's, a sync's, the client's own timeout).
         self._give_up_at: float | None = None
 
     @contextlib.contextmanager
@@ -631,7 +632,8 @@ class Client(_Shell):
     ...         print(msg.key, msg.payload)
 
     *timeout* bounds each send and each receive that is not given its own (then
-    ``TimeoutError``); None waits as long as it takes.  Connecting never hangs: a broker
+    ``TimeoutError``), and with *reconnect* each wait for a lost broker (then
+    `ConnectionLost`); None waits as long as it takes.  Connecting never hangs: a broker
     whose accept backlog stays full is a `ConnectError` after `CONNECT_TIMEOUT` (or
     *timeout*, if shorter).  One thread per client: two reading one connection would
     take each other's replies.
@@ -658,8 +660,11 @@ class Client(_Shell):
         sock.settimeout(self._timeout)
 
     def _reconnect(self, why: str) -> None:
-        """Carry out `_reopening`, blocking."""
-        _carry_out(self._reopening(why))
+        """Carry out `_reopening`, blocking; given up (`ConnectionLost`) once it cannot be
+        made within the client's *timeout*, if it has one (each send and receive that
+        waits for it is bounded so)."""
+        with self._giving_up_in(self._timeout):
+            _carry_out(self._reopening(why))
 
     def _gone(self, why: str) -> None:
         if not self.reconnect:
@@ -670,8 +675,7 @@ class Client(_Shell):
 
     def send_packet(self, packet: bytes, flags: int = 0) -> None:
         """Send one packet (``send(2)`` flags passed through); with *reconnect*, a lost
-        broker is waited for (within the client's *timeout*, if it has one: then
-        `ConnectionLost`) and the packet sent on the new connection."""
+        broker is waited for and the packet sent on the new connection."""
         made = self.session.connections
         while True:
             try:
@@ -682,8 +686,7 @@ class Client(_Shell):
             except OSError as exc:
                 if not (self.reconnect and exc.errno in _GONE):
                     raise self._sent_error(exc) from None
-                with self._giving_up_in(self._timeout):
-                    self._reconnect(_why(exc))
+                self._reconnect(_why(exc))
                 if self._restored(packet, made):
                     return
 

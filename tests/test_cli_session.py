@@ -402,6 +402,27 @@ def test_pub_count_timeout_bounds_the_wait_for_a_lost_broker(broker, back):
         assert 1.0 < time.monotonic() - gone < 10
 
 
+def test_sub_timeout_bounds_the_wait_for_a_lost_broker(broker):
+    """`sbus sub --timeout S` ends once nothing arrived for S seconds, a broker gone that
+    long too: one line and exit status 1 (before, it waited for the broker without end)."""
+    sub = subprocess.Popen([*SBUS, "sub", "--address", broker.address, "k/", "--timeout",
+                            "3", "--ready-fd", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert sub.stdout.readline() == b"ready\n"
+        broker.stop()
+        gone = time.monotonic()
+        code = sub.wait(20)
+    finally:
+        stop_process(sub)
+    assert code == 1
+    assert 1.0 < time.monotonic() - gone < 10
+    assert sub.stderr.read().decode().splitlines() == [
+        f"sbus sub: the broker at {broker.address} closed the connection; reconnecting",
+        f"sbus sub: the broker at {broker.address} closed the connection, and did not come "
+        "back in time"]
+
+
 def test_reply_reconnects_after_a_broker_restart_and_says_so(broker):
     replier = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "-n", "5",
                                 "svc", "--", "cat"], stdout=subprocess.DEVNULL,

@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="exit after N messages")
     p.add_argument("--timeout", type=duration_arg, default=None, metavar="SECONDS",
                    help="exit once nothing arrived for this long (e.g. 5, 500ms); with --count, "
-                        "exit status 1 if fewer than N arrived")
+                        "exit status 1 if fewer than N arrived; a broker gone that long "
+                        "is exit status 1")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--format", choices=FORMATS, default="lines",
                      help="lines: 'KEY PAYLOAD' per message, control bytes and invalid UTF-8 "
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
     seen = 0
     hard = "block" if args.block else args.hard
-    with Client(args.address, reconnect=args.reconnect,
+    with Client(args.address, reconnect=args.reconnect, timeout=args.timeout,
                 on_connection=lambda up, line: _say(line),
                 on_drop=lambda n: _say(f"dropped {n} messages")) as bus:
         bus.set_flood(soft=args.soft, hard=hard, order=args.order)
