@@ -702,6 +702,9 @@ def test_remote_publishes_wait_for_a_restarting_bus(sdir, how):
         assert len(missing) <= allowed and (not missing or missing[-1] - missing[0] < 3), \
             f"{len(missing)} of {sent[0]} lost: {missing[:5]}... {gw.log()}"
         assert "dropped" not in gw.log()
+        # the remote listener missed what was published while the bus was away: said
+        assert "the bus is back after" in gw.log() and \
+            "did not reach the remote subscribers of its 1 patterns" in gw.log()
         local.close()
     finally:
         stop.set()

@@ -169,6 +169,9 @@ class Bridge:
         # counters
         self.published = 0  # remote publishes handed to the bus
         self.lost = 0  # remote publishes not sent: the bus stayed away, or over its limit
+        #: outages of the bus while remote clients subscribed: what was published
+        #: meanwhile never reached them (the broker keeps nothing for a connection away)
+        self.missed_outages = 0
         self.received = 0  # messages from the bus
         self.bus_dropped = 0  # messages the broker reported dropping for us
         self.refused = 0  # distinct patterns the broker refused
@@ -392,6 +395,11 @@ class Bridge:
                         trio.current_time() - (self._down_since or 0.0), self.bus_wait)
         self._outage_lost = 0
         self._outage_said = False
+        if self.patterns:  # (a reconnect: the first connection is made in `run`)
+            self.missed_outages += 1
+            log.warning("the bus is back after %.1f s: what was published meanwhile did not "
+                        "reach the remote subscribers of its %d patterns",
+                        trio.current_time() - (self._down_since or 0.0), len(self.patterns))
         self._generation += 1
         whoami = self.bus.session.whoami or b""
         if whoami.startswith(b"!") and len(whoami) > 1:

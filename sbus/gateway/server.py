@@ -948,6 +948,7 @@ class Gateway:
                 f"{b.published} published, {self.delivered} delivered, "
                 f"{self.dropped} discarded (a buffer or the pool full), "
                 f"{b.lost} lost (the bus away too long, or too large), "
+                f"{b.missed_outages} outages of the bus missed by subscribers, "
                 f"{self.refused} frames refused, {self.closed} closed (wrong key, junk), "
                 f"{self.handshakes_expired} TLS handshakes not done in time, "
                 f"{self.crashes} dropped on an internal error, "
