@@ -365,6 +365,7 @@ def test_record_reconnects_through_the_client_and_stops_while_waiting(broker, tm
         assert "600 messages" in summary
         assert "1 reconnect(s): what was published while the broker was away is not in " \
             "the journal" in summary
+        assert summary.rstrip().endswith(", stopped while waiting for the broker to come back")
         assert sum("reconnected to" in line for line in seen) == 1  # said once, not logged too
     finally:
         if rec.poll() is None:

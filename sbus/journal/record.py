@@ -74,10 +74,12 @@ class _Stopper:
         self.stop = False
         self.reconnecting = False
         self.reconnects = 0  # made so far: the summary says what they cost
+        self.away = False  # stopped while the broker was away: the summary says so too
 
     def __call__(self, signum, frame) -> None:
         self.stop = True
         if self.reconnecting:
+            self.away = True
             raise _Stopped
 
 
@@ -96,6 +98,7 @@ def _connect(address: str | None, patterns: list[bytes], block: bool,
         else:
             writer.flush()  # what was received is written before the wait
             if stopper.stop:
+                stopper.away = True
                 raise _Stopped
             stopper.reconnecting = True
 
@@ -166,6 +169,7 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
           + (f", broker dropped {dropped}" if dropped else "")
           + (f", {stopper.reconnects} reconnect(s): what was published while the broker "
              "was away is not in the journal" if stopper.reconnects else "")
+          + (", stopped while waiting for the broker to come back" if stopper.away else "")
           + (f", {cut} over {RECV_LIMIT} bytes not recorded" if cut else "")
           + (f", {writer.export_failures} Parquet export(s) failed (logged)"
              if writer.export_failures else ""), file=sys.stderr)
