@@ -389,17 +389,18 @@ class Bridge:
             return
         self._up = True
         self._back.set()
+        away = trio.current_time() - (self._down_since or 0.0)
         if self._outage_lost:
             log.warning("%d remote publishes were dropped while the bus was away (%.1f s; "
-                        "publishers wait for it up to %g s)", self._outage_lost,
-                        trio.current_time() - (self._down_since or 0.0), self.bus_wait)
+                        "publishers wait for it up to %g s)", self._outage_lost, away,
+                        self.bus_wait)
         self._outage_lost = 0
         self._outage_said = False
         if self.patterns:  # (a reconnect: the first connection is made in `run`)
             self.missed_outages += 1
             log.warning("the bus is back after %.1f s: what was published meanwhile did not "
-                        "reach the remote subscribers of its %d patterns",
-                        trio.current_time() - (self._down_since or 0.0), len(self.patterns))
+                        "reach the remote subscribers of its %d patterns", away,
+                        len(self.patterns))
         self._generation += 1
         whoami = self.bus.session.whoami or b""
         if whoami.startswith(b"!") and len(whoami) > 1:

@@ -74,12 +74,10 @@ class _Stopper:
         self.stop = False
         self.reconnecting = False
         self.reconnects = 0  # made so far: the summary says what they cost
-        self.away = False  # stopped while the broker was away: the summary says so too
 
     def __call__(self, signum, frame) -> None:
         self.stop = True
         if self.reconnecting:
-            self.away = True
             raise _Stopped
 
 
@@ -98,7 +96,6 @@ def _connect(address: str | None, patterns: list[bytes], block: bool,
         else:
             writer.flush()  # what was received is written before the wait
             if stopper.stop:
-                stopper.away = True
                 raise _Stopped
             stopper.reconnecting = True
 
@@ -132,6 +129,7 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     except JournalError as exc:
         raise SbusError(str(exc)) from None
     dropped = cut = 0
+    away = False  # stopped while waiting for the broker to come back (`_Stopped`)
     started = time.monotonic()
     first_seq = writer.next_seq
     stopper = _Stopper()
@@ -145,7 +143,7 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
             _loop(bus, writer, flush, stopper)
             _record_the_rest(bus, writer, patterns)
         except _Stopped:
-            pass
+            away = True
         finally:
             stopper.reconnecting = False
             dropped, cut = bus.dropped, bus.cut
@@ -169,7 +167,7 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
           + (f", broker dropped {dropped}" if dropped else "")
           + (f", {stopper.reconnects} reconnect(s): what was published while the broker "
              "was away is not in the journal" if stopper.reconnects else "")
-          + (", stopped while waiting for the broker to come back" if stopper.away else "")
+          + (", stopped while waiting for the broker to come back" if away else "")
           + (f", {cut} over {RECV_LIMIT} bytes not recorded" if cut else "")
           + (f", {writer.export_failures} Parquet export(s) failed (logged)"
              if writer.export_failures else ""), file=sys.stderr)
