@@ -8,20 +8,28 @@ version keeps the core install free of a compiler."""
 from __future__ import annotations
 
 import array
+import logging
 import os
 import select
 import socket
 from collections.abc import Sequence
 
-__all__ = ["notify", "barrier", "listen_fds", "LISTEN_FDS_START"]
+__all__ = ["notify", "Reporter", "barrier", "listen_fds", "LISTEN_FDS_START", "NOTIFY_WAIT"]
 
 LISTEN_FDS_START = 3
 
 
-def notify(state: str, fds: Sequence[int] = (), nonblocking: bool = False) -> bool:
+#: The longest a message to the manager may wait for room in its socket (seconds): a
+#: manager that has not read in that time is not reading, and a broker handing its
+#: clients over at a stop must not wait for it without end.
+NOTIFY_WAIT = 5.0
+
+
+def notify(state: str, fds: Sequence[int] = (), timeout: float = NOTIFY_WAIT) -> bool:
     """Send *state* (``READY=1``, ``STATUS=…``, ``FDSTORE=1\\nFDNAME=x``…) to the service
-    manager, with *fds* attached; False when not run by one.  *nonblocking*: raise
-    `BlockingIOError` rather than wait while the manager's socket is full."""
+    manager, with *fds* attached; False when not run by one.  Raises `OSError` when it
+    cannot be sent: `TimeoutError` when the manager's socket stays full for *timeout*
+    seconds (0: `BlockingIOError` at once)."""
     path = os.environ.get("NOTIFY_SOCKET")
     if not path:
         return False
@@ -29,11 +37,41 @@ def notify(state: str, fds: Sequence[int] = (), nonblocking: bool = False) -> bo
         path = "\0" + path[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
         s.connect(path)
-        if nonblocking:
-            s.setblocking(False)
+        s.settimeout(timeout)
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
         s.sendmsg([state.encode()], rights if fds else [])
     return True
+
+
+class Reporter:
+    """`notify` for what a service only reports (``READY=1``, ``STATUS=``, ``STOPPING=1``,
+    ``WATCHDOG=1``): it must never wait for the manager nor end for it.  A socket nobody
+    drains costs the line (counted in `skipped`); a manager gone or never there
+    (``NOTIFY_SOCKET`` naming nothing) or no descriptor to send with costs it too.  Each
+    such spell is said once on *log*, and serving goes on."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self.skipped = 0  # lines not sent
+        self._said: type[OSError] | None = None  # the failure of this spell, said
+
+    def __call__(self, state: str) -> bool:
+        """Send *state*; False when it was not (no manager, or a failure above)."""
+        try:
+            sent = notify(state, timeout=0)
+        except OSError as exc:
+            self.skipped += 1
+            if type(exc) is not self._said:
+                self._said = type(exc)
+                if isinstance(exc, BlockingIOError):
+                    self.log.warning("the service manager does not read its notify "
+                                     "socket: status lines are skipped until it does")
+                else:
+                    self.log.warning("cannot notify the service manager at "
+                                     "$NOTIFY_SOCKET: %s", exc.strerror or exc)
+            return False
+        self._said = None
+        return sent
 
 
 def barrier(timeout: float = 5.0) -> bool:

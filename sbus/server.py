@@ -290,6 +290,7 @@ class _Timers:
         self.last, self.last_t = broker.published, time.monotonic()
         self.report_at = self.last_t + self.period
         self.trimmed_at = 0
+        self.notify = sdnotify.Reporter(log)
 
     def __call__(self) -> bool:
         """True once the broker should end."""
@@ -302,7 +303,7 @@ class _Timers:
                 and now - empty_since >= self.idle:
             log.info("no client for %s s: exiting (the socket stays with whoever listens)",
                      f"{self.idle:g}")
-            sdnotify.notify("STOPPING=1")
+            self.notify("STOPPING=1")
             return True
         return False
 
@@ -313,11 +314,9 @@ class _Timers:
             _give_back_memory(broker)
         rate = (broker.published - self.last) / max(now - self.last_t, 1e-9)
         self.last, self.last_t = broker.published, now
-        try:
-            sdnotify.notify(f"STATUS={broker.status()}, {rate:.0f} msg/s"
-                            + ("\nWATCHDOG=1" if self.watchdog else ""))
-        except OSError as exc:  # e.g. out of descriptors: reporting must not stop the bus
-            log.warning("cannot notify systemd: %s", exc)
+        # (out of descriptors, or a manager that does not read: said, and serving goes on)
+        self.notify(f"STATUS={broker.status()}, {rate:.0f} msg/s"
+                    + ("\nWATCHDOG=1" if self.watchdog else ""))
 
 
 #: The signals that end (SIGTERM, SIGINT) or re-execute (SIGUSR2) the broker, start a
@@ -376,7 +375,7 @@ def run(
         # the modules and objects of start-up live as long as the broker: keep them out
         # of the collector's full passes (a pause of ~10 ms otherwise)
         gc.freeze()
-        sdnotify.notify(f"READY=1\nSTATUS=listening, {broker.status()}")
+        timers.notify(f"READY=1\nSTATUS=listening, {broker.status()}")
         next_broker: successor.Successor | None = None
         while True:
             broker.serve(listener, wakeup=wake_r.fileno(), tick=timers, every=timers.every)
@@ -411,7 +410,7 @@ def run(
         log.info("%s: %s", signal.Signals(signum).name,
                  "handing over to a new broker" if again else "shutting down")
         if not again:
-            sdnotify.notify("STOPPING=1")
+            timers.notify("STOPPING=1")
         if again or (signum == signal.SIGTERM and under_systemd):
             _hand_over_now(broker, listener, again, address, created)
         broker.close_all()

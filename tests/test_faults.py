@@ -263,7 +263,7 @@ def _at_the_limit_existing_clients_are_served(held: HeldSocket) -> None:
     if held.use_notify:  # stay at the limit past a STATUS= report (every 2 s), which
         # cannot get a descriptor for its datagram here
         deadline = time.monotonic() + 5
-        while "cannot notify systemd" not in held.log_text():
+        while "cannot notify the service manager" not in held.log_text():
             assert time.monotonic() < deadline, "no STATUS= report tried at the limit"
             time.sleep(0.05)
     assert held.proc.poll() is None, f"broker died at the fd limit: {held.log_text()[-1500:]}"

@@ -848,6 +848,34 @@ def test_tells_systemd_when_ready_and_stopping(bus, space):
             subprocess.run(["fusermount3", "-u", "-z", path], check=False)
 
 
+def test_a_notify_socket_naming_nothing_is_said_and_the_mount_serves(bus, space):
+    """READY=1 and STOPPING=1 that cannot be sent (no manager at NOTIFY_SOCKET) are one
+    warning, and the mount serves and ends as it would (`sdnotify.Reporter`)."""
+    path = os.path.join(space, "unnotified")
+    os.makedirs(path, exist_ok=True)
+    proc = subprocess.Popen([*SBUS, "mount", "--address", bus.address, path],
+                            env={**ENV, "NOTIFY_SOCKET": os.path.join(space, "nothing")},
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 15
+        while not mounted(path):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        with open(os.path.join(path, "n"), "w") as f:  # serving: a write publishes
+            f.write("x")
+        proc.terminate()
+        assert proc.wait(10) == 0
+        err = proc.stderr.read().decode()
+        assert err.count("cannot notify the service manager") == 1, err
+        assert "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if mounted(path):
+            subprocess.run(["fusermount3", "-u", "-z", path], check=False)
+
+
 def test_daemon_mode(bus, space):
     path = os.path.join(space, "daemon")
     os.makedirs(path, exist_ok=True)

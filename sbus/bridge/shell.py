@@ -247,8 +247,7 @@ class BridgeShell:
         self._waiters: list[list] = []  # [condition, anyio.Event] of tasks in `_until`
         self._exports_wait = False  # the bus reader waits for `_export_ready`
         self._first: set[str] = set()  # sides past their first attempt (READY=1 after both)
-        self._notify_failed = False
-        self.notify_skipped = 0  # STATUS= lines not sent: the manager was not reading
+        self._notify = sdnotify.Reporter(log)
         self._allowance = LogAllowance()
         self._props = _PackedOnce((MARKER, core.client_id))
         self._stamp_head = b""  # the stamped template without its 16 hex digits
@@ -1153,21 +1152,6 @@ class BridgeShell:
         or away (the next change sends it again)."""
         if self.bus_up:
             self.bus.control_nowait(protocol.CLIENT_STATUS, line)
-
-    def _notify(self, state: str) -> None:
-        """Tell the service manager, never waiting for it: a notify socket nobody drains
-        costs this STATUS= line (counted), not the bridge."""
-        try:
-            sdnotify.notify(state, nonblocking=True)
-        except BlockingIOError:
-            if not self.notify_skipped:
-                log.warning("the service manager does not read its notify socket: STATUS= "
-                            "lines are skipped until it does")
-            self.notify_skipped += 1
-        except OSError as exc:  # the manager went away: keep bridging, say it once
-            if not self._notify_failed:
-                log.warning("cannot notify the service manager: %s", exc)
-            self._notify_failed = True
 
     # -- the loop ----------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from ..gateway.server import (
     Gateway,
 )
 from ..linger import LINGER, linger_arg
-from ..sdnotify import notify
+from ..sdnotify import Reporter
 
 log = logging.getLogger("sbus.gateway")
 
@@ -155,7 +155,7 @@ def _bound(listener: trio.abc.Listener) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def _report(gw: Gateway) -> None:
+async def _report(gw: Gateway, notify: Reporter) -> None:
     while True:
         await trio.sleep(5)
         notify(f"STATUS={gw.status()}")
@@ -221,7 +221,8 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
                 https_host, https_port = parse_hostport(args.https_listen)
                 https = await nursery.start(serve_https, gw, https_host, https_port, ctx)
                 where.append("HTTPS " + ", ".join(_bound(lst) for lst in https))
-            nursery.start_soon(_report, gw)
+            notify = Reporter(log)
+            nursery.start_soon(_report, gw, notify)
             log.info("sbus gateway listening on %s, bus %s", ", ".join(where),
                      gw.bridge.address or "default")
             notify(f"READY=1\nSTATUS=listening, {gw.status()}")

@@ -22,7 +22,7 @@ from ..defaults import MAX_MESSAGE, default_address, size_arg
 from ..errors import SbusError
 from ..fuse.framing import FORMATS
 from ..fuse.shares import UserShare
-from ..sdnotify import notify
+from ..sdnotify import Reporter
 
 log = logging.getLogger("sbus.fuse")
 
@@ -130,38 +130,31 @@ def _daemonize(handler: logging.Handler) -> None:
         root.setLevel(logging.INFO)
 
 
-def _notify(state: str) -> None:
-    """Tell systemd (a ``Type=notify`` unit) how the mount is doing; no-op elsewhere."""
-    try:
-        notify(state)
-    except OSError as exc:
-        log.warning("cannot notify systemd: %s", exc)
-
-
 async def _serve(fs, max_tasks: int) -> None:
     import pyfuse3
 
+    notify = Reporter(log)  # systemd (a ``Type=notify`` unit); a no-op elsewhere
     async with trio.open_nursery() as nursery:
         try:
             await fs.start(nursery)
         except OSError as exc:
             raise SbusError(f"cannot connect to the sbus broker at {fs.address}: "
                             f"{exc.strerror or exc}") from None
-        nursery.start_soon(_on_signals, fs)
+        nursery.start_soon(_on_signals, fs, notify)
         log.info("bus at %s mounted (pid %d)", fs.address, os.getpid())
-        _notify(f"READY=1\nSTATUS=bus at {fs.address} mounted")
+        notify(f"READY=1\nSTATUS=bus at {fs.address} mounted")
         await pyfuse3.main(min_tasks=2, max_tasks=max_tasks)
         log.info("unmounted")
         nursery.cancel_scope.cancel()
 
 
-async def _on_signals(fs) -> None:
+async def _on_signals(fs, notify: Reporter) -> None:
     import pyfuse3
 
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("%s: unmounting", signal.Signals(signum).name)
-            _notify("STOPPING=1")
+            notify("STOPPING=1")
             fs.shutdown()
             pyfuse3.terminate()
             return
