@@ -288,10 +288,13 @@ class RouteCache(Generic[C]):
     def owner_bytes(self, owner: object) -> int:
         return self._owner_bytes.get(owner, 0)
 
-    def put(self, key: bytes, targets: tuple[C, ...], owner: object) -> None:
+    def put(self, key: bytes, targets: tuple[C, ...], owner: object,
+            shared: bool = False) -> None:
+        """Keep *targets* for *key*, charged to *owner*; *shared*: a tuple the index holds
+        anyway, once for every key (`RoutingIndex._all`), so not charged per entry."""
         if key in self.entries:
             return
-        cost = ENTRY_COST + len(key) + 8 * len(targets)
+        cost = ENTRY_COST + len(key) + (0 if shared else 8 * len(targets))
         second = None
         if key.startswith(self._secret):
             group = self.group(key)
@@ -403,6 +406,10 @@ class RoutingIndex(Generic[C]):
         self._public = _Node[C]()
         self._secret = _Node[C]()
         self._everything: Counter[C] = Counter()  # the empty pattern
+        #: Its clients as `match` returns them, made once per change: a key no other
+        #: pattern matches gets this very tuple (no set of them built per message, and
+        #: the gateway finds such messages in a row to be for the same clients at once)
+        self._all: tuple[C, ...] | None = None
         self._never: Counter[tuple[C, bytes]] = Counter()
         # patterns without a wildcard or a trailing separator match only the key equal to
         # them: one probe of this dict finds them all.  A value is the one subscriber
@@ -428,6 +435,7 @@ class RoutingIndex(Generic[C]):
             return
         if not pattern:
             self._everything[client] += 1
+            self._all = None
         elif compiled is None:
             self._never[client, pattern] += 1
         else:
@@ -480,6 +488,7 @@ class RoutingIndex(Generic[C]):
     def _remove(self, client: C, pattern: bytes, count: int) -> None:
         if not pattern:
             _decrement(self._everything, client, count)
+            self._all = None
             return
         compiled = compile_pattern(pattern, self.sep)
         if compiled is None:
@@ -583,7 +592,7 @@ class RoutingIndex(Generic[C]):
         if hit is not None:
             return hit
         result = self.lookup(key)
-        self.cache.put(key, result, owner)
+        self.cache.put(key, result, owner, result is self._all)
         return result
 
     def lookup(self, key: bytes) -> tuple[C, ...]:
@@ -596,9 +605,14 @@ class RoutingIndex(Generic[C]):
         segs = key.split(self.sep, self._depth)
         if key.startswith(self._secret_prefix):
             self._walk(self._secret, key, segs, found)
-        else:
-            found.update(self._everything)
-            self._walk(self._public, key, segs, found)
+            return tuple(found)
+        self._walk(self._public, key, segs, found)
+        if not found:
+            everyone = self._all
+            if everyone is None:
+                everyone = self._all = tuple(self._everything)
+            return everyone
+        found.update(self._everything)
         return tuple(found)
 
     def _walk(self, root: _Node[C], key: bytes, segs: list[bytes], found: set[C]) -> None:

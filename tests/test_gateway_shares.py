@@ -771,7 +771,7 @@ def test_a_fan_out_into_a_full_pool_tries_to_make_room_once(monkeypatch):
     accounts = Caps.accounts
     monkeypatch.setattr(Caps, "accounts",
                         lambda caps: (looked.append(1) or peer for peer in accounts(caps)))
-    gw._deliver(tuple(readers), b"k", b"x" * 50)
+    gw._offer(tuple(readers), b"k", b"x" * 50)
     assert len(looked) <= SEARCHES * gw.caps.peers(), len(looked)
     assert sum(rc.outbox.dropped for rc in readers) == 500  # discarded, counted
 
@@ -803,9 +803,39 @@ def test_many_prompt_readers_of_one_address_are_not_taken_for_the_heaviest():
         heavy.outbox.offer(frame)
         frame.hold(gw.buffers)
     assert readers[0].account.queued > gw.buffers.limit // gw.caps.peers()  # copies
-    gw._deliver(tuple(readers), b"k", b"x" * 200)
+    gw._offer(tuple(readers), b"k", b"x" * 200)
     assert all(len(rc.outbox) == 4 for rc in readers)  # each got it
     assert heavy.outbox.dropped > 0  # made room: the heavy address's oldest went
+
+
+def test_a_run_of_messages_judges_full_clients_once_and_offers_the_rest_in_order():
+    """A run of messages for the same clients (`Gateway._deliver`): clients that cannot
+    take its smallest frame when it begins (their own bound, or their address's share)
+    are counted once per message of the run, never visited per message; the others get
+    every message, in order; a run past its time stops after the first message."""
+    from sbus.gateway.outbox import OWN, SHARE, Shared
+    from sbus.gateway.server import Gateway
+
+    gw = Gateway(SECRET, address="/nonexistent")
+    full = [_remote(gw, f"10.3.0.{i}") for i in range(1, 4)]
+    for rc in full:
+        rc.outbox.max_messages = 2
+        for _ in range(2):
+            rc.outbox.offer(Shared(codec.publish(b"old", b"")))
+    shared = _remote(gw, "10.3.1.1")
+    shared.outbox.offer(Shared(codec.publish(b"old", b"")))
+    shared.account.queue_limit = shared.account.queued  # its address's share is used up
+    prompt = _remote(gw, "10.3.2.1")
+    targets = (*full, shared, prompt)
+    gw.clients.update(targets)
+    run = [(b"k", b"%d" % i) for i in range(10)]
+    assert gw._deliver(targets, run) == 10
+    assert [f.data for f in prompt.outbox.frames] == [codec.publish(*m) for m in run]
+    assert [rc.outbox.dropped_by[OWN] for rc in full] == [10, 10, 10]
+    assert shared.outbox.dropped_by[SHARE] == 10 and len(shared.outbox.frames) == 1
+    assert gw.dropped == 40 and gw.delivered == 10
+    assert gw._deliver(targets, run, until=0.0) == 1  # the turn is over: one, then back
+    assert len(prompt.outbox.frames) == 11 and full[0].outbox.dropped_by[OWN] == 11
 
 
 def test_discards_of_many_addresses_are_said_in_a_bounded_number_of_lines(caplog):

@@ -149,7 +149,7 @@ def test_index_agrees_with_brute(subs, keys, data):
 
 # -- the cache: bounded in bytes, charged to owners, invalidated where a change matters --
 
-from sbus.routing import ENTRY_COST, FRAMED_COST, RouteCache  # noqa: E402
+from sbus.routing import ENTRY_COST, FRAMED_COST, SECOND_COST, RouteCache  # noqa: E402
 
 
 @settings(max_examples=200)
@@ -386,3 +386,23 @@ def test_leaf_edges(pattern, key, expected):
     index.subscribe("c", pattern)
     index.subscribe("d", b"p*/zz/")  # so that "c" sits in a leaf below a shared node
     assert ("c" in index.lookup(key)) is expected
+
+
+def test_keys_only_the_empty_pattern_matches_share_one_tuple_charged_once():
+    """A thousand subscribers of the empty pattern: every key no other pattern matches
+    gets the same tuple (no set of a thousand built per message), cached without a
+    charge per subscriber, and made anew when the empty pattern's holders change."""
+    cache = RouteCache(b"/", 1 << 20)
+    idx = RoutingIndex(b"/", cache)
+    for i in range(1000):
+        idx.subscribe(i, b"")
+    idx.subscribe("other", b"b/x")
+    first = idx.match(b"a/1")
+    assert sorted(first) == list(range(1000))
+    assert idx.match(b"a/2") is first and idx.match(b"c") is first
+    assert cache.nbytes < 3 * (ENTRY_COST + SECOND_COST + 64)  # not 3 x 8,000 bytes
+    assert set(idx.match(b"b/x")) == {*range(1000), "other"}  # a tuple of its own
+    idx.unsubscribe(999, b"")
+    again = idx.match(b"a/1")
+    assert again is not first and sorted(again) == list(range(999))
+    assert idx.match(b"!/cred/1/2/3") == ()  # secret keys: never the empty pattern's

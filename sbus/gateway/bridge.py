@@ -104,9 +104,11 @@ async def _nothing() -> None:
 class Bridge:
     """Remote subscriptions (a routing index) and the bus connection that feeds them.
 
-    *deliver(targets, key, payload)* is called for every message from the bus that
-    matches remote subscriptions, with the matching clients; the server encodes the
-    frame once and offers it to each client's outbox.  *flush()* is awaited after each
+    *deliver(targets, messages, until)* is called for each run of messages from the bus
+    (key, payload) that match the same remote subscribers, in a row, with those clients;
+    the server encodes each frame once and offers it to each client's outbox, and says
+    how many of the run it took before the clock passed *until* (the rest are matched
+    again after the others' turn).  *flush()* is awaited after each
     batch of messages and, within a wide fan-out, every `FLUSH_EVERY` (other tasks get
     a turn every `TURN`): the server writes out what was queued (a fan-out behind the
     bus then costs one write per client per batch, not per message).
@@ -115,7 +117,7 @@ class Bridge:
     """
 
     def __init__(self, address: str | None,
-                 deliver: Callable[[tuple, bytes, bytes], None],
+                 deliver: Callable[[tuple, list[tuple[bytes, bytes]], float], int],
                  on_refused: Callable[[bytes, str], None],
                  flush: Callable[[], Awaitable[None]] | None = None,
                  cache_bytes: int = CACHE_BYTES,
@@ -553,23 +555,38 @@ class Bridge:
                 lock.release()
             secret = self.rules.secret_prefix
             index = self.index
+            self.received += sum(type(event) is Publish for event in events)
             start = flushed = clock()
-            for event in events:
-                if type(event) is Publish:
-                    self.received += 1
-                    key = event.key
-                    if key.startswith(secret):
-                        continue  # never forwarded, whatever the broker sent
-                    targets = index.match(key)
-                    if targets:
-                        deliver(targets, key, event.payload)
-                        now = clock()
-                        if now - start > TURN:  # a wide fan-out: let the others run
-                            if now - flushed > FLUSH_EVERY:
-                                await flush()
-                                flushed = clock()
-                            await trio.lowlevel.checkpoint()
-                            start = clock()
+            i, n = 0, len(events)
+            while i < n:
+                # the run from *i*: the messages that match the same clients, in a row
+                targets: tuple = ()
+                run: list[tuple[bytes, bytes]] = []
+                at: list[int] = []  # where each message of the run is in *events*
+                j = i
+                while j < n:
+                    event = events[j]
+                    if type(event) is Publish and not event.key.startswith(secret):
+                        found = index.match(event.key)  # (secret keys: never forwarded,
+                        if found:  # whatever the broker sent)
+                            if run and found != targets:
+                                break
+                            targets = found
+                            run.append((event.key, event.payload))
+                            at.append(j)
+                    j += 1
+                i = j
+                if run:
+                    done = deliver(targets, run, start + TURN)
+                    if done < len(run):  # the turn is over: the rest matched again after
+                        i = at[done]
+                    now = clock()
+                    if now - start > TURN:  # a wide fan-out: let the others run
+                        if now - flushed > FLUSH_EVERY:
+                            await flush()
+                            flushed = clock()
+                        await trio.lowlevel.checkpoint()
+                        start = clock()
             await flush()  # (no checkpoint: the wait at the top gives the others a turn)
 
     def _event(self, packet: bytes) -> object:

@@ -116,7 +116,7 @@ class Outbox:
 
         A frame larger than the byte bound on its own is still accepted into an empty
         buffer, so a bound below the frame limit cannot starve a client.  The shared
-        pool is charged by the caller, once per fan-out (`Gateway._deliver`).
+        pool is charged by the caller, once per fan-out (`Gateway._offer`).
         """
         frames = self.frames
         n = len(frames)

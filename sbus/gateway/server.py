@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import os
 import socket
 import ssl
@@ -353,7 +354,51 @@ class Gateway:
 
     # -- fan-out from the bus ---------------------------------------------------------
 
-    def _deliver(self, targets: tuple[Remote, ...], key: bytes, payload: bytes) -> None:
+    def _deliver(self, targets: tuple[Remote, ...], messages: list[tuple[bytes, bytes]],
+                 until: float = math.inf) -> int:
+        """Offer *messages* (key, payload: a run of messages that match the same clients),
+        in order, to every one of *targets* (`_offer`); how many were offered: at least
+        one, and no more once the clock (`time.perf_counter`) passed *until*.
+
+        A client whose outbox cannot take even the run's smallest frame when the run
+        begins is judged once for the whole run, and each message counted as discarded
+        for it (`Outbox.offer`'s causes): its writer does not run meanwhile.  So clients
+        that never read cost the fan-out once per batch from the bus, and a thousand of
+        them no longer slow every message down for everyone (before: a Python step per
+        such client and message: the gateway fell 8 s behind the bus in the audit)."""
+        if len(messages) == 1:
+            self._offer(targets, *messages[0])
+            return 1
+        least = min(len(key) + len(payload) for key, payload in messages)  # < any frame
+        full: list[tuple[Remote, int]] = []
+        room: list[Remote] = []
+        for rc in targets:
+            out = rc.outbox
+            if out.frames:
+                if len(out.frames) >= out.max_messages or out.size + least > out.max_bytes:
+                    full.append((rc, OWN))
+                    continue
+                peer = out.peer
+                if peer.queued + least > peer.queue_limit:
+                    full.append((rc, SHARE))
+                    continue
+            room.append(rc)
+        clock = time.perf_counter
+        done = 0
+        for key, payload in messages:
+            if room:
+                self._offer(room, key, payload)
+            done += 1
+            if clock() > until:
+                break
+        for rc, cause in full:  # as `_offer` and `Outbox.offer` count them, at once
+            rc.outbox.dropped_by[cause] += done
+            rc.outbox.peer.dropped[cause] += done
+        self.dropped += done * len(full)
+        return done
+
+    def _offer(self, targets: tuple[Remote, ...] | list[Remote], key: bytes,
+               payload: bytes) -> None:
         """Offer one frame to every matching client.  The pool is charged the frame's
         bytes once (what is really held), however many clients queue it.  While it is
         full, the frame is discarded for clients holding more than a fair part of it
@@ -585,7 +630,7 @@ class Gateway:
         its connection ends (the stream cannot go on mid-frame), said."""
         out = rc.outbox
         out.clear()
-        out.max_messages = 0  # nothing more is queued for it (`_deliver`, `force`)
+        out.max_messages = 0  # nothing more is queued for it (`_offer`, `force`)
         rc.fd = None  # nor written by `_flush`
         reason = (f"it read nothing for {STALLED:g} s and held the unwritten end of a "
                   f"message in the full buffer pool ({self.buffers.limit} bytes)")
