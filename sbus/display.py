@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-__all__ = ["printable", "brief", "LOG_QUOTE", "timestamp"]
+__all__ = ["printable", "brief", "one_line", "LOG_QUOTE", "timestamp"]
 
 #: Bytes of client input quoted in a log line or error message at most.
 LOG_QUOTE = 100
@@ -68,6 +68,16 @@ def _decode(data: bytes) -> str:
 def brief(data: bytes | str, limit: int = LOG_QUOTE) -> str:
     """A short quote of client input for a log line or an error: ``'printable…(+N bytes)'``."""
     return "'" + printable(data, limit).replace("'", "\\'") + "'"
+
+
+def one_line(text: str) -> str:
+    """*text*, a message already made of quoted parts, kept to one line a terminal shows
+    literally: what control characters are left in it (an argument or a path put in as
+    it was given) escaped, backslashes left as they are (the quoted parts doubled
+    theirs).  The last defence of every command's error line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape(c) for c in text)
 
 
 def json_bytes(obj: dict, name: str, value: bytes) -> None:

@@ -58,3 +58,29 @@ def test_one_pass_decoding_escapes_as_byte_by_byte_does(data):
 def test_surrogates_in_text_stay_code_points_and_encoded_ones_are_bytes():
     assert printable("\udcff") == "\\udcff"  # a str's lone surrogate is a code point
     assert printable(b"\xed\xb3\xbf") == "\\xed\\xb3\\xbf"  # UTF-8 never encodes one
+
+
+def test_one_line_escapes_what_controls_are_left_and_keeps_quoted_parts():
+    from sbus.display import one_line
+
+    quoted = printable(b"\x1b[2J")  # already escaped: its backslash stays single
+    assert one_line(f"cannot listen on \x1b]0;x\x07:80 ({quoted})") == \
+        "cannot listen on \\x1b]0;x\\x07:80 (\\x1b[2J)"
+    assert one_line("plain") == "plain"
+
+
+def test_a_commands_error_line_shows_its_arguments_literally(tmp_path):
+    """An argument put into an error as it was given (here `--listen`) cannot rewrite the
+    terminal or add a line: the command's error printer escapes it (before: raw)."""
+    import subprocess
+    import sys
+
+    key = tmp_path / "k"
+    key.write_text("secret\n")
+    key.chmod(0o600)
+    done = subprocess.run([sys.executable, "-m", "sbus.cli", "gateway", "--listen",
+                           "\x1b]0;owned\x07\nforged:80", "--auth-key-file", str(key)],
+                          capture_output=True, timeout=30)
+    assert done.returncode == 1 and b"cannot listen on \\x1b]0;owned\\x07\\nforged" \
+        in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

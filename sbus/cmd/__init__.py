@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from ..display import printable
+from ..display import one_line, printable
 from ..errors import SbusError, UsageError
 from ..extras import missing_extra_message
 
@@ -75,10 +75,10 @@ def run_command(name: str, run: Callable[[argparse.Namespace], int | None],
         sys.stdout.flush()  # a failing output is this command's failure, said here
         return code
     except SbusError as exc:
-        print(f"{name}: {exc}", file=sys.stderr)
+        print(f"{name}: {one_line(str(exc))}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
     except TimeoutError as exc:  # the client's word for a broker that does not answer
-        print(f"{name}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"{name}: {one_line(str(exc.strerror or exc))}", file=sys.stderr)
         return 1
     except ImportError as exc:  # a part imported only once needed (e.g. pyfuse3)
         message = missing_extra_message(name, exc)
@@ -96,7 +96,7 @@ def run_command(name: str, run: Callable[[argparse.Namespace], int | None],
             raise  # -vv: the whole story, for a bug report
         settle_stdout()
         where = f": {exc.filename}" if exc.filename is not None else ""
-        print(f"{name}: {exc.strerror or exc}{where}", file=sys.stderr)
+        print(f"{name}: {one_line(f'{exc.strerror or exc}{where}')}", file=sys.stderr)
         return 1
 
 
