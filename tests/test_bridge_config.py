@@ -4,6 +4,7 @@ fail-over in order with the address in use in STATUS=, byte counters."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -151,3 +152,30 @@ def test_config_mistakes_are_one_line(short_tmp: Path) -> None:
         lines = done.stderr.strip().splitlines()
         assert done.returncode != 0 and len(lines) == 1 and why in lines[0], (text,
                                                                             done.stderr)
+
+
+def test_damaged_config_and_password_files_are_one_line(short_tmp: Path) -> None:
+    """A configuration nested too deep, one not UTF-8, a FIFO in its place (before: a
+    RecursionError or UnicodeDecodeError traceback, or a start that waited without a
+    word), and a password file that is not one: a line, exit status 1, at once."""
+    conf = short_tmp / "c.toml"
+    secret = short_tmp / "pw"
+    cases = [
+        (lambda: conf.write_text("a = " + "[" * 100_000), "nested too deep"),
+        (lambda: conf.write_bytes(b"mqtt = 'mqtt://h\xff'\n"), "not UTF-8 at byte 16"),
+        (lambda: (conf.unlink(), os.mkfifo(conf)), "not a regular file"),
+        (lambda: (conf.unlink(), conf.write_text(
+            f"mqtt = 'mqtt://h'\npassword-file = '{secret}'\n"
+            "[[export]]\npatterns = ['a/']\n"), os.mkfifo(secret)), "not a regular file"),
+        (lambda: (secret.unlink(), secret.write_bytes(b"\xff\xfe\n")),
+         "the password is not UTF-8"),
+        (lambda: secret.write_bytes(b"x" * (1 << 20)), "larger than 65536 bytes"),
+    ]
+    for make, why in cases:
+        make()
+        done = subprocess.run([*SBUS, "bridge", "--address", str(short_tmp / "none.sock"),
+                               "--config", str(conf), "--state-dir", str(short_tmp / "st")],
+                              capture_output=True, text=True, timeout=30)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1 and why in lines[0], (why,
+                                                                             done.stderr)

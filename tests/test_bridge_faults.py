@@ -5,6 +5,7 @@ and 0 duplicated where it promises that, the exact figure (or its bound) where n
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -473,6 +474,30 @@ def test_changed_imports_do_not_resume_the_old_filters(hosts: Hosts) -> None:
     c = b.wait_counters(lambda c: c["imported"] == 20)
     assert c["filtered"] == 0, c       # the broker no longer sends a/y
     assert "unsubscribing the session's old filters a/#" in b.log.read_text()
+    peer.close()
+
+
+def test_damaged_saved_filters_are_said_and_imports_still_work(hosts: Hosts) -> None:
+    """state.json's import filters damaged into ones MQTT has no place for (empty, over
+    65,535 bytes, a lone surrogate): said and skipped; the valid old one is unsubscribed
+    and imports work (before: paho refused the unsubscribe, taken for malformed data
+    from the broker, and every reconnect failed the same way)."""
+    b = hosts.bridge(1, "--client-id", "b", "--import", "a/")
+    b.stop()
+    path = Path(b.state_dir) / "state.json"
+    state = json.loads(path.read_text())
+    state["filters"] = ["", "x" * 70_000, "\ud800", "old/#", 5]
+    path.write_text(json.dumps(state))
+    b.start()
+    sub = subscriber(hosts.bus_address(1), "a/")
+    peer = Peer(hosts.mosquitto.sock)
+    for i in range(20):
+        peer.publish("a/x", b"%d" % i)
+    assert seqs(collect(sub, want=20, quiet=0.5)) == list(range(20))
+    log_text = b.log.read_text()
+    assert "4 saved import filters are not MQTT topic filters (damaged)" in log_text
+    assert "unsubscribing the session's old filters old/#" in log_text
+    assert "malformed" not in log_text and "Traceback" not in log_text, log_text
     peer.close()
 
 

@@ -236,11 +236,40 @@ def test_a_damaged_state_file_is_said_and_a_failed_save_too(tmp_path: Path) -> N
     assert state.load_state()[1].endswith("state.json cannot be read (not JSON)")
     (tmp_path / "state.json").write_text("[1, 2]")
     assert "is not what the bridge saves" in state.load_state()[1]
+    # nested deep enough to end the parser (before: a RecursionError, the bridge ended)
+    (tmp_path / "state.json").write_text("[" * 200_000)
+    assert state.load_state()[1].endswith("cannot be read (nested too deep)")
+    (tmp_path / "state.json").write_bytes(b'{"a": "\xff"}')
+    assert state.load_state()[1].endswith("cannot be read (not JSON)")
+    (tmp_path / "state.json").unlink()
+    os.mkfifo(tmp_path / "state.json")  # before: the open waited for a writer, for good
+    assert state.load_state()[1].endswith("cannot be read (not a regular file)")
     (tmp_path / "state.json").unlink()
     (tmp_path / "state.json").mkdir()
     assert "cannot be read" in state.load_state()[1]
     assert state.save_state({"spooled": 4}).startswith(f"cannot save {tmp_path}/state.json")
     state.close()
+
+
+def test_damaged_files_beside_the_segments_are_said_not_waited_for(tmp_path: Path) -> None:
+    """An ``epochs`` nested too deep or a FIFO, and a FIFO with a segment's name: said,
+    the records left still loaded, nothing blocks (before: a traceback, and a start that
+    waited for a writer without a word)."""
+    recorded(tmp_path, 3)
+    (tmp_path / "epochs").write_text("[" * 200_000)
+    s = spool(tmp_path)
+    assert [seq for seq, _, _ in s.load()] == [0, 1, 2]
+    assert "epochs is damaged" in s.problems[0]
+    s.close()
+    (tmp_path / "epochs").unlink()
+    os.mkfifo(tmp_path / "epochs")
+    os.mkfifo(tmp_path / f"{7:020d}.spool")
+    s = spool(tmp_path)
+    assert [seq for seq, _, _ in s.load()] == [0, 1, 2]
+    assert any("epochs is damaged" in p for p in s.problems), s.problems
+    assert any("not a regular file; set aside as" in p for p in s.problems), s.problems
+    assert (tmp_path / f"{7:020d}.spool.damaged").exists()
+    s.close()
 
 
 def test_each_run_stamps_in_its_own_epoch_and_records_keep_theirs(tmp_path: Path) -> None:

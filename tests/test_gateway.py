@@ -543,7 +543,7 @@ def test_a_lingering_reader_wakes_for_a_window_before_its_delay(gwdir, bus):
     (["--listen", "127.0.0.1:0", "--https-listen", "127.0.0.1:0"],
      "--https-listen needs --tls-cert and --tls-key"),
     (["--listen", "127.0.0.1:0", "--buffer-messages", "0"], "--buffer-messages must be positive"),
-    (["--listen", "127.0.0.1:0", "--auth-key-file", "/dev/null"], "is empty"),
+    (["--listen", "127.0.0.1:0", "--auth-key-file", "/dev/null"], "not a regular file"),
     (["--listen", "127.0.0.1:0", "--subscription-bytes-per-address", "0"],
      "--subscription-bytes-per-address must be positive"),
     (["--listen", "127.0.0.1:0", "--bus-subscription-bytes", "0"],
@@ -558,3 +558,28 @@ def test_bad_command_lines_fail_with_one_line(gwdir, bus, args, message):
     assert proc.returncode == 1
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_key_and_certificate_files_that_are_not_ones_fail_with_one_line(gwdir, bus):
+    """An empty key file, one over 64 KiB (before: its first 64 KiB taken silently), and a
+    FIFO for the key or the TLS certificate (before: the start waited for a writer with
+    no word): one line each, exit status 1, at once."""
+    def fails(*args: str) -> str:
+        proc = subprocess.run([*SBUS, "gateway", "--listen", "127.0.0.1:0", "--address",
+                               bus.address, *args], capture_output=True, text=True,
+                              timeout=30)
+        assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, \
+            proc.stderr
+        return proc.stderr
+
+    key, fifo = gwdir / "files.key", gwdir / "fifo"
+    os.mkfifo(fifo)
+    key.write_bytes(b"")
+    assert "is empty" in fails("--auth-key-file", str(key))
+    key.write_bytes(b"k" * (65 * 1024))
+    assert "larger than 65536 bytes" in fails("--auth-key-file", str(key))
+    assert "not a regular file" in fails("--auth-key-file", str(fifo))
+    key.write_bytes(SECRET)
+    key.chmod(0o600)
+    assert "not a regular file" in fails("--auth-key-file", str(key), "--tls-cert", str(fifo),
+                                         "--tls-key", str(fifo))

@@ -79,7 +79,7 @@ from .buffered import BufferedClient, quick_properties
 from .core import MARKER, SCOPE, STAMP, STAMP0, BridgeCore
 from .lane import Turns
 from .spool import MAX_SEQ, Spool, StateDir
-from .topics import topic_problem
+from .topics import MAX_TOPIC, topic_problem
 
 log = logging.getLogger("sbus.bridge")
 
@@ -287,8 +287,13 @@ class BridgeShell:
             self.core.counters.restore(counters)
         old = saved.get("filters")
         if isinstance(old, list):
-            self._stale = [f for f in old if isinstance(f, str)
-                           and f not in self.core.mqtt_filters()]
+            now = set(self.core.mqtt_filters())
+            bad = sum(not _filter(f) for f in old)
+            if bad:
+                log.warning("%s: %d saved import filters are not MQTT topic filters "
+                            "(damaged): not unsubscribed", self.state.path / "state.json", bad)
+            self._stale = [f for f in dict.fromkeys(f for f in old if _filter(f))
+                           if f not in now]
         if 1 in self.core.export_qos_levels:
             # the numbers the last bridge gave (before saves that had it: none known)
             since = saved.get("spooled")
@@ -486,7 +491,8 @@ class BridgeShell:
             # an earlier configuration's filters: they would pull traffic the bridge
             # filters out, and deliver twice what overlaps the new ones
             log.info("the imports changed: unsubscribing the session's old filters %s",
-                     ", ".join(printable(f, 80) for f in self._stale))
+                     ", ".join(printable(f, 80) for f in self._stale[:10])
+                     + (f" and {len(self._stale) - 10} more" if len(self._stale) > 10 else ""))
             mq.unsubscribe(list(self._stale))
         self._stale = []  # gone: unsubscribed, or a new session
         self._save_state()
@@ -1235,6 +1241,8 @@ class BridgeShell:
             anyio.run(self._serve, backend="trio")
         except BaseExceptionGroup as group:  # a task's error: the first, as it is
             raise _first(group) from None
+        finally:  # no loop to tell of a socket paho closes from now on (its __del__)
+            self._loop_thread = None
 
     async def _serve(self) -> None:
         self._loop_thread = threading.get_ident()
@@ -1299,6 +1307,18 @@ class BridgeShell:
             self.spool.close()
         if self.state is not None:
             self.state.close()
+
+
+def _filter(saved: object) -> bool:
+    """Is *saved* (from state.json, which a damaged file makes anything) an MQTT topic
+    filter paho can unsubscribe?  (One it cannot failed every connection: taken for
+    malformed data from the broker, reconnected, tried again.)"""
+    if not isinstance(saved, str) or not saved or "\0" in saved:
+        return False
+    try:
+        return len(saved.encode("utf-8")) <= MAX_TOPIC
+    except UnicodeEncodeError:  # a lone surrogate, which JSON can spell
+        return False
 
 
 def _drain(fd: int) -> None:

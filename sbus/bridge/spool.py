@@ -48,6 +48,7 @@ from collections import deque
 from pathlib import Path
 
 from ..errors import SbusError
+from ..files import read_small
 
 __all__ = ["Spool", "StateDir", "SpoolFull"]
 
@@ -61,6 +62,9 @@ CHECK = struct.Struct("<I")  # CRC-32 of the two, after them (a file without it 
 #: No sequence number reaches this (2^62 exports): beyond it a number is damage.
 MAX_SEQ = 1 << 62
 _EPOCH = re.compile(rf"[0-9a-f]{{{2 * EPOCH.size}}}")  # as the bridge writes one
+#: ``state.json`` and ``epochs`` are read up to this size (they hold a few kilobytes; the
+#: senders remembered, `core.STAMP_BYTES`, at most about a megabyte): a larger one is damage.
+STATE_BYTES = 16 << 20
 #: A segment is closed (and a new one begun) once it holds this many bytes.
 SEGMENT_BYTES = 4 << 20
 SUFFIX = ".spool"
@@ -126,11 +130,12 @@ class StateDir:
         the bridge starts from nothing, and says so)."""
         path = self.path / "state.json"
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_small(path, STATE_BYTES))
         except FileNotFoundError:
             return {}, ""
-        except (OSError, ValueError) as exc:
-            why = exc.strerror if isinstance(exc, OSError) else "not JSON"
+        except (OSError, ValueError, RecursionError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not JSON" \
+                if isinstance(exc, ValueError) else "nested too deep"
             return {}, f"{path} cannot be read ({why})"
         if not isinstance(data, dict):
             return {}, f"{path} is not what the bridge saves"
@@ -255,10 +260,10 @@ class Spool:
         records left go under this run's epoch (receivers may get copies, lose none)."""
         path = self.path / "epochs"
         try:
-            runs = json.loads(path.read_text())
+            runs = json.loads(read_small(path, STATE_BYTES))
         except FileNotFoundError:
             return [(0, last)]
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             runs = None
         if isinstance(runs, list) and all(
                 isinstance(r, list) and len(r) == 2 and type(r[0]) is int
@@ -281,10 +286,11 @@ class Spool:
             first = p.name[:-len(SUFFIX)]
             if not first.isdigit():
                 continue
-            if int(first) >= MAX_SEQ:
+            regular = p.is_file()
+            if int(first) >= MAX_SEQ or not regular:
                 os.replace(p, p.with_name(p.name + ".damaged"))
-                self.problems.append(f"{p}: not a number the spool gives; set aside as "
-                                     f"{p.name}.damaged")
+                why = "not a number the spool gives" if regular else "not a regular file"
+                self.problems.append(f"{p}: {why}; set aside as {p.name}.damaged")
                 continue
             out.append(int(first))
         return out

@@ -30,11 +30,14 @@ from ..bridge.topics import ConfigError, Mapping
 from ..defaults import MAX_MESSAGE, parse_duration, parse_size
 from ..display import brief, printable
 from ..errors import SbusError
+from ..files import SECRET_BYTES, must_be_regular, read_small
 from ..linger import LINGER, check_linger
 
 log = logging.getLogger("sbus.bridge")
 
 PORTS = {"mqtt": 1883, "mqtts": 8883}
+#: A configuration file larger than this is not one (a few kilobytes is usual).
+CONFIG_BYTES = 1 << 20
 
 #: Settings with their defaults: the command line's ``--NAME`` and the file's ``NAME``.
 DEFAULTS: dict[str, Any] = {
@@ -114,12 +117,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_config(path: str) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        data = tomllib.loads(read_small(path, CONFIG_BYTES).decode("utf-8"))
     except OSError as exc:
         raise SbusError(f"cannot read the configuration {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SbusError(f"{path}: not valid TOML: not UTF-8 at byte {exc.start}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SbusError(f"{path}: not valid TOML: {printable(str(exc), 200)}") from None
+    except RecursionError:
+        raise SbusError(f"{path}: not valid TOML: arrays or tables nested too deep") from None
     unknown = set(data) - set(DEFAULTS) - {"export", "import"}
     if unknown:
         raise SbusError(f"{path}: unknown setting {brief(sorted(unknown)[0].encode())} "
@@ -229,6 +235,7 @@ def _check_tls_files(cafile: str | None, cert: str | None, key: str | None) -> N
     """One clear line for a CA or certificate file that cannot be used (paho would raise
     from deep inside ssl)."""
     try:
+        must_be_regular(cafile, cert, key)
         context = ssl.create_default_context(cafile=cafile)
         if cert:
             context.load_cert_chain(cert, key)
@@ -265,11 +272,13 @@ def resolve(args: argparse.Namespace):
         username = opts["username"]
     if opts["password-file"]:
         try:
-            with open(opts["password-file"]) as f:
-                password = f.readline().rstrip("\n")
+            line = read_small(opts["password-file"], SECRET_BYTES).split(b"\n", 1)[0]
+            password = line.decode("utf-8")
         except OSError as exc:
             raise SbusError(f"cannot read {opts['password-file']}: "
                             f"{exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise SbusError(f"{opts['password-file']}: the password is not UTF-8") from None
     if (opts["cert"] or opts["key"] or opts["cafile"]) and not tls:
         raise SbusError("--cafile, --cert and --key need an mqtts:// URL")
     if tls:

@@ -20,6 +20,7 @@ import trio
 from .. import rlimits
 from ..defaults import size_arg
 from ..errors import SbusError
+from ..files import SECRET_BYTES, must_be_regular, read_small
 from ..gateway.bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT
 from ..gateway.codec import DEFAULT_MAX_FRAME
 from ..gateway.server import (
@@ -59,15 +60,13 @@ def parse_hostport(text: str) -> tuple[str, int]:
 def read_secret(path: str) -> bytes:
     """The shared secret: the file's bytes without a trailing newline."""
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            secret = f.read(65536)
+        secret = read_small(path, SECRET_BYTES).rstrip(b"\r\n")
+        mode = os.stat(path).st_mode
     except OSError as exc:
         raise SbusError(f"cannot read the auth key file {path}: {exc.strerror}") from None
-    secret = secret.rstrip(b"\r\n")
     if not secret:
         raise SbusError(f"the auth key file {path} is empty")
-    if st.st_mode & stat.S_IROTH:
+    if mode & stat.S_IROTH:
         log.warning("the auth key file %s is readable by everyone; chmod 600 it", path)
     return secret
 
@@ -142,6 +141,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _tls_context(cert: str, key: str) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
+        must_be_regular(cert, key)
         ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as exc:
         raise SbusError(f"cannot load the TLS certificate {cert} / key {key}: {exc}") from None
