@@ -4,6 +4,7 @@ and its Parquet export read back by pyarrow and DuckDB row for row."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -176,6 +177,17 @@ def test_journal_lag_reads_a_checkpoint_and_refuses_what_is_not_one(tmp_path):
                         text=True)
             assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
             assert str(ck / "offsets" / "1") in done.stderr and done.stdout == ""
+    # a FIFO in its place (before: the command waited for a writer, for good), and a line
+    # nested too deep for the parser (before: a RecursionError traceback)
+    (ck / "offsets" / "1").unlink()
+    os.mkfifo(ck / "offsets" / "1")
+    done = sbus("journal", "lag", str(jdir), "--checkpoint", str(ck), text=True)
+    assert done.returncode == 1 and "not a regular file" in done.stderr, done.stderr
+    (ck / "offsets" / "1").unlink()
+    (ck / "offsets" / "1").write_text(f"v1\n{meta}\n" + "[" * 200_000)
+    done = sbus("journal", "lag", str(jdir), "--checkpoint", str(ck), "--json", text=True)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "has 0 sbus source offsets" in done.stderr
 
 
 def test_no_export_records_without_parquet(broker, tmp_path):

@@ -19,8 +19,12 @@ from ..defaults import parse_duration
 from ..display import json_bytes, printable, timestamp
 from ..errors import SbusError
 from ..extras import install_command
+from ..files import NotRegular, read_small
 from ..routing import matches
 from .store import list_segments, read_seq_range, segment_blocks
+
+#: A file of a checkpoint's offset log is read up to this size (a few hundred bytes each).
+OFFSET_FILE_BYTES = 16 << 20
 
 Record = tuple[int, int, bytes, bytes]  # seq, ts_ns, key, payload
 
@@ -86,14 +90,17 @@ def _source_offsets(path: Path) -> list[dict]:
     batch's metadata, then one line per source of the query)."""
     found = []
     try:
-        text = path.read_text()
+        text = read_small(path, OFFSET_FILE_BYTES).decode()
     except UnicodeDecodeError:
         raise SbusError(f"{printable(str(path))}: not a checkpoint's offset file (not "
                         "text)") from None
+    except NotRegular as exc:  # a FIFO would wait for a writer; a huge file is not one
+        raise SbusError(f"{printable(str(path))}: not a checkpoint's offset file "
+                        f"({exc.strerror})") from None
     for line in text.splitlines()[2:]:
         try:
             doc = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested too deep for the parser)
             continue
         if isinstance(doc, dict) and _count(doc.get("seq")):
             lost = doc.get("lost", 0)
