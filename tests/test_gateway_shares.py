@@ -809,11 +809,12 @@ def test_many_prompt_readers_of_one_address_are_not_taken_for_the_heaviest():
 
 
 def test_a_run_of_messages_judges_full_clients_once_and_offers_the_rest_in_order():
-    """A run of messages for the same clients (`Gateway._deliver`): clients that cannot
-    take its smallest frame when it begins (their own bound, or their address's share)
-    are counted once per message of the run, never visited per message; the others get
-    every message, in order; a run past its time stops after the first message."""
-    from sbus.gateway.outbox import OWN, SHARE, Shared
+    """Runs of messages for the same clients (`Gateway._deliver`): clients at their message
+    bound are judged once and counted for every message (settled when read), never
+    visited per message; the others get every message, in order (one whose address's
+    share is used up loses them there, counted); the judgement is made anew once an
+    outbox crosses its bound; a run past its time stops after the first message."""
+    from sbus.gateway.outbox import OWN, SHARE, Outbox, Shared
     from sbus.gateway.server import Gateway
 
     gw = Gateway(SECRET, address="/nonexistent")
@@ -830,12 +831,22 @@ def test_a_run_of_messages_judges_full_clients_once_and_offers_the_rest_in_order
     gw.clients.update(targets)
     run = [(b"k", b"%d" % i) for i in range(10)]
     assert gw._deliver(targets, run) == 10
-    assert [f.data for f in prompt.outbox.frames] == [codec.publish(*m) for m in run]
-    assert [rc.outbox.dropped_by[OWN] for rc in full] == [10, 10, 10]
-    assert shared.outbox.dropped_by[SHARE] == 10 and len(shared.outbox.frames) == 1
-    assert gw.dropped == 40 and gw.delivered == 10
+    assert gw._deliver(targets, run[:4]) == 4  # the same judgement
+    assert gw._split is not None and gw._split.full == list(full)
+    assert [f.data for f in prompt.outbox.frames] == [codec.publish(*m) for m in run + run[:4]]
+    assert shared.outbox.dropped_by[SHARE] == 14 and len(shared.outbox.frames) == 1
+    assert gw.dropped == 3 * 14 + 14 and gw.delivered == 14
+    gw._settle()
+    assert [rc.outbox.dropped_by[OWN] for rc in full] == [14, 14, 14]
+    assert [rc.account.dropped[OWN] for rc in full] == [14, 14, 14]  # their addresses too
+    crossed = Outbox.crossings
+    full[0].outbox.done(len(full[0].outbox.frames[0].data))  # written: room again
+    assert Outbox.crossings > crossed
+    assert gw._deliver(targets, run[:2]) == 2
+    assert len(full[0].outbox.frames) == 2 and full[1].outbox.dropped_by[OWN] == 14
     assert gw._deliver(targets, run, until=0.0) == 1  # the turn is over: one, then back
-    assert len(prompt.outbox.frames) == 11 and full[0].outbox.dropped_by[OWN] == 11
+    gw._settle()
+    assert full[1].outbox.dropped_by[OWN] == 17 and full[0].outbox.dropped_by[OWN] == 16
 
 
 def test_discards_of_many_addresses_are_said_in_a_bounded_number_of_lines(caplog):

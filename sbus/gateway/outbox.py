@@ -90,6 +90,11 @@ class Outbox:
     __slots__ = ("max_messages", "max_bytes", "frames", "size", "dropped_by", "peer",
                  "messages", "progress", "cut")
 
+    #: Times any outbox crossed its message bound, up or down: a fan-out that judged
+    #: which clients are full (`Gateway._deliver`) may go on trusting that judgement
+    #: while this stays the same.
+    crossings = 0
+
     def __init__(self, max_messages: int = 100, max_bytes: int = 1 << 20,
                  peer: Peer | None = None) -> None:
         if max_messages < 1 or max_bytes < 1:
@@ -138,6 +143,8 @@ class Outbox:
         self.messages += 1
         self.size += size
         peer.queued += size
+        if n + 1 == self.max_messages:
+            Outbox.crossings += 1  # full now
         return 2 if n else 1
 
     def fits(self, size: int) -> bool:
@@ -170,6 +177,8 @@ class Outbox:
         for i in range(len(frames)):
             frame = frames[i]
             if type(frame) is Shared and frame.pool is not None:
+                if len(frames) == self.max_messages:
+                    Outbox.crossings += 1  # room again
                 del frames[i]
                 self.messages -= 1
                 size = len(frame.data)
@@ -191,6 +200,8 @@ class Outbox:
         self.frames.append(frame)
         self.size += len(data)
         self.peer.queued += len(data)
+        if len(self.frames) == self.max_messages:
+            Outbox.crossings += 1
         return True
 
     def peek(self, limit: int = 256 * 1024) -> bytes:
@@ -214,6 +225,8 @@ class Outbox:
         """The first *n* bytes of `peek` were written: their whole frames are removed, a
         frame partly written is replaced by its unwritten `Rest` (at most one per client)."""
         frames = self.frames
+        if len(frames) >= self.max_messages:
+            Outbox.crossings += 1  # (room again, unless only a rest was written)
         self.size -= n
         self.peer.queued -= n
         while n:
@@ -241,6 +254,8 @@ class Outbox:
 
     def clear(self) -> None:
         """Forget every queued frame (the connection is gone) and give their bytes back."""
+        if len(self.frames) >= self.max_messages:
+            Outbox.crossings += 1
         for frame in self.frames:
             frame.release()
         self.peer.queued -= self.size

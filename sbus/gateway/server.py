@@ -201,6 +201,23 @@ def _wake_at(stream: trio.SocketStream, size: int) -> bool:
     return True
 
 
+
+class _Split:
+    """Which of a fan-out's clients are at their message bound (`Gateway._deliver`),
+    judged once and valid while `Outbox.crossings` stays as it was; how many messages
+    those clients missed since (counted into theirs by `Gateway._settle`)."""
+
+    __slots__ = ("targets", "full", "room", "crossings", "missed")
+
+    def __init__(self, targets: tuple[Remote, ...]) -> None:
+        self.targets = targets
+        self.crossings = Outbox.crossings
+        self.full = [rc for rc in targets if len(rc.outbox.frames) >= rc.outbox.max_messages]
+        self.room = [rc for rc in targets if len(rc.outbox.frames) < rc.outbox.max_messages] \
+            if self.full else targets
+        self.missed = 0
+
+
 class Gateway:
     def __init__(
         self,
@@ -256,6 +273,7 @@ class Gateway:
         self._nursery: trio.Nursery | None = None
         self.clients: set[Remote] = set()
         self._dirty: list[Remote] = []  # queued for by `_deliver`, to `_flush`
+        self._split: _Split | None = None  # the last fan-out's judgement (`_deliver`)
         self._heads: dict[bytes, bytes] = {}  # checked keys -> packet heads (`_head`)
         self._heads_bytes = 0
         #: Log lines about remote peers, rationed per address (reconnecting buys none).
@@ -360,30 +378,23 @@ class Gateway:
         in order, to every one of *targets* (`_offer`); how many were offered: at least
         one, and no more once the clock (`time.perf_counter`) passed *until*.
 
-        A client whose outbox cannot take even the run's smallest frame when the run
-        begins is judged once for the whole run, and each message counted as discarded
-        for it (`Outbox.offer`'s causes): its writer does not run meanwhile.  So clients
-        that never read cost the fan-out once per batch from the bus, and a thousand of
-        them no longer slow every message down for everyone (before: a Python step per
-        such client and message: the gateway fell 8 s behind the bus in the audit)."""
-        if len(messages) == 1:
+        Clients at their message bound (`Outbox.max_messages`: those that do not read)
+        are judged full once, and the judgement kept (`_Split`) for the runs to the
+        same clients that follow while no outbox crosses its bound (`Outbox.crossings`):
+        each message is counted as discarded for them (settled in `_settle`), and they
+        are not visited per message nor per run.  So a thousand clients that never read
+        no longer slow every message down for everyone (before: a Python step per such
+        client and message: the gateway fell 8 s behind the bus in the audit)."""
+        if len(messages) == 1 and (self._split is None or self._split.targets is not targets):
             self._offer(targets, *messages[0])
             return 1
-        least = min(len(key) + len(payload) for key, payload in messages)  # < any frame
-        full: list[tuple[Remote, int]] = []
-        room: list[Remote] = []
-        for rc in targets:
-            out = rc.outbox
-            if out.frames:
-                if len(out.frames) >= out.max_messages or out.size + least > out.max_bytes:
-                    full.append((rc, OWN))
-                    continue
-                peer = out.peer
-                if peer.queued + least > peer.queue_limit:
-                    full.append((rc, SHARE))
-                    continue
-            room.append(rc)
+        split = self._split
+        if split is None or split.targets is not targets \
+                or split.crossings != Outbox.crossings:
+            self._settle()
+            split = self._split = _Split(targets)
         clock = time.perf_counter
+        room = split.room
         done = 0
         for key, payload in messages:
             if room:
@@ -391,11 +402,19 @@ class Gateway:
             done += 1
             if clock() > until:
                 break
-        for rc, cause in full:  # as `_offer` and `Outbox.offer` count them, at once
-            rc.outbox.dropped_by[cause] += done
-            rc.outbox.peer.dropped[cause] += done
-        self.dropped += done * len(full)
+        split.missed += done
+        self.dropped += done * len(split.full)
         return done
+
+    def _settle(self) -> None:
+        """Count what the clients judged full missed (`_deliver`) where it is read: before
+        the judgement is made anew, a discard line and a client's last line."""
+        split = self._split
+        if split is not None and split.missed:
+            for rc in split.full:
+                rc.outbox.dropped_by[OWN] += split.missed
+                rc.outbox.peer.dropped[OWN] += split.missed
+            split.missed = 0
 
     def _offer(self, targets: tuple[Remote, ...] | list[Remote], key: bytes,
                payload: bytes) -> None:
@@ -618,6 +637,7 @@ class Gateway:
                         await stream.aclose()
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
+            self._settle()
             if rc.outbox.dropped or rc.refused:
                 self.say(host, logging.INFO, "%r: %d messages were discarded for it (%s), "
                          "%d of its frames refused", rc, rc.outbox.dropped,
@@ -1025,6 +1045,7 @@ class Gateway:
         among them, those that lost fewest: the clients that never read lose the most,
         by their own bound, and were named first when they connected first (the
         prompt reader they made lose was in the line for the rest)."""
+        self._settle()
         said = more = more_count = 0
         lost = [account for account in self.caps.accounts() if any(account.dropped)]
         lost.sort(key=lambda a: (not (a.dropped[POOL] or a.dropped[SHARE]), sum(a.dropped)))
