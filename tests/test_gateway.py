@@ -61,11 +61,9 @@ class GatewayProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self.proc.returncode}: {self.log()}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            if listening(self.port):
                 return self
-            except OSError:
-                time.sleep(0.05)
+            time.sleep(0.05)
         raise TimeoutError(f"gateway not listening: {self.log()}")
 
     def stop(self) -> None:
@@ -97,6 +95,34 @@ class GatewayProcess:
 
 
 _loopbacks = itertools.count(1)
+
+
+def listening(port: int) -> bool:
+    """Whether a gateway takes connections on *port*: a probe connects, then leaves, and
+    the gateway has let it go (its slot given back: a test counting connections against
+    the caps must not find the probe still counted)."""
+    try:
+        probe = socket.create_connection(("127.0.0.1", port), timeout=1)
+    except OSError:
+        return False
+    mine = probe.getsockname()[1]
+    probe.close()
+    deadline = time.monotonic() + 10
+    while gateway_side_open(mine, port) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return True
+
+
+def gateway_side_open(client_port: int, gateway_port: int) -> bool:
+    """Whether the gateway still holds its end of the connection from *client_port*
+    (any state but LAST_ACK in /proc/net/tcp): once it closes it, the slot is given back
+    in the same step of its handler."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if (int(local.split(":")[1], 16) == gateway_port
+                and int(remote.split(":")[1], 16) == client_port and state != "09"):
+            return True
+    return False
 
 
 def next_loopback() -> str:

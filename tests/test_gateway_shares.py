@@ -35,6 +35,7 @@ from test_gateway import (
     SECRET,
     GatewayProcess,
     closed_by_gateway,
+    listening,
     next_loopback,
     read_exactly,
 )
@@ -154,11 +155,9 @@ class UnprivilegedGateway(GatewayProcess):
         while time.monotonic() < deadline:
             if not self.child.is_alive():
                 raise RuntimeError(f"gateway exited: {self.log()}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            if listening(self.port):
                 return self
-            except OSError:
-                time.sleep(0.05)
+            time.sleep(0.05)
         raise TimeoutError(f"gateway not listening: {self.log()}")
 
     def stop(self) -> None:

@@ -148,10 +148,9 @@ def _tls_context(cert: str, key: str) -> ssl.SSLContext:
     return ctx
 
 
-def _bound(listener: trio.abc.Listener) -> str:
+def _bound(listener: trio.SocketListener) -> str:
     """The address a listener really has (the port chosen for port 0, too)."""
-    inner = getattr(listener, "transport_listener", listener)
-    host, port = inner.socket.getsockname()[:2]
+    host, port = listener.socket.getsockname()[:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -206,15 +205,13 @@ async def serve(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORE
                  bus_subscription_bytes=args.bus_subscription_bytes, linger=args.linger,
                  bus_wait=args.bus_wait, tls_handshake_timeout=args.tls_handshake_timeout)
     try:
-        listeners: list[trio.abc.Listener] = await trio.open_tcp_listeners(
+        listeners: list[trio.SocketListener] = await trio.open_tcp_listeners(
             port, host=host or None, backlog=4096)
     except OSError as exc:
         raise SbusError(f"cannot listen on {args.listen}: {exc.strerror or exc}") from None
-    if ctx is not None:
-        listeners = [trio.SSLListener(lst, ctx, https_compatible=False) for lst in listeners]
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(gw.serve, listeners)
+            await nursery.start(gw.serve, listeners, ctx)
             where = [", ".join(_bound(lst) for lst in listeners)
                      + (" (TLS)" if ctx else " (plain TCP)")]
             if args.https_listen:

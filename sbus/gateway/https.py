@@ -123,18 +123,15 @@ async def _respond(stream: trio.abc.Stream, conn: h11.Connection, answer: Answer
     await stream.send_all(data)
 
 
-async def _handle(gw: Gateway, stream: trio.abc.Stream) -> None:
-    admitted = gw.admit(stream)
-    if isinstance(admitted, str):
-        await gw.turn_away(stream, admitted)
-        return
+async def _handle(gw: Gateway, stream: trio.abc.Stream, host: str, peer: str) -> None:
+    """One admitted HTTPS connection (`Gateway.accept`)."""
     try:
-        if await gw.handshake(stream, *admitted):
-            await _serve(gw, stream, admitted[0])
+        if await gw.handshake(stream, host, peer):
+            await _serve(gw, stream, host)
     except Exception as exc:  # the one top-level guard: see `Gateway.crashed`
-        gw.crashed(admitted[1], exc)
+        gw.crashed(peer, exc)
     finally:
-        gw.caps.release(admitted[0])
+        gw.caps.release(host)
 
 
 class Reading:
@@ -243,5 +240,5 @@ async def serve_https(gw: Gateway, host: str, port: int, ctx: ssl.SSLContext, *,
     except OSError as exc:
         raise SbusError(f"cannot listen on {host}:{port} for HTTPS: "
                         f"{exc.strerror or exc}") from None
-    tls = [trio.SSLListener(lst, ctx, https_compatible=True) for lst in listeners]
-    await trio.serve_listeners(partial(_handle, gw), tls, task_status=task_status)
+    await gw.accept(listeners, partial(_handle, gw), ctx, https_compatible=True,
+                    task_status=task_status)
