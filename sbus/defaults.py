@@ -10,7 +10,7 @@ import argparse
 import os
 import re
 
-__all__ = ["MAX_MESSAGE", "QUEUE_LIMIT", "parse_size", "size_arg", "parse_duration",
+__all__ = ["MAX_MESSAGE", "QUEUE_LIMIT", "parse_size", "size_arg", "parse_duration", "decimal",
            "duration_arg", "DEFAULT_ADDRESS", "default_address", "RECV_BUFFER", "SEND_BUFFER",
            "count_arg", "SEPARATOR", "SOCKET_MODE", "DEFAULT_SOFT", "DEFAULT_HARD",
            "DEFAULT_ORDER"]
@@ -90,8 +90,14 @@ def duration_arg(text: str) -> float:
 
 
 
+def decimal(text: str) -> bool:
+    """Whether *text* is a whole number in ASCII digits: ``str.isdigit`` also takes ``²``
+    (which ``int`` refuses) and ``١٠٠`` (which it reads as 100), as a file name may hold."""
+    return text.isascii() and text.isdigit()
+
+
 def count_arg(text: str) -> int:
     """A count of 1 or more for argparse (``--count``)."""
-    if not text.strip().isdigit() or int(text) < 1:
+    if not decimal(text.strip()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"not a count of 1 or more: {text!r}")
     return int(text)

@@ -263,6 +263,34 @@ def test_a_lock_file_that_cannot_be_opened_is_named(tmp_path):
         JournalWriter(tmp_path, fsync=False)
 
 
+def test_a_lock_file_that_is_a_fifo_or_a_link_is_named_not_waited_on(tmp_path):
+    """A FIFO named ``.lock`` made the recorder wait for a reader without a word, and a
+    symbolic link was followed (root made the file it named): both are one line now."""
+    os.mkfifo(tmp_path / ".lock")
+    with pytest.raises(JournalError, match="lock file .*: not a regular file"):
+        JournalWriter(tmp_path, fsync=False)
+    (tmp_path / ".lock").unlink()
+    (tmp_path / ".lock").symlink_to(tmp_path / "made")
+    with pytest.raises(JournalError, match="lock file .*: a symbolic link"):
+        JournalWriter(tmp_path, fsync=False)
+    assert not (tmp_path / "made").exists()
+
+
+@pytest.mark.parametrize("name", ["\u00b2.sbj", "\u0661\u0660\u0660.sbj"],
+                         ids=["superscript", "arabic-indic"])
+def test_a_segment_named_with_other_digits_is_not_a_segment(tmp_path, name):
+    """``².sbj`` passed `str.isdigit` and then failed `int` (a traceback from every reader
+    and the recorder); ``١٠٠.sbj`` was read as segment 100.  Names of ASCII digits only."""
+    sealed_journal(tmp_path)
+    (tmp_path / name).write_bytes(b"junk")
+    assert len(read_all(tmp_path)) == len(ROWS)
+    done = subprocess.run([*SBUS, "journal", "cat", str(tmp_path)], capture_output=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.count(b"\n") == len(ROWS), done.stderr
+    JournalWriter(tmp_path, fsync=False).close()
+    assert (tmp_path / name).read_bytes() == b"junk"
+
+
 def test_a_truncated_segment_is_a_clear_error(tmp_path):
     path = sealed_journal(tmp_path)
     data = path.read_bytes()

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ..defaults import parse_duration
+from ..defaults import decimal, parse_duration
 from ..display import json_bytes, printable, timestamp
 from ..errors import SbusError
 from ..extras import install_command
@@ -80,7 +80,7 @@ def format_record(rec: Record, fmt: str) -> bytes:
 
 def _batches(directory: Path) -> list[int]:
     try:
-        return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+        return sorted(int(p.name) for p in directory.iterdir() if decimal(p.name))
     except FileNotFoundError:
         return []
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import protocol
 from ..client import SLOT_BYTES, Client, Frames
-from ..display import brief
+from ..display import brief, printable
 from ..errors import SbusError
 from ..protocol import Publish
 from .columns import split
@@ -137,7 +137,7 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     failure: OSError | None = None
     try:
         bus = _connect(address, patterns, block, writer, stopper)
-        print(f"sbus record: recording into {directory} from seq {first_seq}",
+        print(f"sbus record: recording into {printable(str(directory))} from seq {first_seq}",
               file=sys.stderr, flush=True)
         try:
             _loop(bus, writer, flush, stopper)

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..defaults import decimal
+from ..display import one_line, printable
 from ..errors import SbusError
 from . import format as fmt
 from .columns import Columns
@@ -82,7 +85,7 @@ def list_segments(directory: str | os.PathLike) -> list[Segment]:
             stem, sealed = name[:-len(SUFFIX)], True
         else:
             continue
-        if stem.isdigit():
+        if decimal(stem):
             if not entry.is_file() and not entry.is_dir():  # (a directory: said on open)
                 # a FIFO would block every reader in its open, for good
                 raise JournalError(f"{entry.path} is named as a segment but is not a "
@@ -465,11 +468,16 @@ class JournalWriter:
         except OSError as exc:
             raise JournalError(f"cannot use journal directory {self.dir}: "
                                f"{exc.strerror or exc}") from None
-        try:
-            self._lock = open(lock, "a")
-        except OSError as exc:  # a directory or a file another user owns, named .lock
-            raise JournalError(f"cannot open the journal's lock file {lock}: "
-                               f"{exc.strerror or exc}") from None
+        try:  # not followed if a link, not waited on if a FIFO: a regular file or an error
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+                         | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            self._lock = os.fdopen(fd, "a")
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self._lock.close()
+                raise OSError(errno.EINVAL, "not a regular file")
+        except OSError as exc:  # a directory, a link, a FIFO, another user's file…
+            why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or exc
+            raise JournalError(f"cannot open the journal's lock file {lock}: {why}") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -528,7 +536,8 @@ class JournalWriter:
         aside = seg.path.with_name(seg.path.name + ".corrupt")
         os.rename(seg.path, aside)
         self._fsync_dir()
-        log.error("%s; moved aside to %s, its records are skipped", exc, aside.name)
+        log.error("%s; moved aside to %s, its records are skipped", one_line(str(exc)),
+                  printable(aside.name))
         smallest_record = 16  # ts (8) and two offsets (4 + 4)
         return seg.first_seq + size // smallest_record + 1
 

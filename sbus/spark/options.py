@@ -9,7 +9,7 @@ import json
 import os
 from datetime import UTC, datetime
 
-from ..defaults import parse_size
+from ..defaults import decimal, parse_size
 from ..journal.arrow import pattern_bytes
 
 __all__ = ["ReadOptions", "OPTIONS", "Position"]
@@ -57,7 +57,7 @@ def _time_ns(name: str, value: str) -> int:
     """Milliseconds since the epoch (as Kafka's ``startingTimestamp``) or an ISO 8601 time
     (UTC unless it says otherwise)."""
     text = value.strip()
-    if text.lstrip("-").isdigit():
+    if decimal(text.lstrip("-")):
         return int(text) * 1_000_000
     try:
         t = datetime.fromisoformat(text)

@@ -42,6 +42,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from ..defaults import decimal
 from ..journal.arrow import (
     COLUMNS,
     DEFAULT_SCHEMA,
@@ -118,7 +119,7 @@ class LossReports:
         spans = []
         for name in os.listdir(self._dir):
             lo, _, hi = name.partition("-")
-            if lo.isdigit() and hi.isdigit():
+            if decimal(lo) and decimal(hi):
                 spans.append((int(lo), int(hi)))
             os.unlink(os.path.join(self._dir, name))
         count, at = 0, -1
@@ -181,7 +182,7 @@ def _reports_dir() -> str:
         return tempfile.mkdtemp(prefix="sbus-lost-")
     for name in os.listdir(base):
         pid = name.partition("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if decimal(pid) and not _alive(int(pid)):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base)
 
