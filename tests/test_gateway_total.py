@@ -20,7 +20,16 @@ from hypothesis import strategies as st
 
 from sbus.gateway import codec
 from sbus.gateway.codec import FrameDecoder, FrameError
-from sbus.gateway.https import CLOSED, MAX_HEADER, NEED_DATA, Answer, Reading, advance, decide
+from sbus.gateway.https import (
+    CLOSED,
+    MAX_HEADER,
+    MORE,
+    NEED_DATA,
+    Answer,
+    Reading,
+    advance,
+    decide,
+)
 from sbus.keys import KeyRules
 
 SECRET = b"s3cret"
@@ -128,6 +137,27 @@ def test_the_https_request_reader_raises_only_h11s_protocol_error(data, cuts):
                 return
     except h11.RemoteProtocolError:
         pass
+
+
+def test_the_https_reader_takes_a_body_of_tiny_chunks_a_share_at_a_time():
+    """A body of 1,000 one-byte chunks: `advance` stops after its share of events
+    (`MORE`: the caller lets the others run) and goes on where it was; the body is one
+    buffer, answered whole at its end."""
+    import json
+
+    doc = json.dumps({"topic": "eC95", "body": "eA=="}).encode()
+    chunks = b"".join(b"1\r\n%c\r\n" % c for c in doc) + b"0\r\n\r\n"
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER)
+    conn.receive_data(b"POST /publish HTTP/1.1\r\nHost: gw\r\nContent-Type: "
+                      b"application/json\r\nX-Authentication-Key: " + SECRET +
+                      b"\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks * 1)
+    reading = Reading()
+    turns = 0
+    while (result := advance(conn, reading, SECRET, 1 << 20, KeyRules(b"/"), 16)) is MORE:
+        turns += 1
+    assert turns == len(doc) // 16 and isinstance(result, Answer), (turns, result)
+    assert result.status == 201 and result.topic == b"x/y" and result.body == b"x"
+    assert isinstance(reading.body, bytearray) and bytes(reading.body) == doc
 
 
 # -- the one top-level guard -----------------------------------------------------------
