@@ -368,6 +368,17 @@ class Gateway:
         keeping its places meanwhile: what handshakes hold is bounded by those places."""
         if not isinstance(stream, trio.SSLStream):
             return True
+        # a place is for a client that has begun: one that sent nothing held a place
+        # for up to the idle timeout, and 1,000 /64s of such made every new TLS client
+        # wait 69 s (the audit)
+        with trio.move_on_after(self.tls_handshake_timeout) as silent:
+            await trio.lowlevel.wait_readable(_socket_of(stream))
+        if silent.cancelled_caught:
+            self.handshakes_expired += 1
+            self.say(host, logging.INFO, "%s: nothing sent in %g s to begin TLS; closed",
+                     peer, self.tls_handshake_timeout)
+            await trio.aclose_forcefully(stream)
+            return False
         account = self.caps.peer(host)
         mine = account.handshakes
         if mine is None:
