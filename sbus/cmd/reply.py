@@ -16,14 +16,20 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from .. import rlimits
 from ..client import Client, Publish, SbusError
 from ..defaults import MAX_MESSAGE, count_arg, duration_arg, size_arg
 from ..display import brief, printable
 from ..errors import InvalidRequest
+from ..limits import LogAllowance
 from ..request import NotARequest, parse_request
 from ..session import Refusal
+
+#: Lines about single requests written at once, then one per `LINES_EVERY` seconds.
+LINES_BURST = 20
+LINES_EVERY = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,7 +61,8 @@ def _feed(fd: int, body: bytes) -> None:
 
 
 def answer(command: list[str], key: bytes, body: bytes, limit: int,
-           timeout: float) -> tuple[bytes | None, str | None]:
+           timeout: float, say: Callable[[str], None] | None = None
+           ) -> tuple[bytes | None, str | None]:
     """Run *command* on one request: (its output, None), or (None, why there is no reply).
     What it prints is read up to *limit* bytes, never more; it has *timeout* seconds to
     print and exit."""
@@ -101,7 +108,8 @@ def answer(command: list[str], key: bytes, body: bytes, limit: int,
     if why:
         return None, why
     if status:
-        _say(f"{command[0]} exited with status {status} (replied with its output all the same)")
+        (say or _say)(f"{command[0]} exited with status {status} (replied with its output "
+                      "all the same)")
     return bytes(out), None
 
 
@@ -117,23 +125,32 @@ class _Server:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.answered = self.failed = self.ignored = 0
+        #: lines about single requests: anyone may send them by the thousand (7,084
+        #: lines in 15 s in the audit); what is held back is counted in the next one
+        self._lines = LogAllowance(burst=LINES_BURST, interval=LINES_EVERY)
+
+    def say(self, line: str) -> None:
+        """A line about one request, rationed (`LINES_BURST`, then one a second)."""
+        held = self._lines.take(0)
+        if held is not None:
+            _say(line + (f" ({held} such lines not written)" if held else ""))
 
     def refused(self, refusal: Refusal) -> None:
         """The broker refused one of our replies (checked by the broker, not by us)."""
         self.failed += 1
-        _say(f"the broker refused a reply: {printable(refusal.reason, 200)} "
-             f"({self.failed} failed so far)")
+        self.say(f"the broker refused a reply: {printable(refusal.reason, 200)} "
+                 f"({self.failed} failed so far)")
 
     def serve(self, bus: Client, msg: Publish) -> None:
         try:
             reply_key, body = parse_request(msg.payload)
         except NotARequest as exc:
             self.ignored += 1
-            _say(f"ignored a message on {brief(msg.key)}: {exc}")
+            self.say(f"ignored a message on {brief(msg.key)}: {exc}")
             return
         self.answered += 1
         out, why = answer(self.args.program, msg.key, body, self.args.max_reply,
-                          self.args.command_timeout)
+                          self.args.command_timeout, self.say)
         if out is not None:
             try:
                 bus.publish(reply_key, out)
@@ -141,8 +158,8 @@ class _Server:
             except InvalidRequest as exc:  # a reply key or size the broker would refuse
                 why = str(exc)
         self.failed += 1
-        _say(f"no reply to the request on {brief(msg.key)}: {why} "
-             f"({self.failed} failed so far)")
+        self.say(f"no reply to the request on {brief(msg.key)}: {why} "
+                 f"({self.failed} failed so far)")
 
 
 def run(args: argparse.Namespace) -> int:
