@@ -123,6 +123,17 @@ def _closed(s: socket.socket) -> bool:
         return True
 
 
+def tls_gateway(tlsdir: Path, bus: BrokerProcess, ca, name: str, *args: str
+                ) -> GatewayProcess:
+    """A TLS gateway of its own (a certificate from *ca*), started."""
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    certfile, keyfile = tlsdir / f"{name}-cert.pem", tlsdir / f"{name}-key.pem"
+    certfile.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    return GatewayProcess(tlsdir, bus.address, "--tls-cert", str(certfile), "--tls-key",
+                          str(keyfile), *args, name=name).start()
+
+
 def test_stalled_tls_handshakes_are_dropped_in_time_and_capped_per_address(tlsdir, tls_bus,
                                                                            ca, client_ctx):
     """24 connections of one address stall their handshakes: 8 at a time are made (the
@@ -132,12 +143,7 @@ def test_stalled_tls_handshakes_are_dropped_in_time_and_capped_per_address(tlsdi
     timeout only (70 s), each holding ~300 KB: 256 of one address took 77 MB."""
     from test_gateway import next_loopback
 
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    certfile, keyfile = tlsdir / "stall-cert.pem", tlsdir / "stall-key.pem"
-    certfile.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
-    cert.private_key_pem.write_to_path(str(keyfile))
-    gw = GatewayProcess(tlsdir, tls_bus.address, "--tls-cert", str(certfile), "--tls-key",
-                        str(keyfile), "--tls-handshake-timeout", "2", name="stall").start()
+    gw = tls_gateway(tlsdir, tls_bus, ca, "stall", "--tls-handshake-timeout", "2")
     stalled = []
     try:
         source = next_loopback()
@@ -180,12 +186,7 @@ def test_connections_that_send_nothing_take_no_handshake_place(tlsdir, tls_bus, 
     --tls-handshake-timeout, said."""
     from test_gateway import next_loopback
 
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    certfile, keyfile = tlsdir / "silent-cert.pem", tlsdir / "silent-key.pem"
-    certfile.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
-    cert.private_key_pem.write_to_path(str(keyfile))
-    gw = GatewayProcess(tlsdir, tls_bus.address, "--tls-cert", str(certfile), "--tls-key",
-                        str(keyfile), "--tls-handshake-timeout", "3", name="silent").start()
+    gw = tls_gateway(tlsdir, tls_bus, ca, "silent", "--tls-handshake-timeout", "3")
     silent: list[socket.socket] = []
     try:
         for _ in range(75):
