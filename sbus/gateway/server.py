@@ -217,7 +217,6 @@ def _wake_at(stream: trio.SocketStream, size: int) -> bool:
     return True
 
 
-
 class _Split:
     """Which of a fan-out's clients are at their message bound (`Gateway._deliver`),
     judged once and valid while `Outbox.crossings` stays as it was; how many messages
