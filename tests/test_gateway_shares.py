@@ -155,7 +155,7 @@ class UnprivilegedGateway(GatewayProcess):
         while time.monotonic() < deadline:
             if not self.child.is_alive():
                 raise RuntimeError(f"gateway exited: {self.log()}")
-            if listening(self.port):
+            if listening(self.port, tls="--tls-cert" in self.args):
                 return self
             time.sleep(0.05)
         raise TimeoutError(f"gateway not listening: {self.log()}")
