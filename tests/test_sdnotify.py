@@ -90,7 +90,7 @@ def _keeps_answering(s: socket.socket, seconds: float) -> float:
 
 @pytest.mark.parametrize("manager", ["names nothing", "does not read"])
 def test_the_broker_serves_whatever_its_notify_socket_does(short_tmp, monkeypatch, manager):
-    """Past two STATUS= reports (every 2 s): served, said once, no traceback."""
+    """Past a STATUS= report (every 2 s): served, said once, no traceback."""
     path = short_tmp / "notify"
     sink = full_socket(path) if manager == "does not read" else None
     monkeypatch.setenv("NOTIFY_SOCKET", str(path))
@@ -98,7 +98,7 @@ def test_the_broker_serves_whatever_its_notify_socket_does(short_tmp, monkeypatc
     monkeypatch.delenv("NOTIFY_SOCKET")
     try:
         s = raw(bus.address)
-        assert _keeps_answering(s, 4.5) < 1.0
+        assert _keeps_answering(s, 2.5) < 1.0
         s.close()
         assert bus.proc is not None and bus.proc.poll() is None
     finally:
