@@ -10,6 +10,7 @@ import json
 import os
 import pty
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -355,6 +356,25 @@ def test_reply_rations_its_lines_about_single_requests(broker, short_tmp):
     assert 20 <= len(ignored) <= 25, len(ignored)
     assert "'one more' (4" in ignored[-1] and "such lines not written)" in ignored[-1], \
         ignored[-1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_reply_stopped_by_a_signal_says_its_counts(broker, sig):
+    """A service is stopped with SIGTERM: it ends with its exit line, counting every
+    request, also those whose lines were rationed away (before: killed, no line)."""
+    replier = start("reply", "--address", broker.address, "svc", "--", "cat")
+    wait_subscribed(broker.address, "svc")
+    with Client(broker.address) as bus:
+        for body in (b"one", b"two"):
+            assert bus.request(b"svc", body, timeout=30) == body
+        bus.publish(b"svc", b"no reply key")
+        bus.sync()
+    time.sleep(0.3)  # taken by the replier
+    replier.send_signal(sig)
+    assert replier.wait(10) == 0
+    lines = replier.communicate(timeout=10)[1].decode().splitlines()
+    assert lines[-1] == ("sbus reply: 2 requests, 0 without a reply, 1 other messages "
+                         "ignored, stopped by a signal"), lines
 
 
 def _hostile_requests(pipe, address: str) -> None:

@@ -27,6 +27,8 @@ from ..limits import LogAllowance
 from ..request import NotARequest, parse_request
 from ..session import Refusal
 
+#: Seconds a stopped replier waits for the broker to take its last reply.
+STOP_WAIT = 5.0
 #: Lines about single requests written at once, then one per `LINES_EVERY` seconds.
 LINES_BURST = 20
 LINES_EVERY = 1.0
@@ -162,21 +164,62 @@ class _Server:
                  f"({self.failed} failed so far)")
 
 
+class _Stop(Exception):
+    """SIGTERM or SIGINT while waiting for a request."""
+
+
+class _Stopper:
+    """SIGTERM/SIGINT end the service after the request being answered (never in the
+    middle of one: its command would be left running), at once while it waits."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.busy = False
+
+    def __call__(self, signum, frame) -> None:
+        self.asked = True
+        if not self.busy:
+            raise _Stop
+
+
 def run(args: argparse.Namespace) -> int:
     rlimits.raise_descriptor_limit()  # a long-running command: all the descriptors it may have
     if shutil.which(args.program[0]) is None:
         raise SbusError(f"cannot run {args.program[0]}: no such program")
     server = _Server(args)
-    with Client(args.address, reconnect=True, on_connection=lambda up, line: _say(line),
-                on_drop=lambda n: _say(f"the broker dropped {n} requests for us"),
-                on_refusal=server.refused) as bus:
-        bus.subscribe(os.fsencode(args.pattern))  # in force: say so to whoever waits
-        _say(f"answering requests on {args.pattern!r}")
-        while args.count is None or server.answered < args.count:
-            msg = bus.receive()
-            if isinstance(msg, Publish):
-                server.serve(bus, msg)
-        bus.sync(None)  # the last reply is with the broker (or its refusal said)
+    stopper = _Stopper()
+    old = {s: signal.signal(s, stopper) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with Client(args.address, reconnect=True, on_connection=lambda up, line: _say(line),
+                    on_drop=lambda n: _say(f"the broker dropped {n} requests for us"),
+                    on_refusal=server.refused) as bus:
+            bus.subscribe(os.fsencode(args.pattern))  # in force: say so to whoever waits
+            _say(f"answering requests on {args.pattern!r}")
+            try:
+                while (args.count is None or server.answered < args.count) \
+                        and not stopper.asked:
+                    msg = bus.receive()
+                    if isinstance(msg, Publish):
+                        stopper.busy = True
+                        try:
+                            server.serve(bus, msg)
+                        finally:
+                            stopper.busy = False
+            except _Stop:
+                pass
+            stopper.busy = True  # (a second signal: the last line is still written)
+            if not stopper.asked:
+                bus.sync(None)  # the last reply is with the broker (or its refusal said)
+            else:  # stopped: not waiting for good for a broker that is away
+                try:
+                    bus.sync(STOP_WAIT)
+                except (TimeoutError, SbusError) as exc:
+                    _say(f"the last reply may not have reached the broker: {exc}")
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    # also after a stop: the lines rationed away are in these counts
     _say(f"{server.answered} requests, {server.failed} without a reply, "
-         f"{server.ignored} other messages ignored")
+         f"{server.ignored} other messages ignored"
+         + (", stopped by a signal" if stopper.asked else ""))
     return 0
