@@ -36,7 +36,11 @@ def _escape_byte(c: str) -> str:
 def _clean(text: str, escape=_escape) -> str:
     """Backslashes doubled; every character Unicode calls "other" or "separator" (controls,
     bidi overrides, line separators, unassigned…) but the space escaped."""
-    text = text.replace("\\", "\\\\")
+    return _controls(text.replace("\\", "\\\\"), escape)
+
+
+def _controls(text: str, escape=_escape) -> str:
+    """Every character of *text* that `str.isprintable` refuses, escaped."""
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else escape(c) for c in text)
@@ -75,9 +79,7 @@ def one_line(text: str) -> str:
     literally: what control characters are left in it (an argument or a path put in as
     it was given) escaped, backslashes left as they are (the quoted parts doubled
     theirs).  The last defence of every command's error line."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else _escape(c) for c in text)
+    return _controls(text)
 
 
 def json_bytes(obj: dict, name: str, value: bytes) -> None:

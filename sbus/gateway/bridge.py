@@ -558,6 +558,7 @@ class Bridge:
             self.received += sum(type(event) is Publish for event in events)
             start = flushed = clock()
             i, n = 0, len(events)
+            ahead: tuple | None = None  # the clients of events[i], matched by the last run
             while i < n:
                 # the run from *i*: the messages that match the same clients, in a row
                 targets: tuple = ()
@@ -567,9 +568,13 @@ class Bridge:
                 while j < n:
                     event = events[j]
                     if type(event) is Publish and not event.key.startswith(secret):
-                        found = index.match(event.key)  # (secret keys: never forwarded,
-                        if found:  # whatever the broker sent)
+                        if ahead is not None:  # (secret keys: never forwarded, whatever
+                            found, ahead = ahead, None  # the broker sent)
+                        else:
+                            found = index.match(event.key)
+                        if found:
                             if run and found != targets:
+                                ahead = found  # the next run's first: not matched twice
                                 break
                             targets = found
                             run.append((event.key, event.payload))
@@ -579,9 +584,10 @@ class Bridge:
                 if run:
                     done = deliver(targets, run, start + TURN)
                     if done < len(run):  # the turn is over: the rest matched again after
-                        i = at[done]
+                        i, ahead = at[done], None
                     now = clock()
                     if now - start > TURN:  # a wide fan-out: let the others run
+                        ahead = None  # (the index may change meanwhile)
                         if now - flushed > FLUSH_EVERY:
                             await flush()
                             flushed = clock()

@@ -199,10 +199,7 @@ def advance(conn: h11.Connection, reading: Reading, secret: bytes, max_frame: in
 
 async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER)
-    account = gw.caps.peer(host)
-    if account.turn is None:
-        account.turn = trio.Lock()
-    turn: trio.Lock = account.turn  # type: ignore[assignment]
+    turn = gw.turn_of(gw.caps.peer(host))
     try:
         while True:
             reading = Reading()

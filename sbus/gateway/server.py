@@ -599,6 +599,14 @@ class Gateway:
 
     # -- one remote client --------------------------------------------------------------
 
+    @staticmethod
+    def turn_of(account: Peer) -> trio.Lock:
+        """The turn the connections of *account*'s address take one at a time (made at
+        its first read: `Peer.turn`)."""
+        if account.turn is None:
+            account.turn = trio.Lock()
+        return account.turn  # type: ignore[return-value]
+
     async def handle(self, stream: trio.abc.Stream, host: str, peer: str) -> None:
         """Serve one remote client (admitted: its slot taken) until it leaves, misbehaves
         or idles out."""
@@ -734,9 +742,7 @@ class Gateway:
         heads = self._heads
         Publish = codec.Publish  # noqa: N806
         fd = _plain_fd(rc.stream)
-        turn = rc.account.turn
-        if turn is None:
-            turn = rc.account.turn = trio.Lock()
+        turn = self.turn_of(rc.account)
         turning = False  # this connection holds its address's turn
         start = clock()  # since the last turn the others had
         # publishes go to the bus as runs (one system call each), in stream order: any
