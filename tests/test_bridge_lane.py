@@ -463,9 +463,11 @@ def test_a_local_user_flooding_exports_cannot_starve_another(short_tmp: Path) ->
     procs = []
     try:
         br.start()
-        flood, flood_pipe = as_user(ATTACKER_UID, _flood_exports, bus_broker.address, 4.0)
+        flood, flood_pipe = as_user(ATTACKER_UID, _flood_exports, bus_broker.address, 6.0)
         procs.append(flood)
-        br.wait_counters(lambda c: c["exported"] > 10000)  # the flood is going through
+        # the flood is going through, and overruns the bridge before the other user
+        # begins (waited for: a run where it never did tested nothing, and failed)
+        br.wait_counters(lambda c: c["exported"] > 10000 and c["dropped"] > 0)
         honest, honest_pipe = as_user(HONEST_UID, _export_numbered, bus_broker.address, 300)
         procs.append(honest)
         assert honest_pipe.poll(20) and honest_pipe.recv() == 300
