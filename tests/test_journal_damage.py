@@ -206,6 +206,41 @@ def test_rows_numbered_again_are_damage_not_copies(tmp_path):
     assert "its head says" in done.stderr
 
 
+def test_cat_and_export_go_past_a_damaged_segment_and_say_what_they_left_out(tmp_path):
+    """A damaged segment in the middle of a journal: ``journal cat`` prints every row it
+    can read, the later segments' too, and ends with one line naming the damage and
+    saying rows were left out (it used to stop at the damage with no word that later
+    segments were never read); ``journal export`` writes the other segments' files."""
+    with JournalWriter(tmp_path, block_bytes=1 << 20, fsync=False, reblock_bytes=0) as w:
+        for seg in range(3):
+            for n in range(2):
+                w.append(1_000_000, [b"s%d/b%d" % (seg, n)] * 5, [b"%d" % i for i in range(5)])
+                w.flush()
+            w.seal()
+    first, middle, last = list_segments(tmp_path)
+    data = bytearray(middle.path.read_bytes())
+    at = fmt.FILE_HEAD.size
+    count, seq, klen, plen, _ = fmt.decode_block_head(data, at)
+    struct.pack_into("<q", data, at + fmt.block_size(count, klen, plen) + 8, seq)
+    middle.path.write_bytes(data)  # its second block numbered as its first
+    done = subprocess.run([*SBUS, "journal", "cat", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    keys = [line.split()[2] for line in done.stdout.splitlines()]
+    assert keys == ["s0/b0"] * 5 + ["s0/b1"] * 5 + ["s1/b0"] * 5 + ["s2/b0"] * 5 + \
+        ["s2/b1"] * 5, done.stdout
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert str(middle.path) in done.stderr and "were not printed" in done.stderr
+    out = tmp_path / "parquet"
+    done = subprocess.run([*SBUS, "journal", "export", str(tmp_path), "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == [f"{first.name}.parquet",
+                                                      f"{last.name}.parquet"]
+    assert "2 segment(s), 20 rows" in done.stderr
+    assert done.stderr.splitlines()[-1].endswith("the other segments were"), done.stderr
+    assert str(middle.path) in done.stderr.splitlines()[-1]
+
+
 @pytest.mark.parametrize("moved", [-10, 5])
 def test_an_open_segments_block_numbered_out_of_turn_is_a_clear_error(tmp_path, moved):
     """An open segment has no index: a block whose first number goes back, or forward

@@ -18,7 +18,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .store import JournalWriter, Segment, list_segments, read_blocks, segment_blocks
+from .store import (
+    JournalError,
+    JournalWriter,
+    Segment,
+    list_segments,
+    read_blocks,
+    segment_blocks,
+)
 
 log = logging.getLogger(__name__)
 #: The four bytes a Parquet file begins and ends with (its format's magic).
@@ -71,16 +78,25 @@ def export_segment(directory: str | os.PathLike, seg: Segment, out: Path) -> Exp
 
 
 def export_journal(directory: str | os.PathLike, out: str | os.PathLike, *,
-                   force: bool = False, progress=None) -> list[Exported]:
+                   force: bool = False, progress=None,
+                   damaged: list[JournalError] | None = None) -> list[Exported]:
     """Export every sealed segment not exported yet (all with *force*); the open segment
-    is left to the ``sbus`` source (read it from the seq after the last exported one)."""
+    is left to the ``sbus`` source (read it from the seq after the last exported one).
+    A damaged segment raises JournalError; with a *damaged* list, it is appended there
+    and the later segments are exported."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     done = []
     for seg in list_segments(directory):
         if not seg.sealed or (not force and (out / f"{seg.name}.parquet").exists()):
             continue
-        done.append(export_segment(directory, seg, out))
+        try:
+            done.append(export_segment(directory, seg, out))
+        except JournalError as exc:
+            if damaged is None:
+                raise
+            damaged.append(exc)
+            continue
         if progress is not None:
             progress(done[-1])
     return done

@@ -21,7 +21,7 @@ from ..errors import SbusError
 from ..extras import install_command
 from ..files import NotRegular, read_small
 from ..routing import matches
-from .store import list_segments, read_seq_range, segment_blocks
+from .store import JournalError, list_segments, read_seq_range, segment_blocks
 
 #: A file of a checkpoint's offset log is read up to this size (a few hundred bytes each).
 OFFSET_FILE_BYTES = 16 << 20
@@ -46,14 +46,19 @@ def since_ns(text: str | None, now: float | None = None) -> int | None:
 
 
 def records_from(directory: str, seq: int, pattern: bytes | None = None,
-                 since: int | None = None) -> Iterator[Record]:
-    """Records with sequence number >= *seq*, in order, as the journal is now."""
+                 since: int | None = None,
+                 damaged: list[JournalError] | None = None) -> Iterator[Record]:
+    """Records with sequence number >= *seq*, in order, as the journal is now.
+
+    A segment that cannot be read to its end raises JournalError; with a *damaged* list,
+    the error is appended to it instead and the later segments are read (the caller
+    says what was skipped)."""
     for seg in list_segments(directory):
-        blocks = [b for b in segment_blocks(seg) if b.next_seq > seq and
-                  (since is None or b.max_ts >= since)]
-        if not blocks:
-            continue
         try:
+            blocks = [b for b in segment_blocks(seg) if b.next_seq > seq and
+                      (since is None or b.max_ts >= since)]
+            if not blocks:
+                continue
             for block in read_seq_range(directory, seg.first_seq, blocks[0].pos,
                                         blocks[-1].end, seq, blocks[-1].next_seq):
                 for rec in block.records():
@@ -62,6 +67,16 @@ def records_from(directory: str, seq: int, pattern: bytes | None = None,
                         yield rec
         except FileNotFoundError:
             continue  # removed by retention while we read: its rows are gone
+        except JournalError as exc:
+            if damaged is None:
+                raise
+            damaged.append(exc)
+
+
+def skipped(damaged: list[JournalError], consequence: str) -> SbusError:
+    """One line for the segments *damaged* left out (the first named, the rest counted)."""
+    more = f" (and {len(damaged) - 1} more damaged segment(s))" if len(damaged) > 1 else ""
+    return SbusError(f"{damaged[0]}{more}: {consequence}")
 
 
 def format_record(rec: Record, fmt: str) -> bytes:
@@ -172,10 +187,16 @@ def lag(directory: str, checkpoint: str, as_json: bool = False) -> None:
 
 
 def cat(directory: str, pattern: bytes | None, since: int | None, fmt: str, out) -> None:
-    """Every record (matching *pattern*, received since *since* ns) to *out* (binary)."""
-    for rec in records_from(directory, 0, pattern, since):
+    """Every record (matching *pattern*, received since *since* ns) to *out* (binary).
+    A damaged segment does not end the listing: the rows of the later segments are
+    printed too, then an error names what was skipped."""
+    damaged: list[JournalError] = []
+    for rec in records_from(directory, 0, pattern, since, damaged):
         out.write(format_record(rec, fmt))
     out.flush()
+    if damaged:
+        raise skipped(damaged, "the rows after the damage were not printed; the other "
+                               "segments' rows were")
 
 
 def tail(directory: str, lines: int, follow: bool, pattern: bytes | None,
@@ -220,7 +241,11 @@ def export(directory: str, out: str, force: bool) -> None:
         print(f"{e.segment}.parquet: {e.rows:,} rows, {e.journal_bytes:,} -> "
               f"{e.parquet_bytes:,} bytes", file=sys.stderr, flush=True)
 
-    done = export_journal(directory, out, force=force, progress=progress)
+    damaged: list[JournalError] = []
+    done = export_journal(directory, out, force=force, progress=progress, damaged=damaged)
     rows = sum(e.rows for e in done)
     print(f"sbus journal export: {len(done)} segment(s), {rows:,} rows into {out}",
           file=sys.stderr)
+    if damaged:
+        raise skipped(damaged, "not exported (its rows stay readable from the journal up "
+                               "to the damage); the other segments were")
