@@ -209,6 +209,41 @@ def test_connections_that_send_nothing_take_no_handshake_place(tlsdir, tls_bus, 
         gw.stop()
 
 
+def test_a_new_address_is_not_kept_waiting_by_addresses_holding_every_place(
+        tlsdir, tls_bus, ca, client_ctx):
+    """64 addresses stall 8 handshakes each, every one of the 512 places, and queue one
+    more each: a new address's handshake displaces the oldest of an address holding the
+    most and is made at once.  Before, places went first come first served: it waited
+    for the first stalled one to time out (4 s here; behind redials, longer)."""
+    from test_gateway import next_loopback
+
+    gw = tls_gateway(tlsdir, tls_bus, ca, "fair", "--tls-handshake-timeout", "4")
+    stalled: list[socket.socket] = []
+    try:
+        begun = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"  # a ClientHello's start
+        for _ in range(64):
+            source = next_loopback()
+            for _ in range(9):
+                s = gw.connect(source=source)
+                s.sendall(begun)
+                s.setblocking(False)
+                stalled.append(s)
+        time.sleep(1.0)  # all taken, every place held
+        start = time.monotonic()
+        good = tls_connect(gw, client_ctx)
+        roundtrip(good)
+        took = time.monotonic() - start
+        assert took < 1.5, f"{took:.2f} s"
+        gw.wait_log("TLS handshake unfinished when another address needed its place")
+        assert sum(_closed(s) for s in stalled) >= 1
+        roundtrip(good)
+        good.close()
+    finally:
+        for s in stalled:
+            s.close()
+        gw.stop()
+
+
 def test_tls_frames_are_byte_exact(tls_gw, client_ctx, local):
     remote = tls_connect(tls_gw, client_ctx)
     remote.sendall(codec.subscribe(b"topic"))

@@ -52,6 +52,7 @@ from .bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT, TURN, Bridge
 from .checks import FrameRefused, SharesFull, check_key, check_pattern
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
 from .outbox import CAUSES, OWN, POOL, SHARE, STALLED, Outbox, Shared, make_room
+from .places import Places
 
 log = logging.getLogger("sbus.gateway")
 
@@ -97,9 +98,10 @@ REFUSAL_DELAY = 5.0
 #: TLS handshakes (`Gateway.handshake`): one not done this long after it began is dropped
 #: (`--tls-handshake-timeout`); at most HANDSHAKES_PER_ADDRESS of one address and
 #: HANDSHAKES in all are in progress at once, the others wait unread (up to the idle
-#: timeout) for their turn.  A stalled handshake makes OpenSSL hold a ClientHello of up to
-#: 128 KiB (~300 KB of RSS each, measured), which no other bound counts: 256 of one
-#: address took 77 MB, 5,000 of 20 addresses 1.5 GB; now at most ~150 MB in all.
+#: timeout) for their turn, the address holding fewest first (`places.Places`).  A
+#: stalled handshake makes OpenSSL hold a ClientHello of up to 128 KiB (~300 KB of RSS
+#: each, measured), which no other bound counts: 256 of one address took 77 MB, 5,000 of
+#: 20 addresses 1.5 GB; now at most ~150 MB in all.
 TLS_HANDSHAKE_TIMEOUT = 5.0
 #: What serves one admitted connection (`Gateway.accept`): stream, host, peer.
 Handler = Callable[[trio.abc.Stream, str, str], Awaitable[None]]
@@ -268,7 +270,7 @@ class Gateway:
         self.subscription_bytes = subscription_bytes
         self.refusal_delay = refusal_delay
         self.tls_handshake_timeout = tls_handshake_timeout
-        self._handshakes = trio.Semaphore(HANDSHAKES)  # in progress, all addresses
+        self.handshake_places = Places(HANDSHAKES, HANDSHAKES_PER_ADDRESS)  # in progress
         self.subscription_bytes_per_address = (
             bus_subscription_bytes // ADDRESS_SHARE if subscription_bytes_per_address is None
             else subscription_bytes_per_address)
@@ -360,11 +362,12 @@ class Gateway:
     async def handshake(self, stream: trio.abc.Stream, host: str, peer: str) -> bool:
         """Make the TLS handshake of an admitted connection before anything else (else
         it happens inside the first read, bounded by the idle timeout only): whether it
-        was made.  It waits, unread, for one of its address's and one of all
-        addresses' places (`HANDSHAKES_PER_ADDRESS`, `HANDSHAKES`), up to the idle
-        timeout, then has `tls_handshake_timeout`; a handshake not made in time is closed
-        at once, one that fails (plaintext on the TLS port) after the refusal delay,
-        keeping its places meanwhile: what handshakes hold is bounded by those places."""
+        was made.  It waits, unread, for a place (`places.Places`: at most
+        `HANDSHAKES_PER_ADDRESS` of its address, `HANDSHAKES` in all, the address holding
+        fewest served first) up to the idle timeout, then has `tls_handshake_timeout`;
+        a handshake not made in time is closed at once, one whose place another address
+        needed too, one that fails (plaintext on the TLS port) after the refusal delay,
+        keeping its place meanwhile: what handshakes hold is bounded by those places."""
         if not isinstance(stream, trio.SSLStream):
             return True
         # a place is for a client that has begun: one that sent nothing held a place
@@ -378,28 +381,28 @@ class Gateway:
                      peer, self.tls_handshake_timeout)
             await trio.aclose_forcefully(stream)
             return False
-        account = self.caps.peer(host)
-        mine = account.handshakes
-        if mine is None:
-            mine = account.handshakes = trio.Semaphore(HANDSHAKES_PER_ADDRESS)
         failed: BaseException | None = None
         with trio.move_on_after(self.idle_timeout):
-            async with mine, self._handshakes:
-                with trio.move_on_after(self.tls_handshake_timeout):
-                    try:
-                        await stream.do_handshake()
-                        return True
-                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                        failed = exc
-                if isinstance(getattr(failed, "__cause__", None), ssl.SSLError):
-                    self.closed += 1
-                    self.say(host, logging.WARNING, "disconnecting %s in %g s: TLS failed: %s",
-                             peer, self.refusal_delay, failed.__cause__)
-                    await trio.sleep(self.refusal_delay)
-                elif failed is None:
-                    self.handshakes_expired += 1
-                    self.say(host, logging.INFO, "%s: TLS handshake not done in %g s; closed",
-                             peer, self.tls_handshake_timeout)
+            async with self.handshake_places.hold(host) as place:
+                with place.scope:  # cancelled if another address takes the place
+                    with trio.move_on_after(self.tls_handshake_timeout):
+                        try:
+                            await stream.do_handshake()
+                            return True
+                        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                            failed = exc
+                    if isinstance(getattr(failed, "__cause__", None), ssl.SSLError):
+                        self.closed += 1
+                        self.say(host, logging.WARNING, "disconnecting %s in %g s: TLS "
+                                 "failed: %s", peer, self.refusal_delay, failed.__cause__)
+                        await trio.sleep(self.refusal_delay)
+                    elif failed is None and not place.displaced:
+                        self.handshakes_expired += 1
+                        self.say(host, logging.INFO, "%s: TLS handshake not done in %g s; "
+                                 "closed", peer, self.tls_handshake_timeout)
+                if place.displaced and failed is None:
+                    self.say(host, logging.INFO, "%s: TLS handshake unfinished when "
+                             "another address needed its place; closed", peer)
         await trio.aclose_forcefully(stream)
         return False
 
@@ -1051,6 +1054,7 @@ class Gateway:
                 f"{b.missed_outages} outages of the bus missed by subscribers, "
                 f"{self.refused} frames refused, {self.closed} closed (wrong key, junk), "
                 f"{self.handshakes_expired} TLS handshakes not done in time, "
+                f"{self.handshake_places.displaced} given way to other addresses, "
                 f"{self.crashes} dropped on an internal error, "
                 f"{self.caps.refused} connections refused at the caps "
                 f"({self.tarpit.held} held, {self.tarpit.overflow} closed at once), "
