@@ -85,16 +85,35 @@ def list_segments(directory: str | os.PathLike) -> list[Segment]:
             stem, sealed = name[:-len(SUFFIX)], True
         else:
             continue
-        if decimal(stem):
-            if not entry.is_file() and not entry.is_dir():  # (a directory: said on open)
-                # a FIFO would block every reader in its open, for good
-                raise JournalError(f"{entry.path} is named as a segment but is not a "
-                                   "regular file")
+        if decimal(stem):  # what it is is checked where it is opened (`open_segment`)
             out.append(Segment(int(stem), Path(entry.path), sealed))
     out.sort(key=lambda s: (s.first_seq, not s.sealed))
     # A crash between re-blocking's rename and its unlink leaves a sealed file and its open
     # twin, holding the same records: the sealed one is the segment.
     return [s for i, s in enumerate(out) if i == 0 or out[i - 1].first_seq != s.first_seq]
+
+
+def open_segment(path: Path, flags: int = os.O_RDONLY) -> int:
+    """A descriptor on the segment at *path*, which must be a regular file.  Opened
+    without waiting (a FIFO put in a segment's place, even between a listing and the
+    open, would block a reader in its open for good) and checked on the descriptor, not
+    the name.  JournalError for another kind of file (damage: the recorder moves it
+    aside), UnreadableSegment for a directory or what cannot be opened at all."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # no permission, a symlink loop
+        raise UnreadableSegment(f"cannot read journal segment {path}: "
+                                f"{exc.strerror or exc}") from None
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        os.set_blocking(fd, True)
+        return fd
+    os.close(fd)
+    if stat.S_ISDIR(mode):
+        raise UnreadableSegment(f"cannot read journal segment {path}: Is a directory")
+    raise JournalError(f"{path} is named as a segment but is not a regular file")
 
 
 def resolve(directory: str | os.PathLike, first_seq: int) -> Segment | None:
@@ -201,7 +220,7 @@ def segment_blocks(segment: Segment, start: int = fmt.FILE_HEAD.size) -> list[Bl
     """The blocks of a segment at or after byte *start*: from the index if sealed, by a
     verified scan if open."""
     try:
-        with open(segment.path, "rb") as f:
+        with open(open_segment(segment.path), "rb") as f:
             if segment.sealed:
                 try:
                     _check_header(f.read(fmt.FILE_HEAD.size), segment.first_seq)
@@ -220,9 +239,9 @@ def segment_blocks(segment: Segment, start: int = fmt.FILE_HEAD.size) -> list[Bl
             if moved.exists():
                 return segment_blocks(Segment(segment.first_seq, moved, True), start)
         raise
-    except OSError as exc:  # unreadable: a directory, no permission, a symlink loop
+    except OSError as exc:  # unreadable: a read error
         raise UnreadableSegment(f"cannot read journal segment {segment.path}: "
-                           f"{exc.strerror or exc}") from None
+                                f"{exc.strerror or exc}") from None
 
 
 def read_blocks(directory: str | os.PathLike, first_seq: int, start: int, end: int,
@@ -284,12 +303,9 @@ def _open(directory: str | os.PathLike, first_seq: int) -> tuple[Segment, int]:
         if seg is None:
             break
         try:
-            return seg, os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+            return seg, open_segment(seg.path)
         except FileNotFoundError:
             continue
-        except OSError as exc:  # as in `segment_blocks`
-            raise UnreadableSegment(f"cannot read journal segment {seg.path}: "
-                               f"{exc.strerror or exc}") from None
     raise FileNotFoundError(f"journal segment {_name(first_seq)} no longer exists "
                             f"in {directory} (removed by retention?)")
 
@@ -542,7 +558,7 @@ class JournalWriter:
         return seg.first_seq + size // smallest_record + 1
 
     def _recover_open(self, seg: Segment) -> list[BlockInfo]:
-        with open(seg.path, "r+b") as f:
+        with open(open_segment(seg.path, os.O_RDWR), "r+b") as f:
             try:
                 fmt.decode_header(f.read(fmt.FILE_HEAD.size))
                 blocks = scan_blocks(f)
