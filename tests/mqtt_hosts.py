@@ -23,6 +23,8 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from conftest import SBUS, stop_process, wait_for_socket
 from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 MQTT_PORT = 1883
 
@@ -76,7 +78,9 @@ class Peer:
     """A plain MQTT 5 client on mosquitto's unix socket, collecting what it receives."""
 
     def __init__(self, sock: str, filters: list[str] = (),
-                 auth: tuple[str, str] | None = None) -> None:
+                 auth: tuple[str, str] | None = None, session: bool = False) -> None:
+        """*session*: a session the broker keeps for 10 minutes (QoS 1 deliveries are
+        queued for it while it is away; paho reconnects and resumes it)."""
         self.got: list[tuple[str, bytes, list]] = []
         self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"peer-{uuid.uuid4().hex}",
                              protocol=mqtt.MQTTv5, transport="unix")
@@ -91,7 +95,13 @@ class Peer:
         self.c.on_subscribe = lambda *_: self._subacks.release()
         if auth:
             self.c.username_pw_set(*auth)
-        self.c.connect(sock, 1)  # the port is ignored for a unix socket
+        kept = None
+        if session:
+            kept = Properties(PacketTypes.CONNECT)
+            kept.SessionExpiryInterval = 600
+            self.c.reconnect_delay_set(0.1, 0.5)
+        self.c.connect(sock, 1, clean_start=not session,  # (a unix socket has no port)
+                       properties=kept)
         self.c.loop_start()
         for f in filters:
             self.subscribe(f, qos=1)

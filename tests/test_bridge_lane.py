@@ -491,3 +491,61 @@ def test_a_local_user_flooding_exports_cannot_starve_another(short_tmp: Path) ->
         peer.close()
         m.stop()
         bus_broker.stop()
+
+
+def _burst(pipe, address: str, key: str, count: int) -> None:
+    """Another user: *count* numbered messages on *key* at once."""
+    with Client(address) as bus:
+        for n in range(count):
+            bus.publish(key, b"%d" % n)
+        bus.whoami()  # the broker has them all
+    pipe.send(count)
+
+
+def test_an_mqtt_outage_does_not_let_one_users_burst_take_every_place(short_tmp: Path
+                                                                      ) -> None:
+    """MQTT away, one local user bursts 3,000 QoS 1 exports at a bridge that holds 1,000,
+    then another user sends 50.  The bridge spools only up to half its room while MQTT
+    is away and leaves the rest in the local broker's queue for it, shared per user: the
+    other user's 50 all arrive once MQTT is back, in order.  Before, the burst took the
+    whole spool and every later export was dropped (0 of the 50, the audit of
+    2026-11-27).  Every message of the burst arrives or is counted dropped."""
+    os.chmod(short_tmp, 0o755)  # the other users reach the bus socket
+    bus_broker = BrokerProcess(str(short_tmp / "bus.sock")).start()
+    port = _free_port()
+    (short_tmp / "m").mkdir()
+    m = Mosquitto(short_tmp / "m", [("127.0.0.1", port)], persistence=True).start()
+    peer = Peer(m.sock, ["out/#"], session=True)
+    br = Bridge(short_tmp, "outage", bus_broker.address, f"mqtt://127.0.0.1:{port}",
+                ["--export", "out/", "--max-queued", "1000"])
+    procs = []
+    try:
+        br.start()
+        br.wait_status(lambda s: "mqtt up" in s)
+        m.stop()
+        br.wait_status(lambda s: "mqtt down" in s)
+        burst, burst_pipe = as_user(ATTACKER_UID, _burst, bus_broker.address, "out/burst",
+                                    3000)
+        procs.append(burst)
+        assert burst_pipe.poll(30) and burst_pipe.recv() == 3000
+        other, other_pipe = as_user(HONEST_UID, _burst, bus_broker.address, "out/other", 50)
+        procs.append(other)
+        assert other_pipe.poll(30) and other_pipe.recv() == 50
+        m.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            others = [int(p) for t, p, _ in list(peer.got) if t == "out/other"]
+            if len(others) == 50:
+                break
+            time.sleep(0.1)
+        assert others == list(range(50)), f"{len(others)} of 50: {br.counters()}"
+        c = br.wait_counters(lambda c: c["exported"] + c["dropped"] >= 3050, timeout=15)
+        bursts = {int(p) for t, p, _ in list(peer.got) if t == "out/burst"}
+        assert len(bursts) + c["dropped"] == 3000, (len(bursts), c)
+    finally:
+        for p in procs:
+            p.kill()
+        br.close()
+        peer.close()
+        m.stop()
+        bus_broker.stop()

@@ -1040,11 +1040,22 @@ class BridgeShell:
         """May the bridge take more from the bus now? (module docstring)"""
         if self._in_thread:
             return False  # paho is connecting: not to be touched
-        if not self.mqtt_up:
-            return True  # QoS 1: spooled up to max_queued; QoS 0: dropped, counted
+        if not self.mqtt_up:  # QoS 0: dropped, counted; QoS 1: spooled up to half
+            return self._half_held()
         if self.mq.want_write():
             return False
         return len(self._outstanding) < self.window
+
+    def _half_held(self) -> bool:
+        """Is less than half the room for QoS 1 exports taken (`--max-queued`, and its
+        bytes)?  With MQTT away the bridge reads the bus only while it is: past it the
+        exports wait in the local broker's queue for the bridge, where each local user
+        holds a share, so one user's burst cannot take all the room (docs/bridge.md,
+        "Local exporters share the bridge")."""
+        s, spool = self.settings, self.spool
+        held, nbytes = (len(spool), spool.held_bytes) if spool is not None else \
+            (len(self._outstanding), self._held_bytes)
+        return held < s.max_queued // 2 and nbytes < s.max_queued_bytes // 2
 
     def _too_large(self, topic: str, payload: bytes) -> bool:
         """Is this export over the broker's Maximum Packet Size? (refused, counted)"""
