@@ -120,15 +120,24 @@ class UserAccounts:
 class LogAllowance:
     """Log lines about clients, rationed per UID (not per connection: reconnecting must not
     buy a new allowance).  A UID gets `burst` lines, then one per `interval` seconds; what
-    was held back is counted and said in the next line it may write."""
+    was held back is counted and said in the next line it may write.
+
+    With *overall* (burst, interval), all keys together get that too: keys that cost
+    nothing to make (a gateway's peer addresses) would each bring a fresh allowance,
+    and more of them than `users` are forgotten.  Lines held back by it are counted in
+    `held_overall`, for the next line written to say."""
 
     def __init__(self, burst: int = 10, interval: float = 60.0, users: int = 4096,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, overall: tuple[int, float] | None = None) -> None:
         self.burst = burst
         self.interval = interval
         self.users = users
         self.clock = clock
         self._state: OrderedDict[int, list] = OrderedDict()  # uid -> [tokens, at, held]
+        self._overall = overall
+        self._tokens = float(overall[0]) if overall else 0.0
+        self._at = clock()
+        self.held_overall = 0
 
     def take(self, uid: int) -> int | None:
         """None if a line about *uid* must not be written now; else how many were held back
@@ -146,8 +155,21 @@ class LogAllowance:
         if state[0] < 1:
             state[2] += 1
             return None
+        if self._overall is not None:
+            burst, interval = self._overall
+            self._tokens = min(burst, self._tokens + (now - self._at) / interval)
+            self._at = now
+            if self._tokens < 1:
+                self.held_overall += 1
+                return None
+            self._tokens -= 1
         state[0] -= 1
         held, state[2] = state[2], 0
+        return held
+
+    def said_overall(self) -> int:
+        """Lines held back by the overall bound since this was last asked."""
+        held, self.held_overall = self.held_overall, 0
         return held
 
 

@@ -26,7 +26,7 @@ from ..gateway.codec import DEFAULT_MAX_FRAME
 from ..gateway.server import (
     BUFFER_BYTES_PER_ADDRESS,
     BUFFER_POOL,
-    HANDSHAKES,
+    HANDSHAKE_BYTES,
     HANDSHAKES_PER_ADDRESS,
     MAX_CLIENTS,
     MAX_CLIENTS_PER_ADDRESS,
@@ -79,8 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-handshake-timeout", type=float, default=TLS_HANDSHAKE_TIMEOUT,
                    metavar="SECONDS", help="a TLS handshake not done this long after it "
                    f"began is dropped (default {TLS_HANDSHAKE_TIMEOUT:g}); "
-                   f"{HANDSHAKES_PER_ADDRESS} of one address and {HANDSHAKES} in all are "
-                   "made at once, the others wait")
+                   f"{HANDSHAKES_PER_ADDRESS} of one address are made at once, the others "
+                   f"wait; one may send {HANDSHAKE_BYTES // 1024} KiB")
     p.add_argument("--auth-key-file", required=True, metavar="FILE",
                    help="file holding the secret publishers authenticate with")
     p.add_argument("--idle-timeout", type=float, default=70.0, metavar="SECONDS",

@@ -67,12 +67,13 @@ class Peer:
     """What all connections from one peer address hold together: connections, outgoing
     bytes queued (bounded by *queue_limit*), the distinct patterns they subscribe, what
     their subscriptions take of the gateway's subscription pool, their turn (the
-    server's lock that lets one of them work at a time), their outgoing buffers (`boxes`: where
+    server's lock that lets one of them work at a time), their TLS handshakes in
+    progress (the server's semaphore), their outgoing buffers (`boxes`: where
     `outbox.make_room` takes frames from an address holding too much of the pool) and
     the messages discarded for them since the last line said so, by cause."""
 
     __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "patterns",
-                 "pool_bytes", "turn", "owner", "boxes", "evict_at",
+                 "pool_bytes", "turn", "handshakes", "owner", "boxes", "evict_at",
                  "dropped")
 
     def __init__(self, host: str, queue_limit: int = 1 << 62) -> None:
@@ -86,6 +87,7 @@ class Peer:
         self.patterns: Counter[bytes] = Counter()  # distinct patterns -> its clients holding
         self.pool_bytes = 0  # its clients' subscriptions, each client's counted in full
         self.turn: object = None  # made by the server at the address's first read
+        self.handshakes: object = None  # made by the server at its first TLS handshake
         self.boxes: list = []  # its clients' `Outbox`es
         self.evict_at = 0  # the last of `boxes` evicted from
         self.dropped = [0, 0, 0]  # discarded for its clients, by `outbox.CAUSES`

@@ -52,7 +52,6 @@ from .bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT, TURN, Bridge
 from .checks import FrameRefused, SharesFull, check_key, check_pattern
 from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
 from .outbox import CAUSES, OWN, POOL, SHARE, STALLED, Outbox, Shared, make_room
-from .places import Places
 
 log = logging.getLogger("sbus.gateway")
 
@@ -96,12 +95,14 @@ BUFFER_POOL = 256 * 1024 * 1024
 ROUTE_CACHE = 4 * 1024 * 1024
 REFUSAL_DELAY = 5.0
 #: TLS handshakes (`Gateway.handshake`): one not done this long after it began is dropped
-#: (`--tls-handshake-timeout`); at most HANDSHAKES_PER_ADDRESS of one address and
-#: HANDSHAKES in all are in progress at once, the others wait unread (up to the idle
-#: timeout) for their turn, the address holding fewest first (`places.Places`).  A
-#: stalled handshake makes OpenSSL hold a ClientHello of up to 128 KiB (~300 KB of RSS
-#: each, measured), which no other bound counts: 256 of one address took 77 MB, 5,000 of
-#: 20 addresses 1.5 GB; now at most ~150 MB in all.
+#: (`--tls-handshake-timeout`); at most HANDSHAKES_PER_ADDRESS of one address are in
+#: progress at once, the others wait unread (up to the idle timeout) for their turn.  A
+#: client may send at most HANDSHAKE_BYTES before its handshake is done (`_Bounded`):
+#: OpenSSL holds a stalled ClientHello of up to 128 KiB (~300 KB of RSS each, measured),
+#: which no other bound counted (256 of one address took 77 MB, 5,000 of 20 addresses
+#: 1.5 GB).  With that bound a handshake holds what any connection does, so there is no
+#: cap on handshakes in all (a cap of 512 let many addresses that each stalled one keep
+#: a new client waiting for any place: 19-26 s, the audit of 2026-11-27).
 TLS_HANDSHAKE_TIMEOUT = 5.0
 #: What serves one admitted connection (`Gateway.accept`): stream, host, peer.
 Handler = Callable[[trio.abc.Stream, str, str], Awaitable[None]]
@@ -113,7 +114,13 @@ ACCEPT_LATER = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOME
 #: The connection went before it was taken (or the network under it): the next one.
 ACCEPT_SKIP = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN,
                          errno.ENETUNREACH, errno.EHOSTDOWN, errno.EHOSTUNREACH})
-HANDSHAKES_PER_ADDRESS, HANDSHAKES = 8, 512
+HANDSHAKES_PER_ADDRESS = 8
+#: Log lines about peers in all (`LogAllowance` *overall*): a burst, then one per interval.
+LOG_OVERALL = (200, 0.2)
+#: Bytes a client may send before its TLS handshake is done, and the most one of its
+#: handshake messages may claim: a ClientHello is a few hundred bytes to a few KiB
+#: (post-quantum key shares ~1.2 KiB), the rest less.
+HANDSHAKE_BYTES, HANDSHAKE_MESSAGE = 32 * 1024, 16 * 1024
 #: Connections over the caps one address may have held in the tarpit, per slot of its
 #: cap (a host redialing 1,000 clients against a cap of 256 has them all held).
 TARPIT_PER_CAP = 4
@@ -193,6 +200,116 @@ def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
     return getattr(stream, "transport_stream", stream).socket
 
 
+class HandshakeTooLarge(Exception):
+    """A client sent more than `HANDSHAKE_BYTES` before its TLS handshake was done, or a
+    handshake message claiming more than `HANDSHAKE_MESSAGE`."""
+
+
+class HandshakeGuard:
+    """The TLS records a client sends before its handshake is done, read as OpenSSL will
+    read them: a handshake message claiming more than *limit* bytes is refused before
+    OpenSSL sees its header, since OpenSSL makes room for what the header claims when
+    it comes (a ClientHello may claim 128 KiB: ~300 KB of RSS per stalled handshake,
+    measured).  Only plaintext handshake records are looked into: after a TLS 1.3
+    ServerHello the client's records are encrypted, and OpenSSL expects nothing larger
+    than a Finished of it.  Pure: bytes in, `HandshakeTooLarge` out."""
+
+    __slots__ = ("limit", "_head", "_type", "_record_left", "_msg_head", "_msg_left")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._head = bytearray()  # a record header (5 bytes) not yet whole
+        self._type = 0  # the current record's content type
+        self._record_left = 0  # bytes of its body still to come
+        self._msg_head = bytearray()  # a handshake message header (4 bytes) not yet whole
+        self._msg_left = 0  # bytes of the current handshake message still to come
+
+    def feed(self, data: bytes) -> None:
+        at, end = 0, len(data)
+        while at < end:
+            if not self._record_left:
+                got = data[at:at + 5 - len(self._head)]
+                self._head += got
+                at += len(got)
+                if len(self._head) == 5:
+                    self._type = self._head[0]
+                    self._record_left = int.from_bytes(self._head[3:5], "big")
+                    self._head.clear()
+                continue
+            body = data[at:at + self._record_left]
+            at += len(body)
+            self._record_left -= len(body)
+            if self._type == 22:  # handshake
+                self._messages(body)
+
+    def _messages(self, body: bytes) -> None:
+        at, end = 0, len(body)
+        while at < end:
+            if not self._msg_left:
+                got = body[at:at + 4 - len(self._msg_head)]
+                self._msg_head += got
+                at += len(got)
+                if len(self._msg_head) == 4:
+                    claimed = int.from_bytes(self._msg_head[1:4], "big")
+                    self._msg_head.clear()
+                    if claimed > self.limit:
+                        raise HandshakeTooLarge(f"a handshake message claiming {claimed} "
+                                                f"bytes, over {self.limit}")
+                    self._msg_left = claimed
+                continue
+            take = min(self._msg_left, end - at)
+            at += take
+            self._msg_left -= take
+
+
+class _Bounded(trio.abc.HalfCloseableStream):
+    """The TCP stream under a TLS one: until `done` (the handshake made), OpenSSL is
+    given at most `HANDSHAKE_BYTES` of the client's, and no handshake message claiming
+    more than `HANDSHAKE_MESSAGE` (`HandshakeGuard`), so a stalled handshake holds
+    about what any connection does."""
+
+    __slots__ = ("inner", "left", "guard")
+
+    def __init__(self, inner: trio.SocketStream) -> None:
+        self.inner = inner
+        self.left: int | None = HANDSHAKE_BYTES
+        self.guard = HandshakeGuard(HANDSHAKE_MESSAGE)
+
+    @property
+    def socket(self) -> trio.socket.SocketType:
+        return self.inner.socket
+
+    def done(self) -> None:
+        self.left = None
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self.left is None:
+            return await self.inner.receive_some(max_bytes)
+        if self.left <= 0:
+            raise trio.BrokenResourceError("handshake too large") from HandshakeTooLarge(
+                f"over {HANDSHAKE_BYTES // 1024} KiB sent before the handshake was done")
+        data = await self.inner.receive_some(min(max_bytes or self.left, self.left))
+        self.left -= len(data)
+        try:
+            self.guard.feed(data)
+        except HandshakeTooLarge as exc:
+            self.left = 0
+            raise trio.BrokenResourceError("handshake too large") from exc
+        return data
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 def _shrink(stream: trio.abc.Stream) -> None:
     """Make a held connection's kernel receive buffer small: it is never read."""
     try:
@@ -270,7 +387,6 @@ class Gateway:
         self.subscription_bytes = subscription_bytes
         self.refusal_delay = refusal_delay
         self.tls_handshake_timeout = tls_handshake_timeout
-        self.handshake_places = Places(HANDSHAKES, HANDSHAKES_PER_ADDRESS)  # in progress
         self.subscription_bytes_per_address = (
             bus_subscription_bytes // ADDRESS_SHARE if subscription_bytes_per_address is None
             else subscription_bytes_per_address)
@@ -294,7 +410,8 @@ class Gateway:
         self._heads: dict[bytes, bytes] = {}  # checked keys -> packet heads (`_head`)
         self._heads_bytes = 0
         #: Log lines about remote peers, rationed per address (reconnecting buys none).
-        self.allowance = LogAllowance(burst=10, interval=10.0)
+        # per address, and all together (addresses cost an attacker little)
+        self.allowance = LogAllowance(burst=10, interval=10.0, overall=LOG_OVERALL)
         self._cap_unlogged = 0
         self._cap_logged_at = -CAP_LOG_INTERVAL
         # counters
@@ -321,6 +438,9 @@ class Gateway:
             return
         if held:
             msg += f" ({held} earlier lines about {host} not logged)"
+        others = self.allowance.said_overall()
+        if others:
+            msg += f" ({others} lines about any address not logged before this one)"
         log.log(level, msg, *args)
 
     # -- admission ------------------------------------------------------------------------
@@ -362,12 +482,11 @@ class Gateway:
     async def handshake(self, stream: trio.abc.Stream, host: str, peer: str) -> bool:
         """Make the TLS handshake of an admitted connection before anything else (else
         it happens inside the first read, bounded by the idle timeout only): whether it
-        was made.  It waits, unread, for a place (`places.Places`: at most
-        `HANDSHAKES_PER_ADDRESS` of its address, `HANDSHAKES` in all, the address holding
-        fewest served first) up to the idle timeout, then has `tls_handshake_timeout`;
-        a handshake not made in time is closed at once, one whose place another address
-        needed too, one that fails (plaintext on the TLS port) after the refusal delay,
-        keeping its place meanwhile: what handshakes hold is bounded by those places."""
+        was made.  It waits, unread, for one of its address's places
+        (`HANDSHAKES_PER_ADDRESS`) up to the idle timeout, then has
+        `tls_handshake_timeout`; a handshake not made in time is closed at once, one
+        that fails (plaintext on the TLS port, over `HANDSHAKE_BYTES`) after the refusal
+        delay, keeping its place meanwhile."""
         if not isinstance(stream, trio.SSLStream):
             return True
         # a place is for a client that has begun: one that sent nothing held a place
@@ -381,28 +500,34 @@ class Gateway:
                      peer, self.tls_handshake_timeout)
             await trio.aclose_forcefully(stream)
             return False
+        account = self.caps.peer(host)
+        mine = account.handshakes
+        if mine is None:
+            mine = account.handshakes = trio.Semaphore(HANDSHAKES_PER_ADDRESS)
         failed: BaseException | None = None
-        with trio.move_on_after(self.idle_timeout):
-            async with self.handshake_places.hold(host) as place:
-                with place.scope:  # cancelled if another address takes the place
-                    with trio.move_on_after(self.tls_handshake_timeout):
-                        try:
-                            await stream.do_handshake()
-                            return True
-                        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                            failed = exc
-                    if isinstance(getattr(failed, "__cause__", None), ssl.SSLError):
-                        self.closed += 1
-                        self.say(host, logging.WARNING, "disconnecting %s in %g s: TLS "
-                                 "failed: %s", peer, self.refusal_delay, failed.__cause__)
-                        await trio.sleep(self.refusal_delay)
-                    elif failed is None and not place.displaced:
-                        self.handshakes_expired += 1
-                        self.say(host, logging.INFO, "%s: TLS handshake not done in %g s; "
-                                 "closed", peer, self.tls_handshake_timeout)
-                if place.displaced and failed is None:
-                    self.say(host, logging.INFO, "%s: TLS handshake unfinished when "
-                             "another address needed its place; closed", peer)
+        with trio.move_on_after(self.idle_timeout) as waited:
+            async with mine:
+                with trio.move_on_after(self.tls_handshake_timeout):
+                    try:
+                        await stream.do_handshake()
+                        stream.transport_stream.done()  # type: ignore[attr-defined]
+                        return True
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                        failed = exc
+                why = getattr(failed, "__cause__", None)
+                if isinstance(why, ssl.SSLError | HandshakeTooLarge):
+                    self.closed += 1
+                    self.say(host, logging.WARNING, "disconnecting %s in %g s: TLS failed: %s",
+                             peer, self.refusal_delay, why)
+                    await trio.sleep(self.refusal_delay)
+                elif failed is None:
+                    self.handshakes_expired += 1
+                    self.say(host, logging.INFO, "%s: TLS handshake not done in %g s; closed",
+                             peer, self.tls_handshake_timeout)
+        if waited.cancelled_caught:
+            self.handshakes_expired += 1
+            self.say(host, logging.INFO, "%s: no turn for its TLS handshake in %g s (its "
+                     "address's other handshakes); closed", peer, self.idle_timeout)
         await trio.aclose_forcefully(stream)
         return False
 
@@ -1054,7 +1179,6 @@ class Gateway:
                 f"{b.missed_outages} outages of the bus missed by subscribers, "
                 f"{self.refused} frames refused, {self.closed} closed (wrong key, junk), "
                 f"{self.handshakes_expired} TLS handshakes not done in time, "
-                f"{self.handshake_places.displaced} given way to other addresses, "
                 f"{self.crashes} dropped on an internal error, "
                 f"{self.caps.refused} connections refused at the caps "
                 f"({self.tarpit.held} held, {self.tarpit.overflow} closed at once), "
@@ -1116,7 +1240,7 @@ class Gateway:
                     stream: trio.abc.Stream = trio.SocketStream(
                         trio.socket.from_stdlib_socket(conn))
                     if ctx is not None:
-                        stream = trio.SSLStream(stream, ctx, server_side=True,
+                        stream = trio.SSLStream(_Bounded(stream), ctx, server_side=True,
                                                 https_compatible=https_compatible)
                     admitted = self.admit(stream)
                     if isinstance(admitted, str):
