@@ -505,8 +505,10 @@ class Gateway:
         if mine is None:
             mine = account.handshakes = trio.Semaphore(HANDSHAKES_PER_ADDRESS)
         failed: BaseException | None = None
+        began = False
         with trio.move_on_after(self.idle_timeout) as waited:
             async with mine:
+                began = True
                 with trio.move_on_after(self.tls_handshake_timeout):
                     try:
                         await stream.do_handshake()
@@ -524,7 +526,7 @@ class Gateway:
                     self.handshakes_expired += 1
                     self.say(host, logging.INFO, "%s: TLS handshake not done in %g s; closed",
                              peer, self.tls_handshake_timeout)
-        if waited.cancelled_caught:
+        if waited.cancelled_caught and not began:
             self.handshakes_expired += 1
             self.say(host, logging.INFO, "%s: no turn for its TLS handshake in %g s (its "
                      "address's other handshakes); closed", peer, self.idle_timeout)
