@@ -308,6 +308,38 @@ def test_the_handshake_guard_reads_records_as_openssl_does(client_ctx):
     sealed = HandshakeGuard(16384)  # application data: its bytes are not headers
     sealed.feed(b"\x17\x03\x03\x00\x08" + b"\x01\xff\xff\xff" * 2)
     sealed.feed(hello)
+    # the server's ServerHello ends the looking (a TLS 1.2 Finished is an encrypted
+    # handshake record); a HelloRetryRequest does not (a second ClientHello follows)
+    from sbus.gateway.server import HELLO_RETRY
+
+    def server_hello(random: bytes) -> bytes:
+        return b"\x16\x03\x03\x00\x30\x02\x00\x00\x2c\x03\x03" + random + bytes(12)
+
+    huge = b"\x16\x03\x03\x00\x08\x14\x9a\x77\x31\x05\x06\x07\x08"  # random bytes
+    retried = HandshakeGuard(16384)
+    retried.feed(hello)
+    retried.sent(server_hello(HELLO_RETRY))
+    with pytest.raises(HandshakeTooLarge):
+        retried.feed(b"\x16\x03\x03\x00\x04\x01\x01\xff\xff")
+    answered = HandshakeGuard(16384)
+    answered.feed(hello)
+    answered.sent(server_hello(bytes(range(32))))
+    answered.feed(b"\x14\x03\x03\x00\x01\x01" + huge)  # CCS, then "Finished"
+
+
+@pytest.mark.parametrize("version", ["TLSv1_2", "TLSv1_3"])
+def test_tls_12_and_13_clients_are_served(tls_gw, ca, version):
+    """Both versions the gateway offers make their handshake and a round trip (the
+    handshake guard once read a TLS 1.2 client's encrypted Finished as a header claiming
+    megabytes, and refused every TLS 1.2 client: the re-audit of 2026-11-27)."""
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    ctx.minimum_version = ctx.maximum_version = getattr(ssl.TLSVersion, version)
+    for _ in range(3):
+        s = tls_connect(tls_gw, ctx)
+        assert s.version() == version.replace("_", ".")
+        roundtrip(s)
+        s.close()
 
 
 def test_tls_frames_are_byte_exact(tls_gw, client_ctx, local):

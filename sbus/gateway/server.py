@@ -205,16 +205,25 @@ class HandshakeTooLarge(Exception):
     handshake message claiming more than `HANDSHAKE_MESSAGE`."""
 
 
+#: The random of a ServerHello that is a TLS 1.3 HelloRetryRequest (RFC 8446, 4.1.3).
+HELLO_RETRY = bytes.fromhex("cf21ad74e59a6111be1d8c021e65b891c2a211167abb8c5e079e09e2c8a8339c")
+
+
 class HandshakeGuard:
     """The TLS records a client sends before its handshake is done, read as OpenSSL will
     read them: a handshake message claiming more than *limit* bytes is refused before
     OpenSSL sees its header, since OpenSSL makes room for what the header claims when
     it comes (a ClientHello may claim 128 KiB: ~300 KB of RSS per stalled handshake,
-    measured).  Only plaintext handshake records are looked into: after a TLS 1.3
-    ServerHello the client's records are encrypted, and OpenSSL expects nothing larger
-    than a Finished of it.  Pure: bytes in, `HandshakeTooLarge` out."""
+    measured).  Only a ClientHello may claim that much (OpenSSL bounds each later message
+    by what it expects: a TLS 1.2 key exchange 2 KiB, a Finished 64 bytes), and the
+    client's records are looked into only until the server sends its ServerHello
+    (`sent`): after it a TLS 1.2 client's Finished is an encrypted handshake record,
+    which read as a header would claim anything.  A HelloRetryRequest is no ServerHello
+    here: the client answers it with a second ClientHello, in plaintext.  Pure: bytes
+    in, `HandshakeTooLarge` out."""
 
-    __slots__ = ("limit", "_head", "_type", "_record_left", "_msg_head", "_msg_left")
+    __slots__ = ("limit", "_head", "_type", "_record_left", "_msg_head", "_msg_left",
+                 "_stopped")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -223,8 +232,20 @@ class HandshakeGuard:
         self._record_left = 0  # bytes of its body still to come
         self._msg_head = bytearray()  # a handshake message header (4 bytes) not yet whole
         self._msg_left = 0  # bytes of the current handshake message still to come
+        self._stopped = False  # the server has sent its ServerHello
+
+    def sent(self, data: bytes | bytearray | memoryview) -> None:
+        """What the server sends: a record of a ServerHello that is not a
+        HelloRetryRequest ends the looking (OpenSSL sends whole records, the first
+        of a flight first)."""
+        head = bytes(data[:11 + len(HELLO_RETRY)])
+        if len(head) == 11 + len(HELLO_RETRY) and head[0] == 22 and head[5] == 2 and \
+                head[11:] != HELLO_RETRY:
+            self._stopped = True
 
     def feed(self, data: bytes) -> None:
+        if self._stopped:
+            return
         at, end = 0, len(data)
         while at < end:
             if not self._record_left:
@@ -298,6 +319,8 @@ class _Bounded(trio.abc.HalfCloseableStream):
         return data
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self.left is not None:
+            self.guard.sent(data)
         await self.inner.send_all(data)
 
     async def wait_send_all_might_not_block(self) -> None:
