@@ -9,7 +9,7 @@ import errno
 import os
 import stat
 
-__all__ = ["read_small", "must_be_regular", "NotRegular", "SECRET_BYTES"]
+__all__ = ["open_regular", "read_small", "must_be_regular", "NotRegular", "SECRET_BYTES"]
 
 #: A key or password file is read up to this size: a larger one is not one.
 SECRET_BYTES = 64 * 1024
@@ -20,14 +20,28 @@ class NotRegular(OSError):
     (its ``strerror`` says which: callers print it like any `OSError`'s)."""
 
 
+def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
+    """A descriptor on the regular file at *path*: opened without waiting (a FIFO put
+    there, even after a listing, would block the open for good) and checked on the
+    descriptor, not the name.  `NotRegular` for another kind of file (a directory:
+    ``errno`` EISDIR), `OSError` when it cannot be opened."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        os.set_blocking(fd, True)
+        return fd
+    os.close(fd)
+    if stat.S_ISDIR(mode):
+        raise NotRegular(errno.EISDIR, "Is a directory", str(path))
+    raise NotRegular(errno.EINVAL, "not a regular file", str(path))
+
+
 def read_small(path: str | os.PathLike, limit: int) -> bytes:
     """The bytes of the regular file at *path*, at most *limit* of them; `OSError` when it
     cannot be read (`NotRegular` when it is not such a file, or larger)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO: no wait)
+    fd = open_regular(path)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotRegular(errno.EINVAL, "not a regular file")
         if st.st_size > limit:
             raise NotRegular(errno.EFBIG, f"larger than {limit} bytes ({st.st_size})")
         chunks = []

@@ -294,6 +294,27 @@ def test_a_segment_gone_or_damaged_is_left_to_the_source(tmp_path):
     assert got.more and got.end == cut.seam and got.files == []
 
 
+def test_a_fifo_in_a_segments_place_is_left_to_the_source_not_waited_on(tmp_path):
+    """Another user's FIFO named as a segment after the exported ones hung
+    `sbus.spark.read_journal` for good in its first step (the re-audit of 2026-11-27):
+    its open waited for a writer.  It is opened without waiting and left to the source,
+    which names it."""
+    import threading
+
+    jdir = tmp_path / "j"
+    out = sealed_and_exported(jdir)
+    fifo = jdir / f"{10**9:020d}.sbj"
+    os.mkfifo(fifo)
+    cut = split(jdir, out)
+    assert [s.path for s in cut.rest] == [fifo]
+    got: list[tail.Tail] = []
+    worker = threading.Thread(target=lambda: got.append(
+        tail.cover(jdir, cut.rest, cut.seam, tail.cache_dir(jdir, out))), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert got and got[0].more and got[0].end == cut.seam and got[0].files == []
+
+
 def test_a_reader_converting_rows_another_has_converted_keeps_that_piece(tmp_path):
     """Two readers that both missed the other's piece write the same name: the second
     keeps the first's file (a query planned on it has its size), and no temporary."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..files import open_regular
 from .store import (
     JournalError,
     JournalWriter,
@@ -143,7 +144,7 @@ def _whole_parquet(path: Path) -> bool:
     """Does *path* begin and end with Parquet's magic?  A file a crash emptied or cut
     short does not, and Spark would skip an empty one without a word (rows lost)."""
     try:
-        with open(path, "rb") as f:
+        with open(open_regular(path), "rb") as f:  # (a FIFO put there: no wait)
             head = f.read(4)
             f.seek(-4, os.SEEK_END)
             return head == PARQUET_MAGIC and f.read(4) == PARQUET_MAGIC

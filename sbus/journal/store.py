@@ -26,6 +26,7 @@ import numpy as np
 from ..defaults import decimal
 from ..display import one_line, printable
 from ..errors import SbusError
+from ..files import NotRegular, open_regular
 from . import format as fmt
 from .columns import Columns
 from .format import Block, BlockInfo, FormatError
@@ -94,26 +95,24 @@ def list_segments(directory: str | os.PathLike) -> list[Segment]:
 
 
 def open_segment(path: Path, flags: int = os.O_RDONLY) -> int:
-    """A descriptor on the segment at *path*, which must be a regular file.  Opened
-    without waiting (a FIFO put in a segment's place, even between a listing and the
-    open, would block a reader in its open for good) and checked on the descriptor, not
-    the name.  JournalError for another kind of file (damage: the recorder moves it
-    aside), UnreadableSegment for a directory or what cannot be opened at all."""
+    """A descriptor on the segment at *path*, which must be a regular file
+    (`files.open_regular`: a FIFO put in a segment's place, even between a listing and
+    the open, would block a reader for good).  JournalError for another kind of file
+    (damage: the recorder moves it aside), UnreadableSegment for a directory or what
+    cannot be opened at all."""
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+        return open_regular(path, flags)
+    except NotRegular as exc:
+        if exc.errno == errno.EISDIR:
+            raise UnreadableSegment(f"cannot read journal segment {path}: "
+                                    f"{exc.strerror}") from None
+        raise JournalError(f"{path} is named as a segment but is not a regular file") \
+            from None
     except FileNotFoundError:
         raise
     except OSError as exc:  # no permission, a symlink loop
         raise UnreadableSegment(f"cannot read journal segment {path}: "
                                 f"{exc.strerror or exc}") from None
-    mode = os.fstat(fd).st_mode
-    if stat.S_ISREG(mode):
-        os.set_blocking(fd, True)
-        return fd
-    os.close(fd)
-    if stat.S_ISDIR(mode):
-        raise UnreadableSegment(f"cannot read journal segment {path}: Is a directory")
-    raise JournalError(f"{path} is named as a segment but is not a regular file")
 
 
 def resolve(directory: str | os.PathLike, first_seq: int) -> Segment | None:

@@ -38,7 +38,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import format as fmt
-from .store import Segment, read_seq_range, scan_blocks, segment_blocks
+from .store import (
+    JournalError,
+    Segment,
+    open_segment,
+    read_seq_range,
+    scan_blocks,
+    segment_blocks,
+)
 
 __all__ = ["TAIL_SUBDIR", "Piece", "Tail", "cache_dir", "cover"]
 
@@ -164,13 +171,13 @@ def _listing(cache: Path) -> tuple[list[Piece], list[Path]]:
 
 def _created(seg: Segment) -> int | None:
     try:
-        with open(seg.path, "rb") as f:
+        with open(open_segment(seg.path), "rb") as f:
             return fmt.decode_header(f.read(fmt.FILE_HEAD.size))[1]
     except FileNotFoundError:
         if not seg.sealed:  # sealed since it was listed
             return _created(Segment(seg.first_seq, seg.path.with_suffix(""), True))
         return None
-    except fmt.FormatError:
+    except (fmt.FormatError, JournalError):  # (a FIFO in its place, say)
         return None  # the reader of the rest names the damage
 
 
@@ -205,7 +212,7 @@ def _blocks_after(seg: Segment, lo: int, pos: int | None) -> list:
     FileNotFoundError if it is gone."""
     if pos is not None:
         try:
-            with open(seg.path, "rb") as f:  # still open: what it holds now, from pos on
+            with open(open_segment(seg.path), "rb") as f:  # still open: what it holds now
                 return [b for b in scan_blocks(f, pos) if b.next_seq > lo]
         except FileNotFoundError:
             seg = Segment(seg.first_seq, seg.path.with_suffix(""), True)
