@@ -549,3 +549,47 @@ def test_an_mqtt_outage_does_not_let_one_users_burst_take_every_place(short_tmp:
         peer.close()
         m.stop()
         bus_broker.stop()
+
+
+def test_a_bridge_stopped_during_an_mqtt_outage_keeps_what_waited_for_it(short_tmp: Path
+                                                                         ) -> None:
+    """MQTT away, 600 exports against a spool of 1,000: half the room is spooled, the rest
+    waits in the local broker's queue for the bridge.  SIGTERM then takes that into the
+    spool before the bus connection goes, so a bridge started again sends all 600 once
+    MQTT is back.  Before, the 77 left in the broker's queue went with the connection,
+    unsaid (`dropped 0`: the re-audit of 2026-11-27)."""
+    port = _free_port()
+    (short_tmp / "m").mkdir()
+    m = Mosquitto(short_tmp / "m", [("127.0.0.1", port)], persistence=True).start()
+    bus_broker = BrokerProcess(str(short_tmp / "bus.sock")).start()
+    peer = Peer(m.sock, ["out/#"], session=True)
+    br = Bridge(short_tmp, "restart", bus_broker.address, f"mqtt://127.0.0.1:{port}",
+                ["--export", "out/", "--max-queued", "1000"])
+    try:
+        br.start()
+        m.stop()
+        br.wait_status(lambda s: "mqtt down" in s)
+        with Client(bus_broker.address) as bus:
+            for n in range(600):
+                bus.publish("out/n", b"%d" % n)
+            bus.whoami()
+        br.wait_counters(lambda c: c["spooled"] >= 500)
+        time.sleep(0.5)  # (it takes no more while MQTT is away)
+        assert br.counters()["spooled"] < 600
+        br.stop()
+        br.start(wait=False)
+        br.wait_status(lambda s: "bus up" in s)
+        m.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            got = sorted({int(p) for t, p, _ in list(peer.got) if t == "out/n"})
+            if len(got) == 600:
+                break
+            time.sleep(0.1)
+        assert got == list(range(600)), f"{len(got)} of 600: {br.counters()}"
+        assert br.counters()["dropped"] == 0
+    finally:
+        br.close()
+        peer.close()
+        m.stop()
+        bus_broker.stop()

@@ -88,6 +88,10 @@ __all__ = ["MqttSettings", "BridgeShell", "Retry"]
 #: Messages taken from the bus per turn at most (the client hands out one receive's
 #: batch at a time, `sbus.client.SLOTS`).
 BATCH = 256
+#: A clean stop with MQTT away takes into the spool what waits on the bus
+#: (`BridgeShell._take_in_before_closing`): until none comes for this long, at most
+#: TAKE_IN_TIME seconds.
+TAKE_IN_QUIET, TAKE_IN_TIME = 0.05, 2.0
 #: QoS 1 exports unacknowledged at once: a burst is bound by round trips below ~300
 #: (100: 4,400–32,300 msg/s, 1,000: 18,000–39,300 in alternating runs, issue 26).  Also
 #: paho's in-flight window, but only while paho holds more (after a reconnect): with a
@@ -1282,6 +1286,28 @@ class BridgeShell:
                 for fd in wakes:
                     os.close(fd)
 
+    async def _take_in_before_closing(self) -> None:
+        """A clean stop with MQTT away: what waits for the bridge in the local broker's
+        queue (left there while the spool is half full, `_half_held`) would go with the
+        bus connection, unsaid.  Take it into the spool, up to its full room (the rest
+        dropped, counted), for the next run to send: until none comes for
+        `TAKE_IN_QUIET`, at most `TAKE_IN_TIME`."""
+        if self.mqtt_up or self.spool is None or not self.bus_up:
+            return
+        bus = self.bus
+        with anyio.move_on_after(TAKE_IN_TIME):
+            while True:
+                try:
+                    events = bus.receive_ready(BATCH)
+                    if not events:
+                        with anyio.move_on_after(TAKE_IN_QUIET):
+                            events = await bus.receive_batch(BATCH)
+                except SbusError:
+                    return  # the bus went: nothing more to take
+                if not events:
+                    return
+                self._export_events(events)
+
     async def _close(self) -> None:
         """Say goodbye to MQTT (what paho holds written, 1 s at most: not when imports
         are unpublished, whose PUBACKs would go with it), close the bus, save the state."""
@@ -1290,6 +1316,7 @@ class BridgeShell:
         lost = sum(1 for _, _, qos in self._imports if qos == 0)
         if lost:  # (the QoS 1 ones stay unacknowledged: the MQTT broker sends them again)
             self.core.dropped(lost)
+        await self._take_in_before_closing()
         mq = self.mq
         if self._mqtt_live() and not self._holding:
             self.mqtt_up = False  # a goodbye, not a loss
