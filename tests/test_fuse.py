@@ -518,6 +518,28 @@ def test_signal_ends_a_blocked_cat_within_half_a_second(mnt, sig):
     assert proc.returncode == -sig
 
 
+def test_a_process_that_exits_while_another_thread_reads_is_not_held(mnt, bus):
+    """The main thread opens a file and exits the process (``os._exit``) while another
+    thread is blocked reading it: the process ends at once.  Before, the mount asked
+    only the opener, a zombie whose pending signals are gone, and the reading thread
+    sat in ``request_wait_answer`` (not even SIGKILL ended it) until a message came on
+    the key (the re-audit of 2026-11-27: 11 minutes)."""
+    script = ("import os, threading, time\n"
+              "f = open(os.environ['FILE'], 'rb', buffering=0)\n"
+              "threading.Thread(target=f.read, args=(100,), daemon=True).start()\n"
+              "time.sleep(0.5)\n"
+              "os._exit(0)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script],
+                            env={**os.environ, "FILE": touch(mnt, "exits")})
+    try:
+        proc.wait(5)
+    finally:
+        if proc.poll() is None:  # held: a message on its key lets it go
+            publish(bus.address, (b"exits", b"free"))
+            proc.wait(10)
+    assert proc.returncode == 0
+
+
 def waiting_in_fuse(pid: int) -> int:
     """How many of *pid*'s threads wait for a FUSE answer (``request_wait_answer``)."""
     count = 0

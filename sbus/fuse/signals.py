@@ -16,6 +16,7 @@ restart the call.  Such a reader stops when its next message arrives instead.
 
 from __future__ import annotations
 
+import os
 import signal
 
 __all__ = ["unblocked_pending", "pending_from_status", "interrupted", "thread_group",
@@ -38,12 +39,37 @@ def pending_from_status(status: str) -> int:
 
 
 def unblocked_pending(pid: int) -> int | None:
-    """Bit ``n-1`` set for each pending, unblocked signal ``n``; None if *pid* is gone."""
+    """Bit ``n-1`` set for each pending, unblocked signal ``n``; None if *pid* is gone or
+    a zombie (a thread group's leader that exited before its other threads: its
+    pending signals are gone with it)."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            return pending_from_status(f.read())
+            status = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
+    if "\nState:\tZ" in status or "\nState:\tX" in status:
+        return None
+    return pending_from_status(status)
+
+
+#: The threads of a process whose opener is gone that `interrupted` looks at, at most.
+THREADS_ASKED = 64
+SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def _group_killed(tgid: int) -> bool:
+    """Whether the threads of process *tgid* are being killed (``exit_group``, a fatal
+    signal: each thread has SIGKILL pending), looking at up to `THREADS_ASKED`."""
+    try:
+        tids = os.listdir(f"/proc/{tgid}/task")
+    except OSError:
+        return False
+    for tid in tids[:THREADS_ASKED]:
+        if tid.isdigit() and int(tid) != tgid:
+            mask = unblocked_pending(int(tid))
+            if mask is not None:
+                return bool(mask & SIGKILL_BIT)
+    return False
 
 
 def thread_group(pid: int) -> int:
@@ -70,8 +96,11 @@ def interrupted(pid: int, tgid: int | None = None) -> bool:
     if pid <= 0:
         return False  # the kernel itself (e.g. writeback): nobody to interrupt
     mask = unblocked_pending(pid)
-    if mask is None and tgid is not None and tgid != pid:
-        mask = unblocked_pending(tgid)
+    group = pid if tgid is None else tgid
+    if mask is None and group != pid:
+        mask = unblocked_pending(group)
+    if mask is None:  # the opener and its process's leader are gone: a thread reading on
+        return _group_killed(group)  # dies with its process, or waits on
     return bool(mask)
 
 
