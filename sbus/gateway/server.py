@@ -100,9 +100,9 @@ REFUSAL_DELAY = 5.0
 #: client may send at most HANDSHAKE_BYTES before its handshake is done (`_Bounded`):
 #: OpenSSL holds a stalled ClientHello of up to 128 KiB (~300 KB of RSS each, measured),
 #: which no other bound counted (256 of one address took 77 MB, 5,000 of 20 addresses
-#: 1.5 GB).  With that bound a handshake holds what any connection does, so there is no
-#: cap on handshakes in all (a cap of 512 let many addresses that each stalled one keep
-#: a new client waiting for any place: 19-26 s, the audit of 2026-11-27).
+#: 1.5 GB).  With that bound a handshake holds about twice an idle connection, so there
+#: is no cap on handshakes in all (a cap of 512 let many addresses that each stalled one
+#: keep a new client waiting for any place: 19-26 s, the audit of 2026-11-27).
 TLS_HANDSHAKE_TIMEOUT = 5.0
 #: What serves one admitted connection (`Gateway.accept`): stream, host, peer.
 Handler = Callable[[trio.abc.Stream, str, str], Awaitable[None]]
