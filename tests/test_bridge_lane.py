@@ -493,6 +493,16 @@ def test_a_local_user_flooding_exports_cannot_starve_another(short_tmp: Path) ->
         bus_broker.stop()
 
 
+def _numbers(peer: Peer, topic: str, want: int, timeout: float = 30) -> list[int]:
+    """The numbers *peer* got on *topic*, once it has *want* of them (or at *timeout*)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [int(p) for t, p, _ in list(peer.got) if t == topic]
+        if len(got) >= want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
 def _burst(pipe, address: str, key: str, count: int) -> None:
     """Another user: *count* numbered messages on *key* at once."""
     with Client(address) as bus:
@@ -532,12 +542,7 @@ def test_an_mqtt_outage_does_not_let_one_users_burst_take_every_place(short_tmp:
         procs.append(other)
         assert other_pipe.poll(30) and other_pipe.recv() == 50
         m.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            others = [int(p) for t, p, _ in list(peer.got) if t == "out/other"]
-            if len(others) == 50:
-                break
-            time.sleep(0.1)
+        others = _numbers(peer, "out/other", 50)
         assert others == list(range(50)), f"{len(others)} of 50: {br.counters()}"
         c = br.wait_counters(lambda c: c["exported"] + c["dropped"] >= 3050, timeout=15)
         bursts = {int(p) for t, p, _ in list(peer.got) if t == "out/burst"}
@@ -580,12 +585,7 @@ def test_a_bridge_stopped_during_an_mqtt_outage_keeps_what_waited_for_it(short_t
         br.start(wait=False)
         br.wait_status(lambda s: "bus up" in s)
         m.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            got = sorted({int(p) for t, p, _ in list(peer.got) if t == "out/n"})
-            if len(got) == 600:
-                break
-            time.sleep(0.1)
+        got = sorted(set(_numbers(peer, "out/n", 600)))
         assert got == list(range(600)), f"{len(got)} of 600: {br.counters()}"
         assert br.counters()["dropped"] == 0
     finally:
