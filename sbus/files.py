@@ -31,9 +31,8 @@ def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
         os.set_blocking(fd, True)
         return fd
     os.close(fd)
-    if stat.S_ISDIR(mode):
-        raise NotRegular(errno.EISDIR, "Is a directory", str(path))
-    raise NotRegular(errno.EINVAL, "not a regular file", str(path))
+    raise NotRegular(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
+                     "not a regular file", str(path))
 
 
 def read_small(path: str | os.PathLike, limit: int) -> bytes:

@@ -420,8 +420,14 @@ def test_qos1_queue_while_the_broker_is_away_is_bounded_in_bytes(one_host: Hosts
     hosts.mosquitto.stop()
     br.wait_status(lambda s: "mqtt down" in s)
     publish(hosts.bus_address(0), [(f"q/{i}", b"z" * 1000) for i in range(20)])
-    c = br.wait_counters(lambda c: c["exported"] + c["dropped"] == 20)
-    assert (c["exported"], c["dropped"]) == (10, 10), c   # 10 x 1003 bytes fit in 10 KiB
+    # with MQTT away the bus is read while the spool is under half its room (5 of these),
+    # a batch at a time: those past 10 KiB in a batch are dropped, the rest wait in the
+    # local broker's queue (docs/bridge.md, "The spool")
+    br.wait_counters(lambda c: c["exported"] >= 5)
+    time.sleep(0.5)
+    c = br.counters()
+    assert 5 <= c["exported"] <= 10 and c["exported"] * 1003 <= 10 * 1024, c
+    assert c["exported"] + c["dropped"] <= 20 and c["spooled"] == c["exported"], c
 
 
 def test_own_message_returned_by_a_relay_is_recognised_by_its_marker(one_host: Hosts) -> None:

@@ -104,8 +104,8 @@ def open_segment(path: Path, flags: int = os.O_RDONLY) -> int:
         return open_regular(path, flags)
     except NotRegular as exc:
         if exc.errno == errno.EISDIR:
-            raise UnreadableSegment(f"cannot read journal segment {path}: "
-                                    f"{exc.strerror}") from None
+            raise UnreadableSegment(f"cannot read journal segment {path}: Is a "
+                                    "directory") from None
         raise JournalError(f"{path} is named as a segment but is not a regular file") \
             from None
     except FileNotFoundError:
