@@ -20,18 +20,18 @@ class NotRegular(OSError):
     (its ``strerror`` says which: callers print it like any `OSError`'s)."""
 
 
-def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
+def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
     """A descriptor on the regular file at *path*: opened without waiting (a FIFO put
     there, even after a listing, would block the open for good) and checked on the
     descriptor, not the name.  `NotRegular` for another kind of file (a directory:
     ``errno`` EISDIR), `OSError` when it cannot be opened."""
-    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
-    mode = os.fstat(fd).st_mode
-    if stat.S_ISREG(mode):
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, mode)  # (*mode*: if created)
+    kind = os.fstat(fd).st_mode
+    if stat.S_ISREG(kind):
         os.set_blocking(fd, True)
         return fd
     os.close(fd)
-    raise NotRegular(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
+    raise NotRegular(errno.EISDIR if stat.S_ISDIR(kind) else errno.EINVAL,
                      "not a regular file", str(path))
 
 

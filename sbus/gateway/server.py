@@ -36,7 +36,7 @@ import socket
 import ssl
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import trio
 from trio.lowlevel import ParkingLot
@@ -209,6 +209,37 @@ class HandshakeTooLarge(Exception):
 HELLO_RETRY = bytes.fromhex("cf21ad74e59a6111be1d8c021e65b891c2a211167abb8c5e079e09e2c8a8339c")
 
 
+class _Frames:
+    """One layer of TLS framing, read as bytes come: a header of *size* bytes whose
+    bytes [*at*, *size*) are the big-endian length of the body after it."""
+
+    __slots__ = ("size", "at", "head", "left")
+
+    def __init__(self, size: int, at: int) -> None:
+        self.size, self.at = size, at
+        self.head = bytearray()  # a header not yet whole
+        self.left = 0  # bytes of the current body still to come
+
+    def pieces(self, data: bytes) -> Iterator[tuple[bytes | None, bytes]]:
+        """(a whole header, b"") as each completes, (None, a piece of body) as it comes."""
+        at, end = 0, len(data)
+        while at < end:
+            if self.left:
+                body = data[at:at + self.left]
+                at += len(body)
+                self.left -= len(body)
+                yield None, body
+                continue
+            got = data[at:at + self.size - len(self.head)]
+            self.head += got
+            at += len(got)
+            if len(self.head) == self.size:
+                head = bytes(self.head)
+                self.head.clear()
+                self.left = int.from_bytes(head[self.at:], "big")
+                yield head, b""
+
+
 class HandshakeGuard:
     """The TLS records a client sends before its handshake is done, read as OpenSSL will
     read them: a handshake message claiming more than *limit* bytes is refused before
@@ -222,16 +253,13 @@ class HandshakeGuard:
     here: the client answers it with a second ClientHello, in plaintext.  Pure: bytes
     in, `HandshakeTooLarge` out."""
 
-    __slots__ = ("limit", "_head", "_type", "_record_left", "_msg_head", "_msg_left",
-                 "_stopped")
+    __slots__ = ("limit", "_records", "_messages", "_type", "_stopped")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._head = bytearray()  # a record header (5 bytes) not yet whole
+        self._records = _Frames(5, 3)  # content type, version, length
+        self._messages = _Frames(4, 1)  # handshake type, length
         self._type = 0  # the current record's content type
-        self._record_left = 0  # bytes of its body still to come
-        self._msg_head = bytearray()  # a handshake message header (4 bytes) not yet whole
-        self._msg_left = 0  # bytes of the current handshake message still to come
         self._stopped = False  # the server has sent its ServerHello
 
     def sent(self, data: bytes | bytearray | memoryview) -> None:
@@ -246,41 +274,17 @@ class HandshakeGuard:
     def feed(self, data: bytes) -> None:
         if self._stopped:
             return
-        at, end = 0, len(data)
-        while at < end:
-            if not self._record_left:
-                got = data[at:at + 5 - len(self._head)]
-                self._head += got
-                at += len(got)
-                if len(self._head) == 5:
-                    self._type = self._head[0]
-                    self._record_left = int.from_bytes(self._head[3:5], "big")
-                    self._head.clear()
-                continue
-            body = data[at:at + self._record_left]
-            at += len(body)
-            self._record_left -= len(body)
-            if self._type == 22:  # handshake
-                self._messages(body)
-
-    def _messages(self, body: bytes) -> None:
-        at, end = 0, len(body)
-        while at < end:
-            if not self._msg_left:
-                got = body[at:at + 4 - len(self._msg_head)]
-                self._msg_head += got
-                at += len(got)
-                if len(self._msg_head) == 4:
-                    claimed = int.from_bytes(self._msg_head[1:4], "big")
-                    self._msg_head.clear()
+        for head, body in self._records.pieces(data):
+            if head is not None:
+                self._type = head[0]
+            elif self._type == 22:  # handshake
+                for message, _ in self._messages.pieces(body):
+                    if message is None:
+                        continue
+                    claimed = int.from_bytes(message[1:], "big")
                     if claimed > self.limit:
                         raise HandshakeTooLarge(f"a handshake message claiming {claimed} "
                                                 f"bytes, over {self.limit}")
-                    self._msg_left = claimed
-                continue
-            take = min(self._msg_left, end - at)
-            at += take
-            self._msg_left -= take
 
 
 class _Bounded(trio.abc.HalfCloseableStream):

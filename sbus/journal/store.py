@@ -15,7 +15,6 @@ import errno
 import fcntl
 import logging
 import os
-import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -484,12 +483,8 @@ class JournalWriter:
             raise JournalError(f"cannot use journal directory {self.dir}: "
                                f"{exc.strerror or exc}") from None
         try:  # not followed if a link, not waited on if a FIFO: a regular file or an error
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
-                         | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-            self._lock = os.fdopen(fd, "a")
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                self._lock.close()
-                raise OSError(errno.EINVAL, "not a regular file")
+            self._lock = os.fdopen(open_regular(
+                lock, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW), "a")
         except OSError as exc:  # a directory, a link, a FIFO, another user's file…
             why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or exc
             raise JournalError(f"cannot open the journal's lock file {lock}: {why}") from None
