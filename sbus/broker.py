@@ -31,6 +31,7 @@ its turn.  The UIDs exempt from the limits (root) are exempt from the share too.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import logging
 import os
@@ -38,6 +39,7 @@ import pwd
 import select
 import socket
 import struct
+import termios
 import time
 from collections.abc import Callable
 
@@ -170,6 +172,26 @@ def _at_eof(fd: int) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLRDHUP)
     return any(ev & _HANGUP for _, ev in poller.poll(0))
+
+
+def _shut_reading(fd: int) -> None:
+    """Take no more packets on *fd*: the peer's next send fails, what it sent before
+    stays to be read (then empty packets, as at an end of file)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.shutdown(socket.SHUT_RD)
+    except OSError:  # (gone already: its end is read as before)
+        pass
+    finally:
+        sock.detach()
+
+
+def _unread(fd: int) -> bool:
+    """Does *fd* hold packets not read yet (bytes of them: ``SIOCINQ``)?"""
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] > 0
+    except OSError:
+        return False
 
 
 def peer_credentials(sock: socket.socket) -> Credentials:
@@ -360,16 +382,21 @@ class Broker:
         """Disconnect every client (shutting down without a successor), once what they
         had sent is read (for `CLOSING_SECONDS` at most) and delivered or queued, and
         what their sockets take of their queues written; the rest is lost, and said so
-        (counted in ``dropped``)."""
+        (counted in ``dropped``).  What a client sends once this began fails (EPIPE, as
+        after the close), so a reconnecting client sends it again to the next broker:
+        nothing is taken without being read."""
         core = self.core
         clients = list(self._clients.values())
+        for c in clients:  # from here a send fails (EPIPE), where it would vanish unread
+            if not c.closed:
+                _shut_reading(c.link)
         ends = time.monotonic() + CLOSING_SECONDS
         clock = time.monotonic
         while clock() < ends:  # what they sent before the end reaches the others
             published = core.published
             for c in clients:  # paused publishers too: what they sent is counted then
                 if not (c.closed or c.fanout):
-                    self._read(c)
+                    self._read(c, shut=True)
                     if clock() >= ends:
                         break
             core.finish_fanouts()
@@ -386,11 +413,17 @@ class Broker:
             log.warning("shutting down with %d messages for %d clients that had not read "
                         "them: lost (a hand-over keeps them: SIGUSR2, or systemctl "
                         "restart)", sum(left), len(left))
+        unread = [c for c in clients if not c.closed and _unread(c.link)]
+        if unread:  # still sending when CLOSING_SECONDS ran out
+            log.warning("shutting down with packets of %d clients unread: lost",
+                        len(unread))
         for c in clients:
             self._close(c)
 
-    def _read(self, c: Client) -> None:
-        """One turn of *c*: up to `READS_PER_WAKE` batches or `TURN_SECONDS`."""
+    def _read(self, c: Client, shut: bool = False) -> None:
+        """One turn of *c*: up to `READS_PER_WAKE` batches or `TURN_SECONDS`.  *shut*:
+        its socket no longer takes packets (`close_all`), so the empty packets that end
+        a batch are its end of what it sent, not a hang-up."""
         core, batch = self.core, self._batch
         clock = time.perf_counter
         turn_ends = clock() + TURN_SECONDS
@@ -403,6 +436,12 @@ class Broker:
             except OSError as exc:
                 core.hangup(c, f"read failed: {exc}")
                 break
+            if shut:
+                lengths = batch.lengths
+                while n and not lengths[n - 1]:
+                    n -= 1
+                if not n:
+                    break
             job = core.receive(c, batch, n, hold=self._held < HELD_BATCHES)
             core.turn_taken(c, n, clock() - started)
             if job is not None:  # the core keeps the batch (served in `_fan_out`)

@@ -240,6 +240,63 @@ def test_a_stop_without_hand_over_delivers_what_was_sent_before_it(make_broker):
     assert got == list(range(len(got))) and len(got) + lost == sent, (len(got), lost, sent)
 
 
+def test_a_stop_without_hand_over_takes_no_packet_it_does_not_read(make_broker):
+    """Publishers that keep sending through a plain SIGTERM: a packet their socket took
+    reaches the subscriber or is counted (reported to it, or in the shutdown's line), and
+    their sends
+    from the stop on fail (EPIPE: a reconnecting client sends it again to the next
+    broker).  Before, the broker read for up to a second and then closed sockets that
+    still held packets: sends that had succeeded, lost without a word."""
+    broker = make_broker()
+    sub = raw(broker.address, timeout=30)
+    sub.send(b"SUB s/")
+    sync(sub)
+    pubs = [raw(broker.address, timeout=10) for _ in range(3)]
+    for p in pubs:
+        sync(p)
+    accepted = [0] * len(pubs)
+    errors: list[OSError] = []
+
+    def publish(i: int) -> None:
+        try:
+            while True:
+                pubs[i].send(b"MSG s/x\0%d:%d" % (i, accepted[i]))
+                accepted[i] += 1
+        except OSError as exc:
+            errors.append(exc)
+
+    got: list[tuple[int, int]] = []
+    dropped = [0]  # what the subscriber could not take: reported to it
+
+    def read() -> None:
+        while p := sub.recv(1 << 16):
+            if p.startswith(b"CMSG blocking/dropped\0"):
+                dropped[0] += int(p.split(b"\0")[1])
+                continue
+            i, n = p.split(b"\0")[1].split(b":")
+            got.append((int(i), int(n)))
+
+    threads = [threading.Thread(target=publish, args=(i,)) for i in range(len(pubs))]
+    threads.append(threading.Thread(target=read))
+    for t in threads:
+        t.start()
+    until(lambda: min(accepted) > 1000, "each publisher sent 1,000", timeout=20)
+    broker.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(30)
+    log = broker.stop()
+    assert len(errors) == len(pubs) and all(
+        isinstance(e, (BrokenPipeError, ConnectionResetError)) for e in errors), errors
+    found = re.search(r"shutting down with (\d+) messages for 1 clients", log)
+    lost = int(found[1]) if found else 0
+    assert "unread" not in log, log
+    for i in range(len(pubs)):  # each publisher's in order, none twice
+        mine = [n for j, n in got if j == i]
+        assert mine == sorted(set(mine))
+    assert len(got) + dropped[0] + lost == sum(accepted), \
+        (len(got), dropped[0], lost, accepted)
+
+
 def test_a_stop_without_hand_over_counts_what_a_paused_publisher_had_sent(make_broker):
     """A publisher paused by a subscriber's ``hard/block`` is not read: at a plain
     SIGTERM what waited in its socket was neither delivered nor counted."""
