@@ -798,8 +798,9 @@ def test_buffered_client_takes_plain_publishes_as_paho_would() -> None:
 
 def test_buffered_client_publishes_now_what_paho_would_send() -> None:
     """`BufferedClient.publish_now` writes the bytes paho's own publish and loop_write
-    write, records the message as paho does (its PUBACK ends it), and leaves to paho what
-    must wait: no connection, the window full, messages or packets queued ahead."""
+    write, `record` then records the message as paho does (its PUBACK ends it), and it
+    leaves to paho what must wait: no connection, the window full, messages or packets
+    queued ahead."""
     import socket
 
     from paho.mqtt.client import _ConnectionState, mqtt_ms_wait_for_puback
@@ -827,10 +828,12 @@ def test_buffered_client_publishes_now_what_paho_would_send() -> None:
         theirs.flush()
         mine = ours.publish_now(topic, payload, Stamp())
         ours.flush()
-        assert mine is not None and (mine.mid, mine.rc) == (info.mid, info.rc)
+        assert mine is not None and mine not in ours._out_messages  # recorded after
+        ours.record()
+        assert (mine, 0) == (info.mid, info.rc)
         sent = their_peer.recv(100_000)
         assert our_peer.recv(100_000) == sent and sent[0] == 0x32
-        msg = ours._out_messages[mine.mid]
+        msg = ours._out_messages[mine]
         assert (msg.topic, msg.payload, msg.qos, msg.state) == (
             topic.decode(), payload, 1, mqtt_ms_wait_for_puback)
     assert ours._inflight_messages == theirs._inflight_messages == 3

@@ -143,6 +143,9 @@ class BufferedClient(mqtt.Client):
         self._rpos = 0
         self._wbuf = bytearray()  # what paho wrote since the last `push`
         self._wlast = 0  # a send that could not go: retried with this length (TLS)
+        #: what `publish_now` wrote and paho has no record of yet (`record`): packet
+        #: identifier, topic, payload, properties, when
+        self._unrecorded: list[tuple[int, bytes, bytes, _Packable, float]] = []
         # what paho's decoder gives for a 2-byte PUBACK: success, no properties (shared:
         # the bridge's on_publish only reads them)
         self._acked = (ReasonCode(PacketTypes.PUBACK), Properties(PacketTypes.PUBACK))
@@ -301,14 +304,15 @@ class BufferedClient(mqtt.Client):
 
     # -- what the shell calls ----------------------------------------------------------
 
-    def publish_now(self, topic: bytes, payload: bytes, properties: _Packable
-                    ) -> mqtt.MQTTMessageInfo | None:
+    def publish_now(self, topic: bytes, payload: bytes, properties: _Packable) -> int | None:
         """A QoS 1 PUBLISH of *topic* (valid: no wildcard, not empty) put straight into the
-        write buffer, with paho's own record of it (its packet identifier, the message in
-        flight that a PUBACK ends and a reconnect sends again), as paho's ``publish``
-        would queue it and its ``loop_write`` copy it there (module docstring).  None when
-        that path must take it: no live connection, packets or messages queued ahead of
-        it, the window full, the buffer full, or the next identifier still in flight."""
+        write buffer, as paho's ``publish`` would queue it and its ``loop_write`` copy it
+        there (module docstring): its packet identifier.  paho's own record of it (the
+        message in flight that a PUBACK ends and a reconnect sends again) is made by
+        `record`, which the caller runs after the send, off the message's way, and before
+        paho reads or sends anything else.  None when paho's path must take it: no live
+        connection, packets or messages queued ahead of it, the window full, the buffer
+        full, or the next identifier still in flight."""
         inflight = self._inflight_messages
         if (self._state != _CONNECTED or self._sock is None or self._out_packet
                 or len(self._wbuf) >= WRITE_CHUNK
@@ -318,13 +322,6 @@ class BufferedClient(mqtt.Client):
         mid = self._mid_generate()
         if mid in self._out_messages:
             return None
-        message = mqtt.MQTTMessage(mid, topic)
-        message.timestamp = now = mqtt.time_func()
-        message.payload, message.qos, message.properties = payload, 1, properties
-        message.state = mqtt.mqtt_ms_wait_for_puback
-        with self._out_message_mutex:
-            self._out_messages[mid] = message
-            self._inflight_messages += 1
         packed = properties.pack()
         remaining = 4 + len(topic) + len(packed) + len(payload)
         buf = self._wbuf
@@ -335,9 +332,27 @@ class BufferedClient(mqtt.Client):
         buf += mid.to_bytes(2, "big")
         buf += packed
         buf += payload
-        self._last_msg_out = now  # (paho's keep-alive, as after its own write)
-        message.info.rc = MQTTErrorCode.MQTT_ERR_SUCCESS
-        return message.info
+        self._inflight_messages = inflight + 1  # (the window counts it from now on)
+        self._last_msg_out = now = mqtt.time_func()  # (paho's keep-alive, as after a write)
+        self._unrecorded.append((mid, topic, payload, properties, now))
+        return mid
+
+    def record(self) -> None:
+        """paho's records of what `publish_now` wrote, as its ``publish`` makes them."""
+        if not self._unrecorded:
+            return
+        made = []
+        for mid, topic, payload, properties, now in self._unrecorded:
+            message = mqtt.MQTTMessage(mid, topic)
+            message.timestamp = now
+            message.payload, message.qos, message.properties = payload, 1, properties
+            message.state = mqtt.mqtt_ms_wait_for_puback
+            message.info.rc = MQTTErrorCode.MQTT_ERR_SUCCESS
+            made.append(message)
+        self._unrecorded.clear()
+        with self._out_message_mutex:
+            for message in made:
+                self._out_messages[message.mid] = message
 
     def drop_over(self, limit: int) -> list[int]:
         """Forget the messages held for sending whose PUBLISH would be over *limit*

@@ -365,6 +365,7 @@ class BridgeShell:
                               head=heads[epoch])
             else:  # the bridge spools none such: damage
                 damaged.append(seq)
+        self.mq.record()
         self._left = []
         if damaged:
             assert self.spool is not None
@@ -1075,8 +1076,11 @@ class BridgeShell:
         """Hand what was taken to paho: QoS 0 at once (dropped, counted, without a
         connection), QoS 1 through the spool (dropped, counted, when it is full)."""
         if taken:
-            self._export_run(taken)
-            self._flush()
+            try:
+                self._export_run(taken)
+                self._flush()
+            finally:  # paho's records of what went: after the send, off its way
+                self.mq.record()
 
     def _export_run(self, taken: list[tuple[str, bytes, int]]) -> None:
         core, spool, head0 = self.core, self.spool, self._stamp0_head
@@ -1126,12 +1130,18 @@ class BridgeShell:
         props = self._props if seq < 0 else _Stamped((head or self._stamp_head)
                                                      + b"%016x" % seq)
         mq = self.mq
-        info = mq.publish_now(topic, payload, props) or mq.publish(
-            topic.decode("utf-8", "replace"), payload, 1, properties=props)  # type: ignore[arg-type]
-        if info.rc in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
+        mid = mq.publish_now(topic, payload, props)
+        if mid is None:
+            mq.record()  # (paho keeps its messages in order: those written before first)
+            info = mq.publish(topic.decode("utf-8", "replace"), payload, 1,
+                              properties=props)  # type: ignore[arg-type]
+            rc, mid = info.rc, info.mid
+        else:
+            rc = MQTTErrorCode.MQTT_ERR_SUCCESS
+        if rc in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
             if count:
                 self.core.exported(size)  # without a connection: queued by paho
-            self._outstanding[info.mid] = (seq, size)
+            self._outstanding[mid] = (seq, size)
             if seq < 0:
                 self._held_bytes += size
         else:
