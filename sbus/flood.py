@@ -39,6 +39,16 @@ under ``order random`` (a heap) the arriving packet is dropped as before.  Packe
 broker queues itself (`force`) and those handed over by a predecessor have no user and
 never give way.
 
+Turns for each user: in ``order/queue`` a queue holding packets of two users or more
+sends them in turns, a packet of each user's (oldest first) in a round, the broker's own
+replies taking turns as one more user.  A subscriber that carries many users (the
+bridge, the gateway's bus connection) used to send its waiting packets in arrival
+order, so after a flooder had filled its queue every other user's message waited for
+the whole of it (3–8 s behind the bridge in the audit of 2026-11-27, with nothing lost);
+now it waits for one packet of each user.  Each user's packets, and the broker's
+replies among themselves, keep their order; while one user holds them all the queue is
+the plain deque it always was.
+
 A change of order re-sorts at most `REORDER_LIMIT` packets at once: on a longer queue
 it takes effect once the queue has drained to that length, so that flipping the order
 back and forth costs the broker next to nothing.
@@ -133,7 +143,7 @@ class OutQueue:
 
     __slots__ = ("limit", "soft", "hard", "_order", "_next_order", "_overhead", "items", "_seq",
                  "nbytes", "dropped", "budget", "owners", "held", "_top", "_stale", "_unowned",
-                 "evicted", "_searched_ago")
+                 "evicted", "_searched_ago", "lanes", "_count")
 
     def __init__(self, limit: int, budget: Budget | None = None) -> None:
         self.limit = limit
@@ -143,10 +153,16 @@ class OutQueue:
         self._order = Order.QUEUE
         self._next_order: Order | None = None  # asked for, waiting for a short queue
         self._overhead = PACKET_OVERHEAD
-        self.items: deque[bytes] | list[tuple[int, int, bytes, int | None]] = deque()
+        #: the waiting packets, true while any wait (what the broker asks): a deque, a
+        #: heap in ``order/random``, or with `lanes` the users whose turn comes, in order
+        self.items: deque = deque()
         # beside `items` (not in a heap); both made at the first queued packet, since
         # most clients never have one (an empty deque costs 770 bytes)
         self.owners: deque[int | None] | None = None
+        #: with two users' packets waiting in ``order/queue``: each user's, oldest first
+        #: (None: the broker's replies), taken in turns (module docstring)
+        self.lanes: dict[int | None, deque[bytes]] | None = None
+        self._count = 0  # packets in `lanes`
         # bytes queued per user (publisher's UID), counted once a second user's packet
         # waits (`_count_users`): while one user holds them all, that is `nbytes` less
         # `_unowned`, and the queued path pays nothing for the share
@@ -161,7 +177,7 @@ class OutQueue:
         self.evicted = 0  # packets the last `Verdict.EVICTED` dropped
 
     def __len__(self) -> int:
-        return len(self.items)
+        return self._count if self.lanes is not None else len(self.items)
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -184,7 +200,7 @@ class OutQueue:
         self._next_order = None
         if order is self._order:
             return
-        if len(self.items) > REORDER_LIMIT:
+        if len(self) > REORDER_LIMIT:
             self._next_order = order  # `pop` applies it once the queue is short
             return
         self._reorder(order)
@@ -200,14 +216,33 @@ class OutQueue:
             self._push(packet, owner)
 
     def _arrivals(self) -> list[tuple[bytes, int | None]]:
-        """The queued packets and their users, oldest first."""
+        """The queued packets and their users, oldest first (with `lanes`: in the order
+        they would be sent)."""
         if self._order is Order.RANDOM:  # a heap: back to arrival order
             return [(p, o) for _, _, p, o in sorted(self.items, key=lambda item: item[1])]
+        if self.lanes is not None:
+            return self._in_turns()
         return list(zip(self.items, self.owners or (), strict=True))
 
+    def _in_turns(self) -> list[tuple[bytes, int | None]]:
+        """The packets of `lanes` in the order `pop` takes them."""
+        lanes = self.lanes or {}
+        out: list[tuple[bytes, int | None]] = []
+        turn = [(owner, iter(lanes[owner])) for owner in self.items]
+        while turn:
+            left = []
+            for owner, packets in turn:
+                packet = next(packets, None)
+                if packet is not None:
+                    out.append((packet, owner))
+                    left.append((owner, packets))
+            turn = left
+        return out
+
     def arrival_order(self) -> list[bytes]:
-        """The queued packets, oldest first (what a successor is handed)."""
-        if self._order is Order.RANDOM:
+        """The queued packets, oldest first (what a successor is handed), or with `lanes`
+        in the order they would be sent."""
+        if self._order is Order.RANDOM or self.lanes is not None:
             return [p for p, _ in self._arrivals()]
         return list(self.items)
 
@@ -245,7 +280,7 @@ class OutQueue:
                     top = self._heaviest() if self._stale else self._top
                     if top is not None and top != owner and \
                             held[top] > 2 * (held.get(owner, 0) + size) and \
-                            self._give_way(owner, size):
+                            self._give_way(owner, size, top):
                         self._push(packet, owner)
                         return Verdict.EVICTED
             self.dropped += 1
@@ -253,7 +288,7 @@ class OutQueue:
         self._push(packet, owner)
         return Verdict.QUEUED
 
-    def _give_way(self, owner: int, size: int) -> bool:
+    def _give_way(self, owner: int, size: int, top: int) -> bool:
         """Make room for *size* bytes of *owner* by dropping the oldest packets of users
         holding over twice what *owner* would (`offer` saw that the heaviest does);
         whether the room is there (`evicted` says how many went).  The factor of two
@@ -262,8 +297,11 @@ class OutQueue:
         instead, and a user holding little still gets in.  The search starts at the
         oldest packet, where a flood that filled the queue lies, and looks at
         `EVICT_SCAN` packets at most: to hide a heavy user's packets behind them, that
-        many would have to come from users holding little."""
+        many would have to come from users holding little.  With `lanes`, the oldest of
+        the heaviest user (*top*) go, `EVICT_SCAN` at most."""
         held = self.held
+        if self.lanes is not None:
+            return self._lane_gives_way(size, top)
         twice = 2 * (held.get(owner, 0) + size)
         items, owners = self.items, self.owners
         evicted = i = 0
@@ -282,6 +320,23 @@ class OutQueue:
         self.evicted = evicted
         self.dropped += evicted
         return self._fits(size)  # if not, what went stays gone (counted): fairer for it
+
+    def _lane_gives_way(self, size: int, top: int) -> bool:
+        """`_give_way` with `lanes`: *top*'s oldest packets go until *size* fits."""
+        lanes = self.lanes or {}
+        lane = lanes[top]
+        evicted = 0
+        while lane and evicted < EVICT_SCAN and not self._fits(size):
+            packet = lane.popleft()
+            self._count -= 1
+            self._uncharge(len(packet) + self._overhead, top)
+            evicted += 1
+        if not lane:  # (rare: a packet larger than all it held; O(users))
+            del lanes[top]
+            self.items.remove(top)
+        self.evicted = evicted
+        self.dropped += evicted
+        return self._fits(size)
 
     def _fits(self, size: int) -> bool:
         """Whether *size* more bytes fit under the queue's limit and its user's budget
@@ -338,6 +393,8 @@ class OutQueue:
         """The packet to send next."""
         items = self.items
         if self._order is Order.QUEUE:
+            if self.lanes is not None:
+                return self.lanes[items[0]][0]
             return items[0]
         if self._order is Order.STACK:
             return items[-1]
@@ -347,6 +404,8 @@ class OutQueue:
         """Remove the packet `peek` returned (after the kernel took it)."""
         items = self.items
         if self._order is Order.QUEUE:
+            if self.lanes is not None:
+                return self._pop_turn()
             packet = items.popleft()
             owner = self.owners.popleft()
         elif self._order is Order.STACK:
@@ -358,6 +417,44 @@ class OutQueue:
         if self._next_order is not None and len(items) <= REORDER_LIMIT:
             self._reorder(self._next_order)
         return packet
+
+    def _pop_turn(self) -> bytes:
+        """`pop` with `lanes`: the oldest packet of the user whose turn it is, who then
+        goes to the back; the plain deque again once nothing waits."""
+        turns, lanes = self.items, self.lanes or {}
+        owner = turns[0]
+        lane = lanes[owner]
+        packet = lane.popleft()
+        if lane:
+            turns.rotate(-1)
+        else:
+            turns.popleft()
+            del lanes[owner]
+        self._count -= 1
+        self._uncharge(len(packet) + self._overhead, owner)
+        if not turns:
+            self.lanes, self.owners = None, None
+        if self._next_order is not None and len(self) <= REORDER_LIMIT:
+            self._reorder(self._next_order)
+        return packet
+
+    def _to_lanes(self) -> None:
+        """A second user's packet comes to a deque (`order/queue`): from now on turns.
+        What waits is one user's (`_top`) and the broker's replies: the deque becomes the
+        user's lane as it is, unless replies are among it."""
+        items, owners = self.items, self.owners or deque()
+        if not self._unowned:  # (`_top` may be the newcomer already: the deque's own)
+            lanes: dict[int | None, deque[bytes]] = {owners[0]: items} if items else {}
+        else:
+            lanes = {}
+            for packet, who in zip(items, owners, strict=True):
+                lane = lanes.get(who)
+                if lane is None:
+                    lane = lanes[who] = deque()
+                lane.append(packet)
+        self._count = len(items)
+        self.lanes, self.owners = lanes, None
+        self.items = deque(lanes)
 
     def _uncharge(self, size: int, owner: int | None) -> None:
         self.nbytes -= size
@@ -382,7 +479,8 @@ class OutQueue:
         if self.budget is not None:
             self.budget.queued -= self.nbytes
         self.items.clear()
-        self.owners = self.held = self._top = None
+        self.owners = self.held = self._top = self.lanes = None
+        self._count = 0
         self._stale = False
         self.nbytes = self._unowned = 0
 
@@ -411,9 +509,20 @@ class OutQueue:
             self.budget.queued += size
         if self._order is Order.RANDOM:
             heapq.heappush(self.items, (-len(packet), next(self._seq), packet, owner))
-        else:
-            self.items.append(packet)
-            owners = self.owners
-            if owners is None:
-                owners = self.owners = deque()
-            owners.append(owner)
+            return
+        if self.held is not None and self._order is Order.QUEUE:  # two users: turns
+            if self.lanes is None:
+                self._to_lanes()
+            lanes = self.lanes
+            lane = lanes.get(owner)  # type: ignore[union-attr]
+            if lane is None:
+                lane = lanes[owner] = deque()  # type: ignore[index]
+                self.items.append(owner)
+            lane.append(packet)
+            self._count += 1
+            return
+        self.items.append(packet)
+        owners = self.owners
+        if owners is None:
+            owners = self.owners = deque()
+        owners.append(owner)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import resource
 import selectors
@@ -13,7 +14,7 @@ import time
 
 import pytest
 from conftest import SBUS, BrokerProcess, raw, sync
-from faultkit import FullBacklog
+from faultkit import NOBODY, FullBacklog, as_user
 
 
 def recv_all(s: socket.socket, n: int, timeout: float = 10) -> list[bytes]:
@@ -594,3 +595,53 @@ def test_without_nowait_the_same_subscriber_pauses_its_own_user(make_broker):
         except BlockingIOError:
             time.sleep(0.05)
     assert sent < 2000  # paused: the kernel pushed back
+
+
+def _publish_numbered(pipe, address: str, key: bytes, count: int) -> None:
+    """Another user: *count* numbered messages on *key*, then a whoami (the broker has
+    acted on them all)."""
+    s = raw(address, timeout=30)
+    for n in range(count):
+        s.send(b"MSG %s\0%d" % (key, n))
+    sync(s)
+    pipe.send(count)
+
+
+def test_a_users_messages_do_not_wait_behind_anothers_flood_in_a_queue(make_broker,
+                                                                      short_tmp):
+    """A subscriber that carries many users (the MQTT bridge, the gateway) falls behind:
+    one user floods it until its queue is full, then another user publishes five
+    messages.  The queue sends its users' packets in turns (sbus/flood.py), so the
+    five come right after what the subscriber's socket already held, each user's in
+    order, and nothing is lost without a report.  Before, they came after the whole
+    flood in the queue: 3-8 s late behind the bridge in the audit of 2026-11-27."""
+    os.chmod(short_tmp, 0o755)  # the other users reach the socket
+    b = make_broker("--queue-limit", "1m")
+    sub = raw(b.address, timeout=30)
+    sub.send(b"SUB q/")
+    sync(sub)
+    flood, flood_pipe = as_user(NOBODY, _publish_numbered, b.address, b"q/flood", 40_000)
+    assert flood_pipe.poll(60) and flood_pipe.recv() == 40_000
+    honest, honest_pipe = as_user(65532, _publish_numbered, b.address, b"q/honest", 5)
+    assert honest_pipe.poll(60) and honest_pipe.recv() == 5
+    got: list[tuple[bytes, int]] = []
+    dropped = 0
+    sub.settimeout(2)
+    with contextlib.suppress(TimeoutError):
+        while True:
+            p = sub.recv(1 << 16)
+            if p.startswith(b"CMSG blocking/dropped\0"):
+                dropped += int(p.split(b"\0")[1])
+            else:
+                key, number = p[4:].split(b"\0")
+                got.append((key, int(number)))
+    floods = [n for k, n in got if k == b"q/flood"]
+    where = [i for i, (k, _) in enumerate(got) if k == b"q/honest"]
+    print(f"{len(floods)} of the flood delivered, {dropped} dropped; the other user's at "
+          f"{where}")
+    assert [n for k, n in got if k == b"q/honest"] == list(range(5))
+    assert floods == sorted(floods) and len(floods) + dropped == 40_000
+    assert len(floods) > 5_000  # the flood did fill the queue (1 MiB of small packets)
+    assert where[-1] < 2_000, where  # behind what the socket held, not behind the queue
+    flood.join(5)
+    honest.join(5)

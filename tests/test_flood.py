@@ -153,7 +153,8 @@ def test_a_full_queue_gives_way_to_a_user_holding_less():
     assert q.held == {1000: 9 * (5 + OV), 2000: 4 + OV}
     assert q.offer(b"x" * 30, owner=2000) is Verdict.EVICTED and q.evicted == 2
     packets = [q.pop() for _ in range(len(q))]
-    assert packets == [b"flood"] * 7 + [b"mine", b"x" * 30]  # arrival order kept
+    # in turns: the flooder's, then the other's, each user's in arrival order
+    assert packets == [b"flood", b"mine", b"flood", b"x" * 30] + [b"flood"] * 5
     assert q.nbytes == 0 and q.held == {}
 
 
@@ -200,8 +201,8 @@ def test_the_share_stops_where_a_user_holds_half_of_the_heaviest():
     assert q.offer(b"third", owner=3) is Verdict.EVICTED  # a third user still gets in
     assert q.held[3] == 5 + OV and sum(q.held.values()) == q.nbytes <= q.limit
     assert q.pop() == b"flood"  # the oldest gave way: what is left keeps its order
-    assert [q.pop() for _ in range(len(q))][-5:] == [b"flood", b"other", b"other", b"other",
-                                                     b"third"]
+    assert [q.pop() for _ in range(len(q))] == [b"other", b"third", b"flood", b"other",
+                                                b"flood", b"other"] + [b"flood"] * 3
 
 
 def test_what_has_no_user_never_gives_way_and_a_heap_does_not_share():
@@ -230,23 +231,48 @@ def test_giving_way_is_bounded_per_packet_and_charges_the_budget():
     assert budget.queued == 0 and not q.held
 
 
-def test_the_search_looks_at_the_oldest_packets_only():
+def test_the_heaviest_gives_way_however_many_users_came_first():
+    """With users' turns the heaviest user's own oldest packets go: users holding little
+    queued first cannot hide it (in one arrival order the search looked at the oldest
+    `EVICT_SCAN` packets only)."""
     q = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV))
     for n in range(EVICT_SCAN):
         q.offer(b"%d" % (n % 10), owner=n + 100)  # many users holding little come first
     _fill(q, owner=1, packet=b"f")
-    assert q.offer(b"y", owner=7) is Verdict.DROPPED and q.evicted == 0  # not found
+    assert q.offer(b"y", owner=7) is Verdict.EVICTED and q.evicted == 1
+    assert q.held[1] == (EVICT_SCAN * 3 - 1) * (1 + OV)
     r = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV))
     for n in range(EVICT_SCAN):
-        r.offer(b"%d" % (n % 10), owner=2)  # one user cannot hide the heavy one so
+        r.offer(b"%d" % (n % 10), owner=2)  # nor does one user holding less
     _fill(r, owner=1, packet=b"f")
-    assert r.offer(b"y", owner=7) is Verdict.EVICTED and r.held[2] == (EVICT_SCAN - 1) * (1 + OV)
+    assert r.offer(b"y", owner=7) is Verdict.EVICTED and r.held[2] == EVICT_SCAN * (1 + OV)
+
+
+def test_waiting_users_take_turns_behind_a_flood():
+    """A flooder fills the queue first; what two other users (and the broker) queue then
+    leaves within a round of turns, not after the flood; each user's in order."""
+    q = OutQueue(limit=1 << 20)
+    for i in range(1000):
+        q.offer(b"f%d" % i, owner=1)
+    assert [q.pop() for _ in range(2)] == [b"f0", b"f1"]  # one user: its arrival order
+    q.offer(b"a0", owner=2)
+    q.force(b"reply")
+    q.offer(b"b0", owner=3)
+    q.offer(b"a1", owner=2)
+    assert [q.pop() for _ in range(7)] == [b"f2", b"a0", b"reply", b"b0", b"f3", b"a1", b"f4"]
+    assert len(q) == 995 and q.held == {1: sum(len(b"f%d" % i) + OV for i in range(5, 1000))}
+    assert q.arrival_order()[:2] == [b"f5", b"f6"]  # what a successor would be handed
+    while q:
+        q.pop()
+    assert q.lanes is None and q.nbytes == 0  # the plain deque again
+    q.offer(b"x", owner=4)
+    assert q.pop() == b"x" and q.lanes is None
 
 
 def _queued(q: OutQueue) -> list[tuple[bytes, int | None]]:
     if q.order is Order.RANDOM and isinstance(q.items, list):
         return [(p, o) for _, _, p, o in q.items]
-    return list(zip(q.items, q.owners or (), strict=True))
+    return q._arrivals()
 
 
 @settings(max_examples=300, deadline=None)
@@ -259,14 +285,18 @@ def test_the_bytes_each_user_holds_are_counted_exactly(steps) -> None:
     orders = [Order.QUEUE, Order.STACK, Order.RANDOM]
     for n, (what, user, size) in enumerate(steps):
         if what == "offer":
-            q.offer(b"x" * size, may_block=False, owner=user)
+            q.offer(b"%04d" % n + b"x" * size, may_block=False, owner=user)
         elif what == "force":
-            q.force(b"r" * size)
+            q.force(b"%04d" % n + b"r" * size)
         elif what == "pop" and q:
             q.pop()
         elif what == "order":
             q.order = orders[n % 3]
         queued = _queued(q)
+        if q.order is Order.QUEUE and q._order is Order.QUEUE:  # each user's in order
+            for who in {o for _, o in queued}:
+                mine = [p[:4] for p, o in queued if o == who]
+                assert mine == sorted(mine)
         overhead = HEAP_OVERHEAD if isinstance(q.items, list) else OV
         assert q.nbytes == sum(len(p) + overhead for p, _ in queued)
         mine: dict[int, int] = {}
