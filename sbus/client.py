@@ -287,6 +287,9 @@ class _Shell:
         #: While set (monotonic seconds), reconnecting gives up at that time
         #: (`_giving_up_in`: a request's, a sync's, the client's own timeout).
         self._give_up_at: float | None = None
+        #: a reconnect was abandoned (cancelled): the next one goes on with the same
+        #: outage, already said
+        self._abandoned = False
 
     @contextlib.contextmanager
     def _giving_up_in(self, timeout: float | None) -> Iterator[None]:
@@ -370,7 +373,9 @@ class _Shell:
             self._closing(self.sock)
             self.sock.close()
         self._ended = None
-        self._say(False, f"the broker at {self.address} {why}; reconnecting")
+        if not self._abandoned:  # (else this one goes on with it: said once)
+            self._say(False, f"the broker at {self.address} {why}; reconnecting")
+        self._abandoned = True  # until it is made (cancelled in a wait: said already)
         while True:
             sock = None
             try:
@@ -403,12 +408,14 @@ class _Shell:
                     sock.close()
                 delay = self.session.retry_in()
                 if self._give_up_at is not None and time.monotonic() + delay > self._give_up_at:
+                    self._abandoned = False  # given up, and said so: the next one says why
                     raise self._lost(f"{why}, and did not come back in time") from None
                 yield _SLEEP, delay
             except BaseException:  # abandoned mid-attempt (cancelled, a signal's exception)
                 if sock is not None:
                     sock.close()
                 raise
+        self._abandoned = False
         self.session.restored()
         self._attach(sock)
         self._say(True, f"reconnected to the broker at {self.address}" + (
