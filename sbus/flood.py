@@ -331,9 +331,8 @@ class OutQueue:
             self._count -= 1
             self._uncharge(len(packet) + self._overhead, top)
             evicted += 1
-        if not lane:  # (rare: a packet larger than all it held; O(users))
-            del lanes[top]
-            self.items.remove(top)
+        if not lane and not self._count:  # (else left empty: `_front` drops it)
+            self.lanes, self.items = None, deque()
         self.evicted = evicted
         self.dropped += evicted
         return self._fits(size)
@@ -394,7 +393,7 @@ class OutQueue:
         items = self.items
         if self._order is Order.QUEUE:
             if self.lanes is not None:
-                return self.lanes[items[0]][0]
+                return self._front()[0]
             return items[0]
         if self._order is Order.STACK:
             return items[-1]
@@ -422,8 +421,8 @@ class OutQueue:
         """`pop` with `lanes`: the oldest packet of the user whose turn it is, who then
         goes to the back; the plain deque again once nothing waits."""
         turns, lanes = self.items, self.lanes or {}
+        lane = self._front()
         owner = turns[0]
-        lane = lanes[owner]
         packet = lane.popleft()
         if lane:
             turns.rotate(-1)
@@ -432,11 +431,19 @@ class OutQueue:
             del lanes[owner]
         self._count -= 1
         self._uncharge(len(packet) + self._overhead, owner)
-        if not turns:
-            self.lanes, self.owners = None, None
+        if not self._count:  # (empty lanes may be left in the turns: `_front`)
+            self.lanes, self.owners, self.items = None, None, deque()
         if self._next_order is not None and len(self) <= REORDER_LIMIT:
             self._reorder(self._next_order)
         return packet
+
+    def _front(self) -> deque[bytes]:
+        """The lane whose turn it is, past those a user's packets gave way from (left
+        empty there: taking them out of the turns at once would cost O(users))."""
+        turns, lanes = self.items, self.lanes or {}
+        while not lanes[turns[0]]:
+            del lanes[turns.popleft()]
+        return lanes[turns[0]]
 
     def _to_lanes(self) -> None:
         """A second user's packet comes to a deque (`order/queue`): from now on turns.

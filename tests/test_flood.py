@@ -269,6 +269,16 @@ def test_waiting_users_take_turns_behind_a_flood():
     assert q.pop() == b"x" and q.lanes is None
 
 
+def test_a_user_whose_packets_all_gave_way_loses_its_turn_without_a_search():
+    q = OutQueue(limit=2 * (150 + OV))
+    q.offer(b"a" * 10, owner=2)
+    q.offer(b"B" * 250, owner=1)  # the heaviest, with one packet
+    assert q.offer(b"c" * 20, owner=3) is Verdict.EVICTED and q.evicted == 1
+    assert 1 in q.lanes and not q.lanes[1]  # left empty in its place in the turns
+    assert len(q) == 2 and [q.pop(), q.pop()] == [b"a" * 10, b"c" * 20]
+    assert not q and q.lanes is None and q.nbytes == 0
+
+
 def _queued(q: OutQueue) -> list[tuple[bytes, int | None]]:
     if q.order is Order.RANDOM and isinstance(q.items, list):
         return [(p, o) for _, _, p, o in q.items]
@@ -293,6 +303,7 @@ def test_the_bytes_each_user_holds_are_counted_exactly(steps) -> None:
         elif what == "order":
             q.order = orders[n % 3]
         queued = _queued(q)
+        assert bool(q.items) == bool(queued) == (len(q) > 0)  # what the broker asks
         if q.order is Order.QUEUE and q._order is Order.QUEUE:  # each user's in order
             for who in {o for _, o in queued}:
                 mine = [p[:4] for p, o in queued if o == who]
