@@ -238,13 +238,15 @@ def test_one_address_gets_at_most_its_cap_of_connections(gw):
 
 # -- class 1: memory an unauthenticated client causes -------------------------------------
 
-def half_frames(gw: GatewayProcess, n: int, source: str, sent: int) -> list[socket.socket]:
-    """*n* connections, each sending *sent* bytes of a 200 KB publish frame and no more."""
+def half_frames(gw: GatewayProcess, n: int, source: str, sent: int,
+                first: bytes = b"") -> list[socket.socket]:
+    """*n* connections, each sending *first*, then *sent* bytes of a 200 KB publish
+    frame and no more."""
     head = b"\x04\xc4\x01a\xc6" + (200_000).to_bytes(4, "big")
     conns = []
     for _ in range(n):
         s = gw.connect(source=source)
-        s.sendall(head + bytes(sent))
+        s.sendall(first + head + bytes(sent))
         conns.append(s)
     return conns
 
@@ -279,6 +281,41 @@ def test_unauthenticated_clients_cannot_grow_the_gateway(gw):
     finally:
         for c in conns:
             c.close()
+
+
+def test_key_holders_half_frames_are_bounded_per_address_and_in_all(hdir, bus):
+    """Clients with the key, 150 from each of two addresses, each send 190 KB of a
+    200 KB frame and stop.  `--max-frame` bounds each connection; what an address's
+    incomplete frames hold together is bounded too (a sixteenth of 256 MiB): past it
+    a growing frame is refused and its connection closed after the refusal delay, and
+    another address still gets its own share.  Before, every such frame was held: 1,024
+    connections of 4 addresses grew the gateway by 292 MB (the audit of 2026-11-27)."""
+    gw = start(hdir, bus, quick=True)
+    conns: list[socket.socket] = []
+    try:
+        pid = gw.proc.pid
+        warm = gw.connect()
+        roundtrip(warm)
+        before = rss_kib(pid)
+        key = codec.authenticate(SECRET)
+        conns += half_frames(gw, 150, next_loopback(), 190_000, first=key)
+        conns += half_frames(gw, 150, next_loopback(), 190_000, first=key)
+        time.sleep(1.5)  # past the refusal delay
+        growth_mib = (rss_kib(pid) - before) / 1024
+        closed = sum(not gateway_side_open(c.getsockname()[1], gw.port) for c in conns)
+        print(f"{closed} of 300 closed; gateway RSS +{growth_mib:.1f} MiB")
+        other = half_frames(gw, 5, next_loopback(), 190_000, first=key)
+        conns += other
+        time.sleep(0.6)
+        assert all(gateway_side_open(c.getsockname()[1], gw.port) for c in other)
+        assert 100 <= closed <= 250, closed  # about 55 held per address
+        assert growth_mib < 60, f"RSS grew by {growth_mib:.1f} MiB (300 half frames: 85)"
+        assert "incomplete frames would hold" in gw.log()
+        roundtrip(warm)
+    finally:
+        for c in conns:
+            c.close()
+        gw.stop()
 
 
 # -- class 2: another client's round trip while one client does its worst ---------------

@@ -70,11 +70,12 @@ class Peer:
     server's lock that lets one of them work at a time), their TLS handshakes in
     progress (the server's semaphore), their outgoing buffers (`boxes`: where
     `outbox.make_room` takes frames from an address holding too much of the pool) and
-    the messages discarded for them since the last line said so, by cause."""
+    the messages discarded for them since the last line said so, by cause, and what
+    their incomplete frames hold."""
 
     __slots__ = ("host", "conns", "queued", "queue_limit", "sub_bytes", "patterns",
                  "pool_bytes", "turn", "handshakes", "owner", "boxes", "evict_at",
-                 "dropped")
+                 "dropped", "half_frames")
 
     def __init__(self, host: str, queue_limit: int = 1 << 62) -> None:
         self.host = host
@@ -91,6 +92,7 @@ class Peer:
         self.boxes: list = []  # its clients' `Outbox`es
         self.evict_at = 0  # the last of `boxes` evicted from
         self.dropped = [0, 0, 0]  # discarded for its clients, by `outbox.CAUSES`
+        self.half_frames = 0  # what its connections' incomplete frames hold
 
 
 class Caps:

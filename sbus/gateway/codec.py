@@ -155,6 +155,11 @@ def _kind(value: object) -> str:
             dict: "a map"}.get(type(value), type(value).__name__)
 
 
+#: Memory of a msgpack `Unpacker` part-way through a frame besides the bytes it holds
+#: (its fixed parse stack; docs/security.md measures ~44 KiB).
+UNPACKER_BYTES = 44 * 1024
+
+
 class FrameDecoder:
     """Streaming decoder: `feed` it bytes as they arrive, get back complete frames.
 

@@ -50,7 +50,7 @@ from . import codec
 from .admission import Caps, Peer, Pool, Tarpit, peer_of
 from .bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT, TURN, Bridge
 from .checks import FrameRefused, SharesFull, check_key, check_pattern
-from .codec import DEFAULT_MAX_FRAME, FrameDecoder, FrameError
+from .codec import DEFAULT_MAX_FRAME, UNPACKER_BYTES, FrameDecoder, FrameError
 from .outbox import CAUSES, OWN, POOL, SHARE, STALLED, Outbox, Shared, make_room
 
 log = logging.getLogger("sbus.gateway")
@@ -67,6 +67,11 @@ CLOSE_GRACE = 1.0
 FEED_SIZE = 8192
 #: Bytes of an incomplete frame an unauthenticated connection may hold between reads.
 UNAUTHENTICATED_HOLD = 16 * 1024
+#: What incomplete frames may hold between reads, all connections together (charged
+#: their bytes and `codec.UNPACKER_BYTES` each), and those of one address (a sixteenth):
+#: `--max-frame` bounds one connection only, and 1,024 authenticated connections of 4
+#: addresses held 292 MB so (the audit of 2026-11-27; 2.8 GB at `--max-clients`).
+HALF_FRAMES_POOL = 256 * 1024 * 1024
 # `TURN` (the loop's turn) also bounds the work for one client's input.  The
 # connections of one address take their turns one at a time (`Peer.turn`), so an
 # address with hundreds of busy connections gets about one turn while every other
@@ -420,6 +425,7 @@ class Gateway:
         self.caps = Caps(max_clients, max_clients_per_address, buffer_bytes_per_address)
         self.tarpit = Tarpit(max_clients, TARPIT_PER_CAP * max_clients_per_address)
         self.buffers = Pool(buffer_pool)
+        self.half_frames = Pool(HALF_FRAMES_POOL)
         self.subscriptions = Pool(subscription_pool)  # the gateway's own memory
         self.pool_per_address = subscription_pool // ADDRESS_SHARE
         self.unauthenticated_pool = Pool(subscription_pool // UNAUTHENTICATED_SHARE)
@@ -912,6 +918,7 @@ class Gateway:
         lowat = False  # the socket wakes the reader at WAKE_BYTES, not at one byte
 
         bridge = self.bridge
+        half = 0  # what its incomplete frame is charged (`_charge_half_frame`)
 
         async def send_run() -> None:
             nonlocal run, held, turning
@@ -1025,11 +1032,17 @@ class Gateway:
                         await next_turn()
                         start = clock()
                 del data, piece
-                if not rc.authenticated and decoder.held > UNAUTHENTICATED_HOLD:
-                    raise FrameError(f"an incomplete frame holds {decoder.held} bytes, over "
+                held = decoder.held
+                if not rc.authenticated and held > UNAUTHENTICATED_HOLD:
+                    raise FrameError(f"an incomplete frame holds {held} bytes, over "
                                      f"the {UNAUTHENTICATED_HOLD} allowed before "
                                      "authenticating")
+                if held or half:
+                    half = self._charge_half_frame(rc, half, held + UNPACKER_BYTES
+                                                   if held else 0)
         finally:
+            self.half_frames.give(half)
+            rc.account.half_frames -= half
             if turning:
                 turn.release()
                 turning = False
@@ -1039,6 +1052,19 @@ class Gateway:
                         await send_run()
                     except BusAway:
                         pass  # (counted, and said when the bus is back; the end stands)
+
+    def _charge_half_frame(self, rc: Remote, was: int, now: int) -> int:
+        """Charge *rc*'s incomplete frame *now* bytes instead of *was* (`HALF_FRAMES_POOL`):
+        what it is charged then; a frame that grows past its address's share or the pool
+        is refused (`FrameError`: closed after the refusal delay)."""
+        account, pool = rc.account, self.half_frames
+        mine, everyone = account.half_frames + now - was, pool.used + now - was
+        if now > was and (mine > pool.limit // ADDRESS_SHARE or everyone > pool.limit):
+            raise FrameError(f"incomplete frames would hold {mine} bytes for this address "
+                             f"({everyone} in all), over the {pool.limit // ADDRESS_SHARE} "
+                             f"allowed per address or the {pool.limit} in all")
+        account.half_frames, pool.used = mine, everyone
+        return now
 
     def _head(self, topic: bytes) -> bytes:
         """The start of every bus packet publishing to *topic*, once `check_key` accepted
