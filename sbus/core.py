@@ -1162,8 +1162,7 @@ class BrokerCore:
                     self.subscribe(conn, pattern)
                     if conn.subscriptions == held:
                         break  # refused (and said why) once: not once per copy
-            for packet in c.queued:
-                out.force(packet)
+            out.carry_over(c.queued)
             out.dropped = c.dropped
             taken.append(conn)
         self._next_id = max([self._next_id, *(c.id + 1 for c in state.clients)])

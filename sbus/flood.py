@@ -71,6 +71,11 @@ __all__ = ["Soft", "Hard", "Order", "Verdict", "OutQueue", "Budget", "parse_cont
 PACKET_OVERHEAD = 64
 #: ... and in a largest-first queue (a heap entry: a tuple and a sequence number).
 HEAP_OVERHEAD = 160
+#: Bytes charged per user taking turns in a queue (its lane: a deque, and its entries in
+#: the turns and the counts per user; ~920 measured), to that user: a carrier naming a
+#: user per packet must not make a queue hold ten times what it is charged (the audit of
+#: 2026-11-27: 75,000 addresses through the gateway, 800 MB in 16 unread queues).
+LANE_OVERHEAD = 1024
 #: Packets re-sorted at most when the order changes.
 REORDER_LIMIT = 256
 #: Packets looked at, oldest first, for those that give way to one arriving packet.
@@ -143,10 +148,13 @@ class OutQueue:
 
     __slots__ = ("limit", "soft", "hard", "_order", "_next_order", "_overhead", "items", "_seq",
                  "nbytes", "dropped", "budget", "owners", "held", "_top", "_stale", "_unowned",
-                 "evicted", "_searched_ago", "lanes", "_count")
+                 "evicted", "_searched_ago", "lanes", "_count", "_carried", "_carried_below",
+                 "_lane")
 
-    def __init__(self, limit: int, budget: Budget | None = None) -> None:
+    def __init__(self, limit: int, budget: Budget | None = None,
+                 lane_overhead: int = LANE_OVERHEAD) -> None:
         self.limit = limit
+        self._lane = lane_overhead  # (tests of the share's rules set 0: exact sums)
         self.budget = budget  # shared by all queues of one user, if limited
         self.soft = Soft.QUEUE
         self.hard = Hard.DISCARD
@@ -163,6 +171,10 @@ class OutQueue:
         #: (None: the broker's replies), taken in turns (module docstring)
         self.lanes: dict[int | None, deque[bytes]] | None = None
         self._count = 0  # packets in `lanes`
+        #: packets a predecessor handed over (`carry_over`), still first in the deque:
+        #: no turns until they are gone (their users are not known)
+        self._carried = 0
+        self._carried_below = 0  # ... in a heap: those numbered below this
         # bytes queued per user (publisher's UID), counted once a second user's packet
         # waits (`_count_users`): while one user holds them all, that is `nbytes` less
         # `_unowned`, and the queued path pays nothing for the share
@@ -208,11 +220,15 @@ class OutQueue:
     def _reorder(self, order: Order) -> None:
         self._next_order = None
         queued = self._arrivals()
+        carried = self._carried  # (first among `_arrivals`: kept first, `carry_over`)
         self.clear()  # the re-push below charges the budget again
         self._order = order
         self._overhead = HEAP_OVERHEAD if order is Order.RANDOM else PACKET_OVERHEAD
         self.items = [] if order is Order.RANDOM else deque()
-        for packet, owner in queued:
+        self._carried = carried
+        for n, (packet, owner) in enumerate(queued):
+            if n == carried and order is Order.RANDOM:
+                self._carried_below = next(self._seq)
             self._push(packet, owner)
 
     def _arrivals(self) -> list[tuple[bytes, int | None]]:
@@ -264,6 +280,8 @@ class OutQueue:
             return Verdict.BLOCK
         budget = self.budget
         size = len(packet) + self._overhead
+        if self.lanes is not None and owner not in self.lanes:
+            size += self._lane  # (what `_push` will charge)
         if self.nbytes + size > self.limit or \
                 budget is not None and budget.queued + size > budget.limit:  # (`_fits`)
             hard = self.hard
@@ -331,8 +349,8 @@ class OutQueue:
             self._count -= 1
             self._uncharge(len(packet) + self._overhead, top)
             evicted += 1
-        if not lane and not self._count:  # (else left empty: `_front` drops it)
-            self.lanes, self.items = None, deque()
+        if not self._count:  # (else an empty lane is left: `_front` drops it)
+            self._leave_lanes()
         self.evicted = evicted
         self.dropped += evicted
         return self._fits(size)
@@ -377,6 +395,17 @@ class OutQueue:
         and never gives way."""
         self._push(packet, None)
 
+    def carry_over(self, packets: list[bytes]) -> None:
+        """Queue what a predecessor had queued (a hand-over), as `force` does, first in
+        the deque and before any turns: it holds publishers' older packets, and their
+        users are not handed over, so a turn of a publisher's newer packet would pass
+        them.  They stay first through changes of order (`_reorder`)."""
+        for packet in packets:
+            self._push(packet, None)
+        self._carried += len(packets)
+        if self._order is Order.RANDOM:
+            self._carried_below = next(self._seq)
+
     def publisher_may_continue(self) -> bool:
         """Whether a publisher paused by this queue may go on.
 
@@ -407,11 +436,17 @@ class OutQueue:
                 return self._pop_turn()
             packet = items.popleft()
             owner = self.owners.popleft()
+            if self._carried:
+                self._carried -= 1
         elif self._order is Order.STACK:
             packet = items.pop()
             owner = self.owners.pop()
+            if self._carried > len(items):  # (the newest first: those come last)
+                self._carried = len(items)
         else:
-            _, _, packet, owner = heapq.heappop(items)
+            _, seq, packet, owner = heapq.heappop(items)
+            if seq < self._carried_below and self._carried:
+                self._carried -= 1
         self._uncharge(len(packet) + self._overhead, owner)
         if self._next_order is not None and len(items) <= REORDER_LIMIT:
             self._reorder(self._next_order)
@@ -420,7 +455,7 @@ class OutQueue:
     def _pop_turn(self) -> bytes:
         """`pop` with `lanes`: the oldest packet of the user whose turn it is, who then
         goes to the back; the plain deque again once nothing waits."""
-        turns, lanes = self.items, self.lanes or {}
+        turns = self.items
         lane = self._front()
         owner = turns[0]
         packet = lane.popleft()
@@ -428,11 +463,11 @@ class OutQueue:
             turns.rotate(-1)
         else:
             turns.popleft()
-            del lanes[owner]
+            self._drop_lane(owner)
         self._count -= 1
         self._uncharge(len(packet) + self._overhead, owner)
         if not self._count:  # (empty lanes may be left in the turns: `_front`)
-            self.lanes, self.owners, self.items = None, None, deque()
+            self._leave_lanes()
         if self._next_order is not None and len(self) <= REORDER_LIMIT:
             self._reorder(self._next_order)
         return packet
@@ -442,16 +477,26 @@ class OutQueue:
         empty there: taking them out of the turns at once would cost O(users))."""
         turns, lanes = self.items, self.lanes or {}
         while not lanes[turns[0]]:
-            del lanes[turns.popleft()]
+            self._drop_lane(turns.popleft())
         return lanes[turns[0]]
+
+    def _drop_lane(self, owner: int | None) -> None:
+        """*owner*'s lane is empty and leaves the turns: its cost given back."""
+        del self.lanes[owner]  # type: ignore[union-attr]
+        if self._lane:
+            self._uncharge(self._lane, owner)
 
     def _to_lanes(self) -> None:
         """A second user's packet comes to a deque (`order/queue`): from now on turns.
-        What waits is one user's (`_top`) and the broker's replies: the deque becomes the
-        user's lane as it is, unless replies are among it."""
+        What waits is usually one user's: the deque becomes that user's lane as it is;
+        else (the broker's replies among it, or what waited behind a hand-over's
+        packets) it is split.  Each lane is charged to its user (`LANE_OVERHEAD`): all
+        alike, so the heaviest stays the heaviest."""
         items, owners = self.items, self.owners or deque()
-        if not self._unowned:  # (`_top` may be the newcomer already: the deque's own)
-            lanes: dict[int | None, deque[bytes]] = {owners[0]: items} if items else {}
+        if not items:
+            lanes: dict[int | None, deque[bytes]] = {}
+        elif not self._unowned and len(self.held or ()) <= 1:
+            lanes = {owners[0]: items}
         else:
             lanes = {}
             for packet, who in zip(items, owners, strict=True):
@@ -462,6 +507,22 @@ class OutQueue:
         self._count = len(items)
         self.lanes, self.owners = lanes, None
         self.items = deque(lanes)
+        held = self.held if self.held is not None else self._count_users()
+        for who in lanes:
+            self.nbytes += self._lane
+            if self.budget is not None:
+                self.budget.queued += self._lane
+            if who is None:
+                self._unowned += self._lane
+            else:
+                held[who] += self._lane
+
+    def _leave_lanes(self) -> None:
+        """Nothing waits any more: the plain deque again (the empty lanes left in the
+        turns given back)."""
+        for owner in list(self.lanes or ()):
+            self._drop_lane(owner)
+        self.lanes, self.owners, self.items = None, None, deque()
 
     def _uncharge(self, size: int, owner: int | None) -> None:
         self.nbytes -= size
@@ -487,7 +548,7 @@ class OutQueue:
             self.budget.queued -= self.nbytes
         self.items.clear()
         self.owners = self.held = self._top = self.lanes = None
-        self._count = 0
+        self._count = self._carried = 0
         self._stale = False
         self.nbytes = self._unowned = 0
 
@@ -496,6 +557,14 @@ class OutQueue:
         if not self.items:  # a new backlog: nobody holds anything
             self.held = self._top = None
             self._stale = False
+        lanes = self.lanes
+        if lanes is None and owner is not None and self._order is Order.QUEUE and \
+                not self._carried and (self.held is not None or
+                                       self._top is not None and owner != self._top):
+            self._to_lanes()  # a second user: turns from now on
+            lanes = self.lanes
+        if lanes is not None and owner not in lanes:
+            size += self._lane  # its lane, charged to it
         if owner is None:
             self._unowned += size
         elif self.held is not None:
@@ -517,13 +586,10 @@ class OutQueue:
         if self._order is Order.RANDOM:
             heapq.heappush(self.items, (-len(packet), next(self._seq), packet, owner))
             return
-        if self.held is not None and self._order is Order.QUEUE:  # two users: turns
-            if self.lanes is None:
-                self._to_lanes()
-            lanes = self.lanes
-            lane = lanes.get(owner)  # type: ignore[union-attr]
+        if lanes is not None:
+            lane = lanes.get(owner)
             if lane is None:
-                lane = lanes[owner] = deque()  # type: ignore[index]
+                lane = lanes[owner] = deque()
                 self.items.append(owner)
             lane.append(packet)
             self._count += 1

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from sbus.flood import (
     EVICT_SCAN,
     HEAP_OVERHEAD,
+    LANE_OVERHEAD,
     PACKET_OVERHEAD,
     REORDER_LIMIT,
     Budget,
@@ -145,7 +146,7 @@ def _fill(q: OutQueue, owner: int, packet: bytes = b"flood") -> int:
 
 
 def test_a_full_queue_gives_way_to_a_user_holding_less():
-    q = OutQueue(limit=10 * (5 + OV))
+    q = OutQueue(limit=10 * (5 + OV), lane_overhead=0)
     assert _fill(q, owner=1000) == 10 and q.take_dropped() == 1  # one user alone: as before
     assert q.offer(b"flood", owner=1000) is Verdict.DROPPED  # the heaviest gets no way
     assert q.offer(b"mine", owner=2000) is Verdict.EVICTED and q.evicted == 1
@@ -173,7 +174,7 @@ def test_among_thousands_of_users_the_search_for_the_heaviest_is_spread_out(monk
         return max(*args, **kwargs)
 
     monkeypatch.setattr(flood, "max", counted_max, raising=False)
-    q = OutQueue(limit=4000 * (8 + OV))
+    q = OutQueue(limit=4000 * (8 + OV), lane_overhead=0)
     for i in range(4000):
         q.offer(b"%08d" % i, owner=10_000 + i)
     for j in range(1000):  # a pop, then two users' packets at the full queue
@@ -181,7 +182,7 @@ def test_among_thousands_of_users_the_search_for_the_heaviest_is_spread_out(monk
         q.offer(b"a" * 8, owner=20_000 + j)
         q.offer(b"b" * 8, owner=30_000 + j)
     assert searches <= 1000 * 2 // (4000 // flood.SEARCH_SPREAD) + 2, searches
-    q = OutQueue(limit=4000 * (8 + OV))
+    q = OutQueue(limit=4000 * (8 + OV), lane_overhead=0)
     for i in range(4000):  # a flood first, then thousands of users holding one each
         q.offer(b"f" * 8, owner=1 if i < 2000 else 10_000 + i)
     for j in range(500):
@@ -192,7 +193,7 @@ def test_among_thousands_of_users_the_search_for_the_heaviest_is_spread_out(monk
 
 
 def test_the_share_stops_where_a_user_holds_half_of_the_heaviest():
-    q = OutQueue(limit=10 * (5 + OV))
+    q = OutQueue(limit=10 * (5 + OV), lane_overhead=0)
     _fill(q, owner=1)
     taken = 0
     while q.offer(b"other", owner=2) is Verdict.EVICTED:
@@ -206,11 +207,11 @@ def test_the_share_stops_where_a_user_holds_half_of_the_heaviest():
 
 
 def test_what_has_no_user_never_gives_way_and_a_heap_does_not_share():
-    q = OutQueue(limit=3 * (5 + OV))
+    q = OutQueue(limit=3 * (5 + OV), lane_overhead=0)
     for _ in range(3):
         q.force(b"reply")
     assert q.offer(b"mine", owner=2) is Verdict.DROPPED and not q.held
-    r = OutQueue(limit=3 * (5 + HEAP_OVERHEAD))
+    r = OutQueue(limit=3 * (5 + HEAP_OVERHEAD), lane_overhead=0)
     r.order = Order.RANDOM
     _fill(r, owner=1)
     assert r.offer(b"mine", owner=2) is Verdict.DROPPED
@@ -235,13 +236,13 @@ def test_the_heaviest_gives_way_however_many_users_came_first():
     """With users' turns the heaviest user's own oldest packets go: users holding little
     queued first cannot hide it (in one arrival order the search looked at the oldest
     `EVICT_SCAN` packets only)."""
-    q = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV))
+    q = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV), lane_overhead=0)
     for n in range(EVICT_SCAN):
         q.offer(b"%d" % (n % 10), owner=n + 100)  # many users holding little come first
     _fill(q, owner=1, packet=b"f")
     assert q.offer(b"y", owner=7) is Verdict.EVICTED and q.evicted == 1
     assert q.held[1] == (EVICT_SCAN * 3 - 1) * (1 + OV)
-    r = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV))
+    r = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV), lane_overhead=0)
     for n in range(EVICT_SCAN):
         r.offer(b"%d" % (n % 10), owner=2)  # nor does one user holding less
     _fill(r, owner=1, packet=b"f")
@@ -251,7 +252,7 @@ def test_the_heaviest_gives_way_however_many_users_came_first():
 def test_waiting_users_take_turns_behind_a_flood():
     """A flooder fills the queue first; what two other users (and the broker) queue then
     leaves within a round of turns, not after the flood; each user's in order."""
-    q = OutQueue(limit=1 << 20)
+    q = OutQueue(limit=1 << 20, lane_overhead=0)
     for i in range(1000):
         q.offer(b"f%d" % i, owner=1)
     assert [q.pop() for _ in range(2)] == [b"f0", b"f1"]  # one user: its arrival order
@@ -270,13 +271,49 @@ def test_waiting_users_take_turns_behind_a_flood():
 
 
 def test_a_user_whose_packets_all_gave_way_loses_its_turn_without_a_search():
-    q = OutQueue(limit=2 * (150 + OV))
+    q = OutQueue(limit=2 * (150 + OV), lane_overhead=0)
     q.offer(b"a" * 10, owner=2)
     q.offer(b"B" * 250, owner=1)  # the heaviest, with one packet
     assert q.offer(b"c" * 20, owner=3) is Verdict.EVICTED and q.evicted == 1
     assert 1 in q.lanes and not q.lanes[1]  # left empty in its place in the turns
     assert len(q) == 2 and [q.pop(), q.pop()] == [b"a" * 10, b"c" * 20]
     assert not q and q.lanes is None and q.nbytes == 0
+
+
+def test_what_a_predecessor_handed_over_goes_first_before_any_turns():
+    """A hand-over's packets have no user (users are not handed over) and hold
+    publishers' older packets: taking turns with them let a publisher's newer packets
+    pass its older ones (the re-audit of 2026-11-27: 2,570 of 6,000 out of order)."""
+    q = OutQueue(limit=1 << 20)
+    q.carry_over([b"a1", b"b1", b"a2", b"b2"])  # users 1 and 2 at the predecessor
+    q.offer(b"a3", owner=1)
+    q.offer(b"b3", owner=2)
+    q.offer(b"a4", owner=1)
+    assert [q.pop() for _ in range(4)] == [b"a1", b"b1", b"a2", b"b2"]
+    q.offer(b"b4", owner=2)  # the handed-over gone: turns from the next arrival
+    assert [q.pop() for _ in range(4)] == [b"a3", b"b3", b"a4", b"b4"]
+    assert not q and q.nbytes == 0
+    for other in (Order.STACK, Order.RANDOM):  # first through a change of order and back
+        q.carry_over([b"a1", b"b1"])
+        q.offer(b"a2", owner=1)
+        q.offer(b"b2", owner=2)
+        q.order = other
+        q.order = Order.QUEUE
+        assert [q.pop() for _ in range(4)] == [b"a1", b"b1", b"a2", b"b2"], other
+
+
+def test_each_user_taking_turns_is_charged_its_lane():
+    """A carrier naming a user per packet: each user's lane costs ~1 KiB besides its
+    packets, charged to it, so the queue's limit bounds the lanes too."""
+    q = OutQueue(limit=64 * (LANE_OVERHEAD + 8 + OV))
+    n = 0
+    while q.offer(b"%08d" % n, owner=10_000 + n) is Verdict.QUEUED:
+        n += 1
+    assert 60 <= n <= 64 and q.nbytes <= q.limit  # about 64, not 4,000 packets of 8 bytes
+    assert q.held[10_000 + n - 1] == LANE_OVERHEAD + 8 + OV
+    while q:
+        q.pop()
+    assert q.nbytes == 0 and q.lanes is None
 
 
 def _queued(q: OutQueue) -> list[tuple[bytes, int | None]]:
@@ -286,7 +323,7 @@ def _queued(q: OutQueue) -> list[tuple[bytes, int | None]]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["offer", "force", "pop", "order"]),
+@given(st.lists(st.tuples(st.sampled_from(["offer", "force", "pop", "order", "carry"]),
                           st.sampled_from([1, 2, 3]), st.integers(0, 300)), max_size=120))
 def test_the_bytes_each_user_holds_are_counted_exactly(steps) -> None:
     """Whatever comes and goes, the per-user counts the share decides by are the queue's
@@ -298,6 +335,8 @@ def test_the_bytes_each_user_holds_are_counted_exactly(steps) -> None:
             q.offer(b"%04d" % n + b"x" * size, may_block=False, owner=user)
         elif what == "force":
             q.force(b"%04d" % n + b"r" * size)
+        elif what == "carry":
+            q.carry_over([b"%04d" % n + b"c" * size])
         elif what == "pop" and q:
             q.pop()
         elif what == "order":
@@ -309,8 +348,10 @@ def test_the_bytes_each_user_holds_are_counted_exactly(steps) -> None:
                 mine = [p[:4] for p, o in queued if o == who]
                 assert mine == sorted(mine)
         overhead = HEAP_OVERHEAD if isinstance(q.items, list) else OV
-        assert q.nbytes == sum(len(p) + overhead for p, _ in queued)
-        mine: dict[int, int] = {}
+        lanes = q.lanes or {}  # each charged to its user
+        assert q.nbytes == sum(len(p) + overhead for p, _ in queued) + \
+            LANE_OVERHEAD * len(lanes)
+        mine: dict[int, int] = {o: LANE_OVERHEAD for o in lanes if o is not None}
         for p, o in queued:
             if o is not None:
                 mine[o] = mine.get(o, 0) + len(p) + overhead
