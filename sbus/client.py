@@ -288,7 +288,7 @@ class _Shell:
         #: (`_giving_up_in`: a request's, a sync's, the client's own timeout).
         self._give_up_at: float | None = None
         #: a reconnect was abandoned (cancelled): the next one goes on with the same
-        #: outage, already said
+        #: outage (its line says so: nothing gave up)
         self._abandoned = False
 
     @contextlib.contextmanager
@@ -373,9 +373,12 @@ class _Shell:
             self._closing(self.sock)
             self.sock.close()
         self._ended = None
-        if not self._abandoned:  # (else this one goes on with it: said once)
-            self._say(False, f"the broker at {self.address} {why}; reconnecting")
-        self._abandoned = True  # until it is made (cancelled in a wait: said already)
+        # said each time: *on_connection* learns from it that the socket changed (the
+        # gateway's receiver stops waiting on the old one)
+        self._say(False, f"the broker at {self.address} " + (
+            "is still away (an earlier wait for it was cancelled)" if self._abandoned
+            else why) + "; reconnecting")
+        self._abandoned = True  # until it is made (cancelled in a wait: the same outage)
         while True:
             sock = None
             try:
@@ -408,7 +411,7 @@ class _Shell:
                     sock.close()
                 delay = self.session.retry_in()
                 if self._give_up_at is not None and time.monotonic() + delay > self._give_up_at:
-                    self._abandoned = False  # given up, and said so: the next one says why
+                    self._abandoned = False  # given up, and said so: the next says why
                     raise self._lost(f"{why}, and did not come back in time") from None
                 yield _SLEEP, delay
             except BaseException:  # abandoned mid-attempt (cancelled, a signal's exception)
