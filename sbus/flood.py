@@ -76,6 +76,10 @@ HEAP_OVERHEAD = 160
 #: user per packet must not make a queue hold ten times what it is charged (the audit of
 #: 2026-11-27: 75,000 addresses through the gateway, 800 MB in 16 unread queues).
 LANE_OVERHEAD = 1024
+#: Bytes charged per user counted in a queue (its entry in `OutQueue.held`: ~100
+#: measured), to that user, in every order (a user holding one packet in each of many
+#: queues held that much more than it was charged).
+USER_OVERHEAD = 128
 #: Packets re-sorted at most when the order changes.
 REORDER_LIMIT = 256
 #: Packets looked at, oldest first, for those that give way to one arriving packet.
@@ -149,12 +153,14 @@ class OutQueue:
     __slots__ = ("limit", "soft", "hard", "_order", "_next_order", "_overhead", "items", "_seq",
                  "nbytes", "dropped", "budget", "owners", "held", "_top", "_stale", "_unowned",
                  "evicted", "_searched_ago", "lanes", "_count", "_carried", "_carried_below",
-                 "_lane")
+                 "_lane", "_user")
 
     def __init__(self, limit: int, budget: Budget | None = None,
-                 lane_overhead: int = LANE_OVERHEAD) -> None:
+                 lane_overhead: int = LANE_OVERHEAD,
+                 user_overhead: int = USER_OVERHEAD) -> None:
         self.limit = limit
-        self._lane = lane_overhead  # (tests of the share's rules set 0: exact sums)
+        # (tests of the share's rules set both 0: exact sums)
+        self._lane, self._user = lane_overhead, user_overhead
         self.budget = budget  # shared by all queues of one user, if limited
         self.soft = Soft.QUEUE
         self.hard = Hard.DISCARD
@@ -282,6 +288,8 @@ class OutQueue:
         size = len(packet) + self._overhead
         if self.lanes is not None and owner not in self.lanes:
             size += self._lane  # (what `_push` will charge)
+        if self.held is not None and owner is not None and owner not in self.held:
+            size += self._user
         if self.nbytes + size > self.limit or \
                 budget is not None and budget.queued + size > budget.limit:  # (`_fits`)
             hard = self.hard
@@ -366,7 +374,9 @@ class OutQueue:
         """Start counting bytes per user: a second user's packet came.  Until now one
         user (`_top`) held every packet that has a user."""
         mine = self.nbytes - self._unowned
-        self.held = {self._top: mine} if mine else {}
+        self.held = {self._top: mine + self._user} if mine else {}
+        if mine:  # its entry
+            self._more(self._user)
         self._stale = not mine  # (`_push` names the new heaviest then)
         return self.held
 
@@ -509,9 +519,7 @@ class OutQueue:
         self.items = deque(lanes)
         held = self.held if self.held is not None else self._count_users()
         for who in lanes:
-            self.nbytes += self._lane
-            if self.budget is not None:
-                self.budget.queued += self._lane
+            self._more(self._lane)
             if who is None:
                 self._unowned += self._lane
             else:
@@ -524,18 +532,23 @@ class OutQueue:
             self._drop_lane(owner)
         self.lanes, self.owners, self.items = None, None, deque()
 
-    def _uncharge(self, size: int, owner: int | None) -> None:
-        self.nbytes -= size
+    def _more(self, size: int) -> None:
+        """*size* more bytes held (the queue's and its user's budget)."""
+        self.nbytes += size
         if self.budget is not None:
-            self.budget.queued -= size
+            self.budget.queued += size
+
+    def _uncharge(self, size: int, owner: int | None) -> None:
+        self._more(-size)
         if owner is None:
             self._unowned -= size
         elif self.held is not None:
             left = self.held[owner] - size
-            if left:
+            if left != self._user:
                 self.held[owner] = left
-            else:
+            else:  # nothing of it left (every packet and lane costs more): its entry goes
                 del self.held[owner]
+                self._more(-self._user)
             if owner == self._top:
                 self._stale = True
 
@@ -569,6 +582,8 @@ class OutQueue:
             self._unowned += size
         elif self.held is not None:
             held = self.held
+            if owner not in held:
+                size += self._user  # its entry
             mine = held[owner] = held.get(owner, 0) + size
             if not self._stale and mine > held.get(self._top, 0):
                 self._top = owner
@@ -577,12 +592,11 @@ class OutQueue:
                 self._top = owner  # the one user, so far
             else:
                 held = self._count_users()
+                size += self._user  # its entry
                 held[owner] = size
                 if self._stale or size > held[self._top]:
                     self._top, self._stale = owner, False
-        self.nbytes += size
-        if self.budget is not None:
-            self.budget.queued += size
+        self._more(size)
         if self._order is Order.RANDOM:
             heapq.heappush(self.items, (-len(packet), next(self._seq), packet, owner))
             return

@@ -11,6 +11,7 @@ from sbus.flood import (
     LANE_OVERHEAD,
     PACKET_OVERHEAD,
     REORDER_LIMIT,
+    USER_OVERHEAD,
     Budget,
     Hard,
     Order,
@@ -146,7 +147,7 @@ def _fill(q: OutQueue, owner: int, packet: bytes = b"flood") -> int:
 
 
 def test_a_full_queue_gives_way_to_a_user_holding_less():
-    q = OutQueue(limit=10 * (5 + OV), lane_overhead=0)
+    q = OutQueue(limit=10 * (5 + OV), lane_overhead=0, user_overhead=0)
     assert _fill(q, owner=1000) == 10 and q.take_dropped() == 1  # one user alone: as before
     assert q.offer(b"flood", owner=1000) is Verdict.DROPPED  # the heaviest gets no way
     assert q.offer(b"mine", owner=2000) is Verdict.EVICTED and q.evicted == 1
@@ -174,7 +175,7 @@ def test_among_thousands_of_users_the_search_for_the_heaviest_is_spread_out(monk
         return max(*args, **kwargs)
 
     monkeypatch.setattr(flood, "max", counted_max, raising=False)
-    q = OutQueue(limit=4000 * (8 + OV), lane_overhead=0)
+    q = OutQueue(limit=4000 * (8 + OV), lane_overhead=0, user_overhead=0)
     for i in range(4000):
         q.offer(b"%08d" % i, owner=10_000 + i)
     for j in range(1000):  # a pop, then two users' packets at the full queue
@@ -182,7 +183,7 @@ def test_among_thousands_of_users_the_search_for_the_heaviest_is_spread_out(monk
         q.offer(b"a" * 8, owner=20_000 + j)
         q.offer(b"b" * 8, owner=30_000 + j)
     assert searches <= 1000 * 2 // (4000 // flood.SEARCH_SPREAD) + 2, searches
-    q = OutQueue(limit=4000 * (8 + OV), lane_overhead=0)
+    q = OutQueue(limit=4000 * (8 + OV), lane_overhead=0, user_overhead=0)
     for i in range(4000):  # a flood first, then thousands of users holding one each
         q.offer(b"f" * 8, owner=1 if i < 2000 else 10_000 + i)
     for j in range(500):
@@ -193,7 +194,7 @@ def test_among_thousands_of_users_the_search_for_the_heaviest_is_spread_out(monk
 
 
 def test_the_share_stops_where_a_user_holds_half_of_the_heaviest():
-    q = OutQueue(limit=10 * (5 + OV), lane_overhead=0)
+    q = OutQueue(limit=10 * (5 + OV), lane_overhead=0, user_overhead=0)
     _fill(q, owner=1)
     taken = 0
     while q.offer(b"other", owner=2) is Verdict.EVICTED:
@@ -207,11 +208,11 @@ def test_the_share_stops_where_a_user_holds_half_of_the_heaviest():
 
 
 def test_what_has_no_user_never_gives_way_and_a_heap_does_not_share():
-    q = OutQueue(limit=3 * (5 + OV), lane_overhead=0)
+    q = OutQueue(limit=3 * (5 + OV), lane_overhead=0, user_overhead=0)
     for _ in range(3):
         q.force(b"reply")
     assert q.offer(b"mine", owner=2) is Verdict.DROPPED and not q.held
-    r = OutQueue(limit=3 * (5 + HEAP_OVERHEAD), lane_overhead=0)
+    r = OutQueue(limit=3 * (5 + HEAP_OVERHEAD), lane_overhead=0, user_overhead=0)
     r.order = Order.RANDOM
     _fill(r, owner=1)
     assert r.offer(b"mine", owner=2) is Verdict.DROPPED
@@ -236,13 +237,13 @@ def test_the_heaviest_gives_way_however_many_users_came_first():
     """With users' turns the heaviest user's own oldest packets go: users holding little
     queued first cannot hide it (in one arrival order the search looked at the oldest
     `EVICT_SCAN` packets only)."""
-    q = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV), lane_overhead=0)
+    q = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV), lane_overhead=0, user_overhead=0)
     for n in range(EVICT_SCAN):
         q.offer(b"%d" % (n % 10), owner=n + 100)  # many users holding little come first
     _fill(q, owner=1, packet=b"f")
     assert q.offer(b"y", owner=7) is Verdict.EVICTED and q.evicted == 1
     assert q.held[1] == (EVICT_SCAN * 3 - 1) * (1 + OV)
-    r = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV), lane_overhead=0)
+    r = OutQueue(limit=(EVICT_SCAN * 4) * (1 + OV), lane_overhead=0, user_overhead=0)
     for n in range(EVICT_SCAN):
         r.offer(b"%d" % (n % 10), owner=2)  # nor does one user holding less
     _fill(r, owner=1, packet=b"f")
@@ -252,7 +253,7 @@ def test_the_heaviest_gives_way_however_many_users_came_first():
 def test_waiting_users_take_turns_behind_a_flood():
     """A flooder fills the queue first; what two other users (and the broker) queue then
     leaves within a round of turns, not after the flood; each user's in order."""
-    q = OutQueue(limit=1 << 20, lane_overhead=0)
+    q = OutQueue(limit=1 << 20, lane_overhead=0, user_overhead=0)
     for i in range(1000):
         q.offer(b"f%d" % i, owner=1)
     assert [q.pop() for _ in range(2)] == [b"f0", b"f1"]  # one user: its arrival order
@@ -271,7 +272,7 @@ def test_waiting_users_take_turns_behind_a_flood():
 
 
 def test_a_user_whose_packets_all_gave_way_loses_its_turn_without_a_search():
-    q = OutQueue(limit=2 * (150 + OV), lane_overhead=0)
+    q = OutQueue(limit=2 * (150 + OV), lane_overhead=0, user_overhead=0)
     q.offer(b"a" * 10, owner=2)
     q.offer(b"B" * 250, owner=1)  # the heaviest, with one packet
     assert q.offer(b"c" * 20, owner=3) is Verdict.EVICTED and q.evicted == 1
@@ -302,18 +303,29 @@ def test_what_a_predecessor_handed_over_goes_first_before_any_turns():
         assert [q.pop() for _ in range(4)] == [b"a1", b"b1", b"a2", b"b2"], other
 
 
-def test_each_user_taking_turns_is_charged_its_lane():
-    """A carrier naming a user per packet: each user's lane costs ~1 KiB besides its
-    packets, charged to it, so the queue's limit bounds the lanes too."""
-    q = OutQueue(limit=64 * (LANE_OVERHEAD + 8 + OV))
+def test_each_user_taking_turns_is_charged_its_lane_and_its_count():
+    """A carrier naming a user per packet: each user's lane (~1 KiB) and its count of
+    what it holds cost besides its packets, charged to it, so the queue's limit bounds
+    them too; in ``order/stack`` (no turns) the count still is."""
+    each = LANE_OVERHEAD + USER_OVERHEAD + 8 + OV
+    q = OutQueue(limit=64 * each)
     n = 0
     while q.offer(b"%08d" % n, owner=10_000 + n) is Verdict.QUEUED:
         n += 1
     assert 60 <= n <= 64 and q.nbytes <= q.limit  # about 64, not 4,000 packets of 8 bytes
-    assert q.held[10_000 + n - 1] == LANE_OVERHEAD + 8 + OV
+    assert q.held[10_000 + n - 1] == each
     while q:
         q.pop()
     assert q.nbytes == 0 and q.lanes is None
+    s = OutQueue(limit=64 * (USER_OVERHEAD + 8 + OV))
+    s.order = Order.STACK
+    n = 0
+    while s.offer(b"%08d" % n, owner=10_000 + n) is Verdict.QUEUED:
+        n += 1
+    assert 60 <= n <= 64 and s.held[10_000 + n - 1] == USER_OVERHEAD + 8 + OV
+    while s:
+        s.pop()
+    assert s.nbytes == 0 and not s.held
 
 
 def _queued(q: OutQueue) -> list[tuple[bytes, int | None]]:
@@ -348,13 +360,15 @@ def test_the_bytes_each_user_holds_are_counted_exactly(steps) -> None:
                 mine = [p[:4] for p, o in queued if o == who]
                 assert mine == sorted(mine)
         overhead = HEAP_OVERHEAD if isinstance(q.items, list) else OV
-        lanes = q.lanes or {}  # each charged to its user
+        lanes = q.lanes or {}  # each charged to its user, and so is each user counted
         assert q.nbytes == sum(len(p) + overhead for p, _ in queued) + \
-            LANE_OVERHEAD * len(lanes)
+            LANE_OVERHEAD * len(lanes) + USER_OVERHEAD * len(q.held or ())
         mine: dict[int, int] = {o: LANE_OVERHEAD for o in lanes if o is not None}
         for p, o in queued:
             if o is not None:
                 mine[o] = mine.get(o, 0) + len(p) + overhead
+        if q.held is not None:
+            mine = {o: b + USER_OVERHEAD for o, b in mine.items()}
         if q.held is None:
             assert set(mine) <= {q._top}  # one user holds every packet with a user
         else:
