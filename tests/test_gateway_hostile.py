@@ -1190,8 +1190,9 @@ def test_a_full_buffer_pool_is_taken_from_the_heaviest_not_a_prompt_reader(hdir,
         print(f"prompt reader missed {len(missed)} of {last - first} with the pool full")
         assert not missed
         log = g.wait_log("the buffer pool full (4194304 bytes)", timeout=15)
-        assert re.search(r"127\.\S+: \d+ messages discarded for its 2 client\(s\) in 10 s \(",
-                         log), log
+        # (under load an address's second client may be let go before the line: 1 or 2)
+        assert re.search(r"127\.\S+: \d+ messages discarded for its [12] client\(s\) "
+                         r"in 10 s \(", log), log
     finally:
         stop.set()
         for s in crowd:
