@@ -571,9 +571,10 @@ class OutQueue:
             self.held = self._top = None
             self._stale = False
         lanes = self.lanes
-        if lanes is None and owner is not None and self._order is Order.QUEUE and \
-                not self._carried and (self.held is not None or
-                                       self._top is not None and owner != self._top):
+        # (the one user's packet, the queued path's usual case, fails the first test)
+        if lanes is None and (self.held is not None or
+                              self._top is not None and owner != self._top) and \
+                owner is not None and self._order is Order.QUEUE and not self._carried:
             self._to_lanes()  # a second user: turns from now on
             lanes = self.lanes
         if lanes is not None and owner not in lanes:

@@ -117,6 +117,11 @@ class UserAccounts:
         return conn.cred.uid
 
 
+def _refilled(tokens: float, elapsed: float, burst: int, interval: float) -> float:
+    """A bucket's tokens after *elapsed* seconds: one more per *interval*, *burst* at most."""
+    return min(burst, tokens + elapsed / interval)
+
+
 class LogAllowance:
     """Log lines about clients, rationed per UID (not per connection: reconnecting must not
     buy a new allowance).  A UID gets `burst` lines, then one per `interval` seconds; what
@@ -150,14 +155,13 @@ class LogAllowance:
                 self._state.popitem(last=False)
         else:
             self._state.move_to_end(uid)
-            state[0] = min(self.burst, state[0] + (now - state[1]) / self.interval)
+            state[0] = _refilled(state[0], now - state[1], self.burst, self.interval)
             state[1] = now
         if state[0] < 1:
             state[2] += 1
             return None
         if self._overall is not None:
-            burst, interval = self._overall
-            self._tokens = min(burst, self._tokens + (now - self._at) / interval)
+            self._tokens = _refilled(self._tokens, now - self._at, *self._overall)
             self._at = now
             if self._tokens < 1:
                 self.held_overall += 1

@@ -446,6 +446,17 @@ def _export_numbered(pipe, address: str, count: int) -> None:
     pipe.send(count)
 
 
+def _end_all(procs: list, br: Bridge, peer: Peer, m, bus_broker: BrokerProcess) -> None:
+    """Teardown of a test with other users' processes, a bridge, an MQTT peer and broker
+    and the bus."""
+    for p in procs:
+        p.kill()
+    br.close()
+    peer.close()
+    m.stop()
+    bus_broker.stop()
+
+
 def test_a_local_user_flooding_exports_cannot_starve_another(short_tmp: Path) -> None:
     """Two other local users share one bridge: one floods an exported key from its own
     UID as fast as the bus takes it, the other sends 300 numbered exports meanwhile.  The
@@ -485,12 +496,7 @@ def test_a_local_user_flooding_exports_cannot_starve_another(short_tmp: Path) ->
         assert c["dropped"] > 0, c  # the flood did overrun the bridge: the flooder paid
         _sigterm_ends_it_at_once(br)
     finally:
-        for p in procs:
-            p.kill()
-        br.close()
-        peer.close()
-        m.stop()
-        bus_broker.stop()
+        _end_all(procs, br, peer, m, bus_broker)
 
 
 def _numbers(peer: Peer, topic: str, want: int, timeout: float = 30) -> list[int]:
@@ -549,12 +555,7 @@ def test_an_mqtt_outage_does_not_let_one_users_burst_take_every_place(short_tmp:
         bursts = set(_numbers(peer, "out/burst", 3000 - c["dropped"]))
         assert len(bursts) + c["dropped"] == 3000, (len(bursts), c)
     finally:
-        for p in procs:
-            p.kill()
-        br.close()
-        peer.close()
-        m.stop()
-        bus_broker.stop()
+        _end_all(procs, br, peer, m, bus_broker)
 
 
 def test_a_bridge_stopped_during_an_mqtt_outage_keeps_what_waited_for_it(short_tmp: Path
