@@ -42,7 +42,7 @@ from test_gateway import (
 
 import sbus.cmd.gateway  # noqa: F401
 from sbus import cli
-from sbus.gateway import codec
+from sbus.gateway import codec, notices
 from sbus.gateway.codec import FrameDecoder
 
 GATEWAY_UID = 65530
@@ -631,7 +631,8 @@ def test_remote_publishes_wait_for_a_restarting_bus(sdir, how):
     meanwhile).  The gateway stops reading the publisher while the bus is away, so
     every number arrives, but for kill -9's own (what the broker held when it died)
     (before: 45-87 consecutive ones were dropped, said nowhere but STATUS=).  A client
-    that only subscribes is answered meanwhile and served after."""
+    that only subscribes is answered meanwhile and served after; one subscribed to the
+    notices is told when the bus went and when it came back."""
     import threading
 
     address = str(sdir / "bus.sock")
@@ -662,6 +663,9 @@ def test_remote_publishes_wait_for_a_restarting_bus(sdir, how):
         listener = connect(gw.port, next_loopback())
         listener.sendall(codec.subscribe(b"quiet/"))
         echo(listener)
+        noticed = connect(gw.port, next_loopback())
+        noticed.sendall(codec.subscribe(notices.TOPIC))
+        echo(noticed)
         publisher = connect(gw.port, next_loopback())
         publisher.sendall(codec.authenticate(SECRET))
         threads.append(threading.Thread(target=publish, args=(publisher,)))
@@ -704,6 +708,16 @@ def test_remote_publishes_wait_for_a_restarting_bus(sdir, how):
         # the remote listener missed what was published while the bus was away: said
         assert "the bus is back after" in gw.log() and \
             "did not reach the remote subscribers of its 1 patterns" in gw.log()
+        # and the client that asked is told so in the stream (`notices`)
+        frames = FrameDecoder().feed(read_exactly(noticed, len(notices.bus_away())))
+        assert [notices.parse(f.body) for f in frames] == [{"event": "bus-away"}]
+        noticed.sendall(b"\x00")
+        decoder, frames = FrameDecoder(), []
+        while codec.KeepAlive() not in frames:
+            frames += decoder.feed(noticed.recv(4096))
+        back = [notices.parse(f.body) for f in frames if type(f) is codec.Publish]
+        assert [n["event"] for n in back] == ["bus-back"] and 0.1 < back[0]["away"] < 30
+        noticed.close()
         local.close()
     finally:
         stop.set()

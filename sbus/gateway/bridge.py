@@ -118,7 +118,9 @@ class Bridge:
     a turn every `TURN`): the server writes out what was queued (a fan-out behind the
     bus then costs one write per client per batch, not per message).
     *on_refused(pattern, reason)* is called when the broker refused a pattern; it
-    calls `forget` for each holder.
+    calls `forget` for each holder.  *on_bus(event, value)* hears what remote
+    subscribers miss (`notices`): ``"bus-away"``, ``"bus-back"`` (seconds away) and
+    ``"bus-dropped"`` (how many the broker dropped for us).
     """
 
     def __init__(self, address: str | None,
@@ -128,8 +130,10 @@ class Bridge:
                  cache_bytes: int = CACHE_BYTES,
                  on_separator: Callable[[bytes], None] | None = None,
                  budget: int = BUS_SUBSCRIPTION_BYTES,
-                 max_patterns: int = BUS_PATTERNS, bus_wait: float = BUS_WAIT) -> None:
+                 max_patterns: int = BUS_PATTERNS, bus_wait: float = BUS_WAIT,
+                 on_bus: Callable[[str, float], None] | None = None) -> None:
         self.deliver = deliver
+        self.on_bus = on_bus
         self.flush = flush if flush is not None else _nothing
         self.on_refused = on_refused
         self.cache_bytes = cache_bytes
@@ -388,12 +392,15 @@ class Bridge:
 
     def _connection(self, up: bool, line: str) -> None:
         if not up:
-            self._up = False
-            self._back = trio.Event()
-            self._down_since = trio.current_time()
+            if self._up:  # (said again while away: a reconnect cancelled and taken up
+                self._up = False  # again; the publishers wait on this outage's event)
+                self._back = trio.Event()
+                self._down_since = trio.current_time()
+                self._trusted_before, self.for_peers = self.for_peers, True  # until refused
+                if self.on_bus is not None:
+                    self.on_bus("bus-away", 0.0)
             log.warning("lost the bus: %s; remote publishers wait for it up to %g s",
                         line, self.bus_wait)
-            self._trusted_before, self.for_peers = self.for_peers, True  # until refused
             self._unconfirmed.clear()  # questions on the old connection: never answered
             self._in_flight.clear()
             self._asked = 0
@@ -409,7 +416,9 @@ class Bridge:
                         self.bus_wait)
         self._outage_lost = 0
         self._outage_said = False
-        if self.patterns:  # (a reconnect: the first connection is made in `run`)
+        if self.on_bus is not None:  # (a reconnect: the first connection is made in `run`)
+            self.on_bus("bus-back", away)
+        if self.patterns:
             self.missed_outages += 1
             log.warning("the bus is back after %.1f s: what was published meanwhile did not "
                         "reach the remote subscribers of its %d patterns", away,
@@ -445,6 +454,8 @@ class Bridge:
 
     def _dropped(self, count: int) -> None:
         self.bus_dropped += count
+        if self.on_bus is not None:
+            self.on_bus("bus-dropped", count)
         self._complain("the broker dropped %d messages for the gateway (it could not "
                        "keep up)", count)
 

@@ -22,7 +22,10 @@ Decisions where the design leaves room (see docs/gateway.md, "Refusals"):
 * secret keys are spelled with the broker's separator (``!/`` or ``!.``), learned
   from its whoami answer;
 * unsubscribing from a topic one is not subscribed to is ignored (harmless);
-  subscribing twice to the same topic is one subscription.
+  subscribing twice to the same topic is one subscription;
+* a client that subscribes to `notices.TOPIC` is told in its stream what it missed
+  (messages discarded for it, the bus away, the broker dropping for the gateway); the
+  others see the protocol unchanged.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from ..keys import KeyRules
 from ..limits import LogAllowance
 from ..linger import LINGER, WAKE_BYTES, Linger
 from ..routing import pattern_cost
-from . import codec
+from . import codec, notices
 from .admission import Caps, Peer, Pool, Tarpit, peer_of
 from .bridge import BUS_SUBSCRIPTION_BYTES, BUS_WAIT, TURN, Bridge
 from .checks import FrameRefused, SharesFull, check_key, check_pattern
@@ -90,6 +93,13 @@ CAP_LOG_INTERVAL = 10.0
 #: and the addresses said apart each time at most (the rest in one line).
 DISCARD_LOG_INTERVAL = 10.0
 DISCARD_LINES = 16
+#: Seconds between two rounds of the bus's notices to the clients subscribed to them
+#: (`notices`), at least: a broker that keeps dropping for the gateway says so in every
+#: report, and each round is a frame per such client.
+NOTICE_EVERY = 1.0
+#: Bus notices held for the next round, at most (outages come and go faster than a
+#: round only in a broker that restarts in a loop; the oldest go first).
+NOTICES_HELD = 8
 
 #: Defaults of the bounds (docs/gateway.md, docs/security.md).
 MAX_CLIENTS = 10000
@@ -153,7 +163,7 @@ class Remote:
 
     __slots__ = ("stream", "host", "peer", "account", "outbox", "lot", "scope",
                  "authenticated", "topics", "sub_bytes", "idle", "reason",
-                 "refused", "doomed", "fd", "parked", "__weakref__")
+                 "refused", "doomed", "fd", "parked", "told", "unsaid", "__weakref__")
 
     def __init__(self, stream: trio.abc.Stream, host: str, peer: str, account: Peer,
                  outbox: Outbox, idle: float) -> None:
@@ -174,6 +184,11 @@ class Remote:
         self.fd = _plain_fd(stream)  # None: TLS (or closed)
         #: Its writer waits at `lot` with nothing in hand: `Gateway._flush` may write for it.
         self.parked = False
+        #: Subscribed to `notices.TOPIC`: the discards it was told of, by cause (None: not).
+        self.told: list[int] | None = None
+        #: Messages the broker dropped for the gateway that it is to be told of when its
+        #: buffer has drained (`Gateway._tell_missed`).
+        self.unsaid = 0
 
     def touch(self) -> None:
         """Any read or write resets the idle timeout: the connection is closed between
@@ -435,9 +450,14 @@ class Gateway:
         self._unauth_patterns: Counter[bytes] = Counter()  # held by unauthenticated clients
         self.bridge = Bridge(address, self._deliver, self._refused_by_broker, self._flush,
                              cache_bytes=route_cache, on_separator=self._separator_changed,
-                             budget=bus_subscription_bytes, bus_wait=bus_wait)
+                             budget=bus_subscription_bytes, bus_wait=bus_wait,
+                             on_bus=self._bus_notice)
         self._nursery: trio.Nursery | None = None
         self.clients: set[Remote] = set()
+        self.noticed: set[Remote] = set()  # subscribed to `notices.TOPIC`
+        self._bus_notices: list[bytes] = []  # for them, at the next round
+        self._bus_dropped = 0  # reported by the broker since the last round
+        self._notice_due = trio.Event()
         self._dirty: list[Remote] = []  # queued for by `_deliver`, to `_flush`
         self._split: _Split | None = None  # the last fan-out's judgement (`_deliver`)
         self._heads: dict[bytes, bytes] = {}  # checked keys -> packet heads (`_head`)
@@ -687,6 +707,8 @@ class Gateway:
             if sent:
                 out.done(sent)
                 rc.touch()
+            if not out and rc.told is not None:
+                self._tell_missed(rc)  # (queued: the writer, woken below, writes it)
             if out:  # what the socket did not take, or more than one `peek`: the writer's
                 rc.lot.unpark()  # (else nobody writes it: later messages find the queue
                 # not empty and wake nobody)
@@ -822,6 +844,7 @@ class Gateway:
                 log.debug("disconnecting %r: %s", rc, rc.reason)  # routine: not rationed
         finally:
             self.clients.discard(rc)
+            self.noticed.discard(rc)
             rc.fd = None  # (`_flush` writes to no closed or reused descriptor)
             rc.sub_bytes = 0
             for topic, cost in rc.topics.items():
@@ -1106,6 +1129,12 @@ class Gateway:
             topic = frame.topic
             if topic in rc.topics:
                 return
+            if topic == notices.TOPIC:
+                if rc.told is None:
+                    self._settle()  # told from now on: not what it lost before
+                    rc.told = list(rc.outbox.dropped_by)
+                    self.noticed.add(rc)
+                return
             self.check_pattern(topic)
             if len(rc.topics) >= MAX_SUBSCRIPTIONS:
                 raise FrameRefused(f"subscription to {brief(topic)} ignored: it holds "
@@ -1128,7 +1157,10 @@ class Gateway:
             await self.bridge.subscribe(rc, topic, cost)
         elif kind is codec.Unsubscribe:
             topic = frame.topic
-            if topic in rc.topics:
+            if topic == notices.TOPIC:
+                rc.told, rc.unsaid = None, 0
+                self.noticed.discard(rc)
+            elif topic in rc.topics:
                 self._drop_topic(rc, topic)
                 await self.bridge.unsubscribe(rc, topic)
         elif kind is codec.Authenticate:
@@ -1192,6 +1224,8 @@ class Gateway:
         try:
             while True:
                 if not out:
+                    if rc.told is not None and self._tell_missed(rc):
+                        continue
                     rc.parked = True
                     try:
                         await rc.lot.park()  # the others' turn: this loop ends at every park
@@ -1249,6 +1283,7 @@ class Gateway:
             await nursery.start(self.bridge.run)
             await nursery.start(self.accept, listeners, self.handle, ssl_context)
             nursery.start_soon(self._say_discards)
+            nursery.start_soon(self._tell_bus_notices)
             task_status.started()
 
     async def accept(self, listeners: list[trio.SocketListener],
@@ -1303,6 +1338,69 @@ class Gateway:
                     else:
                         nursery.start_soon(_handle_and_close, handler, stream, *admitted)
                 await trio.lowlevel.checkpoint()
+
+    # -- notices to the clients subscribed to them ---------------------------------------
+
+    def _tell_missed(self, rc: Remote) -> bool:
+        """*rc*'s buffer has drained: queue the notices of what it missed since it was
+        last told, if anything (`notices.discarded`, `notices.bus_dropped`); whether
+        one was.  One at a time, each when the buffer has drained, so a client that does
+        not read holds none of them."""
+        split = self._split
+        if split is not None and split.missed and split.crossings != Outbox.crossings:
+            self._settle()  # (it may have been judged full: its discards are counted there)
+            self._split = None  # (stale anyway: `_deliver` would judge anew)
+        told, now = rc.told, rc.outbox.dropped_by
+        if told is None:
+            return False
+        if told != now:
+            frame = notices.discarded([a - b for a, b in zip(now, told, strict=True)])
+            rc.told = list(now)
+        elif rc.unsaid:
+            frame = notices.bus_dropped(rc.unsaid)
+            rc.unsaid = 0
+        else:
+            return False
+        return rc.outbox.force(frame)
+
+    def _bus_notice(self, event: str, value: float) -> None:
+        """What the bridge says remote subscribers miss: held for the next round of
+        `_tell_bus_notices` (the broker's drop reports summed)."""
+        if event == "bus-dropped":
+            self._bus_dropped += int(value)
+        else:
+            held = self._bus_notices
+            held.append(notices.bus_away() if event == "bus-away" else notices.bus_back(value))
+            del held[:-NOTICES_HELD]
+        self._notice_due.set()
+
+    async def _tell_bus_notices(self) -> None:
+        """Queue the bus's notices for every client subscribed to them, a round at most
+        every `NOTICE_EVERY` seconds (the others get a turn every `TURN`).  An outage's
+        are queued past a full buffer (`Outbox.force`, itself bounded: outages are the
+        broker's, rare); the broker's drop counts are added up for a client whose
+        buffer holds anything, and told when it has drained (`_tell_missed`)."""
+        clock = time.perf_counter
+        while True:
+            await self._notice_due.wait()
+            self._notice_due = trio.Event()
+            frames, self._bus_notices = self._bus_notices, []
+            dropped, self._bus_dropped = self._bus_dropped, 0
+            start = clock()
+            for i, rc in enumerate(list(self.noticed)):
+                if rc not in self.noticed:  # gone (or unsubscribed) during a turn
+                    continue
+                for frame in frames:
+                    rc.outbox.force(frame)
+                rc.unsaid += dropped
+                if rc.outbox:
+                    rc.lot.unpark()
+                elif self._tell_missed(rc):  # idle: nothing else would tell it
+                    rc.lot.unpark()
+                if not i % 64 and clock() - start > TURN:
+                    await trio.lowlevel.checkpoint()
+                    start = clock()
+            await trio.sleep(NOTICE_EVERY)
 
     async def _say_discards(self) -> None:
         """Every `DISCARD_LOG_INTERVAL`, one line per address for which messages were

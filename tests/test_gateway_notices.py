@@ -1,0 +1,234 @@
+"""The gateway's notices (`sbus.gateway.notices`): a remote client subscribed to
+``!/gateway/notices`` is told what it missed, and the counts add up, message by message.
+
+Real processes throughout: a broker, `sbus gateway`, raw TCP clients; the faults are
+real too (a client that does not read, a gateway stopped with SIGSTOP while the bus
+floods it, a broker handing over with SIGUSR2).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BrokerProcess, raw, sync
+from test_gateway import GatewayProcess, read_exactly, roundtrip
+
+from sbus.gateway import codec, notices
+from sbus.gateway.codec import FrameDecoder
+
+N = notices.TOPIC
+
+
+@pytest.fixture
+def ndir():
+    d = Path(tempfile.mkdtemp(prefix="sbus-gn-", dir="/tmp"))  # short: socket paths
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Tally:
+    """What one remote client received: the numbers of its messages on *key*, in order,
+    and the notices, read by a thread until `stop`."""
+
+    def __init__(self, sock: socket.socket, key: bytes) -> None:
+        self.sock, self.key = sock, key
+        self.numbers: list[int] = []
+        self.notices: list[dict] = []
+        self.others: list[object] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        decoder = FrameDecoder()
+        self.sock.settimeout(0.1)
+        while not self._done.is_set():
+            try:
+                data = self.sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            for frame in decoder.feed(data):
+                if type(frame) is codec.Publish and frame.topic == self.key:
+                    self.numbers.append(int(frame.body.split(b" ")[0]))
+                elif type(frame) is codec.Publish and frame.topic == N:
+                    self.notices.append(notices.parse(frame.body))
+                else:
+                    self.others.append(frame)
+
+    def count(self, event: str) -> int:
+        return sum(n.get("count", 0) for n in self.notices if n["event"] == event)
+
+    def accounted(self) -> int:
+        return len(self.numbers) + self.count("discarded") + self.count("bus-dropped")
+
+    def wait(self, total: int, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while self.accounted() < total and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+
+def subscribed(gw: GatewayProcess, local: socket.socket, key: bytes,
+               rcvbuf: int | None = None) -> socket.socket:
+    """A remote client subscribed to *key* and to the notices, its subscription on the
+    bus (probed with a message numbered -1, read here)."""
+    s = gw.connect(rcvbuf=rcvbuf)
+    s.sendall(codec.subscribe(N) + codec.subscribe(key))
+    roundtrip(s)
+    s.settimeout(0.1)
+    probe = codec.publish(key, b"-1")
+    for _ in range(100):
+        local.send(b"MSG " + key + b"\0-1")
+        try:
+            assert read_exactly(s, len(probe)) == probe
+            break
+        except TimeoutError:
+            continue
+    else:
+        raise AssertionError("the subscription never reached the bus")
+    time.sleep(0.2)
+    s.settimeout(0.2)
+    try:  # (more probes, sent before the first came)
+        while s.recv(1 << 16):
+            pass
+    except TimeoutError:
+        pass
+    return s
+
+
+def publish(local: socket.socket, key: bytes, count: int, size: int) -> None:
+    pad = b" " + b"x" * size
+    for i in range(count):
+        local.send(b"MSG " + key + b"\0%d" % i + pad)
+    sync(local)
+
+
+def test_each_notice_is_one_frame_on_the_topic_whose_body_parses_back():
+    """Pure: the frames `notices` makes decode as publishes on `notices.TOPIC` (which the
+    bus can never carry: a secret-looking key it refuses), and `parse` reads them back."""
+    frames = FrameDecoder().feed(notices.discarded([3, 0, 2]) + notices.bus_away()
+                                 + notices.bus_back(1.23456) + notices.bus_dropped(7))
+    assert {f.topic for f in frames} == {N}
+    assert [notices.parse(f.body) for f in frames] == [
+        {"event": "discarded", "count": 5, "causes": {"own": 3, "pool": 2}},
+        {"event": "bus-away"}, {"event": "bus-back", "away": 1.235},
+        {"event": "bus-dropped", "count": 7}]
+    from sbus.keys import KeyRefused, KeyRules
+    with pytest.raises(KeyRefused):
+        KeyRules(b"/").check_key(N)
+    for junk in (b"[]", b"{}", b'{"event": 1}'):
+        with pytest.raises(ValueError):
+            notices.parse(junk)
+
+
+def test_a_client_that_does_not_read_is_told_how_many_it_lost_to_the_message(ndir):
+    """A client with a 10-message buffer reads nothing while 2,000 numbered messages come:
+    what it then reads and what its notices say were discarded add up to 2,000 exactly
+    (before: the gateway's log counted them; the client could not know)."""
+    bus = BrokerProcess(str(ndir / "bus.sock")).start()
+    gw = GatewayProcess(ndir, bus.address, "--buffer-messages", "10").start()
+    local = raw(bus.address)
+    slow = tally = None
+    try:
+        slow = subscribed(gw, local, b"n/seq", rcvbuf=4096)
+        publish(local, b"n/seq", 2000, 200)
+        tally = Tally(slow, b"n/seq")  # reads from now on
+        tally.wait(2000)
+        print(f"read {len(tally.numbers)}, told discarded {tally.count('discarded')} in "
+              f"{len(tally.notices)} notices")
+        assert tally.accounted() == 2000, (len(tally.numbers), tally.notices)
+        assert tally.numbers == sorted(tally.numbers)  # the survivors in order
+        assert 10 <= len(tally.numbers) < 1000 and tally.count("discarded") > 1000
+        assert {n["event"] for n in tally.notices} <= {"discarded", "bus-dropped"}
+        assert all(sum(n["causes"].values()) == n["count"] for n in tally.notices)
+        assert not tally.others
+    finally:
+        if tally is not None:
+            tally.stop()
+        for s in (slow, local):
+            if s is not None:
+                s.close()
+        gw.stop()
+        bus.stop()
+
+
+def test_what_the_broker_drops_for_a_stopped_gateway_is_told_and_adds_up(ndir):
+    """The gateway stopped (SIGSTOP) while a local publisher floods its 64 KiB queue in
+    the broker (``hard=discard``): the broker drops for it and reports the count, the
+    gateway passes it on, and a prompt remote reader's messages plus its notices add
+    up to every message published."""
+    bus = BrokerProcess(str(ndir / "bus.sock"), "--queue-limit", "64k").start()
+    gw = GatewayProcess(ndir, bus.address).start()
+    local = raw(bus.address)
+    remote = tally = None
+    try:
+        remote = subscribed(gw, local, b"d/seq")
+        tally = Tally(remote, b"d/seq")
+        os.kill(gw.proc.pid, signal.SIGSTOP)
+        try:
+            publish(local, b"d/seq", 5000, 300)
+        finally:
+            os.kill(gw.proc.pid, signal.SIGCONT)
+        local.send(b"MSG d/seq\0%d" % 5000)  # the broker's report comes with what follows
+        tally.wait(5001)
+        print(f"read {len(tally.numbers)}, told bus-dropped {tally.count('bus-dropped')}, "
+              f"discarded {tally.count('discarded')}")
+        assert tally.accounted() == 5001, (len(tally.numbers), tally.notices)
+        assert tally.count("bus-dropped") > 1000, tally.notices
+        assert tally.numbers == sorted(tally.numbers) and tally.numbers[-1] == 5000
+        assert not tally.others
+        assert re.search(r"the broker dropped \d+ messages for the gateway", gw.log())
+    finally:
+        if tally is not None:
+            tally.stop()
+        for s in (remote, local):
+            if s is not None:
+                s.close()
+        gw.stop()
+        bus.stop()
+
+
+def test_a_hand_over_loses_nothing_and_says_nothing(ndir):
+    """SIGUSR2: the broker re-executes itself and takes its connections over; the
+    gateway's stays, nothing is missed, and a client subscribed to the notices gets none."""
+    bus = BrokerProcess(str(ndir / "bus.sock")).start()
+    gw = GatewayProcess(ndir, bus.address).start()
+    local = raw(bus.address)
+    remote = tally = None
+    try:
+        remote = subscribed(gw, local, b"h/seq")
+        tally = Tally(remote, b"h/seq")
+        bus.proc.send_signal(signal.SIGUSR2)
+        for i in range(300):
+            local.send(b"MSG h/seq\0%d" % i)
+            time.sleep(0.002)
+        tally.wait(300)
+        time.sleep(0.3)
+        assert tally.numbers == list(range(300)), tally.notices
+        assert tally.notices == [] and not tally.others
+        assert "lost the bus" not in gw.log()
+    finally:
+        if tally is not None:
+            tally.stop()
+        for s in (remote, local):
+            if s is not None:
+                s.close()
+        gw.stop()
+        log = bus.stop()
+    assert "took over" in log, log  # (a hand-over it was)
