@@ -40,7 +40,7 @@ from test_gateway import (
     subscribe_bridged,
 )
 
-from sbus.gateway import codec
+from sbus.gateway import codec, notices
 
 
 @pytest.fixture
@@ -136,10 +136,18 @@ def test_secret_inboxes_of_a_dot_separator_broker_stay_local(hdir):
         subscribe_bridged(spy, b"", local, b"probe")
         secret_key = b"!.cred.0.0.%d.private" % gw.proc.pid
         local.send(b"MSG " + secret_key + b"\0leak")
+        # on a "." bus the gateway's notices topic is an ordinary key: a local user forges
+        # a notice, and a remote one tries; neither reaches a client that asked for them
+        spy.sendall(codec.subscribe(notices.TOPIC))
+        roundtrip(spy)
+        local.send(b"MSG " + notices.TOPIC + b'\0{"event":"bus-away"}')
+        forger.sendall(codec.publish(notices.TOPIC, b'{"event":"bus-away"}'))
+        roundtrip(forger)
         local.send(b"MSG public\0ok")
         expected = codec.publish(b"public", b"ok")
-        assert read_exactly(spy, len(expected)) == expected  # not the secret one first
+        assert read_exactly(spy, len(expected)) == expected  # neither came first
         gw.wait_log("is a secret (!.) key")
+        gw.wait_log("refused: the gateway's notices are its own")
     finally:
         local.close()
         gw.stop()

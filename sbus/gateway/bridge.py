@@ -52,6 +52,7 @@ from ..limits import Limits, LogAllowance
 from ..protocol import ProtocolError, Publish
 from ..routing import CACHE_BYTES, RouteCache, RoutingIndex
 from ..session import Backoff, Dropped, Refusal
+from . import notices
 from .admission import Pool
 
 log = logging.getLogger("sbus.gateway")
@@ -575,7 +576,9 @@ class Bridge:
                 self._stale.clear()
             finally:
                 lock.release()
-            secret = self.rules.secret_prefix
+            # never forwarded, whatever the broker sent: secret keys, and (on a ``.`` bus,
+            # where it is an ordinary key) the gateway's own notices topic
+            secret = (self.rules.secret_prefix, notices.TOPIC)
             index = self.index
             self.received += sum(type(event) is Publish for event in events)
             start = flushed = clock()
@@ -590,8 +593,8 @@ class Bridge:
                 while j < n:
                     event = events[j]
                     if type(event) is Publish and not event.key.startswith(secret):
-                        if ahead is not None:  # (secret keys: never forwarded, whatever
-                            found, ahead = ahead, None  # the broker sent)
+                        if ahead is not None:
+                            found, ahead = ahead, None
                         else:
                             found = index.match(event.key)
                         if found:

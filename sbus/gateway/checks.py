@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..display import brief
 from ..errors import InvalidRequest
 from ..keys import Credentials, KeyRefused, KeyRules
+from . import notices
 
 __all__ = ["FrameRefused", "SharesFull", "check_key", "check_pattern"]
 
@@ -28,6 +29,9 @@ def _check_common(rules: KeyRules, topic: bytes, what: str) -> None:
     if b"\0" in topic:
         raise FrameRefused(f"{what} {brief(topic)} refused: it contains NUL, which sbus "
                            "keys cannot")
+    if topic.startswith(notices.TOPIC):
+        raise FrameRefused(f"{what} {brief(topic)} refused: the gateway's notices are its "
+                           "own (subscribe to the topic itself to get them)")
     if rules.is_secret(topic):
         raise FrameRefused(f"{what} {brief(topic)} refused: it is a secret "
                            f"({rules.secret_prefix.decode('latin-1')}) key, which remote "

@@ -7,8 +7,9 @@ said so, which a remote user does not see.  A client that subscribes to `TOPIC` 
 these as messages on that topic; one that does not sees the protocol unchanged.
 
 `TOPIC` is ``!/gateway/notices`` whatever the broker's separator: on a ``/`` bus it is a
-secret-looking key that the broker refuses and the gateway never forwards, so no bus key
-is taken from remote clients (on a ``.`` bus it shadows the one ordinary key spelled so).
+secret-looking key that the broker refuses, so no bus key is taken from remote clients; on
+a ``.`` bus, where it is an ordinary key, the gateway neither forwards it (nor any key
+under it) from the bus nor lets remote clients publish to it: a notice cannot be forged.
 Each body is one JSON object with an ``event`` field:
 
 * ``{"event": "discarded", "count": N, "causes": {"own": a, "address": b, "pool": c}}``:
