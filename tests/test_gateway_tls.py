@@ -502,7 +502,8 @@ def _receive_probe(c: BlockingClient, local: socket.socket, key: bytes,
     raise AssertionError(f"{key!r} never reached the remote client")
 
 
-def test_blocking_client_resubscribes_after_the_gateway_restarts(short_tmp, own_bus):
+def test_blocking_client_resubscribes_after_the_gateway_restarts(short_tmp, own_bus, caplog):
+    """...and says that what was published while it was away was not received."""
     gw = GatewayProcess(short_tmp, own_bus.address).start()
     local = raw(own_bus.address)
     try:
@@ -517,6 +518,7 @@ def test_blocking_client_resubscribes_after_the_gateway_restarts(short_tmp, own_
             gw.start()  # same port
             wait_for(lambda: c.client.connections == 2, what="a reconnect")
             _receive_probe(c, local, b"re/after", b"re/before")  # subscribed again
+            assert c.client.gaps == 1 and "was not received" in caplog.text
             local.send(b"SUB re/pub")
             sync(local)
             assert c.publish(b"re/pub", b"authenticated again")
@@ -530,7 +532,9 @@ def test_blocking_client_resubscribes_after_the_gateway_restarts(short_tmp, own_
         gw.stop()
 
 
-def test_gateway_resubscribes_when_the_broker_restarts(short_tmp, own_bus):
+def test_gateway_resubscribes_when_the_broker_restarts(short_tmp, own_bus, caplog):
+    """The remote client stays connected, and hears of the outage from the gateway's
+    notices (logged, counted), which do not come among its messages."""
     gw = GatewayProcess(short_tmp, own_bus.address).start()
     try:
         with BlockingClient("127.0.0.1", gw.port) as c:
@@ -543,10 +547,46 @@ def test_gateway_resubscribes_when_the_broker_restarts(short_tmp, own_bus):
             gw.wait_log("connected to the bus at", timeout=30, times=2)
             with raw(own_bus.address) as local:
                 _receive_probe(c, local, b"survive/two", b"survive/one")
-            assert c.client.connections == 1  # the remote client never noticed
+            assert c.client.connections == 1  # the connection stayed
+            wait_for(lambda: "has its bus back" in caplog.text, what="the notice")
+            assert c.client.gaps == 1 and "lost its bus" in caplog.text
         log = gw.log()
         assert "lost the bus" in log and "(1 patterns)" in log
     finally:
+        gw.stop()
+
+
+def test_the_client_counts_and_says_what_the_gateway_discarded_for_it(short_tmp, own_bus,
+                                                                     caplog):
+    """A program that stops taking messages (the library's queue of 1 full: it stops
+    reading) while 3,000 numbered ones come: what it receives afterwards plus what the
+    library counts as `missed` (the gateway's notices) is exactly 3,000, and it was said."""
+    gw = GatewayProcess(short_tmp, own_bus.address, "--buffer-messages", "10").start()
+    local = raw(own_bus.address)
+    try:
+        with BlockingClient("127.0.0.1", gw.port, queue=1) as c:
+            c.subscribe(b"lag/n")
+            _receive_probe(c, local, b"lag/n")
+            while True:  # (more probes, sent before the first came)
+                try:
+                    c.receive(timeout=0.3)
+                except TimeoutError:
+                    break
+            for i in range(3000):
+                local.send(b"MSG lag/n\0%d " % i + b"x" * 500)
+            sync(local)
+            got: list[int] = []
+            deadline = time.monotonic() + 20
+            while len(got) + c.client.missed < 3000 and time.monotonic() < deadline:
+                try:
+                    got.append(int(c.receive(timeout=0.5).body.split()[0]))
+                except TimeoutError:
+                    pass
+            assert len(got) + c.client.missed == 3000, (len(got), c.client.missed)
+            assert got == sorted(got) and c.client.missed > 1000
+            assert "messages were discarded for this client" in caplog.text
+    finally:
+        local.close()
         gw.stop()
 
 

@@ -10,6 +10,12 @@ authenticates again and subscribes to every topic again.  Messages published
 while disconnected wait for the next connection; one that was being written
 when the connection broke is not retried (as in the design).
 
+What the client misses is said: it subscribes to the gateway's notices
+(`notices.TOPIC`, unless ``notices=False``) and logs each as a warning, counting
+the messages they say were lost in `missed`; a reconnect (whose gap nobody can
+count) is logged as a warning too and counted in `gaps`.  The notices reach the
+program as messages only if it subscribes to `notices.TOPIC` itself.
+
     async with Client("bus.example.net", 7070, auth_key=b"...") as c:
         await c.subscribe(b"sensors/*/temp")
         async for msg in c:
@@ -28,8 +34,9 @@ import anyio
 import trio
 from anyio.abc import ByteStream
 
+from ..display import brief
 from ..session import Backoff
-from . import codec
+from . import codec, notices
 from .codec import FrameDecoder, FrameError
 
 log = logging.getLogger("sbus.gateway.client")
@@ -68,6 +75,7 @@ class Client:
         connect_timeout: float = 10.0,
         queue: int = 1000,
         max_frame: int = codec.DEFAULT_MAX_FRAME,
+        notices: bool = True,
     ) -> None:
         self.host, self.port = host, port
         self.auth_key = None if auth_key is None else _b(auth_key)
@@ -79,8 +87,15 @@ class Client:
         self.connect_timeout = connect_timeout
         self.max_frame = max_frame
         self.topics: set[bytes] = set()
+        self.notices = notices
         #: Connections made so far (1 after the first, more after reconnects).
         self.connections = 0
+        #: Messages the gateway said this client missed (`notices`: discarded for it,
+        #: dropped by the broker for the gateway), and gaps nobody could count (a
+        #: reconnect, the bus away).
+        self.missed = 0
+        self.gaps = 0
+        self._lost_at: float | None = None  # when the last connection ended
         self._send_in, self._receive_out = anyio.create_memory_object_stream[Message](queue)
         self._stream: ByteStream | None = None
         self._connected = anyio.Event()
@@ -175,6 +190,8 @@ class Client:
         """What a fresh connection sends first: the secret, then every subscription."""
         parts = [] if self.auth_key is None else [codec.authenticate(self.auth_key)]
         parts += [codec.subscribe(t) for t in sorted(self.topics)]
+        if self.notices and notices.TOPIC not in self.topics:
+            parts.append(codec.subscribe(notices.TOPIC))
         return b"".join(parts)
 
     async def _run(self) -> None:
@@ -189,6 +206,8 @@ class Client:
                 try:
                     await self._session(stream)
                 finally:
+                    if self._stream is not None:
+                        self._lost_at = anyio.current_time()
                     self._stream = None
                     self._connected = anyio.Event()
                     with anyio.CancelScope(shield=True):
@@ -213,6 +232,11 @@ class Client:
         self.connections += 1
         self._connected.set()
         log.info("connected to %s:%d (%d topics)", self.host, self.port, len(self.topics))
+        if self._lost_at is not None and self.topics:
+            self.gaps += 1
+            log.warning("reconnected to %s:%d after %.1f s: what was published meanwhile "
+                        "was not received", self.host, self.port,
+                        anyio.current_time() - self._lost_at)
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(self._keepalives, stream, tasks.cancel_scope)
             await self._reader(stream)
@@ -237,12 +261,42 @@ class Client:
                                 self.dead_after)
                     return
                 for frame in decoder.feed(data):
-                    if type(frame) is codec.Publish:
-                        await self._send_in.send(frame)
+                    if type(frame) is not codec.Publish:
+                        continue
+                    if frame.topic == notices.TOPIC:
+                        self._notice(frame.body)
+                        if notices.TOPIC not in self.topics:
+                            continue
+                    await self._send_in.send(frame)
         except anyio.EndOfStream:
             log.info("%s:%d closed the connection", self.host, self.port)
         except _BROKEN as exc:
             log.info("connection to %s:%d lost: %s", self.host, self.port, exc)
+
+    def _notice(self, body: bytes) -> None:
+        """Say what the gateway's notice tells (`notices`), and count it."""
+        where = f"{self.host}:{self.port}"
+        try:
+            notice = notices.parse(body)
+        except ValueError:
+            log.warning("%s sent a notice that is not one: %s", where, brief(body, 80))
+            return
+        event, count = notice["event"], notice.get("count")
+        if event in ("discarded", "bus-dropped") and isinstance(count, int) and count > 0:
+            self.missed += count
+            why = ("discarded for this client (it did not read fast enough)"
+                   if event == "discarded" else
+                   "dropped by the bus for the gateway (it fell behind)")
+            log.warning("%s: %d messages were %s", where, count, why)
+        elif event == "bus-away":
+            self.gaps += 1
+            log.warning("%s lost its bus: what is published meanwhile is not received",
+                        where)
+        elif event == "bus-back":
+            log.warning("%s has its bus back: what was published while it was away was not "
+                        "received", where)
+        else:
+            log.warning("%s sent an unknown notice: %s", where, brief(body, 80))
 
 
 class BlockingClient:
