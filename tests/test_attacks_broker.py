@@ -44,9 +44,11 @@ import hostile  # noqa: E402  (tools/ is not a package)
 ATTACKER, ATTACKER2 = hostile.ATTACKERS
 HONEST, HONEST2 = hostile.HONEST
 assert ATTACKER == NOBODY
-#: Honest round trips and throughput measured against the wall clock, quiet and under
-#: attack: no other test beside them (tests/conftest.py).
-pytestmark = pytest.mark.alone
+#: The loop attacks (f, i) measure honest round trips and throughput against the wall
+#: clock, quiet and under attack: no other test beside them (tests/conftest.py).  The
+#: memory attacks bound the broker's RSS and only check that honest probes are answered:
+#: they share the machine.
+alone = pytest.mark.alone
 CAP_KIB = 300 * 1024  # memory attacks stop here
 MIB = 1024
 
@@ -283,6 +285,7 @@ def assert_fast(quiet: dict, lat: dict, what: str, report: dict) -> None:
                                    f"{lat['max_ms']} ms (quiet: {quiet}); attack {report}")
 
 
+@alone
 def test_f_sub_unsub_batches_of_long_patterns(start) -> None:
     """Batches of SUB/UNSUB of 20,000-segment patterns (and patterns at the limits).
     c4a42ae: honest p99 in the seconds (see the message)."""
@@ -291,6 +294,7 @@ def test_f_sub_unsub_batches_of_long_patterns(start) -> None:
     assert_fast(quiet, lat, "SUB/UNSUB batches", report)
 
 
+@alone
 def test_f_order_flips_over_a_full_queue(start) -> None:
     """300,000 tiny packets queued for the attacker's own subscriber, then ``order/random``
     / ``order/queue`` / ``order/stack`` flips: each re-sorts the whole queue.  c4a42ae:
@@ -300,6 +304,7 @@ def test_f_order_flips_over_a_full_queue(start) -> None:
     assert_fast(quiet, lat, "order flips", report)
 
 
+@alone
 def test_f_lookup_against_prefix_siblings(start) -> None:
     """``a1*`` … ``a9999*`` subscribed, then publishes of unique keys that miss them all:
     every lookup scans every sibling."""
@@ -308,6 +313,7 @@ def test_f_lookup_against_prefix_siblings(start) -> None:
     assert_fast(quiet, lat, "prefix siblings", report)
 
 
+@alone
 def test_f_fanout_to_own_subscribers(start) -> None:
     """1,000 subscriber connections of the attacker (``soft/discard``, never reading) on
     ``fan/``, and publishes of unique keys under it: a batch of 32 packets is 32,000
@@ -317,6 +323,7 @@ def test_f_fanout_to_own_subscribers(start) -> None:
     assert_fast(quiet, lat, "fan-out to own subscribers", report)
 
 
+@alone
 def test_f_lookup_walking_every_matching_pattern(start) -> None:
     """Patterns of 24 segments from ``a``, ``*``, ``a*``, as many as the default subscription
     budget takes (~900, ~18,000 distinct nodes that all match ``a/a/…/a/N``), then unique
@@ -327,6 +334,7 @@ def test_f_lookup_walking_every_matching_pattern(start) -> None:
     assert_fast(quiet, lat, "walk of matching patterns", report)
 
 
+@alone
 def test_f_many_connections_buy_no_more_of_the_loop(start) -> None:
     """200 connections of one user, each kept full of SUB/UNSUB of 256-segment patterns:
     each connection's turn is bounded (~2 ms), but without a share of each round per
@@ -337,6 +345,7 @@ def test_f_many_connections_buy_no_more_of_the_loop(start) -> None:
     assert_fast(quiet, lat, "200 connections of costly packets", report)
 
 
+@alone
 def test_f_a_users_own_clients_take_turns_in_its_share(start) -> None:
     """The crowd's user also probes on a connection of its own: its share of each round
     goes to one crowd connection at a time, and epoll reports the ready clients in the
@@ -357,6 +366,7 @@ def test_f_a_users_own_clients_take_turns_in_its_share(start) -> None:
                                                                report)
 
 
+@alone
 def test_f_accept_storm(start) -> None:
     """Three processes connect and hang up as fast as they can: the accept loop drains the
     backlog without yielding while it is refilled.  An already connected honest client
@@ -377,6 +387,7 @@ def test_f_accept_storm(start) -> None:
 
 
 
+@alone
 def test_f_status_answers_cost_bounded_work(start) -> None:
     """Issue 28 item 1: one attacker client holds 40 patterns of 200 KB of invalid UTF-8,
     another a 70 KB pattern, 200 more after them; the attacker asks ``CMSG broker/status``
@@ -442,6 +453,7 @@ def attacker_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if f"uid {ATTACKER}" in line]
 
 
+@alone  # (log allowances refill with the clock)
 def test_h_log_quotes_are_short_and_escaped(start) -> None:
     """Two 200 KB refused patterns full of ESC, CR and newlines.  c4a42ae: each is quoted
     whole (a 600 KB log line)."""
@@ -458,6 +470,7 @@ def test_h_log_quotes_are_short_and_escaped(start) -> None:
     assert not any(line.startswith("sbus.broker: FORGED") for line in log.splitlines())
 
 
+@alone  # (log allowances refill with the clock)
 def test_h_complaint_allowance_survives_reconnects(start) -> None:
     """100 connections in turn, each sending 20 junk packets.  c4a42ae: 10 lines per
     connection (+1 'not logged'), ~1,100 lines."""
@@ -469,6 +482,7 @@ def test_h_complaint_allowance_survives_reconnects(start) -> None:
     assert len(lines) <= 40, f"{len(lines)} log lines about uid {ATTACKER}: {lines[-3:]}"
 
 
+@alone  # (log allowances refill with the clock)
 def test_h_connection_limit_refusals_rate_limited(start) -> None:
     """300 connections held past a limit of 2, then 1 s of connect-and-vanish (~400).
     c4a42ae: one log line per refused connection."""
@@ -531,6 +545,7 @@ def test_j_one_user_cannot_take_the_last_descriptors(short_tmp) -> None:
 
 # -- 5. the route cache under churn ------------------------------------------------------
 
+@alone
 @pytest.mark.parametrize("churned", [b"churn/%d/x", b"*/%d"], ids=["literal", "wildcard"])
 def test_i_churn_keeps_the_route_cache(start, churned: bytes) -> None:
     """An S-style publisher over 1,000 cached keys (1,000 other ``p*`` siblings in the

@@ -160,6 +160,9 @@ def test_outbox_bounds_bytes_but_always_takes_one():
     small = Outbox(max_messages=2, max_bytes=100)
     assert [small.force(b"\x00") for _ in range(5)] == [True] * 4 + [False]  # up to 2x
     assert small.dropped == 0 and len(small) == 4
+    assert small.force(b"notice", extra=1) and not small.force(b"notice", extra=1)  # more
+    small.max_messages = 0  # (being cut): nothing more at all
+    assert not small.force(b"\x00", extra=100)
     with pytest.raises(ValueError):
         Outbox(0, 10)
 

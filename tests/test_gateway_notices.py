@@ -232,3 +232,41 @@ def test_a_hand_over_loses_nothing_and_says_nothing(ndir):
         gw.stop()
         log = bus.stop()
     assert "took over" in log, log  # (a hand-over it was)
+
+
+def test_a_client_far_behind_is_still_told_of_an_outage(ndir):
+    """A client behind by its whole buffer, whose keep-alives' echoes fill the room that
+    forced frames have (twice the message bound), is still told of an outage: the
+    outage's notices have room of their own (before: neither came, and nothing said so,
+    the audit of 2026-11-28)."""
+    address = str(ndir / "bus.sock")
+    bus = BrokerProcess(address).start()
+    gw = GatewayProcess(ndir, bus.address, "--buffer-messages", "10").start()
+    local = raw(bus.address)
+    slow = tally = None
+    try:
+        slow = subscribed(gw, local, b"o/seq", rcvbuf=2048)
+        publish(local, b"o/seq", 3000, 300)
+        slow.sendall(b"\x00" * 100)  # an ordinary client's keep-alives while it is behind
+        time.sleep(0.3)
+        local.close()
+        bus.proc.kill()
+        bus.proc.wait()
+        os.unlink(address)
+        bus = BrokerProcess(address).start()
+        gw.wait_log("the bus is back after", timeout=20)
+        time.sleep(1.5)  # (the notices' next round)
+        tally = Tally(slow, b"o/seq")
+        tally.wait(3000)
+        time.sleep(0.5)
+        events = [n["event"] for n in tally.notices]
+        assert "bus-away" in events and "bus-back" in events, events
+        assert events.index("bus-away") < events.index("bus-back")
+        assert tally.accounted() == 3000, (len(tally.numbers), tally.notices)
+    finally:
+        if tally is not None:
+            tally.stop()
+        if slow is not None:
+            slow.close()
+        gw.stop()
+        bus.stop()

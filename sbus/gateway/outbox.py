@@ -189,11 +189,13 @@ class Outbox:
                 return True
         return False
 
-    def force(self, data: bytes) -> bool:
+    def force(self, data: bytes, extra: int = 0) -> bool:
         """Queue *data* even when the buffer is full of messages (keep-alive echoes),
-        but not beyond twice the message bound: a peer that sends keep-alives and never
-        reads must not grow the buffer without end.  False (not counted) if refused."""
-        if len(self.frames) >= 2 * self.max_messages:
+        but not beyond twice the message bound (and *extra* frames more): a peer that
+        sends keep-alives and never reads must not grow the buffer without end.  False
+        (not counted) if refused; always once the connection is being cut."""
+        bound = self.max_messages
+        if not bound or len(self.frames) >= 2 * bound + extra:
             return False
         frame = Echo(data)
         frame.refs = 1

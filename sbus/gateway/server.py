@@ -100,6 +100,10 @@ NOTICE_EVERY = 1.0
 #: Bus notices held for the next round, at most (outages come and go faster than a
 #: round only in a broker that restarts in a loop; the oldest go first).
 NOTICES_HELD = 8
+#: Outage notices a client's buffer may hold beyond the bound of forced frames (its
+#: keep-alives' echoes fill that): a client still further behind cannot be told of an
+#: outage, and is disconnected instead, which is the protocol's own word.
+OUTAGE_ROOM = 2 * NOTICES_HELD
 
 #: Defaults of the bounds (docs/gateway.md, docs/security.md).
 MAX_CLIENTS = 10000
@@ -1133,6 +1137,7 @@ class Gateway:
                 if rc.told is None:
                     self._settle()  # told from now on: not what it lost before
                     rc.told = list(rc.outbox.dropped_by)
+                    rc.unsaid = -self._bus_dropped  # (nor the broker's drops before)
                     self.noticed.add(rc)
                 return
             self.check_pattern(topic)
@@ -1356,7 +1361,7 @@ class Gateway:
         if told != now:
             frame = notices.discarded([a - b for a, b in zip(now, told, strict=True)])
             rc.told = list(now)
-        elif rc.unsaid:
+        elif rc.unsaid > 0:
             frame = notices.bus_dropped(rc.unsaid)
             rc.unsaid = 0
         else:
@@ -1391,7 +1396,11 @@ class Gateway:
                 if rc not in self.noticed:  # gone (or unsubscribed) during a turn
                     continue
                 for frame in frames:
-                    rc.outbox.force(frame)
+                    if not rc.outbox.force(frame, OUTAGE_ROOM):
+                        self.say(rc.host, logging.WARNING, "disconnecting %r: its buffer "
+                                 "is too full to be told of the bus's outage", rc)
+                        self._close(rc, "could not be told of the bus's outage")
+                        break
                 rc.unsaid += dropped
                 if rc.outbox:
                     rc.lot.unpark()
