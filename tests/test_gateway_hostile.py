@@ -41,6 +41,7 @@ from test_gateway import (
 )
 
 from sbus.gateway import codec, notices
+from sbus.gateway.codec import FrameDecoder
 
 
 @pytest.fixture
@@ -1283,3 +1284,87 @@ def test_https_bodies_of_tiny_chunks_cost_their_size_and_stall_nobody(hdir, bus)
     assert grew < 20, f"{grew:.1f} MiB for ten 1.05 MB bodies"
     assert statistics.median(loaded) < 0.100, f"median {statistics.median(loaded) * 1e3:.1f} ms"
     assert max(loaded) < 0.300, f"max {max(loaded) * 1e3:.1f} ms"
+
+
+# -- the bus connection under subscription churn ------------------------------------------
+
+def _churn(pipe, port: int, source: str, topic: bytes) -> None:
+    """Subscribe and unsubscribe *topic* as fast as the gateway reads, until told to stop."""
+    s = socket.socket()
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    s.settimeout(0.2)
+    chunk = (codec.subscribe(topic) + codec.unsubscribe(topic)) * 500
+    pipe.send("ready")
+    while not pipe.poll():
+        try:
+            s.sendall(chunk)
+        except TimeoutError:
+            pass
+    s.close()
+
+
+def _flood(pipe, address: str, key: bytes) -> None:
+    s = raw(address)
+    s.setblocking(False)
+    pipe.send("ready")
+    while not pipe.poll():
+        try:
+            s.send(b"MSG " + key + b"\0" + b"y" * 300)
+        except BlockingIOError:
+            time.sleep(0.001)
+    s.close()
+
+
+def test_subscription_churn_beside_a_flood_does_not_stall_the_gateway(hdir):
+    """Four unauthenticated clients churn subscriptions (another user's processes) while
+    a local user floods a key remote clients hold, into the gateway's full 64 KiB queue
+    in the broker.  Each SUB's question gets a reply forced past that full queue, so the
+    broker stops reading the gateway until it reads; the gateway's reader waited for its
+    bus lock, held by a sender waiting for the broker to read: every remote client stalled
+    for good (the audit of 2026-11-28: an honest subscriber got 1 of 500 messages).  Now
+    the reader takes what waits without the lock, and the honest subscriber gets all."""
+    from faultkit import NOBODY, as_user
+
+    os.chmod(hdir, 0o755)
+    bus = BrokerProcess(str(hdir / "bus.sock"), "--queue-limit", "64k", "--mode",
+                        "666").start()
+    gw = start(hdir, bus)
+    local = raw(bus.address)
+    kids = []
+    try:
+        sink = gw.connect(rcvbuf=2048)  # holds the flooded key, reads nothing
+        sink.sendall(codec.subscribe(b"m/q"))
+        honest = gw.connect()
+        subscribe_bridged(honest, b"h/", local, b"h/probe")
+        kids.append(as_user(NOBODY, _flood, bus.address, b"m/q"))
+        for k in range(4):
+            kids.append(as_user(NOBODY, _churn, gw.port, next_loopback(), b"c/x%d" % k))
+        for _, pipe in kids:
+            assert pipe.poll(10) and pipe.recv() == "ready"
+        time.sleep(1)
+        expected = b"".join(codec.publish(b"h/n", b"%d" % i) for i in range(200))
+        for i in range(200):
+            local.send(b"MSG h/n\0%d" % i)
+            time.sleep(0.005)
+        honest.settimeout(15)
+        got = b""
+        try:
+            while len(got) < len(expected):
+                chunk = honest.recv(1 << 16)
+                if not chunk:
+                    break
+                got += chunk
+        except TimeoutError:
+            pass
+        frames = [f for f in FrameDecoder().feed(got) if f.topic == b"h/n"]
+        assert len(frames) == 200, f"{len(frames)} of 200 honest messages"
+    finally:
+        for proc, pipe in kids:
+            pipe.send("stop")
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+        local.close()
+        gw.stop()
+        bus.stop()

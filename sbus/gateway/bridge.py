@@ -30,9 +30,11 @@ remote clients holding it are told (`on_refused`): what the gateway routes is wh
 bus holds.
 
 One task (`run`) receives; any number send.  Every call into the client that can
-reconnect (a send, a receive) is made under one lock, so two tasks never reconnect at
-once; the receiver waits for the socket outside the lock, in a cancel scope that a
-reconnect by a sender cancels (a cancelled wait consumes nothing).
+reconnect (a send, a receive that waits) is made under one lock, so two tasks never
+reconnect at once; the receiver waits for the socket outside the lock, in a cancel scope
+that a reconnect by a sender cancels (a cancelled wait consumes nothing), and takes what
+is ready outside it too (that read never reconnects): a sender may hold the lock while
+the broker has no room for it, and the broker may be waiting for the gateway to read.
 """
 
 from __future__ import annotations
@@ -551,31 +553,42 @@ class Bridge:
             self._waiting = None
             if replaced:
                 continue
-            packets: list[bytes] = []
-            lock = self._lock  # a sender that is reconnecting finishes first
-            try:
-                lock.acquire_nowait()  # no turn of the loop on the common path
-            except trio.WouldBlock:
-                await lock.acquire()
-            try:
-                if generation == self._generation:  # still the socket found readable
-                    # what waits, without a turn of the loop; else (nothing after all, or
-                    # the connection ended) the call that waits and reconnects
-                    packets = bus.receive_packets_ready(FORWARD_BATCH)
-                    if not packets:
+            # What waits, without a turn of the loop and without the lock: this read never
+            # reconnects (it takes nothing while the client is reconnecting), so it need
+            # not wait for a sender, which holds the lock while the bus has no room for
+            # it.  The broker stops reading a connection whose own queue is over its limit
+            # (a reply forced past a queue full of messages) until it is read: a sender
+            # waiting for room under the lock while this read waited for the lock stalled
+            # every remote client for good (the audit of 2026-11-28: 4 clients churning
+            # subscriptions beside a flood).
+            packets = bus.receive_packets_ready(FORWARD_BATCH) \
+                if generation == self._generation else []
+            events = [self._event(packet) for packet in packets]
+            if not packets or self._unmapped or self._stale:
+                lock = self._lock  # a sender that is reconnecting finishes first
+                try:
+                    lock.acquire_nowait()  # no turn of the loop on the common path
+                except trio.WouldBlock:
+                    await lock.acquire()
+                try:
+                    if not packets and generation == self._generation:
+                        # nothing after all, or the connection ended: the call that
+                        # waits and reconnects
                         with trio.CancelScope() as self._receiving:
                             packets = await bus.receive_packets(FORWARD_BATCH)
                         self._receiving = None
-                events = [self._event(packet) for packet in packets]
+                        events = [self._event(packet) for packet in packets]
+                    self._settle()
+                    if self._unmapped:
+                        await self._refused_unmapped()
+                    for pattern in self._stale:
+                        if bus.session.patterns[pattern]:
+                            await bus.send_packet(bus.session.unsubscribe(pattern))
+                    self._stale.clear()
+                finally:
+                    lock.release()
+            else:
                 self._settle()
-                if self._unmapped:
-                    await self._refused_unmapped()
-                for pattern in self._stale:
-                    if bus.session.patterns[pattern]:
-                        await bus.send_packet(bus.session.unsubscribe(pattern))
-                self._stale.clear()
-            finally:
-                lock.release()
             # never forwarded, whatever the broker sent: secret keys, and (on a ``.`` bus,
             # where it is an ordinary key) the gateway's own notices topic
             secret = (self.rules.secret_prefix, notices.TOPIC)
