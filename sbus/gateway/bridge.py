@@ -78,6 +78,12 @@ BUS_WAIT = 10.0
 #: for all of it (a run is up to 64 KiB: ~2,600 tiny publishes; behind 64 flooding
 #: addresses an honest one waited 2.6-6.3 s, the audit of 2026-11-27).
 PIECE = 64
+#: SUB questions the broker has not answered yet, at most (`Bridge._change`): its answers
+#: are queued for the gateway past a full queue, where no user's share makes room for
+#: them, so 4 clients churning subscriptions filled the gateway's queue in the broker with
+#: answers and other users' messages were dropped (the audit of 2026-11-28); a SUB past
+#: this waits for answers, and its client for it.
+QUESTIONS = 64
 #: Seconds the first whoami may take before the gateway gives up starting.
 CONTROL_TIMEOUT = 10.0
 #: Messages taken from the bus before the clients' writers get a turn: well under
@@ -178,6 +184,10 @@ class Bridge:
         self._unconfirmed: deque[list] = deque()
         self._in_flight: Counter[bytes] = Counter()  # the same, by pattern
         self._asked = 0  # questions sent on this connection
+        self._answered = trio.lowlevel.ParkingLot()  # SUBs waiting for `QUESTIONS` room
+        #: patterns whose SUB waited for room and was given up (its client went): the
+        #: reader makes it when room comes, if the pattern is still held
+        self._deferred: set[bytes] = set()
         self._generation = 0  # connections made so far
         self._unmapped = 0  # SUB refusals during a reconnect: their patterns are unknown
         # counters
@@ -255,21 +265,43 @@ class Bridge:
 
     async def _change(self, pattern: bytes, subscribe: bool) -> None:
         """SUB (with its question) or UNSUB *pattern* through the session.  While the bus
-        is down only the session learns of it: reconnecting restores its patterns."""
+        is down only the session learns of it: reconnecting restores its patterns.  A
+        SUB waits while `QUESTIONS` are unanswered (decided under the lock, as it is
+        made)."""
+        wait = False
+
         def packets() -> list[bytes]:
+            nonlocal wait
             session = self.bus.session
             if not subscribe:
+                if not session.patterns[pattern]:
+                    return []  # its SUB waited, and was not made (`_deferred`)
                 packet = session.unsubscribe(pattern)
                 return [packet] if self._up else []
-            packet = session.subscribe(pattern)
-            if not self._up:
-                return []
-            self._asked += 1
-            self._unconfirmed.append([pattern, self._asked, None])
-            self._in_flight[pattern] += 1
-            return [packet, session.ask()]
+            wait = self._up and len(self._unconfirmed) >= QUESTIONS
+            return [] if wait else self._sub_packets(pattern)
 
         await self._send(packets)
+        try:
+            while wait:
+                await self._answered.park()  # (`_settle`, or the bus lost: `_connection`)
+                await self._send(packets)
+        except trio.Cancelled:  # its client went: others may hold the pattern too
+            if wait:
+                self._deferred.add(pattern)
+            raise
+
+    def _sub_packets(self, pattern: bytes) -> list[bytes]:
+        """SUB *pattern* in the session and, with the bus up, the packets: it and its
+        question (made under the lock)."""
+        session = self.bus.session
+        packet = session.subscribe(pattern)
+        if not self._up:
+            return []
+        self._asked += 1
+        self._unconfirmed.append([pattern, self._asked, None])
+        self._in_flight[pattern] += 1
+        return [packet, session.ask()]
 
     # -- publishing ---------------------------------------------------------------
 
@@ -407,6 +439,7 @@ class Bridge:
             self._unconfirmed.clear()  # questions on the old connection: never answered
             self._in_flight.clear()
             self._asked = 0
+            self._answered.unpark_all()
             if self._waiting is not None:  # the receiver waits on a socket now closed
                 self._waiting.cancel()
             return
@@ -472,6 +505,8 @@ class Bridge:
         before the answer) or in force.  A refused pattern leaves every remote client
         that holds it, so what the gateway routes is what the bus holds."""
         answered = self._asked - self.bus.session.asked
+        if self._answered and self._unconfirmed and self._unconfirmed[0][1] <= answered:
+            self._answered.unpark_all()  # (they find out under the lock whether room came)
         while self._unconfirmed and self._unconfirmed[0][1] <= answered:
             pattern, _, refused = self._unconfirmed.popleft()
             self._in_flight[pattern] -= 1
@@ -539,20 +574,23 @@ class Bridge:
         deliver = self.deliver
         flush = self.flush
         clock = time.perf_counter
+        more, turn = False, 0.0  # the batch before was full and this turn has time left
         while True:
             if not self._up:  # a sender is reconnecting (under the lock): the socket
                 async with self._lock:  # it replaces is closed; wait until it is done
                     continue
             generation = self._generation
-            replaced = False
-            with trio.CancelScope() as self._waiting:
-                try:
-                    await trio.lowlevel.wait_readable(bus.fileno())
-                except trio.ClosedResourceError:  # a sender's reconnect closed it (the
-                    replaced = True  # shell wakes waiters so): wait on the new socket
-            self._waiting = None
-            if replaced:
-                continue
+            if not more:
+                replaced = False
+                with trio.CancelScope() as self._waiting:
+                    try:
+                        await trio.lowlevel.wait_readable(bus.fileno())
+                    except trio.ClosedResourceError:  # a sender's reconnect closed it
+                        replaced = True  # (the shell wakes waiters so): wait on the new
+                self._waiting = None
+                if replaced:
+                    continue
+                turn = clock()
             # What waits, without a turn of the loop and without the lock: this read never
             # reconnects (it takes nothing while the client is reconnecting), so it need
             # not wait for a sender, which holds the lock while the bus has no room for
@@ -563,8 +601,11 @@ class Bridge:
             # subscriptions beside a flood).
             packets = bus.receive_packets_ready(FORWARD_BATCH) \
                 if generation == self._generation else []
+            if more and not packets:  # taken all that came: wait (not in the receive
+                more = False  # below, which waits holding the lock)
+                continue
             events = [self._event(packet) for packet in packets]
-            if not packets or self._unmapped or self._stale:
+            if not packets or self._unmapped or self._stale or self._deferred:
                 lock = self._lock  # a sender that is reconnecting finishes first
                 try:
                     lock.acquire_nowait()  # no turn of the loop on the common path
@@ -585,6 +626,7 @@ class Bridge:
                         if bus.session.patterns[pattern]:
                             await bus.send_packet(bus.session.unsubscribe(pattern))
                     self._stale.clear()
+                    await self._subscribe_deferred()
                 finally:
                     lock.release()
             else:
@@ -631,7 +673,24 @@ class Bridge:
                             flushed = clock()
                         await trio.lowlevel.checkpoint()
                         start = clock()
-            await flush()  # (no checkpoint: the wait at the top gives the others a turn)
+            await flush()
+            # The bus carries every remote client's messages: one batch per turn of the
+            # loop was its whole share beside each busy client's `TURN`, and 4 addresses
+            # flooding keep-alives held everyone's messages back 190 ms behind a local
+            # flood (the audit of 2026-11-28).  So it takes batches for a `TURN` too
+            # (the wait at the top then gives the others theirs).
+            more = len(packets) >= FORWARD_BATCH and clock() - turn < TURN
+
+    async def _subscribe_deferred(self) -> None:
+        """Make the SUBs given up while they waited for room (`_change`) whose patterns
+        are still held and not on the bus, as room comes (under the lock)."""
+        session = self.bus.session
+        while self._deferred and len(self._unconfirmed) < QUESTIONS:
+            pattern = self._deferred.pop()
+            if self.patterns[pattern] and not session.patterns[pattern]:
+                packets = self._sub_packets(pattern)
+                if packets:
+                    await self.bus.send_packets(packets)
 
     def _event(self, packet: bytes) -> object:
         """What one packet from the bus means; control events are dealt with here (in
