@@ -8,6 +8,7 @@ floods it, a broker handing over with SIGUSR2).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -16,11 +17,12 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import BrokerProcess, raw, sync
-from test_gateway import GatewayProcess, read_exactly, roundtrip
+from test_gateway import GatewayProcess, subscribe_bridged
 
 from sbus.gateway import codec, notices
 from sbus.gateway.codec import FrameDecoder
@@ -61,7 +63,8 @@ class Tally:
             if not data:
                 return
             for frame in decoder.feed(data):
-                if type(frame) is codec.Publish and frame.topic == self.key:
+                if type(frame) is codec.Publish and frame.topic == self.key \
+                        and frame.body != b"probe":  # (a late one of `subscribed`'s)
                     self.numbers.append(int(frame.body.split(b" ")[0]))
                 elif type(frame) is codec.Publish and frame.topic == N:
                     self.notices.append(notices.parse(frame.body))
@@ -86,30 +89,41 @@ class Tally:
 
 def subscribed(gw: GatewayProcess, local: socket.socket, key: bytes,
                rcvbuf: int | None = None) -> socket.socket:
-    """A remote client subscribed to *key* and to the notices, its subscription on the
-    bus (probed with a message numbered -1, read here)."""
+    """A remote client subscribed to the notices and to *key*, on the bus."""
     s = gw.connect(rcvbuf=rcvbuf)
-    s.sendall(codec.subscribe(N) + codec.subscribe(key))
-    roundtrip(s)
-    s.settimeout(0.1)
-    probe = codec.publish(key, b"-1")
-    for _ in range(100):
-        local.send(b"MSG " + key + b"\0-1")
-        try:
-            assert read_exactly(s, len(probe)) == probe
-            break
-        except TimeoutError:
-            continue
-    else:
-        raise AssertionError("the subscription never reached the bus")
-    time.sleep(0.2)
-    s.settimeout(0.2)
-    try:  # (more probes, sent before the first came)
-        while s.recv(1 << 16):
-            pass
-    except TimeoutError:
-        pass
+    s.sendall(codec.subscribe(N))
+    subscribe_bridged(s, key, local, key)
     return s
+
+
+class Bus:
+    """A broker, a gateway on it and a local raw client (`served`); what to close."""
+
+    def __init__(self, ndir: Path, bus_args: tuple[str, ...], gw_args: tuple[str, ...]):
+        self.address = str(ndir / "bus.sock")
+        self.bus = BrokerProcess(self.address, *bus_args).start()
+        self.gw = GatewayProcess(ndir, self.address, *gw_args).start()
+        self.local = raw(self.address)
+        self.held: list = []  # sockets and tallies
+        self.log = ""  # the broker's, once stopped
+
+    def keep(self, thing):
+        self.held.append(thing)
+        return thing
+
+
+@contextlib.contextmanager
+def served(ndir: Path, bus_args: tuple[str, ...] = (),
+           gw_args: tuple[str, ...] = ()) -> Iterator[Bus]:
+    b = Bus(ndir, bus_args, gw_args)
+    try:
+        yield b
+    finally:
+        for thing in reversed(b.held):
+            (thing.stop if isinstance(thing, Tally) else thing.close)()
+        b.local.close()
+        b.gw.stop()
+        b.log = b.bus.stop()
 
 
 def publish(local: socket.socket, key: bytes, count: int, size: int) -> None:
@@ -141,14 +155,10 @@ def test_a_client_that_does_not_read_is_told_how_many_it_lost_to_the_message(ndi
     """A client with a 10-message buffer reads nothing while 2,000 numbered messages come:
     what it then reads and what its notices say were discarded add up to 2,000 exactly
     (before: the gateway's log counted them; the client could not know)."""
-    bus = BrokerProcess(str(ndir / "bus.sock")).start()
-    gw = GatewayProcess(ndir, bus.address, "--buffer-messages", "10").start()
-    local = raw(bus.address)
-    slow = tally = None
-    try:
-        slow = subscribed(gw, local, b"n/seq", rcvbuf=4096)
-        publish(local, b"n/seq", 2000, 200)
-        tally = Tally(slow, b"n/seq")  # reads from now on
+    with served(ndir, gw_args=("--buffer-messages", "10")) as b:
+        slow = b.keep(subscribed(b.gw, b.local, b"n/seq", rcvbuf=4096))
+        publish(b.local, b"n/seq", 2000, 200)
+        tally = b.keep(Tally(slow, b"n/seq"))  # reads from now on
         tally.wait(2000)
         print(f"read {len(tally.numbers)}, told discarded {tally.count('discarded')} in "
               f"{len(tally.notices)} notices")
@@ -158,14 +168,6 @@ def test_a_client_that_does_not_read_is_told_how_many_it_lost_to_the_message(ndi
         assert {n["event"] for n in tally.notices} <= {"discarded", "bus-dropped"}
         assert all(sum(n["causes"].values()) == n["count"] for n in tally.notices)
         assert not tally.others
-    finally:
-        if tally is not None:
-            tally.stop()
-        for s in (slow, local):
-            if s is not None:
-                s.close()
-        gw.stop()
-        bus.stop()
 
 
 def test_what_the_broker_drops_for_a_stopped_gateway_is_told_and_adds_up(ndir):
@@ -173,19 +175,15 @@ def test_what_the_broker_drops_for_a_stopped_gateway_is_told_and_adds_up(ndir):
     the broker (``hard=discard``): the broker drops for it and reports the count, the
     gateway passes it on, and a prompt remote reader's messages plus its notices add
     up to every message published."""
-    bus = BrokerProcess(str(ndir / "bus.sock"), "--queue-limit", "64k").start()
-    gw = GatewayProcess(ndir, bus.address).start()
-    local = raw(bus.address)
-    remote = tally = None
-    try:
-        remote = subscribed(gw, local, b"d/seq")
-        tally = Tally(remote, b"d/seq")
-        os.kill(gw.proc.pid, signal.SIGSTOP)
+    with served(ndir, bus_args=("--queue-limit", "64k")) as b:
+        remote = b.keep(subscribed(b.gw, b.local, b"d/seq"))
+        tally = b.keep(Tally(remote, b"d/seq"))
+        os.kill(b.gw.proc.pid, signal.SIGSTOP)
         try:
-            publish(local, b"d/seq", 5000, 300)
+            publish(b.local, b"d/seq", 5000, 300)
         finally:
-            os.kill(gw.proc.pid, signal.SIGCONT)
-        local.send(b"MSG d/seq\0%d" % 5000)  # the broker's report comes with what follows
+            os.kill(b.gw.proc.pid, signal.SIGCONT)
+        b.local.send(b"MSG d/seq\0%d" % 5000)  # the broker's report comes with what follows
         tally.wait(5001)
         print(f"read {len(tally.numbers)}, told bus-dropped {tally.count('bus-dropped')}, "
               f"discarded {tally.count('discarded')}")
@@ -193,45 +191,25 @@ def test_what_the_broker_drops_for_a_stopped_gateway_is_told_and_adds_up(ndir):
         assert tally.count("bus-dropped") > 1000, tally.notices
         assert tally.numbers == sorted(tally.numbers) and tally.numbers[-1] == 5000
         assert not tally.others
-        assert re.search(r"the broker dropped \d+ messages for the gateway", gw.log())
-    finally:
-        if tally is not None:
-            tally.stop()
-        for s in (remote, local):
-            if s is not None:
-                s.close()
-        gw.stop()
-        bus.stop()
+        assert re.search(r"the broker dropped \d+ messages for the gateway", b.gw.log())
 
 
 def test_a_hand_over_loses_nothing_and_says_nothing(ndir):
     """SIGUSR2: the broker re-executes itself and takes its connections over; the
     gateway's stays, nothing is missed, and a client subscribed to the notices gets none."""
-    bus = BrokerProcess(str(ndir / "bus.sock")).start()
-    gw = GatewayProcess(ndir, bus.address).start()
-    local = raw(bus.address)
-    remote = tally = None
-    try:
-        remote = subscribed(gw, local, b"h/seq")
-        tally = Tally(remote, b"h/seq")
-        bus.proc.send_signal(signal.SIGUSR2)
+    with served(ndir) as b:
+        remote = b.keep(subscribed(b.gw, b.local, b"h/seq"))
+        tally = b.keep(Tally(remote, b"h/seq"))
+        b.bus.proc.send_signal(signal.SIGUSR2)
         for i in range(300):
-            local.send(b"MSG h/seq\0%d" % i)
+            b.local.send(b"MSG h/seq\0%d" % i)
             time.sleep(0.002)
         tally.wait(300)
         time.sleep(0.3)
         assert tally.numbers == list(range(300)), tally.notices
         assert tally.notices == [] and not tally.others
-        assert "lost the bus" not in gw.log()
-    finally:
-        if tally is not None:
-            tally.stop()
-        for s in (remote, local):
-            if s is not None:
-                s.close()
-        gw.stop()
-        log = bus.stop()
-    assert "took over" in log, log  # (a hand-over it was)
+        assert "lost the bus" not in b.gw.log()
+    assert "took over" in b.log, b.log  # (a hand-over it was)
 
 
 def test_a_client_far_behind_is_still_told_of_an_outage(ndir):
@@ -239,34 +217,21 @@ def test_a_client_far_behind_is_still_told_of_an_outage(ndir):
     forced frames have (twice the message bound), is still told of an outage: the
     outage's notices have room of their own (before: neither came, and nothing said so,
     the audit of 2026-11-28)."""
-    address = str(ndir / "bus.sock")
-    bus = BrokerProcess(address).start()
-    gw = GatewayProcess(ndir, bus.address, "--buffer-messages", "10").start()
-    local = raw(bus.address)
-    slow = tally = None
-    try:
-        slow = subscribed(gw, local, b"o/seq", rcvbuf=2048)
-        publish(local, b"o/seq", 3000, 300)
+    with served(ndir, gw_args=("--buffer-messages", "10")) as b:
+        slow = b.keep(subscribed(b.gw, b.local, b"o/seq", rcvbuf=2048))
+        publish(b.local, b"o/seq", 3000, 300)
         slow.sendall(b"\x00" * 100)  # an ordinary client's keep-alives while it is behind
         time.sleep(0.3)
-        local.close()
-        bus.proc.kill()
-        bus.proc.wait()
-        os.unlink(address)
-        bus = BrokerProcess(address).start()
-        gw.wait_log("the bus is back after", timeout=20)
+        b.bus.proc.kill()
+        b.bus.proc.wait()
+        os.unlink(b.address)
+        b.bus = BrokerProcess(b.address).start()
+        b.gw.wait_log("the bus is back after", timeout=20)
         time.sleep(1.5)  # (the notices' next round)
-        tally = Tally(slow, b"o/seq")
+        tally = b.keep(Tally(slow, b"o/seq"))
         tally.wait(3000)
         time.sleep(0.5)
         events = [n["event"] for n in tally.notices]
         assert "bus-away" in events and "bus-back" in events, events
         assert events.index("bus-away") < events.index("bus-back")
         assert tally.accounted() == 3000, (len(tally.numbers), tally.notices)
-    finally:
-        if tally is not None:
-            tally.stop()
-        if slow is not None:
-            slow.close()
-        gw.stop()
-        bus.stop()
