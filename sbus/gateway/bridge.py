@@ -185,8 +185,8 @@ class Bridge:
         self._in_flight: Counter[bytes] = Counter()  # the same, by pattern
         self._asked = 0  # questions sent on this connection
         self._answered = trio.lowlevel.ParkingLot()  # SUBs waiting for `QUESTIONS` room
-        #: patterns whose SUB waited for room and was given up (its client went): the
-        #: reader makes it when room comes, if the pattern is still held
+        #: patterns whose SUB was given up before it was made (its client went while it
+        #: waited): the reader makes it when room comes, if the pattern is still held
         self._deferred: set[bytes] = set()
         self._generation = 0  # connections made so far
         self._unmapped = 0  # SUB refusals during a reconnect: their patterns are unknown
@@ -268,26 +268,29 @@ class Bridge:
         is down only the session learns of it: reconnecting restores its patterns.  A
         SUB waits while `QUESTIONS` are unanswered (decided under the lock, as it is
         made)."""
-        wait = False
+        wait = made = False
 
         def packets() -> list[bytes]:
-            nonlocal wait
+            nonlocal wait, made
             session = self.bus.session
             if not subscribe:
                 if not session.patterns[pattern]:
-                    return []  # its SUB waited, and was not made (`_deferred`)
+                    return []  # its SUB was never made (`_deferred`)
                 packet = session.unsubscribe(pattern)
                 return [packet] if self._up else []
             wait = self._up and len(self._unconfirmed) >= QUESTIONS
-            return [] if wait else self._sub_packets(pattern)
+            if wait:
+                return []
+            made = True
+            return self._sub_packets(pattern)
 
-        await self._send(packets)
         try:
+            await self._send(packets)
             while wait:
                 await self._answered.park()  # (`_settle`, or the bus lost: `_connection`)
                 await self._send(packets)
-        except trio.Cancelled:  # its client went: others may hold the pattern too
-            if wait:
+        except trio.Cancelled:  # its client went (waiting for room or for the lock):
+            if subscribe and not made:  # others may hold the pattern too
                 self._deferred.add(pattern)
             raise
 
