@@ -1443,3 +1443,54 @@ def test_a_subscription_that_waited_for_the_bus_and_lost_its_client_is_still_mad
         local.close()
         gw.stop()
         bus.stop()
+
+
+def test_a_pattern_given_up_and_subscribed_again_is_held_once_on_the_bus(hdir):
+    """The same stopped broker: the first client to subscribe ``p/`` is let go while its
+    SUB waits; another then subscribes ``p/`` anew and waits too.  When the broker answers,
+    the bus gets ``p/`` once (the reader sets it right; the waiting SUB finds it made), so
+    one UNSUB leaves nothing behind (before: made twice, and the broker kept routing
+    ``p/`` to the gateway for nobody, charged to its user: the audit of 2026-11-28)."""
+    import json
+
+    from sbus.gateway.bridge import QUESTIONS
+
+    bus = BrokerProcess(str(hdir / "bus.sock")).start()
+    gw = start(hdir, bus, "--idle-timeout", "2")
+    local = raw(bus.address)
+
+    def held_on_bus() -> list[str]:
+        out = subprocess.run([*SBUS, "status", "--json", "--address", bus.address],
+                             capture_output=True, text=True, timeout=30).stdout
+        return [p for c in json.loads(out)["clients"] if c.get("pid") == gw.proc.pid
+                for p in c.get("patterns") or [] if p.startswith("p/")]
+
+    try:
+        bus.proc.send_signal(signal.SIGSTOP)
+        try:
+            filler = gw.connect()
+            filler.sendall(b"".join(codec.subscribe(b"f/%d" % i)
+                                    for i in range(QUESTIONS + 8)))
+            time.sleep(0.3)
+            first = gw.connect()
+            first.sendall(codec.subscribe(b"p/"))  # waits, and is let go (idle)
+            assert closed_by_gateway(first, timeout=4)
+            again = gw.connect()
+            again.sendall(codec.subscribe(b"p/") + codec.keepalive())  # waits too
+            time.sleep(0.3)
+        finally:
+            bus.proc.send_signal(signal.SIGCONT)
+        roundtrip_deadline = time.monotonic() + 1.5
+        again.settimeout(1.5)
+        assert again.recv(1) == b"\x00" and time.monotonic() < roundtrip_deadline
+        assert held_on_bus() == ["p/"]
+        again.sendall(codec.unsubscribe(b"p/"))
+        roundtrip(again)
+        time.sleep(0.3)
+        assert held_on_bus() == []
+        again.close()
+        filler.close()
+    finally:
+        local.close()
+        gw.stop()
+        bus.stop()

@@ -185,8 +185,8 @@ class Bridge:
         self._in_flight: Counter[bytes] = Counter()  # the same, by pattern
         self._asked = 0  # questions sent on this connection
         self._answered = trio.lowlevel.ParkingLot()  # SUBs waiting for `QUESTIONS` room
-        #: patterns whose SUB was given up before it was made (its client went while it
-        #: waited): the reader makes it when room comes, if the pattern is still held
+        #: patterns whose SUB or UNSUB was given up before it was made (its client went
+        #: while it waited): the reader sets the bus right (`_reconcile`)
         self._deferred: set[bytes] = set()
         self._generation = 0  # connections made so far
         self._unmapped = 0  # SUB refusals during a reconnect: their patterns are unknown
@@ -273,9 +273,12 @@ class Bridge:
         def packets() -> list[bytes]:
             nonlocal wait, made
             session = self.bus.session
+            wait = False
+            if bool(session.patterns[pattern]) == subscribe:
+                made = True  # the bus has it so already (`_reconcile`)
+                return []
             if not subscribe:
-                if not session.patterns[pattern]:
-                    return []  # its SUB was never made (`_deferred`)
+                made = True
                 packet = session.unsubscribe(pattern)
                 return [packet] if self._up else []
             wait = self._up and len(self._unconfirmed) >= QUESTIONS
@@ -289,8 +292,8 @@ class Bridge:
             while wait:
                 await self._answered.park()  # (`_settle`, or the bus lost: `_connection`)
                 await self._send(packets)
-        except trio.Cancelled:  # its client went (waiting for room or for the lock):
-            if subscribe and not made:  # others may hold the pattern too
+        except trio.Cancelled:  # its client went, waiting for room or for the lock: the
+            if not made:  # bus is set right by the reader (others may hold the pattern)
                 self._deferred.add(pattern)
             raise
 
@@ -579,11 +582,19 @@ class Bridge:
         clock = time.perf_counter
         more, turn = False, 0.0  # the batch before was full and this turn has time left
         while True:
-            if not self._up:  # a sender is reconnecting (under the lock): the socket
-                async with self._lock:  # it replaces is closed; wait until it is done
-                    continue
+            down = not self._up
+            if down:  # a sender is reconnecting (under the lock): the socket it replaces
+                async with self._lock:  # is closed; wait until it is done
+                    if self._up:
+                        continue
+                # Nobody is: a sender's reconnect was cancelled with its client (the client
+                # reconnects at its next use).  The receive below makes it, or the bus
+                # stayed away for good (the audit of 2026-11-28: 100 % CPU, no bus).
+                more = False
             generation = self._generation
-            if not more:
+            if down:
+                pass
+            elif not more:
                 replaced = False
                 with trio.CancelScope() as self._waiting:
                     try:
@@ -603,7 +614,7 @@ class Bridge:
             # every remote client for good (the audit of 2026-11-28: 4 clients churning
             # subscriptions beside a flood).
             packets = bus.receive_packets_ready(FORWARD_BATCH) \
-                if generation == self._generation else []
+                if generation == self._generation and not down else []
             if more and not packets:  # taken all that came: wait (not in the receive
                 more = False  # below, which waits holding the lock)
                 continue
@@ -615,9 +626,10 @@ class Bridge:
                 except trio.WouldBlock:
                     await lock.acquire()
                 try:
-                    if not packets and generation == self._generation:
-                        # nothing after all, or the connection ended: the call that
-                        # waits and reconnects
+                    if not packets and generation == self._generation \
+                            and not (down and self._up):
+                        # nothing after all, the connection ended, or the bus is away
+                        # with nobody reconnecting: the call that waits and reconnects
                         with trio.CancelScope() as self._receiving:
                             packets = await bus.receive_packets(FORWARD_BATCH)
                         self._receiving = None
@@ -629,7 +641,7 @@ class Bridge:
                         if bus.session.patterns[pattern]:
                             await bus.send_packet(bus.session.unsubscribe(pattern))
                     self._stale.clear()
-                    await self._subscribe_deferred()
+                    await self._reconcile()
                 finally:
                     lock.release()
             else:
@@ -684,16 +696,25 @@ class Bridge:
             # (the wait at the top then gives the others theirs).
             more = len(packets) >= FORWARD_BATCH and clock() - turn < TURN
 
-    async def _subscribe_deferred(self) -> None:
-        """Make the SUBs given up while they waited for room (`_change`) whose patterns
-        are still held and not on the bus, as room comes (under the lock)."""
+    async def _reconcile(self) -> None:
+        """For the patterns whose SUB or UNSUB was given up before it was made (`_change`),
+        make the bus hold what remote clients hold now: a SUB as room comes, an UNSUB at
+        once (under the lock)."""
         session = self.bus.session
-        while self._deferred and len(self._unconfirmed) < QUESTIONS:
-            pattern = self._deferred.pop()
-            if self.patterns[pattern] and not session.patterns[pattern]:
+        for pattern in list(self._deferred):
+            held, on_bus = bool(self.patterns[pattern]), bool(session.patterns[pattern])
+            if held and not on_bus:
+                if len(self._unconfirmed) >= QUESTIONS:
+                    break  # (the rest when answers come)
                 packets = self._sub_packets(pattern)
-                if packets:
-                    await self.bus.send_packets(packets)
+            elif on_bus and not held:
+                packet = session.unsubscribe(pattern)
+                packets = [packet] if self._up else []
+            else:
+                packets = []
+            self._deferred.discard(pattern)
+            if packets:
+                await self.bus.send_packets(packets)
 
     def _event(self, packet: bytes) -> object:
         """What one packet from the bus means; control events are dealt with here (in
