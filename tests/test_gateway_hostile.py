@@ -1393,25 +1393,31 @@ def test_churn_beside_a_flood_neither_stalls_nor_starves_the_bus_connection(hdir
         bus.stop()
 
 
+def _questions_full(gw: GatewayProcess) -> socket.socket:
+    """With the broker stopped: a client whose SUBs take every unanswered question the
+    gateway allows (`bridge.QUESTIONS`), and more; the next new pattern's SUB waits."""
+    from sbus.gateway.bridge import QUESTIONS
+
+    filler = gw.connect()
+    filler.sendall(b"".join(codec.subscribe(b"f/%d" % i) for i in range(QUESTIONS + 8)))
+    time.sleep(0.3)
+    return filler
+
+
 def test_a_subscription_that_waited_for_the_bus_and_lost_its_client_is_still_made(hdir):
     """The broker stopped (SIGSTOP): the gateway's SUB questions go unanswered, and past
     `bridge.QUESTIONS` a new pattern's SUB waits (its client's reader with it).  The client
     that asked first is let go meanwhile (its idle timeout) while another holds the same
     pattern: the SUB is still made once the broker answers, and the other client gets its
     messages."""
-    from sbus.gateway.bridge import QUESTIONS
-
     bus = BrokerProcess(str(hdir / "bus.sock")).start()
     gw = start(hdir, bus, "--idle-timeout", "1")
     local = raw(bus.address)
     try:
         bus.proc.send_signal(signal.SIGSTOP)
         try:
-            filler = gw.connect()
-            filler.sendall(b"".join(codec.subscribe(b"f/%d" % i)
-                                    for i in range(QUESTIONS + 8)))
+            filler = _questions_full(gw)
             first = gw.connect()
-            time.sleep(0.3)
             first.sendall(codec.subscribe(b"p/") + codec.keepalive())
             first.settimeout(0.3)
             with pytest.raises(TimeoutError):  # its SUB waits for room, its reader too
@@ -1453,8 +1459,6 @@ def test_a_pattern_given_up_and_subscribed_again_is_held_once_on_the_bus(hdir):
     ``p/`` to the gateway for nobody, charged to its user: the audit of 2026-11-28)."""
     import json
 
-    from sbus.gateway.bridge import QUESTIONS
-
     bus = BrokerProcess(str(hdir / "bus.sock")).start()
     gw = start(hdir, bus, "--idle-timeout", "2")
     local = raw(bus.address)
@@ -1468,10 +1472,7 @@ def test_a_pattern_given_up_and_subscribed_again_is_held_once_on_the_bus(hdir):
     try:
         bus.proc.send_signal(signal.SIGSTOP)
         try:
-            filler = gw.connect()
-            filler.sendall(b"".join(codec.subscribe(b"f/%d" % i)
-                                    for i in range(QUESTIONS + 8)))
-            time.sleep(0.3)
+            filler = _questions_full(gw)
             first = gw.connect()
             first.sendall(codec.subscribe(b"p/"))  # waits, and is let go (idle)
             assert closed_by_gateway(first, timeout=4)
