@@ -1333,8 +1333,8 @@ def test_churn_beside_a_flood_neither_stalls_nor_starves_the_bus_connection(hdir
       good (1 of 500 messages).  Now the reader takes what waits without the lock.
     * the bus connection had one batch of 32 packets per turn of the loop beside each
       busy client's 2 ms: keep-alive floods held the honest messages back behind the
-      local flood, p50 134-146 ms (17-21 after, in the audit's script).  Now it takes
-      batches for 2 ms too."""
+      local flood, p50 134-146 ms (17-21 after, in the audit's script; here 58-74 ms
+      before, 3-16 after).  Now it takes batches for 2 ms too."""
     from faultkit import NOBODY, as_user
 
     os.chmod(hdir, 0o755)
@@ -1381,7 +1381,7 @@ def test_churn_beside_a_flood_neither_stalls_nor_starves_the_bus_connection(hdir
         assert len(late) == count, f"{len(late)} of {count} honest messages"
         p50 = statistics.median(late)
         print(f"honest p50 {p50 * 1000:.1f} ms, max {max(late) * 1000:.1f} ms")
-        assert p50 < 0.07, f"honest p50 {p50 * 1000:.1f} ms"
+        assert p50 < 0.035, f"honest p50 {p50 * 1000:.1f} ms"
     finally:
         for proc, pipe in kids:
             pipe.send("stop")
