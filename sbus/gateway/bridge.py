@@ -84,6 +84,9 @@ PIECE = 64
 #: answers and other users' messages were dropped (the audit of 2026-11-28); a SUB past
 #: this waits for answers, and its client for it.
 QUESTIONS = 64
+#: Seconds a SUB and its question, once made, are still sent after their remote client
+#: was let go (`Bridge._send`).
+WHOLE_GRACE = 5.0
 #: Seconds the first whoami may take before the gateway gives up starting.
 CONTROL_TIMEOUT = 10.0
 #: Messages taken from the bus before the clients' writers get a turn: well under
@@ -288,10 +291,10 @@ class Bridge:
             return self._sub_packets(pattern)
 
         try:
-            await self._send(packets)
+            await self._send(packets, whole=True)
             while wait:
                 await self._answered.park()  # (`_settle`, or the bus lost: `_connection`)
-                await self._send(packets)
+                await self._send(packets, whole=True)
         except trio.Cancelled:  # its client went, waiting for room or for the lock: the
             if not made:  # bus is set right by the reader (others may hold the pattern)
                 self._deferred.add(pattern)
@@ -406,11 +409,15 @@ class Bridge:
         self._for_unsure = True  # until `publish_packets` sees it sent
         return [session.publish_for(owner)]
 
-    async def _send(self, build: Callable[[], list[bytes]]) -> bool:
+    async def _send(self, build: Callable[[], list[bytes]], whole: bool = False) -> bool:
         """Send the packets *build* makes, back to back, in call order.  They are made
         under the lock, so the session's state and the questions asked follow the order
         of the wire even across a reconnect.  Waits while the broker is busy; False if
-        nothing was sent (the bus is down, or a packet was refused)."""
+        nothing was sent (the bus is down, or a packet was refused).  *whole*: once made,
+        they are sent even if the caller is cancelled meanwhile, for `WHOLE_GRACE`
+        seconds (a SUB and its question: a question counted and never sent would leave
+        every later refusal matched to the SUB before it, and one more place of
+        `QUESTIONS` taken until the next connection)."""
         lock = self._lock
         try:
             lock.acquire_nowait()  # no checkpoint on the common, uncontended path
@@ -418,10 +425,16 @@ class Bridge:
             await lock.acquire()
         try:
             packets = build()
-            if len(packets) == 1:
-                await self.bus.send_packet(packets[0])
-            elif packets:
-                await self.bus.send_packets(packets)
+            with trio.CancelScope(shield=whole and len(packets) > 1) as scope:
+                if scope.shield:
+                    scope.deadline = trio.current_time() + WHOLE_GRACE
+                if len(packets) == 1:
+                    await self.bus.send_packet(packets[0])
+                elif packets:
+                    await self.bus.send_packets(packets)
+            if scope.cancelled_caught:  # (the broker read nothing of us for that long)
+                self._complain("a subscription's question was not sent in %g s",
+                               WHOLE_GRACE)
             return bool(packets)
         except SbusError as exc:  # InvalidRequest (the gateway checked first) or lost
             self._complain("a packet for the bus was not sent: %s", exc)
