@@ -269,20 +269,7 @@ def _starts_process(obj: object) -> bool:
     return verdict
 
 
-#: The files that take longest (seconds of one worker, 2026-11-28), run first: with
-#: ``--dist loadfile`` two workers then end together, instead of one of them working
-#: through a long file picked up last while the other has nothing left (xdist's own
-#: order, by how many tests a file has, put these last).  A file not named keeps its place
-#: after them.
-LONGEST_FIRST = ("test_spark.py", "test_attacks_broker.py", "test_gateway_hostile.py",
-                 "test_bridge_faults.py", "test_spark_cluster.py", "test_analyze_cli.py",
-                 "test_hostile.py", "test_deb.py", "test_gateway_shares.py",
-                 "test_sdnotify.py", "test_bridge_lane.py", "test_bridge.py")
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable)
     for item in items:
         if item.get_closest_marker("slow"):
             continue

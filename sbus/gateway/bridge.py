@@ -605,9 +605,7 @@ class Bridge:
                 # stayed away for good (the audit of 2026-11-28: 100 % CPU, no bus).
                 more = False
             generation = self._generation
-            if down:
-                pass
-            elif not more:
+            if not down and not more:
                 replaced = False
                 with trio.CancelScope() as self._waiting:
                     try:
