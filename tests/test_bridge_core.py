@@ -822,6 +822,7 @@ def test_buffered_client_publishes_now_what_paho_would_send() -> None:
     theirs, their_peer = client()
     ours, our_peer = client()
     acked: list[int] = []
+    records = []
     ours.on_publish = lambda _c, _u, mid, reason, _p: acked.append(mid)
     for topic, payload in ((b"a/b", b"x"), (b"t" * 200, b"y" * 70_000), (b"c", b"")):
         info = theirs.publish(topic.decode(), payload, 1, properties=Stamp())
@@ -834,13 +835,17 @@ def test_buffered_client_publishes_now_what_paho_would_send() -> None:
         sent = their_peer.recv(100_000)
         assert our_peer.recv(100_000) == sent and sent[0] == 0x32
         msg = ours._out_messages[mine]
-        assert (msg.topic, msg.payload, msg.qos, msg.state) == (
-            topic.decode(), payload, 1, mqtt_ms_wait_for_puback)
+        assert (msg.topic, msg.payload, msg.qos, msg.state, msg.dup, msg.retain,
+                msg.info.mid, msg.info.rc, msg.info.is_published()) == (
+            topic.decode(), payload, 1, mqtt_ms_wait_for_puback, False, False, mine, 0,
+            False)
+        records.append(msg)
     assert ours._inflight_messages == theirs._inflight_messages == 3
     our_peer.sendall(b"\x40\x02\x00\x01")
     while ours.loop_read() == 0 and ours.pending():
         pass
     assert acked == [1] and ours._inflight_messages == 2 and 1 not in ours._out_messages
+    assert [m.info.is_published() for m in records] == [True, False, False]
 
     ours.set_window(2)  # full: paho's path queues it, and what follows waits behind it
     assert ours.publish_now(b"late", b"1", Stamp()) is None

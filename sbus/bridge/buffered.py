@@ -49,6 +49,7 @@ against the installed paho, which is pinned).
 from __future__ import annotations
 
 import errno
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -132,6 +133,45 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
             return value, i + 1
         shift += 7
     return -1, at
+
+
+#: The one condition of every `_SentInfo`: nobody waits on the bridge's messages.
+_NOBODY_WAITS = threading.Condition()
+
+
+class _SentInfo(mqtt.MQTTMessageInfo):
+    """paho's info of a message `publish_now` wrote.  paho builds a `threading.Condition`
+    for each, for a ``wait_for_publish`` the bridge never calls: a third of what a QoS 1
+    export cost in a burst (docs/performance.md, "paho's records").  These share one,
+    so paho's ``_set_as_published`` still runs unchanged."""
+
+    __slots__ = ()
+
+    def __init__(self, mid: int) -> None:  # (paho's, but the condition)
+        self.mid = mid
+        self._published = False
+        self._condition = _NOBODY_WAITS
+        self.rc = MQTTErrorCode.MQTT_ERR_SUCCESS
+        self._iterpos = 0
+
+
+class _Sent(mqtt.MQTTMessage):
+    """paho's record of a QoS 1 message `publish_now` wrote and whose PUBACK it waits
+    for: the attributes paho's ``publish`` gives it, set once."""
+
+    __slots__ = ()
+
+    def __init__(self, mid: int, topic: bytes, payload: bytes, properties: _Packable,
+                 now: float) -> None:
+        self.timestamp = now
+        self.state = mqtt.mqtt_ms_wait_for_puback
+        self.dup = self.retain = False
+        self.mid = mid
+        self._topic = topic
+        self.payload = payload
+        self.qos = 1
+        self.info = _SentInfo(mid)
+        self.properties = properties  # type: ignore[assignment]
 
 
 class BufferedClient(mqtt.Client):
@@ -338,17 +378,11 @@ class BufferedClient(mqtt.Client):
         return mid
 
     def record(self) -> None:
-        """paho's records of what `publish_now` wrote, as its ``publish`` makes them."""
+        """paho's records of what `publish_now` wrote, as its ``publish`` makes them
+        (`_Sent`: without the `threading.Condition` paho builds for each)."""
         if not self._unrecorded:
             return
-        made = []
-        for mid, topic, payload, properties, now in self._unrecorded:
-            message = mqtt.MQTTMessage(mid, topic)
-            message.timestamp = now
-            message.payload, message.qos, message.properties = payload, 1, properties
-            message.state = mqtt.mqtt_ms_wait_for_puback
-            message.info.rc = MQTTErrorCode.MQTT_ERR_SUCCESS
-            made.append(message)
+        made = [_Sent(*entry) for entry in self._unrecorded]
         self._unrecorded.clear()
         with self._out_message_mutex:
             for message in made:
