@@ -863,3 +863,48 @@ def test_buffered_client_publishes_now_what_paho_would_send() -> None:
     assert fresh.publish_now(b"a", b"1", Stamp()) is None  # a PINGREQ queued ahead
     for sock in (their_peer, our_peer, theirs._sock, ours._sock, fresh._sock):
         sock.close()
+
+
+def test_buffered_client_publishes_qos0_now_what_paho_would_send() -> None:
+    """`BufferedClient.publish0_now` writes the bytes paho's own QoS 0 publish and
+    loop_write write, keeps nothing, and leaves to paho what must wait: no connection,
+    packets queued ahead, a full write buffer."""
+    import socket
+
+    from paho.mqtt.client import _ConnectionState
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from sbus.bridge.buffered import WRITE_CHUNK, BufferedClient
+
+    class Stamp:
+        def pack(self) -> bytes:
+            return b"\x0d\x26\x00\x01a\x00\x06e.0001"  # a user property, packed
+
+    def client() -> tuple[BufferedClient, socket.socket]:
+        mq = BufferedClient(CallbackAPIVersion.VERSION2, protocol=5)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        mq._sock, mq._state = a, _ConnectionState.MQTT_CS_CONNECTED
+        return mq, b
+
+    theirs, their_peer = client()
+    ours, our_peer = client()
+    for topic, payload in ((b"a/b", b"x"), (b"t" * 200, b"y" * 70_000), (b"c", b"")):
+        assert theirs.publish(topic.decode(), payload, 0, properties=Stamp()).rc == 0
+        theirs.flush()
+        assert ours.publish0_now(topic, payload, Stamp())
+        ours.flush()
+        sent = their_peer.recv(100_000)
+        assert our_peer.recv(100_000) == sent and sent[0] == 0x30
+    assert not ours._out_messages and not ours._unrecorded and not ours._inflight_messages
+    ours._out_packet.append({"command": 0xC0, "mid": 0, "qos": 0, "pos": 0,
+                             "to_process": 2, "packet": b"\xc0\x00", "info": None})
+    assert not ours.publish0_now(b"a", b"1", Stamp())  # a PINGREQ queued ahead
+    ours._out_packet.clear()
+    ours._wbuf += b"\0" * WRITE_CHUNK
+    assert not ours.publish0_now(b"a", b"1", Stamp())  # the buffer full
+    ours._wbuf.clear()
+    ours._state = _ConnectionState.MQTT_CS_CONNECT_ASYNC
+    assert not ours.publish0_now(b"a", b"1", Stamp())  # not connected
+    for sock in (their_peer, our_peer, theirs._sock, ours._sock):
+        sock.close()

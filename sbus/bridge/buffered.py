@@ -42,8 +42,9 @@ cost 45–65 µs of a bridge woken for one export at 1,000 msg/s (docs/performan
 buffer itself and records the message as paho's ``publish`` does (packet identifier,
 in-flight count, the message kept until its PUBACK, sent again by paho on a reconnect),
 when nothing is queued ahead of it and the window has room; otherwise paho's path takes
-it.  All of this leans on paho's private names (checked by tests/test_bridge_core.py
-against the installed paho, which is pinned).
+it.  `publish0_now` does the same at QoS 0 (no identifier, nothing kept).  All of this
+leans on paho's private names (checked by tests/test_bridge_core.py against the installed
+paho, which is pinned).
 """
 
 from __future__ import annotations
@@ -354,28 +355,46 @@ class BufferedClient(mqtt.Client):
         connection, packets or messages queued ahead of it, the window full, the buffer
         full, or the next identifier still in flight."""
         inflight = self._inflight_messages
-        if (self._state != _CONNECTED or self._sock is None or self._out_packet
-                or len(self._wbuf) >= WRITE_CHUNK
+        if (not self._writable()
                 or 0 < self._max_inflight_messages <= inflight
                 or len(self._out_messages) > inflight):  # some wait for the window: first
             return None
         mid = self._mid_generate()
         if mid in self._out_messages:
             return None
+        self._frame(0x32, topic, mid.to_bytes(2, "big"), properties, payload)
+        self._inflight_messages = inflight + 1  # (the window counts it from now on)
+        self._unrecorded.append((mid, topic, payload, properties, self._last_msg_out))
+        return mid
+
+    def publish0_now(self, topic: bytes, payload: bytes, properties: _Packable) -> bool:
+        """`publish_now` at QoS 0: nothing to record, no identifier, no window (paho
+        sends QoS 0 ahead of messages waiting for the window too).  False when paho's
+        path must take it: no live connection, packets queued ahead, the buffer full."""
+        if not self._writable():
+            return False
+        self._frame(0x30, topic, b"", properties, payload)
+        return True
+
+    def _writable(self) -> bool:
+        """May a PUBLISH go straight into the write buffer (`publish_now`)?"""
+        return (self._state == _CONNECTED and self._sock is not None
+                and not self._out_packet and len(self._wbuf) < WRITE_CHUNK)
+
+    def _frame(self, head: int, topic: bytes, mid: bytes, properties: _Packable,
+               payload: bytes) -> None:
+        """A PUBLISH into the write buffer (MQTT 5 section 3.3: *head* carries the QoS,
+        *mid* is empty at QoS 0), as paho writes it."""
         packed = properties.pack()
-        remaining = 4 + len(topic) + len(packed) + len(payload)
         buf = self._wbuf
-        buf.append(0x32)  # PUBLISH, QoS 1 (MQTT 5 section 3.3.1)
-        buf += remaining_length(remaining)
+        buf.append(head)
+        buf += remaining_length(2 + len(topic) + len(mid) + len(packed) + len(payload))
         buf += len(topic).to_bytes(2, "big")
         buf += topic
-        buf += mid.to_bytes(2, "big")
+        buf += mid
         buf += packed
         buf += payload
-        self._inflight_messages = inflight + 1  # (the window counts it from now on)
-        self._last_msg_out = now = mqtt.time_func()  # (paho's keep-alive, as after a write)
-        self._unrecorded.append((mid, topic, payload, properties, now))
-        return mid
+        self._last_msg_out = mqtt.time_func()  # (paho's keep-alive, as after a write)
 
     def record(self) -> None:
         """paho's records of what `publish_now` wrote, as its ``publish`` makes them

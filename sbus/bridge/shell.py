@@ -1089,9 +1089,11 @@ class BridgeShell:
         for topic, payload, qos in taken:
             if qos == 0:  # numbered only if paho takes it (else dropped: no gap)
                 stamped = _Stamped(head0 + b"%016x" % core.next0)
-                info = self.mq.publish(topic, payload, 0, properties=stamped)  # type: ignore[arg-type]
-                if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
-                    core.exported(len(topic) + len(payload), numbered=True)
+                data = topic.encode("utf-8")
+                if self.mq.publish0_now(data, payload, stamped) or self.mq.publish(
+                        topic, payload, 0, properties=stamped  # type: ignore[arg-type]
+                        ).rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    core.exported(len(data) + len(payload), numbered=True)
                 else:
                     core.dropped()
             elif spool is None:  # no state directory: held in memory only
