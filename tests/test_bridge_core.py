@@ -796,29 +796,38 @@ def test_buffered_client_takes_plain_publishes_as_paho_would() -> None:
         assert _read_all(packet, quick=True) == want, packet
 
 
+class _Stamp:
+    """What the shell's stamp gives `publish_now`: a user property, packed."""
+
+    def pack(self) -> bytes:
+        return b"\x0d\x26\x00\x01a\x00\x06e.0001"
+
+
+def _connected_client():
+    """A `BufferedClient` that takes itself for connected, on one end of a socket pair:
+    (it, the other end)."""
+    import socket
+
+    from paho.mqtt.client import _ConnectionState
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from sbus.bridge.buffered import BufferedClient
+
+    mq = BufferedClient(CallbackAPIVersion.VERSION2, protocol=5)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    mq._sock, mq._state = a, _ConnectionState.MQTT_CS_CONNECTED
+    return mq, b
+
+
 def test_buffered_client_publishes_now_what_paho_would_send() -> None:
     """`BufferedClient.publish_now` writes the bytes paho's own publish and loop_write
     write, `record` then records the message as paho does (its PUBACK ends it), and it
     leaves to paho what must wait: no connection, the window full, messages or packets
     queued ahead."""
-    import socket
-
     from paho.mqtt.client import _ConnectionState, mqtt_ms_wait_for_puback
-    from paho.mqtt.enums import CallbackAPIVersion
 
-    from sbus.bridge.buffered import BufferedClient
-
-    class Stamp:
-        def pack(self) -> bytes:
-            return b"\x0d\x26\x00\x01a\x00\x06e.0001"  # a user property, packed
-
-    def client() -> tuple[BufferedClient, socket.socket]:
-        mq = BufferedClient(CallbackAPIVersion.VERSION2, protocol=5)
-        a, b = socket.socketpair()
-        a.setblocking(False)
-        mq._sock, mq._state = a, _ConnectionState.MQTT_CS_CONNECTED
-        return mq, b
-
+    Stamp, client = _Stamp, _connected_client
     theirs, their_peer = client()
     ours, our_peer = client()
     acked: list[int] = []
@@ -869,24 +878,11 @@ def test_buffered_client_publishes_qos0_now_what_paho_would_send() -> None:
     """`BufferedClient.publish0_now` writes the bytes paho's own QoS 0 publish and
     loop_write write, keeps nothing, and leaves to paho what must wait: no connection,
     packets queued ahead, a full write buffer."""
-    import socket
-
     from paho.mqtt.client import _ConnectionState
-    from paho.mqtt.enums import CallbackAPIVersion
 
-    from sbus.bridge.buffered import WRITE_CHUNK, BufferedClient
+    from sbus.bridge.buffered import WRITE_CHUNK
 
-    class Stamp:
-        def pack(self) -> bytes:
-            return b"\x0d\x26\x00\x01a\x00\x06e.0001"  # a user property, packed
-
-    def client() -> tuple[BufferedClient, socket.socket]:
-        mq = BufferedClient(CallbackAPIVersion.VERSION2, protocol=5)
-        a, b = socket.socketpair()
-        a.setblocking(False)
-        mq._sock, mq._state = a, _ConnectionState.MQTT_CS_CONNECTED
-        return mq, b
-
+    Stamp, client = _Stamp, _connected_client
     theirs, their_peer = client()
     ours, our_peer = client()
     for topic, payload in ((b"a/b", b"x"), (b"t" * 200, b"y" * 70_000), (b"c", b"")):
