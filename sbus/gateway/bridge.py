@@ -15,10 +15,11 @@ drops for a lagging gateway rather than blocking local publishers, and says how 
 and ``nowait`` as a publisher (one slow local ``block`` subscriber never stalls every
 remote publisher), and restores all of them when the broker comes back; remote
 clients stay connected meanwhile.  A remote publish made while the bus is down waits
-for it (`wait_up`), up to *bus_wait* seconds after it went away: the server reads no
-more of that publisher meanwhile, so TCP holds its sends back and a restart loses
-nothing.  Only if the bus stays away longer are publishes dropped; that is counted and
-said in the log once per outage (and the server disconnects their publishers).
+for it (`wait_up`; one the outage caught while it was being sent, too: `_send`), up to
+*bus_wait* seconds after it went away: the server reads no more of that publisher
+meanwhile, so TCP holds its sends back and a restart loses nothing.  Only if the bus
+stays away longer are publishes dropped; that is counted and said in the log once per
+outage (and the server disconnects their publishers).
 
 The broker's whoami answer (``!/cred/G/U/P``, or ``!.cred.G.U.P`` for a
 ``--separator .`` broker) tells the separator, so the index routes and the
@@ -167,6 +168,8 @@ class Bridge:
         self._lock = trio.Lock()
         self._waiting: trio.CancelScope | None = None  # the receiver's wait for the socket
         self._receiving: trio.CancelScope | None = None  # its receive, under the lock
+        #: a send under way (`_send`): the bus lost under it, it waits `bus_wait` at most
+        self._sending: trio.CancelScope | None = None
         self._up = False
         self.bus_wait = bus_wait
         self._back = trio.Event()  # set when the bus is up; a new one at each outage
@@ -425,21 +428,23 @@ class Bridge:
             await lock.acquire()
         try:
             packets = build()
-            with trio.CancelScope(shield=whole and len(packets) > 1) as scope:
-                if scope.shield:
-                    scope.deadline = trio.current_time() + WHOLE_GRACE
-                if len(packets) == 1:
-                    await self.bus.send_packet(packets[0])
-                elif packets:
-                    await self.bus.send_packets(packets)
+            with trio.CancelScope() as self._sending:  # (`_connection` may bound it)
+                with trio.CancelScope(shield=whole and len(packets) > 1) as scope:
+                    if scope.shield:
+                        scope.deadline = trio.current_time() + WHOLE_GRACE
+                    if len(packets) == 1:
+                        await self.bus.send_packet(packets[0])
+                    elif packets:
+                        await self.bus.send_packets(packets)
             if scope.cancelled_caught:  # (the broker read nothing of us for that long)
                 self._complain("a subscription's question was not sent in %g s",
                                WHOLE_GRACE)
-            return bool(packets)
+            return bool(packets) and not self._sending.cancelled_caught
         except SbusError as exc:  # InvalidRequest (the gateway checked first) or lost
             self._complain("a packet for the bus was not sent: %s", exc)
             return False
         finally:
+            self._sending = None
             lock.release()
 
     # -- what the client tells (called from inside its calls) -----------------------
@@ -461,6 +466,12 @@ class Bridge:
             self._answered.unpark_all()
             if self._waiting is not None:  # the receiver waits on a socket now closed
                 self._waiting.cancel()
+            if self._sending is not None and self._down_since is not None:
+                # a send found the bus gone and reconnects, holding the lock: as long as
+                # a publish that comes now would wait, no longer (the reader then makes
+                # the reconnect, and the publishers behind the lock are told at once)
+                self._sending.deadline = min(self._sending.deadline,
+                                             self._down_since + self.bus_wait)
             return
         self._up = True
         self._back.set()
