@@ -41,6 +41,7 @@ the broker has no room for it, and the broker may be waiting for the gateway to 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Hashable
@@ -475,6 +476,8 @@ class Bridge:
             return
         self._up = True
         self._back.set()
+        if self._sending is not None:  # back within the bound: the rest of its run
+            self._sending.deadline = math.inf  # waits for room as any send does
         away = trio.current_time() - (self._down_since or 0.0)
         if self._outage_lost:
             log.warning("%d remote publishes were dropped while the bus was away (%.1f s; "
