@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import random
 import secrets
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -367,19 +368,31 @@ class Session:
 class Backoff:
     """Delays between reconnect attempts: *first* seconds doubling up to *maximum*, each
     between half and all of that ("equal jitter", so many clients of one restarted
-    broker do not all come back in the same instant).  `reset` once connected."""
+    broker do not all come back in the same instant).  `reset` once connected.
+
+    `try_by`, if set, is a time (of *clock*) by which one attempt is made: a delay that
+    would pass it is cut to reach it (the gateway's last try before its waiting
+    publishers are dropped: a broker back just before then is found in time)."""
 
     def __init__(self, first: float = 0.05, maximum: float = 2.0,
-                 rand: Callable[[float, float], float] = random.uniform) -> None:
+                 rand: Callable[[float, float], float] = random.uniform,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.first = first
         self.maximum = maximum
         self.failures = 0
         self._rand = rand
+        self._clock = clock
+        self.try_by: float | None = None
 
     def next(self) -> float:
         base = min(self.maximum, self.first * 2.0 ** min(self.failures, 60))
         self.failures += 1
-        return base / 2 + self._rand(0, base / 2)
+        delay = base / 2 + self._rand(0, base / 2)
+        if self.try_by is not None:
+            left = self.try_by - self._clock()
+            if 0 < left < delay:
+                return left
+        return delay
 
     def reset(self) -> None:
         self.failures = 0

@@ -968,3 +968,41 @@ def test_a_publish_caught_by_an_outage_mid_send_waits_no_longer_than_one_made_la
             publisher.close()
         gw.stop()
         bus.stop()
+
+
+def test_a_broker_back_just_before_the_publishers_wait_ends_is_found_in_time(sdir):
+    """The bus is away 3.3 s of a 4 s --bus-wait, and a remote publish waits for it.  The
+    reconnect's backoff would try next anywhere from 3.15 to 6.3 s after the loss (0.1 s
+    doubling, with jitter), mostly too late: the publish was dropped and its publisher
+    disconnected (the audit of 2026-11-28: a broker back 1.7 s into 2 s, found at 5.2).
+    A last attempt is made just before the wait ends (`Backoff.try_by`): the publish
+    arrives, nothing is dropped."""
+    address = str(sdir / "bus.sock")
+    bus = BrokerProcess(address).start()
+    gw = start(sdir, bus, "--bus-wait", "4")
+    local = None
+    try:
+        publisher = connect(gw.port, next_loopback())
+        publisher.sendall(codec.authenticate(SECRET))
+        echo(publisher)
+        bus.proc.kill()
+        bus.proc.wait()
+        lost = time.monotonic()
+        gw.wait_log("lost the bus")
+        os.chmod(sdir, 0o700)  # the gateway's user cannot reach the new broker yet
+        bus = BrokerProcess(address).start()
+        local = raw(address)
+        local.send(b"SUB r/")
+        sync(local)
+        publisher.sendall(codec.publish(b"r/late", b"1"))  # waits for the bus
+        time.sleep(max(0.0, lost + 3.3 - time.monotonic()))
+        os.chmod(sdir, 0o755)
+        local.settimeout(5)
+        assert local.recv(4096) == b"MSG r/late\x001", gw.log()
+        echo(publisher)  # still connected
+        assert "dropped" not in gw.log()
+    finally:
+        if local is not None:
+            local.close()
+        gw.stop()
+        bus.stop()

@@ -145,6 +145,20 @@ def test_backoff_doubles_to_its_cap_with_jitter():
     assert b.next() == pytest.approx(0.1)
 
 
+def test_backoff_makes_an_attempt_by_the_time_it_is_told():
+    now = [100.0]
+    b = Backoff(0.1, 5.0, rand=lambda lo, hi: hi, clock=lambda: now[0])
+    b.failures = 6  # the next delay: 5 s
+    b.try_by = 102.0
+    assert b.next() == pytest.approx(2.0)  # cut to reach it
+    now[0] = 101.9
+    assert b.next() == pytest.approx(0.1)
+    now[0] = 102.0  # reached: the delays go on as before
+    assert b.next() == pytest.approx(5.0)
+    b.try_by = 110.0
+    assert b.next() == pytest.approx(5.0)  # no cut where the delay ends before it
+
+
 def test_a_batch_decodes_messages_fast_and_controls_as_receive_does():
     s = Session()
     s.ask()

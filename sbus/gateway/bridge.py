@@ -70,6 +70,9 @@ BUS_SUBSCRIPTION_BYTES = Limits().subscription_bytes_per_user * 3 // 4
 BUS_PATTERNS = Limits().subscriptions_per_user * 3 // 4
 #: Reconnect backoff to the local broker (seconds): it is local, so retry briskly.
 BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX = 0.1, 5.0
+#: The last reconnect attempt before the publishers' wait ends (`Backoff.try_by`) is made
+#: this many seconds before it: time for the opening of a reconnect (ms here).
+LAST_TRY = 0.2
 #: Seconds after the bus went away during which remote publishes wait for it to come
 #: back (`Bridge.wait_up`): a broker restart (SIGTERM, kill -9 and start) takes a second or
 #: two and the reconnect backoff a few more; within the idle timeout (70 s) and the
@@ -162,9 +165,10 @@ class Bridge:
         self.index: RoutingIndex[Hashable] = self._new_index()
         self._complaints = LogAllowance(burst=10, interval=60.0)
         self.patterns: Counter[bytes] = Counter()  # distinct remote patterns -> clients
+        self._backoff = Backoff(BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX)
         self.bus = AsyncClient(address, reconnect=True, on_drop=self._dropped,
                                on_connection=self._connection, on_refusal=self._refusal,
-                               backoff=Backoff(BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX))
+                               backoff=self._backoff)
         self.address = self.bus.address
         self._lock = trio.Lock()
         self._waiting: trio.CancelScope | None = None  # the receiver's wait for the socket
@@ -456,6 +460,9 @@ class Bridge:
                 self._up = False  # again; the publishers wait on this outage's event)
                 self._back = trio.Event()
                 self._down_since = trio.current_time()
+                # a broker back just before the publishers' wait ends is found in time,
+                # not at the backoff's next step (up to 5 s later: the audit of 2026-11-28)
+                self._backoff.try_by = time.monotonic() + self.bus_wait - LAST_TRY
                 self._trusted_before, self.for_peers = self.for_peers, True  # until refused
                 if self.on_bus is not None:
                     self.on_bus("bus-away", 0.0)
@@ -476,6 +483,7 @@ class Bridge:
             return
         self._up = True
         self._back.set()
+        self._backoff.try_by = None
         if self._sending is not None:  # back within the bound: the rest of its run
             self._sending.deadline = math.inf  # waits for room as any send does
         away = trio.current_time() - (self._down_since or 0.0)
