@@ -409,7 +409,7 @@ class _Shell:
             except (ConnectError, OSError):
                 if sock is not None:
                     sock.close()
-                delay = self.session.retry_in()
+                delay = self.session.retry_in(self._give_up_at)
                 if self._give_up_at is not None and time.monotonic() + delay > self._give_up_at:
                     self._abandoned = False  # given up, and said so: the next says why
                     raise self._lost(f"{why}, and did not come back in time") from None

@@ -173,9 +173,19 @@ class Session:
         out.append(self.ask())
         return out
 
-    def retry_in(self) -> float:
-        """Seconds to wait before the next attempt to reconnect."""
-        return self.backoff.next()
+    def retry_in(self, give_up_at: float | None = None) -> float:
+        """Seconds to wait before the next attempt to reconnect.  With *give_up_at* (a
+        time of the backoff's clock at which the reconnect gives up), one last attempt is
+        made `LAST_TRY` before it, not a whole backoff step earlier."""
+        backoff = self.backoff
+        if give_up_at is None:
+            return backoff.next()
+        outer, last = backoff.try_by, give_up_at - LAST_TRY
+        backoff.try_by = last if outer is None else min(outer, last)
+        try:
+            return backoff.next()
+        finally:
+            backoff.try_by = outer
 
     def restored(self) -> None:
         """The new connection's opening is answered: the next loss starts the delays
@@ -365,14 +375,20 @@ class Session:
         return Control(key, payload)
 
 
+#: Seconds before a bound (`Backoff.try_by`) the last reconnect attempt is made: time for
+#: its opening (milliseconds with a local broker).
+LAST_TRY = 0.2
+
+
 class Backoff:
     """Delays between reconnect attempts: *first* seconds doubling up to *maximum*, each
     between half and all of that ("equal jitter", so many clients of one restarted
     broker do not all come back in the same instant).  `reset` once connected.
 
     `try_by`, if set, is a time (of *clock*) by which one attempt is made: a delay that
-    would pass it is cut to reach it (the gateway's last try before its waiting
-    publishers are dropped: a broker back just before then is found in time)."""
+    would pass it is cut to reach it (the last try before a request's timeout, or before
+    the gateway's waiting publishers are dropped: a broker back just before then is found
+    in time)."""
 
     def __init__(self, first: float = 0.05, maximum: float = 2.0,
                  rand: Callable[[float, float], float] = random.uniform,

@@ -478,6 +478,37 @@ def test_request_waits_for_a_restarted_broker_within_its_timeout(broker, short_t
         stop_process(req)
 
 
+def test_a_broker_back_in_a_reconnects_last_step_is_found_before_the_timeout(short_tmp):
+    """A client's reconnect tries once a second (a fixed backoff here) and a sync gives
+    it 2.5 s.  The broker is back 2.05 s after the loss: the attempt the backoff would
+    make next, at 3 s, is past the bound, so the reconnect gave up at 2 s; it now tries
+    once more just before the bound, and the sync is answered."""
+    import threading
+
+    from conftest import BrokerProcess
+
+    from sbus.session import Backoff
+
+    address = str(short_tmp / "bus.sock")
+    first = BrokerProcess(address).start()
+    second = BrokerProcess(address + ".next").start()  # put in place at 2.05 s
+    client = Client(address, reconnect=True, backoff=Backoff(1.0, 1.0, rand=lambda lo, hi: hi))
+    mover = threading.Timer(2.05, os.rename, (address + ".next", address))
+    try:
+        client.sync()
+        first.stop()
+        mover.start()
+        began = time.monotonic()
+        client.sync(timeout=2.5)
+        assert 2.05 < time.monotonic() - began < 2.5
+    finally:
+        mover.cancel()
+        if mover.is_alive():
+            mover.join()
+        client.close()
+        second.stop()
+
+
 def test_two_tasks_that_notice_a_lost_broker_reconnect_once(broker):
     """A sending task and a receiving task of one AsyncClient both meet the restart: one
     reconnect (the other task waits for it), then both go on."""

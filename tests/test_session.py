@@ -159,6 +159,23 @@ def test_backoff_makes_an_attempt_by_the_time_it_is_told():
     assert b.next() == pytest.approx(5.0)  # no cut where the delay ends before it
 
 
+def test_a_reconnect_bound_gets_a_last_attempt_just_before_it():
+    """A reconnect that gives up at a time (a request's timeout) tries once more
+    `LAST_TRY` before it, rather than giving up a whole step early; the backoff's own
+    `try_by` (the gateway's) is kept."""
+    from sbus.session import LAST_TRY
+
+    now = [0.0]
+    s = Session(backoff=Backoff(1.0, 1.0, rand=lambda lo, hi: hi, clock=lambda: now[0]))
+    assert s.retry_in(give_up_at=2.5) == pytest.approx(1.0)
+    now[0] = 2.0
+    assert s.retry_in(give_up_at=2.5) == pytest.approx(0.5 - LAST_TRY)
+    assert s.backoff.try_by is None
+    s.backoff.try_by = 2.1
+    assert s.retry_in(give_up_at=2.5) == pytest.approx(0.1)  # the sooner of the two
+    assert s.backoff.try_by == 2.1
+
+
 def test_a_batch_decodes_messages_fast_and_controls_as_receive_does():
     s = Session()
     s.ask()

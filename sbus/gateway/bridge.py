@@ -55,7 +55,7 @@ from ..keys import KeyRules
 from ..limits import Limits, LogAllowance
 from ..protocol import ProtocolError, Publish
 from ..routing import CACHE_BYTES, RouteCache, RoutingIndex
-from ..session import Backoff, Dropped, Refusal
+from ..session import LAST_TRY, Backoff, Dropped, Refusal
 from . import notices
 from .admission import Pool
 
@@ -70,9 +70,6 @@ BUS_SUBSCRIPTION_BYTES = Limits().subscription_bytes_per_user * 3 // 4
 BUS_PATTERNS = Limits().subscriptions_per_user * 3 // 4
 #: Reconnect backoff to the local broker (seconds): it is local, so retry briskly.
 BUS_BACKOFF_FIRST, BUS_BACKOFF_MAX = 0.1, 5.0
-#: The last reconnect attempt before the publishers' wait ends (`Backoff.try_by`) is made
-#: this many seconds before it: time for the opening of a reconnect (ms here).
-LAST_TRY = 0.2
 #: Seconds after the bus went away during which remote publishes wait for it to come
 #: back (`Bridge.wait_up`): a broker restart (SIGTERM, kill -9 and start) takes a second or
 #: two and the reconnect backoff a few more; within the idle timeout (70 s) and the
