@@ -355,8 +355,12 @@ def test_one_users_blocked_reads_do_not_stop_another_users_writes(bus, space):
         hog = subprocess.Popen([*AS_NOBODY, "python3", "-c", BLOCKERS, *paths],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         said = b""
+        seen: list = [None, 0.0]  # the last (refused, waiting) and since when
 
-        def settled() -> bool:  # every read waits in the mount or has failed
+        def settled() -> bool:
+            """Every read waits in the mount or has failed, and has for 0.5 s: a read the
+            mount has not answered yet waits in FUSE too (in CI, 30 waiting and none
+            refused was once taken for the end)."""
             nonlocal said
             while select.select([hog.stdout], [], [], 0)[0]:
                 chunk = os.read(hog.stdout.fileno(), 4096)
@@ -367,7 +371,11 @@ def test_one_users_blocked_reads_do_not_stop_another_users_writes(bus, space):
                 return False
             lines = said.splitlines()[1:]
             assert set(lines) <= {b"read 11"}, lines
-            return len(lines) + waiting_in_fuse(hog.pid) == len(paths)
+            state = (len(lines), waiting_in_fuse(hog.pid))
+            if sum(state) != len(paths) or state != seen[0]:
+                seen[:] = [state, time.monotonic()]
+                return False
+            return time.monotonic() - seen[1] >= 0.5
 
         until(settled, "nobody's 30 reads waiting or refused")
         assert (waiting_in_fuse(hog.pid), said.count(b"read 11")) == (9, 21)
