@@ -177,15 +177,7 @@ class Session:
         """Seconds to wait before the next attempt to reconnect.  With *give_up_at* (a
         time of the backoff's clock at which the reconnect gives up), one last attempt is
         made `LAST_TRY` before it, not a whole backoff step earlier."""
-        backoff = self.backoff
-        if give_up_at is None:
-            return backoff.next()
-        outer, last = backoff.try_by, give_up_at - LAST_TRY
-        backoff.try_by = last if outer is None else min(outer, last)
-        try:
-            return backoff.next()
-        finally:
-            backoff.try_by = outer
+        return self.backoff.next(None if give_up_at is None else give_up_at - LAST_TRY)
 
     def restored(self) -> None:
         """The new connection's opening is answered: the next loss starts the delays
@@ -400,12 +392,14 @@ class Backoff:
         self._clock = clock
         self.try_by: float | None = None
 
-    def next(self) -> float:
+    def next(self, try_by: float | None = None) -> float:
+        """The next delay; *try_by*: a bound of this call's own, beside `try_by`."""
         base = min(self.maximum, self.first * 2.0 ** min(self.failures, 60))
         self.failures += 1
         delay = base / 2 + self._rand(0, base / 2)
-        if self.try_by is not None:
-            left = self.try_by - self._clock()
+        bounds = [t for t in (self.try_by, try_by) if t is not None]
+        if bounds:
+            left = min(bounds) - self._clock()
             if 0 < left < delay:
                 return left
         return delay

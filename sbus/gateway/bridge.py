@@ -287,8 +287,7 @@ class Bridge:
                 return []
             if not subscribe:
                 made = True
-                packet = session.unsubscribe(pattern)
-                return [packet] if self._up else []
+                return self._unsub_packets(pattern)
             wait = self._up and len(self._unconfirmed) >= QUESTIONS
             if wait:
                 return []
@@ -304,6 +303,12 @@ class Bridge:
             if not made:  # bus is set right by the reader (others may hold the pattern)
                 self._deferred.add(pattern)
             raise
+
+    def _unsub_packets(self, pattern: bytes) -> list[bytes]:
+        """UNSUB *pattern* in the session and, with the bus up, its packet (under the
+        lock)."""
+        packet = self.bus.session.unsubscribe(pattern)
+        return [packet] if self._up else []
 
     def _sub_packets(self, pattern: bytes) -> list[bytes]:
         """SUB *pattern* in the session and, with the bus up, the packets: it and its
@@ -738,8 +743,7 @@ class Bridge:
                     break  # (the rest when answers come)
                 packets = self._sub_packets(pattern)
             elif on_bus and not held:
-                packet = session.unsubscribe(pattern)
-                packets = [packet] if self._up else []
+                packets = self._unsub_packets(pattern)
             else:
                 packets = []
             self._deferred.discard(pattern)
