@@ -970,6 +970,72 @@ def test_a_publish_caught_by_an_outage_mid_send_waits_no_longer_than_one_made_la
         bus.stop()
 
 
+def test_a_subscription_caught_by_an_outage_mid_send_waits_no_longer_than_bus_wait(sdir):
+    """A SUB and its question are sent whole, shielded from their client's hang-up for
+    `WHOLE_GRACE` (5 s).  Caught mid-send by the bus's loss (the broker stopped reading,
+    then killed), the send waits as long as a publish would, `--bus-wait` (1 s here), not
+    the grace (it did: 5 s, holding the bus connection from every publisher meanwhile).
+    The pattern is not lost: the next broker has it.  Driven on `Bridge` itself, against
+    a real broker."""
+    import signal
+
+    import trio
+
+    from sbus.gateway.bridge import WHOLE_GRACE, Bridge
+
+    address = str(sdir / "bus.sock")
+    bus = BrokerProcess(address).start()
+    got: list[tuple[bytes, bytes]] = []
+
+    def deliver(targets, messages, until) -> int:
+        got.extend(messages)
+        return len(messages)
+
+    async def main() -> float:
+        nonlocal bus
+        async with trio.open_nursery() as nursery:
+            br = Bridge(address, deliver=deliver, on_refused=lambda *a: None, bus_wait=1.0)
+            await nursery.start(br.run)
+            bus.proc.send_signal(signal.SIGSTOP)
+            for _ in range(100):  # the bus socket filled: a send then waits for room
+                with trio.move_on_after(0.05) as late:
+                    await br.publish_packets([b"MSG g/x\0" + b"x" * 100_000])
+                if late.cancelled_caught:
+                    break
+            assert late.cancelled_caught, "the bus socket never filled"
+            done: list[float] = []
+
+            async def subscribe() -> None:
+                await br.subscribe("remote", b"s/", 100)
+                done.append(trio.current_time())
+
+            nursery.start_soon(subscribe)
+            await trio.sleep(0.3)
+            assert not done, "the SUB did not wait in its send"
+            killed = trio.current_time()
+            bus.proc.kill()
+            await trio.to_thread.run_sync(bus.proc.wait)
+            with trio.move_on_after(WHOLE_GRACE + 3):
+                while not done:
+                    await trio.sleep(0.05)
+            assert done, "the SUB's send never ended"
+            bus = BrokerProcess(address).start()
+            with raw(address) as local:
+                with trio.move_on_after(10):
+                    while not got:
+                        local.send(b"MSG s/x\0back")
+                        await trio.sleep(0.1)
+            assert (b"s/x", b"back") in got, "the next broker does not have the pattern"
+            nursery.cancel_scope.cancel()
+        return done[0] - killed
+
+    try:
+        waited = trio.run(main)
+        assert waited < 3.0, f"a SUB caught by the outage waited {waited:.1f} s"
+    finally:
+        bus.stop()
+
+
 def test_a_broker_back_just_before_the_publishers_wait_ends_is_found_in_time(sdir):
     """The bus is away 3.3 s of a 4 s --bus-wait, and a remote publish waits for it.  The
     reconnect's backoff would try next anywhere from 3.15 to 6.3 s after the loss (0.1 s

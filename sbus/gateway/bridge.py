@@ -172,6 +172,7 @@ class Bridge:
         self._receiving: trio.CancelScope | None = None  # its receive, under the lock
         #: a send under way (`_send`): the bus lost under it, it waits `bus_wait` at most
         self._sending: trio.CancelScope | None = None
+        self._send_limit = math.inf  # its own deadline, outages aside
         self._up = False
         self.bus_wait = bus_wait
         self._back = trio.Event()  # set when the bus is up; a new one at each outage
@@ -427,7 +428,9 @@ class Bridge:
         they are sent even if the caller is cancelled meanwhile, for `WHOLE_GRACE`
         seconds (a SUB and its question: a question counted and never sent would leave
         every later refusal matched to the SUB before it, and one more place of
-        `QUESTIONS` taken until the next connection)."""
+        `QUESTIONS` taken until the next connection).  A send the bus's loss catches
+        waits for it as long as a publish would (`bus_wait`), shielded or not: the next
+        connection asks its own questions, and restores the session's patterns."""
         lock = self._lock
         try:
             lock.acquire_nowait()  # no checkpoint on the common, uncontended path
@@ -435,18 +438,19 @@ class Bridge:
             await lock.acquire()
         try:
             packets = build()
-            with trio.CancelScope() as self._sending:  # (`_connection` may bound it)
-                with trio.CancelScope(shield=whole and len(packets) > 1) as scope:
-                    if scope.shield:
-                        scope.deadline = trio.current_time() + WHOLE_GRACE
-                    if len(packets) == 1:
-                        await self.bus.send_packet(packets[0])
-                    elif packets:
-                        await self.bus.send_packets(packets)
-            if scope.cancelled_caught:  # (the broker read nothing of us for that long)
+            whole = whole and len(packets) > 1
+            self._send_limit = trio.current_time() + WHOLE_GRACE if whole else math.inf
+            # (`_connection` may bound it: an outage, shielded or not)
+            with trio.CancelScope(shield=whole, deadline=self._send_limit) as self._sending:
+                if len(packets) == 1:
+                    await self.bus.send_packet(packets[0])
+                elif packets:
+                    await self.bus.send_packets(packets)
+            cut = self._sending.cancelled_caught
+            if cut and self._up:  # (the broker read nothing of us for that long)
                 self._complain("a subscription's question was not sent in %g s",
                                WHOLE_GRACE)
-            return bool(packets) and not self._sending.cancelled_caught
+            return bool(packets) and not cut
         except SbusError as exc:  # InvalidRequest (the gateway checked first) or lost
             self._complain("a packet for the bus was not sent: %s", exc)
             return False
@@ -487,7 +491,7 @@ class Bridge:
         self._back.set()
         self._backoff.try_by = None
         if self._sending is not None:  # back within the bound: the rest of its run
-            self._sending.deadline = math.inf  # waits for room as any send does
+            self._sending.deadline = self._send_limit  # waits for room as any send does
         away = trio.current_time() - (self._down_since or 0.0)
         if self._outage_lost:
             log.warning("%d remote publishes were dropped while the bus was away (%.1f s; "
