@@ -1125,10 +1125,12 @@ class BrokerCore:
             if conn.closed:
                 continue
             out = conn.out
+            queued = out.arrival_order()
             clients.append(handover.ClientState(
                 conn.id, sorted(self.index.patterns(conn).items()), out.soft.value,
-                out.hard.value, out.order.value, conn.nowait, out.arrival_order(),
-                out.dropped, None if conn.owner == conn.cred.uid else conn.owner))
+                out.hard.value, out.order.value, conn.nowait, [p for p, _ in queued],
+                out.dropped, None if conn.owner == conn.cred.uid else conn.owner,
+                [o for _, o in queued]))
         counters = {"published": self.published, "delivered": self.delivered,
                     "dropped": self.dropped, "disconnects": self.disconnects}
         return handover.State(self.sep, counters, clients)
@@ -1162,7 +1164,7 @@ class BrokerCore:
                     self.subscribe(conn, pattern)
                     if conn.subscriptions == held:
                         break  # refused (and said why) once: not once per copy
-            out.carry_over(c.queued)
+            out.carry_over(c.queued, c.queued_owners)
             out.dropped = c.dropped
             taken.append(conn)
         self._next_id = max([self._next_id, *(c.id + 1 for c in state.clients)])
@@ -1187,6 +1189,10 @@ class BrokerCore:
             if not all(type(p) is bytes and type(n) is int and 0 < n <= RESTORED_COPIES
                        for p, n in c.patterns) or \
                     not all(type(q) is bytes for q in c.queued) or \
+                    not (c.queued_owners is None or
+                         len(c.queued_owners) == len(c.queued) and
+                         all(o is None or type(o) is int and 0 <= o < protocol.OWNER_LIMIT
+                             for o in c.queued_owners)) or \
                     type(c.dropped) is not int or c.dropped < 0 or \
                     not (c.owner is None or
                          (type(c.owner) is int and 0 <= c.owner < protocol.OWNER_LIMIT)):

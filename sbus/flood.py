@@ -36,8 +36,8 @@ any drop; `Verdict.EVICTED`), so one user flooding a subscriber loses its own pa
 everybody's, and a subscriber that carries many users (the bridge, a shared reader) loses
 only the flooder's.  The search looks at the oldest `EVICT_SCAN` packets of the queue;
 under ``order random`` (a heap) the arriving packet is dropped as before.  Packets the
-broker queues itself (`force`) and those handed over by a predecessor have no user and
-never give way.
+broker queues itself (`force`) have no user and never give way; those a predecessor
+handed over keep their users (`carry_over`).
 
 Turns for each user: in ``order/queue`` a queue holding packets of two users or more
 sends them in turns, a packet of each user's (oldest first) in a round, the broker's own
@@ -178,7 +178,7 @@ class OutQueue:
         self.lanes: dict[int | None, deque[bytes]] | None = None
         self._count = 0  # packets in `lanes`
         #: packets a predecessor handed over (`carry_over`), still first in the deque:
-        #: no turns until they are gone (their users are not known)
+        #: no turns until they are gone (their users are not known: format 2)
         self._carried = 0
         self._carried_below = 0  # ... in a heap: those numbered below this
         # bytes queued per user (publisher's UID), counted once a second user's packet
@@ -261,12 +261,10 @@ class OutQueue:
             turn = left
         return out
 
-    def arrival_order(self) -> list[bytes]:
-        """The queued packets, oldest first (what a successor is handed), or with `lanes`
-        in the order they would be sent."""
-        if self._order is Order.RANDOM or self.lanes is not None:
-            return [p for p, _ in self._arrivals()]
-        return list(self.items)
+    def arrival_order(self) -> list[tuple[bytes, int | None]]:
+        """The queued packets and their users, oldest first (what a successor is handed),
+        or with `lanes` in the order they would be sent."""
+        return self._arrivals()
 
     def offer(self, packet: bytes, may_block: bool = True, owner: int | None = None) -> Verdict:
         """A packet the kernel would not take now (or that must wait behind others).
@@ -405,11 +403,18 @@ class OutQueue:
         and never gives way."""
         self._push(packet, None)
 
-    def carry_over(self, packets: list[bytes]) -> None:
-        """Queue what a predecessor had queued (a hand-over), as `force` does, first in
-        the deque and before any turns: it holds publishers' older packets, and their
-        users are not handed over, so a turn of a publisher's newer packet would pass
-        them.  They stay first through changes of order (`_reorder`)."""
+    def carry_over(self, packets: list[bytes], owners: list[int | None] | None = None) -> None:
+        """Queue what a predecessor had queued (a hand-over), whatever the limits, as
+        `force` does.  With their *owners* (users) they are queued as they came, each in
+        its user's share and turn, and give way as any packet does: a flooder's do not
+        crowd out the others' after the restart.  Without (a predecessor that did not
+        hand its users over) they have no user and go first, before any turns: they
+        hold publishers' older packets, and a turn of a publisher's newer packet would
+        pass them; they stay first through changes of order (`_reorder`)."""
+        if owners is not None:
+            for packet, owner in zip(packets, owners, strict=True):
+                self._push(packet, owner)
+            return
         for packet in packets:
             self._push(packet, None)
         self._carried += len(packets)

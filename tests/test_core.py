@@ -587,6 +587,6 @@ def test_only_a_trusted_user_publishes_for_another():
     state = handover.decode(handover.encode(bus.core.snapshot()))
     assert [c.owner for c in state.clients] == [None, None, 2001]
     old = handover.msgpack.unpackb(handover.encode(state))  # a predecessor's 8 entries
-    old[3] = [c[:8] for c in old[3]]
+    old[0], old[3] = "sbus-handover/2", [c[:8] for c in old[3]]
     assert [c.owner for c in handover.decode(handover.msgpack.packb(old)).clients] == \
         [None] * 3

@@ -263,7 +263,7 @@ def test_waiting_users_take_turns_behind_a_flood():
     q.offer(b"a1", owner=2)
     assert [q.pop() for _ in range(7)] == [b"f2", b"a0", b"reply", b"b0", b"f3", b"a1", b"f4"]
     assert len(q) == 995 and q.held == {1: sum(len(b"f%d" % i) + OV for i in range(5, 1000))}
-    assert q.arrival_order()[:2] == [b"f5", b"f6"]  # what a successor would be handed
+    assert q.arrival_order()[:2] == [(b"f5", 1), (b"f6", 1)]  # a successor's, with users
     while q:
         q.pop()
     assert q.lanes is None and q.nbytes == 0  # the plain deque again
@@ -279,6 +279,35 @@ def test_a_user_whose_packets_all_gave_way_loses_its_turn_without_a_search():
     assert 1 in q.lanes and not q.lanes[1]  # left empty in its place in the turns
     assert len(q) == 2 and [q.pop(), q.pop()] == [b"a" * 10, b"c" * 20]
     assert not q and q.lanes is None and q.nbytes == 0
+
+
+def test_what_a_predecessor_handed_over_with_its_users_keeps_their_shares():
+    """A hand-over's packets with their users (format 3) are queued as they came, each
+    in its user's share and turn: a flooder's packets that filled the queue before the
+    restart give way to another user's after it, as they would have before (the audit
+    of 2026-11-28: without their users they never gave way, and another user's
+    subscriber lost 25-153 of its own messages at each SIGUSR2 under a flood)."""
+    size = 100 + OV
+    before = OutQueue(limit=20 * size, lane_overhead=0, user_overhead=0)
+    for i in range(19):
+        before.offer(b"f%02d" % i + b"x" * 97, owner=1)
+    before.offer(b"a00" + b"y" * 97, owner=2)
+    handed = before.arrival_order()
+    assert [o for _, o in handed] == [1, 2] + [1] * 18  # in turns, as they would be sent
+    q = OutQueue(limit=20 * size, lane_overhead=0, user_overhead=0)
+    q.carry_over([p for p, _ in handed], [o for _, o in handed])
+    assert q.held == {1: 19 * size, 2: size} and q.nbytes == 20 * size
+    assert q.offer(b"a01" + b"y" * 97, owner=2) is Verdict.EVICTED  # the flooder's went
+    assert q.held == {1: 18 * size, 2: 2 * size}
+    sent = [q.pop() for _ in range(len(q))]
+    mine = [p[:3] for p in sent if p.startswith(b"a")]
+    assert mine == [b"a00", b"a01"] and sent.index(b"a01" + b"y" * 97) < 5  # in turns
+    floods = [p[:3] for p in sent if p.startswith(b"f")]
+    assert floods == sorted(floods)  # each user's in order
+    # without users (a format-2 predecessor): no share, and the arriving packet is dropped
+    q = OutQueue(limit=20 * size, lane_overhead=0, user_overhead=0)
+    q.carry_over([p for p, _ in handed])
+    assert q.offer(b"a01" + b"y" * 97, owner=2) is Verdict.DROPPED
 
 
 def test_what_a_predecessor_handed_over_goes_first_before_any_turns():

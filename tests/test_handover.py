@@ -22,8 +22,9 @@ import threading
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
-from conftest import raw, sync
+from conftest import raw, read_until_quiet, sync
 from faultkit import until
 
 from sbus import handover, server
@@ -33,8 +34,15 @@ from sbus.handover import ClientState, HandoverError, State
 def test_snapshot_round_trip_and_refusals():
     state = State(b"/", {"published": 5, "delivered": 4, "dropped": 1, "disconnects": 0}, [
         ClientState(7, [(b"a/", 2), (b"!/cred/1/2/3/", 1)], b"block", b"discard", b"random",
-                    True, [b"MSG a/1\0x", b"MSG a/2\0\0\xff"], 3)])
+                    True, [b"MSG a/1\0x", b"MSG a/2\0\0\xff"], 3),
+        ClientState(8, queued=[b"MSG b\0", b"CMSG x\0"], owner=1 << 40,
+                    queued_owners=[1000, None])])
     assert handover.decode(handover.encode(state)) == state
+    # format 2 (an upgrade from it): the client's owner if any, and no users of its queue
+    two = [[7, [], b"queue", b"discard", b"queue", False, [b"MSG a\0"], 0],
+           [8, [], b"queue", b"discard", b"queue", False, [b"MSG b\0"], 0, 5]]
+    old = handover.decode(msgpack.packb(["sbus-handover/2", b"/", {}, two]))
+    assert [(c.owner, c.queued_owners) for c in old.clients] == [(None, None), (5, None)]
     other = handover.encode(state).replace(handover.FORMAT.encode(), b"sbus-handover/0")
     with pytest.raises(HandoverError, match="of format 'sbus-handover/0'"):
         handover.decode(other)
@@ -148,11 +156,11 @@ def _publish_in_two_halves(pipe, address: str, key: bytes, half: int) -> None:
 def test_a_hand_over_keeps_each_publishers_order_in_a_queue_of_two_users(make_broker,
                                                                          short_tmp):
     """A subscriber holds a backlog of two users' messages when the broker re-executes
-    (SIGUSR2), and both go on publishing.  The queue sends its users' messages in turns,
-    and a hand-over does not carry their users: the successor sends what it took over
-    first, then the turns.  Before that, it took turns with them, and each publisher's
-    newer messages passed its older ones (2,570 of 6,000 out of order in the re-audit
-    of 2026-11-27)."""
+    (SIGUSR2), and both go on publishing.  The queue sends its users' messages in turns;
+    the successor queues what it took over again with their users, each behind the
+    user's older ones.  Once, a hand-over carried no users and the successor took turns
+    with what it took over, and each publisher's newer messages passed its older ones
+    (2,570 of 6,000 out of order in the re-audit of 2026-11-27)."""
     from faultkit import NOBODY, as_user
 
     os.chmod(short_tmp, 0o755)  # the other users reach the socket
@@ -183,6 +191,45 @@ def test_a_hand_over_keeps_each_publishers_order_in_a_queue_of_two_users(make_br
     assert len(got) == 2
     for proc, _ in pubs:
         proc.join(5)
+
+
+def _flood(pipe, address: str, key: bytes, count: int, size: int) -> None:
+    """Another user: *count* messages of *size* bytes on *key*, then a whoami."""
+    s = raw(address, timeout=30)
+    body = b"x" * size
+    for _ in range(count):
+        s.send(b"MSG %s\0%s" % (key, body))
+    sync(s)
+    pipe.send(count)
+
+
+def test_a_hand_over_keeps_each_users_share_of_a_full_queue(make_broker, short_tmp):
+    """One user's flood fills a subscriber's queue, and the broker re-executes (SIGUSR2).
+    Another user then publishes to the same subscriber: each of its messages takes the
+    place of one of the flooder's, as before the restart.  Before, the successor took
+    the queue over without its users: nothing in it gave way, and the other user lost
+    its messages (25-153 of a numbered stream at each SIGUSR2 in the audit of
+    2026-11-28), said only in the subscriber's count of drops."""
+    from faultkit import NOBODY, as_user
+
+    os.chmod(short_tmp, 0o755)  # the other users reach the socket
+    broker = make_broker()
+    sub = raw(broker.address, timeout=30)
+    sub.send(b"SUB hs/")
+    sync(sub)  # and reads nothing until the end
+    flooder, pipe = as_user(NOBODY, _flood, broker.address, b"hs/flood", 30_000, 200)
+    assert pipe.poll(60) and pipe.recv() == 30_000
+    flooder.join(5)
+    broker.proc.send_signal(signal.SIGUSR2)
+    until(lambda: "took over" in Path(broker.logfile.name).read_text(),
+          "the successor took over", timeout=30)
+    other, pipe = as_user(65532, _publish_in_two_halves, broker.address, b"hs/mine", 50)
+    assert pipe.poll(30) and pipe.recv() == 50
+    got, dropped = read_until_quiet(sub, b"hs/mine")
+    assert got == [b"%d" % n for n in range(50)], (len(got), dropped)
+    assert dropped > 0  # the flooder's, said to the subscriber
+    other.kill()
+    broker.stop()
 
 
 def test_signals_right_after_a_re_exec_wait_for_the_successor(make_broker):
