@@ -55,6 +55,8 @@ log = logging.getLogger("sbus.broker")
 
 #: Seconds a shutdown without a successor spends at most reading what clients had sent.
 CLOSING_SECONDS = 1.0
+#: ... and then waiting for room to tell clients what of their queues is lost.
+REPORT_SECONDS = 0.25
 
 #: Packets received with one system call (fewer when they are large: see `batch_slots`).
 #: As many as `cbroker -m`'s: 64 took 5-10 % less CPU per delivery than 32 in S1, S3
@@ -409,16 +411,49 @@ class Broker:
         left = [len(c.out) + c.out.dropped for c in clients
                 if not c.closed and (len(c.out) or c.out.dropped)]
         if left:
-            core.dropped += sum(len(c.out) for c in clients if not c.closed)
+            told = self._say_what_is_lost([c for c in clients if not c.closed])
             log.warning("shutting down with %d messages for %d clients that had not read "
-                        "them: lost (a hand-over keeps them: SIGUSR2, or systemctl "
-                        "restart)", sum(left), len(left))
+                        "them: lost, and said to %d of them (a hand-over keeps them: "
+                        "SIGUSR2, or systemctl restart)", sum(left), len(left), told)
         unread = [c for c in clients if not c.closed and _unread(c.link)]
         if unread:  # still sending when CLOSING_SECONDS ran out
             log.warning("shutting down with packets of %d clients unread: lost",
                         len(unread))
         for c in clients:
             self._close(c)
+
+    def _say_what_is_lost(self, clients: list[Client]) -> int:
+        """At a stop without a successor, what waits in *clients*' queues is lost: count
+        it with their drops, and send each the drop report (``CMSG blocking/dropped``)
+        as soon as its socket has room, for `REPORT_SECONDS` at most (a subscriber that
+        reads hears of it; one that does not, does not hold the stop up).  How many were
+        told.  Without the report the loss was in the broker's log only, and a
+        reconnecting subscriber knew of what was published while it was away, not of
+        what had waited for it (the audit of 2026-11-28)."""
+        core = self.core
+        for c in clients:
+            lost = len(c.out)
+            c.out.clear()
+            c.out.dropped += lost
+            core.dropped += lost
+        waiting = {c.link: c for c in clients if c.out.dropped}
+        poller = select.poll()
+        for fd in waiting:
+            poller.register(fd, select.POLLOUT)
+        ends = time.monotonic() + REPORT_SECONDS
+        told = 0
+        while waiting:
+            for fd, c in list(waiting.items()):
+                core.writable(c)
+                if c.closed or not c.out.dropped:  # gone, or told
+                    told += not c.closed
+                    del waiting[fd]
+                    poller.unregister(fd)
+            left = ends - time.monotonic()
+            if not waiting or left <= 0:
+                break
+            poller.poll(left * 1000)
+        return told
 
     def _read(self, c: Client, shut: bool = False) -> None:
         """One turn of *c*: up to `READS_PER_WAKE` batches or `TURN_SECONDS`.  *shut*:
