@@ -605,6 +605,23 @@ class Broker:
             self._admit(sock)
         self._flush()
 
+    def take_backlog(self, listener: socket.socket) -> int:
+        """Admit every connection waiting in *listener*'s backlog, unserved (a stop,
+        once no more can come: the socket file is gone), so that `close_all` reads what
+        they sent like everyone else's: their sends had succeeded, and were lost with
+        the listener (the audit of 2026-11-28: a client reconnecting as the broker
+        stopped).  How many."""
+        listener.setblocking(False)
+        taken = 0
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:  # none left (or no descriptor for it: it is reset, as before)
+                break
+            taken += self._admit(sock) is not None
+        self._flush()
+        return taken
+
     def _admit(self, sock: socket.socket, cid: int | None = None) -> Client | None:
         peer = self._peer(sock)
         if peer is None:

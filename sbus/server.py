@@ -413,6 +413,9 @@ def run(
             timers.notify("STOPPING=1")
         if again or (signum == signal.SIGTERM and under_systemd):
             _hand_over_now(broker, listener, again, address, created)
+        if created is not None:  # no client comes from now on, and none waits unread
+            _remove_ours(address, created)
+            broker.take_backlog(listener)
         broker.close_all()
     finally:
         signal.set_wakeup_fd(old_wakeup)
@@ -479,6 +482,11 @@ def _release(listener: socket.socket, address: str, created: int | None) -> None
     """Close the listener, and remove the socket file if this broker made it."""
     listener.close()
     if created is not None:
-        with contextlib.suppress(OSError):
-            if os.stat(address).st_ino == created:
-                os.unlink(address)
+        _remove_ours(address, created)
+
+
+def _remove_ours(address: str, created: int) -> None:
+    """Remove the socket file this broker made (inode *created*), if it is still there."""
+    with contextlib.suppress(OSError):
+        if os.stat(address).st_ino == created:
+            os.unlink(address)

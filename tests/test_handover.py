@@ -338,6 +338,33 @@ def test_a_stop_without_hand_over_tells_a_subscriber_what_it_loses(make_broker):
     assert found and int(found[1]) == told[-1], log
 
 
+def test_a_stop_takes_in_and_reads_the_connections_waiting_in_its_backlog(short_tmp):
+    """Clients that connected as the broker stopped wait in the listener's backlog, and
+    what they send is taken by the kernel: a plain stop of a socket the broker made
+    removes its file (no one else can come) and admits them, so their messages are
+    read and delivered like everyone else's, and their later sends fail.  Before, the
+    listener was closed with them in it: sends that had succeeded, lost (the audit of
+    2026-11-28).  Driven on `Broker` itself, with real sockets, never served."""
+    from sbus.broker import Broker
+
+    address = str(short_tmp / "bus.sock")
+    listener = server.bind_listener(address, None)
+    sub, late = raw(address), raw(address)
+    sub.send(b"SUB b/")
+    for n in range(10):  # (the kernel takes a few before the accept)
+        late.send(b"MSG b/late\0%d" % n)
+    broker = Broker()
+    assert broker.take_backlog(listener) == 2
+    broker.close_all()
+    got = []
+    while p := sub.recv(1 << 16):
+        got.append(p)
+    assert got == [b"MSG b/late\0%d" % n for n in range(10)]
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        late.send(b"MSG b/late\0after")
+    listener.close()
+
+
 def test_a_stop_without_hand_over_delivers_what_was_sent_before_it(make_broker):
     """Messages a publisher had sent (in the broker's socket, not yet read) when SIGTERM
     came were lost without a word; now the broker reads them first.  Every message is
