@@ -392,6 +392,74 @@ def test_one_users_blocked_reads_do_not_stop_another_users_writes(bus, space):
         m.stop()
 
 
+# One thread opens the files, THREADS threads block in pread on them (pread: the kernel's
+# per-file lock lets one read(2) of a file into the mount at a time), IDLE more make the
+# process's thread list long, and the opener (the leader) exits: asking the process
+# about its signals then lists its threads.  Prints "ready" once the threads started.
+PREADERS = """
+import ctypes, os, sys, threading, time
+paths, threads, idle = sys.argv[3:], int(sys.argv[1]), int(sys.argv[2])
+fds = [os.open(p, os.O_RDONLY) for p in paths]
+for _ in range(idle):
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+def block(fd):
+    try:
+        os.pread(fd, 100, 0)
+    except OSError:
+        pass
+for i in range(threads):
+    threading.Thread(target=block, args=(fds[i % len(fds)],), daemon=True).start()
+print("ready", flush=True)
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_many_threads_waiting_in_reads_cost_the_mount_little(bus, space):
+    """Another user (nobody) has 300 threads wait in reads of files one thread opened,
+    and that thread, its process's leader, exits (2,400 threads and a leader gone:
+    the audit of 2026-11-28).  Each waiting read asked about its caller's signals 20
+    times a second, and asking about a process whose leader is gone lists its threads:
+    the mount ran at 100 % CPU and another user's ``open`` took up to 24 s.  Now a
+    caller is asked about once per round whatever the number of its reads: the mount
+    idles while they wait, root's ``echo > key`` goes through at once, and kill -9
+    still ends the waiting process."""
+    m = Mount(bus.address, os.path.join(space, "preads"), "--allow-other").start()
+    hog = None
+    try:
+        os.makedirs(m / "idle", exist_ok=True)
+        paths = [m / f"idle/k{i}" for i in range(8)]
+        for p in paths:
+            open(p, "wb").close()
+        hog = subprocess.Popen([*AS_NOBODY, "python3", "-c", PREADERS, "300", "1000",
+                                *paths], stdout=subprocess.PIPE)
+        assert hog.stdout.readline() == b"ready\n"
+        until(lambda: waiting_in_fuse(hog.pid) >= 300, "300 reads waiting in the mount")
+        before = _cpu_seconds(m.proc.pid)
+        time.sleep(2)
+        spent = _cpu_seconds(m.proc.pid) - before
+        assert spent < 0.5, f"the mount spent {spent:.2f} s of CPU in 2 s on waiting reads"
+        sub = subscriber(bus.address, b"free/k")
+        start = time.monotonic()
+        subprocess.run(["sh", "-c", f"echo through > {m / 'free/k'}"], check=True, timeout=15)
+        took = time.monotonic() - start
+        sub.settimeout(10)
+        assert sub.recv(1000) == b"MSG free/k\0through\n"
+        assert took < 1, took
+        hog.kill()
+        hog.wait(10)  # its reads were answered: the threads could die
+    finally:
+        if hog is not None and hog.poll() is None:
+            hog.kill()
+        m.stop()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process *pid* so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_help_tells_pip_users_what_the_man_page_does():
     """pip installs no man pages: `sbus mount --help` carries the page's text, and the
     fallback address it names is the real one even when $SBUS_ADDRESS is set."""

@@ -296,6 +296,10 @@ def test_jsonl_framing() -> None:
     assert rec == {"key": "a/b", "payload": "hi", "time": 12.5}
     rec = json.loads(frame("jsonl", b"a/b", b"\xff\x00", 1))
     assert rec["payload_base64"] == "/wA=" and "payload" not in rec
+    line = frame("jsonl", "h/c1\x9bx\u202eY".encode(), "é\x1b]0;x\x07".encode(), 1)
+    assert line.isascii() and b"\x1b" not in line  # nothing a terminal acts on
+    assert json.loads(line) == {"key": "h/c1\x9bx\u202eY", "payload": "é\x1b]0;x\x07",
+                                "time": 1}
     with pytest.raises(ValueError):
         frame("xml", b"k", b"", 0)
 

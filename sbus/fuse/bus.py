@@ -33,6 +33,7 @@ from ..client import AsyncClient
 from ..display import brief
 from ..errors import ConnectError, ConnectionLost, InvalidRequest, Refused, SbusError
 from ..keys import Credentials
+from ..limits import LogAllowance
 from ..protocol import Publish
 from ..session import Dropped, Refusal
 from . import mapping
@@ -136,6 +137,7 @@ class MountBus:
         """*max_message*: the broker's packet limit, which the publisher checks;
         *share*: what each user's readers may hold (`UserShare`)."""
         self.accounts = Accounts(share or UserShare())
+        self.refusals = LogAllowance()  # lines about users' refused requests (`refused`)
         self.address = address
         self.fmt = fmt
         self.tree = tree
@@ -344,12 +346,20 @@ class MountBus:
             r.failed = True
             r.wake()
 
+    def refused(self, msg: str, uid: int, *args: object) -> None:
+        """Log that a request of *uid* was refused (a share of its is used up): rationed
+        per user (`LogAllowance`: 10 lines, then one a minute), so that retrying refused
+        requests does not flood the log (the audit of 2026-11-28: 1,400 lines a second)."""
+        held = self.refusals.take(uid)
+        if held is not None:
+            log.info(msg + (f" ({held} more not logged)" if held else ""), uid, *args)
+
     def reader_for(self, pattern: bytes, fmt: str, uid: int) -> Reader:
         """A reader charged to *uid*'s share; EMFILE when it holds all it may."""
         a = self.accounts[uid]
         if a.readers >= self.accounts.share.readers:
-            log.info("uid %d holds %d open readers (its share); answering EMFILE",
-                     uid, a.readers)
+            self.refused("uid %d holds %d open readers (its share); answering EMFILE",
+                         uid, a.readers)
             raise FUSEError(errno.EMFILE)
         a.readers += 1
         return Reader(pattern, fmt, uid, a)

@@ -52,7 +52,9 @@ def frame(fmt: str, key: bytes, payload: bytes, when: float) -> bytes:
         except UnicodeDecodeError:
             record["payload_base64"] = base64.b64encode(payload).decode("ascii")
         record["time"] = round(when, 6)
-        return json.dumps(record, ensure_ascii=False).encode() + b"\n"
+        # escaped to ASCII: a key's C1 controls (``\u009b`` is CSI) and bidi overrides
+        # must not reach a terminal that shows the stream raw (the audit of 2026-11-28)
+        return json.dumps(record).encode() + b"\n"
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 

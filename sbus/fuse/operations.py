@@ -31,9 +31,10 @@ from ..display import brief
 from ..keys import KeyRefused, KeyRules
 from . import intent, mapping, signals
 from .bus import MountBus, Reader
+from .callers import SIGNAL_POLL, Caller, Callers
 from .mapping import Kind, Path, Refused, key_cost, split_view
 from .shares import Shares, UserShare
-from .signals import interrupted, thread_group
+from .signals import thread_group
 
 log = logging.getLogger("sbus.fuse")
 
@@ -41,8 +42,6 @@ T = TypeVar("T")
 Ctx = pyfuse3.RequestContext
 Attrs = pyfuse3.EntryAttributes
 
-#: How often a waiting operation looks at its caller's pending signals (seconds).
-SIGNAL_POLL = 0.05
 #: Seconds the kernel may cache a name's lookup (and attributes).
 ENTRY_TIMEOUT = 1.0
 #: Bytes an inode holds here besides its path (its entries in the inode tables and
@@ -67,8 +66,8 @@ def inode_cost(path: Path) -> int:
 INTENT_TIMEOUT = 0.5
 
 
-async def guarded(pid: int, fn: Callable[[], Awaitable[T]], tgid: int | None = None) -> T:
-    """Run *fn*, answering EINTR if the calling process gets a signal meanwhile.
+async def guarded(caller: Caller, fn: Callable[[], Awaitable[T]]) -> T:
+    """Run *fn*, answering EINTR if *caller* gets a signal meanwhile (`Callers`).
 
     *fn*'s `FUSEError` is re-raised as it is (not inside an exception group), since
     pyfuse3 turns only a bare `FUSEError` into an answer for the kernel."""
@@ -78,12 +77,9 @@ async def guarded(pid: int, fn: Callable[[], Awaitable[T]], tgid: int | None = N
     async with trio.open_nursery() as nursery:
         async def watch() -> None:
             nonlocal hit
-            while True:
-                await trio.sleep(SIGNAL_POLL)
-                if interrupted(pid, tgid):
-                    hit = True
-                    nursery.cancel_scope.cancel()
-                    return
+            await caller.wait_hit()
+            hit = True
+            nursery.cancel_scope.cancel()
 
         nursery.start_soon(watch)
         try:
@@ -184,6 +180,7 @@ class BusFS(pyfuse3.Operations):
         )) if mountpoint else ()
         self._intent_threads: dict[int, trio.CapacityLimiter] = {}
         self.shares = Shares(max_tasks, fair=allow_other)
+        self.callers = Callers()  # those whose operations wait, asked about signals
         self._buffered: Counter[int] = Counter()  # bytes held for writers, per user
         self._followers: dict[int, set[Handle]] = {}
         self._sizes: dict[int, int] = {}  # what follow readers were shown, per inode
@@ -231,6 +228,7 @@ class BusFS(pyfuse3.Operations):
     async def start(self, nursery: trio.Nursery) -> None:
         """Learn our credentials and start the monitor; raises `ConnectError` if no broker."""
         await self.bus.start(nursery)
+        nursery.start_soon(self.callers.run)
 
     def shutdown(self) -> None:
         """Unmounting: blocked reads end (EOF) instead of holding up the main loop."""
@@ -259,8 +257,9 @@ class BusFS(pyfuse3.Operations):
         """EDQUOT if a new inode of *path* would take *uid* beyond its share."""
         if (self._inodes[uid] >= self.share.inodes
                 or self._inode_bytes[uid] + inode_cost(path) > self.share.inode_bytes):
-            log.info("uid %d holds %d inodes of %d bytes (its share); answering EDQUOT",
-                     uid, self._inodes[uid], self._inode_bytes[uid])
+            self.bus.refused("uid %d holds %d inodes of %d bytes (its share); "
+                             "answering EDQUOT", uid, self._inodes[uid],
+                             self._inode_bytes[uid])
             self._reclaim(uid)
             raise FUSEError(errno.EDQUOT)
 
@@ -484,8 +483,8 @@ class BusFS(pyfuse3.Operations):
             if inner[:1] == (mapping.SECRET,):
                 entries = []
         if self._listed[ctx.uid] + len(entries) > self.share.listed:
-            log.info("uid %d holds %d entries in open directories (its share); "
-                     "answering EMFILE", ctx.uid, self._listed[ctx.uid])
+            self.bus.refused("uid %d holds %d entries in open directories (its share); "
+                             "answering EMFILE", ctx.uid, self._listed[ctx.uid])
             raise FUSEError(errno.EMFILE)
         self._listed[ctx.uid] += len(entries)
         fh = self._next_fh
@@ -537,8 +536,8 @@ class BusFS(pyfuse3.Operations):
         path = parent + (name,)
         cost = key_cost(path)
         if self._made_bytes[ctx.uid] + cost > self.share.dirs:
-            log.info("uid %d made directories worth %d bytes (its share); answering EDQUOT",
-                     ctx.uid, self._made_bytes[ctx.uid])
+            self.bus.refused("uid %d made directories worth %d bytes (its share); "
+                             "answering EDQUOT", ctx.uid, self._made_bytes[ctx.uid])
             raise FUSEError(errno.EDQUOT)
         ino = self._inode(full + (name,), Kind.DIR, ctx.uid)
         self.tree.mkdir(path)
@@ -628,8 +627,8 @@ class BusFS(pyfuse3.Operations):
                 raise FUSEError(errno.EACCES)
             self._check_key(pattern)
         if self._files[ctx.uid] >= self.share.files:
-            log.info("uid %d holds %d open files (its share); answering EMFILE",
-                     ctx.uid, self._files[ctx.uid])
+            self.bus.refused("uid %d holds %d open files (its share); answering EMFILE",
+                             ctx.uid, self._files[ctx.uid])
             raise FUSEError(errno.EMFILE)
         reader = None
         follow = False
@@ -647,7 +646,8 @@ class BusFS(pyfuse3.Operations):
             reader = self.bus.reader_for(pattern, view or self.fmt, ctx.uid)  # or EMFILE
             try:
                 async with self._slot(ctx.uid):
-                    await guarded(ctx.pid, lambda: self.bus.start_reader(reader))
+                    with self.callers.waiting(ctx.pid) as caller:
+                        await guarded(caller, lambda: self.bus.start_reader(reader))
             except BaseException:  # refused, failed or interrupted: no subscription left
                 self.bus.close_reader(reader)
                 raise
@@ -680,11 +680,11 @@ class BusFS(pyfuse3.Operations):
             return h.recent[start:start + size]
         if not r.out and not r.failed and not self.closing and not h.follow:
             async with self._slot(h.uid):
-                while not (r.out or r.failed or self.closing):
-                    if interrupted(h.pid, h.group()):
-                        raise FUSEError(errno.EINTR)
-                    with trio.move_on_after(SIGNAL_POLL):
-                        await r.lot.park()
+                with self.callers.waiting(h.pid, h.group()) as caller:
+                    while not (r.out or r.failed or self.closing):
+                        if caller.hit:
+                            raise FUSEError(errno.EINTR)
+                        await caller.park(r.lot)
         if r.out:
             lost = r.out.gap()
             if lost is not False:  # messages dropped (or missed) here: said, once
@@ -707,7 +707,7 @@ class BusFS(pyfuse3.Operations):
         """A slot of the waiting requests' pool for *uid* (`sbus.fuse.shares`), or
         EAGAIN at once."""
         if not self.shares.take(uid):
-            log.info("uid %d waits in too many requests; answering EAGAIN", uid)
+            self.bus.refused("uid %d waits in too many requests; answering EAGAIN", uid)
             raise FUSEError(errno.EAGAIN)
         return _Slot(self.shares, uid)
 
@@ -746,8 +746,8 @@ class BusFS(pyfuse3.Operations):
             self._drop_pending(h, too_big=True)
             raise FUSEError(errno.EMSGSIZE)
         if self._buffered[h.uid] + len(buf) > self.share.pending:
-            log.info("uid %d holds %d bytes in unfinished files; answering ENOBUFS",
-                     h.uid, self._buffered[h.uid])
+            self.bus.refused("uid %d holds %d bytes in unfinished files; answering "
+                             "ENOBUFS", h.uid, self._buffered[h.uid])
             raise FUSEError(errno.ENOBUFS)
         h.pending += buf
         self._buffered[h.uid] += len(buf)
@@ -764,7 +764,8 @@ class BusFS(pyfuse3.Operations):
         if quick.cancelled_caught:  # the broker pushes back or is away: wait, but
             # answer EINTR to a signal, in a slot of the waiting requests' pool
             async with self._slot(h.uid):
-                await guarded(h.pid, lambda: self.bus.publish(packet, h.uid), h.group())
+                with self.callers.waiting(h.pid, h.group()) as caller:
+                    await guarded(caller, lambda: self.bus.publish(packet, h.uid))
 
     def _drop_pending(self, h: Handle, too_big: bool = False) -> bytes:
         data = bytes(h.pending or b"")
