@@ -381,8 +381,9 @@ def run(
             broker.serve(listener, wakeup=wake_r.fileno(), tick=timers, every=timers.every)
             try:
                 signum = wake_r.recv(1)[0]
-            except BlockingIOError:
-                broker.close_all()  # ended by exit-on-idle
+            except BlockingIOError:  # ended by exit-on-idle
+                _last_clients(broker, listener, address, created)
+                broker.close_all()
                 return
             if signum == signal.SIGHUP:  # reload: make the next broker, serve meanwhile
                 if next_broker is not None and next_broker.gone():
@@ -413,9 +414,7 @@ def run(
             timers.notify("STOPPING=1")
         if again or (signum == signal.SIGTERM and under_systemd):
             _hand_over_now(broker, listener, again, address, created)
-        if created is not None:  # no client comes from now on, and none waits unread
-            _remove_ours(address, created)
-            broker.take_backlog(listener)
+        _last_clients(broker, listener, address, created)
         broker.close_all()
     finally:
         signal.set_wakeup_fd(old_wakeup)
@@ -476,6 +475,17 @@ def _hand_over_to(broker: Broker, listener: socket.socket,
         next_broker.confirm()
     logging.shutdown()
     os._exit(0)
+
+
+def _last_clients(broker: Broker, listener: socket.socket, address: str,
+                  created: int | None) -> None:
+    """Before a stop without a successor: a socket file this broker made is removed (no
+    client comes from now on) and the connections waiting in its backlog are admitted,
+    to be read with everyone else (`Broker.take_backlog`).  A socket someone else made
+    (systemd's) keeps its backlog for the next broker."""
+    if created is not None:
+        _remove_ours(address, created)
+        broker.take_backlog(listener)
 
 
 def _release(listener: socket.socket, address: str, created: int | None) -> None:
