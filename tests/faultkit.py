@@ -195,6 +195,12 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process *pid* so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from conftest import SBUS, BrokerProcess
-from faultkit import until
+from faultkit import cpu_seconds, until
 from test_fuse import (
     ENV,
     Mount,
@@ -340,6 +340,18 @@ sys.stdin.read()
 """
 
 
+def echo_through(m: Mount, bus: BrokerProcess) -> float:
+    """Seconds root's ``echo > free/k`` through mount *m* takes; the message arrives."""
+    sub = subscriber(bus.address, b"free/k")
+    start = time.monotonic()
+    subprocess.run(["sh", "-c", f"echo through > {m / 'free/k'}"], check=True, timeout=15)
+    took = time.monotonic() - start
+    sub.settimeout(10)
+    assert sub.recv(1000) == b"MSG free/k\0through\n"
+    sub.close()
+    return took
+
+
 def test_one_users_blocked_reads_do_not_stop_another_users_writes(bus, space):
     """Another user (nobody) tries more blocked reads than the mount has tasks: it holds
     its share (half of the 18 the answering-at-once reserve leaves), the excess fails at
@@ -379,12 +391,7 @@ def test_one_users_blocked_reads_do_not_stop_another_users_writes(bus, space):
 
         until(settled, "nobody's 30 reads waiting or refused")
         assert (waiting_in_fuse(hog.pid), said.count(b"read 11")) == (9, 21)
-        sub = subscriber(bus.address, b"free/k")
-        start = time.monotonic()
-        subprocess.run(["sh", "-c", f"echo through > {m / 'free/k'}"], check=True, timeout=15)
-        took = time.monotonic() - start
-        sub.settimeout(10)
-        assert sub.recv(1000) == b"MSG free/k\0through\n"
+        took = echo_through(m, bus)
         assert took < 2, took
     finally:
         if hog is not None:
@@ -434,16 +441,11 @@ def test_many_threads_waiting_in_reads_cost_the_mount_little(bus, space):
                                 *paths], stdout=subprocess.PIPE)
         assert hog.stdout.readline() == b"ready\n"
         until(lambda: waiting_in_fuse(hog.pid) >= 300, "300 reads waiting in the mount")
-        before = _cpu_seconds(m.proc.pid)
+        before = cpu_seconds(m.proc.pid)
         time.sleep(2)
-        spent = _cpu_seconds(m.proc.pid) - before
+        spent = cpu_seconds(m.proc.pid) - before
         assert spent < 0.5, f"the mount spent {spent:.2f} s of CPU in 2 s on waiting reads"
-        sub = subscriber(bus.address, b"free/k")
-        start = time.monotonic()
-        subprocess.run(["sh", "-c", f"echo through > {m / 'free/k'}"], check=True, timeout=15)
-        took = time.monotonic() - start
-        sub.settimeout(10)
-        assert sub.recv(1000) == b"MSG free/k\0through\n"
+        took = echo_through(m, bus)
         assert took < 1, took
         hog.kill()
         hog.wait(10)  # its reads were answered: the threads could die
@@ -451,13 +453,6 @@ def test_many_threads_waiting_in_reads_cost_the_mount_little(bus, space):
         if hog is not None and hog.poll() is None:
             hog.kill()
         m.stop()
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds of process *pid* so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_help_tells_pip_users_what_the_man_page_does():

@@ -30,7 +30,7 @@ from conftest import (
     read_until_quiet,
     sync,
 )
-from faultkit import as_user
+from faultkit import as_user, cpu_seconds
 from test_gateway import (
     SECRET,
     GatewayProcess,
@@ -905,12 +905,6 @@ def test_discards_of_many_addresses_are_said_in_a_bounded_number_of_lines(caplog
     assert not caplog.records
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds of process *pid* so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_a_publish_caught_by_an_outage_mid_send_waits_no_longer_than_one_made_later(sdir):
     """The broker dies while a remote publisher's send holds the bus connection, waiting
     for room (the broker stopped reading): that send finds the bus gone and reconnects.
@@ -957,9 +951,9 @@ def test_a_publish_caught_by_an_outage_mid_send_waits_no_longer_than_one_made_la
         assert ended[0] - killed < 5
         log = gw.wait_log("publishes dropped: the bus has been away")
         assert "lost the bus" in log
-        cpu = _cpu_seconds(gw.child.pid)
+        cpu = cpu_seconds(gw.child.pid)
         time.sleep(2)  # away, with nobody's reconnect under way but the reader's
-        assert _cpu_seconds(gw.child.pid) - cpu < 1.0, "the gateway spins while the bus is away"
+        assert cpu_seconds(gw.child.pid) - cpu < 1.0, "the gateway spins while the bus is away"
         bus = BrokerProcess(address).start()
         reaches(address, listener, b"quiet/x", b"hello")
         gw.wait_log("remote publishes were dropped while the bus was away", timeout=10)
