@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from .flood import Budget
@@ -138,15 +139,16 @@ class LogAllowance:
         self.interval = interval
         self.users = users
         self.clock = clock
-        self._state: OrderedDict[int, list] = OrderedDict()  # uid -> [tokens, at, held]
+        self._state: OrderedDict[Hashable, list] = OrderedDict()  # uid -> [tokens, at, held]
         self._overall = overall
         self._tokens = float(overall[0]) if overall else 0.0
         self._at = clock()
         self.held_overall = 0
 
-    def take(self, uid: int) -> int | None:
+    def take(self, uid: Hashable) -> int | None:
         """None if a line about *uid* must not be written now; else how many were held back
-        since the last one (to say so in it)."""
+        since the last one (to say so in it).  (*uid* may be any key a line is rationed
+        by: a peer address, a user and the kind of line.)"""
         now = self.clock()
         state = self._state.get(uid)
         if state is None:

@@ -633,3 +633,20 @@ def test_a_key_too_large_to_remember_pushes_out_nothing() -> None:
     assert tree.is_key(p("a/b")) and tree.held == key_cost(p("a/b"))
     key = b"/".join(huge)
     assert raw_key_cost(key) >= key_cost(huge)
+
+
+def test_refusals_are_logged_rationed_per_user_and_kind(caplog) -> None:
+    """A user retrying a refused request cannot flood the log (1,400 lines a second in
+    the audit of 2026-11-28), and running into another share still names it."""
+    from sbus.fuse.bus import MountBus
+
+    bus = MountBus("/nowhere", "lines", mapping.KnownTree(10, 1 << 20, 1 << 20), 1024, 1.0)
+    with caplog.at_level("INFO", logger="sbus.fuse"):
+        for _ in range(1000):
+            bus.refused("uid %d waits in too many requests; answering EAGAIN", 7)
+        bus.refused("uid %d holds %d open readers (its share); answering EMFILE", 7, 32)
+        bus.refused("uid %d waits in too many requests; answering EAGAIN", 8)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 12, lines
+    assert lines[10] == "uid 7 holds 32 open readers (its share); answering EMFILE"
+    assert lines[11] == "uid 8 waits in too many requests; answering EAGAIN"

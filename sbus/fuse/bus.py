@@ -348,9 +348,11 @@ class MountBus:
 
     def refused(self, msg: str, uid: int, *args: object) -> None:
         """Log that a request of *uid* was refused (a share of its is used up): rationed
-        per user (`LogAllowance`: 10 lines, then one a minute), so that retrying refused
-        requests does not flood the log (the audit of 2026-11-28: 1,400 lines a second)."""
-        held = self.refusals.take(uid)
+        per user and kind of refusal (*msg*; `LogAllowance`: 10 lines, then one a
+        minute, saying how many of that kind were not logged), so that retrying refused
+        requests does not flood the log (the audit of 2026-11-28: 1,400 lines a second)
+        and each share a user runs into is still named."""
+        held = self.refusals.take((uid, msg))
         if held is not None:
             log.info(msg + (f" ({held} more not logged)" if held else ""), uid, *args)
 
