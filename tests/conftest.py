@@ -269,24 +269,6 @@ def _starts_process(obj: object) -> bool:
     return verdict
 
 
-#: Seconds the longest test files take (their tests' sum, 2026-11-28, 2 cores): under
-#: tools/test.sh's two workers (``--dist loadfile --no-loadscope-reorder``) files are
-#: handed out longest first, so that the run does not end with one worker on a long
-#: file while the other idles.  Other files count half a second per slow test.  Stale
-#: figures only change the order.
-FILE_SECONDS = {
-    "test_gateway_hostile": 110, "test_spark": 79, "test_bridge_faults": 79,
-    "test_attacks_broker": 77, "test_gateway_shares": 43, "test_bridge": 41,
-    "test_hostile": 33, "test_analyze_cli": 33, "test_deb": 31, "test_cli_session": 29,
-    "test_fuse_shares": 29, "test_bridge_lane": 28, "test_spark_cluster": 28,
-    "test_cli_tools": 24, "test_gateway_tls": 24, "test_systemd_user": 24,
-    "test_sdnotify": 24, "test_install": 19, "test_broker": 19, "test_fuse": 16,
-    "test_gateway": 16, "test_soak": 13, "test_faults": 13, "test_journal": 13,
-    "test_tutorial": 13, "test_journal_export": 12, "test_systemd_container": 11,
-    "test_attacks_outputs": 11,
-}
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slow"):
@@ -298,12 +280,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if name != "_fast_lane_guard" for d in defs]
         if any(f is not None and _starts_process(f) for f in funcs):
             item.add_marker(pytest.mark.slow)
-    guess: dict[str, float] = {}
-    for item in items:
-        stem = item.path.stem
-        guess[stem] = guess.get(stem, 0.0) + (0.5 if item.get_closest_marker("slow") else 0)
-    weight = {stem: FILE_SECONDS.get(stem, n) for stem, n in guess.items()}
-    items.sort(key=lambda item: -weight[item.path.stem])  # (stable: a file's own order)
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,6 @@ cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
 # Two workers, a file each at a time (pytest-xdist): the suite mostly waits on the processes
 # it starts, so two halve its time on two cores; a file stays in one worker, so its
-# module fixtures (one Spark session, one container) are made once; files are handed out
-# longest first (tests/conftest.py, FILE_SECONDS), not by their number of tests.
-# SBUS_TEST_WORKERS=0 runs it in this process.
-exec .venv/bin/python -m pytest -n "${SBUS_TEST_WORKERS:-2}" --dist loadfile \
-    --no-loadscope-reorder "$@"
+# module fixtures (one Spark session, one container) are made once.  SBUS_TEST_WORKERS=0
+# runs it in this process.
+exec .venv/bin/python -m pytest -n "${SBUS_TEST_WORKERS:-2}" --dist loadfile "$@"
