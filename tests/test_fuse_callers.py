@@ -25,6 +25,8 @@ def test_a_caller_is_asked_once_a_round_however_many_of_its_operations_wait():
         woke: list[bool] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(callers.run)
+            await trio.sleep(1)  # nobody waits: nothing is asked
+            assert not asked
 
             came = []
 

@@ -77,6 +77,7 @@ class Callers:
         self._ask = ask
         self.poll = poll
         self._callers: dict[tuple[int, int | None], Caller] = {}
+        self._some = trio.Event()  # set while any caller waits: an idle mount sleeps
         self.asked = 0  # questions asked so far (tests count them)
 
     def __len__(self) -> int:
@@ -89,6 +90,7 @@ class Callers:
         caller = self._callers.get(key)
         if caller is None:
             caller = self._callers[key] = Caller()
+            self._some.set()
         caller.waiting += 1
         try:
             yield caller
@@ -101,6 +103,9 @@ class Callers:
         """Ask about every waiting caller each `poll` seconds, for the mount's life."""
         clock = time.perf_counter
         while True:
+            if not self._callers:
+                self._some = trio.Event()
+                await self._some.wait()
             await trio.sleep(self.poll)
             turn = clock()
             for key, caller in list(self._callers.items()):
