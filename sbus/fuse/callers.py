@@ -78,7 +78,6 @@ class Callers:
         self.poll = poll
         self._callers: dict[tuple[int, int | None], Caller] = {}
         self._some = trio.Event()  # set while any caller waits: an idle mount sleeps
-        self.asked = 0  # questions asked so far (tests count them)
 
     def __len__(self) -> int:
         return len(self._callers)
@@ -111,7 +110,6 @@ class Callers:
             for key, caller in list(self._callers.items()):
                 if not caller.waiting:
                     continue  # (gone meanwhile)
-                self.asked += 1
                 if self._ask(*key):
                     if not caller.hit:
                         caller._hit()
