@@ -295,11 +295,11 @@ def _fast_lane_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(os, "fork", refuse)
 
 
-# --- Tests that bound latency by the wall clock run alone, also under `-n 2` -------------
-# tools/test.sh runs two pytest workers (pytest-xdist).  A test marked `alone` (an honest
+# --- Tests that bound latency by the wall clock run alone, also under `-n 4` -------------
+# tools/test.sh runs four pytest workers (pytest-xdist).  A test marked `alone` (an honest
 # client's p99 under an attack) must not share the machine with another test's processes:
-# its worker waits until the other worker's current test is over, and the other worker
-# starts nothing new meanwhile.  Two locks make that a readers-writer lock that favours the
+# its worker waits until the other workers' current tests are over, and they start
+# nothing new meanwhile.  Two locks make that a readers-writer lock that favours the
 # writer: every test passes the turnstile; others then hold the room shared, `alone` ones
 # hold the turnstile while they wait for the room, and then the room exclusively.
 # The lock files live in a directory the main pytest process makes before it starts its
