@@ -26,8 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mount": ("sbus.cmd.mount", "mount the bus as a filesystem (FUSE)"),
     "top": ("sbus.cmd.top", "live traffic monitor"),
     "record": ("sbus.cmd.record", "record traffic into a journal"),
-    "journal": ("sbus.cmd.journal",
-                "read a recorded journal (cat, tail), export it as Parquet, show a query's lag"),
+    "journal": ("sbus.cmd.journal", "read a recorded journal (cat, tail), say where it misses "
+                "messages (gaps), export it as Parquet, show a query's lag"),
     "analyze": ("sbus.cmd.analyze", "analyse a journal with Spark"),
     "gateway": ("sbus.cmd.gateway", "TCP/TLS gateway for remote clients"),
     "request": ("sbus.cmd.request", "send a request and print the reply"),

@@ -22,6 +22,9 @@ from conftest import SBUS, raw, recorded_pairs, stop_process, sync
 from faultkit import NOBODY, as_user
 
 from sbus.defaults import RECV_BUFFER as RECV_LIMIT  # about what the recorder receives whole
+from sbus.journal.gaps import DROPPED, OVERSIZED
+from sbus.journal.read import read_gaps
+from sbus.journal.store import records
 
 
 def _publish(pipe, address: str, packets: list[bytes]) -> None:
@@ -96,6 +99,11 @@ def test_recorder_counts_messages_over_its_receive_limit_and_never_records_them_
     assert "'big/\\x1b]0;owned\\x07\\xff'" in told[0] and "\x1b" not in text, text
     assert re.search(r"3 over \d+ bytes not recorded", text), text
     assert rec.returncode == 0
+    # noted where they were, between "first" (seq 1) and "ctl/…" (seq 2), as closely as
+    # the batches they came in say
+    gaps = list(read_gaps(journal))
+    assert sum(g.lost for g in gaps) == 3 and all(
+        g.kind == OVERSIZED and g.after <= 1 and g.before >= 2 for g in gaps), gaps
 
 
 def test_recorder_stopped_under_a_flood_counts_every_message_it_lost(broker, short_tmp):
@@ -128,6 +136,15 @@ def test_recorder_stopped_under_a_flood_counts_every_message_it_lost(broker, sho
     assert dropped > 0, text  # 12 MB cannot all wait in a 4 MB queue
     assert len(seqs) + dropped == n, (len(seqs), dropped, text)
     assert rec.returncode == 0
+    # The journal itself says where the dropped messages were: every one of them lies in a
+    # `dropped` gap, between the records the gap names (0: before the first, one past the
+    # last: the next one recorded), and the gaps count them all.
+    gaps = [g for g in read_gaps(journal) if g.kind == DROPPED]
+    assert sum(g.lost for g in gaps) == dropped, gaps
+    number = {seq: int(p[:8]) if k.startswith(b"flood/") else (-1 if k == b"first" else n)
+              for seq, _, k, p in records(journal)}
+    for m in set(range(n)) - set(seqs):
+        assert any(number.get(g.after, -2) < m < number.get(g.before, n) for g in gaps), (m, gaps)
 
 
 def test_top_redraw_stays_quick_however_long_the_keys_it_shows(broker, short_tmp):

@@ -18,6 +18,8 @@ from faultkit import until
 
 from sbus.defaults import parse_duration, parse_size
 from sbus.journal import format as fmt
+from sbus.journal import gaps
+from sbus.journal.read import read_gaps
 from sbus.journal.retention import SegmentAge, expired
 from sbus.journal.store import (
     OPEN_SUFFIX,
@@ -218,6 +220,10 @@ def test_record_survives_kill9_and_resumes_sequence(broker, tmp_path: Path):
     assert [(r[2], r[3]) for r in got] == [
         (b"t/%d" % (i % 7), b"\0bin\xff%d" % i) for i in range(1500)]
     assert all(a[1] <= b[1] for a, b in zip(got, got[1:], strict=False))
+    # what no recorder was there to receive is noted: since record 1000's receive time
+    (gap,) = read_gaps(jdir)
+    assert (gap.kind, gap.after, gap.before, gap.lost) == (gaps.STOPPED, 1000, 1001, None)
+    assert gap.from_ns == got[999][1] and gap.from_ns < gap.to_ns <= got[1000][1]
     pub.close()
 
 
@@ -285,10 +291,15 @@ def test_record_behind_by_more_than_the_queue_limit(make_broker, tmp_path: Path,
     payloads = [r[3] for r in got]
     if block:
         assert payloads == [p[len(b"MSG burst\0"):] for p in sent] and "dropped" not in tail
+        assert list(read_gaps(jdir)) == []
     else:
         lost = len(sent) - len(got)
         assert lost > 0 and f"broker dropped {lost}" in tail
         assert payloads == [p[len(b"MSG burst\0"):] for p in sent][:len(got)]
+        # the journal says so too: the lost end of the burst lies after the last record
+        assert [(g.kind, g.lost, g.before) for g in read_gaps(jdir)] == [
+            (gaps.DROPPED, lost, len(got) + 1)]
+        assert "sbus journal gaps" in tail
     pub.close()
 
 
@@ -365,8 +376,13 @@ def test_record_reconnects_through_the_client_and_stops_while_waiting(broker, tm
         assert "600 messages" in summary
         assert "1 reconnect(s): what was published while the broker was away is not in " \
             "the journal" in summary
-        assert summary.rstrip().endswith(", stopped while waiting for the broker to come back")
+        assert ", stopped while waiting for the broker to come back; where the journal " \
+            "misses messages: sbus journal gaps" in summary
         assert sum("reconnected to" in line for line in seen) == 1  # said once, not logged too
+        # the journal notes the one time the broker was away, between records 300 and 301
+        (gap,) = read_gaps(jdir)
+        assert (gap.kind, gap.after, gap.before, gap.lost) == (gaps.AWAY, 300, 301, None)
+        assert got[299][1] < gap.from_ns < gap.to_ns < got[300][1]
     finally:
         if rec.poll() is None:
             rec.kill()

@@ -1,4 +1,4 @@
-"""``sbus journal cat|tail|export|lag DIR``: a recorded journal without Spark
+"""``sbus journal cat|tail|gaps|export|lag DIR``: a recorded journal without Spark
 (`sbus.journal.read`)."""
 
 from __future__ import annotations
@@ -8,15 +8,16 @@ import os
 import sys
 
 from ..errors import SbusError
-from ..journal.read import cat, export, lag, since_ns, tail
+from ..journal.read import cat, export, lag, show_gaps, since_ns, tail
 from ..journal.store import JournalError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True,
-                           help="cat, tail, export or lag")
+                           help="cat, tail, gaps, export or lag")
     for name, helptext in (("cat", "print recorded messages"),
                            ("tail", "print the last messages, and with -f new ones"),
+                           ("gaps", "where the journal misses messages, and why"),
                            ("export", "write sealed segments as zstd Parquet"),
                            ("lag", "how far a Spark streaming query is behind the journal")):
         a = sub.add_parser(name, help=helptext, description=helptext)
@@ -31,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             a.add_argument("--checkpoint", "-c", required=True, metavar="DIR",
                            help="the query's checkpointLocation")
             a.add_argument("--json", action="store_true", help="one JSON object")
+            continue
+        if name == "gaps":
+            a.add_argument("--since", default=None, metavar="TIME",
+                           help="only gaps noted since TIME (as for cat)")
+            a.add_argument("--json", action="store_true",
+                           help="one object per line, as noted in DIR/gaps.jsonl")
             continue
         a.add_argument("--pattern", default=None,
                        help="only keys matching this routing pattern")
@@ -53,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
             export(args.dir, args.out, args.force)
         elif args.action == "lag":
             lag(args.dir, args.checkpoint, args.json)
+        elif args.action == "gaps":
+            show_gaps(args.dir, since_ns(args.since), args.json, sys.stdout.buffer)
         else:
             pattern = None if args.pattern is None else os.fsencode(args.pattern)
             since = since_ns(args.since)

@@ -1,13 +1,14 @@
 """A recorded journal without Spark, as ``sbus journal`` (`sbus.cmd.journal`) shows it:
 `cat` prints records, `tail` the last ones and, with *follow*, those recorded from then
 on, `export` writes sealed segments as Parquet (`sbus.journal.export`), `lag` tells where
-a streaming query's checkpoint stands.  Lines escape control bytes (`sbus.display`), as
-``sbus sub``.
+a streaming query's checkpoint stands, `show_gaps` where the journal misses messages.
+Lines escape control bytes (`sbus.display`), as ``sbus sub``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -19,8 +20,11 @@ from ..defaults import decimal, parse_duration
 from ..display import json_bytes, printable, timestamp
 from ..errors import SbusError
 from ..extras import install_command
-from ..files import NotRegular, read_small
+from ..files import NotRegular, open_regular, read_small
 from ..routing import matches
+from . import gaps
+from .format import FormatError
+from .gaps import Gap
 from .store import JournalError, list_segments, read_seq_range, segment_blocks
 
 #: A file of a checkpoint's offset log is read up to this size (a few hundred bytes each).
@@ -71,6 +75,64 @@ def records_from(directory: str, seq: int, pattern: bytes | None = None,
             if damaged is None:
                 raise
             damaged.append(exc)
+
+
+def read_gaps(directory: str | os.PathLike) -> Iterator[Gap]:
+    """The gaps noted in *directory*'s ``gaps.jsonl`` (`sbus.journal.gaps`), in the order
+    noted; none without the file.  A damaged line is a JournalError naming it."""
+    path = Path(directory) / gaps.FILE
+    try:
+        f = os.fdopen(open_regular(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise JournalError(f"cannot read {printable(str(path))}: {exc.strerror or exc}") \
+            from None
+    with f:
+        for n, line in enumerate(iter(lambda: f.readline(gaps.LINE_BYTES + 1), b""), 1):
+            if not line.endswith(b"\n") and len(line) <= gaps.LINE_BYTES:
+                return  # the last line, still being written (or torn by a crash)
+            try:
+                yield gaps.decode(line)
+            except FormatError as exc:
+                raise JournalError(f"{printable(str(path))}, line {n}: {exc}") from None
+
+
+def describe_gap(gap: Gap) -> str:
+    """One line for a person: where, what, how many."""
+    where = f"{timestamp(gap.to_ns / 1e9)} between seq {gap.after} and {gap.before}:"
+    since = "" if gap.from_ns is None else f" from {timestamp(gap.from_ns / 1e9)}"
+    if gap.kind == gaps.DROPPED:
+        what = f"{gap.lost:,} message(s) dropped by the broker (the recorder's queue was full)"
+    elif gap.kind == gaps.OVERSIZED:
+        what = f"{gap.lost:,} message(s) over the recorder's receive limit"
+    elif gap.kind == gaps.AWAY:
+        what = f"the broker was away{since}: what was published until then is not recorded"
+    else:
+        what = f"no recorder ran{since}: what was published until then is not recorded"
+    return f"{where} {what}"
+
+
+def show_gaps(directory: str, since: int | None, as_json: bool, out) -> None:
+    """Every gap noted (at or after *since* ns), a line each (*as_json*: as noted)."""
+    list_segments(directory)  # (no journal there: one clear error)
+    for gap in read_gaps(directory):
+        if since is None or gap.to_ns >= since:
+            out.write(gaps.encode(gap) if as_json else (describe_gap(gap) + "\n").encode())
+    out.flush()
+
+
+def _gaps_among(directory: str, first: int, last: int) -> None:
+    """On stderr, whether the gaps noted fall among records *first*..*last* printed."""
+    among = [g for g in read_gaps(directory) if g.before > first and g.after < last]
+    if among:
+        counted = sum(g.lost or 0 for g in among)
+        away = sum(g.lost is None for g in among)
+        what = ", ".join(([f"{counted:,} counted lost"] if counted else [])
+                         + ([f"{away} time(s) nothing was recorded"] if away else []))
+        print(f"sbus journal: these records may miss messages at {len(among)} place(s) "
+              f"({what}): sbus journal gaps {printable(directory)}", file=sys.stderr,
+              flush=True)
 
 
 def skipped(damaged: list[JournalError], consequence: str) -> SbusError:
@@ -191,12 +253,16 @@ def cat(directory: str, pattern: bytes | None, since: int | None, fmt: str, out)
     A damaged segment does not end the listing: the rows of the later segments are
     printed too, then an error names what was skipped."""
     damaged: list[JournalError] = []
+    first = last = None
     for rec in records_from(directory, 0, pattern, since, damaged):
         out.write(format_record(rec, fmt))
+        first, last = first or rec[0], rec[0]
     out.flush()
     if damaged:
         raise skipped(damaged, "the rows after the damage were not printed; the other "
                                "segments' rows were")
+    if first is not None:
+        _gaps_among(directory, first, last)
 
 
 def tail(directory: str, lines: int, follow: bool, pattern: bytes | None,
@@ -214,6 +280,8 @@ def tail(directory: str, lines: int, follow: bool, pattern: bytes | None,
     for rec in last:
         out.write(format_record(rec, fmt))
     out.flush()
+    if last:
+        _gaps_among(directory, last[0][0], last[-1][0])
     while follow:
         time.sleep(poll)
         for rec in records_from(directory, nxt, pattern, since):

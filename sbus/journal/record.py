@@ -12,7 +12,9 @@ at most that much; SIGTERM/SIGINT record what the broker still holds for us, flu
 seal.  If the broker goes away the client reconnects and re-subscribes
 (``reconnect=True``: the recorder has no connection code of its own); a refused pattern,
 or a journal write that fails (disk full), ends it with one line, leaving what was
-written readable.
+written readable.  What it knows it missed (dropped, oversized, while the broker was away,
+while no recorder ran) it notes in the journal's ``gaps.jsonl`` (`gaps`), where readers
+find it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..client import SLOT_BYTES, Client, Frames
 from ..display import brief, printable
 from ..errors import SbusError
 from ..protocol import Publish
+from . import gaps
 from .columns import split
 from .store import JournalError, JournalWriter
 
@@ -62,6 +65,39 @@ WAKE = 0.25
 REST_TIMEOUT = 5.0
 
 
+class _Losses:
+    """What the broker's reports and the client's counts say was not received, noted in
+    the journal where it lies (`JournalWriter.note_gap`) after each batch.
+
+    The broker reports drops once the recorder's queue is empty again, so the messages it
+    counts came after its previous report: a ``dropped`` gap spans from the batch that held
+    the previous report to the one that holds this one.  An oversized message is cut out
+    of the batch it came in."""
+
+    def __init__(self, writer: JournalWriter) -> None:
+        self.writer = writer
+        self.dropped = self.cut = 0  # the client's counts already noted
+        self.drops_after = writer.position - 1
+        self.batch_after = self.drops_after  # the last record before this batch
+
+    def before_batch(self) -> None:
+        self.batch_after = self.writer.position - 1
+
+    def after_batch(self, bus: Client) -> None:
+        if bus.dropped > self.dropped:
+            self.writer.note_gap(gaps.DROPPED, self.drops_after, bus.dropped - self.dropped)
+            self.dropped, self.drops_after = bus.dropped, self.batch_after
+        if bus.cut > self.cut:
+            self.writer.note_gap(gaps.OVERSIZED, self.batch_after, bus.cut - self.cut)
+            self.cut = bus.cut
+
+    def reconnected(self, away_from: int) -> None:
+        """Subscribed again: what was published since *away_from* is not in the journal,
+        and the new connection's drop reports start afresh."""
+        self.writer.note_gap(gaps.AWAY, from_ns=away_from)
+        self.drops_after = self.batch_after = self.writer.position - 1
+
+
 class _Stopped(Exception):
     """A stop asked for while the client waits for the broker to come back."""
 
@@ -74,6 +110,7 @@ class _Stopper:
         self.stop = False
         self.reconnecting = False
         self.reconnects = 0  # made so far: the summary says what they cost
+        self.away_from = 0  # when the broker was last found gone (ns since the epoch)
 
     def __call__(self, signum, frame) -> None:
         self.stop = True
@@ -82,18 +119,20 @@ class _Stopper:
 
 
 def _connect(address: str | None, patterns: list[bytes], block: bool,
-             writer: JournalWriter, stopper: _Stopper) -> Client:
+             writer: JournalWriter, stopper: _Stopper, losses: _Losses) -> Client:
     """The recorder's client: the first connection must work; later ones are the client's
     to make (`reconnect`, the session's `Backoff`), said on stderr.  Messages published
     while the broker is away are not recorded (the bus keeps nothing); the sequence
-    numbers simply continue."""
+    numbers simply continue, and the gap is noted."""
 
     def said(up: bool, line: str) -> None:
         stopper.reconnecting = False
         print(f"sbus record: {line}", file=sys.stderr, flush=True)
         if up:
             stopper.reconnects += 1
+            losses.reconnected(stopper.away_from)
         else:
+            stopper.away_from = time.time_ns()
             writer.flush()  # what was received is written before the wait
             if stopper.stop:
                 raise _Stopped
@@ -133,15 +172,18 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     started = time.monotonic()
     first_seq = writer.next_seq
     stopper = _Stopper()
+    losses = _Losses(writer)
     old = {s: signal.signal(s, stopper) for s in (signal.SIGTERM, signal.SIGINT)}
     failure: OSError | None = None
     try:
-        bus = _connect(address, patterns, block, writer, stopper)
+        bus = _connect(address, patterns, block, writer, stopper, losses)
+        if first_seq > 1:  # a journal recorded before: nothing was recorded in between
+            writer.note_gap(gaps.STOPPED, from_ns=writer.last_ts)
         print(f"sbus record: recording into {printable(str(directory))} from seq {first_seq}",
               file=sys.stderr, flush=True)
         try:
-            _loop(bus, writer, flush, stopper)
-            _record_the_rest(bus, writer, patterns)
+            _loop(bus, writer, flush, stopper, losses)
+            _record_the_rest(bus, writer, patterns, losses)
         except _Stopped:
             away = True
         finally:
@@ -170,11 +212,15 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
           + (", stopped while waiting for the broker to come back" if away else "")
           + (f", {cut} over {RECV_LIMIT} bytes not recorded" if cut else "")
           + (f", {writer.export_failures} Parquet export(s) failed (logged)"
-             if writer.export_failures else ""), file=sys.stderr)
+             if writer.export_failures else "")
+          + (f"; where the journal misses messages: sbus journal gaps "
+             f"{printable(str(directory))}" if dropped or cut or stopper.reconnects else ""),
+          file=sys.stderr)
     return 0
 
 
-def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper) -> None:
+def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper,
+          losses: _Losses) -> None:
     """Receive and hand the records to the writer until told to stop.
 
     Packets arrive up to `RECV_SLOTS` per system call (`Client.receive_frames`: the broker
@@ -188,6 +234,7 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
     oversized = _Oversized()
     next_flush = time.monotonic() + interval
     while not stopper.stop:
+        losses.before_batch()
         try:
             frames = bus.receive_frames(RECV_SLOTS, timeout=min(interval, WAKE))
         except TimeoutError:
@@ -208,6 +255,7 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
                     writer.append_columns(ts, records)
                 else:
                     _append_events(writer, ts, _messages(bus, frames))
+        losses.after_batch(bus)
         now = time.monotonic()
         oversized.tell(bus, now)
         if now >= next_flush:
@@ -216,13 +264,15 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
             next_flush = now + interval
 
 
-def _record_the_rest(bus: Client, writer: JournalWriter, patterns: list[bytes]) -> None:
+def _record_the_rest(bus: Client, writer: JournalWriter, patterns: list[bytes],
+                     losses: _Losses) -> None:
     """At a stop, what the broker holds for the recorder is recorded too (with ``--block``
     a paused publisher's messages are in that queue, and nothing may be lost): its
     patterns are unsubscribed, and every message before the broker's answer to a whoami
     (at most its queue for us) is written.  A broker that does not answer within
     `REST_TIMEOUT` seconds leaves them unrecorded, said on stderr (the exit line's range
     says where the journal ends); one that is gone ends the wait (`_Stopped`)."""
+    losses.before_batch()
     try:
         for pattern in patterns:
             bus.unsubscribe(pattern)
@@ -234,8 +284,10 @@ def _record_the_rest(bus: Client, writer: JournalWriter, patterns: list[bytes]) 
     try:
         frames = bus.receive_frames(RECV_SLOTS, timeout=0.001)
     except TimeoutError:
-        return  # nothing was kept: the broker held nothing more for us
-    _append_events(writer, time.time_ns(), frames.kept)
+        frames = None  # nothing was kept: the broker held nothing more for us
+    if frames is not None:
+        _append_events(writer, time.time_ns(), frames.kept)
+    losses.after_batch(bus)
 
 
 def _messages(bus: Client, frames: Frames) -> list:

@@ -27,6 +27,7 @@ from ..display import one_line, printable
 from ..errors import SbusError
 from ..files import NotRegular, open_regular
 from . import format as fmt
+from . import gaps
 from .columns import Columns
 from .format import Block, BlockInfo, FormatError
 from .retention import SegmentAge, expired
@@ -501,7 +502,11 @@ class JournalWriter:
         self._chunks: list[tuple[int, Columns]] = []  # (receive time, records) to write
         self._pending = 0
         self._pending_bytes = 0
+        self._gap_notes: dict[str, gaps.Gap] = {}  # by kind, written at the next flush
+        self._gaps_fd: int | None = None
+        self.last_ts: int | None = None  # receive time of the last record written
         self.next_seq = self._recover()
+        self._repair_gaps()
         self.written = 0  # records written to files since opening
         self.apply_retention()
         self._export_missing()
@@ -523,6 +528,7 @@ class JournalWriter:
                 continue
             if blocks:
                 next_seq = max(next_seq, blocks[-1].next_seq)
+                self.last_ts = blocks[-1].max_ts
             else:
                 next_seq = max(next_seq, seg.first_seq)
         return next_seq
@@ -589,7 +595,41 @@ class JournalWriter:
         self._fsync_dir()
         return blocks
 
+    def _repair_gaps(self) -> None:
+        """A gap line torn by a crash (no newline) is cut away: the next line starts whole."""
+        try:
+            fd = open_regular(self.dir / gaps.FILE, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise JournalError(f"cannot open {self.dir / gaps.FILE}: "
+                               f"{exc.strerror or exc}") from None
+        try:
+            size = os.fstat(fd).st_size
+            tail = os.pread(fd, min(size, gaps.LINE_BYTES + 1), max(0, size - gaps.LINE_BYTES - 1))
+            if size and not tail.endswith(b"\n"):
+                keep = size - len(tail) + tail.rfind(b"\n") + 1
+                log.warning("cut a torn line from the end of %s", gaps.FILE)
+                os.ftruncate(fd, keep)
+        finally:
+            os.close(fd)
+
     # -- writing -------------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        """The sequence number the next record appended gets."""
+        return self.next_seq + self._pending
+
+    def note_gap(self, kind: str, after: int | None = None, lost: int | None = None,
+                 from_ns: int | None = None) -> None:
+        """Messages of *kind* (`gaps.KINDS`) missing between record *after* (by default the
+        last appended) and the next one appended; written to ``gaps.jsonl`` at the next
+        flush, one line per kind and flush (notes of one kind meanwhile are summed)."""
+        gap = gaps.Gap(self.position - 1 if after is None else after, self.position, kind,
+                       lost, from_ns, time.time_ns())
+        noted = self._gap_notes.get(kind)
+        self._gap_notes[kind] = gap if noted is None else noted.merged(gap)
 
     def append(self, ts_ns: int, keys: list[bytes], payloads: list[bytes]) -> None:
         """Buffer records received at *ts_ns*; writes a block once enough is buffered."""
@@ -610,9 +650,22 @@ class JournalWriter:
         return self._pending
 
     def flush(self) -> None:
-        """Write the buffered records as one block (to the OS; fsync only on seal)."""
-        if not self._pending:
-            return
+        """Write the buffered records as one block, then the gaps noted (to the OS; fsync
+        only on seal)."""
+        if self._pending:
+            self._write_block()
+        if self._gap_notes:
+            self._write_gaps()
+
+    def _write_gaps(self) -> None:
+        notes = sorted(self._gap_notes.values(), key=lambda g: (g.after, g.before))
+        if self._gaps_fd is None:
+            self._gaps_fd = open_regular(self.dir / gaps.FILE, os.O_WRONLY | os.O_APPEND
+                                         | os.O_CREAT | os.O_NOFOLLOW)
+        _write_all(self._gaps_fd, [memoryview(b"".join(map(gaps.encode, notes)))])
+        self._gap_notes = {}
+
+    def _write_block(self) -> None:
         if self._fd is None:
             self._open_segment()
         chunks = self._chunks
@@ -635,6 +688,7 @@ class JournalWriter:
             raise
         self._blocks.append(info)
         self._seg_size += size
+        self.last_ts = info.max_ts
         self.next_seq += info.count
         self.written += info.count
         self._chunks, self._pending, self._pending_bytes = [], 0, 0
@@ -712,6 +766,8 @@ class JournalWriter:
     def _sealed(self, name: str) -> None:
         """After a seal: retention, and the Parquet export (``export_dir``) in a thread of
         its own, off the recording path."""
+        if self.fsync and self._gaps_fd is not None:  # the gaps of what was just made durable
+            os.fsync(self._gaps_fd)
         self._submit_export(int(name))
         self.apply_retention()
 
@@ -842,7 +898,40 @@ class JournalWriter:
                 (Path(self.export_dir) / (name[:-len(SUFFIX)] + ".parquet")).unlink(
                     missing_ok=True)
             log.info("retention: removed %s", name)
+        if doomed:
+            self._prune_gaps()
         return doomed
+
+    def _prune_gaps(self) -> None:
+        """Gap lines wholly before the journal's first record go with its segments (the
+        file is bounded as the journal is); lines that do not parse are left for readers to
+        name."""
+        path = self.dir / gaps.FILE
+        first = next((seg.first_seq for seg in list_segments(self.dir)), self.next_seq)
+        try:
+            with os.fdopen(open_regular(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+                lines = f.readlines()
+        except FileNotFoundError:
+            return
+        kept = []
+        for line in lines:
+            try:
+                if gaps.decode(line).before < first:
+                    continue
+            except FormatError:
+                pass
+            kept.append(line)
+        if len(kept) == len(lines):
+            return
+        tmp = path.with_name(gaps.FILE + ".tmp")
+        with open(tmp, "wb") as f:
+            f.writelines(kept)
+            if self.fsync:
+                os.fsync(f.fileno())
+        os.rename(tmp, path)
+        if self._gaps_fd is not None:  # the next line goes to the new file
+            os.close(self._gaps_fd)
+            self._gaps_fd = None
 
     def close(self) -> None:
         """Flush and seal; the journal is then complete and the directory unlocked."""
@@ -855,6 +944,9 @@ class JournalWriter:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            if self._gaps_fd is not None:
+                os.close(self._gaps_fd)
+                self._gaps_fd = None
             if self._exporter is not None:
                 self._exporter.shutdown(wait=True)  # every sealed segment exported
             self._lock.close()
