@@ -134,3 +134,26 @@ def test_journal_gaps_and_cat_tell_where_messages_are_missing(tmp_path: Path):
     tail = subprocess.run([*SBUS, "journal", "tail", "-n", "1", str(tmp_path)],
                           capture_output=True, text=True, timeout=30)
     assert tail.returncode == 0 and tail.stderr == ""  # record 3 alone: no gap among it
+
+
+def test_the_analyze_report_says_where_the_recorder_missed_messages(tmp_path: Path):
+    from sbus.spark.analyze import journal_facts, render_report
+
+    with JournalWriter(tmp_path, fsync=False) as w:
+        w.append(10**18, [b"a"], [b"1"])
+        w.note_gap(gaps.DROPPED, lost=7)
+        w.note_gap(gaps.AWAY, from_ns=10**18)
+        w.append(10**18, [b"a"], [b"2"])
+    summary = dict(journal="/j", messages=2, bytes=2, keys=1, prefixes=1, first="a", last="b")
+    text = render_report(summary, [], [], "1 minute", None,
+                         missed=journal_facts(str(tmp_path))["missed"])
+    assert "Where the recorder missed messages (7 counted, and 1 time(s) nothing was " \
+           "recorded" in text
+    assert "between seq 1 and 2: 7 message(s) dropped by the broker" in text
+    assert "between seq 1 and 2: the broker was away from" in text
+    (tmp_path / gaps.FILE).write_bytes(b"\x1b[2J\n")
+    text = render_report(summary, [], [], "1 minute", None,
+                         missed=journal_facts(str(tmp_path))["missed"])
+    assert "Where the recorder missed messages is not known:" in text and "\x1b" not in text
+    assert "The recorder noted no message missed" in render_report(
+        summary, [], [], "1 minute", None, missed=[])

@@ -129,18 +129,28 @@ class Progress:
 
 
 def journal_facts(journal: str) -> dict:
-    """From the segment index, without Spark: first and last receive time (ns), rows, and
-    sequence gaps (rows removed by retention in the middle, or moved aside as damaged)."""
+    """From the segment index, without Spark: first and last receive time (ns), rows,
+    sequence gaps (rows removed by retention in the middle, or moved aside as damaged), and
+    where the recorder missed messages (``gaps.jsonl``: a list of `Gap`, or the one line
+    saying why it cannot be read)."""
+    from sbus.journal.read import read_gaps
+    from sbus.journal.store import JournalError
     from sbus.spark.offsets import START, gaps
     from sbus.spark.source import journal_view
 
     view = journal_view(journal)
     blocks = [b for _, bs in view for b in bs]
+    try:
+        missed: list | str = [g for g in read_gaps(journal)
+                              if blocks and g.before > blocks[0].first_seq]
+    except JournalError as exc:
+        missed = str(exc)
     if not blocks:
-        return {"first_ns": None, "last_ns": None, "rows": 0, "gaps": []}
+        return {"first_ns": None, "last_ns": None, "rows": 0, "gaps": [], "missed": missed}
     end = blocks[-1].next_seq
     return {"first_ns": min(b.min_ts for b in blocks), "last_ns": max(b.max_ts for b in blocks),
-            "rows": sum(b.count for b in blocks), "gaps": gaps(view, START.seq, end)}
+            "rows": sum(b.count for b in blocks), "gaps": gaps(view, START.seq, end),
+            "missed": missed}
 
 
 def _partition_gaps(batches):
@@ -251,7 +261,8 @@ def analyze(spark, journal: str, out: str | os.PathLike, *, pattern: str | None 
         silent = silent_periods(series["total"], series["starts"], seconds)
         (work / "report.md").write_text(render_report(
             summary, top_keys, top_prefixes, wtext, plot, stale=stale,
-            stale_after=stale_after, gaps=facts["gaps"], silent=silent, longest=gap))
+            stale_after=stale_after, gaps=facts["gaps"], silent=silent, longest=gap,
+            missed=facts["missed"]))
         for name in OUTPUTS:  # into place; the previous report's files go only now
             target = out / name
             if (work / name).exists():
@@ -463,7 +474,8 @@ def _rate(value: float) -> str:
 
 def render_report(summary: dict, keys: list, prefixes: list, window: str,
                   plot: str | None, *, stale: list = (), stale_after: float = 0,
-                  gaps: list = (), silent: list = (), longest: tuple | None = None) -> str:
+                  gaps: list = (), silent: list = (), longest: tuple | None = None,
+                  missed: list | str = ()) -> str:
     lines = [
         "# sbus traffic report", "",
         f"Journal: {_code(str(summary['journal']), 300)}  ",
@@ -518,10 +530,28 @@ def render_report(summary: dict, keys: list, prefixes: list, window: str,
     else:
         lines += [f"No whole window of {window} without a message (a shorter pause shows "
                   "above, as the longest pause)."]
-    lines += ["", "Messages the broker dropped for the recorder are not in the journal; "
-              "`sbus record` logs them and prints their total when it ends.", "",
+    lines += ["", *_missed_lines(missed), "",
               "Full tables: `keys.parquet`, `prefixes.parquet`, `windows.parquet`.", ""]
     return "\n".join(lines)
+
+
+def _missed_lines(missed: list | str) -> list[str]:
+    """What the recorder noted it missed (`sbus.journal.gaps`): the first 20, and totals."""
+    from sbus.journal.read import describe_gap
+
+    if isinstance(missed, str):
+        return [f"Where the recorder missed messages is not known: {_code(missed, 300)}"]
+    if not missed:
+        return ["The recorder noted no message missed (none dropped for it, none too large, "
+                "the broker and the recorder there throughout)."]
+    counted = sum(g.lost or 0 for g in missed)
+    away = sum(g.lost is None for g in missed)
+    lines = [f"Where the recorder missed messages ({_n(counted)} counted, and {_n(away)} "
+             "time(s) nothing was recorded; `sbus journal gaps`):", ""]
+    lines += [f"* {describe_gap(g)}" for g in missed[:20]]
+    if len(missed) > 20:
+        lines += [f"* … and {_n(len(missed) - 20)} more"]
+    return lines
 
 
 # -- streaming -------------------------------------------------------------------------------
