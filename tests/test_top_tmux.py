@@ -231,7 +231,9 @@ def test_scrolling_reverse_sort_help_and_the_clients_pane(broker, tmux):
             for i in range(1, 41):
                 bus.publish(b"k/%02d" % i, b"v%d" % i)
         try:
-            screen = tmux.wait(lambda s: "keys 40" in s and table(s)[0].startswith("k/01"),
+            # (and the screen drawn to its last line: tmux may show it mid-redraw)
+            screen = tmux.wait(lambda s: "keys 40" in s and table(s)[0].startswith("k/01")
+                               and s.rstrip().endswith("/40"),
                                "40 keys sorted by name", timeout=2)
             break
         except AssertionError:
