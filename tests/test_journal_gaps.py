@@ -157,3 +157,16 @@ def test_the_analyze_report_says_where_the_recorder_missed_messages(tmp_path: Pa
     assert "Where the recorder missed messages is not known:" in text and "\x1b" not in text
     assert "The recorder noted no message missed" in render_report(
         summary, [], [], "1 minute", None, missed=[])
+
+
+def test_a_damaged_last_line_longer_than_a_gap_is_ended_not_cut(tmp_path: Path):
+    """A last line without its newline but longer than any gap line is not one torn by a
+    crash: it is ended, so the next line starts whole and readers name the damage."""
+    JournalWriter(tmp_path, fsync=False).close()
+    path = tmp_path / gaps.FILE
+    path.write_bytes(b"x" * 2000)
+    with JournalWriter(tmp_path, fsync=False) as w:
+        w.note_gap(gaps.AWAY)
+    assert path.read_bytes().startswith(b"x" * 2000 + b"\n{")
+    with pytest.raises(JournalError, match="line 1: a line of"):
+        list(read_gaps(tmp_path))

@@ -596,7 +596,9 @@ class JournalWriter:
         return blocks
 
     def _repair_gaps(self) -> None:
-        """A gap line torn by a crash (no newline) is cut away: the next line starts whole."""
+        """A gap line torn by a crash (no newline) is cut away, so the next line starts
+        whole; a last line longer than any gap (damage) is ended instead, for readers to
+        name."""
         try:
             fd = open_regular(self.dir / gaps.FILE, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
@@ -606,11 +608,15 @@ class JournalWriter:
                                f"{exc.strerror or exc}") from None
         try:
             size = os.fstat(fd).st_size
-            tail = os.pread(fd, min(size, gaps.LINE_BYTES + 1), max(0, size - gaps.LINE_BYTES - 1))
-            if size and not tail.endswith(b"\n"):
-                keep = size - len(tail) + tail.rfind(b"\n") + 1
+            start = max(0, size - gaps.LINE_BYTES - 1)
+            tail = os.pread(fd, size - start, start)
+            if tail.endswith(b"\n") or not size:
+                return
+            if b"\n" in tail or not start:  # a torn line: the whole lines before it stay
                 log.warning("cut a torn line from the end of %s", gaps.FILE)
-                os.ftruncate(fd, keep)
+                os.ftruncate(fd, start + tail.rfind(b"\n") + 1)
+            else:
+                os.pwrite(fd, b"\n", size)
         finally:
             os.close(fd)
 
@@ -924,7 +930,8 @@ class JournalWriter:
         if len(kept) == len(lines):
             return
         tmp = path.with_name(gaps.FILE + ".tmp")
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                               | os.O_CLOEXEC, 0o644), "wb") as f:
             f.writelines(kept)
             if self.fsync:
                 os.fsync(f.fileno())
