@@ -20,6 +20,7 @@ from sbus.defaults import parse_duration, parse_size
 from sbus.journal import format as fmt
 from sbus.journal import gaps
 from sbus.journal.read import read_gaps
+from sbus.journal.record import QUIET
 from sbus.journal.retention import SegmentAge, expired
 from sbus.journal.store import (
     OPEN_SUFFIX,
@@ -227,6 +228,29 @@ def test_record_survives_kill9_and_resumes_sequence(broker, tmp_path: Path):
     pub.close()
 
 
+def test_a_recorder_killed_before_it_wrote_anything_still_leaves_a_gap(broker, tmp_path: Path):
+    """kill -9 within the first flush of a new journal: nothing was written, so the next
+    recorder starts again at seq 1, and still notes that nothing was recorded before."""
+    jdir = tmp_path / "journal"
+    rec = start_recorder(broker.address, jdir, "--flush", "60")
+    pub = raw(broker.address)
+    for i in range(10):
+        pub.send(b"MSG k\0lost %d" % i)
+    sync(pub)
+    rec.kill()
+    rec.wait()
+    assert list(records(jdir)) == [] and list(read_gaps(jdir)) == []
+    rec = start_recorder(broker.address, jdir)
+    pub.send(b"MSG k\0kept")
+    sync(pub)
+    wait_records(jdir, 1)
+    rec.send_signal(signal.SIGTERM)
+    assert rec.wait(10) == 0
+    assert [(r[0], r[3]) for r in records(jdir)] == [(1, b"kept")]
+    assert [(g.kind, g.after, g.before) for g in read_gaps(jdir)] == [(gaps.STOPPED, 0, 1)]
+    pub.close()
+
+
 def test_record_keeps_runs_many_keys_and_large_payloads_in_order(broker, tmp_path: Path):
     """Bursts mixing one-key runs, a new key per message and payloads beyond what the
     batch splitter takes (columns.WIDEST) must all come back byte for byte, in order."""
@@ -303,6 +327,52 @@ def test_record_behind_by_more_than_the_queue_limit(make_broker, tmp_path: Path,
     pub.close()
 
 
+def test_drops_a_killed_broker_never_reported_lie_inside_its_away_gap(make_broker,
+                                                                     tmp_path: Path):
+    """The broker drops for a stopped recorder (its queue full), then is killed -9 before
+    its queue empties, so the drops are never reported: the ``away`` gap spans back to the
+    last quiet second, and every message missing lies inside it."""
+    broker = make_broker("--queue-limit", "256k")
+    jdir = tmp_path / "journal"
+    rec = start_recorder(broker.address, jdir)
+    pub = raw(broker.address, timeout=30)
+    pub.send(b"MSG n\0first")
+    sync(pub)
+    wait_records(jdir, 1)
+    time.sleep(QUIET + 0.2)
+    _stop(rec)
+    try:
+        for i in range(100):  # 3 MB against a 256 KiB queue: most are dropped
+            pub.send(b"MSG n\0%04d" % i + bytes(30_000))
+        sync(pub)
+        broker.proc.kill()
+        broker.proc.wait()
+    finally:
+        rec.send_signal(signal.SIGCONT)
+    pub.close()
+    broker.start()
+    pub = raw(broker.address)
+    until(lambda: _reach(pub, b"n").endswith(b"\0" + b"1"), "the recorder subscribed again")
+    pub.send(b"MSG n\0last")
+    sync(pub)
+    until(lambda: list(records(jdir))[-1][3] == b"last", "the last message recorded")
+    rec.send_signal(signal.SIGTERM)
+    assert rec.wait(10) == 0
+    tail = rec.stderr.read()
+    got = [(seq, p[:4]) for seq, _, _, p in records(jdir)]
+    assert got[0] == (1, b"firs") and got[-1][1] == b"last"
+    kept = {int(p) for _, p in got[1:-1]}
+    assert len(kept) < 100 and "broker dropped" not in tail, tail  # lost, never reported
+    (gap,) = read_gaps(jdir)
+    assert gap.kind == gaps.AWAY and gap.after <= 1 and gap.before == got[-1][0], gap
+
+
+def _reach(sock, key: bytes) -> bytes:
+    """The broker's answer to "how many would a message on *key* reach?" """
+    sock.send(b"CMSG broker/reach\0" + key)
+    return sock.recv(1000)
+
+
 @pytest.mark.parametrize("block", [False, True])
 def test_a_stopped_recorder_records_what_the_broker_held_for_it(broker, tmp_path: Path,
                                                                 block: bool):
@@ -355,6 +425,7 @@ def test_record_reconnects_through_the_client_and_stops_while_waiting(broker, tm
     try:
         publish(0, 300)
         wait_records(jdir, 300)
+        time.sleep(QUIET + 0.2)  # a quiet second: the broker surely held nothing for it
         broker.stop()
         assert "reconnecting" in said("reconnecting")
         broker.start()
@@ -380,6 +451,8 @@ def test_record_reconnects_through_the_client_and_stops_while_waiting(broker, tm
             "misses messages: sbus journal gaps" in summary
         assert sum("reconnected to" in line for line in seen) == 1  # said once, not logged too
         # the journal notes the one time the broker was away, between records 300 and 301
+        # (from the last quiet second on: a broker killed may have dropped messages it had
+        # not reported yet; `_Losses`)
         (gap,) = read_gaps(jdir)
         assert (gap.kind, gap.after, gap.before, gap.lost) == (gaps.AWAY, 300, 301, None)
         assert got[299][1] < gap.from_ns < gap.to_ns < got[300][1]

@@ -15,7 +15,8 @@ one JSON object per line::
 ``kind``
     `DROPPED`, `OVERSIZED`, `AWAY` or `STOPPED` (below).
 ``lost``
-    How many messages, where the bus counts them; null where nobody can.
+    How many messages: a count for `DROPPED` and `OVERSIZED`, null for the others (nobody
+    can count what was published while nobody received it).
 ``from``/``to``
     When (nanoseconds since the epoch, UTC); ``from`` null where not known.
 
@@ -43,6 +44,8 @@ AWAY = "away"
 #: No recorder ran between its last record kept (received at ``from``) and a start (``to``).
 STOPPED = "stopped"
 KINDS = (DROPPED, OVERSIZED, AWAY, STOPPED)
+#: Kinds whose ``lost`` is null (nobody can count them); the others always have a count.
+UNCOUNTED = (AWAY, STOPPED)
 #: A longer line is damage: a real one is under 150 bytes.
 LINE_BYTES = 512
 
@@ -88,7 +91,7 @@ def decode(line: bytes) -> Gap:
         raise FormatError("not a gap record (its fields differ)")
     after, before, kind, lost = doc["after"], doc["before"], doc["kind"], doc["lost"]
     if not (_count(after) and _count(before) and after < before and kind in KINDS
-            and _count(lost, none=True) and _count(doc["from"], none=True)
-            and _count(doc["to"])):
+            and (lost is None if kind in UNCOUNTED else _count(lost))
+            and _count(doc["from"], none=True) and _count(doc["to"])):
         raise FormatError("not a gap record (a field out of its range)")
     return Gap(after, before, kind, lost, doc["from"], doc["to"])

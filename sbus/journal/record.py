@@ -19,10 +19,10 @@ find it.
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -35,32 +35,39 @@ from . import gaps
 from .columns import split
 from .store import JournalError, JournalWriter
 
-log = logging.getLogger("sbus.record")
-
 RECV_SLOTS = 256  # packets per system call: `split` costs less per packet in larger batches
 #: The longest packet received whole (`client.SLOT_BYTES`): a longer message arrives cut,
-#: and is counted, told (`_Oversized`) and never recorded.
+#: and is counted, told (`_Complaints`) and never recorded.
 RECV_LIMIT = SLOT_BYTES - 1
-#: Seconds between two lines about messages too large to record (the count goes on).
+#: Seconds between two lines about messages of one cause not recorded (the count goes on).
 COMPLAINT_INTERVAL = 5.0
 
 
-class _Oversized:
-    """Messages too large to receive whole: told at most every `COMPLAINT_INTERVAL`
-    seconds, with the last one's key quoted briefly (a flood must not flood the log)."""
+class _Complaints:
+    """Messages not recorded, told on stderr at most every `COMPLAINT_INTERVAL` seconds per
+    cause (another user's flood must not flood the log): those too large to receive whole,
+    the last one's key quoted briefly, and those the broker dropped for the recorder."""
 
     def __init__(self) -> None:
-        self.told = 0
-        self.told_at = -COMPLAINT_INTERVAL
+        self.told = {"cut": 0, "dropped": 0}
+        self.told_at = dict.fromkeys(self.told, -COMPLAINT_INTERVAL)
 
     def tell(self, bus: Client, now: float) -> None:
-        if bus.cut > self.told and now - self.told_at >= COMPLAINT_INTERVAL:
-            print(f"sbus record: {bus.cut - self.told} message(s) over the {RECV_LIMIT}-byte "
-                  f"receive limit not recorded (the last under key {brief(bus.cut_key)}); "
-                  f"{bus.cut} so far", file=sys.stderr, flush=True)
-            self.told, self.told_at = bus.cut, now
+        self._tell("cut", bus.cut, now, lambda n: f"{n} message(s) over the {RECV_LIMIT}-byte "
+                   f"receive limit not recorded (the last under key {brief(bus.cut_key)})")
+        self._tell("dropped", bus.dropped, now, lambda n: f"the broker dropped {n} message(s) "
+                   "for the recorder (its queue there was full)")
+
+    def _tell(self, cause: str, total: int, now: float, line: Callable[[int], str]) -> None:
+        if total > self.told[cause] and now - self.told_at[cause] >= COMPLAINT_INTERVAL:
+            print(f"sbus record: {line(total - self.told[cause])}; {total} so far",
+                  file=sys.stderr, flush=True)
+            self.told[cause], self.told_at[cause] = total, now
 #: Seconds the receive waits at most, so a stop asked for by a signal is seen promptly.
 WAKE = 0.25
+#: Seconds without a packet after which the broker surely holds nothing for the recorder
+#: (a broker with a queue for it writes as soon as its socket has room).
+QUIET = 1.0
 #: Seconds a stop waits for the broker to hand over what it holds for the recorder.
 REST_TIMEOUT = 5.0
 
@@ -71,8 +78,10 @@ class _Losses:
 
     The broker reports drops once the recorder's queue is empty again, so the messages it
     counts came after its previous report: a ``dropped`` gap spans from the batch that held
-    the previous report to the one that holds this one.  An oversized message is cut out
-    of the batch it came in."""
+    the previous report, or the last time the recorder had waited `QUIET` seconds for
+    nothing (its queue there was empty), to the batch that holds this one.  A broker that goes away
+    before it reports may have dropped some since then, so an ``away`` gap spans from there
+    too.  An oversized message is cut out of the batch it came in."""
 
     def __init__(self, writer: JournalWriter) -> None:
         self.writer = writer
@@ -82,6 +91,11 @@ class _Losses:
 
     def before_batch(self) -> None:
         self.batch_after = self.writer.position - 1
+
+    def quiet(self) -> None:
+        """`QUIET` seconds without a packet: the broker holds nothing for us, and drops it
+        has not reported yet (none) would lie after this."""
+        self.drops_after = self.batch_after
 
     def after_batch(self, bus: Client) -> None:
         if bus.dropped > self.dropped:
@@ -94,7 +108,7 @@ class _Losses:
     def reconnected(self, away_from: int) -> None:
         """Subscribed again: what was published since *away_from* is not in the journal,
         and the new connection's drop reports start afresh."""
-        self.writer.note_gap(gaps.AWAY, from_ns=away_from)
+        self.writer.note_gap(gaps.AWAY, self.drops_after, from_ns=away_from)
         self.drops_after = self.batch_after = self.writer.position - 1
 
 
@@ -140,8 +154,7 @@ def _connect(address: str | None, patterns: list[bytes], block: bool,
 
     # A refused pattern (here, or when the broker comes back) is `Refused`: one line, exit 1.
     bus = Client(address, reconnect=True, on_connection=said,
-                 on_drop=lambda n: log.warning("broker dropped %d messages for the "
-                                               "recorder", n))
+                 on_drop=lambda n: None)  # (counted by the client, told by `_Complaints`)
     try:
         bus.set_flood(soft="queue", hard="block" if block else None)
         for pattern in patterns:
@@ -177,7 +190,7 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
     failure: OSError | None = None
     try:
         bus = _connect(address, patterns, block, writer, stopper, losses)
-        if first_seq > 1:  # a journal recorded before: nothing was recorded in between
+        if writer.resumed:  # a journal recorded before: nothing was recorded in between
             writer.note_gap(gaps.STOPPED, from_ns=writer.last_ts)
         print(f"sbus record: recording into {printable(str(directory))} from seq {first_seq}",
               file=sys.stderr, flush=True)
@@ -231,15 +244,19 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
     seconds to see a stop and the flush interval."""
     seen = None
     slots = lengths = np.empty(0)
-    oversized = _Oversized()
-    next_flush = time.monotonic() + interval
+    complaints = _Complaints()
+    last_packet = time.monotonic()
+    next_flush = last_packet + interval
     while not stopper.stop:
         losses.before_batch()
         try:
             frames = bus.receive_frames(RECV_SLOTS, timeout=min(interval, WAKE))
         except TimeoutError:
             frames = None
+            if time.monotonic() - last_packet >= QUIET:
+                losses.quiet()
         if frames is not None:
+            last_packet = time.monotonic()
             ts = time.time_ns()
             if frames.kept:
                 _append_events(writer, ts, frames.kept)
@@ -257,7 +274,7 @@ def _loop(bus: Client, writer: JournalWriter, interval: float, stopper: _Stopper
                     _append_events(writer, ts, _messages(bus, frames))
         losses.after_batch(bus)
         now = time.monotonic()
-        oversized.tell(bus, now)
+        complaints.tell(bus, now)
         if now >= next_flush:
             writer.flush()
             writer.tick(now)

@@ -478,6 +478,9 @@ class JournalWriter:
         self.keep_bytes = keep_bytes
         self.fsync = fsync
         lock = self.dir / ".lock"
+        #: a writer had this journal before (its lock file is there), even if it wrote
+        #: nothing (killed before its first flush): what came meanwhile is not in it
+        self.resumed = lock.exists()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
