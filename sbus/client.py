@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import select
 import socket
@@ -50,7 +51,7 @@ from .errors import ConnectError, ConnectionLost, InvalidRequest, NoResponders, 
 from .keys import Credentials
 from .packetio import PacketBatch, PacketSender
 from .protocol import Control, Publish
-from .session import Backoff, Dropped, Event, Reach, Refusal, Session, Whoami
+from .session import Backoff, Dropped, Event, Reach, Refusal, RequestRound, Session, Whoami
 
 __all__ = ["Client", "AsyncClient", "SbusError", "ConnectError", "ConnectionLost",
            "NoResponders", "default_address", "wait_for_broker", "Publish", "Control",
@@ -603,13 +604,8 @@ class _Shell:
 
     # -- request/reply: one round of the requester's loop ------------------------------
 
-    def _reply(self, event: Received, inbox: bytes, key: bytes, kept: list) -> bytes | None:
-        """The reply if *event* is it; raises `NoResponders` on the broker's word that
-        nobody listens on *key*; anything else is kept for the program."""
-        if type(event) is Reach and event.key == key:
-            if event.count == 0:
-                raise NoResponders(f"no responders for {brief(key)}")
-            return None
+    def _reply(self, event: Received, inbox: bytes, kept: list) -> bytes | None:
+        """The reply if *event* is it; anything else is kept for the program."""
         got = self.session.reply_to(event, inbox)
         if got is None:
             kept.append(event)
@@ -629,7 +625,11 @@ class _Shell:
                             f"{timeout:g} s")
 
     @staticmethod
-    def _timed_out(key: bytes, timeout: float) -> TimeoutError:
+    def _timed_out(key: bytes, timeout: float, held: bool = False) -> TimeoutError:
+        """*held*: the request waited for a replier to come back (`RequestRound`)."""
+        if held:
+            return TimeoutError(f"nobody subscribed to {brief(key)} again within {timeout:g} "
+                                "s after the broker came back: the request was not sent again")
         return TimeoutError(f"no reply to the request on {brief(key)} within {timeout:g} s")
 
 
@@ -1009,7 +1009,8 @@ class Client(_Shell):
         With *no_responders* (the default) the broker is asked in the same round
         whether anyone subscribes to *key*: if nobody does, `NoResponders` at once.  With
         *reconnect*, a lost broker is waited for within *timeout* and the request sent
-        again on the new connection (so a replier may see it twice).  Other messages
+        again on the new connection once someone subscribes to *key* again (a replier
+        reconnects too: `RequestRound`), so a replier may see it twice.  Other messages
         meanwhile are kept for `receive`; a late reply to an earlier request is dropped."""
         key = key.encode() if isinstance(key, str) else bytes(key)
         deadline = self._give_up_at = time.monotonic() + timeout
@@ -1019,23 +1020,29 @@ class Client(_Shell):
             self.whoami(timeout)
             inbox = self.session.new_inbox()
             self.subscribe(inbox, wait=False)
-            connection = 0
+            asking = RequestRound(self.session, key, payload, inbox, no_responders)
+            out: list[bytes] = []
             while True:
-                if connection != self.connections:  # first, or the broker came back
-                    if no_responders and not connection:  # after a reconnect the
-                        # replier may not be back yet: wait for it instead
-                        self.send_packet(self.session.ask_reach(key))
-                    self.send_packet(self.session.request(key, payload, inbox))
-                    connection = self.connections
+                for packet in asking.connected(self.connections) + out:
+                    self.send_packet(packet)
+                wake = asking.wake_at(time.monotonic(), deadline)
                 try:
-                    event = self.receive(max(0.0, deadline - time.monotonic()))
+                    event = self.receive(max(0.0, wake - time.monotonic()))
                 except TimeoutError:
-                    raise self._timed_out(key, timeout) from None
+                    if time.monotonic() >= deadline:
+                        raise self._timed_out(key, timeout, asking.held) from None
+                    out = asking.timer(time.monotonic())
+                    continue
                 except Refused as exc:
-                    if self._not_understood(exc):
-                        continue
-                    raise
-                got = self._reply(event, inbox, key, kept)
+                    if not self._not_understood(exc):
+                        raise
+                    out = asking.not_understood()
+                    continue
+                if type(event) is Reach and event.key == key:
+                    out = asking.reach(event, time.monotonic())
+                    continue
+                out = []
+                got = self._reply(event, inbox, kept)
                 if got is not None:
                     return got
         finally:
@@ -1260,17 +1267,23 @@ class AsyncClient(_Shell):
             raise self._silent_for(timeout) from None
         self._refused()
 
-    async def _receiving(self, read, limit: int) -> list:
-        """*read* (`_read`, `_raw` or `_events`) once something waits: waits, reconnects."""
+    async def _receiving(self, read, limit: int, until: float = math.inf) -> list:
+        """*read* (`_read`, `_raw` or `_events`) once something waits: waits, reconnects;
+        [] when the time *until* (monotonic) comes while it waits for a packet (never
+        in the middle of a reconnect, which the next wait would start over)."""
         sock = self._socket()
         while True:
             try:
                 out = read(sock, limit)
             except BlockingIOError:
                 try:
-                    await anyio.wait_readable(sock)
+                    with anyio.move_on_after(until - time.monotonic()) as waited:
+                        await anyio.wait_readable(sock)
                 except anyio.ClosedResourceError:  # another task is reconnecting
                     sock = await self._gone("closed the connection", sock)
+                    continue
+                if waited.cancelled_caught:
+                    return []
                 continue
             except _Gone as gone:
                 sock = await self._gone(str(gone), sock)
@@ -1290,6 +1303,13 @@ class AsyncClient(_Shell):
         if not self._pending:
             self._pending.extend(await self.receive_batch())
         return self._pending.popleft()
+
+    async def _receive_until(self, until: float) -> Received | None:
+        """`receive`, or None when the time *until* comes first (`_receiving`)."""
+        self._refused()
+        if not self._pending:
+            self._pending.extend(await self._receiving(self._events, SLOTS, until))
+        return self._pending.popleft() if self._pending else None
 
     async def receive_packets(self, limit: int = SLOTS) -> list[bytes]:
         """At least one raw packet, plus whatever else is ready (up to *limit*).
@@ -1365,31 +1385,38 @@ class AsyncClient(_Shell):
         `NoResponders` at once when nobody subscribes to *key*."""
         key = key.encode() if isinstance(key, str) else bytes(key)
         kept: list = []
-        inbox = None
+        inbox = asking = None
         try:
             self._give_up_at = time.monotonic() + timeout
             with anyio.fail_after(timeout):  # the whoami is part of the wait
                 await self.whoami(timeout)
                 inbox = self.session.new_inbox()
                 await self.subscribe(inbox, wait=False)
-                connection = 0
-                while True:
-                    if connection != self.connections:  # as in `Client.request`
-                        if no_responders and not connection:
-                            await self.send_packet(self.session.ask_reach(key))
-                        await self.send_packet(self.session.request(key, payload, inbox))
-                        connection = self.connections
+                asking = RequestRound(self.session, key, payload, inbox, no_responders)
+                out: list[bytes] = []
+                while True:  # as in `Client.request`
+                    for packet in asking.connected(self.connections) + out:
+                        await self.send_packet(packet)
+                    out = []
                     try:
-                        event = await self.receive()
+                        event = await self._receive_until(
+                            asking.wake_at(time.monotonic(), math.inf))
                     except Refused as exc:
-                        if self._not_understood(exc):
-                            continue
-                        raise
-                    got = self._reply(event, inbox, key, kept)
+                        if not self._not_understood(exc):
+                            raise
+                        out = asking.not_understood()
+                        continue
+                    if event is None:
+                        out = asking.timer(time.monotonic())
+                        continue
+                    if type(event) is Reach and event.key == key:
+                        out = asking.reach(event, time.monotonic())
+                        continue
+                    got = self._reply(event, inbox, kept)
                     if got is not None:
                         return got
         except TimeoutError:
-            raise self._timed_out(key, timeout) from None
+            raise self._timed_out(key, timeout, asking is not None and asking.held) from None
         finally:
             self._keep(kept)
             if inbox is not None:

@@ -26,13 +26,14 @@ what `connected` returns on the new connection, read until the barrier is answer
 (``asked == 0``), then call `restored`.  `decode` turns a batch of packets (one buffer,
 offsets and lengths, as `sbus.packetio.PacketBatch` receives them) into events, messages
 by a fast path.  `new_inbox` / `reply_to` are the requester's half of request/reply
-(`sbus.request`).
+(`sbus.request`), and a `RequestRound` says when one request goes out, across reconnects.
 
 `Backoff` is the one reconnect policy every component uses.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import secrets
 import time
@@ -43,13 +44,13 @@ from dataclasses import dataclass
 from . import protocol
 from .defaults import MAX_MESSAGE
 from .display import brief
-from .errors import InvalidRequest, Refused
+from .errors import InvalidRequest, NoResponders, Refused
 from .keys import Credentials, KeyRules
 from .protocol import DROPPED, REACH, REFUSED, WHOAMI, Control, Publish, Subscribe
 from .request import inbox_root, make_request
 
-__all__ = ["Session", "Backoff", "Dropped", "Whoami", "Refusal", "Reach", "Event",
-           "Publish", "Control", "FLOOD_VALUES"]
+__all__ = ["Session", "Backoff", "RequestRound", "Dropped", "Whoami", "Refusal", "Reach",
+           "Event", "Publish", "Control", "FLOOD_VALUES", "REACH_RETRY"]
 
 #: What each flood setting accepts (docs/protocol.md, sbus/flood.py).
 FLOOD_VALUES: dict[str, tuple[str, ...]] = {
@@ -365,6 +366,88 @@ class Session:
             return Refusal(key[len(REFUSED) + 1:].decode("utf-8", "replace"),
                            payload.decode("utf-8", "replace"))
         return Control(key, payload)
+
+
+#: Seconds between two questions whether anyone subscribes to a request's key again,
+#: after a reconnect (`RequestRound`): a replier reconnects on its own back-off.
+REACH_RETRY = 0.05
+#: Seconds a requester waits at most before it looks whether its client reconnected
+#: meanwhile (the shells reconnect inside their receive, which goes on waiting).
+LOOK_AGAIN = 0.1
+
+
+class RequestRound:
+    """When one request goes out, across reconnects (pure: `Client.request` and
+    `AsyncClient.request` carry out what it returns).
+
+    On the first connection the request goes at once, after the question whether anyone
+    subscribes to its key (with *no_responders*: nobody is `NoResponders`).  After a
+    reconnect the replier must reconnect too, and a request published before it has
+    subscribed again reaches nobody, silently: so the request waits, the question is asked
+    every `REACH_RETRY` seconds (`retry_at`, `timer`), and the request goes once the
+    answer names someone (or the broker will not say).  ``held`` tells a timeout that the
+    request was waiting for a replier to come back.  The shells wait until `wake_at` and
+    then call `connected` and `timer`."""
+
+    def __init__(self, session: Session, key: bytes, payload: bytes, inbox: bytes,
+                 no_responders: bool) -> None:
+        self.session, self.key = session, key
+        self.payload, self.inbox = payload, inbox
+        self.no_responders = no_responders
+        self.connection = 0  # the connection the request went out on (0: none yet)
+        self.held = False
+        self.retry_at: float | None = None
+        self._first_question = False  # asked with the first sending: its answer may end it
+
+    def connected(self, connections: int) -> list[bytes]:
+        """What to send on connection number *connections* (nothing if already done)."""
+        if connections == self.connection:
+            return []
+        first, self.connection, self.retry_at = not self.connection, connections, None
+        ask = self.session.ask_reach(self.key)
+        if not first:
+            self.held, self._first_question = True, False
+            return [ask]
+        self._first_question = self.no_responders
+        return ([ask] if self.no_responders else []) + [self._request()]
+
+    def reach(self, event: Reach, now: float) -> list[bytes]:
+        """The broker's answer to the question (events on other keys are not ours)."""
+        if event.key != self.key:
+            return []
+        if not self.held:
+            first, self._first_question = self._first_question, False
+            if first and event.count == 0:
+                raise NoResponders(f"no responders for {brief(self.key)}")
+            return []
+        if event.count == 0:
+            self.retry_at = now + REACH_RETRY
+            return []
+        return self._release()
+
+    def wake_at(self, now: float, deadline: float) -> float:
+        """When the shell should stop waiting for an event and call `connected` and
+        `timer` (the time of the next question, and a reconnect seen within `LOOK_AGAIN`)."""
+        return min(deadline, now + LOOK_AGAIN,
+                   math.inf if self.retry_at is None else self.retry_at)
+
+    def timer(self, now: float) -> list[bytes]:
+        """Called at `retry_at`: the question again."""
+        if self.retry_at is None or now < self.retry_at:
+            return []
+        self.retry_at = None
+        return [self.session.ask_reach(self.key)]
+
+    def not_understood(self) -> list[bytes]:
+        """A broker that does not know the question: the request goes as it is."""
+        return self._release() if self.held else []
+
+    def _release(self) -> list[bytes]:
+        self.held, self.retry_at = False, None
+        return [self._request()]
+
+    def _request(self) -> bytes:
+        return self.session.request(self.key, self.payload, self.inbox)
 
 
 #: Seconds before a bound (`Backoff.try_by`) the last reconnect attempt is made: time for

@@ -8,6 +8,7 @@ import os
 import re
 import select
 import subprocess
+import threading
 import time
 
 import pytest
@@ -478,13 +479,128 @@ def test_request_waits_for_a_restarted_broker_within_its_timeout(broker, short_t
         stop_process(req)
 
 
+def test_a_request_resent_after_a_restart_waits_for_a_replier_to_come_back(broker, short_tmp):
+    """The replier dies with the request, the broker restarts, and a new replier starts
+    only after the requester is back: the request is sent again once someone subscribes
+    to its key (before: at once, to nobody, and the requester waited out its timeout).
+    Without any replier coming back, the timeout says so in one line."""
+    began = short_tmp / "began"
+    first = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "svc", "--",
+                              "sh", "-c", f"touch {began}; sleep 30"],
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                             process_group=0)
+    req = second = None
+    try:
+        assert first.stderr.readline() == b"sbus reply: answering requests on 'svc'\n"
+        req = subprocess.Popen([*SBUS, "request", "--address", broker.address, "--timeout",
+                                "20", "svc", "again"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+        until_exists(began, req)
+        os.killpg(first.pid, 9)  # the replier and its command
+        first.wait()
+        broker.stop()
+        broker.start()
+        said = PipeLines(req.stderr)
+        said.next(2)  # "... reconnecting", "reconnected to the broker ..."
+        time.sleep(0.5)  # back, and asking whether anyone is there
+        second = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "svc", "--",
+                                   "cat"], stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        assert req.wait(10) == 0 and req.stdout.read() == b"again"
+        stop_process(second)
+        r = run("request", "--address", broker.address, "--timeout", "1", "svc", "x")
+        assert r.returncode == 1 and "no responders for 'svc'" in one_line(r.stderr)
+    finally:
+        for proc in (first, second, req):
+            if proc is not None:
+                stop_process(proc)
+
+
+@pytest.mark.parametrize("run_async", [trio.run, lambda main: asyncio.run(main())],
+                         ids=["trio", "asyncio"])
+def test_an_async_request_resent_after_a_restart_waits_for_a_replier(broker, short_tmp,
+                                                                     run_async):
+    """`AsyncClient.request` as `Client.request` above: the request goes again once a
+    replier is back, and the wait for it does not cut the reconnect short (before:
+    never sent again; a wait cut every 0.1 s restarted the reconnect each time)."""
+    began = short_tmp / "began"
+    first = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "svc", "--",
+                              "sh", "-c", f"touch {began}; sleep 30"],
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                             process_group=0)
+    lines: list[str] = []
+    second = None
+
+    async def main() -> bytes:
+        async with AsyncClient(broker.address, reconnect=True,
+                               on_connection=lambda up, line: lines.append(line)) as bus:
+            return await bus.request(b"svc", b"again", 20)
+
+    def restart() -> None:
+        nonlocal second
+        until_exists(began, first)
+        os.killpg(first.pid, 9)
+        first.wait()
+        broker.stop()
+        broker.start()
+        time.sleep(1)
+        second = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "svc", "--",
+                                   "cat"], stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+
+    try:
+        assert first.stderr.readline() == b"sbus reply: answering requests on 'svc'\n"
+        helper = threading.Thread(target=restart)
+        helper.start()
+        assert run_async(main) == b"again"
+        helper.join()
+        assert len(lines) == 2 and "reconnecting" in lines[0], lines  # one reconnect, whole
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                stop_process(proc)
+
+
+def until_exists(path, proc: subprocess.Popen, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+
+
+def test_a_request_times_out_saying_no_replier_came_back(broker, short_tmp):
+    """After a restart nobody subscribes to the key again: the request is never sent
+    again, and the timeout says that, not that no reply came."""
+    began = short_tmp / "began"
+    replier = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "svc", "--",
+                                "sh", "-c", f"touch {began}; sleep 30"],
+                               stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                               process_group=0)
+    req = None
+    try:
+        assert replier.stderr.readline() == b"sbus reply: answering requests on 'svc'\n"
+        req = subprocess.Popen([*SBUS, "request", "--address", broker.address, "--timeout",
+                                "4", "svc", "x"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+        until_exists(began, req)
+        os.killpg(replier.pid, 9)
+        replier.wait()
+        broker.stop()
+        broker.start()
+        out, err = req.communicate(timeout=20)
+        assert req.returncode == 1 and out == b""
+        assert err.decode().splitlines()[-1] == (
+            "sbus request: nobody subscribed to 'svc' again within 4 s after the broker came "
+            "back: the request was not sent again"), err
+    finally:
+        for proc in (replier, req):
+            if proc is not None:
+                stop_process(proc)
+
+
 def test_a_broker_back_in_a_reconnects_last_step_is_found_before_the_timeout(short_tmp):
     """A client's reconnect tries once a second (a fixed backoff here) and a sync gives
     it 2.5 s.  The broker is back 2.05 s after the loss: the attempt the backoff would
     make next, at 3 s, is past the bound, so the reconnect gave up at 2 s; it now tries
     once more just before the bound, and the sync is answered."""
-    import threading
-
     from conftest import BrokerProcess
 
     from sbus.session import Backoff

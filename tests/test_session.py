@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from sbus.errors import InvalidRequest, Refused
+from sbus.errors import InvalidRequest, NoResponders, Refused
 from sbus.protocol import Control, ProtocolError, Publish
-from sbus.session import Backoff, Dropped, Reach, Refusal, Session, Whoami
+from sbus.session import (
+    LOOK_AGAIN,
+    REACH_RETRY,
+    Backoff,
+    Dropped,
+    Reach,
+    Refusal,
+    RequestRound,
+    Session,
+    Whoami,
+)
 
 
 def test_requests_become_packets_and_are_remembered():
@@ -227,3 +237,37 @@ def test_request_inboxes_and_reach_answers():
         s.ask_reach(b"a/!/b")
     assert s.receive(b"CMSG broker/reach\0svc\0" + b"2") == Reach(b"svc", 2)
     assert s.receive(b"CMSG broker/reach\0!/cred/9/9/9/x\0?") == Reach(b"!/cred/9/9/9/x", None)
+
+
+def _round(no_responders: bool = True) -> tuple[Session, RequestRound]:
+    s = Session()
+    s.receive(b"CMSG !/cred/whoami\0!/cred/0/0/7")
+    return s, RequestRound(s, b"svc", b"body", s.new_inbox(), no_responders)
+
+
+def test_a_request_goes_at_once_on_its_first_connection_and_nobody_is_no_responders():
+    s, r = _round()
+    ask, request = s.ask_reach(b"svc"), s.request(b"svc", b"body", r.inbox)
+    assert r.connected(1) == [ask, request] and r.connected(1) == []
+    with pytest.raises(NoResponders):
+        r.reach(Reach(b"svc", 0), 0.0)
+    s, r = _round(no_responders=False)
+    assert r.connected(1) == [s.request(b"svc", b"body", r.inbox)]
+    assert r.reach(Reach(b"svc", 0), 0.0) == []  # (not its question: no verdict)
+
+
+def test_after_a_reconnect_a_request_waits_until_someone_subscribes_again():
+    s, r = _round()
+    ask, request = s.ask_reach(b"svc"), s.request(b"svc", b"body", r.inbox)
+    r.connected(1)
+    assert r.reach(Reach(b"svc", 1), 0.0) == []
+    assert r.connected(2) == [ask] and r.held  # the replier may not be back yet
+    assert r.reach(Reach(b"other", 0), 1.0) == []
+    assert r.reach(Reach(b"svc", 0), 1.0) == [] and r.retry_at == 1.0 + REACH_RETRY
+    assert r.wake_at(1.0, 9.0) == 1.0 + REACH_RETRY and r.wake_at(1.0, 1.01) == 1.01
+    assert r.timer(1.0) == [] and r.timer(1.0 + REACH_RETRY) == [ask]
+    assert r.wake_at(5.0, 9.0) == 5.0 + LOOK_AGAIN  # (a reconnect is seen that soon)
+    assert r.reach(Reach(b"svc", 2), 2.0) == [request] and not r.held
+    assert r.reach(Reach(b"svc", 0), 3.0) == []  # a late answer: the request is out
+    assert r.connected(3) == [ask] and r.reach(Reach(b"svc", None), 4.0) == [request]
+    assert r.connected(4) == [ask] and r.not_understood() == [request]  # an older broker
