@@ -63,6 +63,8 @@ class _Complaints:
             print(f"sbus record: {line(total - self.told[cause])}; {total} so far",
                   file=sys.stderr, flush=True)
             self.told[cause], self.told_at[cause] = total, now
+
+
 #: Seconds the receive waits at most, so a stop asked for by a signal is seen promptly.
 WAKE = 0.25
 #: Seconds without a packet after which the broker surely holds nothing for the recorder
@@ -227,7 +229,8 @@ def record(address: str | None, patterns: list[bytes], directory: str, *, flush:
           + (f", {writer.export_failures} Parquet export(s) failed (logged)"
              if writer.export_failures else "")
           + (f"; where the journal misses messages: sbus journal gaps "
-             f"{printable(str(directory))}" if dropped or cut or stopper.reconnects else ""),
+             f"{printable(str(directory))}"
+             if dropped or cut or stopper.reconnects or writer.resumed else ""),
           file=sys.stderr)
     return 0
 
