@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SBUS
+from faultkit import PipeLines
 
 from sbus.journal import gaps
 from sbus.journal.format import FormatError
@@ -172,3 +173,26 @@ def test_a_damaged_last_line_longer_than_a_gap_is_ended_not_cut(tmp_path: Path):
     assert path.read_bytes().startswith(b"x" * 2000 + b"\n{")
     with pytest.raises(JournalError, match="line 1: a line of"):
         list(read_gaps(tmp_path))
+
+
+def test_tail_follow_tells_gaps_as_they_are_noted(tmp_path: Path):
+    """``sbus journal tail -f`` prints records as they come, and on stderr each gap noted
+    meanwhile (not those noted before it started)."""
+    w = JournalWriter(tmp_path, fsync=False)
+    w.append(time.time_ns(), [b"a"], [b"1"])
+    w.note_gap(gaps.DROPPED, lost=3)  # before the tail: summed up, not told one by one
+    w.flush()
+    tail = subprocess.Popen([*SBUS, "journal", "tail", "-f", "-n", "5", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert tail.stdout.readline().split()[1:] == [b"1", b"a", b"1"]
+        w.note_gap(gaps.AWAY, from_ns=time.time_ns())
+        w.append(time.time_ns(), [b"a"], [b"2"])
+        w.flush()
+        assert tail.stdout.readline().split()[1:] == [b"2", b"a", b"2"]
+        (line,) = PipeLines(tail.stderr).next(1)  # (the only one: not the gap from before)
+    finally:
+        tail.kill()
+        tail.wait()
+        w.close()
+    assert b"between seq 1 and 2: the broker was away from" in line, line

@@ -274,6 +274,7 @@ def tail(directory: str, lines: int, follow: bool, pattern: bytes | None,
     nxt = 0
     if pattern is None and since is None:  # the last N are the last N sequence numbers
         nxt = max(0, _next_seq(directory) - lines)
+    noted = _NewGaps(directory) if follow else None  # (before: none noted meanwhile missed)
     for rec in records_from(directory, nxt, pattern, since):
         last.append(rec)
         nxt = rec[0] + 1
@@ -282,12 +283,55 @@ def tail(directory: str, lines: int, follow: bool, pattern: bytes | None,
     out.flush()
     if last:
         _gaps_among(directory, last[0][0], last[-1][0])
-    while follow:
+    while noted is not None:
         time.sleep(poll)
         for rec in records_from(directory, nxt, pattern, since):
             out.write(format_record(rec, fmt))
             nxt = rec[0] + 1
         out.flush()
+        for gap in noted.read():
+            print(f"sbus journal: {describe_gap(gap)}", file=sys.stderr, flush=True)
+
+
+class _NewGaps:
+    """The gaps noted since it was made, as they come (``tail -f``): the file is read
+    from where the last look ended, and from its start again when retention replaced it
+    (then the gaps up to the last one seen, by their time, are not new)."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = Path(directory) / gaps.FILE
+        self.file: tuple[int, int] | None = None  # (device, inode) read
+        self.offset = 0
+        self.seen_to = 0  # the time of the last gap seen
+        self.read()  # what is there now is not new
+
+    def read(self) -> list[Gap]:
+        try:
+            fd = open_regular(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise JournalError(f"cannot read {printable(str(self.path))}: "
+                               f"{exc.strerror or exc}") from None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self.file or st.st_size < self.offset:
+                self.file, self.offset = (st.st_dev, st.st_ino), 0
+            data = os.pread(fd, st.st_size - self.offset, self.offset)
+        finally:
+            os.close(fd)
+        whole = data[:data.rfind(b"\n") + 1]  # (a last line still being written waits)
+        self.offset += len(whole)
+        new = []
+        for line in whole.splitlines():
+            try:
+                gap = gaps.decode(line)
+            except FormatError as exc:
+                raise JournalError(f"{printable(str(self.path))}: {exc}") from None
+            if gap.to_ns > self.seen_to:
+                new.append(gap)
+                self.seen_to = gap.to_ns
+        return new
 
 
 def _next_seq(directory: str) -> int:
