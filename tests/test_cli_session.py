@@ -484,22 +484,13 @@ def test_a_request_resent_after_a_restart_waits_for_a_replier_to_come_back(broke
     only after the requester is back: the request is sent again once someone subscribes
     to its key (before: at once, to nobody, and the requester waited out its timeout).
     Without any replier coming back, the timeout says so in one line."""
-    began = short_tmp / "began"
-    first = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "svc", "--",
-                              "sh", "-c", f"touch {began}; sleep 30"],
-                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                             process_group=0)
+    first, began = _hanging_replier(broker, short_tmp)
     req = second = None
     try:
-        assert first.stderr.readline() == b"sbus reply: answering requests on 'svc'\n"
         req = subprocess.Popen([*SBUS, "request", "--address", broker.address, "--timeout",
                                 "20", "svc", "again"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE)
-        until_exists(began, req)
-        os.killpg(first.pid, 9)  # the replier and its command
-        first.wait()
-        broker.stop()
-        broker.start()
+        _restart_without(first, began, broker)
         said = PipeLines(req.stderr)
         said.next(2)  # "... reconnecting", "reconnected to the broker ..."
         time.sleep(0.5)  # back, and asking whether anyone is there
@@ -522,11 +513,7 @@ def test_an_async_request_resent_after_a_restart_waits_for_a_replier(broker, sho
     """`AsyncClient.request` as `Client.request` above: the request goes again once a
     replier is back, and the wait for it does not cut the reconnect short (before:
     never sent again; a wait cut every 0.1 s restarted the reconnect each time)."""
-    began = short_tmp / "began"
-    first = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "svc", "--",
-                              "sh", "-c", f"touch {began}; sleep 30"],
-                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                             process_group=0)
+    first, began = _hanging_replier(broker, short_tmp)
     lines: list[str] = []
     second = None
 
@@ -537,17 +524,12 @@ def test_an_async_request_resent_after_a_restart_waits_for_a_replier(broker, sho
 
     def restart() -> None:
         nonlocal second
-        until_exists(began, first)
-        os.killpg(first.pid, 9)
-        first.wait()
-        broker.stop()
-        broker.start()
+        _restart_without(first, began, broker)
         time.sleep(1)
         second = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "svc", "--",
                                    "cat"], stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
 
     try:
-        assert first.stderr.readline() == b"sbus reply: answering requests on 'svc'\n"
         helper = threading.Thread(target=restart)
         helper.start()
         assert run_async(main) == b"again"
@@ -559,32 +541,40 @@ def test_an_async_request_resent_after_a_restart_waits_for_a_replier(broker, sho
                 stop_process(proc)
 
 
-def until_exists(path, proc: subprocess.Popen, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.02)
-
-
-def test_a_request_times_out_saying_no_replier_came_back(broker, short_tmp):
-    """After a restart nobody subscribes to the key again: the request is never sent
-    again, and the timeout says that, not that no reply came."""
+def _hanging_replier(broker, short_tmp) -> tuple[subprocess.Popen, object]:
+    """`sbus reply svc` whose command never answers (it touches a file, then sleeps), in
+    its own process group; and that file."""
     began = short_tmp / "began"
     replier = subprocess.Popen([*SBUS, "reply", "--address", broker.address, "svc", "--",
                                 "sh", "-c", f"touch {began}; sleep 30"],
                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                process_group=0)
+    assert replier.stderr.readline() == b"sbus reply: answering requests on 'svc'\n"
+    return replier, began
+
+
+def _restart_without(replier: subprocess.Popen, began, broker, timeout: float = 20) -> None:
+    """Once the request is with *replier*'s command: kill both, restart the broker."""
+    deadline = time.monotonic() + timeout
+    while not began.exists():
+        assert time.monotonic() < deadline and replier.poll() is None
+        time.sleep(0.02)
+    os.killpg(replier.pid, 9)
+    replier.wait()
+    broker.stop()
+    broker.start()
+
+
+def test_a_request_times_out_saying_no_replier_came_back(broker, short_tmp):
+    """After a restart nobody subscribes to the key again: the request is never sent
+    again, and the timeout says that, not that no reply came."""
+    replier, began = _hanging_replier(broker, short_tmp)
     req = None
     try:
-        assert replier.stderr.readline() == b"sbus reply: answering requests on 'svc'\n"
         req = subprocess.Popen([*SBUS, "request", "--address", broker.address, "--timeout",
                                 "4", "svc", "x"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE)
-        until_exists(began, req)
-        os.killpg(replier.pid, 9)
-        replier.wait()
-        broker.stop()
-        broker.start()
+        _restart_without(replier, began, broker)
         out, err = req.communicate(timeout=20)
         assert req.returncode == 1 and out == b""
         assert err.decode().splitlines()[-1] == (
