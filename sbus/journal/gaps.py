@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from .format import FormatError
 
-__all__ = ["Gap", "KINDS", "FILE", "LINE_BYTES", "encode", "decode"]
+__all__ = ["Gap", "KINDS", "FILE", "LINE_BYTES", "encode", "decode", "totals"]
 
 FILE = "gaps.jsonl"
 #: The broker dropped them for the recorder (its queue was full): the broker's count.
@@ -66,6 +66,11 @@ class Gap:
         lost = None if self.lost is None or later.lost is None else self.lost + later.lost
         return Gap(min(self.after, later.after), later.before, self.kind, lost,
                    self.from_ns if self.from_ns is not None else later.from_ns, later.to_ns)
+
+
+def totals(noted: list[Gap]) -> tuple[int, int]:
+    """Messages counted lost in *noted*, and how many of its gaps nobody could count."""
+    return sum(g.lost or 0 for g in noted), sum(g.lost is None for g in noted)
 
 
 def encode(gap: Gap) -> bytes:

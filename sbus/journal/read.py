@@ -126,8 +126,7 @@ def _gaps_among(directory: str, first: int, last: int) -> None:
     """On stderr, whether the gaps noted fall among records *first*..*last* printed."""
     among = [g for g in read_gaps(directory) if g.before > first and g.after < last]
     if among:
-        counted = sum(g.lost or 0 for g in among)
-        away = sum(g.lost is None for g in among)
+        counted, away = gaps.totals(among)
         what = ", ".join(([f"{counted:,} counted lost"] if counted else [])
                          + ([f"{away} time(s) nothing was recorded"] if away else []))
         print(f"sbus journal: these records may miss messages at {len(among)} place(s) "

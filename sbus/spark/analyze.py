@@ -537,6 +537,7 @@ def render_report(summary: dict, keys: list, prefixes: list, window: str,
 
 def _missed_lines(missed: list | str) -> list[str]:
     """What the recorder noted it missed (`sbus.journal.gaps`): the first 20, and totals."""
+    from sbus.journal.gaps import totals
     from sbus.journal.read import describe_gap
 
     if isinstance(missed, str):
@@ -544,8 +545,7 @@ def _missed_lines(missed: list | str) -> list[str]:
     if not missed:
         return ["The recorder noted no message missed (none dropped for it, none too large, "
                 "the broker and the recorder there throughout)."]
-    counted = sum(g.lost or 0 for g in missed)
-    away = sum(g.lost is None for g in missed)
+    counted, away = totals(missed)
     lines = [f"Where the recorder missed messages ({_n(counted)} counted, and {_n(away)} "
              "time(s) nothing was recorded; `sbus journal gaps`):", ""]
     lines += [f"* {describe_gap(g)}" for g in missed[:20]]
