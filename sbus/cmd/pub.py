@@ -3,7 +3,9 @@ of them from a template.  mosquitto_pub's ``-t KEY -m PAYLOAD`` mean the same.
 
 With --count or --lines it reconnects when the broker goes away (saying so on stderr)
 and goes on with the message it was sending; what was sent into the lost connection and
-not yet taken by the broker is lost, as on any pubsub bus.
+not yet taken by the broker is lost, as on any pubsub bus, and said: the broker is asked
+to confirm what it took a few times a second (`_Unconfirmed`), so the line says how many
+at most.
 
 The key and size are checked before sending, and a round trip at the end makes the
 broker's refusal, if any, an error (exit 1) rather than a line in its log."""
@@ -72,6 +74,49 @@ def _say(line: str) -> None:
     print(f"sbus pub: {line}", file=sys.stderr, flush=True)
 
 
+class _Unconfirmed:
+    """How many of a stream's messages the broker may not have taken: those sent since it
+    last confirmed (the answer to a whoami question is a barrier: everything sent before
+    the question was acted on).  A question goes at most every `EVERY` seconds, its
+    answer is taken without waiting; when the connection is lost, what was sent since the
+    last confirmation is what may be lost with it (the message being sent is sent again)."""
+
+    EVERY = 0.25
+
+    def __init__(self, bus: Client) -> None:
+        self.bus = bus
+        self.sent = self.confirmed = 0
+        self.asked_at: int | None = None  # messages sent when the open question was asked
+        self.next = time.monotonic() + self.EVERY
+
+    def one_sent(self) -> None:
+        self.sent += 1
+        now = time.monotonic()
+        if now < self.next:
+            return
+        self.next = now + self.EVERY
+        if self.asked_at is not None:
+            try:
+                while True:  # (nothing else comes to a publisher: answers, refusals)
+                    self.bus.receive(0)
+            except TimeoutError:  # all there was, taken without waiting
+                pass
+            if self.bus.session.asked == 0 and self.asked_at is not None:
+                self.confirmed, self.asked_at = self.asked_at, None
+        if self.asked_at is None:
+            self.asked_at = self.sent
+            self.bus.send_packet(self.bus.session.ask())
+
+    def said(self, up: bool, line: str) -> None:
+        """The client's connection line, with what the lost connection may have taken."""
+        if not up and self.sent > self.confirmed:
+            line += (f" (up to {self.sent - self.confirmed} message(s) sent since the broker "
+                     "last confirmed may be lost with the connection)")
+        if not up:
+            self.confirmed, self.asked_at = self.sent, None
+        _say(line)
+
+
 def run(args: argparse.Namespace) -> int:
     text_key, text_payload = key_and_payload(args)
     key = os.fsencode(text_key)
@@ -87,10 +132,13 @@ def run(args: argparse.Namespace) -> int:
     # a stream of messages (--count, --lines) is a long-running command: it waits for a
     # lost broker and goes on (saying so); one message is one-shot: a lost broker fails it
     stream = args.count is not None or args.lines
+    unconfirmed: _Unconfirmed | None = None
     with Client(args.address, max_message=args.max_message, reconnect=stream,
-                timeout=args.timeout, on_connection=lambda up, line: _say(line)) as bus:
+                timeout=args.timeout,
+                on_connection=lambda up, line: unconfirmed.said(up, line)) as bus:
+        unconfirmed = _Unconfirmed(bus)
         try:
-            _publish_all(bus, key, text_payload, args)
+            _publish_all(bus, key, text_payload, args, unconfirmed)
         except TimeoutError as exc:
             if args.timeout is None:
                 raise  # not ours (a reconnect's opening): said as it is
@@ -100,11 +148,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _publish_all(bus: Client, key: bytes, text_payload: str | None,
-                 args: argparse.Namespace) -> None:
+                 args: argparse.Namespace, unconfirmed: _Unconfirmed) -> None:
     """Every message of this command, then the broker's word that it took them."""
     if args.lines:
         for line in sys.stdin.buffer:
             bus.publish(key, line.rstrip(b"\n"))
+            unconfirmed.one_sent()
     else:
         payload = (read_stdin("sbus pub", "the payload", "sbus pub KEY PAYLOAD")
                    if text_payload is None
@@ -115,5 +164,6 @@ def _publish_all(bus: Client, key: bytes, text_payload: str | None,
                 time.sleep(max(0.0, start + (n - 1) * args.interval - time.monotonic()))
             bus.publish(key, payload if args.count is None
                         else expand(payload, n, time.time()))
+            unconfirmed.one_sent()
     bus.sync(args.timeout)  # the broker took every message (or raised its refusal); a
     # publisher it paused for a slow subscriber waits here as in its sends
