@@ -26,7 +26,8 @@ what `connected` returns on the new connection, read until the barrier is answer
 (``asked == 0``), then call `restored`.  `decode` turns a batch of packets (one buffer,
 offsets and lengths, as `sbus.packetio.PacketBatch` receives them) into events, messages
 by a fast path.  `new_inbox` / `reply_to` are the requester's half of request/reply
-(`sbus.request`), and a `RequestRound` says when one request goes out, across reconnects.
+(`sbus.request`), and a `RequestRound` says when one request goes out, across reconnects;
+`Unconfirmed` how many messages a lost connection may have taken with it.
 
 `Backoff` is the one reconnect policy every component uses.
 """
@@ -49,8 +50,8 @@ from .keys import Credentials, KeyRules
 from .protocol import DROPPED, REACH, REFUSED, WHOAMI, Control, Publish, Subscribe
 from .request import inbox_root, make_request
 
-__all__ = ["Session", "Backoff", "RequestRound", "Dropped", "Whoami", "Refusal", "Reach",
-           "Event", "Publish", "Control", "FLOOD_VALUES", "REACH_RETRY"]
+__all__ = ["Session", "Backoff", "RequestRound", "Unconfirmed", "Dropped", "Whoami",
+           "Refusal", "Reach", "Event", "Publish", "Control", "FLOOD_VALUES", "REACH_RETRY"]
 
 #: What each flood setting accepts (docs/protocol.md, sbus/flood.py).
 FLOOD_VALUES: dict[str, tuple[str, ...]] = {
@@ -448,6 +449,51 @@ class RequestRound:
 
     def _request(self) -> bytes:
         return self.session.request(self.key, self.payload, self.inbox)
+
+
+#: Seconds between two questions of an `Unconfirmed` count while messages go.
+CONFIRM_EVERY = 0.25
+
+
+class Unconfirmed:
+    """How many of a publisher's messages a lost connection may have taken with it
+    (pure: the shells send `question` when it returns one, take the answers as they read,
+    and call `lost` when the connection is lost).
+
+    What the broker has acted on it confirms by answering a whoami question (a barrier:
+    the answer comes after everything sent before it).  A question goes at most every
+    `CONFIRM_EVERY` seconds while messages go; when the connection is lost, those sent
+    since the last confirmed question may never have been read by the broker: at most
+    that many are lost with it (a kill -9 of the broker; a stop reads them first)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.sent = self.confirmed = 0
+        self.asked_at: int | None = None  # messages sent when the open question went
+        self.next_at = 0.0
+
+    def question(self, now: float) -> bytes | None:
+        """The question to send now, if one is due (its answer, once read, confirms)."""
+        if self.asked_at is not None and self.session.asked == 0:
+            self.confirmed, self.asked_at = self.asked_at, None
+        if now < self.next_at:
+            return None
+        self.next_at = now + CONFIRM_EVERY  # (the shells look no sooner either)
+        if self.asked_at is not None or self.sent == self.confirmed:
+            return None
+        self.asked_at = self.sent
+        return self.session.ask()
+
+    def lost(self) -> int:
+        """The connection is lost: how many messages may be lost with it (counted once)."""
+        n, self.confirmed, self.asked_at = self.sent - self.confirmed, self.sent, None
+        return n
+
+    def said(self, line: str) -> str:
+        """A lost connection's line, with how many messages may be lost with it."""
+        n = self.lost()
+        return line + (f" (up to {n} message(s) sent since the broker last confirmed may "
+                       "be lost with the connection)" if n else "")
 
 
 #: Seconds before a bound (`Backoff.try_by`) the last reconnect attempt is made: time for

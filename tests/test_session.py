@@ -7,6 +7,7 @@ import pytest
 from sbus.errors import InvalidRequest, NoResponders, Refused
 from sbus.protocol import Control, ProtocolError, Publish
 from sbus.session import (
+    CONFIRM_EVERY,
     LOOK_AGAIN,
     REACH_RETRY,
     Backoff,
@@ -15,6 +16,7 @@ from sbus.session import (
     Refusal,
     RequestRound,
     Session,
+    Unconfirmed,
     Whoami,
 )
 
@@ -271,3 +273,22 @@ def test_after_a_reconnect_a_request_waits_until_someone_subscribes_again():
     assert r.reach(Reach(b"svc", 0), 3.0) == []  # a late answer: the request is out
     assert r.connected(3) == [ask] and r.reach(Reach(b"svc", None), 4.0) == [request]
     assert r.connected(4) == [ask] and r.not_understood() == [request]  # an older broker
+
+
+def test_unconfirmed_counts_what_a_lost_connection_may_have_taken():
+    s = Session()
+    u = Unconfirmed(s)
+    assert u.question(0.0) is None  # nothing sent: nothing to confirm
+    u.sent = 10
+    assert u.question(1.0) == s.ask() and s.asked == 2 and u.asked_at == 10
+    s.receive(b"CMSG !/cred/whoami\0!/cred/0/0/7")  # (the test's own question above)
+    u.sent = 15
+    assert u.question(1.1) is None  # not yet due
+    assert u.question(1.0 + CONFIRM_EVERY) is None and u.confirmed == 0  # no answer yet
+    s.receive(b"CMSG !/cred/whoami\0!/cred/0/0/7")  # everything before it was acted on
+    u.sent = 20
+    assert u.question(1.0 + 2 * CONFIRM_EVERY) is not None
+    assert (u.confirmed, u.asked_at) == (10, 20)
+    assert u.said("gone") == ("gone (up to 10 message(s) sent since the broker last "
+                              "confirmed may be lost with the connection)")
+    assert u.said("still gone") == "still gone"  # counted once

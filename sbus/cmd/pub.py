@@ -4,8 +4,8 @@ of them from a template.  mosquitto_pub's ``-t KEY -m PAYLOAD`` mean the same.
 With --count or --lines it reconnects when the broker goes away (saying so on stderr)
 and goes on with the message it was sending; what was sent into the lost connection and
 not yet taken by the broker is lost, as on any pubsub bus, and said: the broker is asked
-to confirm what it took a few times a second (`_Unconfirmed`), so the line says how many
-at most.
+to confirm what it took a few times a second (`sbus.session.Unconfirmed`), so the line
+says how many at most.
 
 The key and size are checked before sending, and a round trip at the end makes the
 broker's refusal, if any, an error (exit 1) rather than a line in its log."""
@@ -20,6 +20,7 @@ import time
 from ..client import Client, SbusError
 from ..defaults import MAX_MESSAGE, count_arg, duration_arg, size_arg
 from ..errors import UsageError
+from ..session import Unconfirmed
 from . import read_stdin
 
 
@@ -75,46 +76,33 @@ def _say(line: str) -> None:
 
 
 class _Unconfirmed:
-    """How many of a stream's messages the broker may not have taken: those sent since it
-    last confirmed (the answer to a whoami question is a barrier: everything sent before
-    the question was acted on).  A question goes at most every `EVERY` seconds, its
-    answer is taken without waiting; when the connection is lost, what was sent since the
-    last confirmation is what may be lost with it (the message being sent is sent again)."""
-
-    EVERY = 0.25
+    """`sbus.session.Unconfirmed` carried out for a stream of messages: its answers taken
+    without waiting after a message, its questions sent, its count said on a lost
+    connection (the message being sent then is sent again, not lost)."""
 
     def __init__(self, bus: Client) -> None:
         self.bus = bus
-        self.sent = self.confirmed = 0
-        self.asked_at: int | None = None  # messages sent when the open question was asked
-        self.next = time.monotonic() + self.EVERY
+        self.count = Unconfirmed(bus.session)
 
     def one_sent(self) -> None:
-        self.sent += 1
+        count = self.count
+        count.sent += 1
         now = time.monotonic()
-        if now < self.next:
+        if now < count.next_at:
             return
-        self.next = now + self.EVERY
-        if self.asked_at is not None:
+        if count.asked_at is not None:
             try:
                 while True:  # (nothing else comes to a publisher: answers, refusals)
                     self.bus.receive(0)
             except TimeoutError:  # all there was, taken without waiting
                 pass
-            if self.bus.session.asked == 0 and self.asked_at is not None:
-                self.confirmed, self.asked_at = self.asked_at, None
-        if self.asked_at is None:
-            self.asked_at = self.sent
-            self.bus.send_packet(self.bus.session.ask())
+        question = count.question(now)
+        if question is not None:
+            self.bus.send_packet(question)
 
     def said(self, up: bool, line: str) -> None:
         """The client's connection line, with what the lost connection may have taken."""
-        if not up and self.sent > self.confirmed:
-            line += (f" (up to {self.sent - self.confirmed} message(s) sent since the broker "
-                     "last confirmed may be lost with the connection)")
-        if not up:
-            self.confirmed, self.asked_at = self.sent, None
-        _say(line)
+        _say(line if up else self.count.said(line))
 
 
 def run(args: argparse.Namespace) -> int:
