@@ -484,6 +484,12 @@ class Unconfirmed:
         self.asked_at = self.sent
         return self.session.ask()
 
+    def unsent(self) -> None:
+        """The question `question` returned could not be sent: as if never asked."""
+        if self.asked_at is not None:
+            self.asked_at = None
+            self.session.asked = max(0, self.session.asked - 1)
+
     def lost(self) -> int:
         """The connection is lost: how many messages may be lost with it (counted once)."""
         n, self.confirmed, self.asked_at = self.sent - self.confirmed, self.sent, None

@@ -5,6 +5,7 @@ shares of the request pool between users (issue 28)."""
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import subprocess
@@ -240,6 +241,39 @@ def test_a_write_waiting_for_a_gone_broker_ends_at_ctrl_c(space):
         subprocess.run(["sh", "-c", f"echo after >> {m / 'w/k'}"], check=True, timeout=20)
         sub.settimeout(10)
         assert sub.recv(1000) == b"MSG w/k\0after\n"
+    finally:
+        m.stop()
+        b.stop()
+
+
+def test_writes_a_killed_broker_took_with_it_are_counted_in_the_log(space):
+    """A write returns once the broker's socket has the message; 40 writes go into a
+    stopped broker's socket and the broker is killed -9: the mount's log says up to how
+    many writes the lost connection took with it (before: only that it was lost), and the
+    writes after the restart arrive."""
+    b = BrokerProcess(os.path.join(space, "wkill.sock")).start()
+    m = Mount(b.address, os.path.join(space, "wkill"), "--reconnect-timeout", "20").start()
+    try:
+        sub = subscriber(b.address, b"w/k")
+        sub.settimeout(10)
+        subprocess.run(["sh", "-c", f"mkdir -p {m / 'w'}; echo before >> {m / 'w/k'}"],
+                       check=True, timeout=10)
+        assert sub.recv(1000) == b"MSG w/k\0before\n"
+        time.sleep(0.6)  # confirmed by the broker meanwhile (every 0.25 s while writes go)
+        b.proc.send_signal(signal.SIGSTOP)
+        subprocess.run(["sh", "-c", f"for i in $(seq 40); do echo lost$i >> {m / 'w/k'}; "
+                                    "done"], check=True, timeout=10)
+        b.proc.kill()
+        b.proc.wait()
+        b.start()
+        sub = subscriber(b.address, b"w/k")
+        sub.settimeout(10)
+        subprocess.run(["sh", "-c", f"echo after >> {m / 'w/k'}"], check=True, timeout=20)
+        assert sub.recv(1000) == b"MSG w/k\0after\n"
+        log = m.log()
+        n = int(re.search(r"publisher: .*\(up to (\d+) message\(s\) sent since the broker "
+                          r"last confirmed may be lost with the connection\)", log).group(1))
+        assert 40 <= n <= 41, log
     finally:
         m.stop()
         b.stop()

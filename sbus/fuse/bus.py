@@ -35,7 +35,7 @@ from ..errors import ConnectError, ConnectionLost, InvalidRequest, Refused, Sbus
 from ..keys import Credentials
 from ..limits import LogAllowance
 from ..protocol import Publish
-from ..session import Dropped, Refusal
+from ..session import CONFIRM_EVERY, Dropped, Refusal, Unconfirmed
 from . import mapping
 from .framing import Outbox, dropped_frame, frame
 from .shares import Account, Accounts, UserShare
@@ -149,6 +149,8 @@ class MountBus:
         self.nursery: trio.Nursery | None = None
         self.readers: set[Reader] = set()
         self._publisher: AsyncClient | None = None
+        self._unconfirmed: Unconfirmed | None = None  # the publisher's (`_confirming`)
+        self._wrote = trio.Event()  # set by a write: `_confirming` wakes only for writes
         self._publish_lock = trio.Lock()
         #: a `publish_for` packet went out cut short (a cancelled send): whose share the
         #: broker counts is unknown until the next one is sent whole
@@ -181,11 +183,14 @@ class MountBus:
         if self.own is not None:
             await monitor.subscribe(b"!/cred/" + b"/".join(self.own) + b"/", wait=False)
         publisher = self._client(on_connection=self._publisher_connection,
+                                 on_refusal=self._publisher_refused,
                                  max_message=self.max_message)
         await publisher.open()
         await publisher.send_packet(publisher.session.publisher_nowait())
         self._publisher = publisher
+        self._unconfirmed = Unconfirmed(publisher.session)
         nursery.start_soon(self._monitor, monitor)
+        nursery.start_soon(self._confirming, publisher, self._unconfirmed)
 
     def shutdown(self) -> None:
         """Unmounting: blocked reads end (EOF) instead of holding up the main loop."""
@@ -197,8 +202,36 @@ class MountBus:
         log.warning("monitor: %s", line)
 
     def _publisher_connection(self, up: bool, line: str) -> None:
+        if not up and self._unconfirmed is not None:  # what a crashed broker took with it
+            line = self._unconfirmed.said(line)
         log.warning("publisher: %s", line)
 
+    def _publisher_refused(self, event: Refusal) -> None:
+        """A write the broker refused after the writer was told it succeeded (the mount
+        checks what it can first): logged, rationed as users' refusals are."""
+        held = self.refusals.take(("publisher", event.verb))
+        if held is not None:
+            log.warning("the broker refused a write: %s%s",
+                        brief(event.reason.encode(), 200),
+                        f" ({held} more not logged)" if held else "")
+
+    def _written(self) -> None:
+        self._unconfirmed.sent += 1
+        self._wrote.set()
+
+    async def _confirming(self, publisher: AsyncClient, count: Unconfirmed) -> None:
+        """While writes go, ask the broker a few times a second to confirm them, and take
+        its answers: a lost connection then says how many writes at most it took with it
+        (`Unconfirmed`; a write returns once the socket has the message)."""
+        while True:
+            await self._wrote.wait()  # (an idle mount is not woken)
+            await trio.sleep(CONFIRM_EVERY)
+            publisher.receive_ready()  # its answers (consumed), refusals (`_publisher_refused`)
+            question = count.question(time.monotonic())
+            if question is not None and not publisher.send_nowait(question):
+                count.unsent()  # a reconnect, or a full socket: the next round asks
+            if count.asked_at is None and count.sent == count.confirmed:
+                self._wrote = trio.Event()  # all confirmed: until the next write
     async def _monitor(self, monitor: AsyncClient) -> None:
         """Learn live keys: everything public, and our own secrets."""
         tree = self.tree
@@ -413,8 +446,11 @@ class MountBus:
         case, without a timer or a checkpoint.  False: nothing was sent (a full socket, a
         reconnect, an error, another user), `publish` it."""
         publisher = self._publisher
-        return (publisher is not None and not self._publish_lock.locked()
+        sent = (publisher is not None and not self._publish_lock.locked()
                 and self._owner(publisher, uid) is False and publisher.send_nowait(packet))
+        if sent:
+            self._written()
+        return sent
 
     async def publish(self, packet: bytes, uid: int) -> None:
         """One ``MSG`` packet that user *uid* wrote (checked against the broker's limit by
@@ -437,6 +473,7 @@ class MountBus:
                         await publisher.send_packet(publisher.session.publish_for(owner))
                         self._owner_unsure = False
                     await publisher.send_packet(packet)
+                    self._written()
             finally:
                 lock.release()
         except InvalidRequest as exc:
