@@ -81,21 +81,32 @@ def read_gaps(directory: str | os.PathLike) -> Iterator[Gap]:
     """The gaps noted in *directory*'s ``gaps.jsonl`` (`sbus.journal.gaps`), in the order
     noted; none without the file.  A damaged line is a JournalError naming it."""
     path = Path(directory) / gaps.FILE
-    try:
-        f = os.fdopen(open_regular(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
-    except FileNotFoundError:
+    fd = _open_gaps(path)
+    if fd is None:
         return
-    except OSError as exc:
-        raise JournalError(f"cannot read {printable(str(path))}: {exc.strerror or exc}") \
-            from None
-    with f:
+    with os.fdopen(fd, "rb") as f:
         for n, line in enumerate(iter(lambda: f.readline(gaps.LINE_BYTES + 1), b""), 1):
             if not line.endswith(b"\n") and len(line) <= gaps.LINE_BYTES:
                 return  # the last line, still being written (or torn by a crash)
-            try:
-                yield gaps.decode(line)
-            except FormatError as exc:
-                raise JournalError(f"{printable(str(path))}, line {n}: {exc}") from None
+            yield _decoded(line, path, f", line {n}")
+
+
+def _open_gaps(path: Path) -> int | None:
+    """A descriptor on the gaps file (never a FIFO's wait), None if there is none."""
+    try:
+        return open_regular(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise JournalError(f"cannot read {printable(str(path))}: {exc.strerror or exc}") \
+            from None
+
+
+def _decoded(line: bytes, path: Path, where: str = "") -> Gap:
+    try:
+        return gaps.decode(line)
+    except FormatError as exc:
+        raise JournalError(f"{printable(str(path))}{where}: {exc}") from None
 
 
 def describe_gap(gap: Gap) -> str:
@@ -305,13 +316,9 @@ class _NewGaps:
         self.read()  # what is there now is not new
 
     def read(self) -> list[Gap]:
-        try:
-            fd = open_regular(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        fd = _open_gaps(self.path)
+        if fd is None:
             return []
-        except OSError as exc:
-            raise JournalError(f"cannot read {printable(str(self.path))}: "
-                               f"{exc.strerror or exc}") from None
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != self.file or st.st_size < self.offset:
@@ -323,10 +330,7 @@ class _NewGaps:
         self.offset += len(whole)
         new = []
         for line in whole.splitlines():
-            try:
-                gap = gaps.decode(line)
-            except FormatError as exc:
-                raise JournalError(f"{printable(str(self.path))}: {exc}") from None
+            gap = _decoded(line, self.path)
             if gap.to_ns > self.seen_to:
                 new.append(gap)
                 self.seen_to = gap.to_ns
