@@ -464,7 +464,9 @@ class Unconfirmed:
     the answer comes after everything sent before it).  A question goes at most every
     `CONFIRM_EVERY` seconds while messages go; when the connection is lost, those sent
     since the last confirmed question may never have been read by the broker: at most
-    that many are lost with it (a kill -9 of the broker; a stop reads them first)."""
+    that many are lost with it (a kill -9 of the broker; a stop reads them first).  What
+    the broker had read and still held for slow subscribers when it was killed is lost
+    too, but not counted here: that is the subscribers' loss, not the connection's."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -472,10 +474,14 @@ class Unconfirmed:
         self.asked_at: int | None = None  # messages sent when the open question went
         self.next_at = 0.0
 
-    def question(self, now: float) -> bytes | None:
-        """The question to send now, if one is due (its answer, once read, confirms)."""
+    def answered(self) -> None:
+        """Take the answer to the open question, if the shell has read it."""
         if self.asked_at is not None and self.session.asked == 0:
             self.confirmed, self.asked_at = self.asked_at, None
+
+    def question(self, now: float) -> bytes | None:
+        """The question to send now, if one is due (its answer, once read, confirms)."""
+        self.answered()
         if now < self.next_at:
             return None
         self.next_at = now + CONFIRM_EVERY  # (the shells look no sooner either)
@@ -491,7 +497,9 @@ class Unconfirmed:
             self.session.asked = max(0, self.session.asked - 1)
 
     def lost(self) -> int:
-        """The connection is lost: how many messages may be lost with it (counted once)."""
+        """The connection is lost: how many messages may be lost with it (counted once;
+        called before the reconnect forgets the old connection's questions)."""
+        self.answered()
         n, self.confirmed, self.asked_at = self.sent - self.confirmed, self.sent, None
         return n
 

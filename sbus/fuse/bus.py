@@ -191,6 +191,7 @@ class MountBus:
         self._unconfirmed = Unconfirmed(publisher.session)
         nursery.start_soon(self._monitor, monitor)
         nursery.start_soon(self._confirming, publisher, self._unconfirmed)
+        nursery.start_soon(self._publisher_answers, publisher)
 
     def shutdown(self) -> None:
         """Unmounting: blocked reads end (EOF) instead of holding up the main loop."""
@@ -220,18 +221,34 @@ class MountBus:
         self._wrote.set()
 
     async def _confirming(self, publisher: AsyncClient, count: Unconfirmed) -> None:
-        """While writes go, ask the broker a few times a second to confirm them, and take
-        its answers: a lost connection then says how many writes at most it took with it
-        (`Unconfirmed`; a write returns once the socket has the message)."""
+        """While writes go, ask the broker a few times a second to confirm them: a lost
+        connection then says how many writes at most it took with it (`Unconfirmed`; a
+        write returns once the socket has the message).  Once no write came for a round
+        it sleeps until the next (an answer still due is taken when it counts)."""
         while True:
             await self._wrote.wait()  # (an idle mount is not woken)
+            self._wrote = trio.Event()
             await trio.sleep(CONFIRM_EVERY)
-            publisher.receive_ready()  # its answers (consumed), refusals (`_publisher_refused`)
             question = count.question(time.monotonic())
-            if question is not None and not publisher.send_nowait(question):
-                count.unsent()  # a reconnect, or a full socket: the next round asks
-            if count.asked_at is None and count.sent == count.confirmed:
-                self._wrote = trio.Event()  # all confirmed: until the next write
+            if question is not None:
+                if publisher.send_nowait(question):
+                    self._wrote.set()  # a round more: the answer, or the next question
+                else:
+                    count.unsent()  # a reconnect, or a full socket: the next write asks
+            elif count.asked_at is None and count.sent > count.confirmed:
+                self._wrote.set()  # not due yet: the next round asks
+
+    async def _publisher_answers(self, publisher: AsyncClient) -> None:
+        """Read the publisher's connection: the answers to `_confirming`'s questions are
+        taken (by the client) as they come, refusals go to `_publisher_refused`, and a
+        broker that goes away is found at once, by this wait, which reconnects and says
+        what the lost connection took with it (not at the next write, as before: the
+        audit of 2026-11-28 found the line never said by a mount idle after a crash)."""
+        while True:
+            try:
+                await publisher.receive_batch()  # (the publisher subscribes to nothing)
+            except SbusError as exc:  # a packet no broker sends: skip it
+                log.warning("publisher: %s", exc)
     async def _monitor(self, monitor: AsyncClient) -> None:
         """Learn live keys: everything public, and our own secrets."""
         tree = self.tree
