@@ -39,7 +39,7 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from . import protocol
@@ -145,6 +145,9 @@ class Session:
         self.ask_for_trust = False
         #: Whoami questions sent and not yet answered (the barrier).
         self.asked = 0
+        #: Whoami questions answered on this connection (so the answer to one question
+        #: is known among others: `Unconfirmed`).
+        self.answers = 0
         #: The last whoami answer, and its parse when it is a credentials path.
         self.whoami: bytes | None = None
         self.cred: Credentials | None = None
@@ -169,7 +172,7 @@ class Session:
     def opening(self) -> list[bytes]:
         """Everything this session asked for, as the first packets of a fresh connection:
         the flood policy, every pattern, and a whoami question (the barrier)."""
-        self.asked = 0  # questions on an old connection will never be answered
+        self.asked = self.answers = 0  # an old connection's questions: never answered
         out = self._policy()
         out += [_encode(Subscribe(p)) for p, n in self.patterns.items() for _ in range(n)]
         out.append(self.ask())
@@ -352,6 +355,7 @@ class Session:
         if key == WHOAMI:
             if self.asked:
                 self.asked -= 1
+                self.answers += 1
             self.whoami = payload
             try:
                 self.cred = Credentials.parse(payload, payload[1:2] or b"/")
@@ -466,18 +470,35 @@ class Unconfirmed:
     since the last confirmed question may never have been read by the broker: at most
     that many are lost with it (a kill -9 of the broker; a stop reads them first).  What
     the broker had read and still held for slow subscribers when it was killed is lost
-    too, but not counted here: that is the subscribers' loss, not the connection's."""
+    too, but not counted here: that is the subscribers' loss, not the connection's.
+
+    Other questions may share the connection (the gateway asks one after each SUB): the
+    open question's answer is known by its place among them (`Session.answers`).  A
+    carrier of many publishers (the gateway) says whose each message is (`add`), and
+    learns after a loss how many of each one's it may have taken (`taken`)."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
         self.sent = self.confirmed = 0
         self.asked_at: int | None = None  # messages sent when the open question went
+        self._answer = 0  # `Session.answers` once the open question is answered
         self.next_at = 0.0
+        #: whose messages were sent before the open question, and since (`add`)
+        self._before: Counter[Hashable] = Counter()
+        self._since: Counter[Hashable] = Counter()
+        #: whose messages the last lost connection may have taken, and how many (`lost`)
+        self.taken: Counter[Hashable] = Counter()
+
+    def add(self, n: int, by: Hashable) -> None:
+        """*n* messages of *by*'s are being sent (`sent` counts the others)."""
+        self.sent += n
+        self._since[by] += n
 
     def answered(self) -> None:
         """Take the answer to the open question, if the shell has read it."""
-        if self.asked_at is not None and self.session.asked == 0:
+        if self.asked_at is not None and self.session.answers >= self._answer:
             self.confirmed, self.asked_at = self.asked_at, None
+            self._before.clear()
 
     def question(self, now: float) -> bytes | None:
         """The question to send now, if one is due (its answer, once read, confirms)."""
@@ -488,19 +509,26 @@ class Unconfirmed:
         if self.asked_at is not None or self.sent == self.confirmed:
             return None
         self.asked_at = self.sent
-        return self.session.ask()
+        question = self.session.ask()
+        self._answer = self.session.answers + self.session.asked
+        self._before, self._since = self._since, self._before  # (that one is empty)
+        return question
 
     def unsent(self) -> None:
         """The question `question` returned could not be sent: as if never asked."""
         if self.asked_at is not None:
             self.asked_at = None
             self.session.asked = max(0, self.session.asked - 1)
+            self._since.update(self._before)
+            self._before.clear()
 
     def lost(self) -> int:
         """The connection is lost: how many messages may be lost with it (counted once;
         called before the reconnect forgets the old connection's questions)."""
         self.answered()
         n, self.confirmed, self.asked_at = self.sent - self.confirmed, self.sent, None
+        self.taken = self._before + self._since
+        self._before, self._since = Counter(), Counter()
         return n
 
     def said(self, line: str) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BrokerProcess, raw, sync
-from test_gateway import GatewayProcess, subscribe_bridged
+from test_gateway import SECRET, GatewayProcess, roundtrip, subscribe_bridged
 
 from sbus.gateway import codec, notices
 from sbus.gateway.codec import FrameDecoder
@@ -235,3 +235,49 @@ def test_a_client_far_behind_is_still_told_of_an_outage(ndir):
         assert "bus-away" in events and "bus-back" in events, events
         assert events.index("bus-away") < events.index("bus-back")
         assert tally.accounted() == 3000, (len(tally.numbers), tally.notices)
+
+
+def test_publishes_a_killed_broker_took_are_counted_for_their_own_publisher(ndir):
+    """The gateway confirms remote publishes with the broker a few times a second: when a
+    broker killed with ``kill -9`` takes some with it (sent while it was stopped, never
+    read), the gateway's log says how many at most, and each remote publisher subscribed
+    to the notices is told its own count (``unconfirmed``) after ``bus-away``; one whose
+    publishes were all confirmed is told none.  Numbered end to end: the local subscriber
+    misses exactly the counted ones (before: nothing said them)."""
+    with served(ndir) as b:
+        sub = b.keep(raw(b.address))
+        sub.send(b"SUB k/seq")
+        sync(sub)
+        quiet, busy = (b.keep(b.gw.connect()) for _ in range(2))
+        for s in (quiet, busy):
+            s.sendall(codec.subscribe(N) + codec.authenticate(SECRET))
+            roundtrip(s)
+        for i in range(100):
+            (quiet if i % 2 else busy).sendall(codec.publish(b"k/seq", b"%d" % i))
+        got = [int(sub.recv(100).split(b"\0")[1]) for _ in range(100)]
+        assert sorted(got) == list(range(100))
+        time.sleep(0.8)  # confirmed (a question every 0.25 s while publishes go)
+        told = {s: b.keep(Tally(s, b"k/seq")) for s in (quiet, busy)}
+        os.kill(b.bus.proc.pid, signal.SIGSTOP)
+        for i in range(100, 150):  # into the stopped broker's socket: never read
+            busy.sendall(codec.publish(b"k/seq", b"%d" % i))
+        time.sleep(0.5)
+        b.bus.proc.kill()
+        b.bus.proc.wait()
+        os.unlink(b.address)
+        b.bus = BrokerProcess(b.address).start()
+        log = b.gw.wait_log("connected to the bus at", timeout=20, times=2)
+        sub = b.keep(raw(b.address))
+        sub.send(b"SUB k/seq")
+        sync(sub)
+        for i in range(150, 200):
+            busy.sendall(codec.publish(b"k/seq", b"%d" % i))
+        after = [int(sub.recv(100).split(b"\0")[1]) for _ in range(50)]
+        assert after == list(range(150, 200))  # the 50 in between: lost with the broker
+        assert "up to 50 remote publish(es) of 1 client(s), sent since the broker last " \
+               "confirmed, may be lost with the connection" in log, log
+        time.sleep(1.5)  # (the notices' next round)
+        busy_events = [n["event"] for n in told[busy].notices]
+        assert busy_events[:3] == ["bus-away", "unconfirmed", "bus-back"], busy_events
+        assert told[busy].count("unconfirmed") == 50
+        assert [n["event"] for n in told[quiet].notices] == ["bus-away", "bus-back"]

@@ -278,17 +278,40 @@ def test_after_a_reconnect_a_request_waits_until_someone_subscribes_again():
 def test_unconfirmed_counts_what_a_lost_connection_may_have_taken():
     s = Session()
     u = Unconfirmed(s)
+    answer = b"CMSG !/cred/whoami\0!/cred/0/0/7"
     assert u.question(0.0) is None  # nothing sent: nothing to confirm
     u.sent = 10
-    assert u.question(1.0) == s.ask() and s.asked == 2 and u.asked_at == 10
-    s.receive(b"CMSG !/cred/whoami\0!/cred/0/0/7")  # (the test's own question above)
+    s.ask()  # another question before it (the gateway's, after a SUB)
+    assert u.question(1.0) == s.ask() and s.asked == 3 and u.asked_at == 10
+    s.receive(answer)  # the other's answer
     u.sent = 15
     assert u.question(1.1) is None  # not yet due
     assert u.question(1.0 + CONFIRM_EVERY) is None and u.confirmed == 0  # no answer yet
-    s.receive(b"CMSG !/cred/whoami\0!/cred/0/0/7")  # everything before it was acted on
+    s.receive(answer)  # its own: everything before it was acted on
+    assert u.question(1.0 + 1.5 * CONFIRM_EVERY) is None and u.confirmed == 10
+    s.receive(answer)  # (the test's own question after it)
     u.sent = 20
     assert u.question(1.0 + 2 * CONFIRM_EVERY) is not None
     assert (u.confirmed, u.asked_at) == (10, 20)
     assert u.said("gone") == ("gone (up to 10 message(s) sent since the broker last "
                               "confirmed may be lost with the connection)")
     assert u.said("still gone") == "still gone"  # counted once
+
+
+def test_unconfirmed_says_whose_messages_a_lost_connection_may_have_taken():
+    s = Session()
+    u = Unconfirmed(s)
+    answer = b"CMSG !/cred/whoami\0!/cred/0/0/7"
+    u.add(3, "a")
+    u.add(2, "b")
+    assert u.question(0.0) is not None
+    u.add(4, "a")  # after the question: not confirmed by its answer
+    s.receive(answer)
+    u.add(1, "c")
+    assert u.lost() == 5 and u.taken == {"a": 4, "c": 1}
+    u.add(2, "b")
+    assert u.question(1.0) is not None
+    u.unsent()  # never sent: what it would have confirmed is still unconfirmed
+    u.add(1, "b")
+    assert u.lost() == 3 and u.taken == {"b": 3} and s.asked == 0
+    assert u.lost() == 0 and not u.taken

@@ -19,7 +19,10 @@ for it (`wait_up`; one the outage caught while it was being sent, too: `_send`),
 *bus_wait* seconds after it went away: the server reads no more of that publisher
 meanwhile, so TCP holds its sends back and a restart loses nothing.  Only if the bus
 stays away longer are publishes dropped; that is counted and said in the log once per
-outage (and the server disconnects their publishers).
+outage (and the server disconnects their publishers).  What a broker killed with
+``kill -9`` had not read yet is lost with the connection: while publishes go, a whoami
+question a few times a second confirms them (`Unconfirmed`), so the log says how many at
+most it took, and each remote publisher hears how many of its own (`on_taken`).
 
 The broker's whoami answer (``!/cred/G/U/P``, or ``!.cred.G.U.P`` for a
 ``--separator .`` broker) tells the separator, so the index routes and the
@@ -55,7 +58,7 @@ from ..keys import KeyRules
 from ..limits import Limits, LogAllowance
 from ..protocol import ProtocolError, Publish
 from ..routing import CACHE_BYTES, RouteCache, RoutingIndex
-from ..session import LAST_TRY, Backoff, Dropped, Refusal
+from ..session import CONFIRM_EVERY, LAST_TRY, Backoff, Dropped, Refusal, Unconfirmed
 from . import notices
 from .admission import Pool
 
@@ -145,9 +148,11 @@ class Bridge:
                  on_separator: Callable[[bytes], None] | None = None,
                  budget: int = BUS_SUBSCRIPTION_BYTES,
                  max_patterns: int = BUS_PATTERNS, bus_wait: float = BUS_WAIT,
-                 on_bus: Callable[[str, float], None] | None = None) -> None:
+                 on_bus: Callable[[str, float], None] | None = None,
+                 on_taken: Callable[[Counter], None] | None = None) -> None:
         self.deliver = deliver
         self.on_bus = on_bus
+        self.on_taken = on_taken
         self.flush = flush if flush is not None else _nothing
         self.on_refused = on_refused
         self.cache_bytes = cache_bytes
@@ -167,6 +172,9 @@ class Bridge:
                                on_connection=self._connection, on_refusal=self._refusal,
                                backoff=self._backoff)
         self.address = self.bus.address
+        #: what a lost connection may take with it, by remote publisher (`_confirming`)
+        self.unconfirmed = Unconfirmed(self.bus.session)
+        self._wrote = trio.Event()  # publishes went since `_confirming` last looked
         self._lock = trio.Lock()
         self._waiting: trio.CancelScope | None = None  # the receiver's wait for the socket
         self._receiving: trio.CancelScope | None = None  # its receive, under the lock
@@ -205,6 +213,8 @@ class Bridge:
         #: outages of the bus while remote clients subscribed: what was published
         #: meanwhile never reached them (the broker keeps nothing for a connection away)
         self.missed_outages = 0
+        #: remote publishes sent that a lost connection may have taken (not confirmed)
+        self.unconfirmed_lost = 0
         self.received = 0  # messages from the bus
         self.bus_dropped = 0  # messages the broker reported dropping for us
         self.refused = 0  # distinct patterns the broker refused
@@ -325,18 +335,20 @@ class Bridge:
 
     # -- publishing ---------------------------------------------------------------
 
-    async def publish(self, key: bytes, payload: bytes, owner: int | None = None) -> bool:
+    async def publish(self, key: bytes, payload: bytes, owner: int | None = None,
+                      by: Hashable = None) -> bool:
         """Hand a remote client's message to the bus; False if the bus is down (or the
-        message is refused as too large).  *owner*: as for `publish_packets`."""
+        message is refused as too large).  *owner*, *by*: as for `publish_packets`."""
         try:
             packet = self.bus.session.publish(key, payload)
         except SbusError as exc:  # the gateway checked the key first: too large
             self._complain("a message for the bus was not sent: %s", exc)
             self.lost += 1
             return False
-        return await self.publish_packets([packet], owner) == 1
+        return await self.publish_packets([packet], owner, by) == 1
 
-    async def publish_packets(self, packets: list[bytes], owner: int | None = None) -> int:
+    async def publish_packets(self, packets: list[bytes], owner: int | None = None,
+                              by: Hashable = None) -> int:
         """Hand remote clients' messages, as MSG packets (`Session.publish_head` + payload,
         keys checked), to the bus in order, as one run (one ``sendmmsg`` where the socket
         has room) or, while others wait for the bus connection, `PIECE` at a time: how
@@ -344,7 +356,8 @@ class Bridge:
         not sent (it stayed away longer, or one is over the broker's limit) are counted
         as lost.  *owner*: the peer address's number (`admission.Peer.owner`), whose share
         of a full local queue they take where the broker trusts the gateway; None, the
-        gateway's own."""
+        gateway's own.  *by*: the remote client whose they are, told how many of its own
+        a lost connection may have taken (`on_taken`)."""
         total = len(packets)
         if not total:
             return 0
@@ -365,6 +378,10 @@ class Bridge:
             end = sent + PIECE if lock.statistics().tasks_waiting else len(packets)
             piece[:] = packets[sent:end]
             switch[:] = self._for(owner)
+            # counted as they are made: a send cut short counts some that never went
+            # (an upper bound), never the other way round
+            self.unconfirmed.add(len(piece), by)
+            self._wrote.set()
             return switch + piece
 
         try:
@@ -472,6 +489,7 @@ class Bridge:
                 self._trusted_before, self.for_peers = self.for_peers, True  # until refused
                 if self.on_bus is not None:
                     self.on_bus("bus-away", 0.0)
+                line = self._taken(line)
             log.warning("lost the bus: %s; remote publishers wait for it up to %g s",
                         line, self.bus_wait)
             self._unconfirmed.clear()  # questions on the old connection: never answered
@@ -517,6 +535,41 @@ class Bridge:
                  len(self.patterns))
         if self.for_peers != self._trusted_before:  # (the opening's question is answered)
             log.warning("the broker %s", _TRUST[self.for_peers])
+
+    def _taken(self, line: str) -> str:
+        """The lost connection's line, with how many remote publishes at most it took
+        (those sent since the broker last confirmed); each publisher is told its own."""
+        count = self.unconfirmed
+        n = count.lost()
+        if not n:
+            return line
+        self.unconfirmed_lost += n
+        taken = count.taken
+        if self.on_taken is not None:
+            self.on_taken(taken)
+        return (f"{line} (up to {n} remote publish(es) of {len(taken)} client(s), sent "
+                "since the broker last confirmed, may be lost with the connection)")
+
+    async def _confirming(self) -> None:
+        """While remote publishes go, ask the broker a few times a second to confirm
+        them (`Unconfirmed`): its answers are taken by the reader.  Asked under the lock,
+        in the order of the wire, numbered among the SUBs' questions (`_asked`); asleep
+        while nobody publishes."""
+        count = self.unconfirmed
+        while True:
+            await self._wrote.wait()
+            self._wrote = trio.Event()
+            await trio.sleep(CONFIRM_EVERY)
+            async with self._lock:
+                question = count.question(time.monotonic()) if self._up else None
+                if question is not None:
+                    if self.bus.send_nowait(question):
+                        self._asked += 1
+                    else:  # a full socket, or a reconnect under way: the next round asks
+                        count.unsent()
+                        count.next_at = 0.0
+            if count.asked_at is not None or count.sent > count.confirmed:
+                self._wrote.set()  # a round more: its answer, or the next question
 
     def _refusal(self, event: Refusal) -> None:
         if event.verb == "cmsg":  # the one control it may refuse: we are not trusted
@@ -609,7 +662,9 @@ class Bridge:
                  "%s", self.address, len(self.patterns), _SHARES[self.for_peers])
         task_status.started()
         try:
-            await self._forward()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._confirming)
+                await self._forward()
         finally:
             self._up = False  # senders stop here, not at a closed client
             self._down_since = None  # (and wait for nothing)

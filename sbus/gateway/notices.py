@@ -23,6 +23,10 @@ Each body is one JSON object with an ``event`` field:
   notice, nothing lost).
 * ``{"event": "bus-dropped", "count": N}``: the broker dropped N messages for the gateway
   (it fell behind); they may have been for any of its subscribers.
+* ``{"event": "unconfirmed", "count": N}``: after ``bus-away``, to a client that published:
+  up to N of its publishes, sent to the bus since the broker last confirmed them (a few
+  times a second), may be lost with the connection (a broker killed before it read
+  them; one that stopped cleanly read them all).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import json
 from . import codec
 from .outbox import OWN, POOL, SHARE
 
-__all__ = ["TOPIC", "bus_away", "bus_back", "bus_dropped", "discarded", "parse"]
+__all__ = ["TOPIC", "bus_away", "bus_back", "bus_dropped", "discarded", "parse",
+           "unconfirmed"]
 
 TOPIC = b"!/gateway/notices"
 _CAUSE_NAMES = {OWN: "own", SHARE: "address", POOL: "pool"}
@@ -59,6 +64,10 @@ def bus_back(away: float) -> bytes:
 
 def bus_dropped(count: int) -> bytes:
     return _frame("bus-dropped", count=count)
+
+
+def unconfirmed(count: int) -> bytes:
+    return _frame("unconfirmed", count=count)
 
 
 def parse(body: bytes) -> dict:

@@ -101,9 +101,10 @@ NOTICE_EVERY = 1.0
 #: round only in a broker that restarts in a loop; the oldest go first).
 NOTICES_HELD = 8
 #: Outage notices a client's buffer may hold beyond the bound of forced frames (its
-#: keep-alives' echoes fill that): a client still further behind cannot be told of an
-#: outage, and is disconnected instead, which is the protocol's own word.
-OUTAGE_ROOM = 2 * NOTICES_HELD
+#: keep-alives' echoes fill that), with the count of its own publishes the outage may
+#: have taken (one a round): a client still further behind cannot be told of an outage,
+#: and is disconnected instead, which is the protocol's own word.
+OUTAGE_ROOM = 2 * NOTICES_HELD + 1
 
 #: Defaults of the bounds (docs/gateway.md, docs/security.md).
 MAX_CLIENTS = 10000
@@ -455,12 +456,14 @@ class Gateway:
         self.bridge = Bridge(address, self._deliver, self._refused_by_broker, self._flush,
                              cache_bytes=route_cache, on_separator=self._separator_changed,
                              budget=bus_subscription_bytes, bus_wait=bus_wait,
-                             on_bus=self._bus_notice)
+                             on_bus=self._bus_notice, on_taken=self._taken_notice)
         self._nursery: trio.Nursery | None = None
         self.clients: set[Remote] = set()
         self.noticed: set[Remote] = set()  # subscribed to `notices.TOPIC`
         self._bus_notices: list[bytes] = []  # for them, at the next round
         self._bus_dropped = 0  # reported by the broker since the last round
+        #: publishes of theirs a lost bus connection may have taken, for the next round
+        self._taken: Counter[Remote] = Counter()
         self._notice_due = trio.Event()
         self._dirty: list[Remote] = []  # queued for by `_deliver`, to `_flush`
         self._split: _Split | None = None  # the last fan-out's judgement (`_deliver`)
@@ -954,7 +957,7 @@ class Gateway:
             if waits:
                 turn.release()
                 turning = False
-            sent = await publish_packets(packets, owner)
+            sent = await publish_packets(packets, owner, rc)
             if sent < len(packets) and not bridge.up:
                 raise BusAway(f"{len(packets) - sent} publishes dropped: the bus has been "
                               f"away for more than {bridge.bus_wait:g} s")
@@ -1125,7 +1128,7 @@ class Gateway:
                 raise FrameRefused(f"publish to {brief(frame.topic)} before authenticating "
                               "dropped")
             self.check_key(frame.topic)
-            await self.bridge.publish(frame.topic, frame.body, rc.account.owner)
+            await self.bridge.publish(frame.topic, frame.body, rc.account.owner, rc)
         elif kind is codec.KeepAlive:
             rc.outbox.force(codec.KEEPALIVE)
             rc.lot.unpark()
@@ -1271,6 +1274,7 @@ class Gateway:
                 f"{self.dropped} discarded (a buffer or the pool full), "
                 f"{b.lost} lost (the bus away too long, or too large), "
                 f"{b.missed_outages} outages of the bus missed by subscribers, "
+                f"{b.unconfirmed_lost} sent but perhaps lost with the bus's connection, "
                 f"{self.refused} frames refused, {self.closed} closed (wrong key, junk), "
                 f"{self.handshakes_expired} TLS handshakes not done in time, "
                 f"{self.crashes} dropped on an internal error, "
@@ -1379,6 +1383,15 @@ class Gateway:
             del held[:-NOTICES_HELD]
         self._notice_due.set()
 
+    def _taken_notice(self, taken: Counter) -> None:
+        """The bridge lost its connection, which may have taken *taken[rc]* of each
+        remote client's publishes: told, at the next round, to those that subscribe to
+        the notices (the log says the total)."""
+        for rc, n in taken.items():
+            if rc in self.noticed:
+                self._taken[rc] += n
+        self._notice_due.set()
+
     async def _tell_bus_notices(self) -> None:
         """Queue the bus's notices for every client subscribed to them, a round at most
         every `NOTICE_EVERY` seconds (the others get a turn every `TURN`).  An outage's
@@ -1391,11 +1404,13 @@ class Gateway:
             self._notice_due = trio.Event()
             frames, self._bus_notices = self._bus_notices, []
             dropped, self._bus_dropped = self._bus_dropped, 0
+            taken, self._taken = self._taken, Counter()
             start = clock()
             for i, rc in enumerate(list(self.noticed)):
                 if rc not in self.noticed:  # gone (or unsubscribed) during a turn
                     continue
-                for frame in frames:
+                own = taken.get(rc)
+                for frame in (frames + [notices.unconfirmed(own)]) if own else frames:
                     if not rc.outbox.force(frame, OUTAGE_ROOM):
                         self.say(rc.host, logging.WARNING, "disconnecting %r: its buffer "
                                  "is too full to be told of the bus's outage", rc)
