@@ -276,6 +276,9 @@ class _Shell:
         self.on_drop = on_drop
         self.on_connection = on_connection
         self.on_refusal = on_refusal
+        #: Called on each whoami answer taken while receiving (one that waits on a
+        #: question it asked itself: the bridge's imports, `sbus.bridge.shell`).
+        self.on_answer: Callable[[], None] | None = None
         #: Messages too large to receive whole (over `SLOT_BYTES`: cut by the kernel, never
         #: handed out; reported as a drop of one), and the key of the last one.
         self.cut, self.cut_key = 0, b""
@@ -573,6 +576,8 @@ class _Shell:
                             self.address, event.count)
             return event
         if type(event) is Whoami:
+            if self.on_answer is not None:
+                self.on_answer()
             return None
         if type(event) is Refusal:
             if self.on_refusal is not None:

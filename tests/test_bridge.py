@@ -224,6 +224,46 @@ def test_bus_restart_keeps_qos1_imports_waiting(hosts: Hosts) -> None:
         stop_process(proc)
 
 
+def test_qos1_imports_a_killed_bus_never_read_are_sent_again(hosts: Hosts) -> None:
+    """Imports sent into the bus's socket while the local broker is stopped, then a
+    ``kill -9``: the broker never read them, so the bridge has not acknowledged them to
+    the MQTT broker (an import's PUBACK waits for the bus to confirm it), and it sends
+    them again to the next broker: all 30 arrive (before: acknowledged once sent, lost
+    without a word)."""
+    _bridges_a_to_b(hosts)
+    a, b = hosts.bus_address(0), hosts.bus_address(1)
+    sub_b = subscriber(b, "sensors/")
+    publish(a, [("sensors/first", b"x")])
+    assert collect(sub_b, want=1) == [(b"sensors/first", b"x")]
+    proc = hosts.buses.pop(b)
+    os.kill(proc.pid, signal.SIGSTOP)
+    sent = [(f"sensors/{i}", b"%d" % i) for i in range(30)]
+    publish(a, sent)
+    # (as many as the MQTT broker sends before their PUBACKs: its in-flight window)
+    until(lambda: hosts.bridges[1].counters()["imported"] >= 11,
+          "the imports sent into the stopped broker's socket")
+    time.sleep(0.5)
+    sent_into = hosts.bridges[1].counters()["imported"] - 1
+    proc.kill()
+    proc.wait()
+    os.unlink(b)
+    hidden = b + ".new"  # our subscriber first, then the address the bridge knows
+    with open(hosts.tmp / "bus1.log", "ab") as log:
+        proc = subprocess.Popen(["ip", "netns", "exec", hosts.names[1], *SBUS, "serve",
+                                 "--address", hidden], stdout=log, stderr=log)
+    try:
+        wait_for_socket(hidden, proc)
+        sub_b = subscriber(hidden, "sensors/")
+        os.rename(hidden, b)
+        got = collect(sub_b, want=30, quiet=2.0)
+        assert sorted(set(got)) == sorted((k.encode(), p) for k, p in sent), got
+        log = hosts.bridges[1].log.read_text()
+        assert f"the bus connection was lost before the broker confirmed {sent_into} " \
+               f"import(s): {sent_into} QoS 1 sent again" in log, log
+    finally:
+        stop_process(proc)
+
+
 @pytest.mark.parametrize("qos", [1, 0])
 def test_mqtt_broker_restart(persistent_hosts: Hosts, qos: int) -> None:
     """Export QoS 1: what was published while the broker was away is delivered once it is

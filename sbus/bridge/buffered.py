@@ -202,6 +202,9 @@ class BufferedClient(mqtt.Client):
         self.max_in = 1 << 28
         #: why the last connection was ended here (`_refused`), for the shell to say
         self.refusal = ""
+        #: packet identifiers of the PUBLISHes read whose PUBACKs wait (`release`), in
+        #: the order read; None: each PUBACK is written as the PUBLISH is read
+        self.held: list[int] | None = None
 
     # -- what paho calls -------------------------------------------------------------
 
@@ -282,11 +285,24 @@ class BufferedClient(mqtt.Client):
         self._last_bytes_received = mqtt.time_func()  # (paho's keep-alive)
         self.on_quick_message(topic, data[stop:end], qos, bool(head & 8), props)
         if qos:
-            if self._out_packet or len(self._wbuf) >= WRITE_CHUNK:
-                self._send_puback(mid)  # after what paho queued first
+            if self.held is not None:
+                self.held.append(mid)
             else:
-                self._wbuf += bytes((0x40, 2, mid >> 8, mid & 0xFF))
+                self._puback(mid)
         return True
+
+    def _puback(self, mid: int) -> None:
+        if self._out_packet or len(self._wbuf) >= WRITE_CHUNK:
+            super()._send_puback(mid)  # after what paho queued first
+        else:
+            self._wbuf += bytes((0x40, 2, mid >> 8, mid & 0xFF))
+
+    def _send_puback(self, mid: int) -> MQTTErrorCode:
+        """paho's, for a PUBLISH it read itself: held as `_quick_publish` holds them."""
+        if self.held is not None:
+            self.held.append(mid)
+            return MQTTErrorCode.MQTT_ERR_SUCCESS
+        return super()._send_puback(mid)
 
     def _refused(self, command: int, length: int, header: int) -> str:
         """Why a packet whose fixed header paho has read so far must not be read on (an
@@ -344,6 +360,15 @@ class BufferedClient(mqtt.Client):
         self._call_socket_close(sock)
 
     # -- what the shell calls ----------------------------------------------------------
+
+    def release(self, n: int) -> None:
+        """Write the PUBACKs of the first *n* held PUBLISHes (`held`), in order."""
+        held = self.held
+        if held is None:
+            return
+        for mid in held[:n]:
+            self._puback(mid)
+        del held[:n]
 
     def publish_now(self, topic: bytes, payload: bytes, properties: _Packable) -> int | None:
         """A QoS 1 PUBLISH of *topic* (valid: no wildcard, not empty) put straight into the

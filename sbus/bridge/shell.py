@@ -34,10 +34,13 @@ Flow control, so that no local publisher ever waits for MQTT:
   messages wait in the local broker's queue for the bridge (bounded, then dropped).
 * MQTT is read only while the bus is up: imports that cannot be delivered stay with the
   MQTT broker (at QoS 1 in the bridge's session) instead of being lost here.  An import
-  is acknowledged to the MQTT broker only once the bus has it: paho's PUBACKs are not
-  written while imports are on their way to the bus.  After a long wait for the bus the
-  MQTT broker drops the connection (keep-alive) and it is made again, the session's
-  imports waiting.
+  is acknowledged to the MQTT broker only once the local broker has read it: the PUBACKs
+  are held (`BufferedClient.held`) until the broker answers the whoami question sent
+  after the imports (its answer comes after it read them).  A bus connection lost before
+  the answer may have taken them (a ``kill -9`` of the broker): the QoS 1 ones are sent
+  again on the next connection (perhaps twice), the QoS 0 ones counted as perhaps lost,
+  and both said.  After a long wait for the bus the MQTT broker drops the connection
+  (keep-alive) and it is made again, the session's imports waiting.
 
 Crashes: QoS 1 exports are written to the spool (`spool.Spool`) before paho gets them
 and leave it when the broker acknowledges them; a restarted bridge sends what is left.
@@ -116,6 +119,9 @@ ACK_RUN = 0.002
 #: Bytes of imports taken from MQTT before they are published on the bus (else at the
 #: end of the read turn).
 IMPORT_BYTES = 256 * 1024
+#: Seconds `_import` waits before it tries again a bus connection that is being replaced
+#: (the bus reader reconnects; the imports wait for it).
+IMPORT_RETRY = 0.005
 #: Seconds a lane waits on its socket before it looks again whether that is still the
 #: connection (a change wakes it at once: `_wake_lanes`; this is the backstop).
 LANE_POLL = 1.0
@@ -217,6 +223,7 @@ class BridgeShell:
                                backoff=Backoff(backoff_first, backoff_max),
                                on_drop=core.bus_dropped, on_refusal=self._refused,
                                on_connection=self._bus_connection)
+        self.bus.on_answer = self._confirmed
         self.address = self.bus.address
         self.bus_up = False
         self._opened = False  # the bus's opening (policy, patterns, whoami) is done
@@ -233,9 +240,12 @@ class BridgeShell:
         self._import_bytes = 0  # their keys and payloads
         #: QoS 1 imports: reads make PUBACKs (coalesced under TCP_CORK)
         self._acked_imports = any(q for _, q in core.mqtt_subscriptions())
-        #: imports on their way to the bus (`_imports`): paho's PUBACKs wait; if the bridge
-        #: stops meanwhile, they never go
-        self._holding = False
+        #: imports sent on this bus connection that the broker has not confirmed (sent
+        #: again if it is lost), the first `_covered` of them, and the first
+        #: `_covered_acks` held PUBACKs, by the question last asked, whose answer is the
+        #: session's `_confirm_at`-th (`_confirmed`)
+        self._unacked: list[tuple[bytes, bytes, int]] = []
+        self._covered = self._covered_acks = self._confirm_at = 0
         self._activity = 0
         self._acks = 0  # acknowledgements of exports read (`_on_publish`)
         self._stopping = False
@@ -389,6 +399,7 @@ class BridgeShell:
                             protocol=mqtt.MQTTv5)
         mq.max_inflight_messages_set(WINDOW)
         mq.max_queued_messages_set(s.max_queued)
+        mq.held = [] if self._acked_imports else None  # PUBACKs once the bus confirms
         if s.tls:
             try:
                 mq.tls_set(ca_certs=s.cafile, certfile=s.certfile, keyfile=s.keyfile)
@@ -407,8 +418,7 @@ class BridgeShell:
         mq.on_socket_open = self._on_socket_open
         mq.on_socket_close = self._on_socket_close
         # paho then queues what it sends (no write inside publish): the loop writes (one
-        # send per flush: `BufferedClient`), and holds back the PUBACKs of imports not yet
-        # on the bus
+        # send per flush: `BufferedClient`)
         mq.on_socket_register_write = self._on_register_write
         return mq
 
@@ -474,6 +484,9 @@ class BridgeShell:
             return
         self.mqtt_up = True
         self.mqtt_retry.up(time.monotonic())
+        if mq.held:  # the last connection's: the broker sends those PUBLISHes again
+            mq.held.clear()
+        self._covered_acks = 0
         self._poke()
         log.info("connected to MQTT broker %s (session %s)", self.broker,
                  "resumed" if flags.session_present else "new")
@@ -676,8 +689,8 @@ class BridgeShell:
         runs = not self.core.mqtt_subscriptions()  # nothing else to come: no import waits
         pace = Linger(self.settings.linger)
         while True:
-            if self._imports:  # what the import lane left: they wait for room on the bus
-                await self._import()
+            if self._imports or self._unasked():  # what the import lane left (they wait
+                await self._import()  # for room on the bus), or its question
                 self._flush()
             if not (self.bus_up and self._mqtt_live()):
                 await self._until(lambda: self.bus_up and self._mqtt_live())
@@ -799,15 +812,21 @@ class BridgeShell:
     def _import_nowait(self) -> bool:
         """Publish on the bus, in order, the imports it takes now: runs of them in one
         system call (`AsyncClient.send_run_nowait`); one it refuses is counted and said.
-        True when none is left; else the rest wait in `_imports` (for `_import`) and the
-        PUBACKs with them (`_holding`)."""
+        Then a whoami question, whose answer lets their PUBACKs go (`_confirmed`).  True
+        when nothing is left to send; else the rest wait in `_imports` (for `_import`)."""
         imports = self._imports
         self._import_bytes = 0
-        if not imports:
-            return True
+        if imports:
+            self._send_imports()
+            if imports:
+                return False
+        return self._ask()
+
+    def _send_imports(self) -> None:
+        """`_import_nowait`'s sending: what went moves to `_unacked`."""
+        imports = self._imports
         bus, core, packet = self.bus, self.core, self.bus.session.publish
         done, count = 0, len(imports)
-        self._holding = True
         while done < count:
             run: list[bytes] = []
             refused = None
@@ -821,6 +840,7 @@ class BridgeShell:
                 went = bus.send_run_nowait(run)
                 for key, payload, _ in imports[done:done + went]:
                     core.imported(len(key) + len(payload))
+                self._unacked += imports[done:done + went]
                 done += went
                 if went < len(run):
                     break  # no room now: `_import` waits for it
@@ -829,33 +849,67 @@ class BridgeShell:
                 self._note(f"not imported: {printable(str(refused), 200)}")
                 done += 1
         del imports[:done]
-        self._holding = bool(imports)
-        return not imports
+
+    def _ask(self) -> bool:
+        """Ask the question that confirms the imports sent, and the PUBACKs held, since
+        the last one, if there are any: whether nothing is left to ask."""
+        if not self._unasked():
+            return True
+        session = self.bus.session
+        if not self.bus.send_run_nowait([session.ask()]):  # no room, or no connection
+            session.asked = max(0, session.asked - 1)
+            return False
+        held = self.mq.held
+        self._covered, self._covered_acks = len(self._unacked), len(held or ())
+        self._confirm_at = session.answers + session.asked  # (its place among answers)
+        return True
+
+    def _unasked(self) -> bool:
+        """Were imports sent, or PUBACKs held, since the last question?"""
+        return len(self._unacked) > self._covered \
+            or len(self.mq.held or ()) > self._covered_acks
+
+    def _confirmed(self) -> None:
+        """A whoami answer was read (`AsyncClient.on_answer`, by whichever task reads the
+        bus): if it is the last question's, the broker has read every import sent before
+        it, and their PUBACKs go."""
+        if self.bus.session.answers < self._confirm_at \
+                or not (self._covered or self._covered_acks):
+            return
+        del self._unacked[:self._covered]
+        self.mq.release(self._covered_acks)
+        self._covered = self._covered_acks = 0
+        self._flush()
 
     async def _import(self) -> None:
-        """Publish the imports left by `_import_nowait`, in order: the first waits inside
-        `send_packet` for room on the bus, or for the bus itself (the client reconnects);
-        meanwhile the PUBACKs wait.  If the bridge stops first, they never go (`_close`
-        counts the QoS 0 imports left as dropped; the QoS 1 ones the MQTT broker sends
-        again)."""
-        bus, core = self.bus, self.core
+        """Publish the imports left by `_import_nowait`, in order, as the bus has room
+        for them, or once it is back (the bus reader reconnects; this never does, so no
+        import goes on a connection before those the last one may have taken:
+        `_import_again`).  If the bridge stops first, they never go (`_close` counts the
+        QoS 0 imports left as dropped; the QoS 1 ones the MQTT broker sends again)."""
+        bus = self.bus
         while not self._import_nowait():
-            key, payload, _ = self._imports[0]
+            if not self.bus_up:
+                await self._until(lambda: self.bus_up)
+                continue
+            fd = bus.fileno()
             try:
-                await bus.send_packet(bus.session.publish(key, payload))
-            except SbusError as exc:
-                core.dropped()
-                self._note(f"not imported: {printable(str(exc), 200)}")
-            else:
-                core.imported(len(key) + len(payload))
-            del self._imports[0]
+                if fd >= 0:
+                    await anyio.wait_writable(fd)
+            except anyio.ClosedResourceError:
+                continue
+            left = len(self._imports)
+            if self._import_nowait():
+                return
+            if len(self._imports) == left:  # writable, yet nothing went: a broken
+                await anyio.sleep(IMPORT_RETRY)  # connection that the reader replaces
 
     async def _mqtt_writer(self) -> None:
         """Write what paho queued and could not write at once (a full socket, or packets
         queued between flushes: PINGREQ, SUBSCRIBE, PUBACKs held for imports)."""
         mq = self.mq
         while True:
-            await self._until(lambda: self._mqtt_live() and not self._holding
+            await self._until(lambda: self._mqtt_live()
                               and mq.want_write())
             sock = mq.socket()
             try:
@@ -866,10 +920,9 @@ class BridgeShell:
                 self._flush()
 
     def _flush(self) -> None:
-        """Write what paho queued, unless imports are on their way to the bus (their
-        PUBACKs are among it) or paho is connecting in its thread."""
+        """Write what paho queued, unless paho is connecting in its thread."""
         mq = self.mq
-        if self._holding or not self._mqtt_live() or not mq.want_write():
+        if not self._mqtt_live() or not mq.want_write():
             return
         mq.flush()
         if self._exports_wait or mq.want_write():  # room for exports, or the writer's turn
@@ -918,10 +971,30 @@ class BridgeShell:
         self.bus_up = up
         if up:
             self.core.bus_reset()  # no echo of an earlier import comes on this connection
+        else:
+            self._import_again()
         self._wake_lanes()  # (it waits on the connection that was)
         self._save_state()
         self._notify(f"STATUS={self.status()}")
         self._poke()
+
+    def _import_again(self) -> None:
+        """The bus connection was lost before the broker confirmed the last imports:
+        it may have taken them.  The QoS 1 ones go again first on the next connection
+        (their PUBACKs still wait: a copy rather than a loss); the QoS 0 ones are not
+        sent twice, and are counted as perhaps lost.  Said, with both counts."""
+        self._covered = self._covered_acks = 0  # (that question is never answered)
+        if not self._unacked:
+            return
+        again = [item for item in self._unacked if item[2]]
+        maybe = len(self._unacked) - len(again)
+        self._unacked.clear()
+        self._imports[:0] = again
+        if maybe:
+            self.core.dropped(maybe)
+        log.warning("the bus connection was lost before the broker confirmed %d import(s):"
+                    " %d QoS 1 sent again when it is back (perhaps twice), %d QoS 0 perhaps "
+                    "lost (counted dropped)", len(again) + maybe, len(again), maybe)
 
     async def _bus_reader(self) -> None:
         """Take a batch from the bus whenever MQTT can take more, and hand it to paho:
@@ -1321,8 +1394,9 @@ class BridgeShell:
                 self._export_events(events)
 
     async def _close(self) -> None:
-        """Say goodbye to MQTT (what paho holds written, 1 s at most: not when imports
-        are unpublished, whose PUBACKs would go with it), close the bus, save the state."""
+        """Say goodbye to MQTT (what paho holds written, 1 s at most; the PUBACKs of
+        imports the bus has not confirmed stay held: the MQTT broker sends those again),
+        close the bus, save the state."""
         self._stopping = True
         self._wake_lanes()
         lost = sum(1 for _, _, qos in self._imports if qos == 0)
@@ -1330,7 +1404,7 @@ class BridgeShell:
             self.core.dropped(lost)
         await self._take_in_before_closing()
         mq = self.mq
-        if self._mqtt_live() and not self._holding:
+        if self._mqtt_live():
             self.mqtt_up = False  # a goodbye, not a loss
             with anyio.move_on_after(1.0):
                 said = False
