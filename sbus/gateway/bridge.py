@@ -175,6 +175,9 @@ class Bridge:
         #: what a lost connection may take with it, by remote publisher (`_confirming`)
         self.unconfirmed = Unconfirmed(self.bus.session)
         self._wrote = trio.Event()  # publishes went since `_confirming` last looked
+        self._hurry = trio.Event()  # someone waits for a confirmation (`confirmed`)
+        self._confirm_lot = trio.lowlevel.ParkingLot()  # they wait here
+        self._losses = 0  # connections lost that may have taken publishes (`_taken`)
         self._lock = trio.Lock()
         self._waiting: trio.CancelScope | None = None  # the receiver's wait for the socket
         self._receiving: trio.CancelScope | None = None  # its receive, under the lock
@@ -543,6 +546,8 @@ class Bridge:
         n = count.lost()
         if not n:
             return line
+        self._losses += 1
+        self._confirm_lot.unpark_all()
         self.unconfirmed_lost += n
         taken = count.taken
         if self.on_taken is not None:
@@ -559,7 +564,11 @@ class Bridge:
         while True:
             await self._wrote.wait()
             self._wrote = trio.Event()
-            await trio.sleep(CONFIRM_EVERY)
+            with trio.move_on_after(CONFIRM_EVERY):
+                await self._hurry.wait()
+            if self._hurry.is_set():  # a publisher waits for its answer: no later
+                self._hurry = trio.Event()
+                count.next_at = 0.0
             async with self._lock:
                 question = count.question(time.monotonic()) if self._up else None
                 if question is not None:
@@ -570,6 +579,21 @@ class Bridge:
                         count.next_at = 0.0
             if count.asked_at is not None or count.sent > count.confirmed:
                 self._wrote.set()  # a round more: its answer, or the next question
+
+    async def confirmed(self) -> bool:
+        """Wait until the broker has confirmed every remote publish sent so far (asked at
+        once, not at `_confirming`'s pace): True; False if the connection was lost first
+        (it may have taken some of them), or no answer came within `bus_wait` seconds.
+        For a publisher that answers its own client (the HTTPS endpoint's 201)."""
+        count = self.unconfirmed
+        mark, losses = count.sent, self._losses
+        with trio.move_on_after(self.bus_wait):
+            while self._losses == losses and count.confirmed < mark:
+                if count.asked_at is None or count.asked_at < mark:
+                    self._hurry.set()  # (the question under way does not cover it)
+                    self._wrote.set()
+                await self._confirm_lot.park()
+        return self._losses == losses and count.confirmed >= mark
 
     def _refusal(self, event: Refusal) -> None:
         if event.verb == "cmsg":  # the one control it may refuse: we are not trusted
@@ -605,6 +629,11 @@ class Bridge:
         before the answer) or in force.  A refused pattern leaves every remote client
         that holds it, so what the gateway routes is what the bus holds."""
         answered = self._asked - self.bus.session.asked
+        if self._confirm_lot:  # (publishers wait for `confirmed`)
+            confirmed = self.unconfirmed.confirmed
+            self.unconfirmed.answered()
+            if self.unconfirmed.confirmed != confirmed:
+                self._confirm_lot.unpark_all()
         if self._answered and self._unconfirmed and self._unconfirmed[0][1] <= answered:
             self._answered.unpark_all()  # (they find out under the lock whether room came)
         while self._unconfirmed and self._unconfirmed[0][1] <= answered:

@@ -225,6 +225,11 @@ async def _serve(gw: Gateway, stream: trio.abc.Stream, host: str) -> None:
                 if not await gw.bridge.publish(answer.topic, answer.body,
                                                gw.caps.peer(host).owner):
                     answer = Answer(503, "the bus is not available; try again")
+                elif not await gw.bridge.confirmed():  # a 201 means the broker has it
+                    answer = Answer(503, "the bus did not confirm the message (it went "
+                                    "away, or did not answer within "
+                                    f"{gw.bridge.bus_wait:g} s): it may not have been "
+                                    "published; try again")
             elif answer.status == 401 and "wrong" in answer.text:
                 gw.say(host, logging.WARNING, "HTTPS %s: wrong authentication key",
                        peer_of(stream)[1])
