@@ -812,9 +812,8 @@ class BridgeShell:
     def _import_nowait(self) -> bool:
         """Publish on the bus, in order, the imports it takes now: runs of them in one
         system call (`AsyncClient.send_run_nowait`); one it refuses is counted and said.
-        The last run ends with a whoami question, whose answer lets their PUBACKs go
-        (`_confirmed`).  True when nothing is left to send; else the rest wait in
-        `_imports` (for `_import`)."""
+        Then a whoami question, whose answer lets their PUBACKs go (`_confirmed`).  True
+        when nothing is left to send; else the rest wait in `_imports` (for `_import`)."""
         imports = self._imports
         self._import_bytes = 0
         if imports:
@@ -825,11 +824,12 @@ class BridgeShell:
             [self.bus.session.ask()]) == 1)
 
     def _send_imports(self) -> None:
-        """`_import_nowait`'s sending: what went moves to `_unacked`; with the last of
-        them, the question (one system call, one wake-up of the broker)."""
+        """`_import_nowait`'s sending: what went moves to `_unacked`.  (The question goes
+        in a system call of its own: with the last run, the broker's wake-up that
+        delivers the imports also answered it, and that answer woke the bridge while the
+        subscribers' deliveries went: 15-20 µs more per import at 1,000 msg/s.)"""
         imports = self._imports
-        bus, core, session = self.bus, self.core, self.bus.session
-        packet = session.publish
+        bus, core, packet = self.bus, self.core, self.bus.session.publish
         done, count = 0, len(imports)
         while done < count:
             run: list[bytes] = []
@@ -841,19 +841,12 @@ class BridgeShell:
                     refused = exc
                     break
             if run:
-                last = refused is None and done + len(run) == count
-                if last:
-                    run.append(session.ask())
                 went = bus.send_run_nowait(run)
-                asked = last and went == len(run)
-                went -= asked
                 for key, payload, _ in imports[done:done + went]:
                     core.imported(len(key) + len(payload))
                 self._unacked += imports[done:done + went]
                 done += went
-                if last:
-                    self._asked(asked)  # (its place among the answers, or forgotten)
-                if went < len(run) - last:
+                if went < len(run):
                     break  # no room now: `_import` waits for it
             if refused is not None:
                 core.refused_by_broker()
