@@ -700,10 +700,12 @@ def _user_property(key: str, value: str) -> bytes:
     return b"\x26" + len(k).to_bytes(2, "big") + k + len(v).to_bytes(2, "big") + v
 
 
-def _read_all(stream: bytes, quick: bool, cut: int | None = None, queued: bool = False):
+def _read_all(stream: bytes, quick: bool, cut: int | None = None, queued: bool = False,
+              held: list[int] | None = None):
     """What a connected `BufferedClient` hands on for *stream* (in two reads if *cut*;
-    with a SUBSCRIBE queued by paho first if *queued*): (messages as (topic, payload,
-    qos, dup, user properties), the bytes it writes, whether a read failed, how many
+    with a SUBSCRIBE queued by paho first if *queued*; its PUBACKs held in *held* if
+    given, then the first half of them released): (messages as (topic, payload, qos,
+    dup, user properties), the bytes it writes, whether a read failed, how many
     messages paho decoded)."""
     import socket
 
@@ -727,6 +729,7 @@ def _read_all(stream: bytes, quick: bool, cut: int | None = None, queued: bool =
         mq.on_quick_message = lambda *m: got.append((*m[:4], list(m[4])))
     if queued:
         mq.subscribe("s", qos=1)  # in paho's queue: the PUBACKs must go after it
+    mq.held = held
     failed = False
     for part in (stream,) if cut is None else (stream[:cut], stream[cut:]):
         b.sendall(part)
@@ -737,8 +740,16 @@ def _read_all(stream: bytes, quick: bool, cut: int | None = None, queued: bool =
                 break
             if not mq.pending():
                 break
-    mq.flush()
     b.setblocking(False)
+    if held is not None:
+        mq.flush()
+        try:
+            early = b.recv(65536)
+        except BlockingIOError:
+            early = b""
+        assert b"\x40\x02" not in early and bool(early) == queued  # (the SUBSCRIBE)
+        mq.release(len(held) // 2 + 1)
+    mq.flush()
     try:
         written = b.recv(65536)
     except BlockingIOError:
@@ -776,6 +787,12 @@ def test_buffered_client_takes_plain_publishes_as_paho_would() -> None:
     assert _read_all(stream, quick=True)[3] == 0  # all of them by the short cut
     for cut in (1, 2, 5, len(plain[0]) + 3, len(stream) - 2):
         assert _read_all(stream, quick=True, cut=cut)[:3] == (want, acks, False), cut
+    for quick in (False, True):  # held until released, in order, by either path
+        held: list[int] = []
+        got, written, _, _ = _read_all(stream, quick=quick, held=held)
+        assert written == b"".join(b"\x40\x02" + m.to_bytes(2, "big") for m in (1, 2, 3))
+        assert held == [65535]  # (not released yet)
+        assert _read_all(stream, quick=quick, queued=True, held=[])[1] == written
     after = _read_all(stream, quick=False, queued=True)
     assert after[1].endswith(acks) and len(after[1]) > len(acks)  # the SUBSCRIBE first
     assert _read_all(stream, quick=True, queued=True)[:3] == after[:3]

@@ -909,7 +909,7 @@ class BridgeShell:
 
     async def _mqtt_writer(self) -> None:
         """Write what paho queued and could not write at once (a full socket, or packets
-        queued between flushes: PINGREQ, SUBSCRIBE, PUBACKs held for imports)."""
+        queued between flushes: PINGREQ, SUBSCRIBE, the PUBACKs of confirmed imports)."""
         mq = self.mq
         while True:
             await self._until(lambda: self._mqtt_live()

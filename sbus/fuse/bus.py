@@ -497,5 +497,6 @@ class MountBus:
             log.info("cannot publish %s: %s", brief(protocol.publish_key(packet) or b""), exc)
             raise FUSEError(errno.EMSGSIZE) from None
         except (trio.TooSlowError, SbusError, OSError) as exc:
-            log.error("cannot publish: no broker at %s (%s)", self.address, exc)
+            log.error("cannot publish: no broker at %s (%s)", self.address,
+                      str(exc) or type(exc).__name__)  # (an outage's error may say nothing)
             raise FUSEError(errno.EIO) from None
