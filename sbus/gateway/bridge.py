@@ -176,8 +176,9 @@ class Bridge:
         self.unconfirmed = Unconfirmed(self.bus.session)
         self._wrote = trio.Event()  # publishes went since `_confirming` last looked
         self._hurry = trio.Event()  # someone waits for a confirmation (`confirmed`)
-        self._confirm_lot = trio.lowlevel.ParkingLot()  # they wait here
-        self._losses = 0  # connections lost that may have taken publishes (`_taken`)
+        #: they wait here, oldest first: [publishes sent when they asked, their event,
+        #: whether confirmed]; an answer wakes only those it confirms
+        self._confirm_waits: deque[list] = deque()
         self._lock = trio.Lock()
         self._waiting: trio.CancelScope | None = None  # the receiver's wait for the socket
         self._receiving: trio.CancelScope | None = None  # its receive, under the lock
@@ -546,8 +547,9 @@ class Bridge:
         n = count.lost()
         if not n:
             return line
-        self._losses += 1
-        self._confirm_lot.unpark_all()
+        for waiter in self._confirm_waits:  # (theirs may have been taken)
+            waiter[1].set()
+        self._confirm_waits.clear()
         self.unconfirmed_lost += n
         taken = count.taken
         if self.on_taken is not None:
@@ -586,14 +588,38 @@ class Bridge:
         (it may have taken some of them), or no answer came within `bus_wait` seconds.
         For a publisher that answers its own client (the HTTPS endpoint's 201)."""
         count = self.unconfirmed
-        mark, losses = count.sent, self._losses
-        with trio.move_on_after(self.bus_wait):
-            while self._losses == losses and count.confirmed < mark:
-                if count.asked_at is None or count.asked_at < mark:
-                    self._hurry.set()  # (the question under way does not cover it)
-                    self._wrote.set()
-                await self._confirm_lot.park()
-        return self._losses == losses and count.confirmed >= mark
+        if count.confirmed >= count.sent:
+            return True
+        waiter = [count.sent, trio.Event(), False]
+        waits = self._confirm_waits
+        waits.append(waiter)
+        self._hurry_for(waiter[0])
+        try:
+            with trio.move_on_after(self.bus_wait):
+                await waiter[1].wait()
+        finally:
+            if not waiter[1].is_set():  # (timed out, or its client went)
+                waits.remove(waiter)
+        return waiter[2]
+
+    def _hurry_for(self, mark: int) -> None:
+        """Have `_confirming` ask at once if no question under way covers *mark*."""
+        asked = self.unconfirmed.asked_at
+        if asked is None or asked < mark:
+            self._hurry.set()
+            self._wrote.set()
+
+    def _confirm(self) -> None:
+        """Wake the waiters (`confirmed`) whose publishes the broker has confirmed now;
+        the next question for the rest goes at once.  (`_settle`, after each read.)"""
+        count, waits = self.unconfirmed, self._confirm_waits
+        count.answered()
+        while waits and waits[0][0] <= count.confirmed:
+            waiter = waits.popleft()
+            waiter[2] = True
+            waiter[1].set()
+        if waits:
+            self._hurry_for(waits[0][0])
 
     def _refusal(self, event: Refusal) -> None:
         if event.verb == "cmsg":  # the one control it may refuse: we are not trusted
@@ -629,11 +655,8 @@ class Bridge:
         before the answer) or in force.  A refused pattern leaves every remote client
         that holds it, so what the gateway routes is what the bus holds."""
         answered = self._asked - self.bus.session.asked
-        if self._confirm_lot:  # (publishers wait for `confirmed`)
-            confirmed = self.unconfirmed.confirmed
-            self.unconfirmed.answered()
-            if self.unconfirmed.confirmed != confirmed:
-                self._confirm_lot.unpark_all()
+        if self._confirm_waits:
+            self._confirm()
         if self._answered and self._unconfirmed and self._unconfirmed[0][1] <= answered:
             self._answered.unpark_all()  # (they find out under the lock whether room came)
         while self._unconfirmed and self._unconfirmed[0][1] <= answered:
