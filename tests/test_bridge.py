@@ -201,24 +201,36 @@ def test_bridge_restart_import_qos0_loses_what_came_meanwhile(hosts: Hosts) -> N
     assert collect(sub_b, want=1) == [(b"sensors/after", b"kept")]
 
 
+def _bus_behind_subscriber(hosts: Hosts, i: int,
+                           pattern: str) -> tuple[subprocess.Popen, Client]:
+    """A new bus for host *i*, and a subscriber to *pattern* on it: the bus listens under
+    another name until the subscriber is in, then moves to the address the bridge knows,
+    so the bridge cannot deliver before the subscriber is there."""
+    address = hosts.bus_address(i)
+    hidden = address + ".new"
+    with open(hosts.tmp / f"bus{i}.log", "ab") as log:
+        proc = subprocess.Popen(["ip", "netns", "exec", hosts.names[i], *SBUS, "serve",
+                                 "--address", hidden], stdout=log, stderr=log)
+    try:
+        wait_for_socket(hidden, proc)
+        sub = subscriber(hidden, pattern)
+        os.rename(hidden, address)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, sub
+
+
 def test_bus_restart_keeps_qos1_imports_waiting(hosts: Hosts) -> None:
     _bridges_a_to_b(hosts)
-    a, b = hosts.bus_address(0), hosts.bus_address(1)
+    a = hosts.bus_address(0)
     hosts.stop_bus(1)
     hosts.bridges[1].wait_status(lambda s: s.startswith("bus down"))
     sent = [(f"sensors/{i}", b"%d" % i) for i in range(30)]
     publish(a, sent)
     hosts.bridges[0].wait_counters(lambda c: c["exported"] == 30)
-    # the new bus listens under another name until our subscriber is in, then moves to
-    # the address the bridge knows: the bridge cannot deliver before the subscriber is there
-    hidden = b + ".new"
-    with open(hosts.tmp / "bus1.log", "ab") as log:
-        proc = subprocess.Popen(["ip", "netns", "exec", hosts.names[1], *SBUS, "serve",
-                                 "--address", hidden], stdout=log, stderr=log)
+    proc, sub_b = _bus_behind_subscriber(hosts, 1, "sensors/")
     try:
-        wait_for_socket(hidden, proc)
-        sub_b = subscriber(hidden, "sensors/")
-        os.rename(hidden, b)
         assert collect(sub_b, want=30) == [(k.encode(), p) for k, p in sent]
         assert hosts.bridges[1].counters()["dropped"] == 0
     finally:
@@ -248,14 +260,8 @@ def test_qos1_imports_a_killed_bus_never_read_are_sent_again(hosts: Hosts) -> No
     proc.kill()
     proc.wait()
     os.unlink(b)
-    hidden = b + ".new"  # our subscriber first, then the address the bridge knows
-    with open(hosts.tmp / "bus1.log", "ab") as log:
-        proc = subprocess.Popen(["ip", "netns", "exec", hosts.names[1], *SBUS, "serve",
-                                 "--address", hidden], stdout=log, stderr=log)
+    proc, sub_b = _bus_behind_subscriber(hosts, 1, "sensors/")
     try:
-        wait_for_socket(hidden, proc)
-        sub_b = subscriber(hidden, "sensors/")
-        os.rename(hidden, b)
         got = collect(sub_b, want=30, quiet=2.0)
         assert sorted(set(got)) == sorted((k.encode(), p) for k, p in sent), got
         log = hosts.bridges[1].log.read_text()

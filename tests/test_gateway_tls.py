@@ -61,18 +61,28 @@ def tls_bus(tlsdir):
     b.stop()
 
 
-@pytest.fixture(scope="module")
-def tls_gw(tlsdir, tls_bus, ca):
+def _tls_gateway(directory: Path, bus: str, ca, name: str) -> GatewayProcess:
+    """A gateway on *bus* with TLS and the HTTPS endpoint (`https_port`), started."""
     cert = ca.issue_cert("127.0.0.1", "localhost")
-    certfile, keyfile = tlsdir / "cert.pem", tlsdir / "key.pem"
+    certfile, keyfile = directory / "cert.pem", directory / "key.pem"
     certfile.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
     cert.private_key_pem.write_to_path(str(keyfile))
-    g = GatewayProcess(tlsdir, tls_bus.address, "--tls-cert", str(certfile),
+    g = GatewayProcess(directory, bus, "--tls-cert", str(certfile),
                        "--tls-key", str(keyfile), "--https-listen",
-                       f"127.0.0.1:{free_port()}", name="tls")
+                       f"127.0.0.1:{free_port()}", name=name)
     g.https_port = int(g.args[-1].rsplit(":", 1)[1])
     g.start()
-    g.wait_log(f"HTTPS 127.0.0.1:{g.https_port}", timeout=15)  # both listeners are up
+    try:
+        g.wait_log(f"HTTPS 127.0.0.1:{g.https_port}", timeout=15)  # both listeners are up
+    except BaseException:
+        g.stop()
+        raise
+    return g
+
+
+@pytest.fixture(scope="module")
+def tls_gw(tlsdir, tls_bus, ca):
+    g = _tls_gateway(tlsdir, tls_bus.address, ca, "tls")
     yield g
     g.stop()
 
@@ -452,23 +462,14 @@ def test_https_refusals(tls_gw, client_ctx, local, kwargs, status):
     assert local.recv(1 << 16) == b"MSG web/marker\0"  # nothing was published before it
 
 
-def test_https_answers_201_once_the_broker_has_the_message(tlsdir, ca, client_ctx, short_tmp):
+def test_https_answers_201_once_the_broker_has_the_message(ca, client_ctx, short_tmp):
     """A 201 means the broker has read the message (the gateway asks it, a whoami
     question after the publish): with the broker stopped (SIGSTOP) the answer waits, and
     when the broker is then killed with ``kill -9`` it is a 503 that says the message may
     not have been published (before: 201 at once, and the message lost without a word)."""
     bus = BrokerProcess(str(short_tmp / "h.sock")).start()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    certfile, keyfile = short_tmp / "cert.pem", short_tmp / "key.pem"
-    certfile.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
-    cert.private_key_pem.write_to_path(str(keyfile))
-    g = GatewayProcess(short_tmp, bus.address, "--tls-cert", str(certfile),
-                       "--tls-key", str(keyfile), "--https-listen",
-                       f"127.0.0.1:{free_port()}", name="h201")
-    g.https_port = int(g.args[-1].rsplit(":", 1)[1])
-    g.start()
+    g = _tls_gateway(short_tmp, bus.address, ca, "h201")
     try:
-        g.wait_log(f"HTTPS 127.0.0.1:{g.https_port}", timeout=15)
         local = raw(bus.address)
         local.send(b"SUB web/c")
         sync(local)
