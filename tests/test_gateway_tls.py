@@ -495,6 +495,77 @@ def test_https_answers_201_once_the_broker_has_the_message(ca, client_ctx, short
         bus.stop()
 
 
+class _Unreading:
+    """A stand-in for a broker that dies right after it answered a reconnect's opening
+    (a fault a real broker cannot be made to show on cue): it answers the first whoami
+    question of each connection, then reads nothing; `close` is its death."""
+
+    def __init__(self, address: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(address)
+        self.listener.listen(8)
+        self.conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                conn, _ = self.listener.accept()
+                self.conns.append(conn)
+                while not conn.recv(1 << 20).startswith(b"CMSG !/cred/whoami"):
+                    pass
+                conn.send(b"CMSG !/cred/whoami\0!/cred/0/0/4242")
+        except OSError:
+            return  # closed
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def test_https_never_answers_201_for_what_a_reconnect_sent_to_a_broker_that_died(
+        ca, client_ctx, short_tmp):
+    """Publishes caught in a send to a stopped broker that is then killed go on, after the
+    reconnect, to a broker that dies before reading them: none is answered 201 (the
+    audit of 2026-11-28 got one 201 in each of 3 rounds: the send that spanned the
+    reconnect was taken as confirmed by the lost connection's count), and the gateway's
+    log counts them with the connection that took them."""
+    address = str(short_tmp / "d.sock")
+    bus = BrokerProcess(address).start()
+    g = _tls_gateway(short_tmp, address, ca, "hdie")
+    stand_in = None
+    try:
+        doc = {"topic": _b64(b"web/d"), "body": _b64(b"x" * 150_000)}
+        assert _post(g, client_ctx, doc)[0] == 201
+        os.kill(bus.proc.pid, signal.SIGSTOP)
+        answers: list = []
+        posters = [threading.Thread(target=lambda: answers.append(
+            _post(g, client_ctx, doc)[0])) for _ in range(12)]
+        for t in posters:
+            t.start()
+        time.sleep(1.5)  # the stopped broker's socket full: a send waits in it
+        bus.proc.kill()
+        bus.proc.wait()
+        os.unlink(address)
+        stand_in = _Unreading(address)
+        g.wait_log("connected to the bus at", times=2, timeout=10)
+        time.sleep(1.0)
+        stand_in.close()
+        for t in posters:
+            t.join(15)
+        assert len(answers) == 12 and 201 not in answers, answers
+        g.wait_log("lost the bus", times=2, timeout=10)
+        lines = [line for line in g.log().splitlines() if "lost the bus" in line]
+        assert len(lines) == 2 and "remote publish(es)" in lines[1], lines
+    finally:
+        if stand_in is not None:
+            stand_in.close()
+        g.stop()
+        bus.stop()
+
+
 def test_https_refuses_plain_http(tls_gw):
     conn = http.client.HTTPConnection("127.0.0.1", tls_gw.https_port, timeout=5)
     with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):

@@ -373,11 +373,13 @@ class Bridge:
         lock = self._lock
         switch: list[bytes] = []
         piece: list[bytes] = []
-        sent = 0
+        sent = made_on = 0
 
         def build() -> list[bytes]:
+            nonlocal made_on
             if not self._up:
                 return []
+            made_on = self._generation
             # others wait: a piece, and the lock (fair) is theirs before the next one
             end = sent + PIECE if lock.statistics().tasks_waiting else len(packets)
             piece[:] = packets[sent:end]
@@ -392,7 +394,13 @@ class Bridge:
             while sent < len(packets):
                 if not self._up and not await self.wait_up():
                     break
-                if await self._send(build):
+                piece.clear()  # (made anew by `build`, if it sends)
+                went = await self._send(build)
+                if made_on != self._generation and piece:  # the send spanned a reconnect:
+                    self.unconfirmed.add(len(piece), by)  # counted on the new connection
+                    self._wrote.set()  # too (the old one's count took them already)
+                    made_on = self._generation
+                if went:
                     sent += len(piece)
                     if switch:
                         self._for_unsure = False  # it went whole, with the piece

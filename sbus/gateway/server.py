@@ -97,14 +97,14 @@ DISCARD_LINES = 16
 #: (`notices`), at least: a broker that keeps dropping for the gateway says so in every
 #: report, and each round is a frame per such client.
 NOTICE_EVERY = 1.0
-#: Bus notices held for the next round, at most (outages come and go faster than a
-#: round only in a broker that restarts in a loop; the oldest go first).
-NOTICES_HELD = 8
+#: Bus notices held for the next round, at most: an outage's away, back and the counts
+#: of publishes it may have taken (outages come and go faster than a round only in a
+#: broker that restarts in a loop; the oldest go first).
+NOTICES_HELD = 12
 #: Outage notices a client's buffer may hold beyond the bound of forced frames (its
-#: keep-alives' echoes fill that), with the count of its own publishes the outage may
-#: have taken (one a round): a client still further behind cannot be told of an outage,
-#: and is disconnected instead, which is the protocol's own word.
-OUTAGE_ROOM = 2 * NOTICES_HELD + 1
+#: keep-alives' echoes fill that): a client still further behind cannot be told of an
+#: outage, and is disconnected instead, which is the protocol's own word.
+OUTAGE_ROOM = 2 * NOTICES_HELD
 
 #: Defaults of the bounds (docs/gateway.md, docs/security.md).
 MAX_CLIENTS = 10000
@@ -460,10 +460,10 @@ class Gateway:
         self._nursery: trio.Nursery | None = None
         self.clients: set[Remote] = set()
         self.noticed: set[Remote] = set()  # subscribed to `notices.TOPIC`
-        self._bus_notices: list[bytes] = []  # for them, at the next round
+        #: for them, at the next round: frames for all, and (in their place among them)
+        #: how many of each one's publishes a lost bus connection may have taken
+        self._bus_notices: list[bytes | dict[Remote, int]] = []
         self._bus_dropped = 0  # reported by the broker since the last round
-        #: publishes of theirs a lost bus connection may have taken, for the next round
-        self._taken: Counter[Remote] = Counter()
         self._notice_due = trio.Event()
         self._dirty: list[Remote] = []  # queued for by `_deliver`, to `_flush`
         self._split: _Split | None = None  # the last fan-out's judgement (`_deliver`)
@@ -1387,10 +1387,12 @@ class Gateway:
         """The bridge lost its connection, which may have taken *taken[rc]* of each
         remote client's publishes: told, at the next round, to those that subscribe to
         the notices (the log says the total)."""
-        for rc, n in taken.items():
-            if rc in self.noticed:
-                self._taken[rc] += n
-        self._notice_due.set()
+        own = {rc: n for rc, n in taken.items() if rc in self.noticed}
+        if own:
+            held = self._bus_notices
+            held.append(own)  # (after its bus-away: `Bridge._connection` says that first)
+            del held[:-NOTICES_HELD]
+            self._notice_due.set()
 
     async def _tell_bus_notices(self) -> None:
         """Queue the bus's notices for every client subscribed to them, a round at most
@@ -1404,13 +1406,17 @@ class Gateway:
             self._notice_due = trio.Event()
             frames, self._bus_notices = self._bus_notices, []
             dropped, self._bus_dropped = self._bus_dropped, 0
-            taken, self._taken = self._taken, Counter()
             start = clock()
             for i, rc in enumerate(list(self.noticed)):
                 if rc not in self.noticed:  # gone (or unsubscribed) during a turn
                     continue
-                own = taken.get(rc)
-                for frame in (frames + [notices.unconfirmed(own)]) if own else frames:
+                for item in frames:
+                    if type(item) is bytes:
+                        frame = item
+                    elif rc in item:
+                        frame = notices.unconfirmed(item[rc])
+                    else:
+                        continue
                     if not rc.outbox.force(frame, OUTAGE_ROOM):
                         self.say(rc.host, logging.WARNING, "disconnecting %r: its buffer "
                                  "is too full to be told of the bus's outage", rc)
