@@ -281,3 +281,37 @@ def test_publishes_a_killed_broker_took_are_counted_for_their_own_publisher(ndir
         assert busy_events[:3] == ["bus-away", "unconfirmed", "bus-back"], busy_events
         assert told[busy].count("unconfirmed") == 50
         assert [n["event"] for n in told[quiet].notices] == ["bus-away", "bus-back"]
+
+
+def test_a_publisher_waiting_for_a_stopped_broker_leaves_its_address_served(ndir):
+    """A publisher from one address floods while the broker is stopped (SIGSTOP): its
+    run waits for room on the bus connection.  Another client of the same address (a
+    NAT) still has its keep-alives echoed within a second, not after the outage (before:
+    the waiting publisher held the address's turn, 5 s in the audit of 2026-11-28)."""
+    from test_gateway import next_loopback
+    with served(ndir) as b:
+        source = next_loopback()
+        flood, other = (b.keep(b.gw.connect(source=source)) for _ in range(2))
+        flood.sendall(codec.authenticate(SECRET))
+        roundtrip(flood)
+        os.kill(b.bus.proc.pid, signal.SIGSTOP)
+        try:
+            frame = codec.publish(b"f/x", b"y" * 10_000)
+            stop = time.monotonic() + 4
+
+            def send() -> None:
+                with contextlib.suppress(OSError):  # (held back, then closed by the test)
+                    while time.monotonic() < stop:
+                        flood.sendall(frame)
+
+            threading.Thread(target=send, daemon=True).start()
+            time.sleep(1.0)  # the bus connection full, the flood's run waiting for room
+            took = []
+            for _ in range(3):
+                t0 = time.monotonic()
+                roundtrip(other)
+                took.append(time.monotonic() - t0)
+                time.sleep(0.2)
+        finally:
+            os.kill(b.bus.proc.pid, signal.SIGCONT)
+        assert max(took) < 1.0, took

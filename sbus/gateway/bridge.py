@@ -352,7 +352,8 @@ class Bridge:
         return await self.publish_packets([packet], owner, by) == 1
 
     async def publish_packets(self, packets: list[bytes], owner: int | None = None,
-                              by: Hashable = None) -> int:
+                              by: Hashable = None,
+                              waiting: Callable[[], None] | None = None) -> int:
         """Hand remote clients' messages, as MSG packets (`Session.publish_head` + payload,
         keys checked), to the bus in order, as one run (one ``sendmmsg`` where the socket
         has room) or, while others wait for the bus connection, `PIECE` at a time: how
@@ -361,7 +362,9 @@ class Bridge:
         as lost.  *owner*: the peer address's number (`admission.Peer.owner`), whose share
         of a full local queue they take where the broker trusts the gateway; None, the
         gateway's own.  *by*: the remote client whose they are, told how many of its own
-        a lost connection may have taken (`on_taken`)."""
+        a lost connection may have taken (`on_taken`).  *waiting* is called before this
+        waits (for the bus connection's lock, room in it, or the bus), at most once a
+        piece: the caller lets others go on meanwhile (the server: its address's turn)."""
         total = len(packets)
         if not total:
             return 0
@@ -392,10 +395,13 @@ class Bridge:
 
         try:
             while sent < len(packets):
-                if not self._up and not await self.wait_up():
-                    break
+                if not self._up:
+                    if waiting is not None:
+                        waiting()
+                    if not await self.wait_up():
+                        break
                 piece.clear()  # (made anew by `build`, if it sends)
-                went = await self._send(build)
+                went = await self._send(build, waiting=waiting)
                 if made_on != self._generation and piece:  # the send spanned a reconnect:
                     self.unconfirmed.add(len(piece), by)  # counted on the new connection
                     self._wrote.set()  # too (the old one's count took them already)
@@ -449,7 +455,8 @@ class Bridge:
         self._for_unsure = True  # until `publish_packets` sees it sent
         return [session.publish_for(owner)]
 
-    async def _send(self, build: Callable[[], list[bytes]], whole: bool = False) -> bool:
+    async def _send(self, build: Callable[[], list[bytes]], whole: bool = False,
+                    waiting: Callable[[], None] | None = None) -> bool:
         """Send the packets *build* makes, back to back, in call order.  They are made
         under the lock, so the session's state and the questions asked follow the order
         of the wire even across a reconnect.  Waits while the broker is busy; False if
@@ -459,11 +466,14 @@ class Bridge:
         every later refusal matched to the SUB before it, and one more place of
         `QUESTIONS` taken until the next connection).  A send the bus's loss catches
         waits for it as long as a publish would (`bus_wait`), shielded or not: the next
-        connection asks its own questions, and restores the session's patterns."""
+        connection asks its own questions, and restores the session's patterns.
+        *waiting*: called before it waits (`publish_packets`)."""
         lock = self._lock
         try:
             lock.acquire_nowait()  # no checkpoint on the common, uncontended path
         except trio.WouldBlock:
+            if waiting is not None:
+                waiting()
             await lock.acquire()
         try:
             packets = build()
@@ -471,7 +481,12 @@ class Bridge:
             self._send_limit = trio.current_time() + WHOLE_GRACE if whole else math.inf
             # (`_connection` may bound it: an outage, shielded or not)
             with trio.CancelScope(shield=whole, deadline=self._send_limit) as self._sending:
-                if len(packets) == 1:
+                if waiting is not None and packets:  # what goes at once, then its word
+                    done = self.bus.send_run_nowait(packets)
+                    if done < len(packets):
+                        waiting()
+                        await self.bus.send_packets(packets[done:])
+                elif len(packets) == 1:
                     await self.bus.send_packet(packets[0])
                 elif packets:
                     await self.bus.send_packets(packets)

@@ -950,18 +950,27 @@ class Gateway:
         bridge = self.bridge
         half = 0  # what its incomplete frame is charged (`_charge_half_frame`)
 
-        async def send_run() -> None:
-            nonlocal run, held, turning
-            packets, run, held = run, [], 0  # taken first: a cancelled send is not redone
-            waits = turning and not bridge.up  # for the bus: its siblings work meanwhile
-            if waits:
+        waited = False  # the turn was let go while a run waited (`send_run`)
+
+        def waiting() -> None:
+            """A run waits for the bus (its lock, room in it, or the bus itself): this
+            address's other connections are served meanwhile (the audit of 2026-11-28:
+            one publisher held them for a whole outage of a stopped broker)."""
+            nonlocal turning, waited
+            if turning:
                 turn.release()
                 turning = False
-            sent = await publish_packets(packets, owner, rc)
+                waited = True
+
+        async def send_run() -> None:
+            nonlocal run, held, turning, waited
+            packets, run, held = run, [], 0  # taken first: a cancelled send is not redone
+            sent = await publish_packets(packets, owner, rc, waiting)
             if sent < len(packets) and not bridge.up:
                 raise BusAway(f"{len(packets) - sent} publishes dropped: the bus has been "
                               f"away for more than {bridge.bus_wait:g} s")
-            if waits:
+            if waited:
+                waited = False
                 await turn.acquire()
                 turning = True
 
