@@ -567,12 +567,14 @@ class Bridge:
         """The lost connection's line, with how many remote publishes at most it took
         (those sent since the broker last confirmed); each publisher is told its own."""
         count = self.unconfirmed
+        if self._confirm_waits:
+            self._confirm()  # (an answer read before the loss confirmed theirs)
         n = count.lost()
-        if not n:
-            return line
-        for waiter in self._confirm_waits:  # (theirs may have been taken)
+        for waiter in self._confirm_waits:  # the rest: theirs may have been taken
             waiter[1].set()
         self._confirm_waits.clear()
+        if not n:
+            return line
         self.unconfirmed_lost += n
         taken = count.taken
         if self.on_taken is not None:
