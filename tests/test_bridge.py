@@ -250,15 +250,17 @@ def test_qos1_imports_a_killed_bus_never_read_are_sent_again(hosts: Hosts) -> No
     assert collect(sub_b, want=1) == [(b"sensors/first", b"x")]
     proc = hosts.buses.pop(b)
     os.kill(proc.pid, signal.SIGSTOP)
-    sent = [(f"sensors/{i}", b"%d" % i) for i in range(30)]
-    publish(a, sent)
-    # (as many as the MQTT broker sends before their PUBACKs: its in-flight window)
-    until(lambda: hosts.bridges[1].counters()["imported"] >= 11,
-          "the imports sent into the stopped broker's socket")
-    time.sleep(0.5)
-    sent_into = hosts.bridges[1].counters()["imported"] - 1
-    proc.kill()
-    proc.wait()
+    try:
+        sent = [(f"sensors/{i}", b"%d" % i) for i in range(30)]
+        publish(a, sent)
+        # (as many as the MQTT broker sends before their PUBACKs: its in-flight window)
+        until(lambda: hosts.bridges[1].counters()["imported"] >= 11,
+              "the imports sent into the stopped broker's socket")
+        time.sleep(0.5)
+        sent_into = hosts.bridges[1].counters()["imported"] - 1
+    finally:
+        proc.kill()  # (stopped: never left behind)
+        proc.wait()
     os.unlink(b)
     proc, sub_b = _bus_behind_subscriber(hosts, 1, "sensors/")
     try:

@@ -17,6 +17,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -315,3 +316,38 @@ def test_a_publisher_waiting_for_a_stopped_broker_leaves_its_address_served(ndir
         finally:
             os.kill(b.bus.proc.pid, signal.SIGCONT)
         assert max(took) < 1.0, took
+
+
+def test_outages_past_the_notices_held_are_told_as_one_with_every_count():
+    """Pure: a broker in a restart loop makes more outages in a notice round than are
+    held (`NOTICES_HELD`); they are merged into one away, each client's summed counts and
+    the last back, so no count is dropped and none comes after a back (the audit of
+    2026-11-28 lost most of a flooder's counts with 20 ms restarts, and saw "B U B")."""
+    import types
+
+    from sbus.gateway.server import NOTICES_HELD, Gateway
+    held = types.SimpleNamespace(_bus_notices=[])
+    away = notices.bus_away()
+
+    def kinds() -> str:
+        return "".join("U" if type(x) is dict else {"bus-away": "A", "bus-back": "B"}[
+            notices.parse(FrameDecoder().feed(x)[0].body)["event"]]
+            for x in held._bus_notices)
+
+    def total() -> Counter:
+        counts: Counter = Counter()
+        for x in held._bus_notices:
+            if type(x) is dict:
+                counts.update(x)
+        return counts
+
+    for i in range(50):
+        Gateway._hold_notice(held, away)
+        Gateway._hold_notice(held, {"a": 1, "b": i})
+        Gateway._hold_notice(held, notices.bus_back(0.02))
+        assert len(held._bus_notices) <= NOTICES_HELD
+        assert re.fullmatch("(AUB)+", kinds()), kinds()
+        assert total() == Counter({"a": i + 1, "b": sum(range(i + 1))})
+    Gateway._hold_notice(held, away)  # away again at the round's end: no back after it
+    assert re.fullmatch("(AUB)*AU?", kinds()), kinds()
+    assert total()["a"] == 50

@@ -184,6 +184,9 @@ class Bridge:
         self._receiving: trio.CancelScope | None = None  # its receive, under the lock
         #: a send under way (`_send`): the bus lost under it, it waits `bus_wait` at most
         self._sending: trio.CancelScope | None = None
+        #: the publishes it carries, and whose (`publish_packets`): counted again at each
+        #: reconnect within it, on which the rest of them go
+        self._sending_piece: tuple[int, Hashable] | None = None
         self._send_limit = math.inf  # its own deadline, outages aside
         self._up = False
         self.bus_wait = bus_wait
@@ -376,13 +379,11 @@ class Bridge:
         lock = self._lock
         switch: list[bytes] = []
         piece: list[bytes] = []
-        sent = made_on = 0
+        sent = 0
 
         def build() -> list[bytes]:
-            nonlocal made_on
             if not self._up:
                 return []
-            made_on = self._generation
             # others wait: a piece, and the lock (fair) is theirs before the next one
             end = sent + PIECE if lock.statistics().tasks_waiting else len(packets)
             piece[:] = packets[sent:end]
@@ -391,6 +392,7 @@ class Bridge:
             # (an upper bound), never the other way round
             self.unconfirmed.add(len(piece), by)
             self._wrote.set()
+            self._sending_piece = (len(piece), by)  # (a reconnect within counts it again)
             return switch + piece
 
         try:
@@ -402,10 +404,6 @@ class Bridge:
                         break
                 piece.clear()  # (made anew by `build`, if it sends)
                 went = await self._send(build, waiting=waiting)
-                if made_on != self._generation and piece:  # the send spanned a reconnect:
-                    self.unconfirmed.add(len(piece), by)  # counted on the new connection
-                    self._wrote.set()  # too (the old one's count took them already)
-                    made_on = self._generation
                 if went:
                     sent += len(piece)
                     if switch:
@@ -500,6 +498,7 @@ class Bridge:
             return False
         finally:
             self._sending = None
+            self._sending_piece = None
             lock.release()
 
     # -- what the client tells (called from inside its calls) -----------------------
@@ -537,6 +536,9 @@ class Bridge:
         self._backoff.try_by = None
         if self._sending is not None:  # back within the bound: the rest of its run
             self._sending.deadline = self._send_limit  # waits for room as any send does
+        if self._sending_piece is not None:  # publishes whose send spans this reconnect:
+            self.unconfirmed.add(*self._sending_piece)  # counted on this connection too
+            self._wrote.set()  # (the lost one's count took them already)
         away = trio.current_time() - (self._down_since or 0.0)
         if self._outage_lost:
             log.warning("%d remote publishes were dropped while the bus was away (%.1f s; "

@@ -1387,10 +1387,38 @@ class Gateway:
         if event == "bus-dropped":
             self._bus_dropped += int(value)
         else:
-            held = self._bus_notices
-            held.append(notices.bus_away() if event == "bus-away" else notices.bus_back(value))
-            del held[:-NOTICES_HELD]
+            self._hold_notice(notices.bus_away() if event == "bus-away"
+                              else notices.bus_back(value))
         self._notice_due.set()
+
+    def _hold_notice(self, item: bytes | dict[Remote, int]) -> None:
+        """Hold an outage's notice for the next round.  Past `NOTICES_HELD` (a broker in
+        a restart loop) the outages held are told as one: away, each client's counts
+        summed, and back (unless the bus is away again), so no count is lost and each
+        follows its away (the audit of 2026-11-28 saw counts dropped with the oldest)."""
+        held = self._bus_notices
+        if type(item) is dict and held and type(held[-1]) is dict:  # (after a merge)
+            counts = Counter(held[-1])
+            counts.update(item)
+            held[-1] = dict(counts)
+            return
+        held.append(item)
+        if len(held) <= NOTICES_HELD:
+            return
+        counts: Counter[Remote] = Counter()
+        frames = []
+        for x in held:
+            if type(x) is dict:
+                counts.update(x)
+            else:
+                frames.append(x)
+        away = notices.bus_away()
+        merged: list[bytes | dict[Remote, int]] = [away]
+        if counts:
+            merged.append(dict(counts))
+        if frames and frames[-1] != away:
+            merged.append(frames[-1])  # back, after the last outage
+        held[:] = merged
 
     def _taken_notice(self, taken: Counter) -> None:
         """The bridge lost its connection, which may have taken *taken[rc]* of each
@@ -1398,9 +1426,7 @@ class Gateway:
         the notices (the log says the total)."""
         own = {rc: n for rc, n in taken.items() if rc in self.noticed}
         if own:
-            held = self._bus_notices
-            held.append(own)  # (after its bus-away: `Bridge._connection` says that first)
-            del held[:-NOTICES_HELD]
+            self._hold_notice(own)  # (after its bus-away: `Bridge._connection` said it)
             self._notice_due.set()
 
     async def _tell_bus_notices(self) -> None:
