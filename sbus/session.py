@@ -515,12 +515,19 @@ class Unconfirmed:
         return question
 
     def unsent(self) -> None:
-        """The question `question` returned could not be sent: as if never asked."""
+        """The question `question` returned could not be sent: as if never asked (and
+        due again at once)."""
         if self.asked_at is not None:
             self.asked_at = None
             self.session.asked = max(0, self.session.asked - 1)
             self._since.update(self._before)
             self._before.clear()
+        self.next_at = 0.0
+
+    @property
+    def pending(self) -> bool:
+        """Is a question under way, or one due for what was sent since the last?"""
+        return self.asked_at is not None or self.sent > self.confirmed
 
     def lost(self) -> int:
         """The connection is lost: how many messages may be lost with it (counted once;

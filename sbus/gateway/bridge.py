@@ -605,8 +605,7 @@ class Bridge:
                         self._asked += 1
                     else:  # a full socket, or a reconnect under way: the next round asks
                         count.unsent()
-                        count.next_at = 0.0
-            if count.asked_at is not None or count.sent > count.confirmed:
+            if count.pending:
                 self._wrote.set()  # a round more: its answer, or the next question
 
     async def confirmed(self) -> bool:
