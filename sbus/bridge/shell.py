@@ -883,6 +883,9 @@ class BridgeShell:
         self.mq.release(self._covered_acks)
         self._covered = self._covered_acks = 0
         self._flush()
+        sock = self.mq.socket()
+        if sock is not None:
+            self._quick_ack(sock)
 
     async def _import(self) -> None:
         """Publish the imports left by `_import_nowait`, in order, as the bus has room
