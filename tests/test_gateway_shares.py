@@ -1030,6 +1030,78 @@ def test_a_subscription_caught_by_an_outage_mid_send_waits_no_longer_than_bus_wa
         bus.stop()
 
 
+def test_a_reconnect_cancelled_with_its_client_is_made_by_the_bus_reader(sdir):
+    """A remote publisher's send meets the bus's loss and reconnects, holding the bus
+    connection's lock, and its client goes meanwhile: the reconnect is cancelled with
+    it.  The bus reader, finding the bus away and nobody reconnecting, makes the
+    reconnect itself, so a subscription held before the outage gets the next broker's
+    messages though no remote client does anything (before 3aa7f1f the reader waited
+    for the lock and looked again, for good: off the bus at 100 % CPU, 2 of 5 restarts
+    in an audit).  The order is made certain on `Bridge` itself, against a real
+    broker: the reader is held in its flush while the sender meets the loss."""
+    import trio
+
+    from sbus.gateway.bridge import Bridge
+
+    address = str(sdir / "bus.sock")
+    bus = BrokerProcess(address).start()
+    got: list[bytes] = []
+    cancelled: list[bool] = []  # the sender's reconnect was cancelled
+    br: Bridge
+
+    def deliver(targets, messages, until) -> int:
+        got.extend(payload for _, payload in messages)
+        if got == [b"before"]:  # the broker dies in the reader's turn
+            bus.proc.kill()
+            bus.proc.wait()
+        return len(messages)
+
+    async def flush() -> None:
+        if got != [b"before"] or cancelled:
+            return
+        async with trio.open_nursery() as nursery:  # (in the reader's task)
+            scope = trio.CancelScope()
+
+            async def sender() -> None:
+                with scope:
+                    await br.publish_packets([b"MSG g/x\0mine"], by="remote")
+
+            nursery.start_soon(sender)
+            with trio.fail_after(5):
+                while br.up:  # the sender met the loss first
+                    await trio.sleep(0.01)
+            await trio.sleep(0.3)  # and tries the missing broker, holding the lock
+            assert br._lock.locked()
+            scope.cancel()  # its client went
+        cancelled.append(True)
+
+    async def main() -> None:
+        nonlocal bus, br
+        async with trio.open_nursery() as nursery:
+            br = Bridge(address, deliver=deliver, on_refused=lambda *a: None,
+                        flush=flush, bus_wait=30.0)
+            await nursery.start(br.run)
+            await br.subscribe("remote", b"s/", 100)
+            with raw(address) as local:
+                local.send(b"MSG s/x\0before")
+            with trio.fail_after(10):
+                while not cancelled:
+                    await trio.sleep(0.05)
+            assert not br.up
+            bus = BrokerProcess(address).start()  # nobody remote does anything now
+            with raw(address) as local, trio.move_on_after(10):
+                while b"back" not in got:
+                    local.send(b"MSG s/x\0back")
+                    await trio.sleep(0.1)
+            assert b"back" in got, "the bus reader never reconnected"
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        bus.stop()
+
+
 def test_a_broker_back_just_before_the_publishers_wait_ends_is_found_in_time(sdir):
     """The bus is away 3.3 s of a 4 s --bus-wait, and a remote publish waits for it.  The
     reconnect's backoff would try next anywhere from 3.15 to 6.3 s after the loss (0.1 s
