@@ -266,3 +266,19 @@ def test_split_uses_exported_segments_from_the_first_on(tmp_path, caplog):
     cut = split(jdir, out)
     assert [f.stem for f in cut.files] == [s.name for s in segs[1:3]]
     assert split(jdir, tmp_path / "none").files == []
+
+
+def test_split_ends_where_a_segment_is_missing_between_two(tmp_path):
+    """A sealed segment moved aside as damaged (or deleted) between two exported ones:
+    the Parquet run ends before the break, so the rows after it are read through the
+    ``sbus`` source, which reports the loss (the audit of 2026-11-28: `read_journal`
+    read both sides' files and left the missing rows out without a word)."""
+    jdir, out = tmp_path / "j", tmp_path / "pq"
+    journal(jdir, 3000, segment_bytes=4000)
+    export_journal(jdir, out)
+    segs = list_segments(jdir)
+    segs[2].path.rename(segs[2].path.with_name(segs[2].path.name + ".corrupt"))
+    cut = split(jdir, out)
+    assert [f.stem for f in cut.files] == [s.name for s in segs[:2]]
+    assert cut.seam == segs[2].first_seq  # where the loss starts
+    assert [s.name for s in cut.rest] == [s.name for s in segs[3:]]

@@ -120,23 +120,25 @@ class Split:
 def split(directory: str | os.PathLike, out: str | os.PathLike) -> Split:
     """Which rows to read from Parquet and which from the journal, without reading rows:
     the longest run of sealed segments from the journal's first one that have a Parquet
-    file (files of segments retention has removed, or after a missing one, are not used),
-    and the seam after it, from the last file's name and row count (its footer)."""
+    file and follow each other without a break in their sequence numbers (files of
+    segments retention has removed are not used; a segment missing between two, moved
+    aside as damaged or deleted, ends the run there, so the reader after the seam, the
+    ``sbus`` source, finds the rows lost and says so), and the seam after it, from the
+    files' names and row counts (their footers)."""
     segments = list_segments(directory)
     out = Path(out)
-    files = []
+    files: list[Path] = []
+    seam = 0
     for seg in segments:
         f = out / f"{seg.name}.parquet"
-        if not seg.sealed or not f.is_file():
+        if not seg.sealed or not f.is_file() or (files and seg.first_seq != seam):
             break
         if not _whole_parquet(f):  # its rows are read from the segment: none lost
             log.warning("%s is damaged (cut short or empty): its segment is read from the "
                         "journal instead; 'sbus journal export --force' writes it again", f)
             break
         files.append(f)
-    if not files:
-        return Split([], 0, segments)
-    seam = int(files[-1].stem) + pq.read_metadata(files[-1]).num_rows
+        seam = seg.first_seq + pq.read_metadata(f).num_rows
     return Split(files, seam, segments[len(files):])
 
 

@@ -123,8 +123,8 @@ def cover(journal: str | os.PathLike, segments: list[Segment], seam: int, cache:
     at, spent, more = seam, 0, False
     for seg in segments:
         created = _created(seg)
-        if created is None:  # gone or damaged: the source reads (or reports) from here
-            more = True
+        if created is None or seg.first_seq > at:  # gone or damaged, or one before it
+            more = True  # is (a break in the numbers): the source reads or reports from here
             break
         lo = max(at, seg.first_seq)
         mine = [p for p in pieces if p.segment == seg.first_seq and p.created == created]
