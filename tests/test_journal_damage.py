@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from sbus.journal import format as fmt
 from sbus.journal.format import FormatError
+from sbus.journal.read import read_gaps
 from sbus.journal.store import (
     JournalError,
     JournalWriter,
@@ -440,6 +441,17 @@ def test_the_recorder_moves_a_damaged_segment_aside_and_records_on(broker, tmp_p
     assert len(lines) == 1 and "Traceback" not in err
     seqs = [seq for seq, _, key, _ in records(journal) if key == b"rec/after"]
     assert seqs and min(seqs) > 60  # never reuses a sequence number the damaged file held
+    # and the loss is said where every reader looks (the audit of 2026-11-28: `journal
+    # cat` and `journal gaps` said nothing, and the sequence jumped)
+    (gap,) = [g for g in read_gaps(journal) if g.kind == "damaged"]
+    assert gap.after == 0 and gap.before == min(seqs) and gap.lost is None
+    shown = subprocess.run([*SBUS, "journal", "gaps", str(journal)], capture_output=True,
+                           text=True, timeout=60)
+    assert f"between seq 0 and {min(seqs)}" in shown.stdout
+    assert "00000000000000000001, damaged, were moved aside" in shown.stdout
+    cat = subprocess.run([*SBUS, "journal", "cat", str(journal)], capture_output=True,
+                         text=True, timeout=60)
+    assert cat.returncode == 0 and "gap" in cat.stderr and "sbus journal gaps" in cat.stderr
 
 
 def _safe_records(journal: Path):

@@ -932,6 +932,18 @@ def test_read_journal_says_what_a_segment_moved_aside_took(spark, tmp_path):
     lost = f"{segs[3].first_seq - gone.first_seq} rows lost: seq {gone.first_seq}.."
     with pytest.raises(Exception, match=re.escape(lost)):
         read_journal(spark, str(jdir), str(tmp_path / "pq")).count()
+    # `sbus analyze` says so in one line (it died with two tracebacks), and reads past
+    # them when asked, the loss a sequence gap of its report
+    from sbus.errors import SbusError
+    from sbus.spark.analyze import run
+
+    with pytest.raises(SbusError, match=re.escape(lost)) as failed:
+        run(str(jdir), out=str(tmp_path / "report"))
+    assert "\n" not in str(failed.value) and "--skip-lost" in str(failed.value)
+    assert not (tmp_path / "report").exists()
+    assert run(str(jdir), out=str(tmp_path / "report"), skip_lost=True) == 0
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert f"* seq {gone.first_seq}..{segs[3].first_seq - 1}:" in report
 
 
 def test_read_journal_on_a_full_disk_reads_the_tail_through_the_source(spark, tmp_path,

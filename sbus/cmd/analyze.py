@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "is recorded and stop")
     p.add_argument("--max-rows", type=int, default=None, metavar="N",
                    help="streaming: at most N journal rows per micro-batch")
+    p.add_argument("--skip-lost", action="store_true",
+                   help="read past rows the journal no longer has (a segment moved aside "
+                        "as damaged, or removed by retention while read) instead of "
+                        "failing; they show as sequence gaps in the report")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +52,8 @@ def analyze_args(args: argparse.Namespace) -> int:
                    depth=args.prefix_depth, master=args.master, stream=args.stream,
                    checkpoint=args.checkpoint, address=args.address, late=args.late,
                    trigger=args.trigger, max_rows=args.max_rows,
-                   verbose=getattr(args, "verbose", 0))
+                   verbose=getattr(args, "verbose", 0),
+                   skip_lost=getattr(args, "skip_lost", False))
 
 
 def main() -> int:

@@ -13,7 +13,8 @@ one JSON object per line::
     kind noted within one flush, or a loss whose place within a batch is not known, and
     then lies somewhere between the two.
 ``kind``
-    `DROPPED`, `OVERSIZED`, `AWAY` or `STOPPED` (below).
+    `DROPPED`, `OVERSIZED`, `AWAY` or `STOPPED` (below): messages the recorder never
+    received; or `DAMAGED`: records it had, in a segment moved aside as damaged.
 ``lost``
     How many messages: a count for `DROPPED` and `OVERSIZED`, null for the others (nobody
     can count what was published while nobody received it).
@@ -43,9 +44,13 @@ OVERSIZED = "oversized"
 AWAY = "away"
 #: No recorder ran between its last record kept (received at ``from``) and a start (``to``).
 STOPPED = "stopped"
-KINDS = (DROPPED, OVERSIZED, AWAY, STOPPED)
+#: Records the journal had and no longer has: a segment whose index or header was damaged,
+#: moved aside at a start (``to``); ``before`` is where records resume (or, with no
+#: segment after it, a number beyond any it can have held: never reused).
+DAMAGED = "damaged"
+KINDS = (DROPPED, OVERSIZED, AWAY, STOPPED, DAMAGED)
 #: Kinds whose ``lost`` is null (nobody can count them); the others always have a count.
-UNCOUNTED = (AWAY, STOPPED)
+UNCOUNTED = (AWAY, STOPPED, DAMAGED)
 #: A longer line is damage: a real one is under 150 bytes.
 LINE_BYTES = 512
 

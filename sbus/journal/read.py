@@ -119,6 +119,9 @@ def describe_gap(gap: Gap) -> str:
         what = f"{gap.lost:,} message(s) over the recorder's receive limit"
     elif gap.kind == gaps.AWAY:
         what = f"the broker was away{since}: what was published until then is not recorded"
+    elif gap.kind == gaps.DAMAGED:
+        what = (f"the records of segment {gap.after + 1:020d}, damaged, were moved aside "
+                "(its file + '.corrupt') and are not read")
     else:
         what = f"no recorder ran{since}: what was published until then is not recorded"
     return f"{where} {what}"
@@ -271,8 +274,8 @@ def cat(directory: str, pattern: bytes | None, since: int | None, fmt: str, out)
     if damaged:
         raise skipped(damaged, "the rows after the damage were not printed; the other "
                                "segments' rows were")
-    if first is not None:
-        _gaps_among(directory, first, last)
+    if first is not None:  # (the whole journal: also what lies before its first record)
+        _gaps_among(directory, first if since is not None else 0, last)
 
 
 def tail(directory: str, lines: int, follow: bool, pattern: bytes | None,

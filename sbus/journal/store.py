@@ -508,8 +508,8 @@ class JournalWriter:
         self._gap_notes: dict[str, gaps.Gap] = {}  # by kind, written at the next flush
         self._gaps_fd: int | None = None
         self.last_ts: int | None = None  # receive time of the last record written
+        self._repair_gaps()  # (first: a segment moved aside is noted there)
         self.next_seq = self._recover()
-        self._repair_gaps()
         self.written = 0  # records written to files since opening
         self.apply_retention()
         self._export_missing()
@@ -521,13 +521,15 @@ class JournalWriter:
         number."""
         next_seq = 1
         self._remove_leftovers()
-        for seg in list_segments(self.dir):
+        segments = list_segments(self.dir)
+        for i, seg in enumerate(segments):
             try:
                 blocks = segment_blocks(seg) if seg.sealed else self._recover_open(seg)
             except UnreadableSegment:
                 raise
             except JournalError as exc:
-                next_seq = max(next_seq, self._quarantine(seg, exc))
+                after = segments[i + 1].first_seq if i + 1 < len(segments) else None
+                next_seq = max(next_seq, self._quarantine(seg, exc, after))
                 continue
             if blocks:
                 next_seq = max(next_seq, blocks[-1].next_seq)
@@ -547,18 +549,26 @@ class JournalWriter:
                 log.warning("removing %s left by an interrupted seal", name)
                 os.unlink(entry.path)
 
-    def _quarantine(self, seg: Segment, exc: JournalError) -> int:
+    def _quarantine(self, seg: Segment, exc: JournalError, resume: int | None) -> int:
         """Move a segment whose index or header is damaged aside (``.corrupt``: kept for
         inspection, skipped by readers) instead of failing at every start, and return a
-        sequence number beyond any record it can hold, so none is ever reused."""
+        sequence number beyond any record it can hold, so none is ever reused.  The loss
+        is noted in ``gaps.jsonl`` first (`gaps.DAMAGED`, up to *resume*, the next
+        segment's first record), made durable before the rename: never moved unsaid."""
         size = seg.path.stat().st_size
+        smallest_record = 16  # ts (8) and two offsets (4 + 4)
+        beyond = seg.first_seq + size // smallest_record + 1
+        self._gap_notes = {gaps.DAMAGED: gaps.Gap(
+            seg.first_seq - 1, beyond if resume is None else resume, gaps.DAMAGED, None,
+            None, time.time_ns())}
+        self._write_gaps()
+        os.fsync(self._gaps_fd)
         aside = seg.path.with_name(seg.path.name + ".corrupt")
         os.rename(seg.path, aside)
         self._fsync_dir()
-        log.error("%s; moved aside to %s, its records are skipped", one_line(str(exc)),
-                  printable(aside.name))
-        smallest_record = 16  # ts (8) and two offsets (4 + 4)
-        return seg.first_seq + size // smallest_record + 1
+        log.error("%s; moved aside to %s, its records are skipped (noted in %s)",
+                  one_line(str(exc)), printable(aside.name), gaps.FILE)
+        return beyond
 
     def _recover_open(self, seg: Segment) -> list[BlockInfo]:
         with open(open_segment(seg.path, os.O_RDWR), "r+b") as f:

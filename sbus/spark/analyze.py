@@ -197,7 +197,8 @@ def longest_gap(df) -> tuple[float, int, int] | None:
 
 
 def analyze(spark, journal: str, out: str | os.PathLike, *, pattern: str | None = None,
-            window: str | None = None, depth: int = 1, progress: Progress | None = None) -> dict:
+            window: str | None = None, depth: int = 1, progress: Progress | None = None,
+            skip_lost: bool = False) -> dict:
     """Run the batch analysis into *out*; returns a summary (also written into the report).
 
     Everything is written into a temporary directory next to *out* and moved into place
@@ -214,7 +215,7 @@ def analyze(spark, journal: str, out: str | os.PathLike, *, pattern: str | None 
         span_s = ((facts["last_ns"] - facts["first_ns"]) / 1e9) if facts["rows"] else 0.0
         seconds = pick_window(span_s) if window is None else _window_seconds(window)
         wtext = window_text(seconds)
-        reader = spark.read.format("sbus")
+        reader = spark.read.format("sbus").option("failOnDataLoss", str(not skip_lost))
         if pattern is not None:
             reader = reader.option("pattern", pattern)
         df = with_prefix(reader.load(journal), depth).cache()
@@ -560,11 +561,12 @@ def _missed_lines(missed: list | str) -> list[str]:
 def start_stream(spark, journal: str, checkpoint: str, address: str | None, *,
                  window: str = "1 minute", late: str = "10 seconds", depth: int = 1,
                  trigger: str = "10 seconds", max_rows: int | None = None,
-                 pattern: str | None = None):
+                 pattern: str | None = None, skip_lost: bool = False):
     """Start the rollup query; returns the StreamingQuery."""
     from pyspark.sql import functions as F
 
-    reader = spark.readStream.format("sbus").option("path", journal)
+    reader = spark.readStream.format("sbus").option("path", journal) \
+        .option("failOnDataLoss", str(not skip_lost))
     if pattern is not None:
         reader = reader.option("pattern", pattern)
     if max_rows is not None:
@@ -585,7 +587,7 @@ def run(journal: str, *, out: str | None = None, pattern: str | None = None,
         window: str | None = None, depth: int = 1, master: str | None = None,
         stream: bool = False, checkpoint: str | None = None, address: str | None = None,
         late: str = "10 seconds", trigger: str = "10 seconds", max_rows: int | None = None,
-        verbose: int = 0) -> int:
+        verbose: int = 0, skip_lost: bool = False) -> int:
     """``sbus analyze`` (`sbus.cmd.analyze` parses its options): the batch report into
     *out*, or with *stream* the rollups onto the bus; the exit status."""
     if depth < 1:
@@ -617,7 +619,7 @@ def run(journal: str, *, out: str | None = None, pattern: str | None = None,
             handler.addFilter(lambda r: "py4j" not in r.pathname)
         logging.getLogger("py4j").setLevel(logging.CRITICAL)
         warnings.filterwarnings("ignore", module="pyspark")
-    from pyspark.errors import PythonException
+    from pyspark.errors import PySparkException, PythonException
 
     progress = Progress()
     spark = None
@@ -628,7 +630,7 @@ def run(journal: str, *, out: str | None = None, pattern: str | None = None,
             every = "1 minute" if window is None else f"{_window_seconds(window)} seconds"
             query = start_stream(spark, journal, checkpoint, address, window=every,
                                  late=late, depth=depth, trigger=trigger, max_rows=max_rows,
-                                 pattern=pattern)
+                                 pattern=pattern, skip_lost=skip_lost)
             progress("streaming rollups onto the bus (Ctrl-C stops)")
             try:
                 query.awaitTermination()
@@ -636,7 +638,7 @@ def run(journal: str, *, out: str | None = None, pattern: str | None = None,
                 query.stop()
             return 0
         summary = analyze(spark, journal, out, pattern=pattern, window=window, depth=depth,
-                          progress=progress)
+                          progress=progress, skip_lost=skip_lost)
         progress(f"done: {summary['messages']:,} messages, {summary['keys']:,} keys; "
                  f"report in {Path(out) / 'report.md'}")
         print(json.dumps({**summary, "first": str(summary["first"]),
@@ -645,6 +647,13 @@ def run(journal: str, *, out: str | None = None, pattern: str | None = None,
         return 0
     except PythonException as exc:  # a worker's error, e.g. a damaged journal block
         raise SbusError(f"reading {journal} failed: {_worker_error(exc)}") from None
+    except PySparkException as exc:  # the planner's: rows lost (`DataLoss`), say
+        line = _worker_error(exc)
+        if "rows lost" not in line:
+            raise
+        raise SbusError(f"reading {journal} failed: {line.split('; set option')[0]} "
+                        f"(sbus journal gaps {printable(journal, 200)} says why; "
+                        "--skip-lost reads past them)") from None
     except KeyboardInterrupt:
         _quiet_stop(spark)
         print("sbus analyze: interrupted; no report written" if not stream else
@@ -656,7 +665,8 @@ def _worker_error(exc: Exception) -> str:
     """The line of a Python worker's traceback that says what failed (ours: an
     `SbusError` such as a damaged block), briefly and printable; else its last line."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    ours = [line for line in lines if re.match(r"[\w.]*(JournalError|SbusError): ", line)]
+    ours = [line for line in lines
+            if re.match(r"[\w.]*(JournalError|SbusError|DataLoss): ", line)]
     line = (ours or lines or [type(exc).__name__])[-1]
     return printable(line.split(": ", 1)[1] if ours else line, 300)
 
