@@ -554,23 +554,33 @@ class BrokerCore:
         write = self._write
         link = conn.link
         turn = WRITES_PER_TURN
-        while out.items and turn:
+        if out.dropped and out.report_in is None:
+            # The report's place: once the queue drains, or after the packets waiting now
+            # at the latest; a flood that never lets the queue drain held it back for
+            # as long as it lasted (the audit of 2026-11-28: 65 s at "dropped 0").
+            out.report_in = len(out)
+        due = out.report_in  # packets to send before the drop report (None: none due)
+        stopped = False  # the kernel is full, or the client went
+        while out.items and turn and due != 0:
             got = write(link, out.peek())
             if got < 0:
                 if got == FULL or not self._unsent(conn, got):
+                    stopped = True
                     break
-                out.pop()  # too large ever to be taken: dropped (counted, reported)
-                continue
-            out.pop()
-            self.delivered += 1
-            turn -= 1
-        else:
-            if not out.items and out.dropped:
-                got = write(link, DROPPED + b"%d" % out.dropped)
-                if got >= 0:
-                    out.take_dropped()
-                elif got != FULL:
-                    self._unsent(conn, got)
+            else:
+                self.delivered += 1
+                turn -= 1
+            out.pop()  # (got < 0: too large ever to be taken: dropped, counted, reported)
+            if due:
+                due -= 1
+        if due is not None:
+            out.report_in = due
+        if out.dropped and not stopped and (due == 0 or not out.items):
+            got = write(link, DROPPED + b"%d" % out.dropped)
+            if got >= 0:
+                out.take_dropped()
+            elif got != FULL:
+                self._unsent(conn, got)
         if conn.closed:
             return
         self.dirty.add(conn)

@@ -153,7 +153,7 @@ class OutQueue:
     __slots__ = ("limit", "soft", "hard", "_order", "_next_order", "_overhead", "items", "_seq",
                  "nbytes", "dropped", "budget", "owners", "held", "_top", "_stale", "_unowned",
                  "evicted", "_searched_ago", "lanes", "_count", "_carried", "_carried_below",
-                 "_lane", "_user")
+                 "_lane", "_user", "report_in")
 
     def __init__(self, limit: int, budget: Budget | None = None,
                  lane_overhead: int = LANE_OVERHEAD,
@@ -192,6 +192,9 @@ class OutQueue:
         self._seq = itertools.count()
         self.nbytes = 0
         self.dropped = 0  # packets dropped since last `take_dropped()`
+        #: packets to send before their report is due, counted from the first write turn
+        #: after a drop (`BrokerCore.writable`); None while none is pending
+        self.report_in: int | None = None
         self.evicted = 0  # packets the last `Verdict.EVICTED` dropped
 
     def __len__(self) -> int:
@@ -558,7 +561,7 @@ class OutQueue:
                 self._stale = True
 
     def take_dropped(self) -> int:
-        n, self.dropped = self.dropped, 0
+        n, self.dropped, self.report_in = self.dropped, 0, None
         return n
 
     def clear(self) -> None:

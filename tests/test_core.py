@@ -292,6 +292,30 @@ def test_soft_discard_counts_and_reports_drops():
     assert not sub.wants_write
 
 
+def test_drops_are_reported_under_a_flood_that_never_lets_the_queue_drain():
+    """The drop report waits for the queue to drain, but no longer than the packets that
+    waited when the first drop was seen: a publisher that keeps the queue full (the
+    audit of 2026-11-28: a bridge said "dropped 0" for the 65 s of a flood) still has
+    its losses reported, each exactly once, at about one queue's worth of delay."""
+    bus = Bus(queue_limit=1000)
+    sub, pub = bus.connect(room=4), bus.connect()
+    bus.send(sub, b"SUB k")
+    reported = delivered = offered = 0
+    for _ in range(200):  # the queue is topped up before each read: it never drains
+        bus.send(pub, *[b"MSG k\0" + b"." * 90 for _ in range(8)])
+        offered += 8
+        bus.core.writable(sub)
+        for packet in bus.read(sub):
+            if packet.startswith(b"CMSG blocking/dropped\0"):
+                reported += int(packet.split(b"\0")[1])
+            else:
+                delivered += 1
+        assert len(sub.out) > 0
+    assert reported > 0, "no drop reported while the queue stayed full"
+    assert delivered + reported + len(sub.out) + sub.out.dropped == offered
+    assert bus.core.dropped == reported + sub.out.dropped
+
+
 def test_queue_keeps_order_until_the_hard_limit_then_drops():
     bus = Bus(queue_limit=1000)
     sub, pub = bus.connect(room=1), bus.connect()
