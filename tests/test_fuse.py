@@ -834,6 +834,9 @@ def test_sigterm_and_fusermount_unmount_cleanly(bus, space):
                 m.proc.terminate()
                 assert m.proc.wait(10) == 0
                 proc.wait(5)
+                # end of file, and its close() answered before the unmount (it failed
+                # with ECONNABORTED: cat exited 1, the audit of 2026-11-28)
+                assert proc.returncode == 0, proc.stderr.read()
             else:
                 end(proc)
                 subprocess.run(["fusermount3", "-u", m.path], check=True)

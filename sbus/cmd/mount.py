@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with EDQUOT")
 
 
+#: Unmounting waits this long for the files still open to be closed (`BusFS.drain`).
+CLOSE_GRACE = 2.0
+
 #: The smallest value each numeric option takes (option, least, unit said after it).
 _LEAST = (("remember", 1, ""), ("max_tasks", 2, ""), ("max_message", 16, " bytes"),
           ("user_readers", 1, ""), ("user_inodes", 1, ""), ("user_queue", 1, " byte"))
@@ -156,6 +159,10 @@ async def _on_signals(fs, notify: Reporter) -> None:
             log.info("%s: unmounting", signal.Signals(signum).name)
             notify("STOPPING=1")
             fs.shutdown()
+            left = await fs.drain(CLOSE_GRACE)
+            if left:
+                log.info("%d file(s) still open after %g s: unmounting anyway (their "
+                         "close() fails)", left, CLOSE_GRACE)
             pyfuse3.terminate()
             return
 
