@@ -3,8 +3,8 @@ pandas, Polars, Spark without this package).
 
 One file per sealed segment, ``<first_seq:020d>.parquet``, with the columns of the Spark
 source (``seq, ts, key, key_bytes, payload``; ``ts`` in microseconds UTC, ``key_bytes``
-only for keys that are not UTF-8), zstd-compressed, row groups of `ROW_GROUP` rows with
-min/max statistics, so a reader skips row groups by ``seq`` or ``ts`` as it would blocks.
+only for keys that are not UTF-8), zstd-compressed, a CRC in every page, row groups of
+`ROW_GROUP` rows with min/max statistics, so a reader skips row groups by ``seq`` or ``ts`` as it would blocks.
 A file is written under a temporary name and renamed, so a file that exists is complete.
 """
 
@@ -48,9 +48,12 @@ def parquet_schema() -> pa.Schema:
 
 def write_parquet(table: pa.Table, where) -> None:
     """*table* as Parquet with the export's settings (module docstring): one place for
-    the sealed segments' files and the open tail's pieces alike."""
+    the sealed segments' files and the open tail's pieces alike.  Each page carries a
+    CRC (Parquet's page checksum), which `sbus.spark.read_journal` has Spark verify: a
+    flipped bit otherwise read as other rows, a seq twice and one missing (the audit of
+    2026-11-28: 275 of 300 single-bit flips read without an error)."""
     pq.write_table(table, where, compression="zstd", row_group_size=ROW_GROUP,
-                   write_statistics=True)
+                   write_statistics=True, write_page_checksum=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,9 @@ __all__ = ["register", "read_journal", "SCHEMA"]
 #: read_journal's columns, in the order of the Parquet files.
 COLUMNS = ["seq", "ts", "key", "key_bytes", "payload"]
 PARQUET_SCHEMA = ("seq long, ts timestamp, key string, key_bytes binary, payload binary")
+#: The Parquet reader's (parquet-mr's) setting that checks each page's CRC; Spark hands a
+#: read's options to it.
+PAGE_CRC = "parquet.page.verify-checksum.enabled"
 
 SCHEMA = ("key string not null, payload binary not null, ts timestamp not null, "
           "seq long not null, key_bytes binary")
@@ -94,8 +97,11 @@ def _parquet(spark, directory: str, files: list, pieces: list, schema: str = PAR
     directory when they are all it holds (Spark lists more than 32 paths with a job of
     its own; it skips the pieces' dot directory), else by name."""
     extra = list(map(str, pieces))
-    df = spark.read.schema(schema).parquet(directory, *extra)
+    # every page's CRC checked (`sbus.journal.export.write_parquet` writes them)
+    read = spark.read.option(PAGE_CRC, "true").schema(schema)
+    df = read.parquet(directory, *extra)
     wanted = {f.name for f in files} | {os.path.basename(p) for p in extra}
     if {os.path.basename(f) for f in df.inputFiles()} != wanted:  # exported meanwhile
-        df = spark.read.schema(schema).parquet(*map(str, files), *extra)
+        df = read.parquet(*map(str, files), *extra)
     return df
+
