@@ -4,8 +4,9 @@ pandas, Polars, Spark without this package).
 One file per sealed segment, ``<first_seq:020d>.parquet``, with the columns of the Spark
 source (``seq, ts, key, key_bytes, payload``; ``ts`` in microseconds UTC, ``key_bytes``
 only for keys that are not UTF-8), zstd-compressed, a CRC in every page, row groups of
-`ROW_GROUP` rows with min/max statistics, so a reader skips row groups by ``seq`` or ``ts`` as it would blocks.
-A file is written under a temporary name and renamed, so a file that exists is complete.
+`ROW_GROUP` rows with min/max statistics, so a reader skips row groups by ``seq`` or
+``ts`` as it would blocks.  A file is written under a temporary name and renamed, so a
+file that exists is complete.
 """
 
 from __future__ import annotations
