@@ -272,8 +272,9 @@ def cat(directory: str, pattern: bytes | None, since: int | None, fmt: str, out)
         first, last = first or rec[0], rec[0]
     out.flush()
     if damaged:
-        raise skipped(damaged, "the rows after the damage were not printed; the other "
-                               "segments' rows were")
+        raise skipped(damaged, "its rows from the damage on were not printed (all of "
+                               "them if its index cannot be read); the other segments' "
+                               "rows were")
     if first is not None:  # (the whole journal: also what lies before its first record)
         _gaps_among(directory, first if since is not None else 0, last)
 
