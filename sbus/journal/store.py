@@ -528,8 +528,8 @@ class JournalWriter:
             except UnreadableSegment:
                 raise
             except JournalError as exc:
-                after = segments[i + 1].first_seq if i + 1 < len(segments) else None
-                next_seq = max(next_seq, self._quarantine(seg, exc, after))
+                resume = segments[i + 1].first_seq if i + 1 < len(segments) else None
+                next_seq = max(next_seq, self._quarantine(seg, exc, resume))
                 continue
             if blocks:
                 next_seq = max(next_seq, blocks[-1].next_seq)
@@ -558,9 +558,9 @@ class JournalWriter:
         size = seg.path.stat().st_size
         smallest_record = 16  # ts (8) and two offsets (4 + 4)
         beyond = seg.first_seq + size // smallest_record + 1
-        self._gap_notes = {gaps.DAMAGED: gaps.Gap(
+        self._gap_notes[gaps.DAMAGED] = gaps.Gap(
             seg.first_seq - 1, beyond if resume is None else resume, gaps.DAMAGED, None,
-            None, time.time_ns())}
+            None, time.time_ns())
         self._write_gaps()
         os.fsync(self._gaps_fd)
         aside = seg.path.with_name(seg.path.name + ".corrupt")
