@@ -454,6 +454,43 @@ def test_the_recorder_moves_a_damaged_segment_aside_and_records_on(broker, tmp_p
     assert cat.returncode == 0 and "gap" in cat.stderr and "sbus journal gaps" in cat.stderr
 
 
+def test_numbers_a_last_segment_moved_aside_held_are_never_used_again(tmp_path):
+    """The last segment damaged and moved aside: its numbers stay taken at every later
+    start, not only the first (the re-audit of 2026-11-28: a recorder that recorded
+    nothing in between numbered from the last segment left, reused them beside the
+    ``.corrupt`` file, and a second damage there replaced the first file); ``journal
+    cat`` says the records after its last one are missing."""
+    with JournalWriter(tmp_path, fsync=False, segment_bytes=2000) as w:
+        for i in range(300):
+            w.append(1_000_000 + i, [b"k"], [b"%d" % i])
+            if i % 20 == 19:
+                w.flush()
+        w.seal()
+    *_, last = list_segments(tmp_path)
+    data = bytearray(last.path.read_bytes())
+    data[-20] ^= 0xFF  # the trailer: its index cannot be found
+    last.path.write_bytes(data)
+    with JournalWriter(tmp_path, fsync=False) as w:
+        reserved = w.next_seq
+    assert reserved > 300
+    with JournalWriter(tmp_path, fsync=False) as w:  # nothing recorded in between
+        assert w.next_seq == reserved
+        w.append(2_000_000, [b"k"], [b"after"])
+    assert list(records(tmp_path))[-1][0] == reserved
+    (gap,) = [g for g in read_gaps(tmp_path) if g.kind == "damaged"]
+    assert (gap.after, gap.before) == (last.first_seq - 1, reserved)
+    # a segment of that name damaged again (one put there by hand): both files kept
+    twin = bytes(data)
+    last.path.write_bytes(twin)
+    with JournalWriter(tmp_path, fsync=False):
+        pass
+    kept = sorted(p.name for p in tmp_path.glob(last.path.name + ".corrupt*"))
+    assert kept == [last.path.name + ".corrupt", last.path.name + ".corrupt.1"]
+    cat = subprocess.run([*SBUS, "journal", "cat", str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert cat.returncode == 0 and "damaged segment(s) moved aside" in cat.stderr
+
+
 def _safe_records(journal: Path):
     try:
         return list(records(journal))

@@ -150,8 +150,8 @@ def test_the_analyze_report_says_where_the_recorder_missed_messages(tmp_path: Pa
     summary = dict(journal="/j", messages=2, bytes=2, keys=1, prefixes=1, first="a", last="b")
     text = render_report(summary, [], [], "1 minute", None,
                          missed=journal_facts(str(tmp_path))["missed"])
-    assert "Where the recorder missed messages (7 counted, and 1 time(s) nothing was " \
-           "recorded" in text
+    assert "Where the recorder missed messages (7 counted lost, 1 time(s) nothing was " \
+           "recorded;" in text
     assert "between seq 1 and 2: 7 message(s) dropped by the broker" in text
     assert "between seq 1 and 2: the broker was away from" in text
     (tmp_path / gaps.FILE).write_bytes(b"\x1b[2J\n")

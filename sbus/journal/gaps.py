@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from .format import FormatError
 
-__all__ = ["Gap", "KINDS", "FILE", "LINE_BYTES", "encode", "decode", "totals"]
+__all__ = ["Gap", "KINDS", "FILE", "LINE_BYTES", "encode", "decode", "said", "totals"]
 
 FILE = "gaps.jsonl"
 #: The broker dropped them for the recorder (its queue was full): the broker's count.
@@ -73,9 +73,20 @@ class Gap:
                    self.from_ns if self.from_ns is not None else later.from_ns, later.to_ns)
 
 
-def totals(noted: list[Gap]) -> tuple[int, int]:
-    """Messages counted lost in *noted*, and how many of its gaps nobody could count."""
-    return sum(g.lost or 0 for g in noted), sum(g.lost is None for g in noted)
+def totals(noted: list[Gap]) -> tuple[int, int, int]:
+    """Messages counted lost in *noted*; how many of its gaps are times nothing was
+    recorded (nobody could count them); how many are segments moved aside (`DAMAGED`)."""
+    damaged = sum(g.kind == DAMAGED for g in noted)
+    return (sum(g.lost or 0 for g in noted), sum(g.lost is None for g in noted) - damaged,
+            damaged)
+
+
+def said(noted: list[Gap]) -> str:
+    """*noted*'s `totals` in words, for a person (those that are not zero)."""
+    counted, away, damaged = totals(noted)
+    return ", ".join(([f"{counted:,} counted lost"] if counted else [])
+                     + ([f"{away:,} time(s) nothing was recorded"] if away else [])
+                     + ([f"{damaged:,} damaged segment(s) moved aside"] if damaged else []))
 
 
 def encode(gap: Gap) -> bytes:

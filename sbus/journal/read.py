@@ -137,15 +137,14 @@ def show_gaps(directory: str, since: int | None, as_json: bool, out) -> None:
 
 
 def _gaps_among(directory: str, first: int, last: int) -> None:
-    """On stderr, whether the gaps noted fall among records *first*..*last* printed."""
-    among = [g for g in read_gaps(directory) if g.before > first and g.after < last]
+    """On stderr, whether the gaps noted fall among records *first*..*last* printed (a
+    segment moved aside just after the last counts too: its records were there)."""
+    among = [g for g in read_gaps(directory) if g.before > first and (
+        g.after < last or g.kind == gaps.DAMAGED and g.after == last)]
     if among:
-        counted, away = gaps.totals(among)
-        what = ", ".join(([f"{counted:,} counted lost"] if counted else [])
-                         + ([f"{away} time(s) nothing was recorded"] if away else []))
         print(f"sbus journal: these records may miss messages at {len(among)} place(s) "
-              f"({what}): sbus journal gaps {printable(directory)}", file=sys.stderr,
-              flush=True)
+              f"({gaps.said(among)}): sbus journal gaps {printable(directory)}",
+              file=sys.stderr, flush=True)
 
 
 def skipped(damaged: list[JournalError], consequence: str) -> SbusError:

@@ -536,7 +536,21 @@ class JournalWriter:
                 self.last_ts = blocks[-1].max_ts
             else:
                 next_seq = max(next_seq, seg.first_seq)
-        return next_seq
+        return max(next_seq, self._reserved())
+
+    def _reserved(self) -> int:
+        """The numbers a segment moved aside could have held stay taken after that start
+        too (its `gaps.DAMAGED` note says where they end): the next writer would number
+        its first records from the last segment left otherwise, and a second moved-aside
+        segment of that name replaced the first (the re-audit of 2026-11-28)."""
+        from .read import read_gaps  # (read.py reads segments through this module)
+
+        try:
+            return max((g.before for g in read_gaps(self.dir) if g.kind == gaps.DAMAGED),
+                       default=1)
+        except JournalError as exc:  # a damaged gaps file: named, and recording goes on
+            log.warning("%s; numbers a damaged segment held may not be known", exc)
+            return 1
 
     def _remove_leftovers(self) -> None:
         """A re-blocking cut short: its temporary file goes, and so does an open segment
@@ -564,6 +578,10 @@ class JournalWriter:
         self._write_gaps()
         os.fsync(self._gaps_fd)
         aside = seg.path.with_name(seg.path.name + ".corrupt")
+        n = 1
+        while aside.exists():  # one set aside before under this name: both kept
+            aside = seg.path.with_name(f"{seg.path.name}.corrupt.{n}")
+            n += 1
         os.rename(seg.path, aside)
         self._fsync_dir()
         log.error("%s; moved aside to %s, its records are skipped (noted in %s)",

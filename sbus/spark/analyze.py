@@ -538,7 +538,7 @@ def render_report(summary: dict, keys: list, prefixes: list, window: str,
 
 def _missed_lines(missed: list | str) -> list[str]:
     """What the recorder noted it missed (`sbus.journal.gaps`): the first 20, and totals."""
-    from sbus.journal.gaps import totals
+    from sbus.journal.gaps import said
     from sbus.journal.read import describe_gap
 
     if isinstance(missed, str):
@@ -546,9 +546,8 @@ def _missed_lines(missed: list | str) -> list[str]:
     if not missed:
         return ["The recorder noted no message missed (none dropped for it, none too large, "
                 "the broker and the recorder there throughout)."]
-    counted, away = totals(missed)
-    lines = [f"Where the recorder missed messages ({_n(counted)} counted, and {_n(away)} "
-             "time(s) nothing was recorded; `sbus journal gaps`):", ""]
+    lines = [f"Where the recorder missed messages ({said(missed)}; `sbus journal gaps`):",
+             ""]
     lines += [f"* {describe_gap(g)}" for g in missed[:20]]
     if len(missed) > 20:
         lines += [f"* … and {_n(len(missed) - 20)} more"]
