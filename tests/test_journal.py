@@ -500,7 +500,8 @@ def test_sealing_re_blocks_small_blocks_and_recovery_removes_its_leftovers(tmp_p
     (tmp_path / (seg.name + ".sbj.tmp")).write_bytes(b"half")   # or during the write
     assert list_segments(tmp_path) == [seg] and list(records(tmp_path)) == rows
     JournalWriter(tmp_path, fsync=False).close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", seg.path.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", seg.path.name,
+                                                          "journal.id"]
     assert list(records(tmp_path)) == rows
 
 

@@ -163,6 +163,16 @@ def test_journal_lag_reads_a_checkpoint_and_refuses_what_is_not_one(tmp_path):
     done = sbus("journal", "lag", str(jdir), "--checkpoint", str(ck), text=True)
     assert done.stdout.strip() == (f"{ck}: batch 1 committed up to seq 800; the journal ends "
                                    "at seq 1000: 200 rows behind; 7 rows counted lost")
+    # offsets of another journal (removed and recorded anew since): every row is new
+    (ck / "offsets" / "2").write_text(f'v1\n{meta}\n{{"seq":901,"journal":"{"0" * 32}"}}')
+    (ck / "commits" / "2").write_text('v1\n{"nextBatchWatermarkMs":0}')
+    done = sbus("journal", "lag", str(jdir), "--checkpoint", str(ck), text=True)
+    assert done.stdout.strip().endswith("1,000 rows behind; but the journal is another one "
+                                        "than the query read (removed and recorded anew): "
+                                        "all its rows are new to it"), done.stdout
+    for name in ("2",):
+        (ck / "offsets" / name).unlink()
+        (ck / "commits" / name).unlink()
     done = sbus("journal", "lag", str(jdir), "--checkpoint", str(tmp_path / "nothing"),
                 text=True)
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr

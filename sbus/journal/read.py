@@ -25,7 +25,7 @@ from ..routing import matches
 from . import gaps
 from .format import FormatError
 from .gaps import Gap
-from .store import JournalError, list_segments, read_seq_range, segment_blocks
+from .store import JournalError, journal_id, list_segments, read_seq_range, segment_blocks
 
 #: A file of a checkpoint's offset log is read up to this size (a few hundred bytes each).
 OFFSET_FILE_BYTES = 16 << 20
@@ -226,6 +226,10 @@ def checkpoint_lag(directory: str, checkpoint: str) -> dict:
         at = offsets[0]["seq"]
         out |= {"committed_batch": committed[-1], "committed_seq": at,
                 "lost": offsets[0].get("lost", 0)}
+        theirs, ours = offsets[0].get("journal"), journal_id(directory)
+        if isinstance(theirs, str) and ours is not None and theirs != ours:
+            out["replaced"] = True  # removed and recorded anew: every row is new to it
+            at = None
     if planned[-1] != (committed[-1] if committed else None):
         offsets = _source_offsets(ck / "offsets" / str(planned[-1]))
         if offsets:
@@ -257,6 +261,9 @@ def lag(directory: str, checkpoint: str, as_json: bool = False) -> None:
              "behind")
     if lag.get("lost"):
         text += f"; {lag['lost']:,} rows counted lost"
+    if lag.get("replaced"):
+        text += ("; but the journal is another one than the query read (removed and "
+                 "recorded anew): all its rows are new to it")
     print(f"{printable(checkpoint)}: {text}")
 
 

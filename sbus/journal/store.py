@@ -72,6 +72,30 @@ def _name(first_seq: int) -> str:
     return f"{first_seq:020d}"
 
 
+#: The journal's identity (`journal_id`): made once, by the first writer to open the
+#: directory, so that a reader holding an offset (a streaming query's checkpoint) tells
+#: a journal removed and recorded anew, numbered from 1 again, from the one it read.
+ID_FILE = "journal.id"
+
+
+def journal_id(directory: str | os.PathLike) -> str | None:
+    """The identity of the journal in *directory* (32 hex digits, `ID_FILE`); None where
+    there is none (no journal yet, or one no writer has opened since journals had ids).
+    JournalError if the file is there but is not one."""
+    path = Path(directory) / ID_FILE
+    try:
+        with open(open_regular(path), "rb") as f:
+            data = f.read(64)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # (`NotRegular` too: a FIFO or a directory there)
+        raise JournalError(f"cannot read {path}: {exc.strerror or exc}") from None
+    text = data.strip().decode("ascii", "replace")
+    if len(text) != 32 or any(c not in "0123456789abcdef" for c in text):
+        raise JournalError(f"{path} is damaged: not a journal id")
+    return text
+
+
 def list_segments(directory: str | os.PathLike) -> list[Segment]:
     """Segments in journal order (sealed and open)."""
     d = Path(directory)
@@ -497,6 +521,7 @@ class JournalWriter:
         except BlockingIOError:
             self._lock.close()
             raise JournalError(f"journal {self.dir} is in use by another recorder") from None
+        self.id = self._identity()
         self._fd: int | None = None
         self._seg_first = 0
         self._seg_size = 0
@@ -551,6 +576,29 @@ class JournalWriter:
         except JournalError as exc:  # a damaged gaps file: named, and recording goes on
             log.warning("%s; numbers a damaged segment held may not be known", exc)
             return 1
+
+    def _identity(self) -> str:
+        """The journal's id (`journal_id`), made if it has none (or a damaged one: said),
+        written whole under a temporary name, then renamed."""
+        try:
+            found = journal_id(self.dir)
+        except JournalError as exc:
+            log.warning("%s; the journal gets a new one (a streaming query that read it "
+                        "will take it for another journal)", exc)
+            found = None
+        if found is not None:
+            return found
+        made = os.urandom(16).hex()
+        tmp = self.dir / (ID_FILE + TMP_SUFFIX)
+        fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            _write_all(fd, [memoryview(made.encode() + b"\n")])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.dir / ID_FILE)
+        self._fsync_dir()
+        return made
 
     def _remove_leftovers(self) -> None:
         """A re-blocking cut short: its temporary file goes, and so does an open segment

@@ -32,21 +32,26 @@ class Offset:
     (``origin``, ``"from"``): Spark does not log the start of batch 0 but asks the source's
     initial offset again when it replays that batch after a restart, and retention may
     have moved the journal's first row since; the batch's start is carried in the offset
-    Spark does log, as Kafka's source writes its initial offsets into the checkpoint."""
+    Spark does log, as Kafka's source writes its initial offsets into the checkpoint.
+    ``journal`` is the journal's identity (`sbus.journal.store.journal_id`), where it has
+    one: a sequence number means nothing in a journal removed and recorded anew."""
 
     seq: int
     lost: int = field(default=0, compare=False)
     after_planning: int = field(default=0, compare=False)
     origin: int | None = field(default=None, compare=False)
+    journal: str | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict:
-        d = {"seq": self.seq}
+        d: dict = {"seq": self.seq}
         if self.origin is not None:
             d["from"] = self.origin
         if self.lost:
             d["lost"] = self.lost
         if self.after_planning:
             d["lostAfterPlanning"] = self.after_planning
+        if self.journal is not None:
+            d["journal"] = self.journal
         return d
 
     def key(self) -> tuple[int, int, int]:
@@ -55,14 +60,17 @@ class Offset:
 
     def moved(self, seq: int, lost: int = 0, after_planning: int = 0) -> Offset:
         """This offset at *seq*, with *lost* more rows lost (*after_planning* of them late)."""
-        return Offset(seq, self.lost + lost, self.after_planning + after_planning)
+        return Offset(seq, self.lost + lost, self.after_planning + after_planning,
+                      journal=self.journal)
 
     @classmethod
     def from_dict(cls, d: dict, view: View | None = None) -> Offset:
         if "seq" in d:
-            origin = d.get("from")
+            origin, journal = d.get("from"), d.get("journal")
+            if journal is not None and not isinstance(journal, str):
+                raise ValueError(f"not an sbus offset: {d!r} (its journal is not a name)")
             return cls(int(d["seq"]), int(d.get("lost", 0)), int(d.get("lostAfterPlanning", 0)),
-                       None if origin is None else int(origin))
+                       None if origin is None else int(origin), journal)
         if "segment" in d and view is not None:  # a checkpoint of the byte-position offsets
             return cls(from_legacy(view, int(d["segment"]), int(d["position"]),
                                    int(d.get("row", 0))))

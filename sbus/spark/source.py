@@ -43,6 +43,7 @@ from pyspark.sql.types import (
 )
 
 from ..defaults import decimal
+from ..display import printable
 from ..journal.arrow import (
     COLUMNS,
     DEFAULT_SCHEMA,
@@ -55,7 +56,13 @@ from ..journal.arrow import (
     read_range,
 )
 from ..journal.format import FILE_HEAD, BlockInfo
-from ..journal.store import JournalError, list_segments, read_seq_range, segment_blocks
+from ..journal.store import (
+    JournalError,
+    journal_id,
+    list_segments,
+    read_seq_range,
+    segment_blocks,
+)
 from .offsets import START, Offset, View, advance, first_seq, gaps, partitions
 from .options import Position, ReadOptions
 
@@ -478,6 +485,14 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         except JournalError:
             return []  # no journal yet: nothing to read until the recorder creates it
 
+    def _journal(self) -> str | None:
+        """The journal's identity now (None: none yet, or unreadable: not compared)."""
+        try:
+            return journal_id(self.opts.path)
+        except JournalError as exc:
+            log.warning("streaming query: %s", exc)
+            return None
+
     def _end(self, view: View) -> Offset | None:
         if self.opts.ending.kind == "latest":
             return None
@@ -488,7 +503,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         seq = seq_at(self.opts.path, view, self.opts.starting)
         if seq == START.seq:  # earliest: the first row there is, so that rows of the first
             seq = first_seq(view) or START.seq  # batch removed under it count as lost
-        return Offset(seq).to_dict()
+        return Offset(seq, journal=self._journal()).to_dict()
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_rows is None:
@@ -498,6 +513,10 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         view = self._view()
         s = Offset.from_dict(start, view)
+        journal = self._journal()
+        if s.journal is not None and journal is not None and journal != s.journal:
+            return self._replaced(s, journal, limit)
+        journal = journal or s.journal
         if self._reports is not None:  # rows the last batch's tasks found gone
             found = self._reports.take()
             if found:
@@ -515,7 +534,32 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return start  # nothing new: the same offset, so Spark plans no batch
         origin = s.seq if s.seq != START.seq else (first_seq(view) or s.seq)
         moved = s.moved(end.seq, lost + late, late)
-        return Offset(moved.seq, moved.lost, moved.after_planning, origin).to_dict()
+        return Offset(moved.seq, moved.lost, moved.after_planning, origin, journal).to_dict()
+
+    def _replaced(self, s: Offset, journal: str, limit: ReadLimit) -> dict:
+        """The journal was removed and recorded anew since offset *s* (its identity
+        changed): its sequence numbers start again, so *s* means nothing in it.  An error;
+        or (failOnDataLoss=false) the next batch reads the new journal from its first row
+        (`origin`).  What the old one held past *s* is gone uncounted: nobody can count
+        it now, which the log says."""
+        text = (f"the journal at {printable(self.opts.path, 200)} is another one than the "
+                f"one this query's offsets are of (its id was {printable(s.journal, 40)}, "
+                f"it is {journal}: removed and recorded anew?), so its sequence numbers "
+                "start again")
+        if self.opts.fail_on_data_loss:
+            raise DataLoss(f"streaming query: {text}; start a new checkpoint, or set option "
+                           "failOnDataLoss=false to read the new journal from its first row")
+        log.warning("streaming query: %s; reading the new journal from its first row "
+                    "(what the old one held past seq %d is not counted: it is gone)",
+                    text, s.seq)
+        self._cache.clear()  # (block lists of the old journal's segment names)
+        view = self._view()
+        origin = first_seq(view) or 1
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        targets = [t for t in (self._target, self._end(view)) if t is not None]
+        end = advance(view, Offset(origin), max_rows, min(targets) if targets else None)
+        self._consumed = end.seq
+        return Offset(end.seq, s.lost, s.after_planning, origin, journal).to_dict()
 
     def _went_back(self, view: View, start: int) -> int:
         """Rows this query will skip because the journal now ends before *start*, an
