@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sbus.journal import format as fmt
+from sbus.journal import gaps
 from sbus.journal.format import FormatError
 from sbus.journal.read import read_gaps
 from sbus.journal.store import (
@@ -577,3 +578,41 @@ def test_journal_parsing_of_any_bytes_raises_only_the_journals_errors(data, nblo
             except JournalError:
                 pass
             path.unlink()
+
+
+def test_damaged_notes_and_ids_are_named_and_never_crash_the_recorder(tmp_path, caplog):
+    """Notes in gaps.jsonl and the journal's identity are read, not trusted (the audit of
+    2026-11-28): a ``damaged`` note ending past any journal's numbers (written by hand)
+    is said and left out (it numbered the journal past its format's range, and every
+    flush then failed); a line that does not read does not cancel the others'
+    reservations; a ``journal.id`` that cannot be read stops the writer with one line
+    (a new identity would make streaming queries read the journal again), a FIFO
+    there included, without waiting on it."""
+    with JournalWriter(tmp_path, fsync=False) as w:
+        w.append(1, [b"k"] * 3, [b"a"] * 3)
+
+    def note(before: int) -> bytes:
+        return gaps.encode(gaps.Gap(3, before, gaps.DAMAGED, None, None, 1))
+
+    with open(tmp_path / gaps.FILE, "ab") as f:
+        f.write(note(2**63 - 1) + note(100) + b'{"kind": "damaged", garbage\n')
+    with JournalWriter(tmp_path, fsync=False) as w:
+        assert w.next_seq == 100
+        w.append(2, [b"k"], [b"b"])
+    assert [r[0] for r in records(tmp_path)] == [1, 2, 3, 100]
+    assert "past any journal's numbers: left out" in caplog.text
+    assert "1 line(s) naming a damaged segment do not read" in caplog.text
+    ident = tmp_path / "journal.id"
+    kept = ident.read_text()
+    ident.write_text("garbage\n")
+    with pytest.raises(JournalError, match="journal.id is damaged: not a journal id; fix "
+                                           "it, or remove it"):
+        JournalWriter(tmp_path, fsync=False)
+    ident.unlink()
+    os.mkfifo(ident)
+    with pytest.raises(JournalError, match="cannot read .*journal.id"):
+        JournalWriter(tmp_path, fsync=False)
+    ident.unlink()
+    ident.write_text(kept)
+    with JournalWriter(tmp_path, fsync=False) as w:
+        assert w.id == kept.strip()

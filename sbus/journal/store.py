@@ -76,6 +76,9 @@ def _name(first_seq: int) -> str:
 #: directory, so that a reader holding an offset (a streaming query's checkpoint) tells
 #: a journal removed and recorded anew, numbered from 1 again, from the one it read.
 ID_FILE = "journal.id"
+#: The largest sequence number a moved-aside segment's note may reserve (`_reserved`):
+#: far past any real journal, and far below the format's 2**63.
+RESERVED_MAX = 1 << 62
 
 
 def journal_id(directory: str | os.PathLike) -> str | None:
@@ -521,7 +524,11 @@ class JournalWriter:
         except BlockingIOError:
             self._lock.close()
             raise JournalError(f"journal {self.dir} is in use by another recorder") from None
-        self.id = self._identity()
+        try:
+            self.id = self._identity()
+        except JournalError:
+            self._lock.close()  # (the lock goes with the refusal)
+            raise
         self._fd: int | None = None
         self._seg_first = 0
         self._seg_size = 0
@@ -567,36 +574,68 @@ class JournalWriter:
         """The numbers a segment moved aside could have held stay taken after that start
         too (its `gaps.DAMAGED` note says where they end): the next writer would number
         its first records from the last segment left otherwise, and a second moved-aside
-        segment of that name replaced the first (the re-audit of 2026-11-28)."""
-        from .read import read_gaps  # (read.py reads segments through this module)
-
+        segment of that name replaced the first (the re-audit of 2026-11-28).  Only the
+        ``damaged`` lines are decoded (a gaps file of 48 MB took 2.7 s otherwise); a line
+        that does not decode is skipped, the others still count; a note past
+        `RESERVED_MAX` (no segment holds that many records: written by hand) is said and
+        left out, so it cannot number the journal past what its format holds."""
         try:
-            return max((g.before for g in read_gaps(self.dir) if g.kind == gaps.DAMAGED),
-                       default=1)
-        except JournalError as exc:  # a damaged gaps file: named, and recording goes on
-            log.warning("%s; numbers a damaged segment held may not be known", exc)
+            fd = open_regular(self.dir / gaps.FILE)
+        except FileNotFoundError:
             return 1
+        except OSError as exc:
+            log.warning("cannot read %s: %s; numbers a damaged segment held may not be "
+                        "known", gaps.FILE, exc.strerror or exc)
+            return 1
+        reserved, bad = 1, 0
+        with os.fdopen(fd, "rb") as f:  # (lines read at most a gap's length at a time)
+            for line in iter(lambda: f.readline(gaps.LINE_BYTES + 1), b""):
+                if b'"damaged"' not in line:
+                    continue
+                try:
+                    gap = gaps.decode(line)
+                except FormatError:
+                    bad += 1
+                    continue
+                if gap.kind != gaps.DAMAGED:
+                    continue
+                if gap.before > RESERVED_MAX:
+                    log.warning("%s: a damaged segment's note ends at seq %d, past any "
+                                "journal's numbers: left out", gaps.FILE, gap.before)
+                    continue
+                reserved = max(reserved, gap.before)
+        if bad:
+            log.warning("%s: %d line(s) naming a damaged segment do not read: the numbers "
+                        "those segments held may not be known", gaps.FILE, bad)
+        return reserved
 
     def _identity(self) -> str:
-        """The journal's id (`journal_id`), made if it has none (or a damaged one: said),
-        written whole under a temporary name, then renamed."""
+        """The journal's id (`journal_id`), made if it has none, written whole under a
+        temporary name, then renamed.  One that cannot be read is the writer's error: a
+        new one would make every streaming query that read this journal take it for
+        another (the audit of 2026-11-28: rows delivered again)."""
         try:
             found = journal_id(self.dir)
         except JournalError as exc:
-            log.warning("%s; the journal gets a new one (a streaming query that read it "
-                        "will take it for another journal)", exc)
-            found = None
+            raise JournalError(f"{exc}; fix it, or remove it to give the journal a new "
+                               "identity (streaming queries that read it then take it for "
+                               "another journal)") from None
         if found is not None:
             return found
         made = os.urandom(16).hex()
         tmp = self.dir / (ID_FILE + TMP_SUFFIX)
-        fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         try:
-            _write_all(fd, [memoryview(made.encode() + b"\n")])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.dir / ID_FILE)
+            fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                              0o644)
+            try:
+                _write_all(fd, [memoryview(made.encode() + b"\n")])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.dir / ID_FILE)
+        except OSError as exc:
+            raise JournalError(f"cannot write the journal's identity {self.dir / ID_FILE}: "
+                               f"{exc.strerror or exc}") from None
         self._fsync_dir()
         return made
 
