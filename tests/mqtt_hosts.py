@@ -60,11 +60,23 @@ class Mosquitto:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
         deadline = time.monotonic() + 10
-        while not os.path.exists(self.sock):
+        while not self._listening():  # (the socket file is there at bind, before listen)
             assert self.proc.poll() is None, self.log.read_text()
             assert time.monotonic() < deadline, "mosquitto did not start"
             time.sleep(0.02)
         return self
+
+    def _listening(self) -> bool:
+        """Does mosquitto take connections on its unix socket yet?  (A client that came
+        between its bind and its listen was refused: ECONNREFUSED in CI.)"""
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(self.sock)
+            return True
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        finally:
+            probe.close()
 
     def stop(self) -> None:
         stop_process(self.proc)

@@ -568,6 +568,7 @@ def test_ctrl_z_stops_at_the_next_message_and_fg_reads_on(mnt, bus):
     once its next message is delivered, and reads on after SIGCONT."""
     proc = cat(touch(mnt, "tstp"), job=True)
     try:
+        wait_in_fuse(proc.pid)  # in its read(), not still on its way there (CI, loaded)
         proc.send_signal(signal.SIGTSTP)
         time.sleep(0.3)
         assert proc_state(proc.pid) != "T"  # still waiting inside read()

@@ -1125,6 +1125,9 @@ def test_a_backlog_larger_than_one_write_reaches_a_prompt_reader(hdir, bus, loca
         g.stop()
 
 
+@pytest.mark.alone  # 3.6 MB/s to 251 clients: beside Spark's tests the gateway fell
+# behind its bus connection and the broker dropped for it (CI, this tree and the one
+# before alike: its pool was not the cause)
 def test_unwritten_ends_held_by_clients_that_never_read_do_not_keep_the_pool(hdir, bus,
                                                                              local):
     """One address's 250 subscribers that never read each held the unwritten end of a
