@@ -278,6 +278,10 @@ class Session:
         self.asked += 1
         return _encode(Control(WHOAMI))
 
+    def unask(self) -> None:
+        """The question `ask` made last was not sent: no answer is awaited for it."""
+        self.asked = max(0, self.asked - 1)
+
     def control(self, key: bytes | str, payload: bytes | str | None = None) -> bytes:
         """Any other control message (e.g. ``broker/status``), as it is."""
         key = _b(key)
@@ -519,7 +523,7 @@ class Unconfirmed:
         due again at once)."""
         if self.asked_at is not None:
             self.asked_at = None
-            self.session.asked = max(0, self.session.asked - 1)
+            self.session.unask()
             self._since.update(self._before)
             self._before.clear()
         self.next_at = 0.0

@@ -860,7 +860,7 @@ class BridgeShell:
         sent) forgotten.  Returns *sent*."""
         session = self.bus.session
         if not sent:
-            session.asked = max(0, session.asked - 1)
+            session.unask()
             return False
         held = self.mq.held
         self._covered, self._covered_acks = len(self._unacked), len(held or ())

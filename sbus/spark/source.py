@@ -493,6 +493,13 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             log.warning("streaming query: %s", exc)
             return None
 
+    def _advance(self, view: View, start: Offset, limit: ReadLimit) -> Offset:
+        """The end of a micro-batch from *start*: as far as *limit*, the query's ending
+        and an availableNow target allow."""
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        targets = [t for t in (self._target, self._end(view)) if t is not None]
+        return advance(view, start, max_rows, min(targets) if targets else None)
+
     def _end(self, view: View) -> Offset | None:
         if self.opts.ending.kind == "latest":
             return None
@@ -521,9 +528,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             found = self._reports.take()
             if found:
                 self._late[s.key()] = self._late.get(s.key(), 0) + found
-        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        targets = [t for t in (self._target, self._end(view)) if t is not None]
-        end = advance(view, s, max_rows, min(targets) if targets else None)
+        end = self._advance(view, s, limit)
         lost = _check_loss(gaps(view, s.seq, end.seq), self.opts.fail_on_data_loss,
                            "streaming query: ") + self._went_back(view, s.seq)
         for key in [k for k in self._late if k[0] < s.seq]:  # counted by an earlier batch
@@ -555,9 +560,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._cache.clear()  # (block lists of the old journal's segment names)
         view = self._view()
         origin = first_seq(view) or 1
-        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        targets = [t for t in (self._target, self._end(view)) if t is not None]
-        end = advance(view, Offset(origin), max_rows, min(targets) if targets else None)
+        end = self._advance(view, Offset(origin), limit)
         self._consumed = end.seq
         return Offset(end.seq, s.lost, s.after_planning, origin, journal).to_dict()
 
