@@ -13,6 +13,8 @@ Each path carries 64-byte messages from the C load generator's publisher (lg, in
     floor-export      lg pub -> sbus serve -> tools/bridge_floor.py -> M2 -> lg sub
                       (the least a Python hop does per export: the floor under
                       sbus-export's added latency; not among the default paths)
+    floor-acked-export  the same, its PUBACKs read by a thread woken for each
+                      (as the bridge's import lane is; not among the default paths)
 
 Every bridge hop is TCP on 127.0.0.1; lg talks to each broker over a unix socket; MQTT
 messages are QoS 0 end to end, except each bridge's own leg at ``--qos`` (both bridges
@@ -61,7 +63,7 @@ if not bench.SHARED.exists():  # a worktree below the checkout's parent (/work/w
 PATHS = ["mqtt-direct", "sbus-direct", "mosquitto-export", "sbus-export",
          "mosquitto-import", "sbus-import"]
 #: run only when named in --paths
-EXTRA_PATHS = ["floor-export"]
+EXTRA_PATHS = ["floor-export", "floor-acked-export"]
 
 
 def free_port() -> int:
@@ -121,7 +123,8 @@ class Stack:
             if way == "in":  # its subscription in force at M2
                 wait_for("its subscription", lambda: "SUBSCRIBE from to-m2" in log.read_text()
                          or "to-m2 #" in log.read_text())
-        elif path in ("sbus-export", "sbus-import", "sbus-direct", "floor-export"):
+        elif path in ("sbus-export", "sbus-import", "sbus-direct", "floor-export",
+                      "floor-acked-export"):
             bus = str(tmp / "bus.sock")
             env = {**os.environ, "PYTHONPATH": self.code or str(bench.ROOT)}
             self._spawn("bus", [sys.executable, "-m", "sbus.cli", "serve", "--address", bus],
@@ -132,11 +135,12 @@ class Stack:
                 self.pub_proto = self.sub_proto = "sbus"
                 self.side = self.procs[-1:]
                 return
-            if path == "floor-export":
+            if path.startswith("floor-"):
+                acks = "thread" if path == "floor-acked-export" else "after-send"
                 self._spawn("bridge", [sys.executable, str(bench.ROOT / "tools" /
                                                             "bridge_floor.py"),
                                        "--address", bus, "--port", str(port),
-                                       "--qos", str(qos)], env=env)
+                                       "--qos", str(qos), "--acks", acks], env=env)
                 self.bridge = self.procs[-1]
                 self.side = self.procs[-2:]
                 wait_for("bridge_floor", lambda: "READY" in (tmp / "bridge.log").read_text())

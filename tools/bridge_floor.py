@@ -13,7 +13,12 @@ paho's record of the message; before its export lane, a turn of its event loop t
 what its added latency holds over this path's (docs/performance.md, "The floor of a
 Python hop").
 
+``--acks thread``: a second thread blocks on the MQTT socket and reads each PUBACK as it
+comes, as the bridge's import lane does (``floor-acked-export``): what waking for the
+acknowledgements costs the next hop's latency on a machine of few CPUs.
+
 Usage: tools/bridge_floor.py --address BUS --port PORT [--qos 0|1] [--pattern P]
+                             [--acks after-send|thread]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -49,6 +55,8 @@ def main() -> int:
     ap.add_argument("--port", type=int, required=True, help="the MQTT broker's port")
     ap.add_argument("--qos", type=int, choices=(0, 1), default=1)
     ap.add_argument("--pattern", default="k.000", help="what to carry (lg's key)")
+    ap.add_argument("--acks", choices=("after-send", "thread"), default="after-send",
+                    help="read PUBACKs after each send, or in a thread woken for each")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     bus = Client(args.address)
@@ -57,6 +65,8 @@ def main() -> int:
     sock = bus.sock
     sock.setblocking(True)
     mqtt = mqtt_connect(args.port)
+    if args.acks == "thread":
+        threading.Thread(target=_read_acks, args=(mqtt,), daemon=True).start()
     print("READY", flush=True)
     command, mid = (0x32 if args.qos else 0x30), 0
     while True:
@@ -73,10 +83,16 @@ def main() -> int:
             head += mid.to_bytes(2, "big")
         mqtt.sendall(bytes([command]) + remaining_length(len(head) + len(payload)) + head
                   + payload)
-        try:
-            mqtt.recv(65536, socket.MSG_DONTWAIT)  # PUBACKs, unread
-        except BlockingIOError:
-            pass
+        if args.acks == "after-send":
+            try:
+                mqtt.recv(65536, socket.MSG_DONTWAIT)  # PUBACKs, unread
+            except BlockingIOError:
+                pass
+
+
+def _read_acks(mqtt: socket.socket) -> None:
+    while mqtt.recv(65536):  # woken for every PUBACK, thrown away
+        pass
 
 
 if __name__ == "__main__":
