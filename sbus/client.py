@@ -39,7 +39,7 @@ import stat
 import struct
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
 from typing import NamedTuple, TypeVar
 
 import anyio
@@ -1126,6 +1126,16 @@ class AsyncClient(_Shell):
             return
         self._attach(sock)
         self.session.connected()
+
+    async def adopt(self, sock: socket.socket, held: Iterable[bytes]) -> None:
+        """Take up *sock*, a connection to the broker that an earlier process of this
+        program opened and left to this one (the service manager's fd store), on which
+        the broker holds the patterns *held*: what it queued meanwhile is received as on
+        any connection, and the earlier process's answers do not pass this one's barrier
+        (`Session.adopt`).  A connection that has ended is replaced as a lost one is."""
+        self._attach(sock)
+        for packet in self.session.adopt(held):
+            await self.send_packet(packet)
 
     def _attach(self, sock: socket.socket) -> None:
         super()._attach(sock)

@@ -29,6 +29,13 @@ by a fast path.  `new_inbox` / `reply_to` are the requester's half of request/re
 (`sbus.request`), and a `RequestRound` says when one request goes out, across reconnects;
 `Unconfirmed` how many messages a lost connection may have taken with it.
 
+A connection may also outlive the process that opened it: kept in the service manager's
+fd store, it is taken up by the next process of the same program (`adopt`), with the
+patterns the broker still holds for it and whatever the broker queued meanwhile.  The
+answers to the earlier process's questions may still come; a reach question on a key
+of the session's own, sent first, marks where they end (`adopting`), so none of them
+passes the new process's barrier.
+
 `Backoff` is the one reconnect policy every component uses.
 """
 
@@ -39,7 +46,7 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from . import protocol
@@ -52,6 +59,9 @@ from .request import inbox_root, make_request
 
 __all__ = ["Session", "Backoff", "RequestRound", "Unconfirmed", "Dropped", "Whoami",
            "Refusal", "Reach", "Event", "Publish", "Control", "FLOOD_VALUES", "REACH_RETRY"]
+
+#: The keys of the questions that mark the end of an earlier process's answers (`adopt`).
+ADOPTED = b"/sbus/adopted/"
 
 #: What each flood setting accepts (docs/protocol.md, sbus/flood.py).
 FLOOD_VALUES: dict[str, tuple[str, ...]] = {
@@ -157,6 +167,9 @@ class Session:
         self.connections = 0
         #: The reconnect plan's delays (`retry_in`), reset once a connection is restored.
         self.backoff = backoff or Backoff()
+        #: The key of the reach question that ends an earlier process's answers on a
+        #: connection taken up (`adopt`); None once its answer came, or on a fresh one.
+        self.adopting: bytes | None = None
 
     # -- intents -> packets ------------------------------------------------------
 
@@ -173,10 +186,22 @@ class Session:
         """Everything this session asked for, as the first packets of a fresh connection:
         the flood policy, every pattern, and a whoami question (the barrier)."""
         self.asked = self.answers = 0  # an old connection's questions: never answered
+        self.adopting = None
         out = self._policy()
         out += [_encode(Subscribe(p)) for p, n in self.patterns.items() for _ in range(n)]
         out.append(self.ask())
         return out
+
+    def adopt(self, held: Iterable[bytes]) -> list[bytes]:
+        """Take up a connection an earlier process of this program opened and left to
+        this one (the service manager's fd store), on which the broker holds the patterns
+        *held*: what to send first.  That is a reach question on a key of the session's
+        own: the answers that come before its answer were asked by the earlier process,
+        and do not count for this one's questions (`control_event`)."""
+        self.connections += 1
+        self.patterns = Counter(dict.fromkeys(held, 1))
+        self.adopting = ADOPTED + secrets.token_hex(8).encode()
+        return [_encode(Control(REACH, self.adopting))]
 
     def retry_in(self, give_up_at: float | None = None) -> float:
         """Seconds to wait before the next attempt to reconnect.  With *give_up_at* (a
@@ -357,6 +382,8 @@ class Session:
             self.dropped += count
             return Dropped(count)
         if key == WHOAMI:
+            if self.adopting is not None:  # the earlier process's question (`adopt`)
+                return Whoami(payload)
             if self.asked:
                 self.asked -= 1
                 self.answers += 1
@@ -370,6 +397,8 @@ class Session:
             return Whoami(payload)
         if key == REACH:
             asked, _, count = payload.rpartition(b"\0")
+            if self.adopting is not None and asked == self.adopting:
+                self.adopting = None  # the earlier process's answers end here
             return Reach(asked, int(count) if count.isdigit() else None)
         if key.startswith(REFUSED + b"/"):
             return Refusal(key[len(REFUSED) + 1:].decode("utf-8", "replace"),

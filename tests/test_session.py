@@ -57,6 +57,28 @@ def test_a_reconnect_restores_policy_patterns_then_asks():
         s.publish_for(-1)
 
 
+def test_a_connection_taken_up_ignores_the_earlier_processs_answers_until_its_mark():
+    s = Session()
+    (mark,) = s.adopt([b"a/", b"b"])  # a connection left in the fd store, its patterns
+    assert mark.startswith(b"CMSG broker/reach\0/sbus/adopted/")
+    assert s.patterns == {b"a/": 1, b"b": 1} and s.connections == 1
+    key = mark.split(b"\0", 1)[1]
+    s.ask()  # this process's barrier, sent after the mark
+    answer = b"CMSG !/cred/whoami\0!/cred/0/0/1"
+    assert s.receive(answer) == Whoami(b"!/cred/0/0/1")  # the earlier process asked it
+    assert (s.asked, s.answers) == (1, 0)  # ... so it passes no barrier of this one
+    assert s.receive(b"MSG a/x\0queued meanwhile") == Publish(b"a/x", b"queued meanwhile")
+    assert s.receive(b"CMSG broker/reach\0/sbus/adopted/other\x000") == Reach(
+        b"/sbus/adopted/other", 0)  # another's mark (the earlier process's): still before
+    assert s.adopting == key
+    assert s.receive(b"CMSG broker/reach\0" + key + b"\x000") == Reach(key, 0)
+    assert s.adopting is None
+    s.receive(answer)  # now this process's answer
+    assert (s.asked, s.answers) == (0, 1)
+    s.adopt([b"c"])
+    assert s.opening()[0] == b"SUB c" and s.adopting is None  # a reconnect: a fresh start
+
+
 @pytest.mark.parametrize("pattern, why", [
     (b"a/!/b", "reserved"),
     (b"!/cred/a/0/1/", "not decimal"),

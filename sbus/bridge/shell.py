@@ -279,10 +279,17 @@ class BridgeShell:
         self._left: list[tuple[int, bytes, bytes]] = []  # spooled by the last bridge
         self._resent_upto = 0  # records before this one were counted in `resent` once
         self._max_out = MQTT_MAX_PACKET  # the broker's Maximum Packet Size (CONNACK)
-        # a PUBLISH's bytes besides topic and payload: fixed header, topic length, packet
-        # id, our properties and their length
+        #: the bus connection the last bridge left in the service manager's fd store, if
+        #: any, and the patterns state.json says the broker holds on it (`_open_bus`)
+        self._kept: socket.socket | None = _kept_bus()
+        self._kept_patterns: list[bytes] | None = None
+        #: what state.json records of the bus connection in use: its socket's inode and
+        #: the patterns in force on it (saved only once its opening is answered)
+        self._bus_record: dict | None = None
         if settings.state_dir:
             self._open_state(settings.state_dir)
+        # a PUBLISH's bytes besides topic and payload: fixed header, topic length, packet
+        # id, our properties and their length
         self._overhead = 5 + 2 + 2 + max(len(self._props.pack()), len(self._stamp_head) + 16,
                                          len(self._stamp0_head) + 16)
         self.mq = self._make_client()
@@ -328,6 +335,7 @@ class BridgeShell:
                 self.core.counters.exported += self.spool.next_seq - since
                 self.core.counters.exported_bytes += sum(
                     len(t) + len(p) for seq, t, p in self._left if seq >= since)
+        self._kept_patterns = _kept_patterns(saved.get("bus"), self._kept)
         upto = saved.get("resent_upto")
         self._resent_upto = upto if type(upto) is int and upto >= 0 else 0
         if saved.get("clean_exit"):  # else what it remembers may be older than it saw
@@ -353,6 +361,7 @@ class BridgeShell:
             "spooled": self.spool.next_seq if self.spool is not None else 0,  # (len 0: empty)
             "resent_upto": self._resent_upto,
             "clean_exit": clean_exit,
+            **({"bus": self._bus_record} if self._bus_record else {}),
             **({"senders": self.core.senders_saved()} if clean_exit else {})})
         if failed != self._save_failed:  # said once, until it changes
             if failed:
@@ -937,15 +946,34 @@ class BridgeShell:
     # -- bus -------------------------------------------------------------------------
 
     async def _open_bus(self) -> None:
-        """The bus connection: waited for however long it takes (the client's reconnect
-        driver, also for the first connection), then the flood policy, ``nowait`` and the
-        patterns, which the client's session restores on every reconnect."""
-        bus = self.bus
-        await bus.open(retry=True)
+        """The bus connection: the one the last bridge left in the fd store if there is
+        one and state.json says which patterns it holds (taken up: docs/bridge.md, "Its
+        bus connection across its own restart"), else a new one, waited for however long
+        it takes (the client's reconnect driver, also for the first connection); then the
+        flood policy, ``nowait`` and the patterns, which the client's session restores on
+        every reconnect."""
+        bus, kept, held = self.bus, self._kept, self._kept_patterns
+        self._kept = None
+        if kept is not None and held is not None:
+            await bus.adopt(kept, held)
+            log.info("took up the bus connection the last bridge left in the fd store: "
+                     "what the broker kept for it meanwhile comes first")
+        else:
+            if kept is not None:  # no record of what it holds: let it go (with its queue)
+                kept.close()
+                _unkeep()
+                log.warning("the bus connection the last bridge left in the fd store is "
+                            "not taken up: state.json has no record of it; what the broker "
+                            "queued on it is lost")
+            await bus.open(retry=True)
         await bus.send_packet(bus.session.publisher_nowait())
         await bus.set_flood(soft="queue", hard="discard")
-        for pattern in self.core.bus_patterns():
-            await bus.subscribe(pattern, wait=False)
+        wanted = self.core.bus_patterns()
+        for pattern in set(bus.session.patterns) - set(wanted):  # (an earlier config's)
+            await bus.unsubscribe(pattern)
+        for pattern in wanted:
+            if not bus.session.patterns[pattern]:
+                await bus.subscribe(pattern, wait=False)
         while True:
             try:
                 me = await bus.whoami(timeout=BUS_TIMEOUT)  # the barrier: all in force
@@ -958,6 +986,7 @@ class BridgeShell:
                             "the bridge maps only '/' keys to MQTT topics")
         self._opened = self.bus_up = True
         self.core.bus_reset()
+        self._keep_bus()
         self._tell_bus(self.status())
         log.info("connected to the bus at %s", self.address)
         self._first_done("bus")
@@ -977,12 +1006,32 @@ class BridgeShell:
         self.bus_up = up
         if up:
             self.core.bus_reset()  # no echo of an earlier import comes on this connection
+            self._keep_bus()
         else:
+            self._bus_record = None  # (saved below)
+            _unkeep()
             self._import_again()
         self._wake_lanes()  # (it waits on the connection that was)
         self._save_state()
         self._notify(f"STATUS={self.status()}")
         self._poke()
+
+    def _keep_bus(self) -> None:
+        """The bus connection's opening is answered: record the patterns in force on it
+        in state.json, then leave it in the service manager's fd store, so that the next
+        bridge takes it up after a restart or a crash (`_open_bus`) and the
+        broker queues for it meanwhile.  Recorded first: a connection kept without its
+        record is let go by the next bridge, never taken up with the wrong patterns."""
+        sock = self.bus.sock
+        if sock is None or sock.fileno() < 0:
+            return
+        self._bus_record = {
+            "inode": os.fstat(sock.fileno()).st_ino,
+            "patterns": [p.decode("utf-8", "surrogateescape")
+                         for p in self.bus.session.patterns]}
+        self._save_state()
+        if self.state is not None:  # (no state directory: the next bridge can't take it)
+            _keep(sock)
 
     def _import_again(self) -> None:
         """The bus connection was lost before the broker confirmed the last imports:
@@ -1444,6 +1493,62 @@ class BridgeShell:
             self.spool.close()
         if self.state is not None:
             self.state.close()
+
+
+#: The name of the bus connection in the service manager's fd store.
+KEPT_NAME = "bus"
+
+
+def _kept_bus() -> socket.socket | None:
+    """The bus connection an earlier bridge left in the fd store (``LISTEN_FDNAMES``)."""
+    sock = None
+    for fd, name in sdnotify.listen_fds():
+        if name != KEPT_NAME or sock is not None:
+            os.close(fd)
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)
+            continue
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+            sock.close()
+            sock = None
+    return sock
+
+
+def _kept_patterns(record: object, kept: socket.socket | None) -> list[bytes] | None:
+    """The patterns state.json says the broker holds on *kept*, or None when it has no
+    record of that very connection (another socket's, or damaged)."""
+    if kept is None or not isinstance(record, dict):
+        return None
+    patterns = record.get("patterns")
+    try:
+        same = record.get("inode") == os.fstat(kept.fileno()).st_ino
+        if not same or not isinstance(patterns, list) \
+                or not all(isinstance(p, str) for p in patterns):
+            return None
+        return [p.encode("utf-8", "surrogateescape") for p in patterns]
+    except (OSError, UnicodeEncodeError):
+        return None
+
+
+def _keep(sock: socket.socket) -> None:
+    """Leave *sock* in the fd store in place of the one there (none is the same)."""
+    try:
+        sdnotify.notify(f"FDSTOREREMOVE=1\nFDNAME={KEPT_NAME}", timeout=0)
+        sdnotify.notify(f"FDSTORE=1\nFDNAME={KEPT_NAME}", [sock.fileno()], timeout=0)
+    except OSError as exc:
+        log.warning("cannot leave the bus connection in the fd store: %s; a restart of "
+                    "the bridge loses what is published meanwhile", exc.strerror or exc)
+
+
+def _unkeep() -> None:
+    """The bus connection was lost: none is kept for the next bridge."""
+    try:
+        sdnotify.notify(f"FDSTOREREMOVE=1\nFDNAME={KEPT_NAME}", timeout=0)
+    except OSError:
+        pass  # (the next keep says it)
 
 
 def _filter(saved: object) -> bool:

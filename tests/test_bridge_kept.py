@@ -1,0 +1,199 @@
+"""`sbus bridge` keeps its bus connection across its own restart and crash: under a real
+systemd user manager, the unit leaves the connection in the fd store
+(``FileDescriptorStoreMax=1``), the next process takes it up, and what local publishers
+sent while no bridge ran waited in the broker's queue for it.  Counted end to end with
+sequence numbers; the docs' fault table (docs/bridge.md) quotes this test."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import SBUS, stop_process, wait_for_socket
+from mqtt_hosts import Bridge, Mosquitto, Peer, _counters
+from test_bridge import _free_port, publish
+from test_bridge_faults import Stream
+
+from sbus import Client
+from sbus.bridge.shell import _kept_patterns
+
+pytestmark = pytest.mark.timeout(240)
+
+UNIT = "sbus-bridge@t.service"
+
+
+def _status(manager) -> str:
+    return manager.show(UNIT, "StatusText")["StatusText"]
+
+
+def subscriptions(manager) -> int | None:
+    """The broker's count of subscriptions (its STATUS=, every second)."""
+    found = re.search(r"(\d+) subscriptions", manager.show("sbus.service", "StatusText")[
+        "StatusText"])
+    return int(found.group(1)) if found else None
+
+
+def _wait(ready, timeout: float = 30.0):
+    """*ready*'s last value, once true or after *timeout* seconds."""
+    deadline = time.monotonic() + timeout
+    while not (got := ready()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
+
+
+def test_a_restarted_or_killed_bridge_takes_up_its_bus_connection(short_tmp) -> None:
+    """Numbered messages at 200/s on the local bus, exported at QoS 1: `systemctl restart`
+    of the bridge, then `kill -9` of it (back after the unit's RestartSec=5s): the MQTT
+    subscriber gets every number; copies (MQTT's at-least-once after the crash) are at
+    most what the bridge counted as `resent`.  A pattern added to the configuration
+    before the restart and taken out before the crash is subscribed and unsubscribed on
+    the connection taken up; the one kept throughout is never held twice."""
+    from systemd_usermgr import UserManager
+
+    port = _free_port()
+    broker = Mosquitto(short_tmp, [("127.0.0.1", port)]).start()
+    base = Path(tempfile.mkdtemp(prefix="sbus-kept-", dir="/tmp"))
+    manager = UserManager(base).start()
+    stream = peer = None
+    try:
+        if os.environ.get("PYTHONPATH"):  # a checkout under test, not the installed copy
+            manager.env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+            manager.systemctl("set-environment", f"PYTHONPATH={os.environ['PYTHONPATH']}")
+        manager.run(str(Path(sys.executable).parent / "sbus"), "install-units", "--user")
+        (manager.config / "sbus").mkdir()
+        config = manager.config / "sbus" / "bridge-t.toml"
+        config.write_text(
+            f'mqtt = "mqtt://127.0.0.1:{port}"\nclient-id = "kept"\n'
+            '[[export]]\npatterns = ["seq/"]\nqos = 1\n')
+        peer = Peer(broker.sock, ["seq/#"])
+        manager.systemctl("start", "sbus.socket", UNIT)
+        assert _wait(lambda: _status(manager).startswith("bus up, mqtt up"))
+        stream = Stream(str(manager.runtime / "sbus.socket"), rate=200)
+        stream.wait_sent(200)
+
+        config.write_text(config.read_text().replace('"seq/"', '"seq/", "more/"'))
+        manager.systemctl("restart", UNIT)  # with one pattern more
+        stream.wait_sent(stream.sent + 300)
+        assert _wait(lambda: subscriptions(manager) == 2)  # seq/ held once, more/ added
+        config.write_text(config.read_text().replace(', "more/"', ''))
+        pid = int(manager.show(UNIT, "MainPID")["MainPID"])
+        os.kill(pid, signal.SIGKILL)  # and back, with more/ gone again
+        assert _wait(lambda: manager.show(UNIT, "NRestarts")["NRestarts"] == "1"
+                     and _status(manager).startswith("bus up, mqtt up"))
+        stream.wait_sent(stream.sent + 200)
+        assert _wait(lambda: subscriptions(manager) == 1)
+        sent = stream.stop()
+
+        def numbers() -> Counter:
+            return Counter(int(p) for _, p, _ in list(peer.got))
+
+        _wait(lambda: len(numbers()) >= sent, timeout=20)
+        got = numbers()
+        lost = sent - len(set(got) & set(range(sent)))
+        assert lost == 0 and len(got) == sent  # across a restart and a kill -9
+        copies = sum(got.values()) - sent
+        counters = _counters(_status(manager))
+        assert copies <= counters["resent"], (copies, counters)
+        assert counters["dropped"] == 0, counters
+        assert manager.show(UNIT, "NFileDescriptorStore")["NFileDescriptorStore"] == "1"
+        manager.systemctl("stop", UNIT)
+        assert manager.show(UNIT, "Result")["Result"] == "success"
+    finally:
+        if stream is not None and not stream._stop.is_set():
+            stream.stop()
+        if peer is not None:
+            peer.close()
+        leftover = manager.stop()
+        broker.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    assert not leftover
+
+
+def test_a_kept_connection_is_taken_up_only_with_the_record_of_that_very_socket() -> None:
+    """The patterns state.json records are believed only for the socket they were
+    recorded with (its inode): another socket's record, or a damaged one, lets the kept
+    connection go instead of taking it up with the wrong patterns."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        mine = {"inode": os.fstat(a.fileno()).st_ino, "patterns": ["seq/", "x/\udcff"]}
+        assert _kept_patterns(mine, a) == [b"seq/", b"x/\xff"]
+        assert _kept_patterns(mine, b) is None  # the other end: another socket
+        assert _kept_patterns(mine, None) is None
+        for damaged in (None, [], {"inode": mine["inode"]}, {**mine, "patterns": "seq/"},
+                        {**mine, "inode": str(mine["inode"])}, {**mine, "patterns": [1]}):
+            assert _kept_patterns(damaged, a) is None, damaged
+
+
+#: Runs a command as descriptor 3 of the process the service manager would have started,
+#: named as the fd store names it (sd_listen_fds(3)): the hand-over without a manager.
+AS_STORED = ("import os, sys; os.dup2(int(sys.argv[1]), 3); "
+             "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1', "
+             "LISTEN_FDNAMES='bus'); os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
+
+
+def test_what_the_broker_dropped_for_a_kept_connection_is_counted(short_tmp) -> None:
+    """A connection left subscribed with an answer unread and a backlog larger than the
+    broker's queue for it (16 KiB) is taken up: every message the broker did not drop
+    is exported, the dropped ones are the bridge's `dropped` (the broker's report on that
+    connection), and the sum is every message published; the earlier process's unread
+    answer passes no barrier of the bridge's (it comes up, and its export works)."""
+    bus = str(short_tmp / "bus.sock")
+    serve = subprocess.Popen([*SBUS, "serve", "--address", bus, "--queue-limit", "16K"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = _free_port()
+    broker = Mosquitto(short_tmp, [("127.0.0.1", port)]).start()
+    peer = Peer(broker.sock, ["seq/#"])
+    br = Bridge(short_tmp, "kept", bus, f"mqtt://127.0.0.1:{port}", ["--export", "seq/"])
+    try:
+        wait_for_socket(bus, serve)
+        left = Client(bus)  # as a bridge leaves it: its policy, its pattern, a question
+        left.set_flood(soft="queue", hard="discard")
+        left.subscribe("seq/")
+        left.whoami()
+        left.send_packet(left.session.ask())  # its answer stays unread
+        sent = 3000
+        publish(bus, [("seq/x", b"%d:%s" % (i, b"." * 100)) for i in range(sent)])
+        state = Path(br.state_dir)
+        state.mkdir()
+        (state / "state.json").write_text(json.dumps({"bus": {
+            "inode": os.fstat(left.fileno()).st_ino, "patterns": ["seq/"]}}))
+        cmd = [*SBUS, "-vv", "bridge", "--address", bus, "--mqtt", br.mqtt_url,
+               "--state-dir", br.state_dir, "--export", "seq/"]
+        env = {**os.environ, "NOTIFY_SOCKET": br.notify_path}
+        with open(br.log, "ab") as log:
+            br.proc = subprocess.Popen(
+                [sys.executable, "-c", AS_STORED, str(left.fileno()), *cmd[1:]],
+                pass_fds=(left.fileno(),), stdout=log, stderr=log, env=env)
+        left.close()  # the bridge's copy is the connection now
+        c = br.wait_counters(lambda c: c["exported"] + c["dropped"] >= sent, timeout=30)
+        assert c["exported"] + c["dropped"] == sent, c
+        assert 0 < c["dropped"] < sent, c  # the backlog was over the broker's queue
+        got = collect_numbers(peer, c["exported"])
+        assert len(got) == c["exported"] == len(set(got)), (len(got), c)
+        assert "took up the bus connection" in br.log.read_text()
+        publish(bus, [("seq/x", b"%d:after" % sent)])  # its subscription works on
+        assert collect_numbers(peer, c["exported"] + 1)[-1] == sent
+    finally:
+        br.close()
+        peer.close()
+        broker.stop()
+        stop_process(serve)
+
+
+def collect_numbers(peer: Peer, n: int, timeout: float = 20.0) -> list[int]:
+    """The numbers the MQTT peer got, once it has *n* (or after *timeout* seconds)."""
+    deadline = time.monotonic() + timeout
+    while len(peer.got) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [int(p.split(b":")[0]) for _, p, _ in list(peer.got)]
