@@ -310,12 +310,7 @@ def test_bridge_unit_under_a_user_manager(short_tmp) -> None:
     base = Path(tempfile.mkdtemp(prefix="sbus-um-", dir="/tmp"))
     manager = UserManager(base).start()
     try:
-        if os.environ.get("PYTHONPATH"):  # a checkout under test, not the installed copy
-            manager.env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-            manager.systemctl("set-environment", f"PYTHONPATH={os.environ['PYTHONPATH']}")
-        manager.run(str(Path(sys.executable).parent / "sbus"), "install-units", "--user")
-        (manager.config / "sbus").mkdir()
-        (manager.config / "sbus" / "bridge-t.toml").write_text(
+        (user_units(manager) / "bridge-t.toml").write_text(
             f'mqtt = "mqtt://127.0.0.1:{port}"\nclient-id = "u"\n'
             '[[export]]\npatterns = ["unit/"]\n')
         manager.systemctl("start", "sbus.socket", "sbus-bridge@t.service")
@@ -337,6 +332,18 @@ def test_bridge_unit_under_a_user_manager(short_tmp) -> None:
         broker.stop()
         shutil.rmtree(base, ignore_errors=True)
     assert not leftover
+
+
+def user_units(manager) -> Path:
+    """sbus's units installed in a user *manager* (systemd_usermgr) as `sbus install-units`
+    writes them, running this checkout if PYTHONPATH names one: their configuration
+    directory (%E/sbus)."""
+    if os.environ.get("PYTHONPATH"):  # a checkout under test, not the installed copy
+        manager.env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        manager.systemctl("set-environment", f"PYTHONPATH={os.environ['PYTHONPATH']}")
+    manager.run(str(Path(sys.executable).parent / "sbus"), "install-units", "--user")
+    (manager.config / "sbus").mkdir()
+    return manager.config / "sbus"
 
 
 def _free_port() -> int:

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 from conftest import SBUS, stop_process, wait_for_socket
+from faultkit import until
 from mqtt_hosts import Bridge, Mosquitto, Peer, _counters
-from test_bridge import _free_port, publish
+from test_bridge import _free_port, publish, user_units
 from test_bridge_faults import Stream
 
 from sbus import Client
@@ -44,14 +45,6 @@ def subscriptions(manager) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _wait(ready, timeout: float = 30.0):
-    """*ready*'s last value, once true or after *timeout* seconds."""
-    deadline = time.monotonic() + timeout
-    while not (got := ready()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return got
-
-
 def test_a_restarted_or_killed_bridge_takes_up_its_bus_connection(short_tmp) -> None:
     """Numbered messages at 200/s on the local bus, exported at QoS 1: `systemctl restart`
     of the bridge, then `kill -9` of it (back after the unit's RestartSec=5s): the MQTT
@@ -67,39 +60,30 @@ def test_a_restarted_or_killed_bridge_takes_up_its_bus_connection(short_tmp) -> 
     manager = UserManager(base).start()
     stream = peer = None
     try:
-        if os.environ.get("PYTHONPATH"):  # a checkout under test, not the installed copy
-            manager.env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-            manager.systemctl("set-environment", f"PYTHONPATH={os.environ['PYTHONPATH']}")
-        manager.run(str(Path(sys.executable).parent / "sbus"), "install-units", "--user")
-        (manager.config / "sbus").mkdir()
-        config = manager.config / "sbus" / "bridge-t.toml"
+        config = user_units(manager) / "bridge-t.toml"
         config.write_text(
             f'mqtt = "mqtt://127.0.0.1:{port}"\nclient-id = "kept"\n'
             '[[export]]\npatterns = ["seq/"]\nqos = 1\n')
         peer = Peer(broker.sock, ["seq/#"])
         manager.systemctl("start", "sbus.socket", UNIT)
-        assert _wait(lambda: _status(manager).startswith("bus up, mqtt up"))
+        until(lambda: _status(manager).startswith("bus up, mqtt up"), "the bridge up", 30)
         stream = Stream(str(manager.runtime / "sbus.socket"), rate=200)
         stream.wait_sent(200)
 
         config.write_text(config.read_text().replace('"seq/"', '"seq/", "more/"'))
         manager.systemctl("restart", UNIT)  # with one pattern more
         stream.wait_sent(stream.sent + 300)
-        assert _wait(lambda: subscriptions(manager) == 2)  # seq/ held once, more/ added
+        until(lambda: subscriptions(manager) == 2, "seq/ held once, more/ added", 30)
         config.write_text(config.read_text().replace(', "more/"', ''))
         pid = int(manager.show(UNIT, "MainPID")["MainPID"])
         os.kill(pid, signal.SIGKILL)  # and back, with more/ gone again
-        assert _wait(lambda: manager.show(UNIT, "NRestarts")["NRestarts"] == "1"
-                     and _status(manager).startswith("bus up, mqtt up"))
+        until(lambda: manager.show(UNIT, "NRestarts")["NRestarts"] == "1"
+              and _status(manager).startswith("bus up, mqtt up"), "back after the crash", 30)
         stream.wait_sent(stream.sent + 200)
-        assert _wait(lambda: subscriptions(manager) == 1)
+        until(lambda: subscriptions(manager) == 1, "more/ unsubscribed", 30)
         sent = stream.stop()
 
-        def numbers() -> Counter:
-            return Counter(int(p) for _, p, _ in list(peer.got))
-
-        _wait(lambda: len(numbers()) >= sent, timeout=20)
-        got = numbers()
+        got = Counter(collect_numbers(peer, sent))
         lost = sent - len(set(got) & set(range(sent)))
         assert lost == 0 and len(got) == sent  # across a restart and a kill -9
         copies = sum(got.values()) - sent
