@@ -152,14 +152,7 @@ def test_what_the_broker_dropped_for_a_kept_connection_is_counted(short_tmp) -> 
         state.mkdir()
         (state / "state.json").write_text(json.dumps({"bus": {
             "inode": os.fstat(left.fileno()).st_ino, "patterns": ["seq/"]}}))
-        cmd = [*SBUS, "-vv", "bridge", "--address", bus, "--mqtt", br.mqtt_url,
-               "--state-dir", br.state_dir, "--export", "seq/"]
-        env = {**os.environ, "NOTIFY_SOCKET": br.notify_path}
-        with open(br.log, "ab") as log:
-            br.proc = subprocess.Popen(
-                [sys.executable, "-c", AS_STORED, str(left.fileno()), *cmd[1:]],
-                pass_fds=(left.fileno(),), stdout=log, stderr=log, env=env)
-        left.close()  # the bridge's copy is the connection now
+        start_as_stored(br, left)
         c = br.wait_counters(lambda c: c["exported"] + c["dropped"] >= sent, timeout=30)
         assert c["exported"] + c["dropped"] == sent, c
         assert 0 < c["dropped"] < sent, c  # the backlog was over the broker's queue
@@ -173,6 +166,57 @@ def test_what_the_broker_dropped_for_a_kept_connection_is_counted(short_tmp) -> 
         peer.close()
         broker.stop()
         stop_process(serve)
+
+
+@pytest.mark.parametrize("record", ["none", "another socket's", "damaged"])
+def test_a_kept_connection_without_its_record_is_let_go_and_said(short_tmp, record) -> None:
+    """The fd store gives the bridge a connection that state.json has no record of (or a
+    record of another socket, or a damaged one): it is not taken up (its patterns are
+    not known), the log says so and that its queue is lost, and the bridge serves on a
+    connection of its own, each message once."""
+    bus = str(short_tmp / "bus.sock")
+    serve = subprocess.Popen([*SBUS, "serve", "--address", bus],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = _free_port()
+    broker = Mosquitto(short_tmp, [("127.0.0.1", port)]).start()
+    peer = Peer(broker.sock, ["seq/#"])
+    br = Bridge(short_tmp, "kept", bus, f"mqtt://127.0.0.1:{port}", ["--export", "seq/"])
+    try:
+        wait_for_socket(bus, serve)
+        left = Client(bus)
+        left.subscribe("seq/")
+        left.whoami()
+        publish(bus, [("seq/x", b"0:queued")])
+        state = Path(br.state_dir)
+        state.mkdir()
+        saved = {"none": {}, "another socket's": {"bus": {"inode": 1, "patterns": ["seq/"]}},
+                 "damaged": {"bus": {"inode": os.fstat(left.fileno()).st_ino,
+                                     "patterns": {"seq/": 1}}}}[record]
+        (state / "state.json").write_text(json.dumps(saved))
+        start_as_stored(br, left)
+        br.wait_status(lambda s: s.startswith("bus up, mqtt up"), timeout=20)
+        until(lambda: "is not taken up" in br.log.read_text(), "said", 10)
+        publish(bus, [("seq/x", b"1:after")])
+        assert collect_numbers(peer, 1) == [1]  # once, on the bridge's own connection
+        assert collect_numbers(peer, 2, timeout=0.5) == [1]
+    finally:
+        br.close()
+        peer.close()
+        broker.stop()
+        stop_process(serve)
+
+
+def start_as_stored(br: Bridge, left: Client) -> None:
+    """Start *br* as the unit would after a restart: *left*'s connection handed to it as
+    the fd store's ``bus`` (`AS_STORED`); ours is closed, the bridge's copy stays."""
+    cmd = [*SBUS, "-vv", "bridge", "--address", br.address, "--mqtt", br.mqtt_url,
+           "--state-dir", br.state_dir, *br.args]
+    env = {**os.environ, "NOTIFY_SOCKET": br.notify_path}
+    with open(br.log, "ab") as log:
+        br.proc = subprocess.Popen(
+            [sys.executable, "-c", AS_STORED, str(left.fileno()), *cmd[1:]],
+            pass_fds=(left.fileno(),), stdout=log, stderr=log, env=env)
+    left.close()
 
 
 def collect_numbers(peer: Peer, n: int, timeout: float = 20.0) -> list[int]:
