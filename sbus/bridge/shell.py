@@ -286,6 +286,7 @@ class BridgeShell:
         #: what state.json records of the bus connection in use: its socket's inode and
         #: the patterns in force on it (saved only once its opening is answered)
         self._bus_record: dict | None = None
+        self._clean_start = True  # the last bridge stopped cleanly (state.json says)
         if settings.state_dir:
             self._open_state(settings.state_dir)
         # a PUBLISH's bytes besides topic and payload: fixed header, topic length, packet
@@ -340,6 +341,7 @@ class BridgeShell:
         self._resent_upto = upto if type(upto) is int and upto >= 0 else 0
         if saved.get("clean_exit"):  # else what it remembers may be older than it saw
             self.core.restore_senders(saved.get("senders"))
+        self._clean_start = not saved or bool(saved.get("clean_exit"))
         if saved and not saved.get("clean_exit"):
             log.warning("the last bridge did not stop cleanly: counters other than exported "
                         "may miss its last %.1f s", STATUS_EVERY)
@@ -958,6 +960,10 @@ class BridgeShell:
             await bus.adopt(kept, held)
             log.info("took up the bus connection the last bridge left in the fd store: "
                      "what the broker kept for it meanwhile comes first")
+            if not self._clean_start:  # killed: between a read and the spool's write?
+                log.warning("the last bridge did not stop cleanly: up to %d messages it "
+                            "had read from the bus and not yet spooled may be lost (not "
+                            "counted)", BATCH)
         else:
             if kept is not None:  # no record of what it holds: let it go (with its queue)
                 kept.close()
