@@ -323,6 +323,13 @@ class _Shell:
         """Connections made so far (1 until the first reconnect)."""
         return self.session.connections
 
+    @property
+    def kept(self) -> int:
+        """Events read while waiting for an answer (a sync, a reconnect's opening) and
+        not yet returned: the next receive returns them first, whatever the socket holds
+        (a reader that polls the socket itself looks here first)."""
+        return len(self._pending)
+
     def _say(self, up: bool, line: str) -> None:
         if self.on_connection is not None:
             self.on_connection(up, line)

@@ -1103,7 +1103,8 @@ class BridgeShell:
             poller.register(self._lane_wake, select.POLLIN)
             poller.register(sock, select.POLLIN)
         while True:
-            ready = poller.poll(LANE_POLL * 1000)
+            # (events kept by the opening's barrier are not on the socket: no wait then)
+            ready = poller.poll(0 if bus.kept else LANE_POLL * 1000)
             with turns:
                 if self._stopping:
                     return "stop"
@@ -1470,6 +1471,8 @@ class BridgeShell:
         lost = sum(1 for _, _, qos in self._imports if qos == 0)
         if lost:  # (the QoS 1 ones stay unacknowledged: the MQTT broker sends them again)
             self.core.dropped(lost)
+        if self.bus.kept and self.bus_up:  # read during the opening's barrier (a backlog
+            self._export_events(self.bus.receive_ready())  # taken up): out of the socket
         await self._take_in_before_closing()
         mq = self.mq
         if self._mqtt_live():
