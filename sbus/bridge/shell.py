@@ -337,6 +337,8 @@ class BridgeShell:
                 self.core.counters.exported_bytes += sum(
                     len(t) + len(p) for seq, t, p in self._left if seq >= since)
         self._kept_patterns = _kept_patterns(saved.get("bus"), self._kept)
+        if self._kept_patterns is not None:  # still its record until `_keep_bus` (a crash
+            self._bus_record = saved["bus"]  # before then leaves the next bridge it too)
         upto = saved.get("resent_upto")
         self._resent_upto = upto if type(upto) is int and upto >= 0 else 0
         if saved.get("clean_exit"):  # else what it remembers may be older than it saw
@@ -980,13 +982,19 @@ class BridgeShell:
         for pattern in wanted:
             if not bus.session.patterns[pattern]:
                 await bus.subscribe(pattern, wait=False)
-        while True:
+        # A connection taken up is not read before the lanes run: what waited on it would
+        # be held in memory (a kill -9 then lost it all), and what was sent on it the
+        # broker acts on whatever becomes of this process (`_keep_bus`).  A new one waits
+        # for its opening's answer: the subscriptions in force, the dialect known.
+        while kept is None or held is None:
             try:
                 me = await bus.whoami(timeout=BUS_TIMEOUT)  # the barrier: all in force
                 break
             except TimeoutError:
                 log.warning("the bus at %s did not answer within %g s; asking again",
                             self.address, BUS_TIMEOUT)
+        else:
+            me = b"!/"  # (checked when the last bridge opened it)
         if not me.startswith(b"!/"):
             raise SbusError("the broker speaks the early-draft dialect (separator '.'); "
                             "the bridge maps only '/' keys to MQTT topics")
@@ -1023,10 +1031,12 @@ class BridgeShell:
         self._poke()
 
     def _keep_bus(self) -> None:
-        """The bus connection's opening is answered: record the patterns in force on it
-        in state.json, then leave it in the service manager's fd store, so that the next
-        bridge takes it up after a restart or a crash (`_open_bus`) and the
-        broker queues for it meanwhile.  Recorded first: a connection kept without its
+        """The bus connection's opening is sent (and, on a new one, answered): record the
+        patterns asked for on it in state.json, then leave it in the service manager's fd
+        store, so that the next bridge takes it up after a restart or a crash
+        (`_open_bus`) and the broker queues for it meanwhile.  Packets sent on a kept
+        connection are acted on by the broker even if this process dies: what was asked
+        is what the next bridge finds.  Recorded first: a connection kept without its
         record is let go by the next bridge, never taken up with the wrong patterns."""
         sock = self.bus.sock
         if sock is None or sock.fileno() < 0:
