@@ -115,7 +115,8 @@ def test_a_kept_connection_is_taken_up_only_with_the_record_of_that_very_socket(
         assert _kept_patterns(mine, b) is None  # the other end: another socket
         assert _kept_patterns(mine, None) is None
         for damaged in (None, [], {"inode": mine["inode"]}, {**mine, "patterns": "seq/"},
-                        {**mine, "inode": str(mine["inode"])}, {**mine, "patterns": [1]}):
+                        {**mine, "inode": str(mine["inode"])}, {**mine, "patterns": [1]},
+                        {**mine, "patterns": [f"p{i}" for i in range(4097)]}):
             assert _kept_patterns(damaged, a) is None, damaged
 
 

@@ -971,8 +971,8 @@ class BridgeShell:
                 kept.close()
                 _unkeep()
                 log.warning("the bus connection the last bridge left in the fd store is "
-                            "not taken up: state.json has no record of it; what the broker "
-                            "queued on it is lost")
+                            "not taken up: state.json has no usable record of it; what the "
+                            "broker queued on it is lost")
             await bus.open(retry=True)
         await bus.send_packet(bus.session.publisher_nowait())
         await bus.set_flood(soft="queue", hard="discard")
@@ -1516,6 +1516,10 @@ class BridgeShell:
 
 #: The name of the bus connection in the service manager's fd store.
 KEPT_NAME = "bus"
+#: Patterns a record of the kept connection may list; more is damage, not a bridge's
+#: configuration (the audit's hand-made record of 50,000 that were not held made the
+#: bridge unsubscribe each before it read a refusal: both sides stalled for minutes).
+MAX_KEPT_PATTERNS = 4096
 
 
 def _kept_bus() -> socket.socket | None:
@@ -1544,7 +1548,7 @@ def _kept_patterns(record: object, kept: socket.socket | None) -> list[bytes] | 
     patterns = record.get("patterns")
     try:
         same = record.get("inode") == os.fstat(kept.fileno()).st_ino
-        if not same or not isinstance(patterns, list) \
+        if not same or not isinstance(patterns, list) or len(patterns) > MAX_KEPT_PATTERNS \
                 or not all(isinstance(p, str) for p in patterns):
             return None
         return [p.encode("utf-8", "surrogateescape") for p in patterns]
