@@ -284,7 +284,8 @@ class BridgeShell:
         self._kept: socket.socket | None = _kept_bus()
         self._kept_patterns: list[bytes] | None = None
         #: what state.json records of the bus connection in use: its socket's inode and
-        #: the patterns in force on it (saved only once its opening is answered)
+        #: the patterns asked for on it (`_keep_bus`; until then the last bridge's record
+        #: of the connection taken up)
         self._bus_record: dict | None = None
         self._clean_start = True  # the last bridge stopped cleanly (state.json says)
         if settings.state_dir:
@@ -958,7 +959,8 @@ class BridgeShell:
         every reconnect."""
         bus, kept, held = self.bus, self._kept, self._kept_patterns
         self._kept = None
-        if kept is not None and held is not None:
+        adopted = kept is not None and held is not None
+        if adopted:
             await bus.adopt(kept, held)
             log.info("took up the bus connection the last bridge left in the fd store: "
                      "what the broker kept for it meanwhile comes first")
@@ -984,20 +986,20 @@ class BridgeShell:
                 await bus.subscribe(pattern, wait=False)
         # A connection taken up is not read before the lanes run: what waited on it would
         # be held in memory (a kill -9 then lost it all), and what was sent on it the
-        # broker acts on whatever becomes of this process (`_keep_bus`).  A new one waits
-        # for its opening's answer: the subscriptions in force, the dialect known.
-        while kept is None or held is None:
+        # broker acts on whatever becomes of this process (`_keep_bus`); its dialect was
+        # checked when it was opened.  A new one waits for its opening's answer: the
+        # subscriptions in force, the dialect known.
+        while not adopted:
             try:
                 me = await bus.whoami(timeout=BUS_TIMEOUT)  # the barrier: all in force
-                break
             except TimeoutError:
                 log.warning("the bus at %s did not answer within %g s; asking again",
                             self.address, BUS_TIMEOUT)
-        else:
-            me = b"!/"  # (checked when the last bridge opened it)
-        if not me.startswith(b"!/"):
-            raise SbusError("the broker speaks the early-draft dialect (separator '.'); "
-                            "the bridge maps only '/' keys to MQTT topics")
+                continue
+            if not me.startswith(b"!/"):
+                raise SbusError("the broker speaks the early-draft dialect (separator "
+                                "'.'); the bridge maps only '/' keys to MQTT topics")
+            break
         self._opened = self.bus_up = True
         self.core.bus_reset()
         self._keep_bus()
@@ -1113,7 +1115,7 @@ class BridgeShell:
             poller.register(self._lane_wake, select.POLLIN)
             poller.register(sock, select.POLLIN)
         while True:
-            # (events kept by the opening's barrier are not on the socket: no wait then)
+            # (events kept by a reconnect's opening are not on the socket: no wait then)
             ready = poller.poll(0 if bus.kept else LANE_POLL * 1000)
             with turns:
                 if self._stopping:
@@ -1481,8 +1483,8 @@ class BridgeShell:
         lost = sum(1 for _, _, qos in self._imports if qos == 0)
         if lost:  # (the QoS 1 ones stay unacknowledged: the MQTT broker sends them again)
             self.core.dropped(lost)
-        if self.bus.kept and self.bus_up:  # read during the opening's barrier (a backlog
-            self._export_events(self.bus.receive_ready())  # taken up): out of the socket
+        if self.bus.kept and self.bus_up:  # read while a reconnect's opening waited: out
+            self._export_events(self.bus.receive_ready())  # of the socket, exported now
         await self._take_in_before_closing()
         mq = self.mq
         if self._mqtt_live():
