@@ -6,6 +6,7 @@ sequence numbers; the docs' fault table (docs/bridge.md) quotes this test."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -127,6 +129,53 @@ AS_STORED = ("import os, sys; os.dup2(int(sys.argv[1]), 3); "
              "LISTEN_FDNAMES='bus'); os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
 
 
+class Rig:
+    """A local broker, mosquitto with an MQTT peer on ``seq/#``, and a bridge exporting
+    ``seq/`` (not started: `start_as_stored` starts it on a connection `left`)."""
+
+    def __init__(self, tmp: Path, *serve_args: str) -> None:
+        self.bus = str(tmp / "bus.sock")
+        self.serve = subprocess.Popen([*SBUS, "serve", "--address", self.bus, *serve_args],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        port = _free_port()
+        self.broker = Mosquitto(tmp, [("127.0.0.1", port)]).start()
+        self.peer = Peer(self.broker.sock, ["seq/#"])
+        self.br = Bridge(tmp, "kept", self.bus, f"mqtt://127.0.0.1:{port}",
+                         ["--export", "seq/"])
+        wait_for_socket(self.bus, self.serve)
+
+    def left(self) -> Client:
+        """A connection as a bridge leaves it: subscribed to seq/, its opening answered."""
+        c = Client(self.bus)
+        c.set_flood(soft="queue", hard="discard")
+        c.subscribe("seq/")
+        c.whoami()
+        return c
+
+    def saved(self, state: dict) -> Path:
+        """The bridge's state directory, holding *state* as its state.json."""
+        path = Path(self.br.state_dir)
+        path.mkdir()
+        (path / "state.json").write_text(json.dumps(state))
+        return path
+
+    def close(self) -> None:
+        self.serve.send_signal(signal.SIGCONT)
+        self.br.close()
+        self.peer.close()
+        self.broker.stop()
+        stop_process(self.serve)
+
+
+@contextlib.contextmanager
+def rig(tmp: Path, *serve_args: str) -> Iterator[Rig]:
+    r = Rig(tmp, *serve_args)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
 def test_what_the_broker_dropped_for_a_kept_connection_is_counted(short_tmp) -> None:
     """A connection left subscribed with an answer unread and a backlog larger than the
     broker's queue for it (16 KiB) is taken up: every message the broker did not drop
@@ -134,42 +183,23 @@ def test_what_the_broker_dropped_for_a_kept_connection_is_counted(short_tmp) -> 
     connection), and the sum is every message published; the earlier process's unread
     answer is not taken for one of the bridge's (it comes up, and its export works).  No
     clean exit is on record: the log says what a kill -9 may have cost, with its bound."""
-    bus = str(short_tmp / "bus.sock")
-    serve = subprocess.Popen([*SBUS, "serve", "--address", bus, "--queue-limit", "16K"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    port = _free_port()
-    broker = Mosquitto(short_tmp, [("127.0.0.1", port)]).start()
-    peer = Peer(broker.sock, ["seq/#"])
-    br = Bridge(short_tmp, "kept", bus, f"mqtt://127.0.0.1:{port}", ["--export", "seq/"])
-    try:
-        wait_for_socket(bus, serve)
-        left = Client(bus)  # as a bridge leaves it: its policy, its pattern, a question
-        left.set_flood(soft="queue", hard="discard")
-        left.subscribe("seq/")
-        left.whoami()
+    with rig(short_tmp, "--queue-limit", "16K") as r:
+        left = r.left()
         left.send_packet(left.session.ask())  # its answer stays unread
         sent = 3000
-        publish(bus, [("seq/x", b"%d:%s" % (i, b"." * 100)) for i in range(sent)])
-        state = Path(br.state_dir)
-        state.mkdir()
-        (state / "state.json").write_text(json.dumps({"bus": {
-            "inode": os.fstat(left.fileno()).st_ino, "patterns": ["seq/"]}}))
-        start_as_stored(br, left)
-        c = br.wait_counters(lambda c: c["exported"] + c["dropped"] >= sent, timeout=30)
+        publish(r.bus, [("seq/x", b"%d:%s" % (i, b"." * 100)) for i in range(sent)])
+        r.saved({"bus": {"inode": os.fstat(left.fileno()).st_ino, "patterns": ["seq/"]}})
+        start_as_stored(r.br, left)
+        c = r.br.wait_counters(lambda c: c["exported"] + c["dropped"] >= sent, timeout=30)
         assert c["exported"] + c["dropped"] == sent, c
         assert 0 < c["dropped"] < sent, c  # the backlog was over the broker's queue
-        got = collect_numbers(peer, c["exported"])
+        got = collect_numbers(r.peer, c["exported"])
         assert len(got) == c["exported"] == len(set(got)), (len(got), c)
-        log = br.log.read_text()
+        log = r.br.log.read_text()
         assert "took up the bus connection" in log
         assert "up to 256 messages it had read from the bus and not yet spooled" in log
-        publish(bus, [("seq/x", b"%d:after" % sent)])  # its subscription works on
-        assert collect_numbers(peer, c["exported"] + 1)[-1] == sent
-    finally:
-        br.close()
-        peer.close()
-        broker.stop()
-        stop_process(serve)
+        publish(r.bus, [("seq/x", b"%d:after" % sent)])  # its subscription works on
+        assert collect_numbers(r.peer, c["exported"] + 1)[-1] == sent
 
 
 @pytest.mark.parametrize("record", ["none", "another socket's", "damaged"])
@@ -178,82 +208,47 @@ def test_a_kept_connection_without_its_record_is_let_go_and_said(short_tmp, reco
     record of another socket, or a damaged one): it is not taken up (its patterns are
     not known), the log says so and that its queue is lost, and the bridge serves on a
     connection of its own, each message once."""
-    bus = str(short_tmp / "bus.sock")
-    serve = subprocess.Popen([*SBUS, "serve", "--address", bus],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    port = _free_port()
-    broker = Mosquitto(short_tmp, [("127.0.0.1", port)]).start()
-    peer = Peer(broker.sock, ["seq/#"])
-    br = Bridge(short_tmp, "kept", bus, f"mqtt://127.0.0.1:{port}", ["--export", "seq/"])
-    try:
-        wait_for_socket(bus, serve)
-        left = Client(bus)
-        left.subscribe("seq/")
-        left.whoami()
-        publish(bus, [("seq/x", b"0:queued")])
-        state = Path(br.state_dir)
-        state.mkdir()
-        saved = {"none": {}, "another socket's": {"bus": {"inode": 1, "patterns": ["seq/"]}},
+    with rig(short_tmp) as r:
+        left = r.left()
+        publish(r.bus, [("seq/x", b"0:queued")])
+        r.saved({"none": {}, "another socket's": {"bus": {"inode": 1, "patterns": ["seq/"]}},
                  "damaged": {"bus": {"inode": os.fstat(left.fileno()).st_ino,
-                                     "patterns": {"seq/": 1}}}}[record]
-        (state / "state.json").write_text(json.dumps(saved))
-        start_as_stored(br, left)
-        br.wait_status(lambda s: s.startswith("bus up, mqtt up"), timeout=20)
-        until(lambda: "is not taken up" in br.log.read_text(), "said", 10)
-        publish(bus, [("seq/x", b"1:after")])
-        assert collect_numbers(peer, 1) == [1]  # once, on the bridge's own connection
-        assert collect_numbers(peer, 2, timeout=0.5) == [1]
-    finally:
-        br.close()
-        peer.close()
-        broker.stop()
-        stop_process(serve)
+                                     "patterns": {"seq/": 1}}}}[record])
+        start_as_stored(r.br, left)
+        r.br.wait_status(lambda s: s.startswith("bus up, mqtt up"), timeout=20)
+        until(lambda: "is not taken up" in r.br.log.read_text(), "said", 10)
+        publish(r.bus, [("seq/x", b"1:after")])
+        assert collect_numbers(r.peer, 1) == [1]  # once, on the bridge's own connection
+        assert collect_numbers(r.peer, 2, timeout=0.5) == [1]
 
 
 def test_a_bridge_killed_while_it_takes_up_the_connection_leaves_it_to_the_next(
         short_tmp) -> None:
-    """kill -9 of a bridge that is taking the kept connection up (its opening waits for
-    the broker, here stopped with SIGSTOP): state.json still records that connection, so
-    the next bridge takes it up too and exports what waited on it, each message at least
-    once, copies at most `resent`.  (A first version saved state.json without the record
-    at its start, so the next bridge let the connection go; the next read the backlog
-    into memory while it waited for the broker's answers, and lost it to the kill.)"""
-    bus = str(short_tmp / "bus.sock")
-    serve = subprocess.Popen([*SBUS, "serve", "--address", bus],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    port = _free_port()
-    broker = Mosquitto(short_tmp, [("127.0.0.1", port)]).start()
-    peer = Peer(broker.sock, ["seq/#"])
-    br = Bridge(short_tmp, "kept", bus, f"mqtt://127.0.0.1:{port}", ["--export", "seq/"])
-    try:
-        wait_for_socket(bus, serve)
-        left = Client(bus)
-        left.subscribe("seq/")
-        left.whoami()
-        publish(bus, [("seq/x", b"%d:queued" % i) for i in range(100)])
-        state = Path(br.state_dir)
-        state.mkdir()
+    """kill -9 of a bridge that is taking the kept connection up while the local broker
+    is stopped (SIGSTOP: nothing it sends is answered): state.json still records that
+    connection, so the next bridge takes it up too and exports what waited on it, each
+    message at least once, copies at most `resent`.  (A first version saved state.json
+    without the record at its start, so the next bridge let the connection go; the next
+    read the backlog into memory while it waited for the broker's answers, and lost it
+    to the kill.)"""
+    with rig(short_tmp) as r:
+        left = r.left()
+        publish(r.bus, [("seq/x", b"%d:queued" % i) for i in range(100)])
         record = {"inode": os.fstat(left.fileno()).st_ino, "patterns": ["seq/"]}
-        (state / "state.json").write_text(json.dumps({"bus": record, "clean_exit": True}))
-        serve.send_signal(signal.SIGSTOP)  # the opening's answers wait
-        start_as_stored(br, left, keep=True)  # (the store keeps its copy)
-        until(lambda: "took up the bus connection" in br.log.read_text(), "taking it up", 20)
+        state = r.saved({"bus": record, "clean_exit": True})
+        r.serve.send_signal(signal.SIGSTOP)
+        start_as_stored(r.br, left, keep=True)  # (the store keeps its copy)
+        until(lambda: "took up the bus connection" in r.br.log.read_text(), "taking up", 20)
         assert json.loads((state / "state.json").read_text())["bus"] == record
-        br.proc.kill()
-        br.proc.wait()
-        serve.send_signal(signal.SIGCONT)
-        start_as_stored(br, left)
-        got = collect_numbers(peer, 100)
-        assert set(got) == set(range(100)), br.log.read_text()
+        r.br.proc.kill()
+        r.br.proc.wait()
+        r.serve.send_signal(signal.SIGCONT)
+        start_as_stored(r.br, left)
+        got = collect_numbers(r.peer, 100)
+        assert set(got) == set(range(100)), r.br.log.read_text()
         copies = len(got) - 100
-        assert copies <= br.wait_counters(lambda c: c["resent"] >= copies)["resent"]
-        assert "is not taken up" not in br.log.read_text()
-    finally:
-        serve.send_signal(signal.SIGCONT)
-        br.close()
-        peer.close()
-        broker.stop()
-        stop_process(serve)
+        assert copies <= r.br.wait_counters(lambda c: c["resent"] >= copies)["resent"]
+        assert "is not taken up" not in r.br.log.read_text()
 
 
 def start_as_stored(br: Bridge, left: Client, keep: bool = False) -> None:
