@@ -251,6 +251,22 @@ def test_a_bridge_killed_while_it_takes_up_the_connection_leaves_it_to_the_next(
         assert "is not taken up" not in r.br.log.read_text()
 
 
+def test_a_record_of_many_patterns_not_held_costs_a_few_log_lines(short_tmp) -> None:
+    """A record (written by hand) of 1,000 patterns the broker does not hold: the bridge
+    unsubscribes each, the broker refuses each, and the log gets the allowance's few
+    lines, not a thousand (the audit saw one line per pattern); the bridge serves on."""
+    with rig(short_tmp) as r:
+        left = r.left()
+        patterns = ["seq/", *(f"gone{i}/" for i in range(1000))]
+        r.saved({"bus": {"inode": os.fstat(left.fileno()).st_ino, "patterns": patterns}})
+        start_as_stored(r.br, left)
+        r.br.wait_status(lambda s: s.startswith("bus up, mqtt up"), timeout=20)
+        publish(r.bus, [("seq/x", b"0:after")])
+        assert collect_numbers(r.peer, 1) == [0]
+        refusals = r.br.log.read_text().count("the bus refused unsub")
+        assert 1 <= refusals <= 10, refusals
+
+
 def start_as_stored(br: Bridge, left: Client, keep: bool = False) -> None:
     """Start *br* as the unit would after a restart: *left*'s connection handed to it as
     the fd store's ``bus`` (`AS_STORED`); ours is closed unless *keep* (as the store

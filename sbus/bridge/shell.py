@@ -1310,16 +1310,16 @@ class BridgeShell:
         if refusal.verb in ("msg", "packet"):  # an import the bus would not take
             self.core.refused_by_broker()
             self._note(f"the bus refused an import: {printable(refusal.reason, 200)}")
-        else:
-            log.error("the bus refused %s: %s", printable(refusal.verb),
-                      printable(refusal.reason, 200))
+        else:  # its own SUB/UNSUB/CMSG: one line each, rationed (many make it a log flood)
+            self._note(f"the bus refused {printable(refusal.verb)}: "
+                       f"{printable(refusal.reason, 200)}", logging.ERROR)
 
     # -- the loop ----------------------------------------------------------------------
 
-    def _note(self, line: str) -> None:
+    def _note(self, line: str, level: int = logging.WARNING) -> None:
         held = self._allowance.take(0)
         if held is not None:
-            log.warning("%s%s", line, f" ({held} similar lines held back)" if held else "")
+            log.log(level, "%s%s", line, f" ({held} similar lines held back)" if held else "")
 
     def _log_refusals(self) -> None:
         while self.core.refusals:
