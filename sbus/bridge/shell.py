@@ -345,7 +345,7 @@ class BridgeShell:
         if saved.get("clean_exit"):  # else what it remembers may be older than it saw
             self.core.restore_senders(saved.get("senders"))
         self._clean_start = not saved or bool(saved.get("clean_exit"))
-        if saved and not saved.get("clean_exit"):
+        if not self._clean_start:
             log.warning("the last bridge did not stop cleanly: counters other than exported "
                         "may miss its last %.1f s", STATUS_EVERY)
         self._save_state(clean_exit=False)

@@ -104,4 +104,3 @@ def _parquet(spark, directory: str, files: list, pieces: list, schema: str = PAR
     if {os.path.basename(f) for f in df.inputFiles()} != wanted:  # exported meanwhile
         df = read.parquet(*map(str, files), *extra)
     return df
-
