@@ -151,8 +151,10 @@ def main() -> int:
     for name in args.scenarios.split(","):
         med = {t: statistics.median(results[t][name]) for t in trees}
         row = f"| {name} | " + " | ".join(f"{med[t]:.0f}" for t in trees)
-        first, second = trees
-        print(row + (f" | {med[first] / med[second]:.2f} |" if len(trees) > 1 else " |"))
+        if len(trees) > 1:
+            first, second = trees
+            row += f" | {med[first] / med[second]:.2f}"
+        print(row + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
