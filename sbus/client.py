@@ -49,7 +49,7 @@ from .defaults import ANSWER_TIMEOUT, MAX_MESSAGE, RECV_BUFFER, SEND_BUFFER, def
 from .display import LOG_QUOTE, brief
 from .errors import ConnectError, ConnectionLost, InvalidRequest, NoResponders, Refused, SbusError
 from .keys import Credentials
-from .packetio import PacketBatch, PacketSender
+from .packetio import SO_PEEK_OFF, PacketBatch, PacketSender, discard, start_peeking
 from .protocol import Control, Publish
 from .session import Backoff, Dropped, Event, Reach, Refusal, RequestRound, Session, Whoami
 
@@ -294,6 +294,15 @@ class _Shell:
         #: a reconnect was abandoned (cancelled): the next one goes on with the same
         #: outage (its line says so: nothing gave up)
         self._abandoned = False
+        #: Receives leave their packets on the socket until they are dealt with
+        #: (`AsyncClient`'s *confirm_reads*): the socket they were left on, how many.
+        self._confirming = False
+        self._peek_sock: socket.socket | None = None
+        self._peeked = 0
+        #: Packets an earlier process had received on a connection taken up (`adopt`)
+        #: without confirming them, read again here; the bytes of them still to come.
+        self.read_again = 0
+        self._again_bytes = 0
 
     @contextlib.contextmanager
     def _giving_up_in(self, timeout: float | None) -> Iterator[None]:
@@ -446,8 +455,9 @@ class _Shell:
         if self._ended is not None:
             raise _Gone(self._ended)
         batch = self._batch or self._batch_of(SLOTS)
+        peek = self._confirming and self._peeking(sock)
         try:
-            n = batch.receive(sock.fileno(), wait, max(1, min(limit, batch.slots)))
+            n = batch.receive(sock.fileno(), wait, max(1, min(limit, batch.slots)), peek)
         except (BlockingIOError, InterruptedError):
             raise
         except OSError as exc:
@@ -461,7 +471,62 @@ class _Shell:
             if not n:
                 raise _Gone("closed the connection")
             self._ended = "closed the connection"
+        if peek:
+            self._peeked += n
+            if self._again_bytes > 0:
+                self._count_again(lengths[:n])
         return n
+
+    # -- confirmed reads (`AsyncClient`'s *confirm_reads*) -------------------------------
+
+    def _peeking(self, sock: socket.socket) -> bool:
+        """Before a receive on *sock*: take off it what earlier receives left there and
+        that has been dealt with (`confirm_reads`); on a socket not read from before,
+        read from its first packet (`start_peeking`).  False where the kernel cannot
+        leave packets on it (said once; received as by any client from then on)."""
+        if sock is self._peek_sock:
+            if self._peeked and not self._pending:
+                self.confirm_reads()
+            return True
+        try:
+            start_peeking(sock.fileno())
+        except OSError as exc:
+            self._confirming = False
+            log.warning("receiving from the broker at %s: packets cannot be left on the "
+                        "socket until they are dealt with (%s); a crash may lose a batch",
+                        self.address, exc.strerror)
+            return False
+        self._peek_sock, self._peeked = sock, 0
+        return True
+
+    def confirm_reads(self) -> None:
+        """Take off the socket what the receives so far returned, now dealt with: until
+        then a process killed with them leaves them to the one that takes its connection
+        up (`AsyncClient.adopt`), which reads them again.  Nothing is taken while events
+        read meanwhile are kept for the next receive (not dealt with yet).  The next
+        receive does this too; a reader that waits for the socket to be readable calls
+        it first (else what it was given keeps the socket readable)."""
+        sock = self.sock
+        if not self._peeked or self._pending or sock is None or sock is not self._peek_sock:
+            return
+        try:
+            discard(sock.fileno(), self._peeked)
+        except OSError:
+            pass  # the connection is ending: the next receive finds out
+        self._peeked = 0
+
+    def _count_again(self, lengths: list[int]) -> None:
+        """Count the packets of *lengths* that an earlier process had read (`adopt`)."""
+        for size in lengths:
+            if self._again_bytes <= 0:
+                break
+            self._again_bytes -= size
+            self.read_again += 1
+        if self._again_bytes <= 0:
+            log.warning("the connection to the broker at %s that this process took up held "
+                        "%d packets its earlier process had received without dealing with "
+                        "them (it was killed): read again, so what they carried may be "
+                        "dealt with twice", self.address, self.read_again)
 
     def _batch_of(self, slots: int) -> PacketBatch:
         """The receive buffer, made (or made again, between batches) with at least *slots*
@@ -1101,15 +1166,23 @@ class AsyncClient(_Shell):
     (waiting on the same socket from two tasks is an error under trio); tasks that
     share a client serialise their sends with a lock.  Either task may notice a lost
     broker: the reconnect happens once.
+
+    With *confirm_reads*, what a receive returns stays on the socket (read with
+    ``MSG_PEEK``) until it is dealt with: `confirm_reads`, or the next receive, takes it
+    off.  For a program whose connection outlives it (the service manager's fd store,
+    `adopt`): killed between a receive and what it does with the messages, it leaves
+    them to its next process, which receives them again instead of their being lost.
     """
 
     def __init__(self, address: str | None = None, *, reconnect: bool = False,
                  on_drop: Callable[[int], None] | None = None,
                  on_connection: Callable[[bool, str], None] | None = None,
                  max_message: int = MAX_MESSAGE, backoff: Backoff | None = None,
-                 on_refusal: Callable[[Refusal], None] | None = None) -> None:
+                 on_refusal: Callable[[Refusal], None] | None = None,
+                 confirm_reads: bool = False) -> None:
         super().__init__(address, reconnect, on_drop, on_connection, max_message, backoff,
                          on_refusal)
+        self._confirming = confirm_reads
         self._reconnecting: anyio.Event | None = None
         self._sender: PacketSender | None = None  # made at the first `send_packets`
 
@@ -1139,7 +1212,14 @@ class AsyncClient(_Shell):
         program opened and left to this one (the service manager's fd store), on which
         the broker holds the patterns *held*: what it queued meanwhile is received as on
         any connection, and the earlier process's answers do not pass this one's barrier
-        (`Session.adopt`).  A connection that has ended is replaced as a lost one is."""
+        (`Session.adopt`).  A connection that has ended is replaced as a lost one is.
+        With *confirm_reads*, what the earlier process had received without confirming
+        it is received again (counted in `read_again`, and said)."""
+        if self._confirming:
+            try:  # (the socket's peek offset: -1 unless that process confirmed reads)
+                self._again_bytes = sock.getsockopt(socket.SOL_SOCKET, SO_PEEK_OFF)
+            except OSError:
+                pass
         self._attach(sock)
         for packet in self.session.adopt(held):
             await self.send_packet(packet)

@@ -21,12 +21,14 @@ import struct
 from array import array
 from pathlib import Path
 
-__all__ = ["HAS_SEND_EACH", "PacketBatch", "PacketSender"]
+__all__ = ["HAS_SEND_EACH", "PacketBatch", "PacketSender", "discard", "start_peeking"]
 
 # plain ints: the socket module's flags are an IntFlag, and `|` on it costs ~0.7 µs
 MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
 MSG_NOSIGNAL = int(socket.MSG_NOSIGNAL)
 MSG_WAITFORONE = 0x10000  # Linux <bits/socket.h>; the socket module does not export it
+MSG_PEEK = int(socket.MSG_PEEK)
+SO_PEEK_OFF = 42  # Linux <asm-generic/socket.h>; the socket module does not export it
 _SEND_FLAGS = MSG_DONTWAIT | MSG_NOSIGNAL
 
 
@@ -133,7 +135,8 @@ class PacketBatch:
         self._picks_view = memoryview(self._picks).cast("B").cast("i")
         self._fds_view = memoryview(self._fds).cast("B").cast("i")
 
-    def receive(self, fd: int, wait: bool = False, limit: int | None = None) -> int:
+    def receive(self, fd: int, wait: bool = False, limit: int | None = None,
+                peek: bool = False) -> int:
         """Receive what is waiting on *fd*, without blocking: the number of packets.
 
         Raises BlockingIOError when nothing waits, OSError on failure.  At end of
@@ -143,10 +146,13 @@ class PacketBatch:
         With *wait*, a blocking socket blocks until the first packet (or its
         ``SO_RCVTIMEO``, then BlockingIOError; a signal raises InterruptedError) and
         then takes what else is waiting: one system call where ``select`` and a
-        receive would be two.  *limit*: take at most that many packets.
+        receive would be two.  *limit*: take at most that many packets.  *peek*: copy
+        them and leave them on the socket, past its peek offset (`start_peeking`), for
+        `discard` to remove once they are dealt with.
         """
         n = _recvmmsg(fd, self._rmsgs_at, self.slots if limit is None else limit,
-                      MSG_WAITFORONE if wait else MSG_DONTWAIT, None)
+                      (MSG_WAITFORONE if wait else MSG_DONTWAIT) | (MSG_PEEK if peek else 0),
+                      None)
         if n < 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))  # EAGAIN makes it a BlockingIOError
@@ -249,6 +255,44 @@ class PacketSender:
             address += size
             i += 2
         return _send_run(fd, self._at, len(run))
+
+
+def start_peeking(fd: int) -> None:
+    """Have reads with ``MSG_PEEK`` on *fd* (`PacketBatch.receive`'s *peek*) go on from
+    where the last one ended, from its first packet now: ``SO_PEEK_OFF`` (Linux; on a
+    SEQPACKET socket a peek of a whole packet moves it on by one packet).  Also what a
+    process that takes over a socket does first: the offset is the socket's, and the
+    one before it may have left it anywhere.  OSError where the kernel has no peek
+    offset for the socket."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, 0)
+    finally:
+        sock.close()
+
+
+#: zero-length receive slots: `discard` takes packets off a socket without a copy
+_DISCARD_SLOTS = 64
+_discard_iovs, _discard_msgs = _headers(_DISCARD_SLOTS, 0, 0)
+_discard_at = ctypes.c_void_p(ctypes.addressof(_discard_msgs))
+
+
+def discard(fd: int, count: int) -> int:
+    """Take the next *count* packets off *fd* (a SEQPACKET socket) unread, without
+    blocking: those a peek (`PacketBatch.receive`) has read.  Returns how many went
+    (fewer when fewer wait); a failure before the first raises OSError."""
+    done = 0
+    while done < count:
+        n = _recvmmsg(fd, _discard_at, min(count - done, _DISCARD_SLOTS), MSG_DONTWAIT, None)
+        if n < 0:
+            code = ctypes.get_errno()
+            if code == errno.EAGAIN or done:
+                break
+            raise OSError(code, os.strerror(code))
+        if not n:
+            break
+        done += n
+    return done
 
 
 def _send_run(fd: int, msgs, count: int) -> int:

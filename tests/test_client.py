@@ -337,6 +337,51 @@ def test_async_subscription_across_a_reconnect_is_held_once(broker):
     trio.run(main)
 
 
+def test_confirmed_reads_leave_what_was_not_dealt_with_to_the_process_that_adopts(broker):
+    """With *confirm_reads*, what a receive returned stays on the socket until the next
+    receive or `confirm_reads`: a client that stops without confirming (a process
+    killed) leaves it to the one that adopts the connection, which receives it again
+    and counts it in `read_again`; what was confirmed is not received twice; what a
+    sync kept for the next receive is not taken off by a confirm before it is given."""
+
+    async def main() -> tuple[list[bytes], int]:
+        async with AsyncClient(broker.address) as pub:
+            first = AsyncClient(broker.address, confirm_reads=True)
+            await first.open()
+            await first.subscribe(b"k/")
+            await pub.publish(b"k/a", b"1")
+            await pub.publish(b"k/a", b"2")
+            await pub.sync()
+            await first.sync()  # reads both before its answer: kept
+            first.confirm_reads()  # not given yet: nothing taken
+            assert [e.payload for e in await first.receive_batch()] == [b"1", b"2"]
+            first.confirm_reads()  # dealt with
+            for n in (3, 4, 5):
+                await pub.publish(b"k/a", b"%d" % n)
+            await pub.sync()
+            with trio.fail_after(5):
+                got = []
+                while len(got) < 3:
+                    got += [e.payload for e in await first.receive_batch()]
+            assert got == [b"3", b"4", b"5"]  # given, never confirmed: then "killed"
+            left = socket.socket(fileno=os.dup(first.sock.fileno()))
+            first.sock.close()
+            await pub.publish(b"k/a", b"6")
+            await pub.sync()
+            second = AsyncClient(broker.address, confirm_reads=True)
+            await second.adopt(left, [b"k/"])
+            again: list[bytes] = []
+            with trio.fail_after(5):
+                while len(again) < 4:
+                    again += [e.payload for e in await second.receive_batch()
+                              if type(e) is Publish]
+            n = second.read_again
+            await second.aclose()
+            return again, n
+
+    assert trio.run(main) == ([b"3", b"4", b"5", b"6"], 3)
+
+
 def test_receive_packets_returns_what_sync_kept(broker):
     """Messages read while waiting for the barrier (`sync`, a reconnect's opening) are
     kept in the shell: `receive_packets` returns them first, as packets, not never."""

@@ -14,7 +14,7 @@ import pytest
 
 from sbus.core import BrokerCore
 from sbus.keys import Credentials
-from sbus.packetio import PacketBatch, PacketSender
+from sbus.packetio import SO_PEEK_OFF, PacketBatch, PacketSender, discard, start_peeking
 
 
 @pytest.fixture
@@ -107,6 +107,31 @@ def test_end_of_file_reads_as_empty_packets(pairs):
     a.close()
     assert batch.receive(b.fileno()) == 4
     assert batch.lengths == [4, 0, 0, 0]
+
+
+def test_peeks_go_on_where_the_last_ended_until_discard_takes_them_off(pairs):
+    """A peek leaves the packets on the socket and the next peek reads on after them;
+    `discard` takes the first ones off unread (the peek offset follows); a new process's
+    `start_peeking` reads from the first packet again, whatever the offset was."""
+    (a, b), _ = pairs
+    for i in range(10):
+        a.send(b"p%d" % i)
+    batch = PacketBatch(4, 64)
+    start_peeking(b.fileno())
+    assert batch.receive(b.fileno(), peek=True) == 4
+    assert batch.receive(b.fileno(), limit=3, peek=True) == 3
+    assert batch.copy(0) == b"p4" and batch.copy(2) == b"p6"
+    assert b.getsockopt(socket.SOL_SOCKET, SO_PEEK_OFF) == 14  # 7 packets of 2 bytes
+    assert discard(b.fileno(), 5) == 5  # p0..p4: off, unread
+    assert b.getsockopt(socket.SOL_SOCKET, SO_PEEK_OFF) == 4  # p5, p6 still peeked
+    assert batch.receive(b.fileno(), peek=True) == 3 and batch.copy(0) == b"p7"
+    with pytest.raises(BlockingIOError):
+        batch.receive(b.fileno(), peek=True)  # all peeked: nothing new
+    start_peeking(b.fileno())  # as a process that takes the socket over
+    assert batch.receive(b.fileno(), peek=True) == 4 and batch.copy(0) == b"p5"
+    assert discard(b.fileno(), 100) == 5  # fewer waited: all of them, no error
+    with pytest.raises(BlockingIOError):
+        batch.receive(b.fileno())
 
 
 def test_send_reports_a_full_buffer_and_a_gone_peer(pairs):
