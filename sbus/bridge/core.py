@@ -96,7 +96,9 @@ class Counters:
     refused: int = 0    # a key the other side cannot carry (topics.py), or a broker's no
     looped: int = 0     # our own message come back, not forwarded again
     filtered: int = 0   # arrived from MQTT but matches no import pattern
-    resent: int = 0     # taken from the spool after a restart: sent again (may be twice)
+    resent: int = 0     # sent again after a restart (may be twice): taken from the spool
+    #                     (not in exported again), or read again from the bus after a
+    #                     crash (in exported too: this run exported it)
     duplicates: int = 0  # arrived again from a bridge (its stamp seen before): not imported
     missing: int = 0    # numbers skipped in a bridge's stamps (QoS 1 and QoS 0): handed to
     #                     its MQTT client, never arrived

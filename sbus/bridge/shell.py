@@ -222,7 +222,7 @@ class BridgeShell:
         self.bus = AsyncClient(address, reconnect=True,
                                backoff=Backoff(backoff_first, backoff_max),
                                on_drop=core.bus_dropped, on_refusal=self._refused,
-                               on_connection=self._bus_connection)
+                               on_connection=self._bus_connection, confirm_reads=True)
         self.bus.on_answer = self._confirmed
         self.address = self.bus.address
         self.bus_up = False
@@ -278,6 +278,7 @@ class BridgeShell:
         self._stale: list[str] = []
         self._left: list[tuple[int, bytes, bytes]] = []  # spooled by the last bridge
         self._resent_upto = 0  # records before this one were counted in `resent` once
+        self._read_again = 0  # of the client's `read_again`: counted in `resent` so far
         self._max_out = MQTT_MAX_PACKET  # the broker's Maximum Packet Size (CONNACK)
         #: the bus connection the last bridge left in the service manager's fd store, if
         #: any, and the patterns state.json says the broker holds on it (`_open_bus`)
@@ -964,10 +965,10 @@ class BridgeShell:
             await bus.adopt(kept, held)
             log.info("took up the bus connection the last bridge left in the fd store: "
                      "what the broker kept for it meanwhile comes first")
-            if not self._clean_start:  # killed: between a read and the spool's write?
-                log.warning("the last bridge did not stop cleanly: up to %d messages it "
-                            "had read from the bus and not yet spooled may be lost (not "
-                            "counted)", BATCH)
+            if not self._clean_start:  # killed: what it read and had not spooled is read
+                log.warning("the last bridge did not stop cleanly: what it had read from "
+                            "the bus and not yet spooled is read again (the client says "
+                            "how much), and may be exported twice")
         else:
             if kept is not None:  # no record of what it holds: let it go (with its queue)
                 kept.close()
@@ -999,6 +1000,7 @@ class BridgeShell:
             if not me.startswith(b"!/"):
                 raise SbusError("the broker speaks the early-draft dialect (separator "
                                 "'.'); the bridge maps only '/' keys to MQTT topics")
+            bus.confirm_reads()  # (the opening's answers; messages kept are not taken)
             break
         self._opened = self.bus_up = True
         self.core.bus_reset()
@@ -1094,6 +1096,7 @@ class BridgeShell:
                 self._bus_error(exc)
                 continue
             self._export_events(events)
+            self.bus.confirm_reads()
             wait = pace.after(time.monotonic(), len(events))
             if wait:  # the next batch as a run
                 await anyio.sleep(wait)
@@ -1130,6 +1133,7 @@ class BridgeShell:
                     events = bus.receive_ready(BATCH)
                     if events:
                         self._export_events(events)
+                        bus.confirm_reads()  # (spooled: off the socket)
                         self.lane_turns += 1
                     elif bus.session.answers != answers:
                         pass  # the answer to an import's question (`_confirmed` took it)
@@ -1163,8 +1167,14 @@ class BridgeShell:
         self._note(f"the bus at {self.address}: {printable(str(exc), 200)}")
 
     def _export_events(self, events: list) -> None:
-        """Hand the messages of a batch from the bus to paho (`_export`)."""
+        """Hand the messages of a batch from the bus to paho (`_export`).  Those the
+        last bridge had read and not dealt with (killed: read again, `AsyncClient.adopt`)
+        are counted as `resent` too: perhaps a second copy."""
         core = self.core
+        again = self.bus.read_again - self._read_again
+        if again:  # (the head of this batch)
+            self._read_again += again
+            core.counters.resent += sum(type(event) is Publish for event in events[:again])
         taken: list[tuple[str, bytes, int]] = []
         for event in events:
             if type(event) is Publish:
@@ -1473,6 +1483,7 @@ class BridgeShell:
                 if not events:
                     return
                 self._export_events(events)
+                bus.confirm_reads()
 
     async def _close(self) -> None:
         """Say goodbye to MQTT (what paho holds written, 1 s at most; the PUBACKs of
@@ -1483,8 +1494,9 @@ class BridgeShell:
         lost = sum(1 for _, _, qos in self._imports if qos == 0)
         if lost:  # (the QoS 1 ones stay unacknowledged: the MQTT broker sends them again)
             self.core.dropped(lost)
-        if self.bus.kept and self.bus_up:  # read while a reconnect's opening waited: out
-            self._export_events(self.bus.receive_ready())  # of the socket, exported now
+        if self.bus.kept and self.bus_up:  # read while a reconnect's opening waited:
+            self._export_events(self.bus.receive_ready())  # exported now
+            self.bus.confirm_reads()
         await self._take_in_before_closing()
         mq = self.mq
         if self._mqtt_live():
