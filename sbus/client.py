@@ -49,7 +49,7 @@ from .defaults import ANSWER_TIMEOUT, MAX_MESSAGE, RECV_BUFFER, SEND_BUFFER, def
 from .display import LOG_QUOTE, brief
 from .errors import ConnectError, ConnectionLost, InvalidRequest, NoResponders, Refused, SbusError
 from .keys import Credentials
-from .packetio import SO_PEEK_OFF, PacketBatch, PacketSender, discard, start_peeking
+from .packetio import SO_PEEK_OFF, PacketBatch, PacketSender, discard, peek_past, start_peeking
 from .protocol import Control, Publish
 from .session import Backoff, Dropped, Event, Reach, Refusal, RequestRound, Session, Whoami
 
@@ -472,9 +472,17 @@ class _Shell:
                 raise _Gone("closed the connection")
             self._ended = "closed the connection"
         if peek:
+            cut = -1
+            if max(lengths) >= batch.slot_size:  # cut: the packets after it are its rest
+                cut = next(i for i, size in enumerate(lengths) if size >= batch.slot_size)
+                peek_past(sock.fileno(), lengths, cut, batch.slot_size)
+                n = cut + 1
+                del lengths[n:]
             self._peeked += n
             if self._again_bytes > 0:
-                self._count_again(lengths[:n])
+                self._count_again(lengths)
+            if cut >= 0:
+                lengths[cut] = batch.slot_size  # (as cut as a plain receive leaves it)
         return n
 
     # -- confirmed reads (`AsyncClient`'s *confirm_reads*) -------------------------------

@@ -21,13 +21,15 @@ import struct
 from array import array
 from pathlib import Path
 
-__all__ = ["HAS_SEND_EACH", "PacketBatch", "PacketSender", "discard", "start_peeking"]
+__all__ = ["HAS_SEND_EACH", "PacketBatch", "PacketSender", "discard", "peek_past",
+           "start_peeking"]
 
 # plain ints: the socket module's flags are an IntFlag, and `|` on it costs ~0.7 µs
 MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
 MSG_NOSIGNAL = int(socket.MSG_NOSIGNAL)
 MSG_WAITFORONE = 0x10000  # Linux <bits/socket.h>; the socket module does not export it
 MSG_PEEK = int(socket.MSG_PEEK)
+MSG_TRUNC = int(socket.MSG_TRUNC)
 SO_PEEK_OFF = 42  # Linux <asm-generic/socket.h>; the socket module does not export it
 _SEND_FLAGS = MSG_DONTWAIT | MSG_NOSIGNAL
 
@@ -148,11 +150,12 @@ class PacketBatch:
         then takes what else is waiting: one system call where ``select`` and a
         receive would be two.  *limit*: take at most that many packets.  *peek*: copy
         them and leave them on the socket, past its peek offset (`start_peeking`), for
-        `discard` to remove once they are dealt with.
+        `discard` to remove once they are dealt with; a length is then the packet's
+        own, also where it was cut to its slot (see `peek_past`).
         """
         n = _recvmmsg(fd, self._rmsgs_at, self.slots if limit is None else limit,
-                      (MSG_WAITFORONE if wait else MSG_DONTWAIT) | (MSG_PEEK if peek else 0),
-                      None)
+                      (MSG_WAITFORONE if wait else MSG_DONTWAIT) |
+                      (MSG_PEEK | MSG_TRUNC if peek else 0), None)
         if n < 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))  # EAGAIN makes it a BlockingIOError
@@ -267,6 +270,21 @@ def start_peeking(fd: int) -> None:
     sock = socket.socket(fileno=os.dup(fd))
     try:
         sock.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, 0)
+    finally:
+        sock.close()
+
+
+def peek_past(fd: int, lengths: list[int], cut: int, slot_size: int) -> None:
+    """After a peek (`PacketBatch.receive`) of packets of *lengths* of which number *cut*
+    is the first cut to its slot (*slot_size* bytes or longer): move the socket's peek
+    offset to the end of that packet.  The kernel moved it by what it copied, so it read
+    the rest of the cut packet as a packet of its own, and more after it: the caller
+    keeps packets up to *cut* only."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        at = sock.getsockopt(socket.SOL_SOCKET, SO_PEEK_OFF)
+        copied = sum(min(size, slot_size) for size in lengths[cut:])
+        sock.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, at - copied + lengths[cut])
     finally:
         sock.close()
 

@@ -553,6 +553,45 @@ def test_a_message_too_large_to_receive_whole_is_a_counted_drop_never_a_cut_mess
         assert drops[:2] == [1, 1]  # receive_packets' caller takes its own report in
 
 
+def test_a_message_cut_to_its_slot_under_confirmed_reads_is_one_drop(make_broker):
+    """Read with ``MSG_PEEK`` (*confirm_reads*), the kernel moves the peek offset by what
+    it copied: the rest of a cut message would come as packets of its own, and taking
+    the batch off the socket would take a message more than was read.  It is one drop;
+    the messages around it arrive whole, once, and nothing stays on the socket."""
+    from conftest import raw
+
+    broker = make_broker("--max-message", "4M")
+
+    async def main() -> list:
+        bus = AsyncClient(broker.address, confirm_reads=True)
+        await bus.open()
+        await bus.subscribe(b"k/")
+        pub = raw(broker.address)
+        pub.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        for packet in (b"MSG k/a\0before", b"MSG k/big\0" + b"x" * 2_000_000,
+                       b"MSG k/a\0after", b"MSG k/a\0" + b"y" * 1_200_000, b"MSG k/a\0end"):
+            pub.send(packet)
+        got: list = []
+        with trio.fail_after(10):
+            while Publish(b"k/a", b"end") not in got:
+                got += await bus.receive_batch()
+                bus.confirm_reads()
+        pub.send(b"MSG k/a\0later")
+        with trio.fail_after(10):
+            got += await bus.receive_batch()
+        bus.confirm_reads()
+        assert bus._peeked == 0
+        with pytest.raises(BlockingIOError):
+            bus.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        assert bus.cut == 2
+        await bus.aclose()
+        pub.close()
+        return got
+
+    assert trio.run(main) == [Publish(b"k/a", b"before"), Dropped(1), Publish(b"k/a", b"after"),
+                              Dropped(1), Publish(b"k/a", b"end"), Publish(b"k/a", b"later")]
+
+
 def test_send_packets_sends_every_packet_in_order_past_a_full_socket(broker):
     """`AsyncClient.send_packets` (one sendmmsg per run): 20,000 numbered packets, far more
     than the socket buffer holds while the subscriber is not reading, all arrive, once,
