@@ -49,7 +49,15 @@ from .defaults import ANSWER_TIMEOUT, MAX_MESSAGE, RECV_BUFFER, SEND_BUFFER, def
 from .display import LOG_QUOTE, brief
 from .errors import ConnectError, ConnectionLost, InvalidRequest, NoResponders, Refused, SbusError
 from .keys import Credentials
-from .packetio import SO_PEEK_OFF, PacketBatch, PacketSender, discard, peek_past, start_peeking
+from .packetio import (
+    SO_PEEK_OFF,
+    PacketBatch,
+    PacketSender,
+    discard,
+    peek_past,
+    start_peeking,
+    take_heads,
+)
 from .protocol import Control, Publish
 from .session import Backoff, Dropped, Event, Reach, Refusal, RequestRound, Session, Whoami
 
@@ -522,6 +530,23 @@ class _Shell:
         except OSError:
             pass  # the connection is ending: the next receive finds out
         self._peeked = 0
+
+    @property
+    def rereading(self) -> bool:
+        """Is what an earlier process left unconfirmed on this connection (`adopt`)
+        still to be received again?"""
+        return self._again_bytes > 0
+
+    def skip_again(self) -> int:
+        """Take what an earlier process left unconfirmed on this connection (`adopt`)
+        off the socket unread, instead of receiving it again: for a program that has
+        reason to think it is what killed that process.  Returns how many messages went
+        (answers and drop reports among it go too)."""
+        again, self._again_bytes = self._again_bytes, 0
+        if again <= 0 or self.sock is None:
+            return 0
+        heads = take_heads(self.sock.fileno(), again)
+        return sum(head == protocol.MSG_VERB for head in heads)
 
     def _count_again(self, lengths: list[int]) -> None:
         """Count the packets of *lengths* that an earlier process had read (`adopt`)."""

@@ -22,7 +22,7 @@ from array import array
 from pathlib import Path
 
 __all__ = ["HAS_SEND_EACH", "PacketBatch", "PacketSender", "discard", "peek_past",
-           "start_peeking"]
+           "start_peeking", "take_heads"]
 
 # plain ints: the socket module's flags are an IntFlag, and `|` on it costs ~0.7 µs
 MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
@@ -311,6 +311,26 @@ def discard(fd: int, count: int) -> int:
             break
         done += n
     return done
+
+
+def take_heads(fd: int, nbytes: int, size: int = 4) -> list[bytes]:
+    """Take packets off the front of *fd* (a SEQPACKET socket) until *nbytes* of them
+    are taken (a packet at a time, without blocking), reading only the first *size*
+    bytes of each: those heads, in order.  For what an earlier reader left unconfirmed
+    (its peek offset: *nbytes*) and is not to be read whole."""
+    head = ctypes.create_string_buffer(size)
+    iov = _IOVec(ctypes.addressof(head), size)
+    msg = _MMsgHdr()
+    msg.msg_hdr.msg_iov = ctypes.pointer(iov)
+    msg.msg_hdr.msg_iovlen = 1
+    at = ctypes.c_void_p(ctypes.addressof(msg))
+    heads: list[bytes] = []
+    while nbytes > 0:
+        if _recvmmsg(fd, at, 1, MSG_DONTWAIT | MSG_TRUNC, None) != 1 or not msg.msg_len:
+            break  # (nothing more, or the end of the connection)
+        heads.append(head.raw[:min(size, msg.msg_len)])
+        nbytes -= msg.msg_len
+    return heads
 
 
 def _send_run(fd: int, msgs, count: int) -> int:

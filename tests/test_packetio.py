@@ -14,7 +14,14 @@ import pytest
 
 from sbus.core import BrokerCore
 from sbus.keys import Credentials
-from sbus.packetio import SO_PEEK_OFF, PacketBatch, PacketSender, discard, start_peeking
+from sbus.packetio import (
+    SO_PEEK_OFF,
+    PacketBatch,
+    PacketSender,
+    discard,
+    start_peeking,
+    take_heads,
+)
 
 
 @pytest.fixture
@@ -132,6 +139,18 @@ def test_peeks_go_on_where_the_last_ended_until_discard_takes_them_off(pairs):
     assert discard(b.fileno(), 100) == 5  # fewer waited: all of them, no error
     with pytest.raises(BlockingIOError):
         batch.receive(b.fileno())
+
+
+def test_take_heads_takes_packets_off_until_the_bytes_are_covered(pairs):
+    """What an earlier reader left unconfirmed (its peek offset, in bytes) taken off
+    unread: whole packets, however long, their first bytes returned; no more."""
+    (a, b), _ = pairs
+    for packet in (b"MSG a\0" + b"x" * 5000, b"CMSG q\0", b"MSG b\0", b"MSG c\0"):
+        a.send(packet)
+    assert take_heads(b.fileno(), 5006 + 7) == [b"MSG ", b"CMSG"]
+    assert take_heads(b.fileno(), 1, size=6) == [b"MSG b\0"]  # one byte: a whole packet
+    assert b.recv(64) == b"MSG c\0"
+    assert take_heads(b.fileno(), 100) == []  # nothing waits: no more, no error
 
 
 def test_send_reports_a_full_buffer_and_a_gone_peer(pairs):

@@ -289,6 +289,9 @@ class BridgeShell:
         #: of the connection taken up)
         self._bus_record: dict | None = None
         self._clean_start = True  # the last bridge stopped cleanly (state.json says)
+        #: this bridge (saved: the last one) reads again what the one before it had read
+        #: and not dealt with (`_open_bus`)
+        self._rereading = self._reread_before = False
         if settings.state_dir:
             self._open_state(settings.state_dir)
         # a PUBLISH's bytes besides topic and payload: fixed header, topic length, packet
@@ -346,6 +349,7 @@ class BridgeShell:
         if saved.get("clean_exit"):  # else what it remembers may be older than it saw
             self.core.restore_senders(saved.get("senders"))
         self._clean_start = not saved or bool(saved.get("clean_exit"))
+        self._reread_before = saved.get("rereading") is True
         if not self._clean_start:
             log.warning("the last bridge did not stop cleanly: counters other than exported "
                         "may miss its last %.1f s", STATUS_EVERY)
@@ -367,6 +371,7 @@ class BridgeShell:
             "spooled": self.spool.next_seq if self.spool is not None else 0,  # (len 0: empty)
             "resent_upto": self._resent_upto,
             "clean_exit": clean_exit,
+            "rereading": self._rereading,
             **({"bus": self._bus_record} if self._bus_record else {}),
             **({"senders": self.core.senders_saved()} if clean_exit else {})})
         if failed != self._save_failed:  # said once, until it changes
@@ -969,6 +974,16 @@ class BridgeShell:
                 log.warning("the last bridge did not stop cleanly: what it had read from "
                             "the bus and not yet spooled is read again (the client says "
                             "how much), and may be exported twice")
+            if bus.rereading and self._reread_before:  # a third time: it may be what kills
+                lost = bus.skip_again()
+                self.core.dropped(lost)
+                log.warning("the last bridge died before it had dealt with what the one "
+                            "before it had read from the bus and not dealt with either: "
+                            "those %d messages are dropped (counted), not read a third time",
+                            lost)
+            elif bus.rereading:  # (saved: a bridge killed before it is done skips it)
+                self._rereading = True
+                self._save_state()
         else:
             if kept is not None:  # no record of what it holds: let it go (with its queue)
                 kept.close()
@@ -1186,6 +1201,9 @@ class BridgeShell:
                     continue
                 taken.append((topic, event.payload, core.last_qos))
         self._export(taken)
+        if self._rereading and not self.bus.rereading:  # dealt with (see `_open_bus`)
+            self._rereading = False
+            self._soon(self._save_state)
 
     async def _bus_batch(self) -> list:
         """The next batch from the bus, waited for on the socket itself (the turn of the
