@@ -50,10 +50,10 @@ from .display import LOG_QUOTE, brief
 from .errors import ConnectError, ConnectionLost, InvalidRequest, NoResponders, Refused, SbusError
 from .keys import Credentials
 from .packetio import (
-    SO_PEEK_OFF,
     PacketBatch,
     PacketSender,
     discard,
+    peek_offset,
     peek_past,
     start_peeking,
     take_heads,
@@ -1249,10 +1249,8 @@ class AsyncClient(_Shell):
         With *confirm_reads*, what the earlier process had received without confirming
         it is received again (counted in `read_again`, and said)."""
         if self._confirming:
-            try:  # (the socket's peek offset: -1 unless that process confirmed reads)
-                self._again_bytes = sock.getsockopt(socket.SOL_SOCKET, SO_PEEK_OFF)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):  # (no peek offset: `_peeking` says so)
+                self._again_bytes = peek_offset(sock.fileno())
         self._attach(sock)
         for packet in self.session.adopt(held):
             await self.send_packet(packet)

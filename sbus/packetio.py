@@ -21,8 +21,8 @@ import struct
 from array import array
 from pathlib import Path
 
-__all__ = ["HAS_SEND_EACH", "PacketBatch", "PacketSender", "discard", "peek_past",
-           "start_peeking", "take_heads"]
+__all__ = ["HAS_SEND_EACH", "PacketBatch", "PacketSender", "discard", "peek_offset",
+           "peek_past", "start_peeking", "take_heads"]
 
 # plain ints: the socket module's flags are an IntFlag, and `|` on it costs ~0.7 µs
 MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
@@ -260,6 +260,18 @@ class PacketSender:
         return _send_run(fd, self._at, len(run))
 
 
+def _peek_offset(fd: int, to: int | None = None) -> int:
+    """The peek offset (``SO_PEEK_OFF``) of socket *fd*, or set it *to* that."""
+    sock = socket.socket(fileno=fd)
+    try:
+        if to is None:
+            return sock.getsockopt(socket.SOL_SOCKET, SO_PEEK_OFF)
+        sock.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, to)
+        return to
+    finally:
+        sock.detach()  # (the descriptor is the caller's)
+
+
 def start_peeking(fd: int) -> None:
     """Have reads with ``MSG_PEEK`` on *fd* (`PacketBatch.receive`'s *peek*) go on from
     where the last one ended, from its first packet now: ``SO_PEEK_OFF`` (Linux; on a
@@ -267,11 +279,13 @@ def start_peeking(fd: int) -> None:
     process that takes over a socket does first: the offset is the socket's, and the
     one before it may have left it anywhere.  OSError where the kernel has no peek
     offset for the socket."""
-    sock = socket.socket(fileno=os.dup(fd))
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, 0)
-    finally:
-        sock.close()
+    _peek_offset(fd, 0)
+
+
+def peek_offset(fd: int) -> int:
+    """Bytes read with ``MSG_PEEK`` from socket *fd* and still on it (-1: it was never
+    read so, `start_peeking`): what a process that left it had read and not dealt with."""
+    return _peek_offset(fd)
 
 
 def peek_past(fd: int, lengths: list[int], cut: int, slot_size: int) -> None:
@@ -280,13 +294,8 @@ def peek_past(fd: int, lengths: list[int], cut: int, slot_size: int) -> None:
     offset to the end of that packet.  The kernel moved it by what it copied, so it read
     the rest of the cut packet as a packet of its own, and more after it: the caller
     keeps packets up to *cut* only."""
-    sock = socket.socket(fileno=os.dup(fd))
-    try:
-        at = sock.getsockopt(socket.SOL_SOCKET, SO_PEEK_OFF)
-        copied = sum(min(size, slot_size) for size in lengths[cut:])
-        sock.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, at - copied + lengths[cut])
-    finally:
-        sock.close()
+    copied = sum(min(size, slot_size) for size in lengths[cut:])
+    _peek_offset(fd, _peek_offset(fd) + lengths[cut] - copied)
 
 
 #: zero-length receive slots: `discard` takes packets off a socket without a copy

@@ -1150,8 +1150,8 @@ class BridgeShell:
                         self._export_events(events)
                         bus.confirm_reads()  # (spooled: off the socket)
                         self.lane_turns += 1
-                    elif bus.session.answers != answers:
-                        pass  # the answer to an import's question (`_confirmed` took it)
+                    elif bus.session.answers != answers:  # the answer to an import's
+                        bus.confirm_reads()  # question (`_confirmed` took it): off too
                     elif any(fd != self._lane_wake for fd, _ in ready):
                         return "trio"  # readable, but nothing: an end, or a reconnect
                     else:
