@@ -146,9 +146,10 @@ class Bridge:
         self.log = tmp / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.last_status = ""
+        self.sbus = SBUS  # (the command that runs the CLI)
 
     def start(self, wait: bool = True) -> Bridge:
-        cmd = [*SBUS, "-vv", "bridge", "--address", self.address,
+        cmd = [*self.sbus, "-vv", "bridge", "--address", self.address,
                *(["--mqtt", self.mqtt_url] if self.mqtt_url else []),
                "--backoff-max", "0.5", "--state-dir", self.state_dir, *self.args]
         if self.netns:

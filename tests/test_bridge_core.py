@@ -83,6 +83,7 @@ def test_mappings_refused(text: str, why: str) -> None:
     ("a\U0001ffff".encode(), "cannot be sent"),
     (b"$SYS/x", "reserved"),
     (b"x" * 65536, "65536 bytes"),
+    (b"a/" * 128 + b"y", "129 levels"),  # brokers close the connection on deeper ones
 ])
 def test_topics_mqtt_cannot_carry(topic: bytes, why: str) -> None:
     problem = topic_problem(topic)
@@ -90,7 +91,8 @@ def test_topics_mqtt_cannot_carry(topic: bytes, why: str) -> None:
 
 
 @pytest.mark.parametrize("topic", [b"a", b"/", b"a//b/", "caf\u00e9/\u263a".encode(),
-                                   b"x" * 65535, b"a$b", b"!important"])
+                                   b"x" * 65535, b"a$b", b"!important",
+                                   b"a/" * 127 + b"y"])
 def test_topics_mqtt_carries(topic: bytes) -> None:
     assert topic_problem(topic) is None
 

@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -703,6 +704,55 @@ def test_an_export_over_the_brokers_packet_limit_is_refused_not_repeated() -> No
         assert [p for _, p, _ in peer.got] == [b"%d" % i for i in range(20) if i != 5]
         text = br.stop()
         assert "maximum packet size of 2000" in text and "lost the MQTT broker" not in text
+        peer.close()
+    finally:
+        h.close()
+
+
+#: A topic mosquitto 2.0 ends the connection for (202 levels; it takes 201).
+TOO_DEEP = "out/" + "x/" * 200 + "y"
+#: Runs the CLI with the bridge's limit of levels lifted: a rule of the MQTT broker's
+#: that the bridge does not know (what it cannot check before sending).
+NO_LEVEL_LIMIT = [sys.executable, "-c", "import runpy, sys, sbus.bridge.topics as t; "
+                  "t.MAX_LEVELS = 1 << 20; sys.argv[0] = 'sbus'; "
+                  "runpy.run_module('sbus.cli', run_name='__main__')"]
+
+
+@pytest.mark.parametrize("limit", ["known", "unknown"])
+def test_an_export_the_broker_ends_the_connection_for_is_refused(limit: str) -> None:
+    """A local user's key that maps to a topic deeper than mosquitto takes (202 levels):
+    mosquitto would end the connection at once, and paho would send it again at every
+    reconnect, before every export behind it (the audit of 2026-11-28: every export
+    stopped for good).  Known to the bridge (`MAX_LEVELS`), it is refused before it is
+    sent.  A rule the bridge does not know (the limit lifted): after the broker ended
+    `POISON_LOSSES` connections in a row with it the oldest unacknowledged export, it is
+    refused, counted and said, and every export behind it arrives, once."""
+    h = Hosts(1)
+    try:
+        h.start_bus(0)
+        br = Bridge(h.tmp, "a", h.bus_address(0), h.url(0),
+                    ["--client-id", "a", "--export", "out/"], netns=h.names[0])
+        h.bridges.append(br)
+        if limit == "unknown":
+            br.sbus = NO_LEVEL_LIMIT
+        br.start()
+        peer = Peer(h.mosquitto.sock, ["out/#"])
+        publish(h.bus_address(0), [("out/x", b"%d" % i) if i != 5 else (TOO_DEEP, b"!")
+                                   for i in range(20)])
+        c = br.wait_counters(lambda c: c["refused"] == 1 and c["spooled"] == 0, timeout=30)
+        assert c["exported"] == (19 if limit == "known" else 20), c
+        deadline = time.monotonic() + 10
+        while len(peer.got) < 19:
+            assert time.monotonic() < deadline, peer.got
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert sorted(int(p) for _, p, _ in peer.got) == [i for i in range(20) if i != 5]
+        text = br.stop()
+        if limit == "known":
+            assert "202 levels" in text and "lost the MQTT broker" not in text, text
+        else:
+            assert text.count("lost the MQTT broker") == 3, text
+            assert "ended 3 connections in a row with out/x/x/" in text, text
         peer.close()
     finally:
         h.close()

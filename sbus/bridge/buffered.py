@@ -449,6 +449,14 @@ class BufferedClient(mqtt.Client):
                 del self._out_messages[mid]
         return over
 
+    def drop(self, mid: int) -> str | None:
+        """Forget the message held for sending with packet identifier *mid* (one the
+        broker ends the connection for); its topic, or None if none is held.  Called
+        from ``on_connect``, before paho sends what it holds (see `drop_over`)."""
+        with self._out_message_mutex:
+            message = self._out_messages.pop(mid, None)
+        return None if message is None else message.topic
+
     def set_window(self, n: int) -> None:
         """paho's in-flight window (0: none), also on an established connection, which
         ``max_inflight_messages_set`` refuses: paho reads the value only where it sends

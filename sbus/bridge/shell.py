@@ -129,6 +129,12 @@ LANE_POLL = 1.0
 MISC_EVERY = 1.0
 #: MQTT's largest packet, unless the broker says less (CONNACK Maximum Packet Size).
 MQTT_MAX_PACKET = 268435460
+#: Connections in a row the MQTT broker ends with the same export the oldest one it has
+#: not acknowledged, each but the first within `POISON_QUICK` seconds of its CONNACK:
+#: the broker will not take that export (a rule of its own), and paho would send it
+#: again at every reconnect, before every export behind it.  It is refused instead.
+POISON_LOSSES = 3
+POISON_QUICK = 5.0
 #: A connection that stayed up this long (seconds) starts its side's backoff over.
 STABLE_AFTER = 10.0
 #: What paho raises on bytes it cannot parse: the stream cannot be resynchronised, so
@@ -280,6 +286,10 @@ class BridgeShell:
         self._resent_upto = 0  # records before this one were counted in `resent` once
         self._read_again = 0  # of the client's `read_again`: counted in `resent` so far
         self._max_out = MQTT_MAX_PACKET  # the broker's Maximum Packet Size (CONNACK)
+        #: the export (packet id) that was the oldest unacknowledged one when the MQTT
+        #: connection ended, how many connections in a row (`POISON_LOSSES`)
+        self._suspect, self._suspect_losses = -1, 0
+        self._connected_at = 0.0
         #: the bus connection the last bridge left in the service manager's fd store, if
         #: any, and the patterns state.json says the broker holds on it (`_open_bus`)
         self._kept: socket.socket | None = _kept_bus()
@@ -408,6 +418,7 @@ class BridgeShell:
         if left:  # each counted once, however many restarts find it still there
             self.core.counters.resent += sum(seq >= self._resent_upto for seq in left)
             self._resent_upto = max(self._resent_upto, left[-1] + 1)
+            self._save_state()  # (at once: a bridge killed soon after must not lose it)
             log.info("%d exports from the spool will be sent again", len(left))
 
     # -- MQTT client -----------------------------------------------------------------
@@ -503,7 +514,8 @@ class BridgeShell:
             log.error("MQTT broker %s refused the connection: %s", self.broker, reason)
             return
         self.mqtt_up = True
-        self.mqtt_retry.up(time.monotonic())
+        self._connected_at = time.monotonic()
+        self.mqtt_retry.up(self._connected_at)
         if mq.held:  # the last connection's: the broker sends those PUBLISHes again
             mq.held.clear()
         self._covered_acks = 0
@@ -515,6 +527,8 @@ class BridgeShell:
         limit = getattr(properties, "MaximumPacketSize", None)
         self._max_out = limit if isinstance(limit, int) and limit > 0 else MQTT_MAX_PACKET
         self._refuse_held_over(mq.drop_over(self._max_out))
+        if self._suspect_losses >= POISON_LOSSES:
+            self._refuse_suspect()
         most = getattr(properties, "ReceiveMaximum", None)  # unacknowledged QoS 1 it takes
         most = most if isinstance(most, int) and most > 0 else 65535  # (MQTT 5's default)
         self.window = min(WINDOW, most)
@@ -548,15 +562,42 @@ class BridgeShell:
         broker's Maximum Packet Size: refused, counted and said, as one over it is when
         exported (`_too_large`), instead of ending every connection."""
         for mid in mids:
-            seq, size = self._outstanding.pop(mid, (-1, 0))
-            if seq >= 0 and self.spool is not None:
-                self.spool.acked(seq)
-            elif seq < 0:
-                self._held_bytes -= size
-            self.core.refused_by_broker()
+            self._refused_held(mid)
         if mids:
             self._note(f"not exported: {len(mids)} held while MQTT was away are over the "
                        f"broker's maximum packet size of {self._max_out}")
+
+    def _refused_held(self, mid: int) -> None:
+        """An export paho held (*mid*) that the broker will not take: off the spool or
+        the bytes held, counted."""
+        seq, size = self._outstanding.pop(mid, (-1, 0))
+        if seq >= 0 and self.spool is not None:
+            self.spool.acked(seq)
+        elif seq < 0:
+            self._held_bytes -= size
+        self.core.refused_by_broker()
+
+    def _suspected(self, now: float) -> None:
+        """The MQTT connection ended: the oldest export it had not had acknowledged is
+        suspect once more if it was the last time too and the broker ended this one soon
+        after accepting it (`POISON_LOSSES`)."""
+        head = next(iter(self._outstanding), -1)
+        if head >= 0 and head == self._suspect and now - self._connected_at < POISON_QUICK:
+            self._suspect_losses += 1
+        else:
+            self._suspect, self._suspect_losses = head, int(head >= 0)
+
+    def _refuse_suspect(self) -> None:
+        """Before paho sends what it holds again: the export the broker ended
+        `POISON_LOSSES` connections in a row for is refused, counted and said."""
+        mid, self._suspect, self._suspect_losses = self._suspect, -1, 0
+        topic = self.mq.drop(mid)
+        if topic is None:
+            return
+        self._refused_held(mid)
+        self._note(f"not exported: the MQTT broker {self.broker} ended {POISON_LOSSES} "
+                   f"connections in a row with {printable(topic, 80)} the first message it "
+                   "had not acknowledged: refused, so that the exports behind it go on")
 
     def _on_subscribe(self, mq, userdata, mid, reasons, properties) -> None:
         self.subscribed = True
@@ -573,6 +614,7 @@ class BridgeShell:
             pass  # our own goodbye
         elif self.mqtt_up:
             log.warning("lost the MQTT broker %s: %s", self.broker, refusal or reason)
+            self._suspected(now)
             self._broker = 0  # the first address is preferred: start there again
             self.mqtt_retry.failed(now)
         elif self._connecting:  # closed before any CONNACK
@@ -598,6 +640,8 @@ class BridgeShell:
         self._activity += 1
         self._acks += 1
         held = self._outstanding.pop(mid, None)
+        if mid == self._suspect:
+            self._suspect, self._suspect_losses = -1, 0
         if self._paho_window and len(self._outstanding) < self.window:
             self._window(False)  # (paho holds this one too until we return: <= window)
         if held is not None:
@@ -981,9 +1025,6 @@ class BridgeShell:
                             "before it had read from the bus and not dealt with either: "
                             "those %d messages are dropped (counted), not read a third time",
                             lost)
-            elif bus.rereading:  # (saved: a bridge killed before it is done skips it)
-                self._rereading = True
-                self._save_state()
         else:
             if kept is not None:  # no record of what it holds: let it go (with its queue)
                 kept.close()
@@ -1188,6 +1229,9 @@ class BridgeShell:
         core = self.core
         again = self.bus.read_again - self._read_again
         if again:  # (the head of this batch)
+            if not self._read_again:  # the first: on disk before it is dealt with, so
+                self._rereading = True  # that a bridge killed by it is known (`_open_bus`)
+                self._save_state()
             self._read_again += again
             core.counters.resent += sum(type(event) is Publish for event in events[:again])
         taken: list[tuple[str, bytes, int]] = []
@@ -1201,8 +1245,8 @@ class BridgeShell:
                     continue
                 taken.append((topic, event.payload, core.last_qos))
         self._export(taken)
-        if self._rereading and not self.bus.rereading:  # dealt with (see `_open_bus`)
-            self._rereading = False
+        if again:  # (`resent` saved at once: a bridge killed soon after must not lose it)
+            self._rereading = self.bus.rereading
             self._soon(self._save_state)
 
     async def _bus_batch(self) -> list:

@@ -8,7 +8,8 @@ whole-segment ``*`` and ``#`` is a trailing ``/``.  Where they differ the rule i
   (which also matches ``a``), so what arrives is always checked against the sbus pattern.
 * A key MQTT cannot carry is **refused, never escaped**: ``+``/``#`` (wildcards in MQTT,
   ordinary bytes in sbus), invalid UTF-8, control characters and non-characters (brokers
-  may reject them), an empty or over-long topic, a leading ``$`` (reserved by brokers).
+  may reject them), an empty or over-long topic, one deeper than brokers take
+  (`MAX_LEVELS`), a leading ``$`` (reserved by brokers).
   An escape would give two keys one topic or make a topic that means something else.
 * Secret keys (``!/…``) never leave the host: no export pattern may name them and an
   exported key that is secret is refused.
@@ -24,12 +25,17 @@ from ..keys import KeyRefused, KeyRules
 from ..routing import matches
 
 __all__ = ["Mapping", "Filter", "ConfigError", "to_filter", "topic_problem",
-           "MAX_TOPIC", "SECRET"]
+           "MAX_LEVELS", "MAX_TOPIC", "SECRET"]
 
 SEP = b"/"
 SECRET = b"!/"
 #: An MQTT topic is a UTF-8 string with a 16-bit length.
 MAX_TOPIC = 65535
+#: Levels of a topic the bridge sends at most.  MQTT sets no limit, but brokers do and
+#: close the connection on a deeper one: mosquitto 2.0 at more than 201 levels, EMQX
+#: (``max_topic_levels``) at more than 128.  Sent again at each reconnect, such a message
+#: would stop every export behind it, so it is refused instead.
+MAX_LEVELS = 128
 RULES = KeyRules(SEP)
 
 # C0 and C1 controls, DEL, and Unicode non-characters: the MQTT spec lets a broker close
@@ -48,6 +54,8 @@ def topic_problem(topic: bytes) -> str | None:
         return "empty topic"
     if len(topic) > MAX_TOPIC:
         return f"topic of {len(topic)} bytes (MQTT allows {MAX_TOPIC})"
+    if topic.count(SEP) >= MAX_LEVELS:
+        return f"topic of {topic.count(SEP) + 1} levels (brokers take {MAX_LEVELS} at most)"
     try:
         text = topic.decode("utf-8")
     except UnicodeDecodeError:
