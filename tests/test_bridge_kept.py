@@ -48,6 +48,73 @@ def subscriptions(manager) -> int | None:
     return int(found.group(1)) if found else None
 
 
+class Managed:
+    """A bridge exporting ``seq/`` at QoS 1 as its unit runs it, in a user manager with
+    sbus.socket, mosquitto with an MQTT peer on ``seq/#``; a numbered `Stream`."""
+
+    def __init__(self, manager, config: Path, peer: Peer) -> None:
+        self.manager, self.config, self.peer = manager, config, peer
+        self.stream: Stream | None = None
+
+    def status(self) -> str:
+        return _status(self.manager)
+
+    def start_stream(self, rate: float) -> Stream:
+        self.stream = Stream(str(self.manager.runtime / "sbus.socket"), rate=rate)
+        return self.stream
+
+    def kill(self, restarts: int) -> None:
+        """kill -9 of the bridge; back (its *restarts*-th automatic restart) and up."""
+        os.kill(int(self.manager.show(UNIT, "MainPID")["MainPID"]), signal.SIGKILL)
+        until(lambda: self.manager.show(UNIT, "NRestarts")["NRestarts"] == str(restarts)
+              and self.status().startswith("bus up, mqtt up"), "back after the kill", 30)
+
+    def copies_counted(self, sent: int) -> dict[str, int]:
+        """Every number of *sent* reached the peer; the copies are at most `resent`."""
+        got = Counter(collect_numbers(self.peer, sent, timeout=40))
+        lost = sorted(set(range(sent)) - set(got))
+        assert not lost, (len(lost), lost[:20], sent)
+        counters = _counters(self.status())
+        assert sum(got.values()) - sent <= counters["resent"], (got.total(), counters)
+        assert counters["dropped"] == 0, counters
+        return counters
+
+
+@contextlib.contextmanager
+def managed_bridge(tmp: Path, client_id: str, unit_extra: str = "") -> Iterator[Managed]:
+    """`Managed`, started (*unit_extra*: a drop-in for the bridge's unit), torn down."""
+    from systemd_usermgr import UserManager
+
+    port = _free_port()
+    broker = Mosquitto(tmp, [("127.0.0.1", port)]).start()
+    base = Path(tempfile.mkdtemp(prefix="sbus-kept-", dir="/tmp"))
+    manager = UserManager(base).start()
+    m = None
+    try:
+        config = user_units(manager) / "bridge-t.toml"
+        config.write_text(
+            f'mqtt = "mqtt://127.0.0.1:{port}"\nclient-id = "{client_id}"\n'
+            '[[export]]\npatterns = ["seq/"]\nqos = 1\n')
+        if unit_extra:
+            dropin = manager.unit_dir / f"{UNIT}.d"
+            dropin.mkdir(parents=True)
+            (dropin / "extra.conf").write_text(unit_extra)
+            manager.systemctl("daemon-reload")
+        m = Managed(manager, config, Peer(broker.sock, ["seq/#"]))
+        manager.systemctl("start", "sbus.socket", UNIT)
+        until(lambda: m.status().startswith("bus up, mqtt up"), "the bridge up", 30)
+        yield m
+    finally:
+        if m is not None:
+            if m.stream is not None and not m.stream._stop.is_set():
+                m.stream.stop()
+            m.peer.close()
+        leftover = manager.stop()
+        broker.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    assert not leftover
+
+
 def test_a_restarted_or_killed_bridge_takes_up_its_bus_connection(short_tmp) -> None:
     """Numbered messages at 200/s on the local bus, exported at QoS 1: `systemctl restart`
     of the bridge, then `kill -9` of it (back after the unit's RestartSec=5s): the MQTT
@@ -55,56 +122,22 @@ def test_a_restarted_or_killed_bridge_takes_up_its_bus_connection(short_tmp) -> 
     most what the bridge counted as `resent`.  A pattern added to the configuration
     before the restart and taken out before the crash is subscribed and unsubscribed on
     the connection taken up; the one kept throughout is never held twice."""
-    from systemd_usermgr import UserManager
-
-    port = _free_port()
-    broker = Mosquitto(short_tmp, [("127.0.0.1", port)]).start()
-    base = Path(tempfile.mkdtemp(prefix="sbus-kept-", dir="/tmp"))
-    manager = UserManager(base).start()
-    stream = peer = None
-    try:
-        config = user_units(manager) / "bridge-t.toml"
-        config.write_text(
-            f'mqtt = "mqtt://127.0.0.1:{port}"\nclient-id = "kept"\n'
-            '[[export]]\npatterns = ["seq/"]\nqos = 1\n')
-        peer = Peer(broker.sock, ["seq/#"])
-        manager.systemctl("start", "sbus.socket", UNIT)
-        until(lambda: _status(manager).startswith("bus up, mqtt up"), "the bridge up", 30)
-        stream = Stream(str(manager.runtime / "sbus.socket"), rate=200)
+    with managed_bridge(short_tmp, "kept") as m:
+        manager, config = m.manager, m.config
+        stream = m.start_stream(rate=200)
         stream.wait_sent(200)
-
         config.write_text(config.read_text().replace('"seq/"', '"seq/", "more/"'))
         manager.systemctl("restart", UNIT)  # with one pattern more
         stream.wait_sent(stream.sent + 300)
         until(lambda: subscriptions(manager) == 2, "seq/ held once, more/ added", 30)
         config.write_text(config.read_text().replace(', "more/"', ''))
-        pid = int(manager.show(UNIT, "MainPID")["MainPID"])
-        os.kill(pid, signal.SIGKILL)  # and back, with more/ gone again
-        until(lambda: manager.show(UNIT, "NRestarts")["NRestarts"] == "1"
-              and _status(manager).startswith("bus up, mqtt up"), "back after the crash", 30)
+        m.kill(1)  # and back, with more/ gone again
         stream.wait_sent(stream.sent + 200)
         until(lambda: subscriptions(manager) == 1, "more/ unsubscribed", 30)
-        sent = stream.stop()
-
-        got = Counter(collect_numbers(peer, sent))
-        lost = sent - len(set(got) & set(range(sent)))
-        assert lost == 0 and len(got) == sent  # across a restart and a kill -9
-        copies = sum(got.values()) - sent
-        counters = _counters(_status(manager))
-        assert copies <= counters["resent"], (copies, counters)
-        assert counters["dropped"] == 0, counters
+        m.copies_counted(stream.stop())  # across a restart and a kill -9
         assert manager.show(UNIT, "NFileDescriptorStore")["NFileDescriptorStore"] == "1"
         manager.systemctl("stop", UNIT)
         assert manager.show(UNIT, "Result")["Result"] == "success"
-    finally:
-        if stream is not None and not stream._stop.is_set():
-            stream.stop()
-        if peer is not None:
-            peer.close()
-        leftover = manager.stop()
-        broker.stop()
-        shutil.rmtree(base, ignore_errors=True)
-    assert not leftover
 
 
 def test_kill9s_of_a_busy_exporting_bridge_lose_nothing(short_tmp) -> None:
@@ -113,51 +146,14 @@ def test_kill9s_of_a_busy_exporting_bridge_lose_nothing(short_tmp) -> None:
     whatever batch a kill catches between its read and the spool's write is read again
     by the next bridge (`AsyncClient`'s *confirm_reads*), so the MQTT subscriber gets
     every number, and the copies are at most what the bridges counted as `resent`."""
-    from systemd_usermgr import UserManager
-
-    port = _free_port()
-    broker = Mosquitto(short_tmp, [("127.0.0.1", port)]).start()
-    base = Path(tempfile.mkdtemp(prefix="sbus-kept-", dir="/tmp"))
-    manager = UserManager(base).start()
-    stream = peer = None
-    try:
-        config = user_units(manager) / "bridge-t.toml"
-        config.write_text(
-            f'mqtt = "mqtt://127.0.0.1:{port}"\nclient-id = "kills"\n'
-            '[[export]]\npatterns = ["seq/"]\nqos = 1\n')
-        dropin = manager.unit_dir / f"{UNIT}.d"
-        dropin.mkdir(parents=True)
-        (dropin / "quick.conf").write_text(
-            "[Unit]\nStartLimitIntervalSec=0\n[Service]\nRestartSec=100ms\n")
-        manager.systemctl("daemon-reload")
-        peer = Peer(broker.sock, ["seq/#"])
-        manager.systemctl("start", "sbus.socket", UNIT)
-        until(lambda: _status(manager).startswith("bus up, mqtt up"), "the bridge up", 30)
-        stream = Stream(str(manager.runtime / "sbus.socket"), rate=5000)
+    quick = "[Unit]\nStartLimitIntervalSec=0\n[Service]\nRestartSec=100ms\n"
+    with managed_bridge(short_tmp, "kills", quick) as m:
+        stream = m.start_stream(rate=5000)
         for kills in range(1, 6):
             stream.wait_sent(stream.sent + 1500)
-            os.kill(int(manager.show(UNIT, "MainPID")["MainPID"]), signal.SIGKILL)
-            until(lambda: manager.show(UNIT, "NRestarts")["NRestarts"] == str(kills)  # noqa: B023
-                  and _status(manager).startswith("bus up, mqtt up"), "back", 30)
+            m.kill(kills)
         stream.wait_sent(stream.sent + 1500)
-        sent = stream.stop()
-
-        got = Counter(collect_numbers(peer, sent, timeout=40))
-        lost = sorted(set(range(sent)) - set(got))
-        assert not lost, (len(lost), lost[:20], sent)
-        copies = sum(got.values()) - sent
-        counters = _counters(_status(manager))
-        assert copies <= counters["resent"], (copies, counters)
-        assert counters["dropped"] == 0, counters
-    finally:
-        if stream is not None and not stream._stop.is_set():
-            stream.stop()
-        if peer is not None:
-            peer.close()
-        leftover = manager.stop()
-        broker.stop()
-        shutil.rmtree(base, ignore_errors=True)
-    assert not leftover
+        m.copies_counted(stream.stop())
 
 
 def test_a_kept_connection_is_taken_up_only_with_the_record_of_that_very_socket() -> None:
