@@ -285,6 +285,7 @@ class BridgeShell:
         self._left: list[tuple[int, bytes, bytes]] = []  # spooled by the last bridge
         self._resent_upto = 0  # records before this one were counted in `resent` once
         self._read_again = 0  # of the client's `read_again`: counted in `resent` so far
+        self._dropped_saved = 0  # `dropped` when the state was last saved
         self._max_out = MQTT_MAX_PACKET  # the broker's Maximum Packet Size (CONNACK)
         #: the export (packet id) that was the oldest unacknowledged one when the MQTT
         #: connection ended, how many connections in a row (`POISON_LOSSES`)
@@ -373,6 +374,7 @@ class BridgeShell:
                            (STAMP, f"{epoch}.{0:016x}")).pack()[:-16]
 
     def _save_state(self, clean_exit: bool = False) -> None:
+        self._dropped_saved = self.core.counters.dropped
         if self.state is None:
             return
         failed = self.state.save_state({
@@ -1245,9 +1247,12 @@ class BridgeShell:
                     continue
                 taken.append((topic, event.payload, core.last_qos))
         self._export(taken)
-        if again:  # (`resent` saved at once: a bridge killed soon after must not lose it)
+        if again or core.counters.dropped != self._dropped_saved:
+            # saved before the caller takes the batch off the socket (`confirm_reads`):
+            # killed before, the next bridge reads it again (its drop reports too);
+            # after, what it counted is on disk
             self._rereading = self.bus.rereading
-            self._soon(self._save_state)
+            self._save_state()
 
     async def _bus_batch(self) -> list:
         """The next batch from the bus, waited for on the socket itself (the turn of the
