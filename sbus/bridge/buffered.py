@@ -457,6 +457,16 @@ class BufferedClient(mqtt.Client):
             message = self._out_messages.pop(mid, None)
         return None if message is None else message.topic
 
+    def one_at_a_time(self) -> None:
+        """From ``on_connect``: of the QoS 1 messages held for sending, only the oldest
+        goes now, and each next one once the one before is acknowledged (a window of 1;
+        paho's reconnect would otherwise send all it holds at once)."""
+        with self._out_message_mutex:
+            for i, message in enumerate(self._out_messages.values()):
+                if i and message.qos == 1 and message.state == mqtt.mqtt_ms_publish:
+                    message.state = mqtt.mqtt_ms_queued
+        self._max_inflight_messages = 1
+
     def set_window(self, n: int) -> None:
         """paho's in-flight window (0: none), also on an established connection, which
         ``max_inflight_messages_set`` refuses: paho reads the value only where it sends

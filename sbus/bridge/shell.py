@@ -291,6 +291,9 @@ class BridgeShell:
         #: connection ended, how many connections in a row (`POISON_LOSSES`)
         self._suspect, self._suspect_losses = -1, 0
         self._connected_at = 0.0
+        #: exports still to be sent one at a time after a connection the broker ended
+        #: soon after accepting it (`_suspected`)
+        self._probing = 0
         #: the bus connection the last bridge left in the service manager's fd store, if
         #: any, and the patterns state.json says the broker holds on it (`_open_bus`)
         self._kept: socket.socket | None = _kept_bus()
@@ -506,7 +509,7 @@ class BridgeShell:
         """Give paho its in-flight window (*on*: it may hold more than `WINDOW`, after a
         reconnect) or take it away (it holds at most `WINDOW`, all of them in flight:
         nothing for paho's per-acknowledgement scan to find)."""
-        if on != self._paho_window:
+        if on != self._paho_window and not self._probing:
             self._paho_window = on
             self.mq.set_window(self.window if on or self._limited else 0)
 
@@ -531,6 +534,7 @@ class BridgeShell:
         self._refuse_held_over(mq.drop_over(self._max_out))
         if self._suspect_losses >= POISON_LOSSES:
             self._refuse_suspect()
+        self._probing = min(self._probing, len(self._outstanding))
         most = getattr(properties, "ReceiveMaximum", None)  # unacknowledged QoS 1 it takes
         most = most if isinstance(most, int) and most > 0 else 65535  # (MQTT 5's default)
         self.window = min(WINDOW, most)
@@ -538,6 +542,8 @@ class BridgeShell:
         # under a limit that a batch could cross, paho keeps the window itself, always
         self._limited = most < WINDOW + BATCH
         self.mq.set_window(self.window if self._paho_window or self._limited else 0)
+        if self._probing:
+            self.mq.one_at_a_time()
         if self.window < WINDOW:
             log.info("MQTT broker %s takes at most %d unacknowledged messages",
                      self.broker, self.window)
@@ -582,12 +588,18 @@ class BridgeShell:
     def _suspected(self, now: float) -> None:
         """The MQTT connection ended: the oldest export it had not had acknowledged is
         suspect once more if it was the last time too and the broker ended this one soon
-        after accepting it (`POISON_LOSSES`)."""
+        after accepting it (`POISON_LOSSES`).  Ended that soon, the exports it held are
+        sent one at a time on the next (`_probing`): a broker that ends the connection
+        over one may not have acknowledged those sent ahead of it, which would then be
+        the oldest, suspect in its place, and sent again and again with it."""
         head = next(iter(self._outstanding), -1)
-        if head >= 0 and head == self._suspect and now - self._connected_at < POISON_QUICK:
+        quick = now - self._connected_at < POISON_QUICK
+        if head >= 0 and head == self._suspect and quick:
             self._suspect_losses += 1
         else:
             self._suspect, self._suspect_losses = head, int(head >= 0)
+        if quick and head >= 0:
+            self._probing = len(self._outstanding)
 
     def _refuse_suspect(self) -> None:
         """Before paho sends what it holds again: the export the broker ended
@@ -644,7 +656,12 @@ class BridgeShell:
         held = self._outstanding.pop(mid, None)
         if mid == self._suspect:
             self._suspect, self._suspect_losses = -1, 0
-        if self._paho_window and len(self._outstanding) < self.window:
+        if self._probing:  # (paho sends the next after we return, at the window set here)
+            self._probing -= 1
+            if not self._probing:
+                self._paho_window = True
+                mq.set_window(self.window)
+        elif self._paho_window and len(self._outstanding) < self.window:
             self._window(False)  # (paho holds this one too until we return: <= window)
         if held is not None:
             if held[0] >= 0 and self.spool is not None:
