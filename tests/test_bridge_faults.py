@@ -718,6 +718,17 @@ NO_LEVEL_LIMIT = [sys.executable, "-c", "import runpy, sys, sbus.bridge.topics a
                   "runpy.run_module('sbus.cli', run_name='__main__')"]
 
 
+def _exporting_out(h: Hosts, lifted: bool) -> Bridge:
+    """Host 0's bus and a bridge exporting ``out/`` (*lifted*: without its level limit)."""
+    h.start_bus(0)
+    br = Bridge(h.tmp, "a", h.bus_address(0), h.url(0),
+                ["--client-id", "a", "--export", "out/"], netns=h.names[0])
+    h.bridges.append(br)
+    if lifted:
+        br.sbus = NO_LEVEL_LIMIT
+    return br.start()
+
+
 @pytest.mark.parametrize("limit", ["known", "unknown"])
 def test_an_export_the_broker_ends_the_connection_for_is_refused(limit: str) -> None:
     """A local user's key that maps to a topic deeper than mosquitto takes (202 levels):
@@ -729,13 +740,7 @@ def test_an_export_the_broker_ends_the_connection_for_is_refused(limit: str) -> 
     refused, counted and said, and every export behind it arrives, once."""
     h = Hosts(1)
     try:
-        h.start_bus(0)
-        br = Bridge(h.tmp, "a", h.bus_address(0), h.url(0),
-                    ["--client-id", "a", "--export", "out/"], netns=h.names[0])
-        h.bridges.append(br)
-        if limit == "unknown":
-            br.sbus = NO_LEVEL_LIMIT
-        br.start()
+        br = _exporting_out(h, lifted=limit == "unknown")
         peer = Peer(h.mosquitto.sock, ["out/#"])
         publish(h.bus_address(0), [("out/x", b"%d" % i) if i != 5 else (TOO_DEEP, b"!")
                                    for i in range(20)])
@@ -768,12 +773,7 @@ def test_an_export_the_broker_ends_the_connection_for_behind_many_is_refused_soo
     arriving, none more than twice."""
     h = Hosts(1)
     try:
-        h.start_bus(0)
-        br = Bridge(h.tmp, "a", h.bus_address(0), h.url(0),
-                    ["--client-id", "a", "--export", "out/"], netns=h.names[0])
-        h.bridges.append(br)
-        br.sbus = NO_LEVEL_LIMIT
-        br.start()
+        br = _exporting_out(h, lifted=True)
         h.mosquitto.stop()  # all 60 held, then sent in one write when it is back
         br.wait_status(lambda s: "mqtt down" in s)
         publish(h.bus_address(0), [("out/x", b"%d" % i) if i != 29 else (TOO_DEEP, b"!")
