@@ -285,7 +285,7 @@ class BridgeShell:
         self._left: list[tuple[int, bytes, bytes]] = []  # spooled by the last bridge
         self._resent_upto = 0  # records before this one were counted in `resent` once
         self._read_again = 0  # of the client's `read_again`: counted in `resent` so far
-        self._dropped_saved = 0  # `dropped` when the state was last saved
+        self._reports_saved = 0  # the bus's drop reports counted when the state was saved
         self._max_out = MQTT_MAX_PACKET  # the broker's Maximum Packet Size (CONNACK)
         #: the export (packet id) that was the oldest unacknowledged one when the MQTT
         #: connection ended, how many connections in a row (`POISON_LOSSES`)
@@ -377,7 +377,7 @@ class BridgeShell:
                            (STAMP, f"{epoch}.{0:016x}")).pack()[:-16]
 
     def _save_state(self, clean_exit: bool = False) -> None:
-        self._dropped_saved = self.core.counters.dropped
+        self._reports_saved = self.bus.dropped
         if self.state is None:
             return
         failed = self.state.save_state({
@@ -1264,10 +1264,10 @@ class BridgeShell:
                     continue
                 taken.append((topic, event.payload, core.last_qos))
         self._export(taken)
-        if again or core.counters.dropped != self._dropped_saved:
+        if again or self.bus.dropped != self._reports_saved:
             # saved before the caller takes the batch off the socket (`confirm_reads`):
-            # killed before, the next bridge reads it again (its drop reports too);
-            # after, what it counted is on disk
+            # killed before, the next bridge reads it again (the broker's drop reports
+            # too); after, what it counted is on disk
             self._rereading = self.bus.rereading
             self._save_state()
 
