@@ -82,6 +82,10 @@ SLOTS = 64
 SLOT_BYTES = RECV_BUFFER + 4096
 #: What a raw reader gets instead of a cut packet: the broker's report of one drop.
 _CUT_REPORT = protocol.encode(Control(protocol.DROPPED, b"1"))
+#: A drop report's bytes before its count, and the bytes `skip_again` reads of each
+#: packet it takes off (a drop report is shorter: counted; a message: only its verb).
+_DROP_REPORT = _CUT_REPORT[:-1]
+_HEAD_BYTES = 64
 #: A batch holding a packet larger than this gives its pages back once decoded.
 RELEASE_FROM = 64 * 1024
 #: A wait this long or longer is no limit: ``poll`` counts milliseconds in a C int.
@@ -540,13 +544,20 @@ class _Shell:
     def skip_again(self) -> int:
         """Take what an earlier process left unconfirmed on this connection (`adopt`)
         off the socket unread, instead of receiving it again: for a program that has
-        reason to think it is what killed that process.  Returns how many messages went
-        (answers and drop reports among it go too)."""
+        reason to think it is what killed that process.  Returns how many messages went;
+        the broker's drop reports among it are counted as any are (*on_drop*), its
+        answers go."""
         again, self._again_bytes = self._again_bytes, 0
         if again <= 0 or self.sock is None:
             return 0
-        heads = take_heads(self.sock.fileno(), again)
-        return sum(head == protocol.MSG_VERB for head in heads)
+        skipped = 0
+        for head in take_heads(self.sock.fileno(), again, _HEAD_BYTES):
+            if head.startswith(protocol.MSG_VERB):
+                skipped += 1
+            elif len(head) < _HEAD_BYTES and head.startswith(_DROP_REPORT):  # (whole)
+                self._take(self.session.control_event(protocol.DROPPED,
+                                                      head[len(_DROP_REPORT):]))
+        return skipped
 
     def _count_again(self, lengths: list[int]) -> None:
         """Count the packets of *lengths* that an earlier process had read (`adopt`)."""

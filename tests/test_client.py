@@ -553,6 +553,35 @@ def test_a_message_too_large_to_receive_whole_is_a_counted_drop_never_a_cut_mess
         assert drops[:2] == [1, 1]  # receive_packets' caller takes its own report in
 
 
+def test_skip_again_takes_what_was_left_off_unread_and_counts_its_drop_reports():
+    """What an earlier process left unconfirmed, skipped instead of read again: its
+    messages counted in the return, its drop reports as drop reports (*on_drop*), and
+    nothing past it taken."""
+    from sbus.packetio import start_peeking
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for packet in (b"MSG k/a\0one", b"CMSG blocking/dropped\x005", b"MSG k/a\0" + b"x" * 500,
+                   b"MSG k/a\0two", b"MSG k/a\0after"):
+        a.send(packet)
+    start_peeking(b.fileno())  # the earlier process read four of them, and died
+    for _ in range(4):
+        b.recv(1024, socket.MSG_PEEK)
+    drops: list[int] = []
+
+    async def main() -> int:
+        bus = AsyncClient("/nonexistent", confirm_reads=True, on_drop=drops.append)
+        await bus.adopt(b, [])
+        assert bus.rereading
+        skipped = bus.skip_again()
+        assert not bus.rereading and bus.dropped == 5
+        return skipped
+
+    assert trio.run(main) == 3 and drops == [5]
+    assert b.recv(1024) == b"MSG k/a\0after"  # the one it had not read: still there
+    a.close()
+    b.close()
+
+
 def test_a_message_cut_to_its_slot_under_confirmed_reads_is_one_drop(make_broker):
     """Read with ``MSG_PEEK`` (*confirm_reads*), the kernel moves the peek offset by what
     it copied: the rest of a cut message would come as packets of its own, and taking
