@@ -737,7 +737,9 @@ def test_an_export_the_broker_ends_the_connection_for_is_refused(limit: str) -> 
     stopped for good).  Known to the bridge (`MAX_LEVELS`), it is refused before it is
     sent.  A rule the bridge does not know (the limit lifted): after the broker ended
     `POISON_LOSSES` connections in a row with it the oldest unacknowledged export, it is
-    refused, counted and said, and every export behind it arrives, once."""
+    refused, counted and said, and every other export arrives (behind it once; ahead of
+    it perhaps twice: the broker need not have acknowledged those before it ended the
+    first connection, and then one of them is the oldest the first time)."""
     h = Hosts(1)
     try:
         br = _exporting_out(h, lifted=limit == "unknown")
@@ -751,12 +753,16 @@ def test_an_export_the_broker_ends_the_connection_for_is_refused(limit: str) -> 
             assert time.monotonic() < deadline, peer.got
             time.sleep(0.02)
         time.sleep(0.3)
-        assert sorted(int(p) for _, p, _ in peer.got) == [i for i in range(20) if i != 5]
+        got = Counter(int(p) for _, p, _ in peer.got)
+        assert sorted(got) == [i for i in range(20) if i != 5]
+        twice = sorted(i for i, n in got.items() if n > 1)
         text = br.stop()
         if limit == "known":
+            assert not twice, got
             assert "202 levels" in text and "lost the MQTT broker" not in text, text
         else:
-            assert text.count("lost the MQTT broker") == 3, text
+            assert max(got.values()) <= 2 and all(i < 5 for i in twice), got
+            assert 3 <= text.count("lost the MQTT broker") <= 4, text
             assert "ended 3 connections in a row with out/x/x/" in text, text
         peer.close()
     finally:
