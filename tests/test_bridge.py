@@ -56,9 +56,10 @@ def subscriber(address: str, *patterns: str) -> Client:
     return c
 
 
-def collect(c: Client, want: int | None = None, quiet: float = 0.5,
-            timeout: float = 10.0) -> list[tuple[bytes, bytes]]:
-    """Messages until *want* arrived (then *quiet* more seconds) or none for *quiet*."""
+def collect(c: Client, want: int | None = None, quiet: float = 0.5, timeout: float = 10.0,
+            others: list[object] | None = None) -> list[tuple[bytes, bytes]]:
+    """Messages until *want* arrived (then *quiet* more seconds) or none for *quiet*;
+    any other event (a drop report) goes to *others* if given."""
     got: list[tuple[bytes, bytes]] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -71,6 +72,8 @@ def collect(c: Client, want: int | None = None, quiet: float = 0.5,
             continue
         if isinstance(event, Publish):
             got.append((event.key, event.payload))
+        elif others is not None:
+            others.append(event)
     return got
 
 

@@ -358,12 +358,17 @@ def _accounted(a: Bridge, b: Bridge, sub: Client, stream: Stream) -> tuple[int, 
     the bridges' counters: none twice, and every number it never got is counted once,
     as missing at *b* or dropped at either bridge.  Returns (lost, a's, b's counters)."""
     sent = stream.stop()
-    got = seqs(collect(sub, quiet=1.0, timeout=20))
-    assert got and got[-1] == sent - 1       # the last arrived: no gap left open
+    events: list[object] = []
+    got = seqs(collect(sub, quiet=1.0, timeout=20, others=events))
+    seen = f"sent {sent}, got {len(got)} ({len(set(got))} distinct), other events {events[:5]}"
+    assert got and got[-1] == sent - 1, seen  # the last arrived: no gap left open
     twice = sum(n - 1 for n in Counter(got).values())
     lost = sent - len(set(got))
     ca = a.wait_counters(lambda c: c["exported"] + c["dropped"] == sent)
-    cb = b.wait_counters(lambda c: c["imported"] == len(got))
+    try:
+        cb = b.wait_counters(lambda c: c["imported"] == len(got))
+    except AssertionError as exc:
+        raise AssertionError(f"{seen}; {exc}") from None
     assert twice == 0 and cb["duplicates"] == 0, (twice, cb)
     assert cb["missing"] + ca["dropped"] + cb["dropped"] == lost, (lost, ca, cb)
     assert ca["refused"] == cb["refused"] == 0, (ca, cb)

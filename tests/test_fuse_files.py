@@ -205,9 +205,11 @@ def test_line_streams_publish_each_line_as_written(mnt, bus):
                                                   for i in (1, 2, 3)]
     log = mnt.path + ".stream.log"
     open(log, "w").close()
-    streamer = subprocess.Popen(["sh", "-c", f"exec tail -n0 -f {log} >> {mnt / 'logs/x'}"])
+    # from its first byte, not `-n0`: tail finds "the end" after opening the file, so a
+    # line written in between was skipped (a timeout in a detached suite run)
+    streamer = subprocess.Popen(["sh", "-c", f"exec tail -c +1 -f {log} >> {mnt / 'logs/x'}"])
     try:
-        wait_open(streamer, log)  # tail -f starts at the end of the file: let it get there
+        wait_open(streamer, log)
         for i in range(3):
             with open(log, "a") as f:
                 f.write(f"stream{i}\n")
