@@ -520,6 +520,15 @@ class _Unreading:
             return  # closed
 
     def close(self) -> None:
+        """Shut down first: a `close` from this thread ends neither the server thread's
+        `accept` nor its `recv`, and a reconnect that the blocked `accept` then took was
+        a third connection, lost later (seen under the suite's load)."""
+        for sock in [self.listener, *self.conns]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # (not connected yet, or closed already)
+        self._thread.join(5)
         self.listener.close()
         for conn in self.conns:
             conn.close()
