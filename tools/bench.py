@@ -137,7 +137,33 @@ class Broker:
             os.unlink(self.path)
 
 
-def run_scenario(lg: Path, broker: Broker, name: str, count: int, rate: int = 0) -> dict:
+#: The broker's system calls counted by ``--syscalls`` (perf's tracepoints).
+SYSCALLS = ("recvmmsg", "recvmsg", "read", "sendmmsg", "sendto", "write", "epoll_wait",
+            "epoll_ctl")
+
+
+def perf_stat(pid: int) -> subprocess.Popen:
+    """perf counting *pid*'s `SYSCALLS` until it is sent SIGINT (`syscall_counts`)."""
+    events = ",".join(f"syscalls:sys_enter_{n}" for n in SYSCALLS)
+    perf = subprocess.Popen(["perf", "stat", "-x,", "-e", events, "-p", str(pid)],
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # (attached before the load starts)
+    return perf
+
+
+def syscall_counts(perf: subprocess.Popen) -> dict[str, float]:
+    """What `perf_stat` counted: system call -> how many."""
+    perf.send_signal(signal.SIGINT)
+    counts = {}
+    for line in perf.communicate()[1].splitlines():  # count,unit,event,...
+        fields = line.split(",")
+        if len(fields) > 2 and fields[0].isdigit():
+            counts[fields[2].removeprefix("syscalls:sys_enter_")] = float(fields[0])
+    return counts
+
+
+def run_scenario(lg: Path, broker: Broker, name: str, count: int, rate: int = 0,
+                 syscalls: bool = False) -> dict:
     nsub, nkeys, npub, fan = SCENARIOS[name]
     addr = f"unix:{broker.path}"
     count = max(1, count // FEWER.get(name, 1))
@@ -150,6 +176,7 @@ def run_scenario(lg: Path, broker: Broker, name: str, count: int, rate: int = 0)
         stdout=subprocess.PIPE, text=True)
     assert sub.stdout.readline().strip() == "READY"
     time.sleep(0.2)
+    perf = perf_stat(broker.proc.pid) if syscalls else None
     cpu0 = broker.cpu_seconds()
     subprocess.run(
         taskset(CORE_LOAD, [str(lg), "pub", "-p", broker.proto, "-a", addr, "-n", str(npub),
@@ -159,6 +186,8 @@ def run_scenario(lg: Path, broker: Broker, name: str, count: int, rate: int = 0)
     result = json.loads(sub.stdout.readline())
     sub.wait(10)
     result["cpu_us_per_delivery"] = (broker.cpu_seconds() - cpu0) * 1e6 / max(result["recv"], 1)
+    if perf is not None:
+        result["syscalls"] = syscall_counts(perf)
     return result
 
 
@@ -196,6 +225,9 @@ def main() -> int:
                          "broker holds publishers back and loses nothing")
     ap.add_argument("--batched", action="store_true",
                     help="run the C broker batched (cbroker -m: recvmmsg/sendmmsg)")
+    ap.add_argument("--syscalls", action="store_true",
+                    help="also count each broker's system calls per 1,000 deliveries "
+                         "(perf stat on its tracepoints; the counting costs them time)")
     args = ap.parse_args()
     if args.batched:
         Broker.cbroker_args = ["-m"]
@@ -213,7 +245,8 @@ def main() -> int:
         def once(kind: str, name: str, count: int, rate: int = 0) -> dict:
             broker = Broker(kind, tmp, cbroker, sbus_args)
             try:
-                return run_scenario(lg, broker, name, count, rate)
+                return run_scenario(lg, broker, name, count, rate,
+                                    syscalls=args.syscalls and not rate)
             finally:
                 broker.stop()
 
@@ -274,6 +307,15 @@ def report(results: dict, brokers: list[str], scenarios: list[str], args) -> Non
         if "sbus" in cpu and "cbroker" in cpu:
             row += f" | {cpu['sbus'] / cpu['cbroker']:.2f}"
         print(row + " |")
+    if args.syscalls:
+        print("\nBroker system calls per 1,000 deliveries (the median run's)\n")
+        print("| scenario | broker | " + " | ".join(SYSCALLS) + " |")
+        print("|" + "---|" * (len(SYSCALLS) + 2))
+        for name in scenarios:
+            for b in brokers:
+                counts, recv = results[b][name]["syscalls"], max(results[b][name]["recv"], 1)
+                print(f"| {name} | {b} | " + " | ".join(
+                    f"{counts.get(n, 0) * 1000 / recv:.2f}" for n in SYSCALLS) + " |")
     print(f"\nLatency (one-way, µs): saturated S1 and light load (S1 at 1,000 msg/s, "
           f"{LIGHT_COUNT:,} messages; the run with the median p99 of {args.runs})\n")
     print("| broker | saturated p50 | saturated p99 | 1k/s p50 | 1k/s p99 | 1k/s lost |")
