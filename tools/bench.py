@@ -229,6 +229,9 @@ def main() -> int:
                     help="also count each broker's system calls per 1,000 deliveries "
                          "(perf stat on its tracepoints; the counting costs them time)")
     args = ap.parse_args()
+    if args.syscalls and not shutil.which("perf"):
+        ap.error("--syscalls counts with perf, which is not installed (apt-get install "
+                 "linux-perf)")
     if args.batched:
         Broker.cbroker_args = ["-m"]
     sbus_args = [] if args.lossy else ["--hard", "block"]
