@@ -353,6 +353,17 @@ def test_kill9_of_mosquitto_without_persistence_is_counted_as_missing() -> None:
         h.close()
 
 
+def _ranges(numbers: list[int]) -> list[tuple[int, int]]:
+    """Sorted *numbers* as (first, last) runs: [3, 4, 5, 9] -> [(3, 5), (9, 9)]."""
+    runs: list[tuple[int, int]] = []
+    for n in numbers:
+        if runs and runs[-1][1] == n - 1:
+            runs[-1] = (runs[-1][0], n)
+        else:
+            runs.append((n, n))
+    return runs
+
+
 def _accounted(a: Bridge, b: Bridge, sub: Client, stream: Stream) -> tuple[int, dict, dict]:
     """Stop *stream*, take what reached *sub* (the bus behind *b*) and check it against
     the bridges' counters: none twice, and every number it never got is counted once,
@@ -360,7 +371,8 @@ def _accounted(a: Bridge, b: Bridge, sub: Client, stream: Stream) -> tuple[int, 
     sent = stream.stop()
     events: list[object] = []
     got = seqs(collect(sub, quiet=1.0, timeout=20, others=events))
-    seen = f"sent {sent}, got {len(got)} ({len(set(got))} distinct), other events {events[:5]}"
+    seen = (f"sent {sent}, got {len(got)} ({len(set(got))} distinct), other events "
+            f"{events[:5]}, missing {_ranges(sorted(set(range(sent)) - set(got)))[:10]}")
     assert got and got[-1] == sent - 1, seen  # the last arrived: no gap left open
     twice = sum(n - 1 for n in Counter(got).values())
     lost = sent - len(set(got))
@@ -368,7 +380,8 @@ def _accounted(a: Bridge, b: Bridge, sub: Client, stream: Stream) -> tuple[int, 
     try:
         cb = b.wait_counters(lambda c: c["imported"] == len(got))
     except AssertionError as exc:
-        raise AssertionError(f"{seen}; {exc}") from None
+        buses = {log.name: log.read_text()[-2000:] for log in b.log.parent.glob("bus*.log")}
+        raise AssertionError(f"{seen}; {exc}; the buses' logs: {buses}") from None
     assert twice == 0 and cb["duplicates"] == 0, (twice, cb)
     assert cb["missing"] + ca["dropped"] + cb["dropped"] == lost, (lost, ca, cb)
     assert ca["refused"] == cb["refused"] == 0, (ca, cb)
