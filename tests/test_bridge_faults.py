@@ -381,7 +381,12 @@ def _accounted(a: Bridge, b: Bridge, sub: Client, stream: Stream) -> tuple[int, 
         cb = b.wait_counters(lambda c: c["imported"] == len(got))
     except AssertionError as exc:
         buses = {log.name: log.read_text()[-2000:] for log in b.log.parent.glob("bus*.log")}
-        raise AssertionError(f"{seen}; {exc}; the buses' logs: {buses}") from None
+        status = subprocess.run([*SBUS, "status", "--json", "--address", b.address],
+                                capture_output=True, text=True, timeout=10)
+        said = json.dumps(json.loads(status.stdout)) if status.returncode == 0 \
+            else status.stderr[-500:]
+        raise AssertionError(f"{seen}; {exc}; the buses' logs: {buses}; b's bus says: "
+                             f"{said}") from None
     assert twice == 0 and cb["duplicates"] == 0, (twice, cb)
     assert cb["missing"] + ca["dropped"] + cb["dropped"] == lost, (lost, ca, cb)
     assert ca["refused"] == cb["refused"] == 0, (ca, cb)
