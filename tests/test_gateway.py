@@ -120,11 +120,18 @@ def listening(port: int, tls: bool = False) -> bool:
 _NOT_CLOSED = frozenset(("01", "03", "08"))
 
 
+def _gateway_side(gateway_port: int) -> Iterator[tuple[int, str]]:
+    """(client port, state) of each connection on *gateway_port* in /proc/net/tcp."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if int(local.split(":")[1], 16) == gateway_port:
+            yield int(remote.split(":")[1], 16), state
+
+
 def gateway_side_states(gateway_port: int) -> Counter[str]:
     """How many of the gateway's connections on *gateway_port* are in each state of
     /proc/net/tcp (for a failure's message)."""
-    return Counter(line.split()[3] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
-                   if int(line.split()[1].split(":")[1], 16) == gateway_port)
+    return Counter(state for _, state in _gateway_side(gateway_port))
 
 
 def gateway_side_open(client_port: int, gateway_port: int) -> bool:
@@ -133,12 +140,8 @@ def gateway_side_open(client_port: int, gateway_port: int) -> bool:
     the gateway closed after reading all its bytes sits in FIN_WAIT2 while the client
     keeps its end: the likeliest reason why, under the suite's load, 79 of 300 refused
     half frames were once counted closed where 157 are; not caught in the act.)"""
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        local, remote, state = line.split()[1:4]
-        if (int(local.split(":")[1], 16) == gateway_port
-                and int(remote.split(":")[1], 16) == client_port and state in _NOT_CLOSED):
-            return True
-    return False
+    return any(port == client_port and state in _NOT_CLOSED
+               for port, state in _gateway_side(gateway_port))
 
 
 def next_loopback() -> str:
