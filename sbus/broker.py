@@ -373,7 +373,7 @@ class Broker:
             log.error("internal error %s while serving %r (%d so far); dropping that client",
                       type(exc).__name__, c, self.faults)
         try:
-            if not c.closed:
+            if c.read_on:
                 self.core.hangup(c, None)
             self._flush()
         except Exception:  # noqa: BLE001 - the core's state of c is broken: close it here
@@ -390,14 +390,14 @@ class Broker:
         core = self.core
         clients = list(self._clients.values())
         for c in clients:  # from here a send fails (EPIPE), where it would vanish unread
-            if not c.closed:
+            if c.read_on:
                 _shut_reading(c.link)
         ends = time.monotonic() + CLOSING_SECONDS
         clock = time.monotonic
         while clock() < ends:  # what they sent before the end reaches the others
             published = core.published
             for c in clients:  # paused publishers too: what they sent is counted then
-                if not (c.closed or c.fanout):
+                if c.read_on and not c.fanout:
                     self._read(c, shut=True)
                     if clock() >= ends:
                         break
@@ -415,7 +415,7 @@ class Broker:
             log.warning("shutting down with %d messages for %d clients that had not read "
                         "them: lost, and said to %d of them (a hand-over keeps them: "
                         "SIGUSR2, or systemctl restart)", sum(left), len(left), told)
-        unread = [c for c in clients if not c.closed and _unread(c.link)]
+        unread = [c for c in clients if c.read_on and _unread(c.link)]
         if unread:  # still sending when CLOSING_SECONDS ran out
             log.warning("shutting down with packets of %d clients unread: lost",
                         len(unread))
@@ -538,7 +538,7 @@ class Broker:
     def _watch(self, c: Client) -> None:
         """Have epoll report what *c* wants now (and nothing while it wants nothing: a
         paused client that hung up must not be reported again and again)."""
-        if c.closed:
+        if not c.read_on:
             return
         mask = (_IN if c.wants_read else 0) | (_OUT if c.wants_write else 0)
         fd = c.link

@@ -70,8 +70,8 @@ log = logging.getLogger("sbus.client")
 #: Errors of a send or receive that mean the connection is gone.
 _GONE = frozenset((errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ECONNREFUSED,
                    errno.EBADF))
-#: ... of which these mean the broker closed it: under load its close arrives as a
-#: reset (it had unread packets of ours) rather than an end of file; the same to us.
+#: ... of which these mean the broker closed it: a send finds it reset (it had unread
+#: packets of ours) or closed; a receive reads what it sent first (`_recv_one`).
 _CLOSED = frozenset((errno.EPIPE, errno.ECONNRESET))
 #: Packets taken per receive call at most (each slot holds one packet of up to
 #: `RECV_BUFFER` bytes; the mapping's pages are only touched as packets reach them).
@@ -246,6 +246,16 @@ async def _carry_out_async(steps: Steps[_T]) -> _T:
                         await anyio.wait_writable(arg)  # type: ignore[arg-type]
     finally:
         steps.close()
+
+
+def _recv_one(sock: socket.socket, into: memoryview, flags: int) -> int:
+    """One packet into *into*, past a reset: the broker's close, when it had packets of
+    ours unread, is reported once before the packets it sent, which are still there to
+    read (`packetio` does the same for batches)."""
+    try:
+        return sock.recv_into(into, 0, flags)
+    except ConnectionResetError:
+        return sock.recv_into(into, 0, flags)
 
 
 def _why(exc: OSError) -> str:
@@ -898,7 +908,7 @@ class Client(_Shell):
         while True:
             self._plain()
             try:
-                n = self.sock.recv_into(self._one, 0, flags)
+                n = _recv_one(self.sock, self._one, flags)
             except (BlockingIOError, TimeoutError):
                 raise
             except OSError as exc:
@@ -1050,7 +1060,7 @@ class Client(_Shell):
                 self._one = memoryview(bytearray(SLOT_BYTES))
             self._plain()
             try:
-                n = self.sock.recv_into(self._one, 0, flags)
+                n = _recv_one(self.sock, self._one, flags)
             except BlockingIOError:
                 raise  # MSG_DONTWAIT and nothing there: the caller's loop waits
             except OSError as exc:

@@ -96,7 +96,7 @@ DROPPED = protocol.encode(protocol.Control(protocol.DROPPED, b""))
 class Client:
     """One client as the core sees it: identity, queue, flood state, who it pauses."""
 
-    __slots__ = ("id", "link", "cred", "out", "closed", "subscriptions",
+    __slots__ = ("id", "link", "cred", "out", "closed", "draining", "subscriptions",
                  "subscription_bytes", "status", "nowait", "owner", "may_pause_others", "held",
                  "slots",
                  "waiting_on", "paused", "own_full", "fanout", "__weakref__")
@@ -106,7 +106,8 @@ class Client:
         self.link = link  # the shell's handle (an fd): never written to once closed
         self.cred = cred
         self.out = OutQueue(queue_limit)
-        self.closed = False
+        self.closed = False  # nothing is delivered or answered to it any more
+        self.draining = False  # closed, and read to its end before it departs (`_hung_up`)
         self.subscriptions = 0
         self.subscription_bytes = 0
         self.status = b""  # its own one-line status (protocol.CLIENT_STATUS), bounded
@@ -122,7 +123,13 @@ class Client:
 
     @property
     def wants_read(self) -> bool:
-        return not (self.closed or self.waiting_on or self.own_full or self.fanout)
+        return not (self.closed and not self.draining or self.waiting_on or self.own_full
+                    or self.fanout)
+
+    @property
+    def read_on(self) -> bool:
+        """Is its link still read: not closed, or read to its end (`draining`)?"""
+        return not self.closed or self.draining
 
     @property
     def wants_write(self) -> bool:
@@ -519,11 +526,13 @@ class BrokerCore:
                 self._depart(conn)
                 return True
             self.refuse(conn, b"packet", "empty packet")
+        elif conn.closed:
+            pass  # hung up (`_hung_up`): only its publishes still matter
         elif size > self.max_message:
             self.refuse(conn, b"packet", f"over the {self.max_message}-byte limit")
         else:
             self.packet(conn, batch.copy(i))
-        return conn.closed
+        return conn.closed and not conn.draining
 
     def _settle(self, conn: Client, blocked: list[Client] | None) -> None:
         """After a batch: the publisher waits for the targets that asked it to (`_pause`),
@@ -816,8 +825,9 @@ class BrokerCore:
         if budget is not None:
             budget.queued -= job.charged
         self.dirty.add(conn)
-        if conn.closed or self.receive(conn, job.batch, job.n, hold=True, start=job.resume,
-                                       blocked=job.blocked) is None:
+        if conn.closed and not conn.draining or self.receive(
+                conn, job.batch, job.n, hold=True, start=job.resume,
+                blocked=job.blocked) is None:
             self.freed.append(job.batch)
         return True
 
@@ -968,8 +978,8 @@ class BrokerCore:
         out = t.out
         pub_budget = publisher.out.budget
         uid = publisher.owner
-        may_block = not publisher.nowait and (t.cred.uid == publisher.cred.uid or
-                                              t.may_pause_others)
+        may_block = not (publisher.nowait or publisher.closed) and (
+            t.cred.uid == publisher.cred.uid or t.may_pause_others)
         for j in range(start, end):
             packet = copies.get(j)
             if packet is None:
@@ -1011,7 +1021,7 @@ class BrokerCore:
             self.dirty.add(conn)
             return True
         if outcome == GONE:
-            self._drop(conn, "it hung up", logging.DEBUG)
+            self._hung_up(conn)
         else:
             self._drop(conn, "sending to it failed")
         return False
@@ -1073,14 +1083,38 @@ class BrokerCore:
                 self.logs.append((level, f"disconnecting {conn!r}: {why}"))
             self._depart(conn)
 
+    def _hung_up(self, conn: Client) -> None:
+        """A write found *conn*'s peer gone.  What it sent before it hung up is still on
+        its socket, in order: it is read to its end of file (`wants_read`), its
+        publishes delivered, and then it departs; nothing is delivered or answered to it
+        meanwhile.  (Closed at once, a client that published and closed lost its last
+        messages without a word whenever the broker wrote to it first.)"""
+        if conn.closed:
+            return
+        if self.debug:
+            self.logs.append((logging.DEBUG, f"{conn!r} hung up: reading what it sent"))
+        self._stop_serving(conn)
+        conn.draining = True
+        conn.own_full = False  # (no reply of ours waits for it any more)
+        conn.out.clear()
+        self.dirty.add(conn)
+
     def _depart(self, conn: Client) -> None:
         """Nothing is delivered to *conn* from now on; the shell closes its link, and its
         subscriptions go a few hundred at a time (`tidy`)."""
-        if conn.closed:
+        if conn.draining:  # read to its end (`_hung_up`)
+            conn.draining = False
+        elif conn.closed:
             return
-        conn.closed = True
+        else:
+            self._stop_serving(conn)
         self.gone.append(conn)
         self.dirty.discard(conn)
+        self._departing.append(conn)
+
+    def _stop_serving(self, conn: Client) -> None:
+        """*conn* is closed: whoever waits for it goes on."""
+        conn.closed = True
         if conn.waiting_on:  # it no longer waits for anyone
             for t in conn.waiting_on:
                 if conn in t.paused:
@@ -1088,7 +1122,6 @@ class BrokerCore:
             conn.waiting_on = None
         self._release_held(conn)
         self._recheck_paused(conn)  # whoever it held back goes on
-        self._departing.append(conn)
 
     def _forget(self, conn: Client) -> None:
         self.subscription_count -= self.index.remove_client(conn)
@@ -1132,7 +1165,7 @@ class BrokerCore:
         """Every connected client's state (the shell hands their links over separately)."""
         clients = []
         for conn in self.connections.values():
-            if conn.closed:
+            if conn.closed and not conn.draining:  # (one draining is read by the next)
                 continue
             out = conn.out
             queued = out.arrival_order()

@@ -60,6 +60,16 @@ _sendmmsg = _libc.sendmmsg
 _sendmmsg.restype = ctypes.c_int
 
 
+def _past_reset(fd: int, msgs, count: int, flags: int) -> int:
+    """After a ``recvmmsg`` that failed: the call again if it failed with ECONNRESET,
+    else -1 (errno as it was).  A SEQPACKET peer that closed with packets of ours
+    unread is reported so once, before the packets it sent, which are still there to
+    read, then its end of file: taken for the end, they were lost without a word."""
+    if ctypes.get_errno() != errno.ECONNRESET:
+        return -1
+    return _recvmmsg(fd, msgs, count, flags, None)
+
+
 def _send_each_helper():
     """``sbus_send_each`` from sbus/_sendeach.c, if tools/setup.sh built it, else None."""
     # the Debian package's dh_python3 renames it with Python's extension suffix
@@ -153,9 +163,11 @@ class PacketBatch:
         `discard` to remove once they are dealt with; a length is then the packet's
         own, also where it was cut to its slot (see `peek_past`).
         """
-        n = _recvmmsg(fd, self._rmsgs_at, self.slots if limit is None else limit,
-                      (MSG_WAITFORONE if wait else MSG_DONTWAIT) |
-                      (MSG_PEEK | MSG_TRUNC if peek else 0), None)
+        count = self.slots if limit is None else limit
+        flags = (MSG_WAITFORONE if wait else MSG_DONTWAIT) | (MSG_PEEK | MSG_TRUNC if peek else 0)
+        n = _recvmmsg(fd, self._rmsgs_at, count, flags, None)
+        if n < 0:
+            n = _past_reset(fd, self._rmsgs_at, count, flags)
         if n < 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))  # EAGAIN makes it a BlockingIOError
@@ -310,7 +322,10 @@ def discard(fd: int, count: int) -> int:
     (fewer when fewer wait); a failure before the first raises OSError."""
     done = 0
     while done < count:
-        n = _recvmmsg(fd, _discard_at, min(count - done, _DISCARD_SLOTS), MSG_DONTWAIT, None)
+        take = min(count - done, _DISCARD_SLOTS)
+        n = _recvmmsg(fd, _discard_at, take, MSG_DONTWAIT, None)
+        if n < 0:
+            n = _past_reset(fd, _discard_at, take, MSG_DONTWAIT)
         if n < 0:
             code = ctypes.get_errno()
             if code == errno.EAGAIN or done:
@@ -335,7 +350,10 @@ def take_heads(fd: int, nbytes: int, size: int = 4) -> list[bytes]:
     at = ctypes.c_void_p(ctypes.addressof(msg))
     heads: list[bytes] = []
     while nbytes > 0:
-        if _recvmmsg(fd, at, 1, MSG_DONTWAIT | MSG_TRUNC, None) != 1 or not msg.msg_len:
+        n = _recvmmsg(fd, at, 1, MSG_DONTWAIT | MSG_TRUNC, None)
+        if n < 0:
+            n = _past_reset(fd, at, 1, MSG_DONTWAIT | MSG_TRUNC)
+        if n != 1 or not msg.msg_len:
             break  # (nothing more, or the end of the connection)
         heads.append(head.raw[:min(size, msg.msg_len)])
         nbytes -= msg.msg_len

@@ -648,3 +648,33 @@ def test_send_packets_sends_every_packet_in_order_past_a_full_socket(broker):
 
     got = trio.run(main)
     assert got == [b"MSG n\0%d" % i for i in range(count)]
+
+
+@pytest.mark.parametrize("how", ["one", "batch"])
+def test_what_a_killed_broker_delivered_is_read_before_its_loss(broker, how):
+    """The broker dies (kill -9) with a packet of ours unread: the kernel reports the
+    close as a reset once, before the messages it had delivered, which are still there.
+    They are received, then the loss is said (they were lost unsaid before)."""
+    sub = Client(broker.address)
+    sub.subscribe("k/")
+    with Client(broker.address) as pub:
+        for i in range(20):
+            pub.publish("k/x", b"%d" % i)
+        pub.whoami()
+    deadline = time.monotonic() + 10
+    while len(select.select([sub], [], [], 0)[0]) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    sub.publish("never/read", b"")  # a packet of ours, unread when it dies
+    broker.proc.kill()
+    broker.proc.wait()
+    got = []
+    with pytest.raises(ConnectionLost):
+        while True:
+            if how == "one":
+                got.append(sub.receive(timeout=5))
+            else:
+                got += sub.receive_batch(timeout=5)
+    assert got == [Publish(b"k/x", b"%d" % i) for i in range(20)]
+    sub.close()

@@ -492,6 +492,30 @@ def test_a_failed_send_disconnects_the_target_only():
     assert gone.closed and not ok.closed and len(bus.read(ok)) == 3
 
 
+def test_a_client_found_gone_by_a_write_is_read_to_its_end_first():
+    """A write to a client fails because it closed: what it sent before is still on its
+    socket, in order, and is delivered (never answered) before it departs at its end of
+    file; nothing more is written to it, and the snapshot still hands it on."""
+    bus = Bus()
+    gone, sub, other = bus.connect(), bus.connect(), bus.connect()
+    bus.send(gone, b"SUB o")
+    bus.send(sub, b"SUB k")
+    bus.kernel.hung_up.add(gone.link)  # it sent its publishes, then closed
+    bus.send(other, b"MSG o\0for it")
+    assert gone.closed and gone.draining and gone.wants_read and not gone.wants_write
+    assert bus.core.gone == [] and [c.id for c in bus.core.snapshot().clients] == [
+        gone.id, sub.id, other.id]
+    bus.send(gone, b"MSG k\0one", b"SUB k", b"CMSG !/cred/whoami", b"MSG k\0two")
+    bus.send(other, b"MSG o\0more")  # its patterns deliver nothing now
+    assert bus.read(sub) == [b"MSG k\0one", b"MSG k\0two"] and bus.read(gone) == []
+    bus.send(gone, b"")  # its end of file
+    assert bus.core.gone == [gone] and not gone.wants_read
+    while bus.core.tidy():
+        pass
+    assert bus.core.subscription_count == 1 and list(bus.core.connections) == [sub.id, other.id]
+    assert bus.core.dropped == 0
+
+
 def test_snapshot_round_trip_restores_clients_queues_and_policies():
     bus = Bus()
     sub, pub = bus.connect(room=1), bus.connect(uid=1001)
