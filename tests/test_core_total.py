@@ -64,8 +64,8 @@ def _packet(draw) -> bytes:
 
 
 _step = st.tuples(
-    st.sampled_from(["send"] * 8 + ["hold"] * 3 + ["step"] * 2 +
-                    ["writable", "full", "room", "hangup", "close", "eof", "connect", "advance"]),
+    st.sampled_from(["send"] * 8 + ["hold"] * 3 + ["step"] * 2 + ["close", "eof"] * 2 +
+                    ["writable", "full", "room", "hangup", "connect", "advance"]),
     st.integers(0, 5), st.lists(_packet(), min_size=1, max_size=6))
 
 
