@@ -415,12 +415,16 @@ def test_pub_count_timeout_bounds_the_wait_for_a_lost_broker(broker, back):
     """`--timeout S` bounds each send, a send that waits for a lost broker too: a broker
     gone for S seconds is one line and exit status 1 (before, `-c` waited without end);
     one back within S is a reconnect, and the command goes on to its end."""
+    watch = Client(broker.address)
+    watch.subscribe("seq/")
     pub = subprocess.Popen([*SBUS, "pub", "--address", broker.address, "seq/n", "{n}",
                             "-c", "300", "-i", "10ms", "--timeout", "3"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         err = PipeLines(pub.stderr)
-        time.sleep(0.5)  # (a few messages: then the broker goes)
+        watch.receive(timeout=20)  # it publishes (a start under load took over 0.5 s) ...
+        watch.close()
+        time.sleep(0.2)  # (... a few messages: then the broker goes)
         broker.stop()
         if back:
             broker.start()  # well within the 3 s
