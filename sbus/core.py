@@ -532,7 +532,7 @@ class BrokerCore:
             self.refuse(conn, b"packet", f"over the {self.max_message}-byte limit")
         else:
             self.packet(conn, batch.copy(i))
-        return conn.closed and not conn.draining
+        return not conn.read_on
 
     def _settle(self, conn: Client, blocked: list[Client] | None) -> None:
         """After a batch: the publisher waits for the targets that asked it to (`_pause`),
@@ -825,9 +825,8 @@ class BrokerCore:
         if budget is not None:
             budget.queued -= job.charged
         self.dirty.add(conn)
-        if conn.closed and not conn.draining or self.receive(
-                conn, job.batch, job.n, hold=True, start=job.resume,
-                blocked=job.blocked) is None:
+        if not conn.read_on or self.receive(conn, job.batch, job.n, hold=True,
+                                            start=job.resume, blocked=job.blocked) is None:
             self.freed.append(job.batch)
         return True
 
@@ -1165,7 +1164,7 @@ class BrokerCore:
         """Every connected client's state (the shell hands their links over separately)."""
         clients = []
         for conn in self.connections.values():
-            if conn.closed and not conn.draining:  # (one draining is read by the next)
+            if not conn.read_on:  # (one draining is read by the next broker)
                 continue
             out = conn.out
             queued = out.arrival_order()
