@@ -44,12 +44,12 @@ import time
 from collections.abc import Callable
 
 from . import handover
-from .core import FAILED, FULL, GONE, TOO_BIG, TURN_SECONDS, BrokerCore, Client
+from .core import FAILED, FULL, GONE, TOO_BIG, TURN_SECONDS, WRITE_RUN, BrokerCore, Client
 from .defaults import MAX_MESSAGE, QUEUE_LIMIT, SEPARATOR
 from .flood import DEFAULT_POLICY, Hard, Order, Soft
 from .keys import Credentials
 from .limits import Limits, TimeShare
-from .packetio import HAS_SEND_EACH, PacketBatch
+from .packetio import HAS_SEND_EACH, PacketBatch, PacketSender
 
 log = logging.getLogger("sbus.broker")
 
@@ -135,6 +135,18 @@ def _link_write(fd: int, packet, write=os.write) -> int:
     """The core's ``write`` port: bytes taken, or what an error means (`_OUTCOMES`)."""
     try:
         return write(fd, packet)
+    except OSError as exc:
+        return _outcome(exc)
+
+
+_run_sender = PacketSender(WRITE_RUN)
+
+
+def _link_write_run(fd: int, packets: list[bytes]) -> int:
+    """The core's ``write_run`` port: queued *packets* in one ``sendmmsg``, as many as
+    the kernel takes now (`FULL` if none), or what the first one's error means."""
+    try:
+        return _run_sender.send(fd, packets) or FULL
     except OSError as exc:
         return _outcome(exc)
 
@@ -230,7 +242,7 @@ class Broker:
         self._held = 0  # batches the core holds (`core.Fanout`)
         self.core = BrokerCore(_link_write, _at_eof, send=_link_send,
                                write_each=_link_send_each if HAS_SEND_EACH
-                               else _link_write_each, sep=sep,
+                               else _link_write_each, write_run=_link_write_run, sep=sep,
                                max_message=max_message,
                                queue_limit=queue_limit, limits=limits, defaults=defaults,
                                batch_slots=self._batch.slots, user_name=_user_name,
