@@ -81,8 +81,10 @@ REMOVALS_PER_TURN = 512
 FIRST_SLOTS = 4
 #: Packets for one target from which one `sendmmsg` beats a `write` each.
 SEND_BATCH_MIN = 3
-#: Queued packets handed to the kernel by one `WriteRun` at most.
+#: Queued packets handed to the kernel by one `WriteRun` at most, and their bytes (the
+#: shell copies a run into one buffer: no more than a socket's buffer takes at once).
 WRITE_RUN = 64
+WRITE_RUN_BYTES = 64 << 10
 #: Deliveries (packets times targets) of one batch from which it is fanned out in steps
 #: (`BrokerCore.step`) when the shell can spare its buffer, rather than all at once.
 HOLD_FROM = 1024
@@ -585,8 +587,10 @@ class BrokerCore:
             # a run of the queue's front in one system call where the queue is plain
             # (S4's four publishers into one reader: a write per packet before)
             n = min(turn, WRITE_RUN, len(out.items), WRITE_RUN if due is None else due)
-            run = out.front(n) if write_run is not None and n >= SEND_BATCH_MIN else None
-            if run:
+            run = out.front(n, WRITE_RUN_BYTES) \
+                if write_run is not None and n >= SEND_BATCH_MIN else None
+            if run and len(run) >= SEND_BATCH_MIN:
+                n = len(run)
                 got = write_run(link, run) or FULL  # (the first one's outcome if < 1)
                 if got > 0:
                     for _ in range(got):

@@ -446,14 +446,21 @@ class OutQueue:
             return items[-1]
         return items[0][2]
 
-    def front(self, n: int) -> list[bytes] | None:
-        """The next *n* packets `pop` takes, in order, where that is the plain queue's
-        front; None with lanes, a stack, a heap or an order change waiting (those are
-        taken one at a time)."""
+    def front(self, n: int, nbytes: int) -> list[bytes] | None:
+        """The next packets `pop` takes, in order, where that is the plain queue's front:
+        at most *n*, and no more than *nbytes* of them (but at least one); None with
+        lanes, a stack, a heap or an order change waiting (those are taken one at a
+        time)."""
         if self._order is not Order.QUEUE or self.lanes is not None or \
                 self._next_order is not None:
             return None
-        return list(itertools.islice(self.items, n))
+        run: list[bytes] = []
+        for packet in itertools.islice(self.items, n):
+            nbytes -= len(packet)
+            if nbytes < 0 and run:
+                break
+            run.append(packet)
+        return run
 
     def pop(self) -> bytes:
         """Remove the packet `peek` returned (after the kernel took it)."""

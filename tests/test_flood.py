@@ -407,23 +407,25 @@ def test_the_bytes_each_user_holds_are_counted_exactly(steps) -> None:
 
 
 def test_the_front_of_a_plain_queue_only_is_taken_as_a_run():
-    """`OutQueue.front`: the next packets `pop` takes, where that is the plain queue's
-    front; None where they come another way (lanes, a stack, a heap, an order change
-    waiting for a short queue), which the broker then takes one at a time."""
+    """`OutQueue.front`: the next packets `pop` takes (bounded in count and bytes, at
+    least one), where that is the plain queue's front; None where they come another
+    way (lanes, a stack, a heap, an order change waiting for a short queue), which the
+    broker then takes one at a time."""
     q = OutQueue(limit=1 << 20)
     for i in range(5):
         q.offer(b"%d" % i, owner=1)
-    assert q.front(3) == [b"0", b"1", b"2"] and q.front(9) == [q.pop() for _ in range(5)]
+    assert q.front(3, 100) == [b"0", b"1", b"2"] and q.front(5, 2) == [b"0", b"1"]
+    assert q.front(5, 0) == [b"0"] and q.front(9, 100) == [q.pop() for _ in range(5)]
     q.offer(b"a", owner=1)
     q.offer(b"b", owner=2)  # a second user's: lanes
-    assert q.lanes is not None and q.front(2) is None
+    assert q.lanes is not None and q.front(2, 100) is None
     for order in (Order.STACK, Order.RANDOM):
         q = OutQueue(limit=1 << 20)
         q.order = order
         q.offer(b"x", owner=1)
-        assert q.front(1) is None
+        assert q.front(1, 100) is None
     q = OutQueue(limit=1 << 20)
     for i in range(REORDER_LIMIT + 1):
         q.offer(b"%d" % i, owner=1)
     q.order = Order.STACK  # waits for a short queue
-    assert q.front(1) is None
+    assert q.front(1, 100) is None
