@@ -16,22 +16,15 @@ in docs/performance.md with the command.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import Broker  # the broker started, pinned to core 0 and timed as there
+
 PAYLOAD = b"MSG k\0" + b"x" * 64
-
-
-def _cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _connect(path: str) -> socket.socket:
@@ -46,36 +39,27 @@ def _sync(s: socket.socket) -> None:
         pass
 
 
-def drain_once(tree: Path, count: int) -> float:
-    """The broker's CPU seconds to deliver *count* queued messages to a late reader."""
+def drain_once(kind: str, count: int) -> float:
+    """The CPU seconds broker *kind* ("sbus" or "before") takes to deliver *count*
+    queued messages to a late reader."""
     with tempfile.TemporaryDirectory(prefix="sbus-drain-") as tmp:
-        path = f"{tmp}/bus.sock"
-        broker = subprocess.Popen(
-            ["taskset", "-c", "0", sys.executable, "-m", "sbus.cli", "serve", "--address",
-             path, "--queue-limit", "64m"], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        broker = Broker(kind, Path(tmp), Path("/nonexistent"), ["--queue-limit", "64m"])
         try:
-            deadline = time.monotonic() + 20
-            while not os.path.exists(path):
-                if time.monotonic() > deadline or broker.poll() is not None:
-                    raise SystemExit(f"bench_drain: the broker of {tree} did not start")
-                time.sleep(0.01)
-            sub = _connect(path)
+            sub = _connect(broker.path)
             sub.send(b"SUB k")
             _sync(sub)
-            pub = _connect(path)
+            pub = _connect(broker.path)
             for _ in range(count):
                 pub.send(PAYLOAD)
             _sync(pub)  # all of them read by the broker: queued for *sub*
-            before = _cpu(broker.pid)
+            before = broker.cpu_seconds()
             got = 0
             while got < count:
                 got += sub.recv(256).startswith(b"MSG ")
             time.sleep(0.05)  # (the last turn's accounting)
-            return _cpu(broker.pid) - before
+            return broker.cpu_seconds() - before
         finally:
-            broker.terminate()
-            broker.wait()
+            broker.stop()
 
 
 def main() -> None:
@@ -85,11 +69,14 @@ def main() -> None:
     ap.add_argument("--before", type=Path, metavar="TREE",
                     help="also the broker of this checkout, as 'before'")
     args = ap.parse_args()
-    trees = {"sbus": ROOT, **({"before": args.before.resolve()} if args.before else {})}
-    results: dict[str, list[float]] = {name: [] for name in trees}
+    kinds = ["sbus"]
+    if args.before:
+        Broker.before_tree = args.before.resolve()
+        kinds.append("before")
+    results: dict[str, list[float]] = {kind: [] for kind in kinds}
     for _ in range(args.runs):
-        for name, tree in trees.items():
-            results[name].append(drain_once(tree, args.count))
+        for kind in kinds:
+            results[kind].append(drain_once(kind, args.count))
     print(f"\nDraining a backlog of {args.count:,} queued messages to a late reader "
           f"(broker on core 0, {args.runs} runs each, taking turns)\n")
     print("| broker | CPU s, median | range | µs per message |")
