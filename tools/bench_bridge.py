@@ -15,6 +15,8 @@ Each path carries 64-byte messages from the C load generator's publisher (lg, in
                       sbus-export's added latency; not among the default paths)
     floor-acked-export  the same, its PUBACKs read by a thread woken for each
                       (as the bridge's import lane is; not among the default paths)
+    floor-c-export    the same hop with its per-message loop in C (no Python per
+                      message: the extra process's share; not among the default paths)
 
 Every bridge hop is TCP on 127.0.0.1; lg talks to each broker over a unix socket; MQTT
 messages are QoS 0 end to end, except each bridge's own leg at ``--qos`` (both bridges
@@ -63,7 +65,7 @@ if not bench.SHARED.exists():  # a worktree below the checkout's parent (/work/w
 PATHS = ["mqtt-direct", "sbus-direct", "mosquitto-export", "sbus-export",
          "mosquitto-import", "sbus-import"]
 #: run only when named in --paths
-EXTRA_PATHS = ["floor-export", "floor-acked-export"]
+EXTRA_PATHS = ["floor-export", "floor-acked-export", "floor-c-export"]
 
 
 def free_port() -> int:
@@ -123,8 +125,7 @@ class Stack:
             if way == "in":  # its subscription in force at M2
                 wait_for("its subscription", lambda: "SUBSCRIBE from to-m2" in log.read_text()
                          or "to-m2 #" in log.read_text())
-        elif path in ("sbus-export", "sbus-import", "sbus-direct", "floor-export",
-                      "floor-acked-export"):
+        elif path in ("sbus-export", "sbus-import", "sbus-direct", *EXTRA_PATHS):
             bus = str(tmp / "bus.sock")
             env = {**os.environ, "PYTHONPATH": self.code or str(bench.ROOT)}
             self._spawn("bus", [sys.executable, "-m", "sbus.cli", "serve", "--address", bus],
@@ -140,7 +141,9 @@ class Stack:
                 self._spawn("bridge", [sys.executable, str(bench.ROOT / "tools" /
                                                             "bridge_floor.py"),
                                        "--address", bus, "--port", str(port),
-                                       "--qos", str(qos), "--acks", acks], env=env)
+                                       "--qos", str(qos), "--acks", acks,
+                                       "--loop", "c" if path == "floor-c-export"
+                                       else "python"], env=env)
                 self.bridge = self.procs[-1]
                 self.side = self.procs[-2:]
                 wait_for("bridge_floor", lambda: "READY" in (tmp / "bridge.log").read_text())
@@ -343,7 +346,7 @@ def goals(med: dict[tuple[str, int], dict[str, float]], base: float, levels: lis
         for path, m in ((p, m) for (p, q), m in med.items() if q == qos):
             if not path.startswith(("sbus-", "floor-")):
                 continue
-            ref = med.get(("mosquitto-" + path.split("-")[1].removesuffix("@base"), qos))
+            ref = med.get(("mosquitto-" + path.rsplit("-", 1)[1].removesuffix("@base"), qos))
             if ref is None:
                 continue
             burst = [m["burst_cpu_us"] / ref["burst_side_us"],

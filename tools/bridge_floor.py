@@ -13,21 +13,28 @@ paho's record of the message; before its export lane, a turn of its event loop t
 what its added latency holds over this path's (docs/performance.md, "The floor of a
 Python hop").
 
+``--loop c``: the per-message loop in C (`tools/bridge_floor_loop.c`, compiled with ``cc``
+at start-up; ``floor-c-export``), so that no Python runs per message: what is left of the
+added latency is the extra process's, not the language's.
+
 ``--acks thread``: a second thread blocks on the MQTT socket and reads each PUBACK as it
 comes, as the bridge's import lane does (``floor-acked-export``): what waking for the
 acknowledgements costs the next hop's latency on a machine of few CPUs.
 
 Usage: tools/bridge_floor.py --address BUS --port PORT [--qos 0|1] [--pattern P]
-                             [--acks after-send|thread]
+                             [--acks after-send|thread] [--loop python|c]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -57,7 +64,10 @@ def main() -> int:
     ap.add_argument("--pattern", default="k.000", help="what to carry (lg's key)")
     ap.add_argument("--acks", choices=("after-send", "thread"), default="after-send",
                     help="read PUBACKs after each send, or in a thread woken for each")
+    ap.add_argument("--loop", choices=("python", "c"), default="python",
+                    help="the per-message loop in Python, or in C (no Python per message)")
     args = ap.parse_args()
+    c_loop = _c_loop() if args.loop == "c" else None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     bus = Client(args.address)
     bus.subscribe(args.pattern)
@@ -68,6 +78,12 @@ def main() -> int:
     if args.acks == "thread":
         threading.Thread(target=_read_acks, args=(mqtt,), daemon=True).start()
     print("READY", flush=True)
+    if c_loop is not None:
+        while (rc := c_loop(sock.fileno(), mqtt.fileno(), args.qos)) == 1:
+            pass  # a signal: its handler runs here
+        if rc < 0:
+            raise SystemExit(f"bridge_floor: {os.strerror(-rc)}")
+        return 0
     command, mid = (0x32 if args.qos else 0x30), 0
     while True:
         packet = sock.recv(65536)
@@ -88,6 +104,18 @@ def main() -> int:
                 mqtt.recv(65536, socket.MSG_DONTWAIT)  # PUBACKs, unread
             except BlockingIOError:
                 pass
+
+
+def _c_loop() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """`floor_loop` of tools/bridge_floor_loop.c, built here for this run."""
+    source = Path(__file__).with_name("bridge_floor_loop.c")
+    built = Path(tempfile.mkdtemp(prefix="bridge_floor.")) / "floor_loop.so"
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(built), str(source)],
+                   check=True)
+    fn = ctypes.CDLL(str(built)).floor_loop  # (ctypes lets go of the GIL in the call)
+    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _read_acks(mqtt: socket.socket) -> None:
