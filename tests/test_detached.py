@@ -45,12 +45,18 @@ def test_sigtstp_stops_a_job_of_its_own_group_even_in_a_new_session():
 
 def test_the_job_control_test_passes_detached():
     """The one test that depends on job control, run with no terminal, no stdin, in a
-    session of its own: it must pass there as well as in a developer's terminal."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/test_fuse.py", "-k", "ctrl_z"],
-        cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
-        start_new_session=True)
+    session of its own: it must pass there as well as in a developer's terminal.  A run
+    that hangs ends in pytest-timeout's watchdog thread, which prints every thread's
+    stack (a thread in a FUSE call may not take a signal) and the failure shows it."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout",
+             "90", "--timeout-method", "thread", "tests/test_fuse.py", "-k", "ctrl_z"],
+            cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=150, start_new_session=True)
+    except subprocess.TimeoutExpired as exc:  # (the watchdog did not end it either)
+        raise AssertionError(f"no end in {exc.timeout} s: {exc.stdout!r:.3000} "
+                             f"{exc.stderr!r:.2000}") from None
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "1 passed" in done.stdout
 

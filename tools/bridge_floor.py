@@ -109,11 +109,12 @@ def main() -> int:
 def _c_loop() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     """`floor_loop` of tools/bridge_floor_loop.c, built here for this run."""
     source = Path(__file__).with_name("bridge_floor_loop.c")
-    built = Path(tempfile.mkdtemp(prefix="bridge_floor.")) / "floor_loop.so"
-    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(built), str(source)],
-                   check=True)
-    fn = ctypes.CDLL(str(built)).floor_loop  # (ctypes lets go of the GIL in the call)
-    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int)
+    with tempfile.TemporaryDirectory(prefix="bridge_floor.") as tmp:
+        built = Path(tmp) / "floor_loop.so"
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(built), str(source)],
+                       check=True)
+        fn = ctypes.CDLL(str(built)).floor_loop  # (loaded: the file may go)
+    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int)  # (the GIL let go in the call)
     fn.restype = ctypes.c_int
     return fn
 
