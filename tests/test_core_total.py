@@ -65,7 +65,7 @@ def _packet(draw) -> bytes:
 
 _step = st.tuples(
     st.sampled_from(["send"] * 8 + ["hold"] * 3 + ["step"] * 2 + ["close", "eof"] * 2 +
-                    ["writable", "full", "room", "hangup", "connect", "advance"]),
+                    ["burst", "writable"] * 3 + ["full", "room", "hangup", "connect", "advance"]),
     st.integers(0, 5), st.lists(_packet(), min_size=1, max_size=6))
 
 
@@ -108,6 +108,8 @@ def test_no_packet_raises_and_accounting_returns_to_nothing(steps, limited, setu
                     clients.append(c)
                 continue
             c = alive[who % len(alive)]
+            if action == "burst":  # one user's run in its subscribers' queues (`front`)
+                action, packets = "send", [b"MSG a\0%d" % i for i in range(12)]
             if action in ("send", "hold"):
                 if c.wants_read:
                     bus.core.receive(c, Batch(bus.kernel, packets), len(packets),
